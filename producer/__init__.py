@@ -1,0 +1,11 @@
+"""The mlxq producer library: hand generation work to mlxq workers through Redis."""
+
+from shared.apikeys import AuthError
+from shared.protocol import JobRefused, OverloadError
+
+from .aclient import AsyncClient, AsyncJob
+from .client import Client, Job
+from .common import JobTimeout, NoModelError
+
+__all__ = ["Client", "AsyncClient", "Job", "AsyncJob", "OverloadError", "AuthError", "JobRefused",
+           "JobTimeout", "NoModelError"]

@@ -1,0 +1,166 @@
+"""``mlxq``: the command line (worker, submit, stats, keys, make-model, demo)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from shared.settings import TIERS
+
+
+def _redis_url(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"), help="default: $MLXQ_REDIS_URL")
+
+
+def cmd_submit(args) -> int:
+    from .client import Client
+
+    client = Client(args.redis_url, api_key=args.api_key, model=args.model)
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                  stop=args.stop or None)
+    if args.chat:
+        job = client.submit(messages=[{"role": "user", "content": args.text}], **params)
+    else:
+        job = client.submit(args.text, **params)
+    for delta in job.stream():
+        if delta.restart:
+            sys.stdout.write("\n[restarted on a new attempt]\n" + delta.text)
+        else:
+            sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    result = job.result(timeout=60)
+    sys.stdout.write("\n")
+    if result.error:
+        print(f"error: {result.error}", file=sys.stderr)
+    if args.verbose:
+        print(json.dumps(result.stats.model_dump(), indent=2), file=sys.stderr)
+    return 0 if result.finish_reason != "error" else 1
+
+
+def cmd_stats(args) -> int:
+    from . import stats
+    from .client import connect
+
+    data = stats.collect(connect(args.redis_url))
+    print(json.dumps(data, indent=2, default=str) if args.json else stats.render(data))
+    return 0
+
+
+def cmd_keys(args) -> int:
+    from shared import apikeys
+    from shared.keys import GlobalKeys
+
+    from .client import connect
+
+    r = connect(args.redis_url)
+    reg = GlobalKeys().api_keys
+    if args.action == "add":
+        apikeys.add_key(r, reg, args.key, args.tier)
+        print(f"key added at tier {args.tier} (stored as sha256 {apikeys.key_hash(args.key)[:12]}…)")
+    elif args.action == "revoke":
+        print("revoked" if apikeys.revoke_key(r, reg, args.key) else "unknown key")
+    else:
+        for h, tier in r.hgetall(reg).items():
+            print(f"{h.decode()[:12]}…  {tier.decode()}")
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from worker.cli import run
+
+    return run(args)
+
+
+def cmd_make_model(args) -> int:
+    from worker.make_model import main
+
+    argv = [args.dir, "--preset", args.preset] + (["--force"] if args.force else [])
+    return main(argv)
+
+
+def cmd_demo(args) -> int:
+    from worker.demo import main
+
+    return main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxq", description="Redis-queue-driven LLM inference on MLX")
+    parser.add_argument("--log-level", default=os.environ.get("MLXQ_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("worker", help="run an MLX worker for one model")
+    from worker.cli import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("submit", help="submit a prompt and stream the answer")
+    _redis_url(p)
+    p.add_argument("text")
+    p.add_argument("--model")
+    p.add_argument("--api-key", default=os.environ.get("MLXQ_API_KEY"))
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--chat", action="store_true", help="send as a user message (applies the chat template)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the job's stats")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("stats", help="queue and worker stats")
+    _redis_url(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("keys", help="manage API keys (they set the tier)")
+    _redis_url(p)
+    ks = p.add_subparsers(dest="action", required=True)
+    a = ks.add_parser("add")
+    a.add_argument("key")
+    a.add_argument("--tier", choices=TIERS, required=True)
+    r = ks.add_parser("revoke")
+    r.add_argument("key")
+    ks.add_parser("list")
+    p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("make-model", help="build the small local model (no network)")
+    p.add_argument("dir")
+    p.add_argument("--preset", default="tiny", choices=("tiny", "bench"))
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("demo", help="embedded Redis + model + worker + a mix of jobs, streamed side by side")
+    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"),
+                   help="default: an embedded Valkey server")
+    p.add_argument("--model", help="a model directory or hub id (default: build the small local model)")
+    p.add_argument("--jobs", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.set_defaults(func=cmd_demo)
+
+    for extra in _EXTRA_COMMANDS:
+        extra(sub)
+    return parser
+
+
+# Other modules add sub-commands here: each item is a function(subparsers) that adds its parser.
+_EXTRA_COMMANDS: list = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

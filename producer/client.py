@@ -1,0 +1,218 @@
+"""The synchronous producer client: ``Client`` and ``Job``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Optional
+
+import redis
+
+from shared import apikeys, codec
+from shared.keys import GlobalKeys, ModelKeys
+from shared.protocol import Enqueued, Queue
+from shared.schemas import Delta, Result
+from shared.settings import Settings
+from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
+                     pick_model, result_from_hash)
+
+
+def connect(url: Optional[str]) -> redis.Redis:
+    """A Redis client from a URL (redis://, rediss:// for TLS, unix://; user:password@ for ACL)."""
+    if not url:
+        raise ValueError("no Redis URL: pass redis_url= or set MLXQ_REDIS_URL")
+    return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+
+
+class Job:
+    """A submitted job. ``stream()`` yields deltas; ``result()`` waits for the final result."""
+
+    def __init__(self, client: "Client", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued):
+        self.id = job_id
+        self._client = client
+        self._keys = keys
+        self._pubsub = pubsub  # subscribed before the job was enqueued
+        self.enqueued = enqueued
+        self._state = StreamState()
+        self._last_id = "0-0"
+        self._result: Optional[Result] = None
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    @property
+    def duplicate(self) -> bool:
+        """True when an idempotency key matched an earlier submission (same job returned)."""
+        return self.enqueued.status == "duplicate"
+
+    def _replay(self) -> list[Delta]:
+        r = self._client.redis
+        out: list[Delta] = []
+        entries = r.xrange(self._keys.events(self.id), min=f"({self._last_id}" if self._last_id != "0-0" else "-")
+        for entry_id, fields in entries:
+            self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            out.extend(self._state.feed(entry_delta(fields)))
+        return out
+
+    def stream(self, timeout: Optional[float] = None) -> Iterator[Delta]:
+        """Deltas in order, each once; a late subscriber still gets the whole text."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pubsub = self._ensure_pubsub()
+        try:
+            yield from self._replay()
+            while not self._state.done:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
+                msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg is None or msg.get("type") != "message" or msg["data"] == b"sync":
+                    yield from self._replay()  # quiet, or a script wrote an event: read the record
+                    continue
+                try:
+                    delta = Delta.from_wire(codec.unpack(msg["data"]))
+                except (codec.CodecError, ValueError, TypeError):
+                    continue
+                yield from self._state.feed(delta)
+                if self._state.gap:
+                    yield from self._replay()
+        finally:
+            if self._state.done:
+                self._close_pubsub()
+
+    def result(self, timeout: Optional[float] = None) -> Result:
+        """Wait for the final result (kept in Redis: it survives disconnects)."""
+        if self._result is not None:
+            return self._result
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pubsub = self._ensure_pubsub()
+        while True:
+            res = result_from_hash(self.id, self._client.redis.hgetall(self._keys.job(self.id)))
+            if res is not None:
+                self._result = res
+                self._close_pubsub()
+                return res
+            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if wait <= 0:
+                raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
+            # Drain live messages until a final delta shows up (or a second passes).
+            end = time.monotonic() + wait
+            while time.monotonic() < end:
+                msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=end - time.monotonic())
+                if msg and msg.get("type") == "message" and (msg["data"] == b"sync" or _is_final(msg["data"])):
+                    break
+
+    def cancel(self) -> str:
+        """'cancelled' (was queued), 'cancelling' (leaves the batch at the next step) or the final status."""
+        return self._client.queue_for(self._keys.model).cancel(self.id)
+
+    def status(self) -> Optional[str]:
+        s = self._client.redis.hget(self._keys.job(self.id), "status")
+        return s.decode() if s else None
+
+    def _ensure_pubsub(self):
+        if self._pubsub is None:
+            self._pubsub = self._client.redis.pubsub()
+            self._pubsub.subscribe(self._keys.channel(self.id))
+        return self._pubsub
+
+    def _close_pubsub(self) -> None:
+        if self._pubsub is not None:
+            try:
+                self._pubsub.close()
+            finally:
+                self._pubsub = None
+
+    def __del__(self):
+        try:
+            self._close_pubsub()
+        except Exception:
+            pass
+
+
+def _is_final(data: bytes) -> bool:
+    try:
+        d = codec.unpack(data)
+    except codec.CodecError:
+        return False
+    return isinstance(d, dict) and bool(d.get("f"))
+
+
+class Client:
+    """Submit generation jobs to mlxq workers through Redis.
+
+    The tier comes from ``api_key`` (assigned by an admin with ``mlxq keys add``);
+    no key means normal, an unknown or revoked key is refused.
+    """
+
+    def __init__(self, redis_url: Optional[str] = None, api_key: Optional[str] = None,
+                 model: Optional[str] = None, *, settings: Optional[Settings] = None, redis_client=None):
+        self.settings = settings or Settings.from_env()
+        self.redis = redis_client or connect(redis_url or self.settings.redis_url)
+        self.api_key = api_key
+        self._model = model
+        self.gkeys = GlobalKeys(self.settings.prefix)
+        self._queues: dict[str, Queue] = {}
+
+    # -- model and tier ---------------------------------------------------------
+    def models(self) -> dict[str, dict]:
+        """Models served by workers (name -> info)."""
+        return decode_registry(self.redis.hgetall(self.gkeys.models))
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            self._model = pick_model(None, self.models())
+        return self._model
+
+    def tier(self, floor: Optional[str] = None) -> str:
+        return apikeys.resolve_tier(self.redis, self.gkeys.api_keys, self.api_key, floor)
+
+    def queue_for(self, model: str) -> Queue:
+        if model not in self._queues:
+            self._queues[model] = Queue(self.redis, self.gkeys.model_keys(model), self.settings)
+        return self._queues[model]
+
+    # -- submit -----------------------------------------------------------------
+    def submit(self, prompt: Optional[str] = None, *, messages: Optional[list] = None,
+               prompt_tokens: Optional[list[int]] = None, model: Optional[str] = None,
+               idempotency_key: Optional[str] = None, session_id: Optional[str] = None,
+               _floor: Optional[str] = None, _source: str = "client", **params: Any) -> Job:
+        """Validate, subscribe to the job's channel, then enqueue. Returns a :class:`Job`.
+
+        Sampling params: max_tokens, temperature, top_p, top_k, min_p,
+        repetition_penalty, seed, stop, logprobs.
+        """
+        model = model or self.model
+        req = build_request(model, dict(prompt=prompt, messages=messages, prompt_tokens=prompt_tokens,
+                                        session_id=session_id, source=_source, submitted_at=time.time(), **params))
+        check_fits(req, self.models().get(model))
+        payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
+        if len(payload) > self.settings.max_prompt_bytes:
+            raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")
+        tier = self.tier(_floor)
+        q = self.queue_for(model)
+        pubsub = self.redis.pubsub()
+        pubsub.subscribe(q.keys.channel(req.id))
+        pubsub.get_message(timeout=1.0)  # the subscription is confirmed before we enqueue
+        try:
+            enq = q.enqueue(req.id, payload, tier, idempotency_key)
+        except Exception:
+            pubsub.close()
+            raise
+        if enq.status == "duplicate":
+            pubsub.close()
+            enq_id = enq.job_id
+            return Job(self, enq_id, q.keys, None, enq)
+        return Job(self, req.id, q.keys, pubsub, enq)
+
+    def job(self, job_id: str, model: Optional[str] = None) -> Job:
+        """A handle on an existing job (e.g. from another process)."""
+        keys = self.gkeys.model_keys(model or self.model)
+        return Job(self, job_id, keys, None, Enqueued("existing", job_id, None, None))
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

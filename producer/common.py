@@ -1,0 +1,171 @@
+"""What the sync and async clients share: request building, checks, stream bookkeeping."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from shared import codec
+from shared.schemas import Delta, GenerateRequest, JobStats, Result
+
+TERMINAL = {"done", "failed", "cancelled", "dead"}
+
+
+class NoModelError(LookupError):
+    """No model given and none could be chosen."""
+
+
+class JobTimeout(TimeoutError):
+    pass
+
+
+def build_request(model: str, kwargs: dict[str, Any]) -> GenerateRequest:
+    """Validate a submission before anything reaches Redis (pydantic raises ValueError)."""
+    return GenerateRequest.model_validate({"model": model, **{k: v for k, v in kwargs.items() if v is not None}})
+
+
+def check_fits(req: GenerateRequest, info: Optional[dict]) -> None:
+    """Refuse at submit a prompt that can never fit the model's context.
+
+    For ``prompt_tokens`` the count is exact; for text, ``bytes / longest token``
+    is a lower bound on the token count, so nothing that could fit is refused.
+    """
+    if not info:
+        return
+    ctx = int(info.get("context_length") or 0)
+    if not ctx:
+        return
+    if req.prompt_tokens is not None:
+        n = len(req.prompt_tokens)
+    else:
+        text = req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or [])
+        n = len(text.encode()) // max(1, int(info.get("max_token_bytes") or 1))
+    if n >= ctx:
+        raise ValueError(f"prompt of at least {n} tokens can never fit the model's context of {ctx} tokens")
+
+
+def pick_model(explicit: Optional[str], registered: dict[str, dict]) -> str:
+    if explicit:
+        return explicit
+    env = os.environ.get("MLXQ_MODEL")
+    if env:
+        return env
+    if len(registered) == 1:
+        return next(iter(registered))
+    if not registered:
+        raise NoModelError("no model given and no worker has registered one (pass model=, or set MLXQ_MODEL)")
+    raise NoModelError(f"several models are served ({sorted(registered)}): pass model=")
+
+
+def decode_registry(raw: dict) -> dict[str, dict]:
+    out = {}
+    for name, blob in raw.items():
+        name = name.decode() if isinstance(name, bytes) else name
+        try:
+            info = codec.unpack(blob)
+        except codec.CodecError:
+            continue
+        if isinstance(info, dict):
+            out[name] = info
+    return out
+
+
+def entry_delta(fields: dict) -> Optional[Delta]:
+    """A stream entry: a worker's msgpack delta (``d``) or a terminal event written by Lua.
+    None for an entry that is neither (it is skipped)."""
+    f = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+    if "d" in f:
+        try:
+            return Delta.from_wire(codec.unpack(f["d"]))
+        except (codec.CodecError, ValueError, TypeError, AttributeError):
+            return None
+    reason = f.get("f", b"error")
+    reason = reason.decode() if isinstance(reason, bytes) else reason
+    err = f.get("e")
+    return Delta(attempt=-1, seq=-1, finish_reason=reason, error=err.decode() if isinstance(err, bytes) else err)
+
+
+@dataclass
+class StreamState:
+    """De-duplicates and orders deltas by (attempt, seq); follows a newer attempt.
+
+    When a worker dies, the job's next attempt streams from the start.  The old
+    attempt's text is discarded: while the new attempt only repeats what was
+    already shown, nothing is yielded; if it diverges, a ``restart`` delta
+    carries the new attempt's whole text so far.
+    """
+
+    attempt: int = 0
+    next_seq: int = 1
+    shown: str = ""  # text yielded to the caller, in the current view
+    acc: str = ""  # the current attempt's text
+    done: bool = False
+    seen: set = field(default_factory=set)
+    pending: dict = field(default_factory=dict)  # out-of-order deltas of the current attempt
+
+    def feed(self, d: Optional[Delta]) -> list[Delta]:
+        if self.done or d is None:
+            return []
+        if d.attempt == -1:  # terminal event from a script (cancel, dead-letter)
+            self.done = True
+            return [d]
+        if (d.attempt, d.seq) in self.seen or d.attempt < self.attempt:
+            return []
+        if d.attempt > self.attempt:
+            self.attempt, self.next_seq, self.acc = d.attempt, 1, ""
+            self.pending = {}
+        self.pending[d.seq] = d
+        out = []
+        while self.next_seq in self.pending:
+            cur = self.pending.pop(self.next_seq)
+            self.seen.add((cur.attempt, cur.seq))
+            self.next_seq += 1
+            out.extend(self._view(cur))
+            if cur.finish_reason:
+                self.done = True
+                break
+        return out
+
+    @property
+    def gap(self) -> bool:
+        return bool(self.pending)
+
+    def _view(self, d: Delta) -> list[Delta]:
+        prev, self.acc = self.acc, self.acc + d.text
+        if self.acc.startswith(self.shown):  # extends what was shown (the usual case)
+            new = self.acc[len(self.shown):]
+            repeated = len(prev) < len(self.shown)  # part of it was shown by an older attempt
+            self.shown = self.acc
+            if not repeated:
+                return [d]
+            return [d.model_copy(update={"text": new})] if new or d.finish_reason else []
+        if self.shown.startswith(self.acc) and not d.finish_reason:
+            return []  # a newer attempt still repeating text already shown
+        self.shown = self.acc  # diverged (or ended shorter): replace the shown text
+        return [d.model_copy(update={"text": self.acc, "restart": True})]
+
+
+def result_from_hash(job_id: str, h: dict) -> Optional[Result]:
+    h = {(k.decode() if isinstance(k, bytes) else k): v for k, v in h.items()}
+    status = h.get("status")
+    status = status.decode() if isinstance(status, bytes) else status
+    if status not in TERMINAL:
+        return None
+    if h.get("result"):
+        return Result.model_validate(codec.unpack(h["result"]))
+    err = h.get("error")
+    err = err.decode() if isinstance(err, bytes) else err
+    reason = "cancelled" if status == "cancelled" else "error"
+    stats = JobStats(queued_at=_f(h.get("queued_at")), finished_at=_f(h.get("finished_at")),
+                     attempts=int(_f(h.get("attempts")) or 0))
+    return Result(id=job_id, finish_reason=reason, error=err, stats=stats)
+
+
+def _f(x) -> Optional[float]:
+    if x is None:
+        return None
+    try:
+        return float(x.decode() if isinstance(x, bytes) else x)
+    except ValueError:
+        return None

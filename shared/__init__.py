@@ -1,0 +1,1 @@
+"""What producers and workers share: schemas, codec, Redis key layout, Lua scripts, settings."""

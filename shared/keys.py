@@ -1,0 +1,107 @@
+"""Every Redis key mlxq uses is built here, and only here.
+
+All keys of one model's queue share the hash tag ``{<prefix>:<model>}``, so
+every Lua script touches a single Redis Cluster slot.  A job's own keys carry
+the same tag: enqueue, pull, cancel and completion stay atomic on a cluster.
+The price: one model's queue lives on one cluster shard (see README, scale-out).
+"""
+
+from __future__ import annotations
+
+import re
+
+_BAD_MODEL_CHARS = re.compile(r"[{}\s]")
+
+
+def model_name(raw: str) -> str:
+    """The queue name for a model path or hub id (braces and spaces are not allowed)."""
+    name = raw.rstrip("/")
+    if "/" in name and name.startswith(("/", ".", "~")):
+        name = name.rsplit("/", 1)[-1]  # a local directory: its base name
+    name = _BAD_MODEL_CHARS.sub("_", name)
+    if not name:
+        raise ValueError(f"empty model name from {raw!r}")
+    return name
+
+
+class GlobalKeys:
+    """Keys that belong to no single model."""
+
+    def __init__(self, prefix: str = "mlxq"):
+        self.prefix = prefix
+
+    @property
+    def api_keys(self) -> str:  # hash: sha256(api key) -> tier | "revoked"
+        return f"{self.prefix}:apikeys"
+
+    @property
+    def models(self) -> str:  # hash: model name -> msgpack model info (served by live workers)
+        return f"{self.prefix}:models"
+
+    def model_keys(self, model: str) -> "ModelKeys":
+        return ModelKeys(model, self.prefix)
+
+
+class ModelKeys:
+    """The keys of one model's queue and of its jobs."""
+
+    def __init__(self, model: str, prefix: str = "mlxq"):
+        if _BAD_MODEL_CHARS.search(model):
+            raise ValueError(f"model name {model!r} may not contain braces or spaces")
+        self.model = model
+        self.prefix = prefix
+        self.tag = f"{{{prefix}:{model}}}"
+        self._base = f"{prefix}:{self.tag}"
+
+    # queue-level
+    @property
+    def queue(self) -> str:  # zset: job id -> enqueue time + tier offset
+        return f"{self._base}:queue"
+
+    @property
+    def inflight(self) -> str:  # zset: job id -> lease deadline
+        return f"{self._base}:inflight"
+
+    @property
+    def dead(self) -> str:  # zset: job id (or garbage member) -> time moved aside
+        return f"{self._base}:dead"
+
+    @property
+    def dead_info(self) -> str:  # hash: dead member -> why
+        return f"{self._base}:deadinfo"
+
+    @property
+    def counts(self) -> str:  # hash: exact counters kept by the Lua scripts
+        return f"{self._base}:counts"
+
+    @property
+    def wake(self) -> str:  # list: wake-up signal for idle workers
+        return f"{self._base}:wake"
+
+    @property
+    def cancel_channel(self) -> str:  # pub/sub: ids of running jobs to cancel
+        return f"{self._base}:cancel"
+
+    @property
+    def workers(self) -> str:  # zset: worker id -> last heartbeat
+        return f"{self._base}:workers"
+
+    def worker(self, worker_id: str) -> str:  # hash: one worker's stats (expires)
+        return f"{self._base}:worker:{worker_id}"
+
+    # job-level
+    @property
+    def job_prefix(self) -> str:
+        return f"{self._base}:job:"
+
+    def job(self, job_id: str) -> str:  # hash: request, status, result, lease owner
+        return f"{self.job_prefix}{job_id}"
+
+    def events(self, job_id: str) -> str:  # stream: the durable record of deltas
+        return f"{self._base}:events:{job_id}"
+
+    def channel(self, job_id: str) -> str:  # pub/sub: live deltas
+        return f"{self._base}:chan:{job_id}"
+
+    def idempotency(self, key: str) -> str:  # string: idempotency key -> job id
+        return f"{self._base}:idem:{key}"

@@ -1,0 +1,31 @@
+-- Cancel a job: a queued one leaves the queue now; a running one is flagged and its
+-- worker told on the cancel channel (it leaves the batch at the next step).
+-- KEYS: 1 queue, 2 job, 3 counts, 4 events
+-- ARGV: 1 id, 2 cancel channel, 3 job channel, 4 ttl (s)
+-- Returns 'cancelled' | 'cancelling' | the job's final status | 'unknown'
+local status = redis.call('HGET', KEYS[2], 'status')
+if not status then return 'unknown' end
+if status == 'queued' then
+  if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
+    local tier = redis.call('HGET', KEYS[2], 'tier') or 'normal'
+    redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, -1)
+  end
+  local t = redis.call('TIME')
+  local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
+  redis.call('HSET', KEYS[2], 'status', 'cancelled', 'finished_at', now)
+  redis.call('HDEL', KEYS[2], 'resume')
+  redis.call('HINCRBY', KEYS[3], 'cancelled', 1)
+  redis.call('HINCRBY', KEYS[3], 'processed', 1)
+  redis.call('XADD', KEYS[4], '*', 'f', 'cancelled')
+  redis.call('PUBLISH', ARGV[3], 'sync')
+  local ttl = tonumber(ARGV[4])
+  redis.call('EXPIRE', KEYS[2], ttl)
+  redis.call('EXPIRE', KEYS[4], ttl)
+  return 'cancelled'
+end
+if status == 'running' then
+  redis.call('HSET', KEYS[2], 'cancel', '1')
+  redis.call('PUBLISH', ARGV[2], ARGV[1])
+  return 'cancelling'
+end
+return status

@@ -1,0 +1,22 @@
+-- Finish a job, fenced on the lease owner: a worker that lost its lease writes nothing.
+-- KEYS: 1 job, 2 inflight, 3 counts, 4 events
+-- ARGV: 1 id, 2 owner token, 3 status (done|failed|cancelled), 4 result (msgpack),
+--       5 ttl (s), 6 final delta (msgpack, may be ''), 7 job channel
+-- Returns 1, or 0 when the lease was lost.
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
+local t = redis.call('TIME')
+local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
+redis.call('HSET', KEYS[1], 'status', ARGV[3], 'result', ARGV[4], 'finished_at', now)
+redis.call('HDEL', KEYS[1], 'owner', 'cancel', 'resume')
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HINCRBY', KEYS[3], 'running', -1)
+redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+redis.call('HINCRBY', KEYS[3], 'processed', 1)
+local ttl = tonumber(ARGV[5])
+redis.call('EXPIRE', KEYS[1], ttl)
+if ARGV[6] ~= '' then
+  redis.call('XADD', KEYS[4], '*', 'd', ARGV[6])
+  redis.call('PUBLISH', ARGV[7], ARGV[6])
+end
+redis.call('EXPIRE', KEYS[4], ttl)
+return 1

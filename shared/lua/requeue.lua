@@ -1,0 +1,18 @@
+-- Put a running job back in the queue at its original score (preemption, warm shutdown).
+-- Fenced on the lease owner. The attempt is given back: it did not fail.
+-- KEYS: 1 job, 2 inflight, 3 queue, 4 counts, 5 wake
+-- ARGV: 1 id, 2 owner token, 3 resume state (msgpack, '' for none)
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
+local f = redis.call('HMGET', KEYS[1], 'score', 'tier', 'cancel')
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HINCRBY', KEYS[4], 'running', -1)
+redis.call('HDEL', KEYS[1], 'owner')
+redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'resume', ARGV[3]) end
+redis.call('HSET', KEYS[1], 'status', 'queued')
+redis.call('ZADD', KEYS[3], tonumber(f[1]), ARGV[1])
+redis.call('HINCRBY', KEYS[4], 'queued:' .. (f[2] or 'normal'), 1)
+redis.call('HINCRBY', KEYS[4], 'requeued', 1)
+redis.call('LPUSH', KEYS[5], '1')
+redis.call('LTRIM', KEYS[5], 0, 63)
+return 1

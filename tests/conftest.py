@@ -1,0 +1,87 @@
+"""Shared fixtures: a real Valkey server the tests start themselves, the tiny local model,
+and a worker run on its own thread (every MLX call of the worker on that thread)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import worker  # noqa: F401  (fast BLAS before mlx)
+
+import pytest
+import redis
+
+from shared.embedded import EmbeddedRedis
+from shared.settings import Settings
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    r = redis.Redis.from_url(redis_server.url)
+    r.flushall()
+    r.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def fake_redis():
+    import fakeredis
+
+    return fakeredis.FakeRedis()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir():
+    from worker.make_model import ensure_model
+
+    base = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
+    return ensure_model(base / "test-model-tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    from worker.model import load_model
+
+    return load_model(str(tiny_model_dir), name="tiny")
+
+
+def fast_settings(url: str, **kw) -> Settings:
+    base = dict(redis_url=url, gather_ms=2.0, idle_block_s=0.2, heartbeat_s=0.5, lease_s=5.0, stats_interval_s=0.2)
+    base.update(kw)
+    return Settings(**base)
+
+
+@contextlib.contextmanager
+def running_worker(loaded, url: str, settings: Settings | None = None, **kw):
+    """A Worker serving on its own thread until the block ends (then a warm stop)."""
+    from worker.runner import Worker
+
+    settings = settings or fast_settings(url)
+    w = Worker(redis.Redis.from_url(url), loaded, settings, **kw)
+    t = threading.Thread(target=w.run, name="test-worker", daemon=True)
+    t.start()
+    try:
+        yield w
+    finally:
+        w.request_stop(grace_s=0)
+        t.join(timeout=30)
+        assert not t.is_alive(), "worker did not stop"
+
+
+def wait_for(pred, timeout=10.0, interval=0.02):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(interval)
+    return False

@@ -1,0 +1,224 @@
+"""End to end on a real Valkey server: producers -> Redis -> one MLX worker -> streams and results."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from producer import AuthError, Client
+from shared import apikeys
+from shared.keys import GlobalKeys
+from tests.conftest import fast_settings, running_worker, wait_for
+
+
+def reference_tokens(loaded, prompt_ids, max_tokens):
+    """mlx-lm's single-sequence greedy tokens, cut at the first EOS (as stream_generate does)."""
+    out = []
+    for tok, _ in generate_step(mx.array(prompt_ids), loaded.model, max_tokens=max_tokens):
+        tok = int(tok)
+        if tok in loaded.eos_token_ids:
+            break
+        out.append(tok)
+    return out
+
+
+def streamed_text(tokenizer, ids):
+    """The text mlx-lm's stream_generate shows for these tokens (its streaming detokenizer)."""
+    detok = tokenizer.detokenizer
+    for t in ids:
+        detok.add_token(t)
+    detok.finalize()
+    return detok.text
+
+
+def collect(job, sink, key):
+    text, ids, finishes = "", [], []
+    for d in job.stream(timeout=120):
+        text += d.text
+        ids += d.token_ids
+        if d.finish_reason:
+            finishes.append(d.finish_reason)
+    sink[key] = (text, ids, finishes)
+
+
+def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_url):
+    rng = random.Random(7)
+    vocab = 1000
+    specs = []
+    for i in range(24):
+        prompt = [rng.randrange(4, min(vocab, 900)) for _ in range(rng.randrange(2, 60))]
+        specs.append((prompt, rng.randrange(4, 40)))
+    refs = [reference_tokens(tiny_model, p, n) for p, n in specs]
+    cancel_at = {3, 11, 17}
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    streamed: dict = {}
+    with running_worker(tiny_model, redis_url, settings, max_batch=6) as w:
+        jobs, threads = [], []
+        for i, (prompt, n) in enumerate(specs):
+            job = client.submit(prompt_tokens=prompt, max_tokens=n)
+            jobs.append(job)
+            t = threading.Thread(target=collect, args=(job, streamed, i))
+            t.start()
+            threads.append(t)
+            if i in cancel_at:
+                wait_for(lambda: job.status() == "running", timeout=20)
+                job.cancel()
+        for t in threads:
+            t.join(timeout=120)
+        results = [j.result(timeout=60) for j in jobs]
+        assert wait_for(lambda: w.engine.has_work() is False and not w.active, timeout=10)
+    for i, (res, ref) in enumerate(zip(results, refs)):
+        text, ids, finishes = streamed[i]
+        assert finishes == [res.finish_reason], i
+        assert ids == res.token_ids, i  # streamed == final, nothing lost, duplicated or reordered
+        assert text == res.text, i
+        if res.finish_reason == "cancelled":
+            assert i in cancel_at
+            assert res.token_ids == ref[: len(res.token_ids)], i
+        else:
+            assert res.token_ids == ref, i
+            assert res.finish_reason == ("length" if len(ref) == specs[i][1] else "stop")
+            assert res.text == streamed_text(tiny_model.tokenizer, ref)
+
+
+def test_per_request_params_and_seeded_reproducibility_in_a_batch(tiny_model, redis_url):
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    prompt = "The ship sailed across the sea"
+    with running_worker(tiny_model, redis_url, settings, max_batch=8):
+        alone = client.submit(prompt, max_tokens=24, temperature=0.9, seed=1234).result(timeout=60)
+        batch = [
+            client.submit(prompt, max_tokens=24, temperature=0.9, seed=1234),
+            client.submit(prompt, max_tokens=24),  # greedy
+            client.submit(prompt, max_tokens=24, temperature=1.5, top_k=20, seed=5),
+            client.submit("Another prompt entirely", max_tokens=30, temperature=0.7, top_p=0.8, seed=9),
+            client.submit(prompt, max_tokens=24, temperature=0.9, seed=1234, repetition_penalty=1.3),
+        ]
+        res = [j.result(timeout=60) for j in batch]
+    greedy_ref = reference_tokens(tiny_model, tiny_model.tokenizer.encode(prompt), 24)
+    assert res[0].token_ids == alone.token_ids  # same seed: same tokens alone or in a batch
+    assert res[1].token_ids == greedy_ref
+    assert res[0].token_ids != res[1].token_ids  # sampling really differs from greedy
+    assert res[2].token_ids != res[0].token_ids  # its own params
+    assert res[4].token_ids != res[0].token_ids  # the repetition penalty is applied per request
+
+
+def test_priority_order_through_a_busy_worker(tiny_model, redis_url):
+    settings = fast_settings(redis_url)
+    admin = Client(redis_url, model="tiny", settings=settings)
+    reg = GlobalKeys().api_keys
+    apikeys.add_key(admin.redis, reg, "key-high-0001", "high")
+    apikeys.add_key(admin.redis, reg, "key-low-00001", "low")
+    low = Client(redis_url, api_key="key-low-00001", model="tiny", settings=settings)
+    high = Client(redis_url, api_key="key-high-0001", model="tiny", settings=settings)
+    with running_worker(tiny_model, redis_url, settings, max_batch=1):
+        blocker = admin.submit("warm up", max_tokens=30)
+        assert wait_for(lambda: blocker.status() == "running", timeout=20)
+        lows = [low.submit("low job", max_tokens=3) for _ in range(3)]
+        normal = admin.submit("normal job", max_tokens=3)
+        hi = high.submit("high job", max_tokens=3)
+        results = {j.id: j.result(timeout=60) for j in [blocker, *lows, normal, hi]}
+    order = sorted(results, key=lambda k: results[k].stats.started_at)
+    assert order[1:3] == [hi.id, normal.id]
+    assert results[hi.id].stats.tier == "high" and results[lows[0].id].stats.tier == "low"
+    with pytest.raises(AuthError):
+        Client(redis_url, api_key="no-such-key-123", model="tiny", settings=settings).submit("x")
+    apikeys.revoke_key(admin.redis, reg, "key-low-00001")
+    with pytest.raises(AuthError):
+        low.submit("x")
+
+
+def test_cancel_queued_and_running_jobs(tiny_model, redis_url):
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    queued = client.submit("never runs", max_tokens=5)
+    assert queued.cancel() == "cancelled"
+    assert queued.result(timeout=5).finish_reason == "cancelled"
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        running = client.submit("a long story", max_tokens=2000, ignore_eos=True)
+        assert wait_for(lambda: running.status() == "running", timeout=20)
+        seen = []
+        for d in running.stream(timeout=60):
+            seen.append(d)
+            if len(seen) == 3:
+                assert running.cancel() == "cancelling"
+        res = running.result(timeout=30)
+        other = client.submit("still works", max_tokens=4).result(timeout=30)
+    assert res.finish_reason == "cancelled" and 3 <= len(res.token_ids) < 2000
+    assert seen[-1].finish_reason == "cancelled"
+    assert other.finish_reason in ("length", "stop")
+
+
+def test_late_subscriber_gets_the_whole_text(tiny_model, redis_url):
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    with running_worker(tiny_model, redis_url, settings):
+        job = client.submit("Once upon a time", max_tokens=20)
+        res = job.result(timeout=60)
+    late = Client(redis_url, model="tiny", settings=settings).job(job.id)
+    deltas = list(late.stream(timeout=10))
+    assert "".join(d.text for d in deltas) == res.text
+    assert sum((d.token_ids for d in deltas), []) == res.token_ids
+    assert deltas[-1].finish_reason == res.finish_reason
+
+
+def test_stats_counts_are_exact(tiny_model, redis_url):
+    from producer import stats
+
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    c = client.submit("cancel me", max_tokens=5)
+    c.cancel()
+    with running_worker(tiny_model, redis_url, settings) as w:
+        done = [client.submit(f"job {i}", max_tokens=4) for i in range(5)]
+        bad = client.submit(prompt_tokens=[10**6], max_tokens=4)  # outside the vocabulary
+        for j in done + [bad]:
+            j.result(timeout=60)
+        assert wait_for(lambda: w._snap.get("processed", {}).get("done") == 5, timeout=5)
+
+        def published():
+            ws = stats.collect(client.redis)["tiny"]["workers"]
+            return ws and ws[0]["processed"]["done"] == 5
+
+        assert wait_for(published, timeout=5)
+        s = stats.collect(client.redis)["tiny"]
+    assert (s["submitted"], s["done"], s["failed"], s["cancelled"], s["processed"]) == (7, 5, 1, 1, 7)
+    assert s["queued"] == {"high": 0, "normal": 0, "low": 0} and s["running"] == 0
+    assert s["workers"][0]["tokens_generated"] >= 5
+    assert s["peak_memory_bytes"] > 0
+    assert "processed 7" in stats.render({"tiny": s})
+
+
+def test_bad_input_is_refused_and_the_worker_survives(tiny_model, redis_url):
+    from shared import codec
+    from shared.keys import ModelKeys
+    from shared.protocol import Queue
+
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    for kwargs in [dict(prompt="x", temperature=-1), dict(prompt="x", max_tokens=0), dict(prompt="x", top_p=2),
+                   dict(), dict(prompt="x", prompt_tokens=[1]), dict(prompt="x", stop=[""]),
+                   dict(prompt="x", bogus=1)]:
+        with pytest.raises(ValueError):
+            client.submit(**kwargs)
+    q = Queue(client.redis, ModelKeys("tiny"), settings)
+    q.enqueue("a" * 32, b"\xc1\xff not msgpack", "normal")
+    q.enqueue("b" * 32, codec.pack({"model": "tiny", "prompt": 5}), "normal")
+    q.enqueue("c" * 32, codec.pack([1, 2, 3]), "normal")
+    client.redis.zadd(q.keys.queue, {"garbage-member": 0})
+    too_long = client.submit(prompt_tokens=[5] * (tiny_model.context_length + 10), max_tokens=2)
+    with running_worker(tiny_model, redis_url, settings):
+        good = client.submit("still alive", max_tokens=5).result(timeout=60)
+        assert wait_for(lambda: all(client.job(i).status() == "failed" for i in ("a" * 32, "b" * 32, "c" * 32)))
+    assert good.finish_reason in ("length", "stop")
+    res = too_long.result(timeout=10)
+    assert res.finish_reason == "error" and "context" in res.error
+    for i in ("a" * 32, "b" * 32, "c" * 32):
+        r = client.job(i).result(timeout=5)
+        assert r.finish_reason == "error" and ("malformed" in r.error or "invalid" in r.error)
+    assert client.redis.zscore(q.keys.dead, "garbage-member") is not None

@@ -1,0 +1,144 @@
+"""The Lua scripts on fakeredis: atomic enqueue/pull/complete/cancel, priority and aging, leases."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shared.keys import ModelKeys
+from shared.protocol import OverloadError, Queue
+from shared.settings import Settings
+
+
+def make_queue(r, **kw) -> Queue:
+    return Queue(r, ModelKeys("m"), Settings(**kw))
+
+
+def ids(n):
+    return [f"{i:032x}" for i in range(1, n + 1)]
+
+
+def test_pull_order_is_tier_then_age(fake_redis):
+    q = make_queue(fake_redis)
+    a, b, c = ids(3)
+    q.enqueue(a, b"x", "low")
+    q.enqueue(b, b"x", "normal")
+    q.enqueue(c, b"x", "high")
+    assert [p.job_id for p in q.pull(3, "w")] == [c, b, a]
+
+
+def test_aging_old_low_beats_new_high(fake_redis):
+    q = make_queue(fake_redis, tier_offsets={"high": 0.0, "normal": 0.05, "low": 0.1})
+    a, b = ids(2)
+    q.enqueue(a, b"x", "low")
+    time.sleep(0.15)  # older than the tier gap: it must not starve
+    q.enqueue(b, b"x", "high")
+    assert [p.job_id for p in q.pull(2, "w")] == [a, b]
+
+
+def test_counts_are_exact_through_a_lifecycle(fake_redis):
+    q = make_queue(fake_redis)
+    a, b, c = ids(3)
+    for j in (a, b, c):
+        q.enqueue(j, b"x", "normal")
+    assert q.counts()["queued:normal"] == 3
+    assert q.cancel(c) == "cancelled"
+    pulled = q.pull(5, "w")
+    assert {p.job_id for p in pulled} == {a, b}
+    c_ = q.counts()
+    assert (c_["queued:normal"], c_["running"], c_["cancelled"]) == (0, 2, 1)
+    assert q.complete(a, "w:1", "done", b"r") == 1
+    assert q.complete(b, "w:1", "failed", b"r") == 1
+    c_ = q.counts()
+    assert (c_["running"], c_["done"], c_["failed"], c_["processed"], c_["submitted"]) == (0, 1, 1, 3, 3)
+
+
+def test_completion_is_fenced_on_the_lease_owner(fake_redis):
+    q = make_queue(fake_redis)
+    [a] = ids(1)
+    q.enqueue(a, b"x", "normal")
+    [p] = q.pull(1, "w1")
+    assert p.attempt == 1
+    assert q.complete(a, "w2:1", "done", b"r") == 0  # not the owner
+    assert q.complete(a, "w1:1", "done", b"r") == 1
+    assert q.complete(a, "w1:1", "done", b"r") == 0  # already finished: single result
+
+
+def test_cancel_running_flags_and_notifies(fake_redis):
+    q = make_queue(fake_redis)
+    [a] = ids(1)
+    q.enqueue(a, b"x", "normal")
+    q.pull(1, "w")
+    assert q.cancel(a) == "cancelling"
+    lost, cancel = q.renew({a: "w:1"})
+    assert lost == [] and cancel == [a]
+    assert q.cancel("f" * 32) == "unknown"
+
+
+def test_idempotency_key_returns_the_same_job(fake_redis):
+    q = make_queue(fake_redis)
+    a, b = ids(2)
+    first = q.enqueue(a, b"x", "low", "key-1")
+    second = q.enqueue(b, b"x", "low", "key-1")
+    assert first.status == "ok" and second.status == "duplicate" and second.job_id == a
+    assert q.counts()["queued:low"] == 1
+
+
+def test_overload_refuses_past_the_bound(fake_redis):
+    q = make_queue(fake_redis, max_queued_per_tier=2)
+    a, b, c, d = ids(4)
+    q.enqueue(a, b"x", "low")
+    q.enqueue(b, b"x", "low")
+    with pytest.raises(OverloadError):
+        q.enqueue(c, b"x", "low")
+    q.enqueue(d, b"x", "high")  # the bound is per tier
+
+
+def test_expired_lease_is_requeued_then_dead_lettered(fake_redis):
+    q = make_queue(fake_redis, lease_s=0.05, heartbeat_s=0.01, max_attempts=2)
+    [a] = ids(1)
+    enq = q.enqueue(a, b"x", "normal")
+    q.pull(1, "w1")
+    time.sleep(0.1)
+    assert q.reap() == (1, 0, 0)
+    [p] = q.pull(1, "w2")
+    assert p.attempt == 2 and p.score == pytest.approx(enq.score)  # original score kept
+    assert q.complete(a, "w1:1", "done", b"late") == 0  # the old owner is fenced out
+    time.sleep(0.1)
+    assert q.reap() == (0, 1, 0)
+    h = fake_redis.hgetall(q.keys.job(a))
+    assert h[b"status"] == b"dead" and b"lease expired" in h[b"error"]
+    assert fake_redis.zscore(q.keys.dead, a) is not None
+
+
+def test_requeue_keeps_score_and_gives_the_attempt_back(fake_redis):
+    q = make_queue(fake_redis)
+    [a] = ids(1)
+    enq = q.enqueue(a, b"x", "low")
+    q.pull(1, "w")
+    assert q.requeue(a, "w:1", b"state") == 1
+    [p] = q.pull(1, "w")
+    assert p.attempt == 1 and p.resume == b"state" and p.score == pytest.approx(enq.score)
+
+
+def test_garbage_members_are_moved_aside(fake_redis):
+    q = make_queue(fake_redis)
+    [a] = ids(1)
+    fake_redis.zadd(q.keys.queue, {"not-a-job": 0})
+    q.enqueue(a, b"x", "normal")
+    pulled = q.pull(5, "w")
+    assert [(p.job_id, p.kind) for p in pulled] == [("not-a-job", "garbage"), (a, "job")]
+    assert fake_redis.zscore(q.keys.dead, "not-a-job") is not None
+    # a forged member for a finished job never runs it twice
+    q.complete(a, "w:1", "done", b"r")
+    fake_redis.zadd(q.keys.queue, {a: 0})
+    assert q.pull(5, "w") == []
+
+
+def test_all_keys_of_a_model_share_one_hash_tag():
+    k = ModelKeys("qwen-0.5b")
+    keys = [k.queue, k.inflight, k.dead, k.counts, k.wake, k.job("ab"), k.events("ab"), k.idempotency("x")]
+    assert all("{mlxq:qwen-0.5b}" in key for key in keys)
+    with pytest.raises(ValueError):
+        ModelKeys("bad{name}")

@@ -1,0 +1,55 @@
+"""``mlxq worker``: run one MLX worker process for one model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"), help="default: $MLXQ_REDIS_URL")
+    p.add_argument("--model", required=True, help="an mlx-lm model directory or hub id")
+    p.add_argument("--name", help="the queue name (default: the model directory's base name or the hub id)")
+    p.add_argument("--max-batch", type=int, default=64, help="most sequences decoded together (default 64)")
+    p.add_argument("--engine", choices=("dense", "paged"), default="dense",
+                   help="dense: mlx-lm BatchGenerator with a solo fast path; paged: 32-token KV blocks")
+    p.add_argument("--kv-memory-mb", type=float, default=None, help="paged engine: KV pool budget in MiB")
+    p.add_argument("--keep-dtype", action="store_true",
+                   help="keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
+    p.add_argument("--grace", type=float, default=30.0, help="warm-shutdown grace period in seconds")
+    p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+
+
+def make_engine(args, loaded):
+    if args.engine == "paged":
+        from .paged.engine import PagedEngine
+
+        budget = int(args.kv_memory_mb * 2**20) if args.kv_memory_mb else None
+        return PagedEngine(loaded.model, memory_budget_bytes=budget, max_batch=args.max_batch,
+                           eos_token_ids=loaded.eos_token_ids, model_id=loaded.name)
+    from .engine import DenseEngine
+
+    return DenseEngine(loaded.model, eos_token_ids=loaded.eos_token_ids, max_batch=args.max_batch)
+
+
+def run(args) -> int:
+    from producer.client import connect
+    from shared.settings import Settings
+
+    from . import BLAS_STATUS
+    from .model import load_model
+    from .runner import Worker
+
+    if not args.redis_url:
+        raise SystemExit("mlxq worker: no Redis URL (pass --redis-url or set MLXQ_REDIS_URL)")
+    log.info("BLAS: %s", BLAS_STATUS)
+    settings = Settings.from_env(redis_url=args.redis_url)
+    loaded = load_model(args.model, name=args.name, keep_dtype=args.keep_dtype)
+    worker = Worker(connect(args.redis_url), loaded, settings, engine=make_engine(args, loaded),
+                    max_batch=args.max_batch, grace_s=args.grace)
+    worker.install_signal_handlers()
+    worker.run(burst=args.burst)
+    return 0

@@ -1,0 +1,80 @@
+"""The contract between the worker loop and a generation engine.
+
+The worker loop (Redis, detokenizing, stop strings, stats) talks to an engine
+only through these types, so the dense engine (mlx-lm's ``BatchGenerator``) and
+the paged engine are interchangeable.  Every method is called on the single
+MLX thread.  Token ids, never text, cross this boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+# A sampler maps log-probabilities of shape (1, vocab) to a token array (1,).
+Sampler = Callable[[Any], Any]
+# A logits processor maps (token context array, logits (1, vocab)) to logits.
+LogitsProcessor = Callable[[Any, Any], Any]
+
+
+@dataclass
+class SeqSpec:
+    """One sequence handed to an engine."""
+
+    uid: str  # the job id
+    prompt: list[int]  # prompt token ids (never empty)
+    max_tokens: int  # tokens still to generate
+    sampler: Optional[Sampler] = None  # None: greedy
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    stop_token_ids: Sequence[int] = ()  # end-of-sequence ids: finish with "stop"
+    # Tokens this job already generated in an earlier run (preemption resume):
+    # they are part of the context but are not emitted again.
+    resume_tokens: list[int] = field(default_factory=list)
+    priority: float = 0.0  # the job's queue score: lower is more urgent
+    session_id: Optional[str] = None
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, or the end of a sequence."""
+
+    uid: str
+    token: int
+    finish_reason: Optional[str] = None  # None, "stop" or "length"
+    logprobs: Any = None  # mx.array (vocab,) of log-probabilities, or None
+
+
+@dataclass
+class Preempted:
+    """The engine gave a running sequence's memory away.
+
+    ``tokens`` are all tokens it generated so far (including earlier resumes);
+    the worker requeues the job and later resubmits it with
+    ``resume_tokens=tokens``.
+    """
+
+    uid: str
+    tokens: list[int]
+
+
+class Engine(Protocol):
+    def add(self, specs: list[SeqSpec]) -> None:
+        """Queue sequences; they join the running batch at the next step."""
+
+    def remove(self, uids: list[str]) -> None:
+        """Drop sequences (cancelled, or finished by a stop string) at once."""
+
+    def step(self) -> tuple[list[TokenEvent], list[Preempted]]:
+        """Run one scheduling step: at most one new token per running sequence."""
+
+    def has_work(self) -> bool:
+        """True while any sequence is queued, prefilling or decoding."""
+
+    def free_slots(self) -> int:
+        """How many more sequences the worker may hand over right now."""
+
+    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
+        """Whether a sequence of this size could ever fit (for early refusal)."""
+
+    def stats(self) -> dict:
+        """Engine counters for the aggregate stats (flat str -> number)."""

@@ -1,0 +1,110 @@
+"""Load a model the normal mlx-lm way (a directory or a hub id) and make it CPU-fast."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_load
+from mlx_lm.utils import dequantize_model
+
+from shared.keys import model_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any  # mlx-lm TokenizerWrapper
+    name: str  # the queue this worker serves
+    source: str  # the directory or hub id given
+    config: dict
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    max_token_bytes: int  # the longest token's UTF-8 length: bounds prompt tokens from bytes
+    num_params: int
+    dtype_note: str
+    load_s: float
+
+    def info(self) -> dict:
+        """What producers and gateways may know about this model (kept in Redis)."""
+        return {
+            "name": self.name,
+            "source": self.source,
+            "context_length": self.context_length,
+            "max_token_bytes": self.max_token_bytes,
+            "eos_token_ids": list(self.eos_token_ids),
+            "num_params": self.num_params,
+            "has_chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
+        }
+
+
+def _is_cpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def to_fp32(model: nn.Module) -> str:
+    """Dequantize and cast to float32: on the CPU, fp32 matmul is many times faster."""
+    notes = []
+    quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    if quantized:
+        dequantize_model(model)
+        notes.append("dequantized")
+    dtypes = {v.dtype for _, v in tree_flatten(model.parameters())}
+    if any(d in (mx.float16, mx.bfloat16) for d in dtypes):
+        model.set_dtype(mx.float32)
+        notes.append(f"cast {sorted(str(d) for d in dtypes)} to float32")
+    mx.eval(model.parameters())
+    return ", ".join(notes) or "already float32"
+
+
+def _context_length(config: dict) -> int:
+    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length", "max_sequence_length"):
+        value = config.get(key) or (config.get("text_config") or {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_CONTEXT
+
+
+def _max_token_bytes(tokenizer) -> int:
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    size = len(hf)
+    texts = hf.batch_decode([[i] for i in range(size)])
+    return max(1, max(len(t.encode("utf-8", "replace")) for t in texts))
+
+
+def load_model(source: str, *, name: str | None = None, keep_dtype: bool = False) -> LoadedModel:
+    """``mlx_lm.load`` of a directory or hub id, then fp32 on the CPU unless ``keep_dtype``."""
+    t0 = time.perf_counter()
+    model, tokenizer, config = mlx_load(source, return_config=True)
+    if keep_dtype or not _is_cpu():
+        note = "dtype kept" + ("" if keep_dtype else " (not on the CPU)")
+    else:
+        note = to_fp32(model)
+    num_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name or model_name(source),
+        source=source,
+        config=config,
+        context_length=_context_length(config),
+        eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
+        max_token_bytes=_max_token_bytes(tokenizer),
+        num_params=num_params,
+        dtype_note=note,
+        load_s=time.perf_counter() - t0,
+    )
+    log.info(
+        "loaded model %s from %s: %.1fM params, context %d, %s, %.1fs",
+        loaded.name, source, num_params / 1e6, loaded.context_length, note, loaded.load_s,
+    )
+    return loaded

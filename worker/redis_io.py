@@ -1,0 +1,323 @@
+"""Redis I/O threads of a worker, so that Redis never stalls a decode step.
+
+* ``Publisher``: one pipelined round trip per step for all deltas and
+  completions of that step, in order; on a connection error it keeps the
+  batch and retries with capped backoff (nothing is dropped).
+* ``Fetcher``: pulls as many jobs as there are free slots, decodes, validates
+  and tokenizes them off the MLX thread; when idle it blocks on the queue's
+  wake-up list, then waits a short window to gather a batch.
+* ``Control``: lease heartbeat, reaping of expired leases, stats, the model
+  registry, and the cancel channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import redis
+
+from shared import codec
+from shared.protocol import Queue
+
+log = logging.getLogger(__name__)
+
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
+
+
+class Backoff:
+    """Capped exponential backoff, as rq's worker does for ConnectionError."""
+
+    def __init__(self, first: float = 0.05, cap: float = 5.0):
+        self.first, self.cap, self.delay = first, cap, 0.0
+
+    def fail(self) -> float:
+        self.delay = min(self.cap, self.delay * 2 if self.delay else self.first)
+        return self.delay
+
+    def ok(self) -> None:
+        self.delay = 0.0
+
+
+@dataclass
+class StepOutput:
+    """What one engine step hands to Redis, in order."""
+
+    deltas: list[tuple[str, bytes, bool]] = field(default_factory=list)  # (job id, msgpack, first of attempt)
+    completions: list[tuple[str, str, str, bytes, bytes]] = field(default_factory=list)
+    requeues: list[tuple[str, str, bytes]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.deltas or self.completions or self.requeues)
+
+
+class Publisher(threading.Thread):
+    def __init__(self, q: Queue, stop: threading.Event):
+        super().__init__(name="mlxq-publisher", daemon=True)
+        self.q = q
+        self.stop_event = stop
+        self.inbox: "queue.Queue[StepOutput]" = queue.Queue()
+        self.round_trips = 0
+        self.backoff = Backoff()
+        self.on_fenced: Optional[Callable[[str, str, bool], None]] = None
+
+    def submit(self, out: StepOutput) -> None:
+        if out:
+            self.inbox.put(out)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until everything submitted has reached Redis (shutdown)."""
+        deadline = time.monotonic() + timeout
+        while (self.inbox.unfinished_tasks and time.monotonic() < deadline):
+            time.sleep(0.01)
+        return not self.inbox.unfinished_tasks
+
+    def run(self) -> None:
+        while True:
+            try:
+                out = self.inbox.get(timeout=0.2)
+            except queue.Empty:
+                if self.stop_event.is_set():
+                    return
+                continue
+            # Coalesce whatever else is waiting into the same round trip.
+            batch = [out]
+            while len(batch) < 64:
+                try:
+                    batch.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            self._send(batch)
+            for _ in batch:
+                self.inbox.task_done()
+
+    def _send(self, batch: list[StepOutput]) -> None:
+        k = self.q.keys
+        ttl = self.q.settings.result_ttl_s
+        while True:
+            try:
+                pipe = self.q.redis.pipeline(transaction=False)
+                fenced: list[tuple[int, str, str]] = []  # (reply index, job id, kind)
+                n = 0
+                for out in batch:
+                    for job_id, payload, first in out.deltas:
+                        pipe.xadd(k.events(job_id), {"d": payload})
+                        pipe.publish(k.channel(job_id), payload)
+                        n += 2
+                        if first:
+                            pipe.expire(k.events(job_id), ttl)
+                            n += 1
+                    for job_id, owner, status, result, final in out.completions:
+                        self.q.complete(job_id, owner, status, result, final, client=pipe)
+                        fenced.append((n, job_id, "complete"))
+                        n += 1
+                    for job_id, owner, resume in out.requeues:
+                        self.q.requeue(job_id, owner, resume, client=pipe)
+                        fenced.append((n, job_id, "requeue"))
+                        n += 1
+                replies = pipe.execute(raise_on_error=False)
+                self.round_trips += 1
+                self.backoff.ok()
+                break
+            except REDIS_ERRORS as exc:
+                delay = self.backoff.fail()
+                log.warning("publish failed (%s); retrying in %.2fs with the batch kept", exc, delay)
+                time.sleep(delay)
+        for r in replies:
+            if isinstance(r, Exception):
+                log.error("redis command failed in a publish batch: %s", r)
+        for index, job_id, kind in fenced:
+            ok = replies[index] == 1
+            if not ok:
+                log.warning("job=%s %s refused: the lease is no longer ours", job_id, kind)
+            if self.on_fenced is not None:
+                self.on_fenced(job_id, kind, ok)
+
+
+class Fetcher(threading.Thread):
+    """Pulls jobs off the MLX thread. ``prepare`` turns a Pulled entry into a ready item."""
+
+    def __init__(self, q: Queue, worker_id: str, free_slots: Callable[[], int],
+                 prepare: Callable[[Any], None], stop: threading.Event, gather_s: float, idle_block_s: float):
+        super().__init__(name="mlxq-fetcher", daemon=True)
+        self.q = q
+        self.worker_id = worker_id
+        self.free_slots = free_slots
+        self.prepare = prepare
+        self.stop_event = stop
+        self.paused = threading.Event()  # set on warm shutdown: pull nothing more
+        self.gather_s = gather_s
+        self.idle_block_s = idle_block_s
+        self.kick = threading.Event()  # set by the MLX thread when slots free up
+        self.backoff = Backoff()
+        self.pulls = 0
+        self.clock_offset = 0.0
+
+    def run(self) -> None:
+        idle = True
+        while not self.stop_event.is_set() and not self.paused.is_set():
+            try:
+                want = self.free_slots()
+                if want <= 0:
+                    self.kick.wait(0.05)
+                    self.kick.clear()
+                    continue
+                if idle:
+                    # Block on the wake-up signal rather than polling, then gather a batch.
+                    woke = self.q.redis.blpop([self.q.keys.wake], timeout=self.idle_block_s)
+                    if self.paused.is_set():
+                        break
+                    if woke and self.gather_s > 0:
+                        time.sleep(self.gather_s)
+                    want = self.free_slots()
+                    if want <= 0:
+                        continue
+                local = time.time()
+                pulled = self.q.pull(want, self.worker_id)
+                self.backoff.ok()
+                if pulled:
+                    self.clock_offset = pulled[0].now - local
+                    self.pulls += 1
+                    for entry in pulled:
+                        self.prepare(entry)
+                # Under load (we got a full pull) never wait; otherwise go idle.
+                idle = len(pulled) < want
+            except REDIS_ERRORS as exc:
+                delay = self.backoff.fail()
+                log.warning("pull failed (%s); retrying in %.2fs", exc, delay)
+                time.sleep(delay)
+            except Exception:  # never let the fetcher die on one bad entry
+                log.exception("fetcher error")
+                time.sleep(0.1)
+
+
+class Control(threading.Thread):
+    """Heartbeat, lease renewal, reaping, stats and the model registry."""
+
+    def __init__(self, q: Queue, worker_id: str, leases: Callable[[], dict[str, str]],
+                 on_lost: Callable[[list[str]], None], on_cancel: Callable[[list[str]], None],
+                 snapshot: Callable[[], dict], model_info: dict, registry_key: str, stop: threading.Event):
+        super().__init__(name="mlxq-control", daemon=True)
+        self.q = q
+        self.worker_id = worker_id
+        self.leases = leases
+        self.on_lost = on_lost
+        self.on_cancel = on_cancel
+        self.snapshot = snapshot
+        self.model_info = model_info
+        self.registry_key = registry_key
+        self.stop_event = stop
+        self.backoff = Backoff()
+        self.reaped = [0, 0, 0]
+
+    def run(self) -> None:
+        s = self.q.settings
+        next_beat = next_stats = next_reap = 0.0
+        pubsub = None
+        while not self.stop_event.is_set():
+            try:
+                if pubsub is None:
+                    pubsub = self.q.redis.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(self.q.keys.cancel_channel)
+                msg = pubsub.get_message(timeout=0.1)
+                if msg and msg.get("type") == "message":
+                    job_id = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
+                    self.on_cancel([job_id])
+                now = time.monotonic()
+                if now >= next_beat:
+                    self.beat()
+                    next_beat = now + s.heartbeat_s
+                if now >= next_stats:
+                    self.publish_stats()
+                    next_stats = now + s.stats_interval_s
+                if now >= next_reap:
+                    self.reap()
+                    next_reap = now + max(1.0, s.lease_s / 4)
+                self.backoff.ok()
+            except REDIS_ERRORS as exc:
+                delay = self.backoff.fail()
+                log.warning("control loop: redis unavailable (%s); retrying in %.2fs", exc, delay)
+                try:
+                    if pubsub is not None:
+                        pubsub.close()
+                except Exception:
+                    pass
+                pubsub = None
+                time.sleep(delay)
+            except Exception:
+                log.exception("control loop error")
+                time.sleep(0.5)
+        try:
+            if pubsub is not None:
+                pubsub.close()
+        except Exception:
+            pass
+
+    def beat(self) -> None:
+        lost, cancel = self.q.renew(self.leases())
+        if lost:
+            log.warning("leases lost for %d jobs: %s", len(lost), lost[:5])
+            self.on_lost(lost)
+        if cancel:
+            self.on_cancel(cancel)
+
+    def reap(self) -> None:
+        requeued, dead, cancelled = self.q.reap()
+        if requeued or dead or cancelled:
+            log.warning("reaped expired leases: %d requeued, %d dead-lettered, %d cancelled", requeued, dead, cancelled)
+            self.reaped = [a + b for a, b in zip(self.reaped, (requeued, dead, cancelled))]
+
+    def publish_stats(self) -> None:
+        s = self.q.settings
+        k = self.q.keys
+        snap = self.snapshot()
+        ttl = max(3, int(s.stats_interval_s * 5))
+        pipe = self.q.redis.pipeline(transaction=False)
+        pipe.hset(k.worker(self.worker_id), mapping={"s": codec.pack(snap)})
+        pipe.expire(k.worker(self.worker_id), ttl)
+        pipe.zadd(k.workers, {self.worker_id: time.time()})
+        pipe.zremrangebyscore(k.workers, "-inf", time.time() - 60)
+        pipe.hset(self.registry_key, self.model_info["name"], codec.pack({**self.model_info, "seen_at": time.time()}))
+        pipe.execute()
+
+    def unregister(self) -> None:
+        try:
+            self.q.redis.zrem(self.q.keys.workers, self.worker_id)
+            self.q.redis.delete(self.q.keys.worker(self.worker_id))
+        except REDIS_ERRORS:
+            pass
+
+
+class ReadyQueue:
+    """Prepared jobs waiting for the MLX thread; guarded so slot counts stay exact."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.items: deque = deque()
+        self.event = threading.Event()
+
+    def put(self, item) -> None:
+        with self.lock:
+            self.items.append(item)
+        self.event.set()
+
+    def take_all(self) -> list:
+        with self.lock:
+            items = list(self.items)
+            self.items.clear()
+            self.event.clear()
+        return items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def put_back(self, items: list) -> None:
+        with self.lock:
+            self.items.extendleft(reversed(items))
+        if items:
+            self.event.set()

@@ -1,0 +1,351 @@
+"""The worker: one process, one model, one thread for every MLX call.
+
+Each pass of the loop reads like a sentence: take control messages, admit
+ready jobs, run one engine step, hand the step's output to Redis.  Redis I/O
+runs on other threads (``worker.redis_io``) and never stalls a decode step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from typing import Optional
+
+import mlx.core as mx
+
+from shared import codec
+from shared.keys import GlobalKeys
+from shared.protocol import Pulled, Queue
+from shared.schemas import Delta, Result
+from shared.settings import Settings
+from . import BLAS_STATUS
+from .engine import DenseEngine
+from .jobs import ActiveJob, JobError, decode_request, start_job, tokenize
+from .model import LoadedModel
+from .redis_io import Control, Fetcher, Publisher, ReadyQueue, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+class Worker:
+    def __init__(self, redis_client, loaded: LoadedModel, settings: Settings | None = None, *,
+                 engine=None, max_batch: int = 64, worker_id: str | None = None, grace_s: float = 30.0):
+        self.settings = settings or Settings.from_env()
+        self.loaded = loaded
+        self.worker_id = worker_id or new_worker_id()
+        gk = GlobalKeys(self.settings.prefix)
+        self.keys = gk.model_keys(loaded.name)
+        self.q = Queue(redis_client, self.keys, self.settings)
+        self.engine = engine or DenseEngine(loaded.model, eos_token_ids=loaded.eos_token_ids, max_batch=max_batch)
+        self.grace_s = grace_s
+        self.eos = set(loaded.eos_token_ids)
+
+        self.active: dict[str, ActiveJob] = {}
+        self.ready = ReadyQueue()
+        self._engine_free = self.engine.free_slots()
+        self._control_q: "queue.Queue[tuple[str, list[str]]]" = queue.Queue()
+        self.stop_event = threading.Event()  # threads exit
+        self.draining = threading.Event()  # warm shutdown: finish or requeue, pull nothing
+        self._sigterms = 0
+
+        self.started_at = time.time()
+        self.tokens_generated = 0
+        self.processed = {"done": 0, "failed": 0, "cancelled": 0, "requeued": 0}
+        self.busy_s = 0.0
+        self._window: list[tuple[float, int]] = []
+        self._snap: dict = {}
+        self._snap_at = 0.0
+
+        self.publisher = Publisher(self.q, self.stop_event)
+        self.fetcher = Fetcher(self.q, self.worker_id, self._free_slots, self._prepare, self.stop_event,
+                               self.settings.gather_ms / 1000.0, self.settings.idle_block_s)
+        self.control = Control(self.q, self.worker_id, self._leases,
+                               on_lost=lambda ids: self._control_q.put(("lost", ids)),
+                               on_cancel=lambda ids: self._control_q.put(("cancel", ids)),
+                               snapshot=lambda: self._snap, model_info=loaded.info(),
+                               registry_key=gk.models, stop=self.stop_event)
+
+    # -- shared with the I/O threads ----------------------------------------
+    def _free_slots(self) -> int:
+        if self.draining.is_set():
+            return 0
+        with self.ready.lock:
+            return self._engine_free - len(self.ready.items)
+
+    def _leases(self) -> dict[str, str]:
+        jobs = list(self.active.values()) + list(self.ready.items)
+        return {j.id: j.owner for j in jobs if isinstance(j, ActiveJob)}
+
+    def _prepare(self, entry: Pulled) -> None:
+        """Fetcher thread: validate and tokenize; failures end the job with an error."""
+        if entry.kind != "job":
+            log.warning("garbage queue member %r moved to the dead-letter set", entry.job_id[:80])
+            return
+        offset = self.fetcher.clock_offset
+        try:
+            req = decode_request(entry, self.loaded.name, self.settings.max_new_tokens)
+            prompt = tokenize(req, self.loaded.tokenizer)
+            ctx = self.loaded.context_length
+            if len(prompt) >= ctx:
+                raise JobError(f"prompt of {len(prompt)} tokens exceeds the model's context of {ctx} tokens")
+            if not self.engine.can_admit(len(prompt), req.max_tokens):
+                raise JobError(f"prompt of {len(prompt)} tokens can never fit this worker's KV memory")
+            job = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset)
+        except JobError as exc:
+            log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
+            self.publisher.submit(self._failure(entry, str(exc)))
+            return
+        except Exception as exc:  # a tokenizer bug must not kill the worker
+            log.exception("job=%s attempt=%d failed to prepare", entry.job_id, entry.attempt)
+            self.publisher.submit(self._failure(entry, f"internal error preparing the job: {exc}"))
+            return
+        self.ready.put(job)
+
+    def _failure(self, entry: Pulled, message: str) -> StepOutput:
+        owner = f"{self.worker_id}:{entry.attempt}"
+        result = Result(id=entry.job_id, finish_reason="error", error=message)
+        result.stats.queued_at = entry.queued_at
+        result.stats.started_at = entry.now
+        result.stats.attempts = entry.attempt
+        final = Delta(attempt=entry.attempt, seq=1, finish_reason="error", error=message)
+        self.processed["failed"] += 1
+        return StepOutput(completions=[(entry.job_id, owner, "failed", codec.pack(result.model_dump()),
+                                        codec.pack(final.to_wire()))])
+
+    # -- the loop ------------------------------------------------------------
+    def start_threads(self) -> None:
+        log.info("worker %s serving %r (%s); BLAS: %s", self.worker_id, self.loaded.name,
+                 type(self.engine).__name__, BLAS_STATUS)
+        self.publisher.start()
+        self.fetcher.start()
+        self.control.start()
+
+    def run(self, *, burst: bool = False) -> None:
+        """Serve until stopped. ``burst``: return once the queue is empty and all work is done."""
+        self.start_threads()
+        idle_since: Optional[float] = None
+        try:
+            while True:
+                self._handle_control()
+                self._admit()
+                if self.draining.is_set() and (not self.active or time.monotonic() > self._drain_deadline):
+                    break
+                if not self.engine.has_work():
+                    self._refresh_snapshot()
+                    if burst and not len(self.ready) and self._queue_empty():
+                        idle_since = idle_since or time.monotonic()
+                        if time.monotonic() - idle_since > 0.3:
+                            break
+                    else:
+                        idle_since = None
+                    self.ready.event.wait(0.02)
+                    continue
+                idle_since = None
+                t0 = time.perf_counter()
+                events, preempted = self.engine.step()
+                self._after_step(events, preempted)
+                self.busy_s += time.perf_counter() - t0
+                self._refresh_snapshot()
+        finally:
+            self._shutdown()
+
+    def _queue_empty(self) -> bool:
+        try:
+            return self.q.redis.zcard(self.keys.queue) == 0
+        except Exception:
+            return False
+
+    def _admit(self) -> None:
+        with self.ready.lock:
+            jobs = list(self.ready.items)
+            self.ready.items.clear()
+            self.ready.event.clear()
+            if jobs:
+                for job in jobs:
+                    self.active[job.id] = job
+                self.engine.add([job.spec(self.loaded.eos_token_ids) for job in jobs])
+            self._engine_free = self.engine.free_slots()
+        if jobs:
+            self.fetcher.kick.set()
+
+    def _after_step(self, events, preempted) -> None:
+        out = StepOutput()
+        for ev in events:
+            job = self.active.get(ev.uid)
+            if job is None:
+                continue
+            if job.first_token_at is None:
+                job.first_token_at = job.now()
+            finish = ev.finish_reason
+            ids: list[int] = []
+            text = ""
+            lp = None
+            if not (finish == "stop" and ev.token in self.eos):
+                ids = [ev.token]
+                job.tokens.append(ev.token)
+                self.tokens_generated += 1
+                text = job.text.add(ev.token)
+                if job.request.logprobs:
+                    lp = [self._logprobs(ev, job.request.logprobs)]
+                    job.logprobs.extend(lp)
+            if job.text.stopped and finish is None:
+                finish = "stop"
+                self.engine.remove([job.id])
+            if finish:
+                text += job.text.finish()
+                self._finish(job, finish, out, text, ids, lp)
+            else:
+                text = job.take_text(text)
+                if text or ids:
+                    delta = job.next_delta(text, ids, logprobs=lp)
+                    out.deltas.append((job.id, codec.pack(delta.to_wire()), job.seq == 1 or job.resumed))
+                    job.resumed = False
+        for p in preempted:
+            job = self.active.pop(p.uid, None)
+            if job is not None:
+                job.tokens = list(p.tokens)
+                out.requeues.append((job.id, job.owner, job.resume_state()))
+                self.processed["requeued"] += 1
+        self.publisher.submit(out)
+        now = time.monotonic()
+        self._window.append((now, len(events)))
+
+    def _finish(self, job: ActiveJob, finish: str, out: StepOutput, text: str = "", ids=(), lp=None,
+                error: Optional[str] = None) -> None:
+        text = job.take_text(text)
+        delta = job.next_delta(text, list(ids), finish, error, lp)
+        result = job.result(finish, error)
+        status = {"cancelled": "cancelled", "error": "failed"}.get(finish, "done")
+        out.completions.append((job.id, job.owner, status, codec.pack(result.model_dump()),
+                                codec.pack(delta.to_wire())))
+        self.active.pop(job.id, None)
+        self.processed[status] += 1
+        log.info("job=%s attempt=%d finished: %s, %d tokens", job.id, job.attempt, finish, len(job.tokens))
+
+    def _logprobs(self, ev, k: int) -> dict:
+        lp = ev.logprobs
+        if lp is None:
+            return {"token": ev.token, "logprob": None, "top": []}
+        lp = lp.reshape(-1)
+        top = mx.argpartition(-lp, kth=k - 1)[:k]
+        top_vals = lp[top]
+        order = mx.argsort(-top_vals)
+        ids, vals = top[order].tolist(), top_vals[order].tolist()
+        return {"token": ev.token, "logprob": lp[ev.token].item(), "top": [[i, v] for i, v in zip(ids, vals)]}
+
+    def _handle_control(self) -> None:
+        while True:
+            try:
+                kind, ids = self._control_q.get_nowait()
+            except queue.Empty:
+                return
+            out = StepOutput()
+            for job_id in ids:
+                job = self.active.get(job_id) or self._take_ready(job_id)
+                if job is None:
+                    continue
+                self.engine.remove([job_id])
+                if kind == "cancel":
+                    self._finish(job, "cancelled", out)
+                else:  # lost lease: another worker owns the job now; write nothing
+                    self.active.pop(job_id, None)
+                    log.warning("job=%s attempt=%d dropped: lease lost", job.id, job.attempt)
+            self.publisher.submit(out)
+
+    def _take_ready(self, job_id: str) -> Optional[ActiveJob]:
+        with self.ready.lock:
+            for item in list(self.ready.items):
+                if item.id == job_id:
+                    self.ready.items.remove(item)
+                    return item
+        return None
+
+    # -- stats ---------------------------------------------------------------
+    def _refresh_snapshot(self) -> None:
+        now = time.monotonic()
+        if now - self._snap_at < min(0.5, self.settings.stats_interval_s):
+            return
+        self._snap_at = now
+        self._window = [(t, n) for t, n in self._window if now - t <= 1.0]
+        current = sum(n for _, n in self._window) / 1.0
+        self._snap = {
+            "worker_id": self.worker_id,
+            "model": self.loaded.name,
+            "engine": type(self.engine).__name__,
+            "started_at": self.started_at,
+            "updated_at": time.time(),
+            "active": len(self.active),
+            "ready": len(self.ready),
+            "processed": dict(self.processed),
+            "tokens_generated": self.tokens_generated,
+            "tok_s_current": current,
+            "tok_s_avg": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
+            "peak_memory_bytes": mx.get_peak_memory(),
+            "active_memory_bytes": mx.get_active_memory(),
+            "publish_round_trips": self.publisher.round_trips,
+            "blas": str(BLAS_STATUS),
+            "draining": self.draining.is_set(),
+            **{f"engine_{k}" if not k.startswith("engine") else k: v for k, v in self.engine.stats().items()},
+        }
+
+    # -- shutdown ------------------------------------------------------------
+    _drain_deadline = float("inf")
+
+    def request_stop(self, grace_s: Optional[float] = None) -> None:
+        """Warm shutdown: stop pulling; finish active jobs within the grace period, then requeue."""
+        self._drain_deadline = time.monotonic() + (self.grace_s if grace_s is None else grace_s)
+        self.draining.set()
+        self.fetcher.paused.set()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum, frame):
+            self._sigterms += 1
+            if self._sigterms == 1:
+                log.warning("signal %d: warm shutdown (finishing active jobs for up to %.0fs); "
+                            "send it again to exit at once", signum, self.grace_s)
+                self.request_stop()
+            else:
+                log.warning("second signal: cold shutdown; leased jobs return to the queue when "
+                            "their leases expire")
+                os._exit(1)
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def _shutdown(self) -> None:
+        self.fetcher.paused.set()
+        out = StepOutput()
+        leftovers = list(self.active.values())
+        with self.ready.lock:
+            leftovers += list(self.ready.items)
+            self.ready.items.clear()
+        for job in leftovers:
+            self.engine.remove([job.id])
+            out.requeues.append((job.id, job.owner, job.resume_state() if job.tokens else b""))
+            self.processed["requeued"] += 1
+        if leftovers:
+            log.warning("requeued %d unfinished jobs at their original scores", len(leftovers))
+        self.active.clear()
+        self.publisher.submit(out)
+        self._snap_at = 0.0
+        self._refresh_snapshot()
+        if not self.publisher.drain(timeout=30.0):
+            log.error("could not flush all output to Redis before exit")
+        self.stop_event.set()
+        self.fetcher.join(timeout=self.settings.idle_block_s + 2)
+        self.control.join(timeout=2)
+        self.publisher.join(timeout=2)
+        self.control.unregister()
+        close = getattr(self.engine, "close", None)
+        if close:
+            close()
+        log.info("worker %s stopped", self.worker_id)
