@@ -38,7 +38,8 @@ def new_worker_id() -> str:
 
 class Worker:
     def __init__(self, redis_client, loaded: LoadedModel, settings: Settings | None = None, *,
-                 engine=None, max_batch: int = 64, worker_id: str | None = None, grace_s: float = 30.0):
+                 engine=None, max_batch: int = 64, worker_id: str | None = None, grace_s: float = 30.0,
+                 observers: Optional[list] = None):
         self.settings = settings or Settings.from_env()
         self.loaded = loaded
         self.worker_id = worker_id or new_worker_id()
@@ -48,6 +49,10 @@ class Worker:
         self.engine = engine or DenseEngine(loaded.model, eos_token_ids=loaded.eos_token_ids, max_batch=max_batch)
         self.grace_s = grace_s
         self.eos = set(loaded.eos_token_ids)
+        # Observers (metrics, rq mirroring) get on_token(job, n_tokens, now_monotonic),
+        # on_finish(job, result) and on_snapshot(snapshot); all are called on the MLX thread
+        # and must be cheap and must not call MLX. Missing methods are skipped.
+        self.observers = list(observers or [])
 
         self.active: dict[str, ActiveJob] = {}
         self.ready = ReadyQueue()
@@ -190,6 +195,7 @@ class Worker:
             text = ""
             lp = None
             if not (finish == "stop" and ev.token in self.eos):
+                self._notify("on_token", job, 1, time.monotonic())
                 ids = [ev.token]
                 job.tokens.append(ev.token)
                 self.tokens_generated += 1
@@ -229,7 +235,18 @@ class Worker:
                                 codec.pack(delta.to_wire())))
         self.active.pop(job.id, None)
         self.processed[status] += 1
+        self._notify("on_finish", job, result)
         log.info("job=%s attempt=%d finished: %s, %d tokens", job.id, job.attempt, finish, len(job.tokens))
+
+    def _notify(self, method: str, *args) -> None:
+        for obs in self.observers:
+            fn = getattr(obs, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("observer %r failed in %s", obs, method)
 
     def _logprobs(self, ev, k: int) -> dict:
         lp = ev.logprobs
@@ -296,6 +313,7 @@ class Worker:
             "draining": self.draining.is_set(),
             **{f"engine_{k}" if not k.startswith("engine") else k: v for k, v in self.engine.stats().items()},
         }
+        self._notify("on_snapshot", self._snap)
 
     # -- shutdown ------------------------------------------------------------
     _drain_deadline = float("inf")
