@@ -45,7 +45,7 @@ def tiny_model_dir():
     from worker.make_model import ensure_model
 
     base = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
-    return ensure_model(base / "test-model-tiny", "tiny")
+    return ensure_model(base / "tiny-model", "tiny")
 
 
 @pytest.fixture(scope="session")

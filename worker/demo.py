@@ -55,7 +55,7 @@ def main(args) -> int:
         from .make_model import ensure_model
 
         t0 = time.perf_counter()
-        model_src = str(ensure_model(_cache_dir() / "demo-model", "tiny"))
+        model_src = str(ensure_model(_cache_dir() / "tiny-model", "tiny"))
         print(f"small local model ready in {model_src} ({time.perf_counter() - t0:.1f}s)")
 
     settings = Settings.from_env(redis_url=url, gather_ms=20.0)
@@ -63,6 +63,17 @@ def main(args) -> int:
     for tier, key in KEYS.items():
         if key:
             apikeys.add_key(client.redis, GlobalKeys(settings.prefix).api_keys, key, tier)
+
+    from shared.keys import model_name
+
+    model = model_name(model_src)
+    print(f"submitting {args.jobs} jobs (low tier first, high last) before the worker starts, "
+          f"so it has to choose")
+    jobs = []
+    for tier, prompt in DEMO_PROMPTS[: args.jobs]:
+        c = Client(url, api_key=KEYS[tier], model=model, settings=settings)
+        jobs.append((tier, prompt, c.submit(prompt, max_tokens=args.max_tokens, temperature=0.6, top_p=0.9,
+                                            seed=len(jobs))))
 
     # The worker: its own thread, and every MLX call (loading included) on it.
     holder: dict = {}
@@ -73,9 +84,8 @@ def main(args) -> int:
         from .runner import Worker
 
         try:
-            loaded = load_model(model_src)
+            loaded = load_model(model_src, name=model)
             holder["worker"] = Worker(client.redis.__class__.from_url(url), loaded, settings, max_batch=4)
-            holder["name"] = loaded.name
         finally:
             ready.set()
         holder["worker"].run()
@@ -86,14 +96,7 @@ def main(args) -> int:
     if "worker" not in holder:
         print("the worker failed to start", file=sys.stderr)
         return 1
-    model = holder["name"]
-    print(f"worker serving {model!r} with room for 4 sequences at once; "
-          f"submitting {args.jobs} jobs, low tier first, high last\n")
-
-    jobs = []
-    for tier, prompt in DEMO_PROMPTS[: args.jobs]:
-        c = Client(url, api_key=KEYS[tier], model=model, settings=settings)
-        jobs.append((tier, prompt, c.submit(prompt, max_tokens=args.max_tokens, temperature=0.7, seed=len(jobs))))
+    print(f"worker serving {model!r} with room for 4 sequences at once\n")
     texts = {j.id: "" for _, _, j in jobs}
     done = {}
 
@@ -122,13 +125,14 @@ def main(args) -> int:
     if tty:
         sys.stdout.write("\n" * len(jobs))
     print(f"{'tier':>6} {'wait s':>7} {'ttft s':>7} {'tokens':>6} {'tok/s':>6} {'finish':>7}  text")
-    order = sorted(jobs, key=lambda x: done[x[2].id].stats.started_at or 0)
+    rank = {"high": 0, "normal": 1, "low": 2}  # jobs pulled together start at the same instant
+    order = sorted(jobs, key=lambda x: (round(done[x[2].id].stats.started_at or 0, 2), rank[x[0]]))
     for tier, prompt, j in order:
         r = done[j.id]
         s = r.stats
         print(f"{tier:>6} {s.queue_wait_s or 0:7.2f} {s.ttft_s or 0:7.2f} {s.generated_tokens:6d} "
               f"{s.generation_tps or 0:6.1f} {r.finish_reason:>7}  {(prompt + r.text).replace(chr(10), ' ')[:90]}")
-    print("\n(rows in the order the worker started them: high-tier jobs jump ahead of older low-tier ones)\n")
+    print("\n(rows in the order the worker started them: high and normal jobs go ahead of older low-tier ones)\n")
     time.sleep(1.2)  # let the stats refresh once more
     print(stats_mod.render(stats_mod.collect(client.redis, settings.prefix)))
     holder["worker"].request_stop(grace_s=5)
