@@ -15,12 +15,12 @@ from shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
 
 
-def reference_tokens(loaded, prompt_ids, max_tokens):
+def reference_tokens(loaded, prompt_ids, max_tokens, ignore_eos=False):
     """mlx-lm's single-sequence greedy tokens, cut at the first EOS (as stream_generate does)."""
     out = []
     for tok, _ in generate_step(mx.array(prompt_ids), loaded.model, max_tokens=max_tokens):
         tok = int(tok)
-        if tok in loaded.eos_token_ids:
+        if tok in loaded.eos_token_ids and not ignore_eos:
             break
         out.append(tok)
     return out
@@ -45,22 +45,38 @@ def collect(job, sink, key):
     sink[key] = (text, ids, finishes)
 
 
-def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_url):
+def make_engine(kind, loaded, max_batch):
+    if kind == "dense":
+        return None  # the Worker's default DenseEngine
+    from worker.paged.engine import PagedEngine
+
+    # a small pool: admission control and preemption really happen
+    return PagedEngine(loaded.model, num_blocks=14, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name)
+
+
+@pytest.mark.parametrize("engine", ["dense", "paged"])
+def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_url, engine):
     rng = random.Random(7)
     vocab = 1000
     specs = []
     for i in range(24):
-        prompt = [rng.randrange(4, min(vocab, 900)) for _ in range(rng.randrange(2, 60))]
-        specs.append((prompt, rng.randrange(4, 40)))
-    refs = [reference_tokens(tiny_model, p, n) for p, n in specs]
+        prompt = [rng.randrange(4, min(vocab, 900)) for _ in range(rng.randrange(2, 90))]
+        specs.append((prompt, rng.randrange(4, 40) if engine == "dense" else rng.randrange(20, 90)))
+    shared = [rng.randrange(4, 900) for _ in range(70)]
+    specs[1] = (shared, specs[1][1])
+    specs[5] = (shared + specs[5][0], specs[5][1])  # shares two full blocks with job 1 (paged: a hit)
+    # paged: long outputs in a 14-block pool, so running sequences get preempted and resumed
+    long_run = engine == "paged"
+    refs = [reference_tokens(tiny_model, p, n, ignore_eos=long_run) for p, n in specs]
     cancel_at = {3, 11, 17}
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
     streamed: dict = {}
-    with running_worker(tiny_model, redis_url, settings, max_batch=6) as w:
+    with running_worker(tiny_model, redis_url, settings, max_batch=6,
+                        engine=make_engine(engine, tiny_model, 6)) as w:
         jobs, threads = [], []
         for i, (prompt, n) in enumerate(specs):
-            job = client.submit(prompt_tokens=prompt, max_tokens=n)
+            job = client.submit(prompt_tokens=prompt, max_tokens=n, ignore_eos=long_run)
             jobs.append(job)
             t = threading.Thread(target=collect, args=(job, streamed, i))
             t.start()
@@ -72,6 +88,11 @@ def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_u
             t.join(timeout=120)
         results = [j.result(timeout=60) for j in jobs]
         assert wait_for(lambda: w.engine.has_work() is False and not w.active, timeout=10)
+        engine_stats = w.engine.stats()
+    print(engine, engine_stats)
+    if engine == "paged":
+        assert engine_stats["prefix_hit_tokens"] > 0
+        assert engine_stats["blocks_used"] == 0  # nothing leaked
     for i, (res, ref) in enumerate(zip(results, refs)):
         text, ids, finishes = streamed[i]
         assert finishes == [res.finish_reason], i
@@ -83,7 +104,35 @@ def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_u
         else:
             assert res.token_ids == ref, i
             assert res.finish_reason == ("length" if len(ref) == specs[i][1] else "stop")
-            assert res.text == streamed_text(tiny_model.tokenizer, ref)
+            if not long_run:
+                assert res.text == streamed_text(tiny_model.tokenizer, ref)
+
+
+def test_paged_preemption_requeues_through_redis_and_resumes_exactly(tiny_model, redis_url):
+    from worker.paged.engine import PagedEngine
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 900) for _ in range(40)] for _ in range(4)]
+    refs = [reference_tokens(tiny_model, p, 150, ignore_eos=True) for p in prompts]
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    streamed: dict = {}
+    engine = PagedEngine(tiny_model.model, num_blocks=14, eos_token_ids=tiny_model.eos_token_ids, model_id="tiny")
+    with running_worker(tiny_model, redis_url, settings, engine=engine) as w:
+        jobs = [client.submit(prompt_tokens=p, max_tokens=150, ignore_eos=True) for p in prompts]
+        threads = [threading.Thread(target=collect, args=(j, streamed, i)) for i, j in enumerate(jobs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        results = [j.result(timeout=60) for j in jobs]
+        stats = w.engine.stats()
+    assert stats["preemptions"] > 0 and stats["blocks_used"] == 0
+    assert client.queue_for("tiny").counts().get("requeued", 0) == stats["preemptions"]
+    for i, (res, ref) in enumerate(zip(results, refs)):
+        text, ids, _ = streamed[i]
+        assert res.token_ids == ref, i  # exactly what it would have been
+        assert ids == ref and text == res.text, i  # nothing streamed twice across the requeue
 
 
 def test_per_request_params_and_seeded_reproducibility_in_a_batch(tiny_model, redis_url):

@@ -14,7 +14,8 @@ Candidates, first hit wins:
    needs ``libgfortran.so.5``; when the system has none, the copy the mlx wheel
    ships is used (a soname-patched copy of it is kept in the cache directory).
 
-``MLXQ_BLAS=off`` skips all of this.  Nothing here imports MLX.
+``MLXQ_BLAS=off`` skips all of this; ``MLXQ_BLAS_THREADS=N`` sets OpenBLAS's thread
+count.  Nothing here imports MLX.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def _setup() -> BlasStatus:
         if not _resolves_globally(lib):
             steps.append(f"{path}: cblas_sgemm does not resolve to it globally")
             continue
-        msg = f"preloaded {config or 'OpenBLAS'} from {path} ({kind}) ahead of MLX's reference BLAS"
+        threads = _set_threads(lib)
+        msg = (f"preloaded {config or 'OpenBLAS'} from {path} ({kind}) ahead of MLX's reference BLAS, "
+               f"{threads} thread(s)")
         return BlasStatus(True, msg, library=path, config=config, steps=steps)
     return BlasStatus(
         False,
@@ -224,6 +227,18 @@ def patch_soname(path: str | os.PathLike, new: str) -> None:
         raise ValueError(f"{path}: new soname longer than the old one")
     data[start : start + len(encoded) + 1] = encoded + b"\0"
     Path(path).write_bytes(bytes(data))
+
+
+def _set_threads(lib: ctypes.CDLL) -> int | str:
+    """``MLXQ_BLAS_THREADS=N`` caps OpenBLAS's threads (its idle threads spin, which
+    costs a busy 2-core machine more than a second thread gains)."""
+    want = os.environ.get("MLXQ_BLAS_THREADS")
+    try:
+        if want:
+            lib.openblas_set_num_threads(int(want))
+        return int(lib.openblas_get_num_threads())
+    except (AttributeError, ValueError):
+        return "default"
 
 
 def _openblas_config(lib: ctypes.CDLL) -> str | None:

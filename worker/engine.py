@@ -152,10 +152,14 @@ class DenseEngine:
             events.append(TokenEvent(job, r.token, r.finish_reason, r.logprobs))
         return events
 
+    def _stops(self, spec: SeqSpec) -> tuple[int, ...]:
+        return self._eos if spec.stop_token_ids is None else tuple(spec.stop_token_ids)
+
     def _stop_sequences(self, spec: SeqSpec) -> Optional[StopSequences]:
-        if tuple(spec.stop_token_ids) == self._eos:
+        stops = self._stops(spec)
+        if stops == self._eos:
             return None
-        return StopSequences([[t] for t in spec.stop_token_ids] or None)
+        return StopSequences([[t] for t in stops] or None)
 
     def _insert(self, specs: list[SeqSpec]) -> None:
         prompts = [s.prompt + s.resume_tokens for s in specs]
@@ -212,7 +216,7 @@ class DenseEngine:
             solo.current, solo.current_logprobs = self._solo_forward(solo, token_arr)
             mx.async_eval(solo.current, solo.current_logprobs)
         token = token_arr.item()
-        finish = "stop" if token in solo.spec.stop_token_ids else ("length" if last else None)
+        finish = "stop" if token in self._stops(solo.spec) else ("length" if last else None)
         return TokenEvent(solo.spec.uid, token, finish, logprobs)
 
     def _solo_step(self) -> list[TokenEvent]:

@@ -26,7 +26,8 @@ class SeqSpec:
     max_tokens: int  # tokens still to generate
     sampler: Optional[Sampler] = None  # None: greedy
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
-    stop_token_ids: Sequence[int] = ()  # end-of-sequence ids: finish with "stop"
+    # end-of-sequence ids (finish with "stop"); None: the engine's default EOS ids; (): none
+    stop_token_ids: Optional[Sequence[int]] = None
     # Tokens this job already generated in an earlier run (preemption resume):
     # they are part of the context but are not emitted again.
     resume_tokens: list[int] = field(default_factory=list)

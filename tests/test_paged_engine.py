@@ -1,0 +1,329 @@
+"""PagedEngine end to end: greedy equality with dense mlx-lm, prefix cache,
+admission, preemption + resume, chunked prefill, sessions, no block leaks."""
+
+import worker  # noqa: F401  (BLAS before mlx)
+
+import random
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import gemma3_text, llama, qwen3
+
+from worker.engine_api import SeqSpec
+from worker.paged import PagedEngine
+
+SMALL_CHUNKS = ((64, 24), (None, 16))  # tiny chunks so prompts span many steps
+
+
+def _llama():
+    mx.random.seed(3)
+    m = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+        tie_word_embeddings=False))
+    mx.eval(m.parameters())
+    return m
+
+
+def _qwen3():
+    mx.random.seed(4)
+    m = qwen3.Model(qwen3.ModelArgs(
+        model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+        max_position_embeddings=4096, head_dim=16, tie_word_embeddings=True, rope_theta=1e6))
+    mx.eval(m.parameters())
+    return m
+
+
+def _gemma3():
+    mx.random.seed(5)
+    m = gemma3_text.Model(gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+        sliding_window=24, sliding_window_pattern=3, query_pre_attn_scalar=16))
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _llama()
+
+
+_dense_memo: dict = {}
+
+
+def dense(model, prompt, n):
+    """Single-sequence greedy mlx-lm reference (memoized per live model)."""
+    _, memo = _dense_memo.setdefault(id(model), (model, {}))  # keeps the model alive
+    key = (tuple(prompt), n)
+    if key not in memo:
+        memo[key] = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+    return memo[key]
+
+
+def run(engine, specs, max_steps=10_000, on_step=None, added=(), prior=None):
+    """Drive the engine like the worker: requeue preempted jobs with resume tokens.
+
+    ``added``: specs the test handed to the engine itself before calling this;
+    ``prior``: tokens those already emitted (uid -> list).
+    Returns each job's full output: resume tokens it came with + emitted ones.
+    """
+    orig = {s.uid: s for s in list(specs) + list(added)}
+    out = {uid: list(s.resume_tokens) + list((prior or {}).get(uid, []))
+           for uid, s in orig.items()}
+    done = {}
+    engine.add(list(specs))
+    n_pre = 0
+    for i in range(max_steps):
+        if not engine.has_work():
+            break
+        events, preempted = engine.step()
+        for e in events:
+            assert e.uid not in done, "token after finish"
+            out[e.uid].append(e.token)
+            if e.finish_reason:
+                done[e.uid] = e.finish_reason
+        for p in preempted:
+            n_pre += 1
+            assert p.tokens == out[p.uid], "preempted tokens = everything emitted"
+            s = orig[p.uid]
+            new = len(p.tokens) - len(s.resume_tokens)
+            engine.add([replace(s, resume_tokens=list(p.tokens),
+                                max_tokens=s.max_tokens - new)])
+        if on_step:
+            on_step(i, events)
+    assert not engine.has_work()
+    return out, done, n_pre
+
+
+def _prompts(seed, n, lo, hi):
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _assert_no_leak(engine):
+    st = engine.stats()
+    assert st["blocks_used"] == len({b for h in engine.sessions.hot.values() for b in h.block_ids})
+    assert st["blocks_used"] + st["blocks_cached"] + st["blocks_free"] == st["blocks_total"]
+    engine.bm.check_invariants()
+
+
+@pytest.mark.parametrize("make", [_llama, _qwen3, _gemma3], ids=["llama", "qwen3", "gemma3"])
+def test_greedy_equals_dense_many_concurrent(make):
+    m = make()
+    prompts = _prompts(1, 10, 1, 140)
+    lens = [12, 5, 20, 1, 16, 9, 14, 20, 3, 11]
+    eng = PagedEngine(m, num_blocks=96, chunk_schedule=SMALL_CHUNKS, step_token_budget=40)
+    specs = [SeqSpec(f"s{i}", p, n) for i, (p, n) in enumerate(zip(prompts, lens))]
+    out, done, _ = run(eng, specs)
+    for s in specs:
+        assert out[s.uid] == dense(m, s.prompt, s.max_tokens), s.uid
+        assert done[s.uid] == "length"
+    _assert_no_leak(eng)
+
+
+def test_prefix_hits_share_blocks_and_match_dense(model):
+    system = _prompts(2, 1, 100, 100)[0]  # 3 full blocks
+    qs = _prompts(3, 6, 1, 20)
+    eng = PagedEngine(model, num_blocks=64)
+    specs = [SeqSpec("first", system + qs[0], 6)]
+    out, _, _ = run(eng, specs)
+    assert eng.stats()["prefix_hit_tokens"] == 0
+    specs = [SeqSpec(f"q{i}", system + q, 6) for i, q in enumerate(qs[1:])]
+    seen_shared = []
+
+    def on_step(i, events):
+        tables = [s.block_table[:3] for s in eng._active.values()]
+        if len(tables) > 1:
+            seen_shared.append(all(t == tables[0] for t in tables))
+
+    out, _, _ = run(eng, specs, on_step=on_step)
+    st = eng.stats()
+    assert st["prefix_hit_tokens"] == 96 * 5
+    assert st["prompt_tokens"] == sum(len(system + q) for q in qs)
+    assert seen_shared and all(seen_shared)  # the shared blocks are referenced, not copied
+    for s in specs:
+        assert out[s.uid] == dense(model, s.prompt, 6)
+    _assert_no_leak(eng)
+
+
+def test_hit_is_capped_below_prompt_length(model):
+    p = _prompts(4, 1, 64, 64)[0]  # exactly two blocks
+    eng = PagedEngine(model, num_blocks=16)
+    run(eng, [SeqSpec("a", p, 3)])
+    out, _, _ = run(eng, [SeqSpec("b", p, 3)])
+    assert eng.stats()["prefix_hit_tokens"] == 32  # never the whole prompt
+    assert out["b"] == dense(model, p, 3)
+
+
+def test_preemption_resume_is_exact_and_never_repeats(model):
+    prompts = _prompts(5, 6, 20, 60)
+    eng = PagedEngine(model, num_blocks=14, pressure=1.0, chunk_schedule=SMALL_CHUNKS)
+    specs = [SeqSpec(f"p{i}", p, 40, priority=float(i % 3)) for i, p in enumerate(prompts)]
+    out, done, n_pre = run(eng, specs)
+    assert n_pre > 0 and eng.stats()["preemptions"] == n_pre
+    for s in specs:
+        assert out[s.uid] == dense(model, s.prompt, 40), s.uid
+        assert done[s.uid] == "length"
+    _assert_no_leak(eng)
+
+
+def test_urgent_job_preempts_lowest_priority_newest(model):
+    eng = PagedEngine(model, num_blocks=10, pressure=1.0)
+    low = [SeqSpec(f"low{i}", _prompts(6 + i, 1, 60, 60)[0], 50, priority=10.0)
+           for i in range(3)]
+    eng.add(low)
+    prior = {s.uid: [] for s in low}
+    for e in eng.step()[0]:
+        prior[e.uid].append(e.token)
+    assert len(eng._active) == 3
+    # 3 x 2 blocks used; the urgent job needs 4 + 1 reserve of the 10
+    urgent = SeqSpec("urgent", _prompts(9, 1, 120, 120)[0], 5, priority=0.0)
+    eng.add([urgent])
+    events, preempted = eng.step()
+    for e in events:
+        prior.setdefault(e.uid, []).append(e.token)
+    assert [p.uid for p in preempted] == ["low2"]  # newest of the lowest priority
+    assert "urgent" in eng._active
+    # the victim resumes from its cached blocks and ends exactly as it would have
+    p = preempted[0]
+    del prior["low2"]  # now carried by its resume tokens
+    out, _, _ = run(eng, [replace(low[2], resume_tokens=p.tokens,
+                                  max_tokens=50 - len(p.tokens))],
+                 added=low[:2] + [urgent], prior=prior)
+    assert eng.stats()["prefix_hit_tokens"] >= 32
+    assert out["low2"] == dense(model, low[2].prompt, 50)
+    # a job within the priority gap does not preempt
+    eng2 = PagedEngine(model, num_blocks=10, pressure=1.0, priority_gap=5.0)
+    eng2.add(low)
+    eng2.step()
+    eng2.add([replace(urgent, priority=9.0)])
+    _, preempted = eng2.step()
+    assert preempted == [] and eng2.stats()["waiting"] == 1
+
+
+def test_admission_waits_when_pool_is_full(model):
+    eng = PagedEngine(model, num_blocks=12, pressure=0.85)
+    specs = [SeqSpec(f"a{i}", _prompts(10 + i, 1, 90, 90)[0], 4) for i in range(4)]
+    eng.add(specs)
+    eng.step()
+    st = eng.stats()
+    # 3 blocks each; the 4th would bring used + reserve to 13 > 85% of 12
+    assert st["running"] == 3 and st["waiting"] == 1
+    assert eng.free_slots() == 0
+    assert eng.can_admit(90, 4) and not eng.can_admit(400, 10)
+    out, _, _ = run(eng, [], added=specs)
+    _assert_no_leak(eng)
+
+
+def test_max_batch_pins_the_batch(model):
+    eng = PagedEngine(model, num_blocks=64, max_batch=2)
+    assert eng.free_slots() == 2
+    specs = [SeqSpec(f"m{i}", [i + 1] * 10, 3) for i in range(3)]
+    eng.add(specs)
+    assert eng.free_slots() == 0
+    eng.step()
+    assert eng.stats()["running"] == 2
+    out, _, _ = run(eng, [], added=specs)
+
+
+def test_chunked_prefill_keeps_streams_going(model):
+    eng = PagedEngine(model, num_blocks=64, chunk_schedule=((None, 32),), step_token_budget=40)
+    streams = [SeqSpec(f"s{i}", [i + 1] * 8, 30) for i in range(3)]
+    eng.add(streams)
+    for _ in range(3):
+        eng.step()
+    long = SeqSpec("long", _prompts(11, 1, 300, 300)[0], 4)
+    eng.add([long])
+    steps_with_stream_tokens = 0
+    while eng._waiting or any(s.state.value == "prefill" for s in eng._active.values()):
+        events, _ = eng.step()
+        assert len([e for e in events if e.uid.startswith("s")]) == 3
+        steps_with_stream_tokens += 1
+    assert steps_with_stream_tokens >= 300 // 40  # prompt split over many steps
+    out, _, _ = run(eng, [], added=streams + [long])
+
+
+def test_stop_tokens_sampler_and_processors(model):
+    prompt = [5, 6, 7, 8]
+    ref = dense(model, prompt, 10)
+    eng = PagedEngine(model, num_blocks=16, eos_token_ids=[ref[3]])
+    out, done, _ = run(eng, [SeqSpec("e", prompt, 10)])
+    assert out["e"] == ref[: ref.index(ref[3]) + 1] and done["e"] == "stop"
+
+    calls = []
+
+    def sampler(logprobs):
+        calls.append(logprobs.shape)
+        return mx.array([42])
+
+    def ban_42(ctx, logits):
+        return logits.at[:, 42].add(-1e9)
+
+    eng = PagedEngine(model, num_blocks=16)
+    out, _, _ = run(eng, [SeqSpec("s", prompt, 3, sampler=sampler),
+                          SeqSpec("p", prompt, 3, logits_processors=[ban_42])])
+    assert out["s"] == [42, 42, 42] and calls == [(1, 256)] * 3
+    assert 42 not in out["p"]
+
+
+def test_session_hot_then_warm_across_restart(model, tmp_path):
+    turn1 = _prompts(12, 1, 80, 80)[0]
+    eng = PagedEngine(model, num_blocks=32, session_dir=str(tmp_path), model_id="tiny")
+    out, _, _ = run(eng, [SeqSpec("t1", turn1, 20, session_id="chat")])
+    assert eng.stats()["sessions_hot"] == 1 and eng.stats()["blocks_used"] == 3  # 99 computed
+    turn2 = turn1 + out["t1"] + [1, 2, 3]
+    out2, _, _ = run(eng, [SeqSpec("t2", turn2, 5, session_id="chat")])
+    assert eng.stats()["prefix_hit_tokens"] == 96
+    assert out2["t2"] == dense(model, turn2, 5)
+    eng.close()
+    assert eng.stats()["blocks_used"] == 0 and eng.sessions.warm_count() == 1
+    _assert_no_leak(eng)
+
+    # a fresh engine (restart) restores the warm session from disk
+    eng2 = PagedEngine(model, num_blocks=32, session_dir=str(tmp_path), model_id="tiny")
+    turn3 = turn2 + out2["t2"] + [4, 5]
+    out3, _, _ = run(eng2, [SeqSpec("t3", turn3, 5, session_id="chat")])
+    st = eng2.stats()
+    assert st["session_restores"] == 1 and st["prefix_hit_tokens"] == 96
+    assert out3["t3"] == dense(model, turn3, 5)
+
+
+def test_sessions_spill_under_pressure(model, tmp_path):
+    eng = PagedEngine(model, num_blocks=12, session_dir=str(tmp_path))
+    for i in range(3):
+        run(eng, [SeqSpec(f"c{i}", _prompts(20 + i, 1, 70, 70)[0], 2, session_id=f"c{i}")])
+    # a big job forces the hot sessions out to disk instead of waiting forever
+    out, _, _ = run(eng, [SeqSpec("big", _prompts(30, 1, 250, 250)[0], 2)])
+    assert eng.stats()["session_spills"] >= 1 and eng.sessions.warm_count() >= 1
+    _assert_no_leak(eng)
+
+
+def test_no_leak_after_mixed_load(model):
+    eng = PagedEngine(model, num_blocks=40, pressure=0.85, chunk_schedule=SMALL_CHUNKS)
+    rng = random.Random(0)
+    system = _prompts(40, 1, 64, 64)[0]
+    specs = []
+    for i in range(16):
+        p = (system if i % 2 else []) + _prompts(50 + i, 1, 1, 80)[0]
+        specs.append(SeqSpec(f"x{i}", p, rng.randint(1, 25), priority=float(rng.randint(0, 3))))
+    base = eng.stats()["blocks_free"]
+    eng.add(specs[:3])
+    eng.step()
+    eng.remove(["x1"])  # cancelled mid-flight
+    out, _, _ = run(eng, specs[3:], added=specs[:3])
+    st = eng.stats()
+    assert st["blocks_used"] == 0 and st["blocks_cached"] + st["blocks_free"] == base
+    _assert_no_leak(eng)
+
+
+def test_oversized_job_is_capped_not_stuck(model):
+    eng = PagedEngine(model, num_blocks=4)
+    assert not eng.can_admit(10, 500)
+    out, done, n_pre = run(eng, [SeqSpec("big", list(range(1, 11)), 500)])
+    assert done["big"] == "length" and len(out["big"]) == 3 * 32 - 10 and n_pre == 0
+    assert out["big"] == dense(model, list(range(1, 11)), 86)
+    _assert_no_leak(eng)

@@ -1,0 +1,456 @@
+"""The paged-KV generation engine (implements ``worker.engine_api.Engine``).
+
+Each ``step()``:
+
+1. admits queued sequences while their prompt blocks (minus prefix-cache hits)
+   plus a decode reserve fit under the pressure threshold, spilling hot
+   sessions and preempting much-lower-priority sequences when needed;
+2. prefills one or more prompt chunks (bounded token budget, chunk size by
+   cache position), emitting the first token of a sequence whose prefill ends;
+3. runs one batched decode forward over every other running sequence, first
+   giving each a block for its new token (preempting the lowest-priority,
+   newest sequence when the pool is exhausted).
+
+All KV lives in ``KVPool``; ``BlockManager`` does the bookkeeping; the stock
+mlx-lm model runs over ``PagedLayerCache`` objects.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from ..engine_api import Preempted, SeqSpec, TokenEvent
+from .block_manager import BLOCK_SIZE, BlockManager, PrefixHit
+from .cache import BatchRow, BatchView, KVPool, make_layer_caches, probe_kv_shape
+from .sessions import HotSession, SessionStore
+
+log = logging.getLogger(__name__)
+
+# (cache position below which, chunk size); the issue's 4096/2048/1024/512
+# scaled down 8x for a CPU.
+DEFAULT_CHUNK_SCHEDULE = ((2048, 512), (8192, 256), (20480, 128), (None, 64))
+DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class _Seq:
+    spec: SeqSpec
+    arrival: int
+    tokens: list[int]  # prompt + resume tokens + tokens generated this run
+    num_context: int  # len(prompt) + len(resume_tokens)
+    state: SeqState = SeqState.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # committed full blocks
+    num_computed: int = 0  # tokens whose KV is in the pool
+    emitted: int = 0  # tokens emitted this run
+    session_checked: bool = False  # warm session file looked at already
+
+    @property
+    def uid(self) -> str:
+        return self.spec.uid
+
+    @property
+    def generated(self) -> list[int]:
+        """Everything generated for this job, earlier runs included."""
+        return self.tokens[len(self.spec.prompt):]
+
+    def victim_key(self):
+        # The preemption victim is the max: lowest priority, then newest.
+        return (self.spec.priority, self.arrival)
+
+
+@dataclass
+class StepCounters:
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    preemptions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    session_spills: int = 0
+    session_restores: int = 0
+
+
+class PagedEngine:
+    def __init__(
+        self,
+        model,
+        *,
+        memory_budget_bytes: Optional[int] = None,
+        num_blocks: Optional[int] = None,
+        max_batch: Optional[int] = None,
+        pressure: float = 0.85,
+        eos_token_ids: Sequence[int] = (),
+        model_id: str = "",
+        session_dir: Optional[str] = None,
+        prefix_cache: bool = True,
+        chunked_prefill: bool = True,
+        chunk_schedule=DEFAULT_CHUNK_SCHEDULE,
+        step_token_budget: int = 512,
+        decode_reserve_blocks: int = 1,
+        priority_gap: float = 1.0,
+        max_sequences: int = 256,
+        block_size: int = BLOCK_SIZE,
+    ):
+        self.model = model
+        self.block_size = block_size
+        self.kv_shape = probe_kv_shape(model)
+        per_block = self.kv_shape.bytes_per_block(block_size)
+        if num_blocks is None:
+            budget = memory_budget_bytes or DEFAULT_BUDGET_BYTES
+            num_blocks = budget // per_block
+        if num_blocks < 2:
+            raise ValueError(f"memory budget too small: {per_block} bytes per block")
+        self.bm = BlockManager(num_blocks, block_size, model_id)
+        self.pool = KVPool(self.kv_shape, num_blocks, block_size)
+        self.max_batch = max_batch
+        self.pressure = pressure
+        self.eos_token_ids = set(eos_token_ids)
+        self.model_id = model_id
+        self.prefix_cache = prefix_cache
+        self.chunked_prefill = chunked_prefill
+        self.chunk_schedule = chunk_schedule
+        self.step_token_budget = step_token_budget
+        self.decode_reserve_blocks = decode_reserve_blocks
+        self.priority_gap = priority_gap
+        self.max_sequences = max_sequences
+        self.sessions = SessionStore(session_dir, model_id)
+        self.counters = StepCounters()
+        self._arrivals = itertools.count()
+        self._waiting: list[_Seq] = []
+        self._active: dict[str, _Seq] = {}
+        log.info("paged engine: %d blocks of %d tokens, %.1f MiB pool",
+                 num_blocks, block_size, self.pool.nbytes / 2**20)
+
+    # ================================================================ Engine API
+    def add(self, specs: list[SeqSpec]) -> None:
+        for spec in specs:
+            if not spec.prompt:
+                raise ValueError(f"{spec.uid}: empty prompt")
+            ctx = list(spec.prompt) + list(spec.resume_tokens)
+            fits = (self.bm.num_blocks - self.decode_reserve_blocks) * self.block_size
+            if len(ctx) + spec.max_tokens > fits:
+                # Alone it would exhaust the pool mid-decode: finish it with
+                # "length" where the pool ends (the worker should have asked
+                # can_admit first).
+                log.warning("%s: %d + %d tokens exceed the pool; max_tokens capped",
+                            spec.uid, len(ctx), spec.max_tokens)
+                spec = replace(spec, max_tokens=max(1, fits - len(ctx)))
+            self._waiting.append(_Seq(spec, next(self._arrivals), ctx, len(ctx)))
+        self._waiting.sort(key=lambda s: (s.spec.priority, s.arrival))
+
+    def remove(self, uids: list[str]) -> None:
+        gone = set(uids)
+        self._waiting = [s for s in self._waiting if s.uid not in gone]
+        for uid in gone:
+            seq = self._active.pop(uid, None)
+            if seq is not None:
+                self._release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._active)
+
+    def free_slots(self) -> int:
+        n_seqs = len(self._waiting) + len(self._active)
+        if self.max_batch is not None:
+            return max(0, self.max_batch - n_seqs)
+        if self._waiting or n_seqs >= self.max_sequences:
+            return 0  # something already waits for memory: leave the rest queued
+        headroom = int(self.pressure * self.bm.num_blocks) - self.bm.num_used
+        # One always: a more urgent job may need to reach us to preempt.
+        return max(1, min(self.max_sequences - n_seqs, headroom // 4))
+
+    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
+        need = self.bm.blocks_needed(prompt_len + max(1, max_tokens))
+        return need + self.decode_reserve_blocks <= self.bm.num_blocks
+
+    def stats(self) -> dict:
+        c = self.bm.counts()
+        return {
+            "blocks_total": c.total,
+            "blocks_used": c.used,
+            "blocks_cached": c.cached,
+            "blocks_free": c.free,
+            "prefix_hit_tokens": self.counters.prefix_hit_tokens,
+            "prompt_tokens": self.counters.prompt_tokens,
+            "preemptions": self.counters.preemptions,
+            "evictions": self.bm.evictions,
+            "running": len(self._active),
+            "waiting": len(self._waiting),
+            "sessions_hot": len(self.sessions.hot),
+            "session_spills": self.counters.session_spills,
+            "session_restores": self.counters.session_restores,
+        }
+
+    def step(self) -> tuple[list[TokenEvent], list[Preempted]]:
+        events: list[TokenEvent] = []
+        preempted: list[Preempted] = []
+        self._admit(preempted)
+        budget = self.step_token_budget - sum(
+            1 for s in self._active.values() if s.state is SeqState.DECODE)
+        just_prefilled = self._prefill(max(1, budget), events)
+        self._decode(just_prefilled, events, preempted)
+        return events, preempted
+
+    def close(self) -> None:
+        """Spill every hot session to disk (when a session dir is set)."""
+        while self.sessions.hot:
+            self._spill_one_session()
+
+    # ================================================================ admission
+    def _admit(self, preempted: list[Preempted]) -> None:
+        while self._waiting:
+            if self.max_batch is not None and len(self._active) >= self.max_batch:
+                if not self._preempt_for(self._waiting[0], preempted):
+                    return
+                continue
+            seq = self._waiting[0]
+            if self._try_allocate(seq):
+                self._waiting.pop(0)
+                self._active[seq.uid] = seq
+                continue
+            if self._spill_one_session():
+                continue
+            if not self._preempt_for(seq, preempted):
+                return
+
+    def _try_allocate(self, seq: _Seq) -> bool:
+        bm = self.bm
+        n = len(seq.tokens)
+        if seq.spec.session_id and not seq.session_checked:
+            seq.session_checked = True
+            self._restore_session(seq)
+        hit = PrefixHit()
+        if self.prefix_cache:
+            hit = bm.lookup(seq.tokens, n - 1)
+        new_blocks = bm.blocks_needed(n) - hit.num_blocks
+        revived = sum(1 for b in hit.block_ids if bm.blocks[b].ref_count == 0)
+        used_after = bm.num_used + revived + new_blocks + self.decode_reserve_blocks
+        limit = bm.num_blocks if not self._active else self.pressure * bm.num_blocks
+        if used_after > limit or not bm.can_allocate(new_blocks + self.decode_reserve_blocks, hit):
+            return False
+        seq.block_table = bm.allocate(new_blocks, hit)
+        seq.block_hashes = list(hit.hashes)
+        seq.num_computed = hit.num_blocks * self.block_size
+        seq.state = SeqState.PREFILL
+        self.counters.prefix_hit_tokens += seq.num_computed
+        self.counters.prompt_tokens += n
+        log.debug("admit %s: %d tokens, %d hit, %d new blocks",
+                  seq.uid, n, seq.num_computed, new_blocks)
+        return True
+
+    def _preempt_for(self, waiting: _Seq, preempted: list[Preempted]) -> bool:
+        """Preempt a running sequence far enough below ``waiting`` in priority."""
+        if not self._active:
+            return False
+        victim = max(self._active.values(), key=_Seq.victim_key)
+        if victim.spec.priority - waiting.spec.priority < self.priority_gap:
+            return False
+        self._preempt(victim, preempted)
+        return True
+
+    def _preempt(self, seq: _Seq, preempted: list[Preempted]) -> None:
+        log.info("preempt %s (priority %s) after %d tokens",
+                 seq.uid, seq.spec.priority, len(seq.generated))
+        del self._active[seq.uid]
+        self._release(seq)
+        self.counters.preemptions += 1
+        preempted.append(Preempted(seq.uid, list(seq.generated)))
+
+    # ================================================================ prefill
+    def _chunk_size(self, pos: int) -> int:
+        for limit, size in self.chunk_schedule:
+            if limit is None or pos < limit:
+                return size
+        return self.chunk_schedule[-1][1]
+
+    def _prefill(self, budget: int, events: list[TokenEvent]) -> set[str]:
+        done: set[str] = set()
+        todo = sorted((s for s in self._active.values() if s.state is SeqState.PREFILL),
+                      key=lambda s: (s.spec.priority, s.arrival))
+        for seq in todo:
+            if budget <= 0:
+                break
+            remaining = len(seq.tokens) - seq.num_computed
+            if self.chunked_prefill:
+                n = min(remaining, self._chunk_size(seq.num_computed), budget)
+            else:
+                n = remaining
+            budget -= n
+            start = seq.num_computed
+            view = BatchView([BatchRow(seq.block_table, start, n)], self.block_size)
+            inputs = mx.array(seq.tokens[start:start + n])[None]
+            logits = self.model(inputs, cache=make_layer_caches(self.pool, view))
+            self.counters.prefill_tokens += n
+            if start + n < len(seq.tokens):
+                mx.eval(self.pool.arrays())
+                del logits
+                self._advance(seq, n)
+                continue
+            tok, lp = self._sample(seq, logits[:, -1, :])
+            mx.eval(tok, lp, self.pool.arrays())
+            del logits
+            self._advance(seq, n)
+            seq.state = SeqState.DECODE
+            done.add(seq.uid)
+            self._emit(seq, int(tok.item()), lp[0], events)
+        return done
+
+    # ================================================================ decode
+    def _decode(self, skip: set[str], events: list[TokenEvent],
+                preempted: list[Preempted]) -> None:
+        rows = [s for s in self._active.values()
+                if s.state is SeqState.DECODE and s.uid not in skip]
+        rows.sort(key=lambda s: (s.spec.priority, s.arrival))
+        ready: list[_Seq] = []
+        for seq in rows:
+            if seq.uid not in self._active:
+                continue  # preempted to make room for an earlier row
+            if self._ensure_slot(seq, preempted):
+                ready.append(seq)
+        ready = [s for s in ready if s.uid in self._active]
+        if not ready:
+            return
+        view = BatchView([BatchRow(s.block_table, s.num_computed, 1) for s in ready],
+                         self.block_size)
+        inputs = mx.array([[s.tokens[-1]] for s in ready])
+        logits = self.model(inputs, cache=make_layer_caches(self.pool, view))[:, -1, :]
+        samples = [self._sample(s, logits[i:i + 1]) for i, s in enumerate(ready)]
+        toks = mx.concatenate([t.reshape(1) for t, _ in samples])
+        mx.eval(toks, [lp for _, lp in samples], self.pool.arrays())
+        del logits
+        self.counters.decode_tokens += len(ready)
+        for seq, tok, (_, lp) in zip(ready, toks.tolist(), samples):
+            self._advance(seq, 1)
+            self._emit(seq, tok, lp[0], events)
+
+    def _ensure_slot(self, seq: _Seq, preempted: list[Preempted]) -> bool:
+        """Give ``seq`` a block for its next token, preempting if the pool is full."""
+        while seq.num_computed >= len(seq.block_table) * self.block_size:
+            if self.bm.can_append():
+                seq.block_table.append(self.bm.append_block())
+                return True
+            if self._spill_one_session():
+                continue
+            # Never the only sequence: add() keeps each one within the pool.
+            victim = max(self._active.values(), key=_Seq.victim_key)
+            self._preempt(victim, preempted)
+            if victim is seq:
+                return False
+        return True
+
+    # ================================================================ helpers
+    def _sample(self, seq: _Seq, logits: mx.array):
+        spec = seq.spec
+        if spec.logits_processors:
+            ctx = mx.array(seq.tokens)
+            for proc in spec.logits_processors:
+                logits = proc(ctx, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if spec.sampler is None:
+            tok = mx.argmax(logprobs, axis=-1)
+        else:
+            tok = spec.sampler(logprobs)
+        return tok, logprobs
+
+    def _advance(self, seq: _Seq, n: int) -> None:
+        """Mark ``n`` more tokens computed; commit blocks that became full."""
+        seq.num_computed += n
+        bs = self.block_size
+        while len(seq.block_hashes) < seq.num_computed // bs:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = self.bm.commit(seq.block_table[i], parent, seq.tokens[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(h)
+
+    def _emit(self, seq: _Seq, tok: int, logprobs, events: list[TokenEvent]) -> None:
+        seq.tokens.append(tok)
+        seq.emitted += 1
+        reason = None
+        stops = self.eos_token_ids if seq.spec.stop_token_ids is None else seq.spec.stop_token_ids
+        if tok in stops:
+            reason = "stop"
+        elif seq.emitted >= seq.spec.max_tokens:
+            reason = "length"
+        events.append(TokenEvent(seq.uid, tok, reason, logprobs))
+        if reason is not None:
+            self._finish(seq)
+
+    def _finish(self, seq: _Seq) -> None:
+        self._active.pop(seq.uid, None)
+        if seq.spec.session_id:
+            self._keep_session(seq)
+        self._release(seq)
+
+    def _release(self, seq: _Seq) -> None:
+        if seq.block_table:
+            self.bm.deallocate(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed = 0
+        seq.state = SeqState.WAITING
+
+    # ================================================================ sessions
+    def _keep_session(self, seq: _Seq) -> None:
+        n_full = len(seq.block_hashes)
+        if n_full == 0:
+            return
+        blocks = seq.block_table[:n_full]
+        self.bm.ref(blocks)
+        hot = HotSession(seq.spec.session_id, blocks, seq.tokens[:n_full * self.block_size])
+        old = self.sessions.put_hot(hot)
+        if old is not None:
+            self.bm.deallocate(old.block_ids)
+
+    def _spill_one_session(self) -> bool:
+        """Write the least recently used hot session to disk and unpin it."""
+        hot = self.sessions.oldest_hot()
+        if hot is None:
+            return False
+        del self.sessions.hot[hot.session_id]
+        if self.sessions.session_dir:
+            self.sessions.save(hot, self.pool.read_blocks(hot.block_ids))
+        self.bm.deallocate(hot.block_ids)
+        self.counters.session_spills += 1
+        return True
+
+    def _restore_session(self, seq: _Seq) -> None:
+        """Load a warm session's blocks into the prefix cache when they help."""
+        sid = seq.spec.session_id
+        if sid in self.sessions.hot:
+            self.sessions.touch(sid)
+            return
+        bs = self.block_size
+        warm = self.sessions.load(sid) if self.sessions.session_dir else None
+        if warm is None:
+            return
+        n_blocks = min(len(warm.tokens), len(seq.tokens) - 1) // bs
+        while n_blocks and warm.tokens[:n_blocks * bs] != seq.tokens[:n_blocks * bs]:
+            n_blocks -= 1
+        hit = self.bm.lookup(seq.tokens, n_blocks * bs)
+        need = n_blocks - hit.num_blocks
+        if need <= 0 or not self.bm.can_allocate(need, hit):
+            return
+        # Reference the blocks already in the pool (so allocating cannot evict
+        # them), load the rest into fresh blocks and register their hashes.
+        table = self.bm.allocate(need, hit)
+        new_ids = table[hit.num_blocks:]
+        lo, hi = hit.num_blocks * bs, n_blocks * bs
+        self.pool.write_blocks(new_ids, {k: v[:, lo:hi] for k, v in warm.data.items()})
+        parent = hit.hashes[-1] if hit.hashes else None
+        for i, bid in enumerate(new_ids, start=hit.num_blocks):
+            parent = self.bm.commit(bid, parent, seq.tokens[i * bs:(i + 1) * bs])
+        self.bm.deallocate(table)  # now cached; the lookup that follows takes them
+        self.counters.session_restores += 1
+        log.debug("session %s restored: %d of %d blocks from disk", sid, need, n_blocks)
