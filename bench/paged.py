@@ -8,15 +8,19 @@
     python bench/paged.py all
 
 The model is a ~25M-parameter fp32 llama (8 layers, hidden 512, GQA 8/4 heads,
-vocab 8192) with random weights, built here.  Run from the repo root with
-PYTHONPATH=. ; counts are kept small for a 2-core CPU (flags to scale up).
+vocab 8192) with random weights, built here.  Counts are kept small for a 2-core CPU (flags to scale up).
 On a shared, loaded 2-core box set OPENBLAS_NUM_THREADS=1: OpenBLAS threads
 fighting other processes made every matmul ~20x slower in our runs.
 """
 
 from __future__ import annotations
 
-import worker  # noqa: F401  (optimized BLAS before mlx)
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import worker  # noqa: E402,F401  (optimized BLAS before mlx)
 
 import argparse
 import logging

@@ -151,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
 _EXTRA_COMMANDS: list = []
 
 
+def _ecosystem_commands(sub) -> None:
+    """``mlxq gateway`` (OpenAI-compatible HTTP) and ``mlxq batch`` (resumable JSONL bulk submission)."""
+    from .bulk import add_command as add_batch
+    from .gateway import add_command as add_gateway
+
+    add_gateway(sub)
+    add_batch(sub)
+
+
+_EXTRA_COMMANDS.append(_ecosystem_commands)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -38,6 +38,14 @@ class GlobalKeys:
     def models(self) -> str:  # hash: model name -> msgpack model info (served by live workers)
         return f"{self.prefix}:models"
 
+    @property
+    def rq_intake(self) -> str:  # list: rq job ids taken from rq queues, not yet enqueued in mlxq
+        return f"{self.prefix}:rqbridge:intake"
+
+    @property
+    def rq_pending(self) -> str:  # hash: rq job id -> msgpack {model, job} of a bridged job not yet mirrored back
+        return f"{self.prefix}:rqbridge:pending"
+
     def model_keys(self, model: str) -> "ModelKeys":
         return ModelKeys(model, self.prefix)
 

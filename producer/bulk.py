@@ -1,0 +1,272 @@
+"""Bulk submission at the low tier: ``mlxq batch IN.jsonl -o OUT.jsonl`` and ``Client.map``.
+
+Input lines are JSON: a string (the prompt) or an object with one of ``prompt`` / ``messages`` /
+``prompt_tokens`` plus sampling params (``max_tokens``, ``temperature``, ...); ``custom_id`` is
+copied to the output.  Output lines are written as jobs finish (any order), each with its input
+``line`` number: ``{"line", "custom_id", "id", "text", "finish_reason", "error", "usage"}``.
+
+Resuming: a line's idempotency key is ``batch:<sha256 of the input file>:<line>``.  A rerun skips
+lines already in the output and re-submits the rest with the same keys, so a job submitted
+before the interruption is waited for, not run again (within the idempotency TTL, 24 h by default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
+
+from shared import codec
+from shared.protocol import OverloadError
+from shared.schemas import Result
+from .common import build_request, check_fits, result_from_hash
+
+log = logging.getLogger(__name__)
+
+BULK_TIER_FLOOR = "low"
+OVERLOAD_BACKOFF_S = 0.5
+
+
+@dataclass
+class Submitted:
+    model: str
+    job_id: str
+    duplicate: bool
+
+
+def enqueue_request(client, params: dict, tier: str, idempotency_key: Optional[str] = None,
+                    source: str = "bulk") -> Submitted:
+    """Validate and enqueue one request without holding a channel subscription per job
+    (bulk callers wait by polling job records).  ValueError: invalid; OverloadError: queue full."""
+    params = dict(params)
+    model = params.pop("model", None) or client.model
+    req = build_request(model, {**params, "source": source, "submitted_at": time.time()})
+    check_fits(req, client.models().get(model))
+    payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
+    if len(payload) > client.settings.max_prompt_bytes:
+        raise ValueError(f"request of {len(payload)} bytes exceeds the {client.settings.max_prompt_bytes}-byte limit")
+    enq = client.queue_for(model).enqueue(req.id, payload, tier, idempotency_key)
+    return Submitted(model, enq.job_id, enq.status == "duplicate")
+
+
+def usage(res: Result) -> dict:
+    p, c = res.stats.prompt_tokens, res.stats.generated_tokens
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _as_params(item: Any) -> dict:
+    if isinstance(item, str):
+        return {"prompt": item}
+    if isinstance(item, dict):
+        return dict(item)
+    raise ValueError(f"expected a prompt string or an object of submit arguments, got {type(item).__name__}")
+
+
+def _submit_with_backoff(client, params: dict, tier: str, key: Optional[str], stop: Optional[threading.Event]):
+    while True:
+        try:
+            return enqueue_request(client, params, tier, key)
+        except OverloadError as exc:
+            log.info("queue full, retrying in %.1fs: %s", OVERLOAD_BACKOFF_S, exc)
+            if stop is not None and stop.wait(OVERLOAD_BACKOFF_S):
+                return None
+            if stop is None:
+                time.sleep(OVERLOAD_BACKOFF_S)
+
+
+# -- Client.map ----------------------------------------------------------------------------------
+
+def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Optional[float] = None,
+                idempotency_prefix: Optional[str] = None, **params: Any) -> Iterator[Result]:
+    """Submit each item (a prompt or a dict of submit arguments; ``params`` are defaults) at the
+    low tier, keeping up to ``window`` jobs queued; yield Results in input order.  An invalid item
+    yields a Result with ``finish_reason="error"`` rather than stopping the iteration."""
+    tier = client.tier(BULK_TIER_FLOOR)
+    it = enumerate(items)
+    inflight: deque = deque()  # (index, Submitted | Result)
+    exhausted = False
+    while True:
+        while not exhausted and len(inflight) < window:
+            try:
+                i, item = next(it)
+            except StopIteration:
+                exhausted = True
+                break
+            key = f"{idempotency_prefix}:{i}" if idempotency_prefix else None
+            try:
+                inflight.append((i, _submit_with_backoff(client, {**params, **_as_params(item)}, tier, key, None)))
+            except ValueError as exc:
+                inflight.append((i, Result(id="", finish_reason="error", error=f"invalid request: {exc}")))
+        if not inflight:
+            return
+        _, sub = inflight.popleft()
+        if isinstance(sub, Result):
+            yield sub
+        else:
+            yield client.job(sub.job_id, sub.model).result(timeout=timeout)
+
+
+# -- mlxq batch ------------------------------------------------------------------------------------
+
+@dataclass
+class BatchSummary:
+    total: int
+    skipped: int  # already in the output
+    written: int  # written by this run
+    duplicates: int  # submissions that found the job of an earlier run
+    interrupted: bool
+
+
+def file_identity(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:24]
+
+
+def finished_lines(output_path: str) -> set[int]:
+    """Line numbers already in the output; a torn last line (an interrupted write) is cut off."""
+    if not os.path.exists(output_path):
+        return set()
+    with open(output_path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+            data = data[: data.rfind(b"\n") + 1]
+    done = set()
+    for raw in data.splitlines():
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("line"), int) and rec.get("finish_reason"):
+            done.add(rec["line"])
+    return done
+
+
+class BatchRun:
+    """One pass over an input file; ``run()`` returns when every line is in the output or ``stop`` is set."""
+
+    def __init__(self, client, input_path: str, output_path: str, *, window: int = 256, poll_s: float = 0.05,
+                 progress: bool = True, stop: Optional[threading.Event] = None, **defaults: Any):
+        self.client = client
+        self.input_path, self.output_path = input_path, output_path
+        self.window, self.poll_s, self.progress = window, poll_s, progress
+        self.stop = stop or threading.Event()
+        self.defaults = defaults
+
+    def _lines(self, skip: set[int]) -> Iterator[tuple[int, str]]:
+        with open(self.input_path, encoding="utf-8") as f:
+            for n, raw in enumerate(f, start=1):
+                if raw.strip() and n not in skip:
+                    yield n, raw
+
+    def run(self) -> BatchSummary:
+        from tqdm import tqdm
+
+        ident = file_identity(self.input_path)
+        done = finished_lines(self.output_path)
+        with open(self.input_path, encoding="utf-8") as f:
+            total = sum(1 for raw in f if raw.strip())
+        tier = self.client.tier(BULK_TIER_FLOOR)
+        bar = tqdm(total=total, initial=len(done), unit="line", disable=not self.progress, dynamic_ncols=True)
+        summary = BatchSummary(total=total, skipped=len(done), written=0, duplicates=0, interrupted=False)
+        inflight: dict[str, tuple[int, Optional[str], str]] = {}  # job id -> (line, custom_id, model)
+        lines = self._lines(done)
+        exhausted = False
+        with open(self.output_path, "a", encoding="utf-8") as out:
+            try:
+                while not self.stop.is_set():
+                    while not exhausted and len(inflight) < self.window and not self.stop.is_set():
+                        nxt = next(lines, None)
+                        if nxt is None:
+                            exhausted = True
+                            break
+                        n, raw = nxt
+                        self._submit(n, raw, ident, tier, inflight, out, summary, bar)
+                    if exhausted and not inflight:
+                        break
+                    if not self._reap(inflight, out, summary, bar):
+                        self.stop.wait(self.poll_s)
+            except KeyboardInterrupt:
+                self.stop.set()
+            finally:
+                bar.close()
+        summary.interrupted = self.stop.is_set() and (not exhausted or bool(inflight))
+        return summary
+
+    def _submit(self, n, raw, ident, tier, inflight, out, summary, bar) -> None:
+        custom_id = None
+        try:
+            item = json.loads(raw)
+            params = {**self.defaults, **_as_params(item)}
+            custom_id = params.pop("custom_id", None)
+            sub = _submit_with_backoff(self.client, params, tier, f"batch:{ident}:{n}", self.stop)
+        except ValueError as exc:
+            self._write(out, {"line": n, "custom_id": custom_id, "id": None, "text": "", "finish_reason": "error",
+                              "error": f"invalid request: {exc}", "usage": None}, summary, bar)
+            return
+        if sub is None:  # stopped while the queue was full
+            return
+        summary.duplicates += sub.duplicate
+        inflight[sub.job_id] = (n, custom_id, sub.model)
+
+    def _reap(self, inflight, out, summary, bar) -> bool:
+        if not inflight:
+            return False
+        r = self.client.redis
+        ids = list(inflight)
+        with r.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hgetall(self.client.gkeys.model_keys(inflight[job_id][2]).job(job_id))
+            hashes = pipe.execute()
+        reaped = False
+        for job_id, h in zip(ids, hashes):
+            res = result_from_hash(job_id, h) if h else None
+            if res is None:
+                continue
+            n, custom_id, _ = inflight.pop(job_id)
+            self._write(out, {"line": n, "custom_id": custom_id, "id": job_id, "text": res.text,
+                              "finish_reason": res.finish_reason, "error": res.error, "usage": usage(res)},
+                        summary, bar)
+            reaped = True
+        return reaped
+
+    @staticmethod
+    def _write(out, record: dict, summary: BatchSummary, bar) -> None:
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        out.flush()
+        summary.written += 1
+        bar.update(1)
+
+
+def cmd_batch(args) -> int:
+    from .client import Client
+
+    client = Client(args.redis_url, api_key=args.api_key, model=args.model)
+    defaults = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
+    summary = BatchRun(client, args.input, args.output, window=args.window, progress=not args.quiet,
+                       **defaults).run()
+    print(json.dumps(summary.__dict__))
+    return 130 if summary.interrupted else 0
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("batch", help="submit every line of a JSONL file at the low tier; resumable")
+    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"), help="default: $MLXQ_REDIS_URL")
+    p.add_argument("input", help="JSONL: a prompt string or an object of submit arguments per line")
+    p.add_argument("-o", "--output", required=True, help="JSONL results (appended; finished lines are skipped)")
+    p.add_argument("--api-key", default=os.environ.get("MLXQ_API_KEY"))
+    p.add_argument("--model")
+    p.add_argument("--max-tokens", type=int, help="default for lines that do not set it")
+    p.add_argument("--temperature", type=float, help="default for lines that do not set it")
+    p.add_argument("--window", type=int, default=256, help="most jobs in flight (default 256)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_batch)

@@ -1,0 +1,401 @@
+"""``mlxq gateway``: an OpenAI-compatible HTTP front end; a producer in its own process.
+
+    POST /v1/chat/completions, /v1/completions        (stream or not; usage from the job's stats)
+    POST /v1/batch/chat/completions, /v1/batch/completions   (the same at the low tier)
+    GET  /v1/models                                     (models that live workers serve)
+    GET  /metrics, /health
+
+The bearer token is an mlxq API key: it decides the tier (no token: normal; unknown or revoked:
+401).  Each request becomes one queue job through ``AsyncClient``; a stream reads the job's token
+channel.  A client that disconnects cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, AsyncIterator, Optional
+
+import redis.asyncio as aredis
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from shared.apikeys import AuthError
+from shared.protocol import JobRefused, OverloadError
+from shared.schemas import Delta
+from shared.settings import TIERS, Settings
+from .aclient import AsyncClient, AsyncJob
+from .common import NoModelError
+from .openai_api import (ChatCompletionRequest, CompletionRequest, LogprobFormatter, OpenAIError, TokenNames,
+                         finish_reason, now_s, usage, validation_error)
+
+log = logging.getLogger("mlxq.gateway")
+
+
+def jlog(level: int, job_id: str, attempt: int, msg: str, *args: Any) -> None:
+    """A log line about a job: ``job=<id> attempt=<n>`` first, and as record fields for JSON logs."""
+    log.log(level, "job=%s attempt=%d " + msg, job_id, attempt, *args, extra={"job": job_id, "attempt": attempt})
+
+
+class GatewayMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mlxq_gateway_requests", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.latency = Histogram("mlxq_gateway_request_seconds", "Request time to the last byte", ["endpoint"],
+                                 registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.ttft = Histogram("mlxq_gateway_ttft_seconds", "Request to first streamed token", ["endpoint"],
+                              registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.inflight = Gauge("mlxq_gateway_inflight_requests", "Requests being served", registry=r)
+        self.tokens = Counter("mlxq_gateway_completion_tokens", "Completion tokens returned", registry=r)
+        self.cancels = Counter("mlxq_gateway_disconnect_cancels", "Jobs cancelled on client disconnect", registry=r)
+        self.errors = Counter("mlxq_gateway_errors", "Error responses by type", ["type"], registry=r)
+        self.queue_depth = Gauge("mlxq_queue_depth", "Jobs waiting in the queue, per tier", ["model", "tier"],
+                                 registry=r)
+        self.running = Gauge("mlxq_running_jobs", "Jobs leased to workers", ["model"], registry=r)
+
+
+class Gateway:
+    """The application state: one Redis connection pool, shared by every request's AsyncClient."""
+
+    def __init__(self, redis_url: Optional[str] = None, settings: Optional[Settings] = None):
+        self.settings = settings or Settings.from_env(redis_url=redis_url)
+        self.redis_url = redis_url or self.settings.redis_url
+        if not self.redis_url:
+            raise ValueError("mlxq gateway: no Redis URL (pass --redis-url or set MLXQ_REDIS_URL)")
+        self.redis: Optional[aredis.Redis] = None
+        self.metrics = GatewayMetrics()
+        self.token_names = TokenNames()
+        self._background: set[asyncio.Task] = set()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        self.redis = aredis.Redis.from_url(self.redis_url, health_check_interval=30)
+        try:
+            yield
+        finally:
+            if self._background:
+                await asyncio.gather(*self._background, return_exceptions=True)
+            await self.redis.aclose()
+
+    def client(self, request: Request) -> AsyncClient:
+        return AsyncClient(api_key=bearer(request), settings=self.settings, redis_client=self.redis)
+
+    def spawn(self, coro) -> None:
+        """Run a coroutine outside the request's task (which may be being cancelled)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- endpoints -------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        models = await AsyncClient(settings=self.settings, redis_client=self.redis).models()
+        data = [{"id": name, "object": "model", "created": int(info.get("created", 0) or 0), "owned_by": "mlxq",
+                 "context_length": info.get("context_length")} for name, info in sorted(models.items())]
+        self.metrics.requests.labels("/v1/models", "200").inc()
+        return JSONResponse({"object": "list", "data": data})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, ChatCompletionRequest, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, CompletionRequest, chat=False)
+
+    async def health(self, request: Request) -> Response:
+        await self.redis.ping()
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self, request: Request) -> Response:
+        client = AsyncClient(settings=self.settings, redis_client=self.redis)
+        for model in await client.models():
+            counts = await self.redis.hgetall(client.gkeys.model_keys(model).counts)
+            counts = {k.decode(): int(v) for k, v in counts.items()}
+            for tier in TIERS:
+                self.metrics.queue_depth.labels(model, tier).set(counts.get(f"queued:{tier}", 0))
+            self.metrics.running.labels(model).set(counts.get("running", 0))
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- the generation path ------------------------------------------------------------------
+    async def _generate(self, request: Request, schema, chat: bool) -> Response:
+        endpoint = request.url.path
+        floor = "low" if endpoint.startswith("/v1/batch/") else None
+        started = time.monotonic()
+        try:
+            client = self.client(request)
+            tier = await client.tier(floor)  # 401 before anything else
+            body = await _json_body(request)
+            try:
+                req = schema.model_validate(body)
+            except ValidationError as exc:
+                raise validation_error(exc) from None
+            kwargs = req.submit_kwargs()
+            models = await client.models()
+            if req.model and req.model not in models:
+                raise OpenAIError(404, f"model {req.model!r} is not served by any worker", param="model",
+                                  code="model_not_found")
+            model = req.model or await client.model()
+            try:
+                job = await client.submit(model=model, _floor=floor, _source="gateway", **kwargs)
+            except ValidationError as exc:
+                raise validation_error(exc) from None
+        except OpenAIError as exc:
+            return self._error(endpoint, exc)
+        except AuthError as exc:
+            return self._error(endpoint, OpenAIError(401, str(exc), "authentication_error", code="invalid_api_key"))
+        except OverloadError as exc:
+            return self._error(endpoint, OpenAIError(429, str(exc), "rate_limit_error", code="queue_full"))
+        except NoModelError as exc:
+            return self._error(endpoint, OpenAIError(404, str(exc), param="model", code="model_not_found"))
+        except (JobRefused, ValueError) as exc:
+            return self._error(endpoint, validation_error(exc))
+        jlog(logging.INFO, job.id, 0, "submitted by %s at tier %s (%s, stream=%s)", endpoint, tier, model, req.stream)
+        fmt = LogprobFormatter(self.token_names.for_model(models.get(model)), req.top_n)
+        meta = _Meta(id=("chatcmpl-" if chat else "cmpl-") + job.id, model=model, created=now_s(), chat=chat,
+                     endpoint=endpoint, started=started, include_usage=req.include_usage)
+        if req.stream:
+            return StreamingResponse(self._sse(job, meta, fmt), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._complete(request, job, meta, fmt)
+
+    async def _complete(self, request: Request, job: AsyncJob, meta: "_Meta", fmt: LogprobFormatter) -> Response:
+        self.metrics.inflight.inc()
+        try:
+            result_task = asyncio.ensure_future(job.result())
+            gone_task = asyncio.ensure_future(_wait_disconnect(request))
+            done, _ = await asyncio.wait({result_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+            if result_task not in done:
+                result_task.cancel()
+                await self._cancel(job, "client disconnected")
+                return Response(status_code=499)
+            gone_task.cancel()
+            res = result_task.result()
+        finally:
+            self.metrics.inflight.dec()
+        jlog(logging.INFO, job.id, res.stats.attempts, "finished: %s, %d tokens", res.finish_reason,
+             res.stats.generated_tokens)
+        if res.finish_reason == "error":
+            return self._error(meta.endpoint, OpenAIError(500, res.error or "generation failed", "server_error",
+                                                          code="job_failed"))
+        self.metrics.tokens.inc(res.stats.generated_tokens)
+        self.metrics.latency.labels(meta.endpoint).observe(time.monotonic() - meta.started)
+        self.metrics.requests.labels(meta.endpoint, "200").inc()
+        if meta.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
+                      "logprobs": fmt.chat(res.logprobs) if fmt.top_n or res.logprobs else None,
+                      "finish_reason": finish_reason(res.finish_reason)}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": res.text, "logprobs": fmt.completion(res.logprobs),
+                      "finish_reason": finish_reason(res.finish_reason)}
+            obj = "text_completion"
+        return JSONResponse({"id": meta.id, "object": obj, "created": meta.created, "model": meta.model,
+                             "choices": [choice], "usage": usage(res), "system_fingerprint": None})
+
+    async def _sse(self, job: AsyncJob, meta: "_Meta", fmt: LogprobFormatter) -> AsyncIterator[str]:
+        self.metrics.inflight.inc()
+        finished, attempt, offset = False, 0, 0
+        try:
+            if meta.chat:
+                yield _event(meta.chunk({"role": "assistant", "content": ""}, None))
+            async for d in job.stream():
+                attempt = max(attempt, d.attempt)
+                if d.restart:
+                    finished = True
+                    yield _event(OpenAIError(500, "the job restarted on another worker with different output",
+                                             "server_error", code="job_restarted").body())
+                    break
+                if offset == 0 and d.text:
+                    self.metrics.ttft.labels(meta.endpoint).observe(time.monotonic() - meta.started)
+                if d.finish_reason == "error":
+                    finished = True
+                    yield _event(OpenAIError(500, d.error or "generation failed", "server_error",
+                                             code="job_failed").body())
+                    break
+                if d.text or d.logprobs or d.finish_reason:
+                    yield _event(self._delta_chunk(meta, d, fmt, offset))
+                offset += len(d.text)
+                if d.finish_reason:
+                    finished = True
+            if meta.include_usage and finished:
+                res = await job.result(timeout=10)
+                yield _event(meta.usage_chunk(usage(res)))
+            yield "data: [DONE]\n\n"
+            res = await job.result(timeout=10) if finished else None
+            if res is not None:
+                self.metrics.tokens.inc(res.stats.generated_tokens)
+                jlog(logging.INFO, job.id, res.stats.attempts, "streamed: %s, %d tokens", res.finish_reason,
+                     res.stats.generated_tokens)
+            self.metrics.requests.labels(meta.endpoint, "200").inc()
+            self.metrics.latency.labels(meta.endpoint).observe(time.monotonic() - meta.started)
+        finally:
+            self.metrics.inflight.dec()
+            if not finished:  # the client went away (the request task is being cancelled)
+                self.spawn(self._cancel(job, "client disconnected from the stream", attempt))
+
+    def _delta_chunk(self, meta: "_Meta", d: Delta, fmt: LogprobFormatter, offset: int) -> dict:
+        reason = finish_reason(d.finish_reason)
+        if meta.chat:
+            delta = {"content": d.text} if d.text else {}
+            lp = fmt.chat(d.logprobs) if d.logprobs else None
+            return meta.chunk(delta, reason, lp)
+        return meta.chunk(d.text, reason, fmt.completion(d.logprobs, offset) if d.logprobs else None)
+
+    async def _cancel(self, job: AsyncJob, why: str, attempt: int = 0) -> None:
+        try:
+            status = await job.cancel()
+        except Exception as exc:
+            jlog(logging.WARNING, job.id, attempt, "cancel after disconnect failed: %s", exc)
+            return
+        self.metrics.cancels.inc()
+        jlog(logging.INFO, job.id, attempt, "%s: cancel -> %s", why, status)
+        with contextlib.suppress(Exception):
+            await job.result(timeout=10)  # the final status; also releases the job's channel subscription
+
+    def _error(self, endpoint: str, exc: OpenAIError) -> JSONResponse:
+        self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+        self.metrics.errors.labels(exc.type).inc()
+        log.info("%s %d %s: %s", endpoint, exc.status, exc.type, exc.message)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+
+class _Meta:
+    def __init__(self, *, id: str, model: str, created: int, chat: bool, endpoint: str, started: float,
+                 include_usage: bool):
+        self.id, self.model, self.created, self.chat = id, model, created, chat
+        self.endpoint, self.started, self.include_usage = endpoint, started, include_usage
+
+    def chunk(self, delta, reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason}
+            obj = "text_completion"
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, u: dict) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
+                "usage": u}
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def bearer(request: Request) -> Optional[str]:
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return None
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(redis_url: Optional[str] = None, settings: Optional[Settings] = None) -> Starlette:
+    gw = Gateway(redis_url, settings)
+    routes = [
+        Route("/v1/models", gw.models, methods=["GET"]),
+        Route("/v1/chat/completions", gw.chat, methods=["POST"]),
+        Route("/v1/completions", gw.completions, methods=["POST"]),
+        Route("/v1/batch/chat/completions", gw.chat, methods=["POST"]),
+        Route("/v1/batch/completions", gw.completions, methods=["POST"]),
+        Route("/metrics", gw.prometheus, methods=["GET"]),
+        Route("/health", gw.health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=gw.lifespan)
+    app.state.gateway = gw
+    return app
+
+
+class ServerThread:
+    """Uvicorn serving an app on a thread (tests, notebooks): ``with ServerThread(app) as url: ...``."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        end = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > end or not self.thread.is_alive():
+                raise RuntimeError("the gateway did not start")
+            time.sleep(0.02)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; ``job`` and ``attempt`` fields when the line is about a job."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        for key in ("job", "attempt"):
+            if hasattr(record, key):
+                out[key] = getattr(record, key)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def use_json_logs() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(JsonFormatter())
+
+
+def cmd_gateway(args) -> int:
+    import uvicorn
+
+    if args.log_format == "json":
+        use_json_logs()
+    settings = Settings.from_env(redis_url=args.redis_url)
+    app = create_app(args.redis_url, settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
+                log_config=None)
+    return 0
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway (chat/completions, models, metrics)")
+    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"), help="default: $MLXQ_REDIS_URL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("MLXQ_LOG_FORMAT", "text"))
+    p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
+    p.set_defaults(func=cmd_gateway)

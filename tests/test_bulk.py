@@ -1,0 +1,74 @@
+"""Bulk submission: ``Client.map`` keeps input order; ``mlxq batch`` resumes without duplicates."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import redis
+
+from producer import Client
+from producer.bulk import BatchRun
+from producer.cli import main as mlxq_main
+from shared.keys import GlobalKeys
+from tests.conftest import fast_settings, running_worker, wait_for
+
+KEYS = GlobalKeys().model_keys("tiny")
+
+
+def test_client_map_yields_results_in_input_order(tiny_model, redis_url):
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    items = [{"prompt": f"item {i}", "max_tokens": i + 1} for i in range(7)]
+    items.insert(3, {"prompt": "bad", "max_tokens": 0})  # invalid: an error Result in its place
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        results = list(client.map(items, ignore_eos=True, window=3, timeout=30))
+    assert len(results) == 8
+    assert results[3].finish_reason == "error" and "invalid request" in results[3].error
+    good = results[:3] + results[4:]
+    assert [r.stats.generated_tokens for r in good] == [1, 2, 3, 4, 5, 6, 7]  # order kept
+    assert {client.redis.hget(KEYS.job(r.id), "tier") for r in good} == {b"low"}
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_batch_resumes_after_interruption_without_duplicates(tiny_model, redis_url, tmp_path, capsys):
+    n = 10
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [json.dumps({"prompt": f"doc {i}", "max_tokens": 20 + i, "custom_id": f"c{i}"}) for i in range(n)]
+    src.write_text("\n".join(lines) + "\n")
+    settings = fast_settings(redis_url)
+    r = redis.Redis.from_url(redis_url)
+    with running_worker(tiny_model, redis_url, settings, max_batch=1):
+        client = Client(redis_url, model="tiny", settings=settings)
+        stop = threading.Event()
+        first: dict = {}
+        t = threading.Thread(target=lambda: first.setdefault("s", BatchRun(
+            client, str(src), str(out), window=2, poll_s=0.005, progress=False, stop=stop,
+            ignore_eos=True).run()))
+        t.start()
+        assert wait_for(lambda: out.exists() and len(out.read_text().splitlines()) >= 3, timeout=30, interval=0.002)
+        stop.set()  # interrupted: up to `window` jobs stay queued, later lines were never submitted
+        t.join(timeout=10)
+        done_first = len(_records(out))
+        with out.open("a") as f:
+            f.write('{"line": 99, "torn')  # a write cut off by the interruption
+        # the rerun, through the CLI
+        rc = mlxq_main(["batch", str(src), "-o", str(out), "--redis-url", redis_url, "--model", "tiny", "-q"])
+        assert rc == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    records = _records(out)
+    assert sorted(rec["line"] for rec in records) == list(range(1, n + 1))  # each line exactly once
+    assert done_first >= 3 and first["s"].written == done_first and first["s"].interrupted
+    assert summary["skipped"] == done_first and summary["written"] == n - done_first
+    assert summary["duplicates"] >= 1  # jobs queued before the interruption were waited for, not re-run
+    for rec in records:
+        i = rec["line"] - 1
+        assert rec["custom_id"] == f"c{i}" and rec["finish_reason"] in ("stop", "length")
+        if rec["finish_reason"] == "length":
+            assert rec["usage"]["completion_tokens"] == 20 + i
+    # no line was enqueued twice: the rerun found the still-queued jobs by their idempotency keys
+    assert int(r.hget(KEYS.counts, "submitted")) == n
+    r.close()

@@ -1,0 +1,263 @@
+"""The OpenAI-compatible gateway, driven by the real ``openai`` client: uvicorn on a loopback port in
+a thread, a worker on the tiny model, a real Valkey."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from urllib.parse import urlparse
+
+import openai
+import pytest
+import redis
+
+from shared import apikeys, codec
+from shared.keys import GlobalKeys
+from tests.conftest import fast_settings, running_worker, wait_for
+
+from producer import Client
+from producer.gateway import ServerThread, create_app
+
+GK = GlobalKeys()
+KEY_HIGH = "high-key-0001"
+KEY_REVOKED = "revoked-key-0001"
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, tiny_model):
+    """(gateway url, redis) with a worker serving "tiny" for the whole module."""
+    r = redis.Redis.from_url(redis_server.url)
+    r.flushall()
+    apikeys.add_key(r, GK.api_keys, KEY_HIGH, "high")
+    apikeys.add_key(r, GK.api_keys, KEY_REVOKED, "normal")
+    apikeys.revoke_key(r, GK.api_keys, KEY_REVOKED)
+    settings = fast_settings(redis_server.url)
+    with running_worker(tiny_model, redis_server.url, settings, max_batch=8):
+        assert wait_for(lambda: r.hexists(GK.models, "tiny"), timeout=10)
+        with ServerThread(create_app(redis_server.url, settings)) as url:
+            yield url, r
+    r.close()
+
+
+def oai(url: str, key: str = KEY_HIGH) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def job_hash(r, job_id: str) -> dict:
+    return {k.decode(): v for k, v in r.hgetall(GK.model_keys("tiny").job(job_id)).items()}
+
+
+def raw_post(url: str, path: str, body, headers=None, timeout=30) -> tuple[int, dict]:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read() or b"null")
+    conn.close()
+    return out
+
+
+def test_models_lists_the_served_model(stack):
+    url, _ = stack
+    models = oai(url).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_chat_non_streaming_with_usage(stack):
+    url, r = stack
+    resp = oai(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello there"}],
+                                            max_tokens=6, extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    assert choice.finish_reason == "length" and isinstance(choice.message.content, str)
+    assert resp.usage.completion_tokens == 6
+    assert resp.usage.prompt_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 6
+    assert job_hash(r, resp.id.removeprefix("chatcmpl-"))["tier"] == b"high"  # the key decides the tier
+
+
+def test_chat_streaming_matches_the_result_and_reports_usage(stack):
+    url, r = stack
+    client = oai(url)
+    msgs = [{"role": "user", "content": "stream me"}]
+    whole = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=8,
+                                           extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=8, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    final = codec.unpack(job_hash(r, chunks[0].id.removeprefix("chatcmpl-"))["result"])
+    assert text == final["text"]  # the stream carried exactly the job's output
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_completions_streaming_non_streaming_and_logprobs(stack):
+    url, r = stack
+    client = oai(url)
+    resp = client.completions.create(model="tiny", prompt="once upon a time", max_tokens=5, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert resp.object == "text_completion" and resp.usage.completion_tokens == 5
+    assert len(choice.logprobs.tokens) == 5 and len(choice.logprobs.top_logprobs[0]) == 2
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    chunks = list(client.completions.create(model="tiny", prompt="once upon a time", max_tokens=5, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    final = codec.unpack(job_hash(r, chunks[0].id.removeprefix("cmpl-"))["result"])
+    assert "".join(c.choices[0].text for c in chunks) == final["text"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    tokens = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=3,
+                                       extra_body={"ignore_eos": True})
+    assert tokens.usage.prompt_tokens == 4 and tokens.usage.completion_tokens == 3
+
+
+def test_chat_logprobs(stack):
+    url, _ = stack
+    resp = oai(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                            logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 3 and len(content[0].top_logprobs) == 3
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+
+
+def test_auth_tiers_and_batch_floor(stack):
+    url, r = stack
+    with pytest.raises(openai.AuthenticationError) as err:
+        oai(url, "nobody-knows-this-key").chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                                           "content": "hi"}])
+    assert err.value.status_code == 401 and err.value.body["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        oai(url, KEY_REVOKED).completions.create(model="tiny", prompt="hi", max_tokens=2)
+    # no token: normal tier
+    status, body = raw_post(url, "/v1/chat/completions",
+                            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert status == 200 and job_hash(r, body["id"].removeprefix("chatcmpl-"))["tier"] == b"normal"
+    # /v1/batch/ lowers even a high key to the low tier
+    status, body = raw_post(url, "/v1/batch/chat/completions",
+                            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                            {"Authorization": f"Bearer {KEY_HIGH}"})
+    assert status == 200 and job_hash(r, body["id"].removeprefix("chatcmpl-"))["tier"] == b"low"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 3.5}, "temperature"),
+    ({"model": "tiny", "messages": []}, "messages"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content"),
+])
+def test_validation_errors_are_openai_shaped(stack, body, param):
+    url, _ = stack
+    status, out = raw_post(url, "/v1/chat/completions", body)
+    assert status == 400
+    assert set(out["error"]) == {"message", "type", "param", "code"}
+    assert out["error"]["type"] == "invalid_request_error" and out["error"]["param"] == param
+
+
+def test_bad_json_unknown_model_and_openai_client_errors(stack):
+    url, _ = stack
+    status, out = raw_post(url, "/v1/completions", b"{not json")
+    assert status == 400 and out["error"]["code"] == "invalid_json"
+    status, out = raw_post(url, "/v1/completions", {"model": "nope", "prompt": "hi"})
+    assert status == 404 and out["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        oai(url).completions.create(model="tiny", prompt="hi", n=3)
+
+
+def test_overload_is_429(stack, redis_server):
+    """A gateway whose queues hold one job per tier, for a model no worker drains."""
+    url, r = stack
+    r.hset(GK.models, "ghost", codec.pack({"name": "ghost", "context_length": 4096, "max_token_bytes": 8}))
+    small = fast_settings(redis_server.url, max_queued_per_tier=1)
+    try:
+        Client(redis_server.url, api_key=KEY_HIGH, model="ghost", settings=small).submit("a", max_tokens=2)
+        with ServerThread(create_app(redis_server.url, small)) as u2:
+            with pytest.raises(openai.RateLimitError) as err:
+                oai(u2).completions.create(model="ghost", prompt="b", max_tokens=2)
+            assert err.value.status_code == 429 and err.value.body["type"] == "rate_limit_error"
+    finally:
+        r.hdel(GK.models, "ghost")
+
+
+def _cancelled(r, job_id):
+    return job_hash(r, job_id).get("status") == b"cancelled"
+
+
+def test_stream_disconnect_cancels_the_job(stack):
+    url, r = stack
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    body = {"model": "tiny", "prompt": "a long one", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    job_id = None
+    while job_id is None:
+        line = resp.fp.readline().decode()
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            if chunk["choices"][0]["text"]:
+                job_id = chunk["id"].removeprefix("cmpl-")
+    assert job_hash(r, job_id)["status"] == b"running"
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    assert wait_for(lambda: _cancelled(r, job_id), timeout=15)
+
+
+def test_non_streaming_disconnect_cancels_the_job(stack):
+    url, r = stack
+    known = set(r.keys(GK.model_keys("tiny").job("*")))
+    with pytest.raises(TimeoutError):
+        raw_post(url, "/v1/chat/completions",
+                 {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3000,
+                  "ignore_eos": True}, timeout=0.6)
+    new = [k for k in r.keys(GK.model_keys("tiny").job("*")) if k not in known]
+    assert len(new) == 1
+    job_id = new[0].decode().rsplit(":", 1)[-1]
+    assert wait_for(lambda: _cancelled(r, job_id), timeout=15)
+
+
+def test_metrics_endpoint_parses(stack):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, _ = stack
+    oai(url).completions.create(model="tiny", prompt="m", max_tokens=2)
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert "mlxq_gateway_requests" in families and "mlxq_queue_depth" in families
+    ok = [s for s in families["mlxq_gateway_requests"].samples
+          if s.labels.get("endpoint") == "/v1/completions" and s.labels.get("status") == "200"
+          and s.name.endswith("_total")]
+    assert ok and ok[0].value >= 1
+    tiers = {s.labels["tier"] for s in families["mlxq_queue_depth"].samples if s.labels["model"] == "tiny"}
+    assert tiers == {"high", "normal", "low"}
+
+
+def test_json_log_lines_carry_job_and_attempt():
+    import logging
+
+    from producer.gateway import JsonFormatter, jlog
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    gw_log = logging.getLogger("mlxq.gateway")
+    gw_log.addHandler(handler)
+    old = gw_log.level
+    gw_log.setLevel(logging.INFO)
+    try:
+        jlog(logging.INFO, "ab" * 16, 2, "finished: %s", "stop")
+    finally:
+        gw_log.removeHandler(handler)
+        gw_log.setLevel(old)
+    line = json.loads(JsonFormatter().format(records[0]))
+    assert line["job"] == "ab" * 16 and line["attempt"] == 2
+    assert line["message"] == f"job={'ab' * 16} attempt=2 finished: stop"

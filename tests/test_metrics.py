@@ -1,0 +1,73 @@
+"""Prometheus metrics of a worker (an observer) scraped over HTTP and parsed with prometheus_client."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from producer import Client
+from shared.keys import GlobalKeys
+from tests.conftest import fast_settings, running_worker
+from worker.metrics import WorkerMetrics
+
+
+def scrape(port: int) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(families: dict, name: str, sample: str | None = None, **labels) -> float:
+    for s in families[name].samples:
+        if (sample is None or s.name == sample) and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    raise KeyError((name, sample, labels))
+
+
+@pytest.mark.parametrize("engine_kind", ["dense", "paged"])
+def test_worker_metrics_scrape(tiny_model, redis_url, engine_kind):
+    r = redis.Redis.from_url(redis_url)
+    metrics = WorkerMetrics(r, GlobalKeys().model_keys("tiny"), "tiny")
+    port = metrics.serve(0, addr="127.0.0.1")
+    engine = None
+    if engine_kind == "paged":
+        from worker.paged.engine import PagedEngine
+
+        engine = PagedEngine(tiny_model.model, memory_budget_bytes=4 << 20, max_batch=4,
+                             eos_token_ids=tiny_model.eos_token_ids, model_id="tiny")
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    try:
+        queued = client.submit("waiting in line", max_tokens=2)  # before the worker: queue depth 1
+        before = scrape(port)
+        assert value(before, "mlxq_queue_depth", model="tiny", tier="normal") == 1
+        with running_worker(tiny_model, redis_url, settings, engine=engine, observers=[metrics]) as w:
+            jobs = [client.submit(f"prompt {i}", max_tokens=5, ignore_eos=True) for i in range(3)]
+            results = [j.result(timeout=30) for j in jobs + [queued]]
+            w._snap_at = 0.0  # the next loop pass publishes a fresh snapshot
+            time.sleep(0.3)
+            after = scrape(port)
+    finally:
+        metrics.shutdown()
+        r.close()
+    generated = sum(res.stats.generated_tokens for res in results)
+    assert value(after, "mlxq_generated_tokens", "mlxq_generated_tokens_total", model="tiny") == generated
+    assert value(after, "mlxq_ttft_seconds", "mlxq_ttft_seconds_count", model="tiny") == 4
+    # each job's tokens after its first give one inter-token sample
+    assert value(after, "mlxq_inter_token_latency_seconds", "mlxq_inter_token_latency_seconds_count",
+                 model="tiny") == generated - 4
+    assert value(after, "mlxq_jobs_finished", "mlxq_jobs_finished_total", model="tiny", reason="length") >= 3
+    assert sum(s.value for s in after["mlxq_jobs_finished"].samples if s.name.endswith("_total")) == 4
+    assert value(after, "mlxq_job_errors", "mlxq_job_errors_total", model="tiny") == 0
+    assert value(after, "mlxq_queue_depth", model="tiny", tier="normal") == 0
+    assert {"mlxq_active_jobs", "mlxq_tokens_per_second", "mlxq_prefix_hit_rate"} <= set(after)
+    assert 0.0 <= value(after, "mlxq_prefix_hit_rate", model="tiny") <= 1.0
+    if engine_kind == "paged":
+        used, free = value(after, "mlxq_kv_blocks_used", model="tiny"), value(after, "mlxq_kv_blocks_free", model="tiny")
+        assert free > 0 and used >= 0
+        assert value(after, "mlxq_preemptions", "mlxq_preemptions_total", model="tiny") >= 0
+    else:
+        assert "mlxq_kv_blocks_used" not in after

@@ -1,0 +1,154 @@
+"""rq interop: jobs enqueued with plain rq run on an mlxq worker (through the bridge) or on a plain
+rq worker (which submits through the Client), and rq's own API reads their status and results."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import zlib
+
+import pytest
+import redis
+import rq
+from click.testing import CliRunner
+from rq.cli import main as rq_cli
+from rq import Queue, SimpleWorker
+from rq.job import Job, JobStatus
+from rq.results import Result as RqResult
+
+from shared import codec
+from shared.keys import GlobalKeys
+from tests.conftest import fast_settings, running_worker, wait_for
+from worker.rq_bridge import FUNC_PATH, RqBridge, SafePickle, tier_for_queue
+
+GK = GlobalKeys()
+
+
+def mlxq_job(r, rq_job: Job) -> dict:
+    job_id = rq_job.get_meta()["mlxq_job_id"]
+    return {k.decode(): v for k, v in r.hgetall(GK.model_keys("tiny").job(job_id)).items()}
+
+
+@pytest.fixture
+def bridged(tiny_model, redis_url):
+    r = redis.Redis.from_url(redis_url)
+    settings = fast_settings(redis_url)
+    bridge = RqBridge(r, "tiny", settings, poll_s=0.05)
+    with running_worker(tiny_model, redis_url, settings, observers=[bridge]):
+        bridge.start()
+        try:
+            yield r, bridge
+        finally:
+            bridge.stop()
+    r.close()
+
+
+def finished(job: Job) -> bool:
+    return job.get_status() in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED)
+
+
+def test_plain_rq_enqueue_runs_on_mlxq_and_reads_back_with_rq(bridged, redis_url):
+    r, bridge = bridged
+    low = Queue("mlxq-low", connection=r).enqueue(FUNC_PATH, prompt="retrieved context: ...", max_tokens=6,
+                                                  ignore_eos=True)
+    high = Queue("mlxq-high", connection=r).enqueue(FUNC_PATH, "a positional prompt", max_tokens=3)
+    for job in (low, high):
+        assert wait_for(lambda: finished(job), timeout=20), job.get_status()
+    fetched = Job.fetch(low.id, connection=r)  # a fresh handle, rq's default serializer
+    assert fetched.get_status() == JobStatus.FINISHED
+    value = fetched.return_value()
+    assert value["finish_reason"] == "length" and value["usage"]["completion_tokens"] == 6
+    assert isinstance(value["text"], str) and len(value["token_ids"]) == 6
+    latest = fetched.latest_result()
+    assert latest.type == RqResult.Type.SUCCESSFUL and latest.return_value == value
+    assert fetched.ended_at is not None and fetched.worker_name == bridge.worker_name
+    assert low.id in Queue("mlxq-low", connection=r).finished_job_registry.get_job_ids()
+    assert mlxq_job(r, low)["tier"] == b"low" and mlxq_job(r, high)["tier"] == b"high"
+    assert Job.fetch(high.id, connection=r).return_value()["finish_reason"] in ("stop", "length")
+    assert r.hlen(GK.rq_pending) == 0 and r.llen(GK.rq_intake) == 0
+    assert Queue("mlxq-low", connection=r).started_job_registry.count == 0
+
+    out = CliRunner().invoke(rq_cli, ["info", "--url", redis_url, "--only-queues", "mlxq-low", "mlxq-high"])
+    assert out.exit_code == 0, out.output
+    assert "mlxq-low" in out.output and "mlxq-high" in out.output
+
+
+def test_invalid_and_unsafe_jobs_fail_in_rq(bridged):
+    r, _ = bridged
+    q = Queue("mlxq-normal", connection=r)
+    bad = q.enqueue(FUNC_PATH, prompt="x", max_tokens=0)
+    unsafe = q.enqueue(FUNC_PATH, prompt="x", max_tokens=2, when=datetime.datetime(2024, 1, 1))  # a class in the pickle
+    for job in (bad, unsafe):
+        assert wait_for(lambda: finished(job), timeout=20)
+        assert job.get_status() == JobStatus.FAILED
+        assert "mlxq refused the job" in job.latest_result().exc_string
+        assert job.id in q.failed_job_registry.get_job_ids()
+
+
+def test_cancel_in_rq_cancels_the_mlxq_job(bridged):
+    r, _ = bridged
+    q = Queue("mlxq-low", connection=r)
+    job = q.enqueue(FUNC_PATH, prompt="long", max_tokens=3000, ignore_eos=True)
+    assert wait_for(lambda: job.get_status() == JobStatus.STARTED and "mlxq_job_id" in job.get_meta(), timeout=20)
+    assert q.started_job_registry.get_job_ids() == [job.id]  # "executing" in rq info
+    job.cancel()
+    assert wait_for(lambda: mlxq_job(r, job).get("status") == b"cancelled", timeout=20)
+
+
+def test_plain_rq_worker_runs_generate_through_the_client(tiny_model, redis_url):
+    """No bridge: an ordinary rq worker performs generate(), which submits to mlxq and waits."""
+    r = redis.Redis.from_url(redis_url)
+    with running_worker(tiny_model, redis_url, fast_settings(redis_url)):
+        assert wait_for(lambda: r.hexists(GK.models, "tiny"), timeout=10)
+        q = Queue("mlxq-normal", connection=r)
+        job = q.enqueue(FUNC_PATH, prompt="hello", max_tokens=4, ignore_eos=True)
+        SimpleWorker([q], connection=r).work(burst=True, with_scheduler=False)
+    job = Job.fetch(job.id, connection=r)
+    assert job.get_status() == JobStatus.FINISHED
+    assert job.return_value()["usage"]["completion_tokens"] == 4
+    assert r.hgetall(GK.model_keys("tiny").counts)[b"done"] == b"1"
+    r.close()
+
+
+def test_tier_for_queue():
+    assert [tier_for_queue(q) for q in ("mlxq-high", "mlxq-normal", "mlxq-low", "rag", None)] == \
+        ["high", "normal", "low", "low", "low"]
+
+
+def test_safe_pickle_refuses_globals():
+    assert SafePickle.loads(pickle.dumps(("f", None, ("a",), {"k": [1, 2.5, None, b"x"]}))) == \
+        ("f", None, ("a",), {"k": [1, 2.5, None, b"x"]})
+    with pytest.raises(pickle.UnpicklingError):
+        SafePickle.loads(pickle.dumps(datetime.date(2024, 1, 1)))
+
+
+# -- the contract with rq's record format (rq is pinned ==3.0.0; this fails if the format moves) --------
+
+def test_rq_record_contract(redis_url):
+    assert rq.__version__ == "3.0.0"
+    r = redis.Redis.from_url(redis_url)
+    q = Queue("mlxq-low", connection=r)
+    job = q.enqueue(FUNC_PATH, prompt="p", max_tokens=2)
+    # the queue is a list of job ids under rq:queue:<name> (the bridge LMOVEs from it)
+    assert q.key == "rq:queue:mlxq-low" and r.type(q.key) == b"list" and r.lrange(q.key, 0, -1) == [job.id.encode()]
+    # the job hash: exactly these fields at enqueue
+    h = r.hgetall(f"rq:job:{job.id}")
+    assert set(h) == {b"created_at", b"data", b"success_callback_name", b"failure_callback_name",
+                      b"stopped_callback_name", b"started_at", b"ended_at", b"last_heartbeat", b"worker_name",
+                      b"group_id", b"origin", b"description", b"enqueued_at", b"timeout", b"status"}
+    assert h[b"origin"] == b"mlxq-low" and h[b"status"] == b"queued"
+    # data: zlib(pickle((func_name, instance, args, kwargs))) of plain values
+    assert SafePickle.loads(zlib.decompress(h[b"data"])) == (FUNC_PATH, None, (), {"prompt": "p", "max_tokens": 2})
+    # results: a stream rq:results:<id> whose entries carry these fields, return_value = b64(pickle(value))
+    fetched = Job.fetch(job.id, connection=r, serializer=SafePickle)
+    RqResult.create(fetched, RqResult.Type.SUCCESSFUL, ttl=60, return_value={"text": "t"}, worker_name="w")
+    entries = r.xrange(f"rq:results:{job.id}")
+    assert len(entries) == 1 and set(entries[0][1]) == {b"type", b"worker_name", b"return_value"}
+    assert entries[0][1][b"type"] == b"1"
+    assert Job.fetch(job.id, connection=r).latest_result().return_value == {"text": "t"}
+    # registries are sorted sets named rq:<kind>:<queue>
+    assert q.finished_job_registry.key == "rq:finished:mlxq-low"
+    assert q.failed_job_registry.key == "rq:failed:mlxq-low"
+    assert q.canceled_job_registry.key == "rq:canceled:mlxq-low"
+    assert codec.unpack(codec.pack({"ok": 1})) == {"ok": 1}
+    r.close()
