@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -99,6 +98,7 @@ class AsyncJob:
         if self._pubsub is None:
             self._pubsub = self._client.redis.pubsub()
             await self._pubsub.subscribe(self._keys.channel(self.id))
+            await self._pubsub.get_message(timeout=1.0)  # confirmed before the record is read
         return self._pubsub
 
     async def _close_pubsub(self) -> None:
@@ -116,7 +116,8 @@ class AsyncClient:
         url = redis_url or self.settings.redis_url
         if redis_client is None and not url:
             raise ValueError("no Redis URL: pass redis_url= or set MLXQ_REDIS_URL")
-        self.redis = redis_client or aredis.Redis.from_url(url, health_check_interval=30)
+        self.redis = redis_client or aredis.Redis.from_url(url, health_check_interval=30,
+                                                                   max_connections=10_000)
         self.api_key = api_key
         self._model = model
         self.gkeys = GlobalKeys(self.settings.prefix)
@@ -146,7 +147,8 @@ class AsyncClient:
     async def submit(self, prompt: Optional[str] = None, *, messages: Optional[list] = None,
                      prompt_tokens: Optional[list[int]] = None, model: Optional[str] = None,
                      idempotency_key: Optional[str] = None, session_id: Optional[str] = None,
-                     _floor: Optional[str] = None, _source: str = "client", **params: Any) -> AsyncJob:
+                     subscribe: bool = True, _floor: Optional[str] = None, _source: str = "client",
+                     **params: Any) -> AsyncJob:
         model = model or await self.model()
         req = build_request(model, dict(prompt=prompt, messages=messages, prompt_tokens=prompt_tokens,
                                         session_id=session_id, source=_source, submitted_at=time.time(), **params))
@@ -156,18 +158,19 @@ class AsyncClient:
             raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")
         tier = await self.tier(_floor)
         keys = self.gkeys.model_keys(model)
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(keys.channel(req.id))
-        await pubsub.get_message(timeout=1.0)
+        job = AsyncJob(self, req.id, keys, None, None)
+        if subscribe:  # subscribed before the job exists; stream() also replays the durable record
+            await job._ensure_pubsub()
         try:
             enq = parse_enqueue(await self._run(self.calls(model).enqueue(req.id, payload, tier, idempotency_key)))
         except Exception:
-            await pubsub.aclose()
+            await job._close_pubsub()
             raise
         if enq.status == "duplicate":
-            await pubsub.aclose()
+            await job._close_pubsub()
             return AsyncJob(self, enq.job_id, keys, None, enq)
-        return AsyncJob(self, req.id, keys, pubsub, enq)
+        job.enqueued = enq
+        return job
 
     async def job(self, job_id: str, model: Optional[str] = None) -> AsyncJob:
         keys = self.gkeys.model_keys(model or await self.model())

@@ -20,7 +20,9 @@ def connect(url: Optional[str]) -> redis.Redis:
     """A Redis client from a URL (redis://, rediss:// for TLS, unix://; user:password@ for ACL)."""
     if not url:
         raise ValueError("no Redis URL: pass redis_url= or set MLXQ_REDIS_URL")
-    return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+    # Each in-flight job holds one pub/sub connection (subscribed before enqueue);
+    # redis-py's default pool of 100 would cap a producer at ~50 concurrent jobs.
+    return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True, max_connections=10_000)
 
 
 class Job:
@@ -56,23 +58,36 @@ class Job:
     def stream(self, timeout: Optional[float] = None) -> Iterator[Delta]:
         """Deltas in order, each once; a late subscriber still gets the whole text."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = self._ensure_pubsub()
+        pubsub = None
+        backoff = 0.0
         try:
-            yield from self._replay()
             while not self._state.done:
                 if deadline is not None and time.monotonic() > deadline:
                     raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
-                msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if msg is None or msg.get("type") != "message" or msg["data"] == b"sync":
-                    yield from self._replay()  # quiet, or a script wrote an event: read the record
-                    continue
                 try:
-                    delta = Delta.from_wire(codec.unpack(msg["data"]))
-                except (codec.CodecError, ValueError, TypeError):
-                    continue
-                yield from self._state.feed(delta)
-                if self._state.gap:
-                    yield from self._replay()
+                    if pubsub is None:
+                        pubsub = self._ensure_pubsub()
+                        yield from self._replay()
+                        continue
+                    msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    backoff = 0.0
+                    if msg is None or msg.get("type") != "message" or msg["data"] == b"sync":
+                        yield from self._replay()  # quiet, or a script wrote an event: read the record
+                        continue
+                    try:
+                        delta = Delta.from_wire(codec.unpack(msg["data"]))
+                    except (codec.CodecError, ValueError, TypeError):
+                        continue
+                    yield from self._state.feed(delta)
+                    if self._state.gap:
+                        yield from self._replay()
+                except _LINK_ERRORS:
+                    # Redis restarted or the link dropped: resubscribe, then read the durable record
+                    # from where we were (live messages sent meanwhile are in it).
+                    self._close_pubsub()
+                    pubsub = None
+                    backoff = min(2.0, backoff * 2 if backoff else 0.05)
+                    time.sleep(backoff)
         finally:
             if self._state.done:
                 self._close_pubsub()
@@ -82,22 +97,28 @@ class Job:
         if self._result is not None:
             return self._result
         deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = self._ensure_pubsub()
         while True:
-            res = result_from_hash(self.id, self._client.redis.hgetall(self._keys.job(self.id)))
-            if res is not None:
-                self._result = res
+            try:
+                pubsub = self._ensure_pubsub()
+                res = result_from_hash(self.id, self._client.redis.hgetall(self._keys.job(self.id)))
+                if res is not None:
+                    self._result = res
+                    self._close_pubsub()
+                    return res
+                wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if wait <= 0:
+                    raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
+                # Drain live messages until a final delta shows up (or a second passes).
+                end = time.monotonic() + wait
+                while time.monotonic() < end:
+                    msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=end - time.monotonic())
+                    if msg and msg.get("type") == "message" and (msg["data"] == b"sync" or _is_final(msg["data"])):
+                        break
+            except _LINK_ERRORS:  # Redis restarted: resubscribe; the result is read from the job hash
                 self._close_pubsub()
-                return res
-            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-            if wait <= 0:
-                raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
-            # Drain live messages until a final delta shows up (or a second passes).
-            end = time.monotonic() + wait
-            while time.monotonic() < end:
-                msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=end - time.monotonic())
-                if msg and msg.get("type") == "message" and (msg["data"] == b"sync" or _is_final(msg["data"])):
-                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise JobTimeout(f"job {self.id} did not finish within {timeout}s") from None
+                time.sleep(0.2)
 
     def cancel(self) -> str:
         """'cancelled' (was queued), 'cancelling' (leaves the batch at the next step) or the final status."""
@@ -111,6 +132,7 @@ class Job:
         if self._pubsub is None:
             self._pubsub = self._client.redis.pubsub()
             self._pubsub.subscribe(self._keys.channel(self.id))
+            self._pubsub.get_message(timeout=1.0)  # confirmed before the record is read
         return self._pubsub
 
     def _close_pubsub(self) -> None:
@@ -125,6 +147,9 @@ class Job:
             self._close_pubsub()
         except Exception:
             pass
+
+
+_LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
 def _is_final(data: bytes) -> bool:
@@ -174,8 +199,12 @@ class Client:
     def submit(self, prompt: Optional[str] = None, *, messages: Optional[list] = None,
                prompt_tokens: Optional[list[int]] = None, model: Optional[str] = None,
                idempotency_key: Optional[str] = None, session_id: Optional[str] = None,
-               _floor: Optional[str] = None, _source: str = "client", **params: Any) -> Job:
+               subscribe: bool = True, _floor: Optional[str] = None, _source: str = "client",
+               **params: Any) -> Job:
         """Validate, subscribe to the job's channel, then enqueue. Returns a :class:`Job`.
+
+        ``subscribe=False`` (bulk paths) holds no pub/sub connection per pending job:
+        ``stream()``/``result()`` subscribe when called and replay the durable record.
 
         Sampling params: max_tokens, temperature, top_p, top_k, min_p,
         repetition_penalty, seed, stop, logprobs.
@@ -189,19 +218,19 @@ class Client:
             raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")
         tier = self.tier(_floor)
         q = self.queue_for(model)
-        pubsub = self.redis.pubsub()
-        pubsub.subscribe(q.keys.channel(req.id))
-        pubsub.get_message(timeout=1.0)  # the subscription is confirmed before we enqueue
+        job = Job(self, req.id, q.keys, None, None)
+        if subscribe:
+            job._ensure_pubsub()  # subscribed (and confirmed) before the job exists
         try:
             enq = q.enqueue(req.id, payload, tier, idempotency_key)
         except Exception:
-            pubsub.close()
+            job._close_pubsub()
             raise
         if enq.status == "duplicate":
-            pubsub.close()
-            enq_id = enq.job_id
-            return Job(self, enq_id, q.keys, None, enq)
-        return Job(self, req.id, q.keys, pubsub, enq)
+            job._close_pubsub()
+            return Job(self, enq.job_id, q.keys, None, enq)
+        job.enqueued = enq
+        return job
 
     def job(self, job_id: str, model: Optional[str] = None) -> Job:
         """A handle on an existing job (e.g. from another process)."""
@@ -216,3 +245,11 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+    def map(self, items, **params: Any) -> Iterator[Result]:
+        """Submit many prompts (strings or dicts of submit arguments) at the low tier; yield their
+        Results in input order.  Options: window= (jobs kept queued, default 64), timeout=,
+        idempotency_prefix=; other params are defaults for every item.  See ``producer.bulk``."""
+        from .bulk import map_results
+
+        return map_results(self, items, **params)

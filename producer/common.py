@@ -22,6 +22,8 @@ class JobTimeout(TimeoutError):
 
 def build_request(model: str, kwargs: dict[str, Any]) -> GenerateRequest:
     """Validate a submission before anything reaches Redis (pydantic raises ValueError)."""
+    if kwargs.get("id") is not None:  # ids are 128 random bits, never the caller's choice (guessable)
+        raise ValueError("id= is not accepted: mlxq chooses job ids (128 random bits)")
     return GenerateRequest.model_validate({"model": model, **{k: v for k, v in kwargs.items() if v is not None}})
 
 

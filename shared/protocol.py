@@ -54,7 +54,8 @@ class Pulled:
 
 
 def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else ("" if x is None else str(x))
+    # 'replace': a forged non-UTF-8 queue member must not break a pull (job ids are hex)
+    return x.decode(errors="replace") if isinstance(x, bytes) else ("" if x is None else str(x))
 
 
 def _f(x: Any) -> float:
@@ -111,7 +112,7 @@ class ScriptCalls:
     def pull(self, n: int, worker_id: str):
         k = self.k
         return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info],
-                [n, self.s.lease_s, worker_id, k.job_prefix])
+                [n, self.s.lease_s, worker_id, k.job_prefix, k.events(""), k.channel(""), self.s.result_ttl_s])
 
     def complete(self, job_id: str, owner: str, status: str, result: bytes, final_delta: bytes):
         k = self.k

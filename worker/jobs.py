@@ -101,6 +101,7 @@ class ActiveJob:
             if self.first_token_at and gen > 1 else None,
             attempts=self.attempt,
             tier=self.tier,
+            worker=self.owner.rsplit(":", 1)[0],  # the owner token is worker_id:attempt
             seed=self.seed,
         )
         return Result(id=self.id, text=self.full_text, token_ids=list(self.tokens), finish_reason=finish,

@@ -185,8 +185,9 @@ class Fetcher(threading.Thread):
                     self.pulls += 1
                     for entry in pulled:
                         self.prepare(entry)
-                # Under load (we got a full pull) never wait; otherwise go idle.
-                idle = len(pulled) < want
+                # Under load (we got a full pull) never wait; otherwise go idle, unless the pull came
+                # back short because it dropped stale members and the queue still holds more.
+                idle = len(pulled) < want and self.q.redis.zcard(self.q.keys.queue) == 0
             except REDIS_ERRORS as exc:
                 delay = self.backoff.fail()
                 log.warning("pull failed (%s); retrying in %.2fs", exc, delay)

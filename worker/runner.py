@@ -121,6 +121,7 @@ class Worker:
         result.stats.queued_at = entry.queued_at
         result.stats.started_at = entry.now
         result.stats.attempts = entry.attempt
+        result.stats.worker = self.worker_id
         final = Delta(attempt=entry.attempt, seq=1, finish_reason="error", error=message)
         self.processed["failed"] += 1
         return StepOutput(completions=[(entry.job_id, owner, "failed", codec.pack(result.model_dump()),

@@ -12,7 +12,12 @@ local queued = tonumber(redis.call('HGET', KEYS[3], 'queued:' .. tier) or '0')
 if queued >= tonumber(ARGV[5]) then
   return {'overload', id, tostring(queued), ''}
 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {'exists', id, '', ''} end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  -- the same request again (a client retry after a lost reply): the same job, not an error
+  local f = redis.pcall('HMGET', KEYS[2], 'req', 'score', 'queued_at')
+  if type(f) == 'table' and not f.err and f[1] == ARGV[2] then return {'ok', id, f[2] or '', f[3] or ''} end
+  return {'exists', id, '', ''}
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local score = now + tonumber(ARGV[4])

@@ -13,10 +13,22 @@ local requeued, dead, cancelled = 0, 0, 0
 for _, id in ipairs(expired) do
   local jk = ARGV[2] .. id
   redis.call('ZREM', KEYS[1], id)
-  if redis.call('EXISTS', jk) == 1 then
+  local ktype = redis.call('TYPE', jk)
+  if type(ktype) == 'table' then ktype = ktype['ok'] end
+  if ktype ~= 'hash' and ktype ~= 'none' then  -- forged: never a script error (it would stop the reaper)
+    redis.call('ZADD', KEYS[4], now, id)
+    redis.call('HSET', KEYS[5], id, 'in-flight member whose job record is a ' .. tostring(ktype))
+    redis.call('HINCRBY', KEYS[3], 'garbage', 1)
+  elseif ktype == 'hash' then
     redis.call('HINCRBY', KEYS[3], 'running', -1)
     local f = redis.call('HMGET', jk, 'attempts', 'score', 'tier', 'cancel', 'error')
-    local attempts = tonumber(f[1] or '0')
+    local attempts = tonumber(f[1] or '0') or 0
+    local score = tonumber(f[2])
+    if not score or score ~= score or score == math.huge or score == -math.huge
+        or not ({high = true, normal = true, low = true})[f[3] or 'normal'] then
+      attempts = tonumber(ARGV[1])  -- cannot be requeued: dead-letter it with the reason
+      f[5] = 'malformed job record (score or tier)'
+    end
     local ek, ch = ARGV[3] .. id, ARGV[4] .. id
     redis.call('HDEL', jk, 'owner', 'resume')
     if f[4] == '1' then
@@ -44,7 +56,7 @@ for _, id in ipairs(expired) do
     else
       local tier = f[3] or 'normal'
       redis.call('HSET', jk, 'status', 'queued')
-      redis.call('ZADD', KEYS[2], tonumber(f[2]), id)
+      redis.call('ZADD', KEYS[2], score, id)
       redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
       redis.call('HINCRBY', KEYS[3], 'requeued', 1)
       redis.call('LPUSH', KEYS[6], '1')

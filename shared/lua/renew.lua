@@ -7,8 +7,8 @@ local deadline = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
 local lost, cancel = {}, {}
 for i = 3, #ARGV, 2 do
   local id = ARGV[i]
-  local f = redis.call('HMGET', ARGV[2] .. id, 'owner', 'cancel')
-  if f[1] ~= ARGV[i + 1] then
+  local f = redis.pcall('HMGET', ARGV[2] .. id, 'owner', 'cancel')  -- pcall: a clobbered key is a lost lease
+  if type(f) ~= 'table' or f.err or f[1] ~= ARGV[i + 1] then
     table.insert(lost, id)
   else
     redis.call('ZADD', KEYS[1], 'XX', deadline, id)

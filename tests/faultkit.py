@@ -1,0 +1,163 @@
+"""Helpers for the fault, fuzz, scale-out and security tests: worker subprocesses (so that
+kill -9 and SIGTERM hit a real process), reference tokens, stream collection and figures."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES: list[dict] = []  # one row per fault test, printed at the end of each test
+
+
+def worker_env(**settings) -> dict:
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", str(ROOT))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    base = dict(gather_ms=2, idle_block_s=0.2, stats_interval_s=0.2, heartbeat_s=0.5, lease_s=5)
+    base.update(settings)
+    for k, v in base.items():
+        env[f"MLXQ_{k.upper()}"] = str(v)
+    return env
+
+
+_LIVE: list[subprocess.Popen] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for p in _LIVE:
+        if p.poll() is None:
+            p.kill()
+
+
+class WorkerProc:
+    """``mlxq worker`` as a subprocess (logs to a file, shown when a test fails)."""
+
+    def __init__(self, url: str, model_dir, log_dir: Path, *, name: str = "tiny", max_batch: int = 16,
+                 grace: float = 30.0, extra: Optional[list[str]] = None, **settings):
+        self.log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
+        cmd = [sys.executable, "-m", "producer.cli", "--log-level", "INFO", "worker", "--redis-url", url,
+               "--model", str(model_dir), "--name", name, "--max-batch", str(max_batch), "--grace", str(grace)]
+        cmd += extra or []
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=str(ROOT), env=worker_env(**settings), stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+        _LIVE.append(self.proc)  # never left behind: an orphan would reconnect to a reused port
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def term(self) -> None:
+        os.kill(self.proc.pid, signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # this test's own child, by pid
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def wait_registered(url: str, model: str = "tiny", n: int = 1, timeout: float = 60.0) -> bool:
+    """Wait until ``n`` workers of ``model`` have published stats (they are serving)."""
+    r = redis.Redis.from_url(url)
+    from shared.keys import ModelKeys
+
+    k = ModelKeys(model)
+    end = time.monotonic() + timeout
+    try:
+        while time.monotonic() < end:
+            if r.zcard(k.workers) >= n:
+                return True
+            time.sleep(0.05)
+        return False
+    finally:
+        r.close()
+
+
+def reference_tokens(loaded, prompt_ids, max_tokens, ignore_eos=False):
+    """mlx-lm's single-sequence greedy tokens (cut at the first EOS unless ``ignore_eos``)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for tok, _ in generate_step(mx.array(prompt_ids), loaded.model, max_tokens=max_tokens):
+        tok = int(tok)
+        if tok in loaded.eos_token_ids and not ignore_eos:
+            break
+        out.append(tok)
+    return out
+
+
+def detok_text(tokenizer, ids):
+    detok = tokenizer.detokenizer
+    detok.reset()
+    for t in ids:
+        detok.add_token(t)
+    detok.finalize()
+    return detok.text
+
+
+class StreamCollector(threading.Thread):
+    """Follows ``job.stream()`` on a thread, applying ``restart`` deltas as a UI would."""
+
+    def __init__(self, job, timeout: float = 120.0):
+        super().__init__(daemon=True)
+        # its own handle: a Job is not shared between threads (result() closes its pub/sub)
+        self.job, self.timeout = job._client.job(job.id, job._keys.model), timeout
+        self.text, self.finishes, self.restarts, self.error = "", [], 0, None
+
+    def run(self) -> None:
+        try:
+            for d in self.job.stream(timeout=self.timeout):
+                if d.restart:
+                    self.restarts += 1
+                    self.text = d.text
+                else:
+                    self.text += d.text
+                if d.finish_reason:
+                    self.finishes.append(d.finish_reason)
+        except Exception as exc:  # reported by the test
+            self.error = exc
+
+
+def record(name: str, submitted: int, completed: int, lost: int, duplicated: int, **extra) -> dict:
+    row = dict(test=name, submitted=submitted, completed=completed, lost=lost, duplicated=duplicated, **extra)
+    FIGURES.append(row)
+    print(f"\nFIGURES {name}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "test"), flush=True)
+    return row
+
+
+def executions_by_job(r, keys, job_ids) -> dict[str, int]:
+    """How many attempts each job's event stream shows (distinct ``attempt`` values of its deltas)."""
+    from shared import codec
+
+    out = {}
+    for jid in job_ids:
+        attempts = set()
+        for _, fields in r.xrange(keys.events(jid)):
+            if b"d" in fields:
+                attempts.add(codec.unpack(fields[b"d"]).get("a"))
+        out[jid] = len(attempts)
+    return out

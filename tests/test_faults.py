@@ -1,0 +1,319 @@
+"""Faults on a real Valkey server the tests start: kill -9 of a worker, Redis restarts (graceful
+and SIGKILL, AOF fsync always), SIGTERM warm/cold shutdown, a producer that dies after enqueue,
+and overload.  Each test prints a FIGURES line (submitted, completed, lost, duplicated)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from producer import Client, OverloadError
+from shared import apikeys
+from shared.embedded import EmbeddedRedis
+from shared.keys import GlobalKeys, ModelKeys
+from tests.conftest import fast_settings, running_worker, wait_for
+from tests.faultkit import (ROOT, StreamCollector, WorkerProc, detok_text, record, reference_tokens,
+                            wait_registered, worker_env)
+
+K = ModelKeys("tiny")
+
+
+def _specs(seed, n, max_tokens, ignore_eos_every=2):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(4, 900) for _ in range(rng.randrange(3, 24))]
+        out.append((prompt, max_tokens, i % ignore_eos_every == 0))
+    return out
+
+
+def _refs(loaded, specs):
+    return [reference_tokens(loaded, p, n, ignore_eos=ie) for p, n, ie in specs]
+
+
+def _xlen(r, job_id):
+    return r.xlen(K.events(job_id))
+
+
+def _check_results(loaded, results, refs, collectors=None):
+    """(completed correctly, lost, duplicated) against the mlx-lm references."""
+    ok = lost = dup = 0
+    for i, (res, ref) in enumerate(zip(results, refs)):
+        if res is None or res.finish_reason not in ("stop", "length"):
+            lost += 1
+            continue
+        if len(res.token_ids) > len(ref) or res.token_ids != ref:
+            dup += 1
+            continue
+        assert res.text == detok_text(loaded.tokenizer, ref), i
+        if collectors is not None:
+            c = collectors[i]
+            assert c.error is None, (i, c.error)
+            assert c.text == res.text, i  # what the client streamed across the fault == the result
+            assert c.finishes == [res.finish_reason], i
+        ok += 1
+    return ok, lost, dup
+
+
+def test_worker_kill9_mid_stream_loses_and_duplicates_nothing(tiny_model, tiny_model_dir, redis_url, tmp_path):
+    specs = _specs(11, 14, 120)
+    refs = _refs(tiny_model, specs)
+    lease = dict(lease_s=2, heartbeat_s=0.5)
+    settings = fast_settings(redis_url, **lease)
+    client = Client(redis_url, model="tiny", settings=settings)
+    r = client.redis
+    a = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, **lease)
+    b = None
+    try:
+        assert wait_registered(redis_url), a.log()
+        jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in specs]
+        collectors = [StreamCollector(j) for j in jobs]
+        for c in collectors:
+            c.start()
+        # kill -9 once every job has streamed a few deltas (or already finished)
+        assert wait_for(lambda: all(_xlen(r, j.id) >= 4 or j.status() == "done" for j in jobs), timeout=60), a.log()
+        a.kill9()
+        running_at_kill = [j.id for j in jobs if j.status() == "running"]
+        assert len(running_at_kill) >= 10, "the kill came too late to hit jobs mid-stream"
+        b = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, **lease)
+        results = [j.result(timeout=90) for j in jobs]
+        for c in collectors:
+            c.join(timeout=30)
+        ok, lost, dup = _check_results(tiny_model, results, refs, collectors)
+        counts = client.queue_for("tiny").counts()
+        for res in results:
+            assert res.stats.attempts == (2 if res.id in running_at_kill else 1), res.id
+        restarts = sum(c.restarts for c in collectors)
+        record("worker kill -9 (14 streaming jobs)", len(jobs), ok, lost, dup + max(0, counts["done"] - len(jobs)),
+               running_at_kill=len(running_at_kill), reaped=counts.get("requeued", 0), stream_restarts=restarts)
+        assert (ok, lost, dup) == (len(jobs), 0, 0)
+        assert counts["done"] == counts["processed"] == len(jobs) and counts["running"] == 0
+        assert counts["requeued"] == len(running_at_kill)
+        assert restarts == 0  # greedy: the new attempt repeats the shown text, the client shows it once
+    finally:
+        a.stop()
+        if b:
+            b.stop()
+
+
+_RESTART_REFS: dict = {}
+
+
+@pytest.mark.parametrize("hard", [False, True], ids=["graceful", "sigkill"])
+def test_redis_restart_mid_run_keeps_active_jobs(tiny_model, tmp_path, hard, caplog):
+    specs = _specs(21, 12, 150)
+    if "refs" not in _RESTART_REFS:
+        _RESTART_REFS["refs"] = _refs(tiny_model, specs)
+    refs = _RESTART_REFS["refs"]
+    caplog.set_level(logging.WARNING)
+    srv = EmbeddedRedis(tmp_path / "data", persist=True).start()
+    try:
+        url = srv.url
+        settings = fast_settings(url, lease_s=5.0)
+        client = Client(url, model="tiny", settings=settings)
+        r = client.redis
+        with running_worker(tiny_model, url, settings, max_batch=16) as w:
+            jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in specs]
+            collectors = [StreamCollector(j) for j in jobs]
+            for c in collectors:
+                c.start()
+            assert wait_for(lambda: all(_xlen(r, j.id) >= 3 or j.status() == "done" for j in jobs), timeout=60)
+            active_before = set(w.active)
+            t0 = time.monotonic()
+            srv.restart(hard=hard)
+            down_s = time.monotonic() - t0
+            results = [j.result(timeout=90) for j in jobs]
+            for c in collectors:
+                c.join(timeout=30)
+            # the worker reconnected: it pulls and publishes again after the restart
+            after = client.submit(prompt_tokens=[5, 6, 7], max_tokens=3).result(timeout=30)
+            assert after.finish_reason in ("stop", "length")
+            assert w.fetcher.is_alive() and w.control.is_alive() and w.publisher.is_alive()
+        ok, lost, dup = _check_results(tiny_model, results, refs, collectors)
+        counts = client.queue_for("tiny").counts()
+        kept = sum(1 for res in results if res.id in active_before and res.stats.attempts == 1)
+        retries = [rec.getMessage() for rec in caplog.records if "retrying in" in rec.getMessage()]
+        record(f"redis restart ({'SIGKILL' if hard else 'graceful'}, AOF always)", len(jobs), ok, lost,
+               dup + max(0, counts.get("done", 0) - len(jobs) - 1), active_at_restart=len(active_before),
+               kept_by_worker=kept, outage_s=round(down_s, 2), worker_backoff_retries=len(retries))
+        assert (ok, lost, dup) == (len(jobs), 0, 0)
+        assert kept == len(active_before) >= 10  # the worker kept its active jobs (no new attempt)
+        assert counts["done"] == len(jobs) + 1 and counts["running"] == 0
+        # every retry delay the worker logged is capped (Backoff cap 5 s)
+        for msg in retries:
+            assert float(msg.rsplit("retrying in ", 1)[1].split("s")[0]) <= 5.0
+        client.close()
+    finally:
+        srv.stop()
+
+
+def test_backoff_is_capped():
+    from worker.redis_io import Backoff
+
+    b = Backoff(first=0.05, cap=5.0)
+    delays = [b.fail() for _ in range(20)]
+    assert delays[0] == 0.05 and max(delays) == 5.0 and delays == sorted(delays)
+    b.ok()
+    assert b.fail() == 0.05
+
+
+def test_producer_dies_after_enqueue_and_the_job_still_runs(tiny_model, redis_url):
+    prompt = [9, 8, 7, 6, 5]
+    ref = reference_tokens(tiny_model, prompt, 12)
+    code = ("import os, sys\n"
+            "from producer import Client\n"
+            f"j = Client({redis_url!r}, model='tiny').submit(prompt_tokens={prompt!r}, max_tokens=12)\n"
+            "print(j.id, flush=True)\n"
+            "os._exit(0)  # gone at once: no cleanup, no waiting\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=worker_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip()
+    client = Client(redis_url, model="tiny", settings=fast_settings(redis_url))
+    assert client.job(job_id).status() == "queued"
+    with running_worker(tiny_model, redis_url, fast_settings(redis_url)):
+        res = client.job(job_id).result(timeout=60)
+    assert res.token_ids == ref and res.finish_reason in ("stop", "length")
+    assert client.redis.ttl(K.job(job_id)) > 3600  # the result is kept (result_ttl_s)
+    later = Client(redis_url, model="tiny").job(job_id).result(timeout=5)
+    assert later.text == res.text
+    record("producer exits after enqueue", 1, 1, 0, 0)
+
+
+def test_sigterm_finishes_or_requeues_and_a_second_sigterm_exits_at_once(tiny_model, tiny_model_dir,
+                                                                           redis_url, tmp_path):
+    short = _specs(31, 3, 40, ignore_eos_every=1)
+    long = _specs(32, 3, 600, ignore_eos_every=1)
+    cold = _specs(33, 3, 150, ignore_eos_every=1)
+    refs = _refs(tiny_model, short + long + cold)
+    lease = dict(lease_s=2, heartbeat_s=0.5)
+    client = Client(redis_url, model="tiny", settings=fast_settings(redis_url, **lease))
+    r = client.redis
+    procs = []
+    try:
+        # 1. warm shutdown: short jobs finish within the grace period, long ones are requeued with
+        #    their resume state (same attempt, the stream continues where it stopped)
+        w1 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, grace=0.5, **lease)
+        procs.append(w1)
+        assert wait_registered(redis_url), w1.log()
+        jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in short + long]
+        collectors = [StreamCollector(j) for j in jobs]
+        for c in collectors:
+            c.start()
+        # SIGTERM when the short jobs are ~6 tokens from the end (the long ones ~560)
+        assert wait_for(lambda: all(_xlen(r, j.id) >= 34 for j in jobs[:3]), timeout=60, interval=0.002), w1.log()
+        w1.term()
+        assert w1.wait(timeout=30) == 0, w1.log()
+        short_jobs, long_jobs = jobs[:3], jobs[3:]
+        assert all(j.status() == "done" for j in short_jobs), w1.log()
+        assert all(j.status() == "queued" for j in long_jobs), w1.log()
+        assert all(r.hget(K.job(j.id), "resume") for j in long_jobs)  # resume state kept
+
+        # 2. a second worker completes the requeued jobs from their resume state
+        w2 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, grace=60.0, **lease)
+        procs.append(w2)
+        res_long = [j.result(timeout=90) for j in long_jobs]
+        w2_id = res_long[0].stats.worker
+        assert all(x.stats.attempts == 1 and x.stats.worker == w2_id for x in res_long)
+
+        # 3. a second SIGTERM exits at once, mid-job; the leases bring the jobs back
+        cold_jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in cold]
+        cold_collectors = [StreamCollector(j) for j in cold_jobs]
+        for c in cold_collectors:
+            c.start()
+        assert wait_for(lambda: all(_xlen(r, j.id) >= 3 for j in cold_jobs), timeout=60), w2.log()
+        w2.term()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        w2.term()
+        assert w2.wait(timeout=10) == 1, w2.log()
+        cold_exit_s = time.monotonic() - t0
+        assert cold_exit_s < 3.0
+        assert all(j.status() == "running" for j in cold_jobs)  # left behind on purpose
+        w3 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, **lease)
+        procs.append(w3)
+        res_cold = [j.result(timeout=90) for j in cold_jobs]
+        assert all(x.stats.attempts == 2 for x in res_cold)
+
+        results = [j.result(timeout=5) for j in short_jobs] + res_long + res_cold
+        for c in collectors + cold_collectors:
+            c.join(timeout=30)
+        ok, lost, dup = _check_results(tiny_model, results, refs, collectors + cold_collectors)
+        counts = client.queue_for("tiny").counts()
+        record("SIGTERM warm (3 finish, 3 requeued) + second SIGTERM (3 mid-job)", len(results), ok, lost,
+               dup + max(0, counts["done"] - len(results)), cold_exit_s=round(cold_exit_s, 2))
+        assert (ok, lost, dup) == (len(results), 0, 0)
+        assert counts["done"] == len(results) and counts["running"] == 0
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_overload_refuses_at_once_without_growing_redis(redis_url):
+    bound = 40
+    settings = fast_settings(redis_url, max_queued_per_tier=bound)
+    client = Client(redis_url, model="tiny", settings=settings)
+    r = client.redis
+    accepted = [client.submit(prompt_tokens=[5, 6], max_tokens=2) for _ in range(bound)]
+
+    def refuse():
+        t = time.perf_counter()
+        with pytest.raises(OverloadError):
+            client.submit(prompt_tokens=[5, 6, 7, 8], max_tokens=2)
+        return time.perf_counter() - t
+
+    # warm up (connections, script cache, the server's own tables) until the dataset size settles
+    last = None
+    for _ in range(8):
+        for _ in range(500):
+            refuse()
+        now = int(r.info("memory")["used_memory_dataset"])
+        if now == last:
+            break
+        last = now
+    m0 = r.info("memory")
+    keys0 = r.dbsize()
+    sizes0 = {k: r.memory_usage(k, samples=0) for k in r.scan_iter()}
+    times = sorted(refuse() for _ in range(2000))
+    m1 = r.info("memory")
+    keys1 = r.dbsize()
+    sizes1 = {k: r.memory_usage(k, samples=0) for k in r.scan_iter()}
+    growth = int(m1["used_memory"]) - int(m0["used_memory"])
+    data_growth = int(m1["used_memory_dataset"]) - int(m0["used_memory_dataset"])
+    # another tier is not blocked by a full one; what 40 accepted jobs cost, for comparison
+    apikeys.add_key(r, GlobalKeys().api_keys, "overload-high-key", "high")
+    high = Client(redis_url, api_key="overload-high-key", model="tiny", settings=settings)
+    used2 = int(r.info("memory")["used_memory"])
+    assert all(high.submit(prompt_tokens=[5, 6, 7, 8], max_tokens=2).status() == "queued" for _ in range(bound))
+    per_job = (int(r.info("memory")["used_memory"]) - used2) / bound
+    print(f"\nFIGURES overload: bound={bound}, refused=2000 after warm-up, median_refusal_ms={times[1000]*1e3:.2f}, "
+          f"p99_ms={times[1980]*1e3:.2f}, used_memory_growth_bytes={growth} (dataset {data_growth}; 2000 refused), "
+          f"accepted_job_bytes={per_job:.0f}, keys {keys0}->{keys1}")
+    assert keys1 == keys0 and sizes1 == sizes0  # nothing stored for refused jobs: no key, no byte
+    # what remains is the scripting VM's not-yet-collected garbage (~12 B a call, it plateaus),
+    # not data: 2000 stored jobs would be ~2.3 MB
+    assert growth < 0.1 * 2000 * per_job  # no growth once warm (2000 stored jobs would be ~2 MB)
+    assert times[1000] < 0.02 and times[1980] < 0.2
+    assert client.queue_for("tiny").counts()["queued:normal"] == bound == len(accepted)
+
+
+def test_a_retried_enqueue_after_a_lost_reply_is_the_same_job(redis_url):
+    """redis-py retries a command whose reply was lost (e.g. Redis restarted): the second enqueue of
+    the same request must return the job, not 'already exists'."""
+    from shared.protocol import JobRefused, Queue
+
+    r = redis.Redis.from_url(redis_url)
+    q = Queue(r, K, fast_settings(redis_url))
+    job_id = "c" * 32
+    first = q.enqueue(job_id, b"same request", "normal")
+    again = q.enqueue(job_id, b"same request", "normal")
+    assert (again.status, again.job_id, again.score) == ("ok", job_id, first.score)
+    assert q.counts()["submitted"] == 1 and r.zcard(K.queue) == 1
+    with pytest.raises(JobRefused):  # a different request under a taken id is still refused
+        q.enqueue(job_id, b"another request", "normal")
