@@ -12,7 +12,6 @@ from shared.keys import GlobalKeys, ModelKeys
 from shared.protocol import Enqueued, ScriptCalls, parse_enqueue, script_source, SCRIPT_NAMES
 from shared.schemas import Delta, Result
 from shared.settings import Settings
-from .client import _is_final
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
                      pick_model, result_from_hash)
 
@@ -68,24 +67,21 @@ class AsyncJob:
                 await self._close_pubsub()
 
     async def result(self, timeout: Optional[float] = None) -> Result:
+        """Wait for the final result on the job's done list (nothing per generated token)."""
         if self._result is not None:
             return self._result
+        await self._close_pubsub()
         deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = await self._ensure_pubsub()
+        r = self._client.redis
         while True:
-            res = result_from_hash(self.id, await self._client.redis.hgetall(self._keys.job(self.id)))
+            res = result_from_hash(self.id, await r.hgetall(self._keys.job(self.id)))
             if res is not None:
                 self._result = res
-                await self._close_pubsub()
                 return res
             wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             if wait <= 0:
                 raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
-            end = time.monotonic() + wait
-            while time.monotonic() < end:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=end - time.monotonic())
-                if msg and msg.get("type") == "message" and (msg["data"] == b"sync" or _is_final(msg["data"])):
-                    break
+            await r.blpop([self._keys.done(self.id)], timeout=max(0.01, wait))
 
     async def cancel(self) -> str:
         return await self._client._run(self._client.calls(self._keys.model).cancel(self.id), decode=True)

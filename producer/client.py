@@ -93,29 +93,27 @@ class Job:
                 self._close_pubsub()
 
     def result(self, timeout: Optional[float] = None) -> Result:
-        """Wait for the final result (kept in Redis: it survives disconnects)."""
+        """Wait for the final result (kept in Redis: it survives disconnects).
+
+        It waits on the job's done list (one entry when the job ends), not on its
+        token channel, so a result-only caller costs nothing per generated token.
+        """
         if self._result is not None:
             return self._result
+        self._close_pubsub()  # a result-only caller needs no token stream
         deadline = None if timeout is None else time.monotonic() + timeout
+        r = self._client.redis
         while True:
             try:
-                pubsub = self._ensure_pubsub()
-                res = result_from_hash(self.id, self._client.redis.hgetall(self._keys.job(self.id)))
+                res = result_from_hash(self.id, r.hgetall(self._keys.job(self.id)))
                 if res is not None:
                     self._result = res
-                    self._close_pubsub()
                     return res
                 wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
                 if wait <= 0:
                     raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
-                # Drain live messages until a final delta shows up (or a second passes).
-                end = time.monotonic() + wait
-                while time.monotonic() < end:
-                    msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=end - time.monotonic())
-                    if msg and msg.get("type") == "message" and (msg["data"] == b"sync" or _is_final(msg["data"])):
-                        break
-            except _LINK_ERRORS:  # Redis restarted: resubscribe; the result is read from the job hash
-                self._close_pubsub()
+                r.blpop([self._keys.done(self.id)], timeout=max(0.01, wait))
+            except _LINK_ERRORS:  # Redis restarted: retry; the result is read from the job hash
                 if deadline is not None and time.monotonic() > deadline:
                     raise JobTimeout(f"job {self.id} did not finish within {timeout}s") from None
                 time.sleep(0.2)
@@ -150,14 +148,6 @@ class Job:
 
 
 _LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
-
-
-def _is_final(data: bytes) -> bool:
-    try:
-        d = codec.unpack(data)
-    except codec.CodecError:
-        return False
-    return isinstance(d, dict) and bool(d.get("f"))
 
 
 class Client:

@@ -111,5 +111,8 @@ class ModelKeys:
     def channel(self, job_id: str) -> str:  # pub/sub: live deltas
         return f"{self._base}:chan:{job_id}"
 
+    def done(self, job_id: str) -> str:  # list: one entry when the job ends (wakes result() waiters)
+        return f"{self._base}:done:{job_id}"
+
     def idempotency(self, key: str) -> str:  # string: idempotency key -> job id
         return f"{self._base}:idem:{key}"

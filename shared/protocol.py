@@ -112,13 +112,14 @@ class ScriptCalls:
     def pull(self, n: int, worker_id: str):
         k = self.k
         return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info],
-                [n, self.s.lease_s, worker_id, k.job_prefix, k.events(""), k.channel(""), self.s.result_ttl_s])
+                [n, self.s.lease_s, worker_id, k.job_prefix, k.events(""), k.channel(""), self.s.result_ttl_s,
+                 k.done("")])
 
     def complete(self, job_id: str, owner: str, status: str, result: bytes, final_delta: bytes):
         k = self.k
         return (
             "complete",
-            [k.job(job_id), k.inflight, k.counts, k.events(job_id)],
+            [k.job(job_id), k.inflight, k.counts, k.events(job_id), k.done(job_id)],
             [job_id, owner, status, result, self.s.result_ttl_s, final_delta, k.channel(job_id)],
         )
 
@@ -130,7 +131,7 @@ class ScriptCalls:
         k = self.k
         return (
             "cancel",
-            [k.queue, k.job(job_id), k.counts, k.events(job_id)],
+            [k.queue, k.job(job_id), k.counts, k.events(job_id), k.done(job_id)],
             [job_id, k.cancel_channel, k.channel(job_id), self.s.result_ttl_s],
         )
 
@@ -147,7 +148,8 @@ class ScriptCalls:
         return (
             "reap",
             [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake],
-            [self.s.max_attempts, k.job_prefix, events_prefix, chan_prefix, self.s.result_ttl_s, limit],
+            [self.s.max_attempts, k.job_prefix, events_prefix, chan_prefix, self.s.result_ttl_s, limit,
+             k.done("")],
         )
 
 

@@ -1,6 +1,6 @@
 -- Cancel a job: a queued one leaves the queue now; a running one is flagged and its
 -- worker told on the cancel channel (it leaves the batch at the next step).
--- KEYS: 1 queue, 2 job, 3 counts, 4 events
+-- KEYS: 1 queue, 2 job, 3 counts, 4 events, 5 done list
 -- ARGV: 1 id, 2 cancel channel, 3 job channel, 4 ttl (s)
 -- Returns 'cancelled' | 'cancelling' | the job's final status | 'unknown'
 local status = redis.call('HGET', KEYS[2], 'status')
@@ -21,6 +21,8 @@ if status == 'queued' then
   local ttl = tonumber(ARGV[4])
   redis.call('EXPIRE', KEYS[2], ttl)
   redis.call('EXPIRE', KEYS[4], ttl)
+  redis.call('RPUSH', KEYS[5], '1')
+  redis.call('EXPIRE', KEYS[5], ttl)
   return 'cancelled'
 end
 if status == 'running' then

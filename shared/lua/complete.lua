@@ -1,5 +1,5 @@
 -- Finish a job, fenced on the lease owner: a worker that lost its lease writes nothing.
--- KEYS: 1 job, 2 inflight, 3 counts, 4 events
+-- KEYS: 1 job, 2 inflight, 3 counts, 4 events, 5 done list
 -- ARGV: 1 id, 2 owner token, 3 status (done|failed|cancelled), 4 result (msgpack),
 --       5 ttl (s), 6 final delta (msgpack, may be ''), 7 job channel
 -- Returns 1, or 0 when the lease was lost.
@@ -19,4 +19,6 @@ if ARGV[6] ~= '' then
   redis.call('PUBLISH', ARGV[7], ARGV[6])
 end
 redis.call('EXPIRE', KEYS[4], ttl)
+redis.call('RPUSH', KEYS[5], '1')
+redis.call('EXPIRE', KEYS[5], ttl)
 return 1

@@ -2,7 +2,8 @@
 -- After max attempts a job goes to the dead-letter set with its last error.
 -- Any worker may run this.
 -- KEYS: 1 inflight, 2 queue, 3 counts, 4 dead, 5 deadinfo, 6 wake
--- ARGV: 1 max attempts, 2 job key prefix, 3 events key prefix, 4 channel prefix, 5 ttl, 6 limit
+-- ARGV: 1 max attempts, 2 job key prefix, 3 events key prefix, 4 channel prefix, 5 ttl, 6 limit,
+--       7 done-list key prefix
 -- Returns {requeued, dead, cancelled}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -36,6 +37,8 @@ for _, id in ipairs(expired) do
       redis.call('HINCRBY', KEYS[3], 'cancelled', 1)
       redis.call('HINCRBY', KEYS[3], 'processed', 1)
       redis.call('XADD', ek, '*', 'f', 'cancelled')
+      redis.call('RPUSH', ARGV[7] .. id, '1')
+      redis.call('EXPIRE', ARGV[7] .. id, ttl)
       redis.call('PUBLISH', ch, 'sync')
       redis.call('EXPIRE', jk, ttl)
       redis.call('EXPIRE', ek, ttl)
@@ -49,6 +52,8 @@ for _, id in ipairs(expired) do
       redis.call('HINCRBY', KEYS[3], 'dead', 1)
       redis.call('HINCRBY', KEYS[3], 'processed', 1)
       redis.call('XADD', ek, '*', 'f', 'error', 'e', err)
+      redis.call('RPUSH', ARGV[7] .. id, '1')
+      redis.call('EXPIRE', ARGV[7] .. id, ttl)
       redis.call('PUBLISH', ch, 'sync')
       redis.call('EXPIRE', jk, ttl)
       redis.call('EXPIRE', ek, ttl)
