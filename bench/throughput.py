@@ -6,9 +6,11 @@ Measures on the same ~25M-parameter fp32 model (``mlxq make-model --preset bench
   * mlx-lm ``stream_generate`` solo and ``batch_generate`` at 16 and 64;
   * mlxq end to end (producer -> Valkey -> ``mlxq worker`` process -> results) at
     concurrency 1, 16 and 64.
-Each mlx-lm figure is taken right before its mlxq counterpart, so both see the
-same machine state; tok/s is generated tokens / wall time from the first submit
-(or call) to the last result, prefill included.  All runs are greedy on the
+Each pair is run in alternating rounds (mlx-lm, mlxq, mlx-lm, mlxq, ...) and the
+medians are compared, so both see the same machine state; tok/s is generated
+tokens / wall time from the first submit (or call) to the last result, prefill
+included.  The mlxq client only waits for results (no token stream is read);
+the worker still publishes every token to the job's channel and stream.  All runs are greedy on the
 same prompts, so every system generates exactly the same tokens.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import subprocess
 import sys
 import threading
@@ -70,7 +73,7 @@ def mlxq_e2e(client: Client, prompts, gen, concurrency: int) -> tuple[float, int
                 if not todo:
                     return
                 p = todo.pop(0)
-            res = client.submit(prompt_tokens=p, max_tokens=gen).result(timeout=600)
+            res = client.submit(prompt_tokens=p, max_tokens=gen, subscribe=False).result(timeout=600)
             with lock:
                 results.append(res)
 
@@ -101,6 +104,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--solo-jobs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per pair; medians are reported")
     ap.add_argument("--engine", default="dense", choices=("dense", "paged"))
     ap.add_argument("--redis-url", help="default: an embedded Valkey server")
     args = ap.parse_args()
@@ -137,14 +141,21 @@ def main() -> int:
 
         rows = []
         solo_prompts = prompts_for(args.solo_jobs, args.prompt_len, vocab, seed=1)
-        ref, n1 = mlx_stream_solo(loaded, solo_prompts, args.gen)
-        ours, m1 = mlxq_e2e(client, solo_prompts, args.gen, 1)
-        rows.append(("solo (1 at a time)", "stream_generate", ref, ours, n1, m1))
+        pairs = [("solo (1 at a time)", "stream_generate", solo_prompts,
+                  lambda ps: mlx_stream_solo(loaded, ps, args.gen), lambda ps: mlxq_e2e(client, ps, args.gen, 1))]
         for b in (16, 64):
-            ps = prompts_for(b, args.prompt_len, vocab, seed=b)
-            ref, n = mlx_batch(loaded, ps, args.gen)
-            ours, m = mlxq_e2e(client, ps, args.gen, b)
-            rows.append((f"concurrency {b}", f"batch_generate {b}", ref, ours, n, m))
+            pairs.append((f"concurrency {b}", f"batch_generate {b}", prompts_for(b, args.prompt_len, vocab, seed=b),
+                          lambda ps: mlx_batch(loaded, ps, args.gen),
+                          lambda ps, b=b: mlxq_e2e(client, ps, args.gen, b)))
+        for name, ref_name, ps, ref_fn, ours_fn in pairs:
+            refs, ours = [], []
+            for _ in range(args.rounds):  # A/B/A/B...: both see the same machine state
+                refs.append(ref_fn(ps))
+                ours.append(ours_fn(ps))
+            rows.append((name, ref_name, statistics.median(r[0] for r in refs),
+                         statistics.median(o[0] for o in ours), refs[0][1], ours[0][1]))
+            print(f"  {name}: mlx-lm {[round(r[0], 1) for r in refs]}  mlxq {[round(o[0], 1) for o in ours]}",
+                  flush=True)
     finally:
         proc.terminate()
         try:
