@@ -42,6 +42,7 @@ def collect(redis, prefix: str = "mlxq") -> dict:
             "inflight": redis.zcard(k.inflight),
             "workers": workers,
             "active": sum(w.get("active", 0) for w in workers),
+            "active_by_tier": {t: sum((w.get("active_by_tier") or {}).get(t, 0) for w in workers) for t in TIERS},
             "tok_s_current": sum(w.get("tok_s_current", 0.0) for w in workers),
             "tok_s_avg": sum(w.get("tok_s_avg", 0.0) for w in workers),
             "tokens_generated": sum(w.get("tokens_generated", 0) for w in workers),
@@ -58,7 +59,9 @@ def render(stats: dict) -> str:
     for model, a in stats.items():
         q = a["queued"]
         lines.append(f"model {model}")
+        act = a["active_by_tier"]
         lines.append(f"  queued    high={q['high']} normal={q['normal']} low={q['low']}   running={a['running']}")
+        lines.append(f"  active    high={act['high']} normal={act['normal']} low={act['low']}")
         lines.append(f"  processed {a['processed']} (done={a['done']} failed={a['failed']} "
                      f"cancelled={a['cancelled']} dead={a['dead']})  requeued={a['requeued']}")
         lines.append(f"  tok/s     current={a['tok_s_current']:.1f} average={a['tok_s_avg']:.1f}   "

@@ -238,6 +238,7 @@ def test_stats_counts_are_exact(tiny_model, redis_url):
         s = stats.collect(client.redis)["tiny"]
     assert (s["submitted"], s["done"], s["failed"], s["cancelled"], s["processed"]) == (7, 5, 1, 1, 7)
     assert s["queued"] == {"high": 0, "normal": 0, "low": 0} and s["running"] == 0
+    assert s["active_by_tier"] == {"high": 0, "normal": 0, "low": 0}
     assert s["workers"][0]["tokens_generated"] >= 5
     assert s["peak_memory_bytes"] > 0
     assert "processed 7" in stats.render({"tiny": s})

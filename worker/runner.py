@@ -22,7 +22,7 @@ from shared import codec
 from shared.keys import GlobalKeys
 from shared.protocol import Pulled, Queue
 from shared.schemas import Delta, Result
-from shared.settings import Settings
+from shared.settings import TIERS, Settings
 from . import BLAS_STATUS
 from .engine import DenseEngine
 from .jobs import ActiveJob, JobError, decode_request, start_job, tokenize
@@ -302,6 +302,7 @@ class Worker:
             "started_at": self.started_at,
             "updated_at": time.time(),
             "active": len(self.active),
+            "active_by_tier": {t: sum(1 for j in self.active.values() if j.tier == t) for t in TIERS},
             "ready": len(self.ready),
             "processed": dict(self.processed),
             "tokens_generated": self.tokens_generated,
