@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import worker  # noqa: E402,F401  (fast BLAS before mlx)
 
-import mlx.core as mx  # noqa: E402
 from mlx_lm import batch_generate, stream_generate  # noqa: E402
 
 from producer import Client  # noqa: E402

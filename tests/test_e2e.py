@@ -5,25 +5,13 @@ from __future__ import annotations
 import random
 import threading
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 from producer import AuthError, Client
 from shared import apikeys
 from shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
-
-
-def reference_tokens(loaded, prompt_ids, max_tokens, ignore_eos=False):
-    """mlx-lm's single-sequence greedy tokens, cut at the first EOS (as stream_generate does)."""
-    out = []
-    for tok, _ in generate_step(mx.array(prompt_ids), loaded.model, max_tokens=max_tokens):
-        tok = int(tok)
-        if tok in loaded.eos_token_ids and not ignore_eos:
-            break
-        out.append(tok)
-    return out
+from tests.faultkit import reference_tokens
 
 
 def streamed_text(tokenizer, ids):

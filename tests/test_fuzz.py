@@ -11,7 +11,6 @@ import random
 import time
 from collections import Counter
 
-import pytest
 import redis
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 

@@ -4,7 +4,6 @@ through the URL, and no pickle in the mlxq data path."""
 
 from __future__ import annotations
 
-import io
 import pickle
 import re
 import shutil
