@@ -163,7 +163,19 @@ def _ecosystem_commands(sub) -> None:
 _EXTRA_COMMANDS.append(_ecosystem_commands)
 
 
+def _user_errors() -> tuple:
+    import redis
+
+    from shared.apikeys import AuthError
+    from shared.protocol import JobRefused, OverloadError
+
+    from .common import JobTimeout, NoModelError
+
+    return (AuthError, OverloadError, JobRefused, NoModelError, JobTimeout, ValueError, redis.ConnectionError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    user_errors = _user_errors()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -172,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except user_errors as exc:  # a clear message, not a traceback
+        print(f"mlxq {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
