@@ -74,7 +74,7 @@ def run(args) -> int:
         bridge = RqBridge(redis_client, loaded.name, settings, queues)
         observers.append(bridge)
     worker = Worker(redis_client, loaded, settings, engine=make_engine(args, loaded),
-                    max_batch=args.max_batch, grace_s=args.grace, observers=observers)
+                    grace_s=args.grace, observers=observers)
     worker.install_signal_handlers()
     if bridge is not None:
         bridge.start()
