@@ -26,6 +26,7 @@ class AsyncJob:
         self._state = StreamState()
         self._last_id = "0-0"
         self._result: Optional[Result] = None
+        self._streaming = False  # a stream() is reading the subscription
 
     @property
     def duplicate(self) -> bool:
@@ -42,6 +43,7 @@ class AsyncJob:
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
         deadline = None if timeout is None else time.monotonic() + timeout
         pubsub = await self._ensure_pubsub()
+        self._streaming = True
         try:
             for d in await self._replay():
                 yield d
@@ -63,6 +65,7 @@ class AsyncJob:
                     for d in await self._replay():
                         yield d
         finally:
+            self._streaming = False
             if self._state.done:
                 await self._close_pubsub()
 
@@ -70,7 +73,8 @@ class AsyncJob:
         """Wait for the final result on the job's done list (nothing per generated token)."""
         if self._result is not None:
             return self._result
-        await self._close_pubsub()
+        if not self._streaming:  # a result-only caller needs no token stream
+            await self._close_pubsub()
         deadline = None if timeout is None else time.monotonic() + timeout
         r = self._client.redis
         while True:

@@ -37,6 +37,7 @@ class Job:
         self._state = StreamState()
         self._last_id = "0-0"
         self._result: Optional[Result] = None
+        self._streaming = False  # a stream() is reading the subscription
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
@@ -60,6 +61,7 @@ class Job:
         deadline = None if timeout is None else time.monotonic() + timeout
         pubsub = None
         backoff = 0.0
+        self._streaming = True
         try:
             while not self._state.done:
                 if deadline is not None and time.monotonic() > deadline:
@@ -89,6 +91,7 @@ class Job:
                     backoff = min(2.0, backoff * 2 if backoff else 0.05)
                     time.sleep(backoff)
         finally:
+            self._streaming = False
             if self._state.done:
                 self._close_pubsub()
 
@@ -100,7 +103,8 @@ class Job:
         """
         if self._result is not None:
             return self._result
-        self._close_pubsub()  # a result-only caller needs no token stream
+        if not self._streaming:  # a result-only caller needs no token stream
+            self._close_pubsub()
         deadline = None if timeout is None else time.monotonic() + timeout
         r = self._client.redis
         while True:

@@ -260,3 +260,17 @@ def test_bad_input_is_refused_and_the_worker_survives(tiny_model, redis_url):
         r = client.job(i).result(timeout=5)
         assert r.finish_reason == "error" and ("malformed" in r.error or "invalid" in r.error)
     assert client.redis.zscore(q.keys.dead, "garbage-member") is not None
+
+
+def test_result_while_another_thread_streams_the_same_job(tiny_model, redis_url):
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    with running_worker(tiny_model, redis_url, settings):
+        job = client.submit("Once upon a time", max_tokens=40, ignore_eos=True)
+        sink: dict = {}
+        t = threading.Thread(target=collect, args=(job, sink, 0))
+        t.start()
+        res = job.result(timeout=60)  # must not pull the subscription out from under stream()
+        t.join(timeout=60)
+    text, ids, finishes = sink[0]
+    assert ids == res.token_ids and text == res.text and finishes == ["length"]
