@@ -7,6 +7,7 @@ COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY producer ./producer
 COPY worker ./worker
+COPY mlxq ./mlxq
 RUN pip install .
 
 # The default Redis of docker-compose.yml; override with -e MLXQ_REDIS_URL=...

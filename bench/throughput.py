@@ -28,14 +28,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import worker  # noqa: E402,F401  (fast BLAS before mlx)
+import mlxq.worker  # noqa: E402,F401  (fast BLAS before mlx)
 
 from mlx_lm import batch_generate, stream_generate  # noqa: E402
 
-from producer import Client  # noqa: E402
-from shared.embedded import EmbeddedRedis  # noqa: E402
-from shared.settings import Settings  # noqa: E402
-from worker.model import load_model  # noqa: E402
+from mlxq import Client  # noqa: E402
+from mlxq.shared.embedded import EmbeddedRedis  # noqa: E402
+from mlxq.shared.settings import Settings  # noqa: E402
+from mlxq.worker.model import load_model  # noqa: E402
 
 
 def prompts_for(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -92,7 +92,7 @@ def mlxq_e2e(client: Client, prompts, gen, concurrency: int) -> tuple[float, int
 
 def start_worker(url: str, model_dir: str, max_batch: int, engine: str) -> subprocess.Popen:
     env = dict(os.environ, MLXQ_LOG_LEVEL="WARNING")
-    cmd = [sys.executable, "-m", "producer.cli", "worker", "--redis-url", url, "--model", model_dir,
+    cmd = [sys.executable, "-m", "mlxq", "worker", "--redis-url", url, "--model", model_dir,
            "--name", "bench", "--max-batch", str(max_batch), "--engine", engine]
     return subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
 
@@ -111,7 +111,7 @@ def main() -> int:
     if args.model:
         model_dir = args.model
     else:
-        from worker.make_model import ensure_model
+        from mlxq.worker.make_model import ensure_model
 
         cache = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
         model_dir = str(ensure_model(cache / "bench-model", "bench"))

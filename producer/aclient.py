@@ -7,11 +7,11 @@ from typing import Any, AsyncIterator, Optional
 
 import redis.asyncio as aredis
 
-from shared import apikeys, codec
-from shared.keys import GlobalKeys, ModelKeys
-from shared.protocol import Enqueued, ScriptCalls, parse_enqueue, script_source, SCRIPT_NAMES
-from shared.schemas import Delta, Result
-from shared.settings import Settings
+from mlxq.shared import apikeys, codec
+from mlxq.shared.keys import GlobalKeys, ModelKeys
+from mlxq.shared.protocol import Enqueued, ScriptCalls, parse_enqueue, script_source, SCRIPT_NAMES
+from mlxq.shared.schemas import Delta, Result
+from mlxq.shared.settings import Settings
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
                      pick_model, result_from_hash)
 

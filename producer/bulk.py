@@ -22,9 +22,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from shared import codec
-from shared.protocol import OverloadError
-from shared.schemas import Result
+from mlxq.shared import codec
+from mlxq.shared.protocol import OverloadError
+from mlxq.shared.schemas import Result
 from .common import build_request, check_fits, result_from_hash
 
 log = logging.getLogger(__name__)

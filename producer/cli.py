@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from shared.settings import TIERS
+from mlxq.shared.settings import TIERS
 
 
 def _redis_url(p: argparse.ArgumentParser) -> None:
@@ -50,8 +50,8 @@ def cmd_stats(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from shared import apikeys
-    from shared.keys import GlobalKeys
+    from mlxq.shared import apikeys
+    from mlxq.shared.keys import GlobalKeys
 
     from .client import connect
 
@@ -69,20 +69,20 @@ def cmd_keys(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from worker.cli import run
+    from mlxq.worker.cli import run
 
     return run(args)
 
 
 def cmd_make_model(args) -> int:
-    from worker.make_model import main
+    from mlxq.worker.make_model import main
 
     argv = [args.dir, "--preset", args.preset] + (["--force"] if args.force else [])
     return main(argv)
 
 
 def cmd_demo(args) -> int:
-    from worker.demo import main
+    from mlxq.worker.demo import main
 
     return main(args)
 
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("worker", help="run an MLX worker for one model")
-    from worker.cli import add_arguments
+    from mlxq.worker.cli import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=cmd_worker)
@@ -166,8 +166,8 @@ _EXTRA_COMMANDS.append(_ecosystem_commands)
 def _user_errors() -> tuple:
     import redis
 
-    from shared.apikeys import AuthError
-    from shared.protocol import JobRefused, OverloadError
+    from mlxq.shared.apikeys import AuthError
+    from mlxq.shared.protocol import JobRefused, OverloadError
 
     from .common import JobTimeout, NoModelError
 

@@ -7,11 +7,11 @@ from typing import Any, Iterator, Optional
 
 import redis
 
-from shared import apikeys, codec
-from shared.keys import GlobalKeys, ModelKeys
-from shared.protocol import Enqueued, Queue
-from shared.schemas import Delta, Result
-from shared.settings import Settings
+from mlxq.shared import apikeys, codec
+from mlxq.shared.keys import GlobalKeys, ModelKeys
+from mlxq.shared.protocol import Enqueued, Queue
+from mlxq.shared.schemas import Delta, Result
+from mlxq.shared.settings import Settings
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
                      pick_model, result_from_hash)
 
@@ -243,7 +243,7 @@ class Client:
     def map(self, items, **params: Any) -> Iterator[Result]:
         """Submit many prompts (strings or dicts of submit arguments) at the low tier; yield their
         Results in input order.  Options: window= (jobs kept queued, default 64), timeout=,
-        idempotency_prefix=; other params are defaults for every item.  See ``producer.bulk``."""
+        idempotency_prefix=; other params are defaults for every item.  See ``mlxq.producer.bulk``."""
         from .bulk import map_results
 
         return map_results(self, items, **params)

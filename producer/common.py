@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from shared import codec
-from shared.schemas import Delta, GenerateRequest, JobStats, Result
+from mlxq.shared import codec
+from mlxq.shared.schemas import Delta, GenerateRequest, JobStats, Result
 
 TERMINAL = {"done", "failed", "cancelled", "dead"}
 

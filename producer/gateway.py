@@ -29,10 +29,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from shared.apikeys import AuthError
-from shared.protocol import JobRefused, OverloadError
-from shared.schemas import Delta
-from shared.settings import TIERS, Settings
+from mlxq.shared.apikeys import AuthError
+from mlxq.shared.protocol import JobRefused, OverloadError
+from mlxq.shared.schemas import Delta
+from mlxq.shared.settings import TIERS, Settings
 from .aclient import AsyncClient, AsyncJob
 from .common import NoModelError
 from .openai_api import (ChatCompletionRequest, CompletionRequest, LogprobFormatter, OpenAIError, TokenNames,

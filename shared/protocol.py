@@ -19,7 +19,7 @@ SCRIPT_NAMES = ("enqueue", "pull", "complete", "requeue", "cancel", "renew", "re
 
 @functools.cache
 def script_source(name: str) -> str:
-    return resources.files("shared").joinpath("lua", f"{name}.lua").read_text()
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
 
 
 class OverloadError(RuntimeError):

@@ -9,13 +9,13 @@ import threading
 import time
 from pathlib import Path
 
-import worker  # noqa: F401  (fast BLAS before mlx)
+import mlxq.worker  # noqa: F401  (fast BLAS before mlx)
 
 import pytest
 import redis
 
-from shared.embedded import EmbeddedRedis
-from shared.settings import Settings
+from mlxq.shared.embedded import EmbeddedRedis
+from mlxq.shared.settings import Settings
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +42,7 @@ def fake_redis():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    from worker.make_model import ensure_model
+    from mlxq.worker.make_model import ensure_model
 
     base = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
     return ensure_model(base / "tiny-model", "tiny")
@@ -50,7 +50,7 @@ def tiny_model_dir():
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    from worker.model import load_model
+    from mlxq.worker.model import load_model
 
     return load_model(str(tiny_model_dir), name="tiny")
 
@@ -64,7 +64,7 @@ def fast_settings(url: str, **kw) -> Settings:
 @contextlib.contextmanager
 def running_worker(loaded, url: str, settings: Settings | None = None, **kw):
     """A Worker serving on its own thread until the block ends (then a warm stop)."""
-    from worker.runner import Worker
+    from mlxq.worker.runner import Worker
 
     settings = settings or fast_settings(url)
     w = Worker(redis.Redis.from_url(url), loaded, settings, **kw)

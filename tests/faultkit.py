@@ -46,7 +46,7 @@ class WorkerProc:
     def __init__(self, url: str, model_dir, log_dir: Path, *, name: str = "tiny", max_batch: int = 16,
                  grace: float = 30.0, extra: Optional[list[str]] = None, **settings):
         self.log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
-        cmd = [sys.executable, "-m", "producer.cli", "--log-level", "INFO", "worker", "--redis-url", url,
+        cmd = [sys.executable, "-m", "mlxq", "--log-level", "INFO", "worker", "--redis-url", url,
                "--model", str(model_dir), "--name", name, "--max-batch", str(max_batch), "--grace", str(grace)]
         cmd += extra or []
         self._log = open(self.log_path, "wb")
@@ -82,7 +82,7 @@ class WorkerProc:
 def wait_registered(url: str, model: str = "tiny", n: int = 1, timeout: float = 60.0) -> bool:
     """Wait until ``n`` workers of ``model`` have published stats (they are serving)."""
     r = redis.Redis.from_url(url)
-    from shared.keys import ModelKeys
+    from mlxq.shared.keys import ModelKeys
 
     k = ModelKeys(model)
     end = time.monotonic() + timeout
@@ -151,7 +151,7 @@ def record(name: str, submitted: int, completed: int, lost: int, duplicated: int
 
 def executions_by_job(r, keys, job_ids) -> dict[str, int]:
     """How many attempts each job's event stream shows (distinct ``attempt`` values of its deltas)."""
-    from shared import codec
+    from mlxq.shared import codec
 
     out = {}
     for jid in job_ids:

@@ -7,10 +7,10 @@ import threading
 
 import redis
 
-from producer import Client
-from producer.bulk import BatchRun
-from producer.cli import main as mlxq_main
-from shared.keys import GlobalKeys
+from mlxq import Client
+from mlxq.producer.bulk import BatchRun
+from mlxq.producer.cli import main as mlxq_main
+from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
 
 KEYS = GlobalKeys().model_keys("tiny")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from producer.cli import build_parser
+from mlxq.producer.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,4 +71,4 @@ def test_dockerfile_installs_the_package():
     assert "FROM python:3.11-slim" in lines
     assert "RUN pip install ." in lines
     copied = {ln.split()[1] for ln in lines if ln.startswith("COPY")}
-    assert {"pyproject.toml", "shared", "producer", "worker"} <= copied
+    assert {"pyproject.toml", "shared", "producer", "worker", "mlxq"} <= copied

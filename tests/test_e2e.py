@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from producer import AuthError, Client
-from shared import apikeys
-from shared.keys import GlobalKeys
+from mlxq import AuthError, Client
+from mlxq.shared import apikeys
+from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
 from tests.faultkit import reference_tokens
 
@@ -36,7 +36,7 @@ def collect(job, sink, key):
 def make_engine(kind, loaded, max_batch):
     if kind == "dense":
         return None  # the Worker's default DenseEngine
-    from worker.paged.engine import PagedEngine
+    from mlxq.worker.paged.engine import PagedEngine
 
     # a small pool: admission control and preemption really happen
     return PagedEngine(loaded.model, num_blocks=14, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name)
@@ -97,7 +97,7 @@ def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_u
 
 
 def test_paged_preemption_requeues_through_redis_and_resumes_exactly(tiny_model, redis_url):
-    from worker.paged.engine import PagedEngine
+    from mlxq.worker.paged.engine import PagedEngine
 
     rng = random.Random(3)
     prompts = [[rng.randrange(4, 900) for _ in range(40)] for _ in range(4)]
@@ -205,7 +205,7 @@ def test_late_subscriber_gets_the_whole_text(tiny_model, redis_url):
 
 
 def test_stats_counts_are_exact(tiny_model, redis_url):
-    from producer import stats
+    from mlxq.producer import stats
 
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
@@ -233,9 +233,9 @@ def test_stats_counts_are_exact(tiny_model, redis_url):
 
 
 def test_bad_input_is_refused_and_the_worker_survives(tiny_model, redis_url):
-    from shared import codec
-    from shared.keys import ModelKeys
-    from shared.protocol import Queue
+    from mlxq.shared import codec
+    from mlxq.shared.keys import ModelKeys
+    from mlxq.shared.protocol import Queue
 
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)

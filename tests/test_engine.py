@@ -9,10 +9,10 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, qwen3
 
-from shared.schemas import SamplingParams
-from worker.engine import DenseEngine
-from worker.engine_api import SeqSpec
-from worker.sampling import make_processors, make_sampler
+from mlxq.shared.schemas import SamplingParams
+from mlxq.worker.engine import DenseEngine
+from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.sampling import make_processors, make_sampler
 
 
 def tiny_llama():

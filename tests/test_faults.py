@@ -13,10 +13,10 @@ import time
 import pytest
 import redis
 
-from producer import Client, OverloadError
-from shared import apikeys
-from shared.embedded import EmbeddedRedis
-from shared.keys import GlobalKeys, ModelKeys
+from mlxq import Client, OverloadError
+from mlxq.shared import apikeys
+from mlxq.shared.embedded import EmbeddedRedis
+from mlxq.shared.keys import GlobalKeys, ModelKeys
 from tests.conftest import fast_settings, running_worker, wait_for
 from tests.faultkit import (ROOT, StreamCollector, WorkerProc, detok_text, record, reference_tokens,
                             wait_registered, worker_env)
@@ -156,7 +156,7 @@ def test_redis_restart_mid_run_keeps_active_jobs(tiny_model, tmp_path, hard, cap
 
 
 def test_backoff_is_capped():
-    from worker.redis_io import Backoff
+    from mlxq.worker.redis_io import Backoff
 
     b = Backoff(first=0.05, cap=5.0)
     delays = [b.fail() for _ in range(20)]
@@ -169,7 +169,7 @@ def test_producer_dies_after_enqueue_and_the_job_still_runs(tiny_model, redis_ur
     prompt = [9, 8, 7, 6, 5]
     ref = reference_tokens(tiny_model, prompt, 12)
     code = ("import os, sys\n"
-            "from producer import Client\n"
+            "from mlxq import Client\n"
             f"j = Client({redis_url!r}, model='tiny').submit(prompt_tokens={prompt!r}, max_tokens=12)\n"
             "print(j.id, flush=True)\n"
             "os._exit(0)  # gone at once: no cleanup, no waiting\n")
@@ -308,7 +308,7 @@ def test_overload_refuses_at_once_without_growing_redis(redis_url):
 def test_a_retried_enqueue_after_a_lost_reply_is_the_same_job(redis_url):
     """redis-py retries a command whose reply was lost (e.g. Redis restarted): the second enqueue of
     the same request must return the job, not 'already exists'."""
-    from shared.protocol import JobRefused, Queue
+    from mlxq.shared.protocol import JobRefused, Queue
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, fast_settings(redis_url))

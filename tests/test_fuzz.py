@@ -14,11 +14,11 @@ from collections import Counter
 import redis
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
-from producer import Client
-from shared import codec
-from shared.keys import ModelKeys
-from shared.protocol import Pulled, Queue
-from shared.settings import Settings
+from mlxq import Client
+from mlxq.shared import codec
+from mlxq.shared.keys import ModelKeys
+from mlxq.shared.protocol import Pulled, Queue
+from mlxq.shared.settings import Settings
 from tests.conftest import fast_settings, running_worker, wait_for
 from tests.faultkit import record, reference_tokens
 
@@ -301,7 +301,7 @@ def _pulled(job_id, raw):
                                                      "max_tokens": msgpack_values, "stop": msgpack_values,
                                                      "temperature": msgpack_values}).map(codec.pack)))
 def test_decode_request_only_ever_raises_job_error(raw):
-    from worker.jobs import JobError, decode_request
+    from mlxq.worker.jobs import JobError, decode_request
 
     job_id = "ab" * 16
     try:

@@ -11,12 +11,12 @@ import openai
 import pytest
 import redis
 
-from shared import apikeys, codec
-from shared.keys import GlobalKeys
+from mlxq.shared import apikeys, codec
+from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
 
-from producer import Client
-from producer.gateway import ServerThread, create_app
+from mlxq import Client
+from mlxq.producer.gateway import ServerThread, create_app
 
 GK = GlobalKeys()
 KEY_HIGH = "high-key-0001"
@@ -244,7 +244,7 @@ def test_metrics_endpoint_parses(stack):
 def test_json_log_lines_carry_job_and_attempt():
     import logging
 
-    from producer.gateway import JsonFormatter, jlog
+    from mlxq.producer.gateway import JsonFormatter, jlog
 
     records = []
     handler = logging.Handler()

@@ -1,6 +1,6 @@
 """The local test model: files, tokenizer, chat template, generation, training."""
 
-import worker  # noqa: F401  (fast BLAS before mlx)
+import mlxq.worker  # noqa: F401  (fast BLAS before mlx)
 
 import hashlib
 import json
@@ -12,8 +12,8 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from worker import _corpus
-from worker.make_model import (
+from mlxq.worker import _corpus
+from mlxq.worker.make_model import (
     END,
     FILES,
     PRESETS,

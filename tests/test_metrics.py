@@ -9,10 +9,10 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer import Client
-from shared.keys import GlobalKeys
+from mlxq import Client
+from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker
-from worker.metrics import WorkerMetrics
+from mlxq.worker.metrics import WorkerMetrics
 
 
 def scrape(port: int) -> dict:
@@ -34,7 +34,7 @@ def test_worker_metrics_scrape(tiny_model, redis_url, engine_kind):
     port = metrics.serve(0, addr="127.0.0.1")
     engine = None
     if engine_kind == "paged":
-        from worker.paged.engine import PagedEngine
+        from mlxq.worker.paged.engine import PagedEngine
 
         engine = PagedEngine(tiny_model.model, memory_budget_bytes=4 << 20, max_batch=4,
                              eos_token_ids=tiny_model.eos_token_ids, model_id="tiny")

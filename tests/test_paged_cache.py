@@ -1,14 +1,14 @@
 """The mlx-lm cache protocol over the block pool, with unmodified model files."""
 
-import worker  # noqa: F401  (BLAS before mlx)
+import mlxq.worker  # noqa: F401  (BLAS before mlx)
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models import gemma2, gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
-from worker.paged.block_manager import BlockManager
-from worker.paged.cache import BatchRow, BatchView, KVPool, make_layer_caches, probe_kv_shape
+from mlxq.worker.paged.block_manager import BlockManager
+from mlxq.worker.paged.cache import BatchRow, BatchView, KVPool, make_layer_caches, probe_kv_shape
 
 BS = 32
 

@@ -1,7 +1,7 @@
 """PagedEngine end to end: greedy equality with dense mlx-lm, prefix cache,
 admission, preemption + resume, chunked prefill, sessions, no block leaks."""
 
-import worker  # noqa: F401  (BLAS before mlx)
+import mlxq.worker  # noqa: F401  (BLAS before mlx)
 
 import random
 from dataclasses import replace
@@ -11,8 +11,8 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, llama, qwen3
 
-from worker.engine_api import SeqSpec
-from worker.paged import PagedEngine
+from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.paged import PagedEngine
 
 SMALL_CHUNKS = ((64, 24), (None, 16))  # tiny chunks so prompts span many steps
 

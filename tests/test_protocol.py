@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from shared.keys import ModelKeys
-from shared.protocol import OverloadError, Queue
-from shared.settings import Settings
+from mlxq.shared.keys import ModelKeys
+from mlxq.shared.protocol import OverloadError, Queue
+from mlxq.shared.settings import Settings
 
 
 def make_queue(r, **kw) -> Queue:

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.gateway import ServerThread, create_app
-from shared.keys import GlobalKeys
+from mlxq.producer.gateway import ServerThread, create_app
+from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
-from worker.rq_bridge import RqBridge
+from mlxq.worker.rq_bridge import RqBridge
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
@@ -64,7 +64,7 @@ def localize(code: str, url: str, redis_url: str) -> str:
 
 
 def run_bash(code: str, cwd: Path, redis_url: str) -> str:
-    preamble = f'mlxq() {{ "{sys.executable}" -m producer.cli "$@"; }}\n'
+    preamble = f'mlxq() {{ "{sys.executable}" -m mlxq "$@"; }}\n'
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLXQ_REDIS_URL": redis_url}
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", preamble + code], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=90)

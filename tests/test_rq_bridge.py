@@ -16,10 +16,10 @@ from rq import Queue, SimpleWorker
 from rq.job import Job, JobStatus
 from rq.results import Result as RqResult
 
-from shared import codec
-from shared.keys import GlobalKeys
+from mlxq.shared import codec
+from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
-from worker.rq_bridge import FUNC_PATH, RqBridge, SafePickle, tier_for_queue
+from mlxq.worker.rq_bridge import FUNC_PATH, RqBridge, SafePickle, tier_for_queue
 
 GK = GlobalKeys()
 

@@ -9,9 +9,9 @@ from collections import Counter
 
 import redis
 
-from producer import Client
-from shared import codec
-from shared.keys import ModelKeys
+from mlxq import Client
+from mlxq.shared import codec
+from mlxq.shared.keys import ModelKeys
 from tests.conftest import fast_settings, running_worker, wait_for
 from tests.faultkit import WorkerProc, executions_by_job, record, wait_registered
 

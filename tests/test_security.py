@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import AuthError, Client
-from producer.client import connect
-from shared import apikeys
-from shared.embedded import EmbeddedRedis
-from shared.keys import GlobalKeys, ModelKeys
-from shared.schemas import new_job_id
+from mlxq import AuthError, Client
+from mlxq.producer.client import connect
+from mlxq.shared import apikeys
+from mlxq.shared.embedded import EmbeddedRedis
+from mlxq.shared.keys import GlobalKeys, ModelKeys
+from mlxq.shared.schemas import new_job_id
 from tests.conftest import fast_settings, running_worker
 from tests.faultkit import ROOT
 
@@ -253,7 +253,7 @@ def test_no_pickle_in_the_mlxq_data_path():
         if not (ROOT / rel).exists():
             continue
         try:
-            from worker.rq_bridge import SafePickle
+            from mlxq.worker.rq_bridge import SafePickle
         except ImportError:
             continue
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.textstream import TextStream
+from mlxq.worker.textstream import TextStream
 
 
 def stream_all(tokenizer, text, stop=None):

@@ -76,8 +76,8 @@ def _setup() -> BlasStatus:
     if "mlx.core" in sys.modules:
         return BlasStatus(
             False,
-            "mlx.core was imported before worker.blas.setup(); the reference BLAS stays "
-            "(import worker first, or set LD_PRELOAD)",
+            "mlx.core was imported before mlxq.worker.blas.setup(); the reference BLAS stays "
+            "(import mlxq.worker first, or set LD_PRELOAD)",
         )
     steps: list[str] = []
     for path, kind in _candidates(steps):

@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.add_argument("--rq-queues", default=None,
                    help="also take jobs from these rq queues (comma-separated, e.g. mlxq-high,mlxq-normal,mlxq-low; "
-                        "see worker.rq_bridge)")
+                        "see mlxq.worker.rq_bridge)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
 
@@ -45,8 +45,8 @@ def make_engine(args, loaded):
 
 
 def run(args) -> int:
-    from producer.client import connect
-    from shared.settings import Settings
+    from mlxq.producer.client import connect
+    from mlxq.shared.settings import Settings
 
     from . import BLAS_STATUS
     from .model import load_model
@@ -60,7 +60,7 @@ def run(args) -> int:
     observers, bridge = [], None
     redis_client = connect(args.redis_url)
     if getattr(args, "metrics_port", None):
-        from shared.keys import GlobalKeys
+        from mlxq.shared.keys import GlobalKeys
 
         from .metrics import WorkerMetrics
 

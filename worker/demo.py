@@ -33,16 +33,16 @@ def _cache_dir() -> Path:
 
 
 def main(args) -> int:
-    from producer import Client
-    from producer import stats as stats_mod
-    from shared import apikeys
-    from shared.embedded import EmbeddedRedis
-    from shared.keys import GlobalKeys
-    from shared.settings import Settings
+    from mlxq.producer import Client
+    from mlxq.producer import stats as stats_mod
+    from mlxq.shared import apikeys
+    from mlxq.shared.embedded import EmbeddedRedis
+    from mlxq.shared.keys import GlobalKeys
+    from mlxq.shared.settings import Settings
 
     from . import BLAS_STATUS
 
-    logging.getLogger("worker").setLevel(logging.WARNING)
+    logging.getLogger("mlxq.worker").setLevel(logging.WARNING)
     server = None
     url = args.redis_url
     if not url:
@@ -64,7 +64,7 @@ def main(args) -> int:
         if key:
             apikeys.add_key(client.redis, GlobalKeys(settings.prefix).api_keys, key, tier)
 
-    from shared.keys import model_name
+    from mlxq.shared.keys import model_name
 
     model = model_name(model_src)
     print(f"submitting {args.jobs} jobs (low tier first, high last) before the worker starts, "

@@ -49,7 +49,7 @@ class EngineCounters:
 
 
 class DenseEngine:
-    """Implements :class:`worker.engine_api.Engine` on mlx-lm's dense caches."""
+    """Implements :class:`mlxq.worker.engine_api.Engine` on mlx-lm's dense caches."""
 
     def __init__(
         self,

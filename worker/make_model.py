@@ -6,7 +6,7 @@ reads through its normal path: ``config.json`` (``model_type: llama``),
 the ``tokenizers`` library (``tokenizer.json``, ``tokenizer_config.json`` with a
 Jinja chat template, ``special_tokens_map.json``).  The model is trained for a
 few hundred steps of next-token prediction on the generated corpus of
-:mod:`worker._corpus`, so greedy output is short English-like sentences that
+:mod:`mlxq.worker._corpus`, so greedy output is short English-like sentences that
 end with ``<|end|>`` (the EOS token); they follow the prompt's topic only weakly.  Builds are fully
 deterministic (fixed seeds).
 
@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import worker  # noqa: F401  (fast BLAS before mlx)
+import mlxq.worker  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx
 import mlx.nn as nn

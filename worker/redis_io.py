@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 
 import redis
 
-from shared import codec
-from shared.protocol import Queue
+from mlxq.shared import codec
+from mlxq.shared.protocol import Queue
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """rq interop: RAG pipelines already on rq enqueue generation with plain rq.
 
     from rq import Queue
-    job = Queue("mlxq-low", connection=r).enqueue("worker.rq_bridge.generate", prompt="...", max_tokens=64)
+    job = Queue("mlxq-low", connection=r).enqueue("mlxq.generate", prompt="...", max_tokens=64)
     job.latest_result().return_value   # {"id", "text", "token_ids", "finish_reason", "error", "usage", ...}
 
 Two ways to run such jobs:
@@ -40,15 +40,15 @@ from rq.registry import CanceledJobRegistry
 from rq.results import Result as RqResult
 from rq.utils import now as rq_now, utcformat
 
-from shared import codec
-from shared.keys import GlobalKeys
-from shared.protocol import OverloadError
-from shared.schemas import Result
-from shared.settings import TIERS, Settings
+from mlxq.shared import codec
+from mlxq.shared.keys import GlobalKeys
+from mlxq.shared.protocol import OverloadError
+from mlxq.shared.schemas import Result
+from mlxq.shared.settings import TIERS, Settings
 
 log = logging.getLogger(__name__)
 
-FUNC_PATH = "worker.rq_bridge.generate"
+FUNC_PATH = "mlxq.generate"
 DEFAULT_QUEUES = ("mlxq-high", "mlxq-normal", "mlxq-low")
 DEFAULT_TIER = "low"
 WAIT_TIMEOUT_S = 3600.0  # how long generate() under a plain rq worker waits for its result
@@ -92,7 +92,7 @@ def enqueue_generation(client, kwargs: dict, tier: str, idempotency_key: Optiona
     """Validate an rq job's kwargs as a generation request and put it on the mlxq queue.
 
     ValueError: the request is invalid; OverloadError: the tier's queue is full."""
-    from producer.bulk import enqueue_request
+    from mlxq.producer.bulk import enqueue_request
 
     return enqueue_request(client, kwargs, tier, idempotency_key, source="rq")
 
@@ -104,7 +104,7 @@ def generate(prompt: Optional[str] = None, **kwargs: Any) -> dict:
     kwargs: messages=, prompt_tokens=, model= and the sampling params of ``Client.submit``."""
     from rq import get_current_job
 
-    from producer.client import Client
+    from mlxq.producer.client import Client
 
     rq_job = get_current_job()
     settings = Settings.from_env()
@@ -143,7 +143,7 @@ class RqBridge:
     def __init__(self, redis_client, model: str, settings: Optional[Settings] = None,
                  queues: tuple[str, ...] = DEFAULT_QUEUES, *, worker_name: Optional[str] = None,
                  poll_s: float = 0.5):
-        from producer.client import Client
+        from mlxq.producer.client import Client
 
         self.redis = redis_client
         self.settings = settings or Settings.from_env()
@@ -266,7 +266,7 @@ class RqBridge:
 
     def mirror_once(self) -> int:
         """Mirror every pending job that has ended; cancel in mlxq what was cancelled in rq."""
-        from producer.common import result_from_hash
+        from mlxq.producer.common import result_from_hash
 
         items = self.pending()
         if not items:

@@ -2,7 +2,7 @@
 
 Each pass of the loop reads like a sentence: take control messages, admit
 ready jobs, run one engine step, hand the step's output to Redis.  Redis I/O
-runs on other threads (``worker.redis_io``) and never stalls a decode step.
+runs on other threads (``mlxq.worker.redis_io``) and never stalls a decode step.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Optional
 
 import mlx.core as mx
 
-from shared import codec
-from shared.keys import GlobalKeys
-from shared.protocol import Pulled, Queue
-from shared.schemas import Delta, Result
-from shared.settings import TIERS, Settings
+from mlxq.shared import codec
+from mlxq.shared.keys import GlobalKeys
+from mlxq.shared.protocol import Pulled, Queue
+from mlxq.shared.schemas import Delta, Result
+from mlxq.shared.settings import TIERS, Settings
 from . import BLAS_STATUS
 from .engine import DenseEngine
 from .jobs import ActiveJob, JobError, decode_request, start_job, tokenize

@@ -12,7 +12,7 @@ import secrets
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from shared.schemas import SamplingParams
+from mlxq.shared.schemas import SamplingParams
 from .engine_api import LogitsProcessor, Sampler
 
 _MASK64 = (1 << 64) - 1

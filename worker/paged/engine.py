@@ -1,4 +1,4 @@
-"""The paged-KV generation engine (implements ``worker.engine_api.Engine``).
+"""The paged-KV generation engine (implements ``mlxq.worker.engine_api.Engine``).
 
 Each ``step()``:
 
