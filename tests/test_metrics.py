@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import pytest
@@ -11,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlxq import Client
 from mlxq.shared.keys import GlobalKeys
-from tests.conftest import fast_settings, running_worker
+from tests.conftest import fast_settings, running_worker, wait_for
 from mlxq.worker.metrics import WorkerMetrics
 
 
@@ -46,14 +45,21 @@ def test_worker_metrics_scrape(tiny_model, redis_url, engine_kind):
         assert value(before, "mlxq_queue_depth", model="tiny", tier="normal") == 1
         with running_worker(tiny_model, redis_url, settings, engine=engine, observers=[metrics]) as w:
             jobs = [client.submit(f"prompt {i}", max_tokens=5, ignore_eos=True) for i in range(3)]
-            results = [j.result(timeout=30) for j in jobs + [queued]]
+            results = [j.result(timeout=60) for j in jobs + [queued]]
+            generated = sum(res.stats.generated_tokens for res in results)
             w._snap_at = 0.0  # the next loop pass publishes a fresh snapshot
-            time.sleep(0.3)
-            after = scrape(port)
+            seen: dict = {}
+
+            def settled():  # the observer has counted every finished job (an event, not a delay)
+                seen["after"] = fam = scrape(port)
+                finished = sum(s.value for s in fam["mlxq_jobs_finished"].samples if s.name.endswith("_total"))
+                return finished == 4 and value(fam, "mlxq_queue_depth", model="tiny", tier="normal") == 0
+
+            assert wait_for(settled, timeout=60)
+            after = seen["after"]
     finally:
         metrics.shutdown()
         r.close()
-    generated = sum(res.stats.generated_tokens for res in results)
     assert value(after, "mlxq_generated_tokens", "mlxq_generated_tokens_total", model="tiny") == generated
     assert value(after, "mlxq_ttft_seconds", "mlxq_ttft_seconds_count", model="tiny") == 4
     # each job's tokens after its first give one inter-token sample

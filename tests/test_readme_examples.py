@@ -49,7 +49,7 @@ def live(tiny_model, redis_url):
     settings = fast_settings(redis_url)
     bridge = RqBridge(r, "tiny", settings, poll_s=0.05)
     with running_worker(tiny_model, redis_url, settings, observers=[bridge]):
-        assert wait_for(lambda: r.hexists(GlobalKeys().models, "tiny"), timeout=10)
+        assert wait_for(lambda: r.hexists(GlobalKeys().models, "tiny"), timeout=60)
         bridge.start()
         try:
             with ServerThread(create_app(redis_url, settings)) as url:

@@ -89,17 +89,17 @@ def test_cancel_in_rq_cancels_the_mlxq_job(bridged):
     r, _ = bridged
     q = Queue("mlxq-low", connection=r)
     job = q.enqueue(FUNC_PATH, prompt="long", max_tokens=3000, ignore_eos=True)
-    assert wait_for(lambda: job.get_status() == JobStatus.STARTED and "mlxq_job_id" in job.get_meta(), timeout=20)
+    assert wait_for(lambda: job.get_status() == JobStatus.STARTED and "mlxq_job_id" in job.get_meta(), timeout=60)
     assert q.started_job_registry.get_job_ids() == [job.id]  # "executing" in rq info
     job.cancel()
-    assert wait_for(lambda: mlxq_job(r, job).get("status") == b"cancelled", timeout=20)
+    assert wait_for(lambda: mlxq_job(r, job).get("status") == b"cancelled", timeout=60)
 
 
 def test_plain_rq_worker_runs_generate_through_the_client(tiny_model, redis_url):
     """No bridge: an ordinary rq worker performs generate(), which submits to mlxq and waits."""
     r = redis.Redis.from_url(redis_url)
     with running_worker(tiny_model, redis_url, fast_settings(redis_url)):
-        assert wait_for(lambda: r.hexists(GK.models, "tiny"), timeout=10)
+        assert wait_for(lambda: r.hexists(GK.models, "tiny"), timeout=60)
         q = Queue("mlxq-normal", connection=r)
         job = q.enqueue(FUNC_PATH, prompt="hello", max_tokens=4, ignore_eos=True)
         SimpleWorker([q], connection=r).work(burst=True, with_scheduler=False)
