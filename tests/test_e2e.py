@@ -15,12 +15,9 @@ from tests.faultkit import reference_tokens
 
 
 def streamed_text(tokenizer, ids):
-    """The text mlx-lm's stream_generate shows for these tokens (its streaming detokenizer)."""
-    detok = tokenizer.detokenizer
-    for t in ids:
-        detok.add_token(t)
-    detok.finalize()
-    return detok.text
+    """The text of these tokens as OpenAI and vLLM return it: exactly ``decode(ids)`` (a leading
+    space kept; mlx-lm's streaming detokenizer would trim it)."""
+    return tokenizer.decode(ids)
 
 
 def collect(job, sink, key):
