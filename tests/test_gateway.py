@@ -62,6 +62,8 @@ def test_models_lists_the_served_model(stack):
     url, _ = stack
     models = oai(url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    with pytest.raises(openai.AuthenticationError):  # keys exist: an unknown key is refused everywhere
+        oai(url, "EMPTY").models.list()
 
 
 def test_chat_non_streaming_with_usage(stack):
