@@ -25,6 +25,7 @@ from typing import Any, Iterable, Iterator, Optional
 from mlxq.shared import codec
 from mlxq.shared.protocol import OverloadError
 from mlxq.shared.schemas import Result
+from .cliopts import add_shared
 from .common import build_request, check_fits, result_from_hash
 
 log = logging.getLogger(__name__)
@@ -260,11 +261,9 @@ def cmd_batch(args) -> int:
 
 def add_command(sub) -> None:
     p = sub.add_parser("batch", help="submit every line of a JSONL file at the low tier; resumable")
-    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"), help="default: $MLXQ_REDIS_URL")
+    add_shared(p, "redis_url", "model", "api_key")
     p.add_argument("input", help="JSONL: a prompt string or an object of submit arguments per line")
     p.add_argument("-o", "--output", required=True, help="JSONL results (appended; finished lines are skipped)")
-    p.add_argument("--api-key", default=os.environ.get("MLXQ_API_KEY"))
-    p.add_argument("--model")
     p.add_argument("--max-tokens", type=int, help="default for lines that do not set it")
     p.add_argument("--temperature", type=float, help="default for lines that do not set it")
     p.add_argument("--window", type=int, default=256, help="most jobs in flight (default 256)")

@@ -41,6 +41,7 @@ from mlxq.shared.protocol import JobRefused, OverloadError
 from mlxq.shared.schemas import INVALID_REQUEST, Delta, Result
 from mlxq.shared.settings import TIERS, Settings
 from .aclient import AsyncClient, AsyncJob
+from .cliopts import add_shared
 from .common import ContextLengthError, NoModelError
 from .openai_api import (ChatCompletionRequest, CompletionRequest, LogprobFormatter, OpenAIError, TokenNames,
                          finish_reason, now_s, usage, validation_error)
@@ -478,7 +479,7 @@ def cmd_gateway(args) -> int:
 
 def add_command(sub) -> None:
     p = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway (chat/completions, models, metrics)")
-    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"), help="default: $MLXQ_REDIS_URL")
+    add_shared(p, "redis_url")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("MLXQ_LOG_FORMAT", "text"))
