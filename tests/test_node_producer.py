@@ -39,6 +39,10 @@ def node_dir(tmp_path_factory):
     return d
 
 
+def test_the_example_in_the_protocol_doc_is_the_tested_file():
+    assert EXAMPLE.read_text() in (ROOT / "docs" / "PROTOCOL.md").read_text()
+
+
 def run_node(node_dir: Path, url: str, prompt: str, max_tokens: int, api_key: str | None = None) -> dict:
     env = {**os.environ, "MLXQ_REDIS_URL": url, "MLXQ_MODEL": "tiny", "MLXQ_ENQUEUE_LUA": str(ENQUEUE_LUA)}
     env.pop("MLXQ_API_KEY", None)
