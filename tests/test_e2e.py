@@ -151,7 +151,7 @@ def test_priority_order_through_a_busy_worker(tiny_model, redis_url):
     low = Client(redis_url, api_key="key-low-00001", model="tiny", settings=settings)
     high = Client(redis_url, api_key="key-high-0001", model="tiny", settings=settings)
     with running_worker(tiny_model, redis_url, settings, max_batch=1):
-        blocker = admin.submit("warm up", max_tokens=30)
+        blocker = admin.submit("warm up", max_tokens=300, ignore_eos=True)  # long by construction
         assert wait_for(lambda: blocker.status() == "running", timeout=20)
         lows = [low.submit("low job", max_tokens=3) for _ in range(3)]
         normal = admin.submit("normal job", max_tokens=3)
@@ -210,7 +210,9 @@ def test_stats_counts_are_exact(tiny_model, redis_url):
     c.cancel()
     with running_worker(tiny_model, redis_url, settings) as w:
         done = [client.submit(f"job {i}", max_tokens=4) for i in range(5)]
-        bad = client.submit(prompt_tokens=[10**6], max_tokens=4)  # outside the vocabulary
+        # a job only the worker can refuse: the tiny model's chat template raises on the "tool" role
+        # (ids outside the vocabulary are refused at submit once the worker has registered the model)
+        bad = client.submit(messages=[{"role": "tool", "content": "x"}], max_tokens=4)
         for j in done + [bad]:
             j.result(timeout=60)
         assert wait_for(lambda: w._snap.get("processed", {}).get("done") == 5, timeout=5)
