@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from mlxq.shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
@@ -61,7 +60,10 @@ def cmd_keys(args) -> int:
     elif args.action == "revoke":
         print("revoked" if apikeys.revoke_key(r, reg, args.key) else "unknown key")
     else:
-        for h, tier in r.hgetall(reg).items():
+        rows = r.hgetall(reg)
+        if not rows:
+            print("no API keys registered: open mode (every caller is served at the normal tier)")
+        for h, tier in rows.items():
             print(f"{h.decode()[:12]}…  {tier.decode()}")
     return 0
 

@@ -62,6 +62,8 @@ def test_an_option_a_command_has_no_use_for_is_a_clear_error(capsys):
 
 def test_keys_add_with_the_url_after_the_command(redis_url, capsys):
     """The report: `mlxq keys add KEY --tier low --redis-url URL` failed with "unrecognized arguments"."""
+    assert main(["keys", "list", "--redis-url", redis_url]) == 0
+    assert "open mode" in capsys.readouterr().out
     assert main(["keys", "add", "a-long-enough-key", "--tier", "low", "--redis-url", redis_url]) == 0
     assert main(["--redis-url", redis_url, "keys", "list"]) == 0
     assert "low" in capsys.readouterr().out
