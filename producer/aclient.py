@@ -141,18 +141,19 @@ class AsyncClient:
 
     async def tier(self, floor: Optional[str] = None) -> str:
         record = await self.redis.hget(self.gkeys.api_keys, apikeys.key_hash(self.api_key)) if self.api_key else None
-        tier = apikeys.tier_from_record(record, self.api_key)
+        keys_exist = record is not None or not self.api_key or bool(await self.redis.exists(self.gkeys.api_keys))
+        tier = apikeys.tier_from_record(record, self.api_key, keys_exist)
         return apikeys.lower_tier(tier, floor) if floor else tier
 
     async def submit(self, prompt: Optional[str] = None, *, messages: Optional[list] = None,
                      prompt_tokens: Optional[list[int]] = None, model: Optional[str] = None,
                      idempotency_key: Optional[str] = None, session_id: Optional[str] = None,
                      subscribe: bool = True, _floor: Optional[str] = None, _source: str = "client",
-                     **params: Any) -> AsyncJob:
+                     _count_tokens=None, **params: Any) -> AsyncJob:
         model = model or await self.model()
         req = build_request(model, dict(prompt=prompt, messages=messages, prompt_tokens=prompt_tokens,
                                         session_id=session_id, source=_source, submitted_at=time.time(), **params))
-        check_fits(req, (await self.models()).get(model))
+        check_fits(req, (await self.models()).get(model), _count_tokens)
         payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
         if len(payload) > self.settings.max_prompt_bytes:
             raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")

@@ -1,9 +1,22 @@
 """Bulk submission at the low tier: ``mlxq batch IN.jsonl -o OUT.jsonl`` and ``Client.map``.
 
-Input lines are JSON: a string (the prompt) or an object with one of ``prompt`` / ``messages`` /
-``prompt_tokens`` plus sampling params (``max_tokens``, ``temperature``, ...); ``custom_id`` is
-copied to the output.  Output lines are written as jobs finish (any order), each with its input
-``line`` number: ``{"line", "custom_id", "id", "text", "finish_reason", "error", "usage"}``.
+Input lines are JSON: a string (the prompt), an object with one of ``prompt`` / ``messages`` /
+``prompt_tokens`` plus sampling params (``max_tokens``, ``temperature``, ...) and an optional
+``custom_id``, or an OpenAI Batch request line (``{"custom_id", "method": "POST", "url":
+"/v1/chat/completions" | "/v1/completions", "body": {...}}``).
+
+Output lines follow OpenAI's Batch output format, plus the input's ``line`` number; they are written
+as jobs finish (any order)::
+
+    {"id": <job id>, "custom_id": ..., "line": 3,
+     "response": {"status_code": 200, "request_id": <job id>,
+                  "body": <a chat.completion or text_completion object: choices[0].finish_reason,
+                           usage (with prompt_tokens_details.cached_tokens), and mlxq's "stats">},
+     "error": null}
+
+A job that failed has ``status_code`` 400 (the request can never run) or 500 and an OpenAI error
+``body``; a line that could not be submitted at all has ``"response": null`` and
+``"error": {"code", "message"}``.
 
 Resuming: a line's idempotency key is ``batch:<sha256 of the input file>:<line>``.  A rerun skips
 lines already in the output and re-submits the rest with the same keys, so a job submitted
@@ -24,7 +37,8 @@ from typing import Any, Iterable, Iterator, Optional
 
 from mlxq.shared import codec
 from mlxq.shared.protocol import OverloadError
-from mlxq.shared.schemas import Result
+from mlxq.shared.schemas import INVALID_REQUEST, Result
+from .cliopts import add_shared
 from .common import build_request, check_fits, result_from_hash
 
 log = logging.getLogger(__name__)
@@ -55,17 +69,66 @@ def enqueue_request(client, params: dict, tier: str, idempotency_key: Optional[s
     return Submitted(model, enq.job_id, enq.status == "duplicate")
 
 
-def usage(res: Result) -> dict:
-    p, c = res.stats.prompt_tokens, res.stats.generated_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
 def _as_params(item: Any) -> dict:
     if isinstance(item, str):
         return {"prompt": item}
     if isinstance(item, dict):
         return dict(item)
     raise ValueError(f"expected a prompt string or an object of submit arguments, got {type(item).__name__}")
+
+
+OPENAI_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+
+
+def _line_params(item: Any) -> tuple[dict, Optional[str], bool]:
+    """(submit arguments, custom_id, chat?) of one input line; ValueError when it cannot run."""
+    if isinstance(item, dict) and "body" in item and "url" in item:  # an OpenAI Batch request line
+        from .openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
+
+        url = item.get("url")
+        if url not in OPENAI_BATCH_URLS:
+            raise ValueError(f"url must be one of {OPENAI_BATCH_URLS}, got {url!r}")
+        schema = ChatCompletionRequest if url == "/v1/chat/completions" else CompletionRequest
+        try:
+            req = schema.model_validate(item["body"])
+            params = req.submit_kwargs()
+        except OpenAIError as exc:
+            raise ValueError(exc.message) from None
+        if req.model:
+            params["model"] = req.model
+        return params, item.get("custom_id"), url == "/v1/chat/completions"
+    params = _as_params(item)
+    custom_id = params.pop("custom_id", None)
+    return params, custom_id, params.get("messages") is not None
+
+
+def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: bool, res: Result) -> dict:
+    """One output line in OpenAI's Batch output format (plus ``line``)."""
+    from .openai_api import usage
+
+    if res.finish_reason == "error":
+        status = 400 if res.error_code == INVALID_REQUEST else 500
+        kind = "invalid_request_error" if status == 400 else "server_error"
+        body = {"error": {"message": res.error or "generation failed", "type": kind, "param": None,
+                          "code": res.error_code or "job_failed"}}
+    else:
+        status = 200
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None,
+                      "finish_reason": res.finish_reason}
+        else:
+            choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
+        body = {"id": ("chatcmpl-" if chat else "cmpl-") + job_id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(res.stats.finished_at or time.time()), "model": model, "choices": [choice],
+                "usage": usage(res), "stats": res.stats.model_dump()}
+    return {"id": job_id, "custom_id": custom_id, "line": n,
+            "response": {"status_code": status, "request_id": job_id, "body": body}, "error": None}
+
+
+def refused_line(n: int, custom_id: Optional[str], message: str) -> dict:
+    return {"id": None, "custom_id": custom_id, "line": n, "response": None,
+            "error": {"code": "invalid_request", "message": message}}
 
 
 def _submit_with_backoff(client, params: dict, tier: str, key: Optional[str], stop: Optional[threading.Event]):
@@ -146,7 +209,8 @@ def finished_lines(output_path: str) -> set[int]:
             rec = json.loads(raw)
         except ValueError:
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("line"), int) and rec.get("finish_reason"):
+        if isinstance(rec, dict) and isinstance(rec.get("line"), int) and (
+                rec.get("response") or rec.get("error") or rec.get("finish_reason")):  # (older format too)
             done.add(rec["line"])
     return done
 
@@ -178,7 +242,7 @@ class BatchRun:
         tier = self.client.tier(BULK_TIER_FLOOR)
         bar = tqdm(total=total, initial=len(done), unit="line", disable=not self.progress, dynamic_ncols=True)
         summary = BatchSummary(total=total, skipped=len(done), written=0, duplicates=0, interrupted=False)
-        inflight: dict[str, tuple[int, Optional[str], str]] = {}  # job id -> (line, custom_id, model)
+        inflight: dict[str, tuple[int, Optional[str], str, bool]] = {}  # job id -> (line, custom_id, model, chat)
         lines = self._lines(done)
         exhausted = False
         with open(self.output_path, "a", encoding="utf-8") as out:
@@ -203,20 +267,20 @@ class BatchRun:
         return summary
 
     def _submit(self, n, raw, ident, tier, inflight, out, summary, bar) -> None:
-        custom_id = None
+        custom_id, chat = None, False
         try:
             item = json.loads(raw)
-            params = {**self.defaults, **_as_params(item)}
-            custom_id = params.pop("custom_id", None)
+            custom_id = item.get("custom_id") if isinstance(item, dict) else None
+            params, custom_id, chat = _line_params(item)
+            params = {**self.defaults, **params}
             sub = _submit_with_backoff(self.client, params, tier, f"batch:{ident}:{n}", self.stop)
         except ValueError as exc:
-            self._write(out, {"line": n, "custom_id": custom_id, "id": None, "text": "", "finish_reason": "error",
-                              "error": f"invalid request: {exc}", "usage": None}, summary, bar)
+            self._write(out, refused_line(n, custom_id, f"invalid request: {exc}"), summary, bar)
             return
         if sub is None:  # stopped while the queue was full
             return
         summary.duplicates += sub.duplicate
-        inflight[sub.job_id] = (n, custom_id, sub.model)
+        inflight[sub.job_id] = (n, custom_id, sub.model, chat)
 
     def _reap(self, inflight, out, summary, bar) -> bool:
         if not inflight:
@@ -232,10 +296,8 @@ class BatchRun:
             res = result_from_hash(job_id, h) if h else None
             if res is None:
                 continue
-            n, custom_id, _ = inflight.pop(job_id)
-            self._write(out, {"line": n, "custom_id": custom_id, "id": job_id, "text": res.text,
-                              "finish_reason": res.finish_reason, "error": res.error, "usage": usage(res)},
-                        summary, bar)
+            n, custom_id, model, chat = inflight.pop(job_id)
+            self._write(out, batch_line(n, custom_id, job_id, model, chat, res), summary, bar)
             reaped = True
         return reaped
 
@@ -260,11 +322,9 @@ def cmd_batch(args) -> int:
 
 def add_command(sub) -> None:
     p = sub.add_parser("batch", help="submit every line of a JSONL file at the low tier; resumable")
-    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"), help="default: $MLXQ_REDIS_URL")
+    add_shared(p, "redis_url", "model", "api_key")
     p.add_argument("input", help="JSONL: a prompt string or an object of submit arguments per line")
     p.add_argument("-o", "--output", required=True, help="JSONL results (appended; finished lines are skipped)")
-    p.add_argument("--api-key", default=os.environ.get("MLXQ_API_KEY"))
-    p.add_argument("--model")
     p.add_argument("--max-tokens", type=int, help="default for lines that do not set it")
     p.add_argument("--temperature", type=float, help="default for lines that do not set it")
     p.add_argument("--window", type=int, default=256, help="most jobs in flight (default 256)")

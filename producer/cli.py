@@ -5,14 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
+from mlxq.shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
 from mlxq.shared.settings import TIERS
-
-
-def _redis_url(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"), help="default: $MLXQ_REDIS_URL")
+from .cliopts import Parser, add_shared
 
 
 def cmd_submit(args) -> int:
@@ -63,7 +60,10 @@ def cmd_keys(args) -> int:
     elif args.action == "revoke":
         print("revoked" if apikeys.revoke_key(r, reg, args.key) else "unknown key")
     else:
-        for h, tier in r.hgetall(reg).items():
+        rows = r.hgetall(reg)
+        if not rows:
+            print("no API keys registered: open mode (every caller is served at the normal tier)")
+        for h, tier in rows.items():
             print(f"{h.decode()[:12]}…  {tier.decode()}")
     return 0
 
@@ -88,8 +88,9 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlxq", description="Redis-queue-driven LLM inference on MLX")
-    parser.add_argument("--log-level", default=os.environ.get("MLXQ_LOG_LEVEL", "INFO"))
+    parser = Parser(prog="mlxq", description="Redis-queue-driven LLM inference on MLX",
+                    epilog="--redis-url, --log-level, --model and --api-key may come before or after the "
+                           "command, in every command that uses them.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("worker", help="run an MLX worker for one model")
@@ -99,10 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("submit", help="submit a prompt and stream the answer")
-    _redis_url(p)
+    add_shared(p, "redis_url", "model", "api_key")
     p.add_argument("text")
-    p.add_argument("--model")
-    p.add_argument("--api-key", default=os.environ.get("MLXQ_API_KEY"))
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -113,31 +112,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("stats", help="queue and worker stats")
-    _redis_url(p)
+    add_shared(p, "redis_url")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("keys", help="manage API keys (they set the tier)")
-    _redis_url(p)
+    keys_help = "manage API keys (they set the tier)"
+    p = sub.add_parser("keys", help=keys_help, description=f"{keys_help}. {KEY_RULES}")
+    add_shared(p, "redis_url")
     ks = p.add_subparsers(dest="action", required=True)
-    a = ks.add_parser("add")
-    a.add_argument("key")
+    a = ks.add_parser("add", help=f"register a key at a tier (at least {MIN_KEY_LENGTH} characters)",
+                      description=KEY_RULES)
+    add_shared(a, "redis_url")
+    a.add_argument("key", help=f"the secret itself, at least {MIN_KEY_LENGTH} characters")
     a.add_argument("--tier", choices=TIERS, required=True)
-    r = ks.add_parser("revoke")
+    r = ks.add_parser("revoke", help="refuse a key from now on (its hash is kept)", description=KEY_RULES)
+    add_shared(r, "redis_url")
     r.add_argument("key")
-    ks.add_parser("list")
+    ls = ks.add_parser("list", help="the registered keys' hash prefixes and tiers", description=KEY_RULES)
+    add_shared(ls, "redis_url")
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("make-model", help="build the small local model (no network)")
     p.add_argument("dir")
     p.add_argument("--preset", default="tiny", choices=("tiny", "bench"))
     p.add_argument("--force", action="store_true")
+    add_shared(p)
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("demo", help="embedded Redis + model + worker + a mix of jobs, streamed side by side")
-    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"),
-                   help="default: an embedded Valkey server")
-    p.add_argument("--model", help="a model directory or hub id (default: build the small local model)")
+    add_shared(p, "redis_url", "model",
+               help={"redis_url": "Redis URL (default: $MLXQ_REDIS_URL, else an embedded Valkey server)",
+                     "model": "a model directory or hub id (default: build the small local model)"})
     p.add_argument("--jobs", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)

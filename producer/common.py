@@ -27,24 +27,38 @@ def build_request(model: str, kwargs: dict[str, Any]) -> GenerateRequest:
     return GenerateRequest.model_validate({"model": model, **{k: v for k, v in kwargs.items() if v is not None}})
 
 
-def check_fits(req: GenerateRequest, info: Optional[dict]) -> None:
-    """Refuse at submit a prompt that can never fit the model's context.
+def check_fits(req: GenerateRequest, info: Optional[dict], count_tokens=None) -> None:
+    """Refuse at submit what the model's worker would refuse anyway (a ValueError, HTTP 400).
 
-    For ``prompt_tokens`` the count is exact; for text, ``bytes / longest token``
-    is a lower bound on the token count, so nothing that could fit is refused.
+    The prompt's length: for ``prompt_tokens`` the count is exact; for text, ``count_tokens(text)``
+    when the caller can tokenize (the gateway on the models' host), else ``bytes / longest token``,
+    a lower bound, so nothing that could fit is refused.  Also ids outside the vocabulary and
+    ``max_tokens`` above the workers' limit.
     """
     if not info:
         return
+    limit = int(info.get("max_new_tokens") or 0)
+    if limit and req.max_tokens > limit:
+        raise ValueError(f"max_tokens {req.max_tokens} exceeds the workers' limit of {limit}")
+    vocab = int(info.get("vocab_size") or 0)
+    if vocab and req.prompt_tokens is not None and any(t >= vocab for t in req.prompt_tokens):
+        raise ValueError(f"prompt_tokens contains ids outside the vocabulary (size {vocab})")
     ctx = int(info.get("context_length") or 0)
     if not ctx:
         return
     if req.prompt_tokens is not None:
-        n = len(req.prompt_tokens)
+        n, what = len(req.prompt_tokens), "of"
+    elif req.prompt is not None and count_tokens is not None:
+        n, what = count_tokens(req.prompt), "of"
     else:
         text = req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or [])
-        n = len(text.encode()) // max(1, int(info.get("max_token_bytes") or 1))
+        n, what = len(text.encode()) // max(1, int(info.get("max_token_bytes") or 1)), "of at least"
     if n >= ctx:
-        raise ValueError(f"prompt of at least {n} tokens can never fit the model's context of {ctx} tokens")
+        raise ContextLengthError(f"prompt {what} {n} tokens can never fit the model's context of {ctx} tokens")
+
+
+class ContextLengthError(ValueError):
+    """A prompt longer than the model's context (OpenAI's ``context_length_exceeded``)."""
 
 
 def pick_model(explicit: Optional[str], registered: dict[str, dict]) -> str:

@@ -5,9 +5,15 @@
     GET  /v1/models                                     (models that live workers serve)
     GET  /metrics, /health
 
-The bearer token is an mlxq API key: it decides the tier (no token: normal; unknown or revoked:
-401).  Each request becomes one queue job through ``AsyncClient``; a stream reads the job's token
-channel.  A client that disconnects cancels its job.
+The bearer token is an mlxq API key: it decides the tier.  Two modes, as vLLM, ollama and mlx-lm's
+server behave: while no key is registered the gateway is open (any token, e.g. the openai client's
+``api_key="EMPTY"``, is normal tier; a warning is logged at start); once any key exists, an unknown
+or revoked token gets 401 on every endpoint.  No token at all is normal tier in both modes.
+
+Each request becomes one queue job through ``AsyncClient``; a stream reads the job's token channel.
+A request that cannot run gets a 400 before anything is streamed: what can be checked up front is
+(parameters, prompt length, token ids); a stream's headers wait for the job's first delta, so a job
+the worker refuses is also a plain 400.  A client that disconnects cancels its job.
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxq.shared.apikeys import AuthError
+from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.protocol import JobRefused, OverloadError
-from mlxq.shared.schemas import Delta
+from mlxq.shared.schemas import INVALID_REQUEST, Delta, Result
 from mlxq.shared.settings import TIERS, Settings
 from .aclient import AsyncClient, AsyncJob
-from .common import NoModelError
+from .cliopts import add_shared
+from .common import ContextLengthError, NoModelError
 from .openai_api import (ChatCompletionRequest, CompletionRequest, LogprobFormatter, OpenAIError, TokenNames,
                          finish_reason, now_s, usage, validation_error)
 
@@ -80,12 +88,33 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self.redis = aredis.Redis.from_url(self.redis_url, health_check_interval=30)
+        await self._warn_if_open()
         try:
             yield
         finally:
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)
             await self.redis.aclose()
+
+    async def _warn_if_open(self) -> None:
+        registry = GlobalKeys(self.settings.prefix).api_keys
+        try:
+            open_mode = not await self.redis.exists(registry)
+        except Exception as exc:  # Redis not up yet: requests will say so
+            log.warning("cannot read the API key registry at start: %s", exc)
+            return
+        if open_mode:
+            log.warning("no API key is registered: the gateway is OPEN, every caller (any token, e.g. "
+                        "api_key=\"EMPTY\") is served at the normal tier; register a key with "
+                        "`mlxq keys add KEY --tier TIER` to require keys")
+
+    async def _authorized(self, request: Request, endpoint: str) -> Optional[Response]:
+        """None when the caller may go on; a 401 response for an unknown or revoked key."""
+        try:
+            await self.client(request).tier()
+        except AuthError as exc:
+            return self._error(endpoint, OpenAIError(401, str(exc), "authentication_error", code="invalid_api_key"))
+        return None
 
     def client(self, request: Request) -> AsyncClient:
         return AsyncClient(api_key=bearer(request), settings=self.settings, redis_client=self.redis)
@@ -98,6 +127,9 @@ class Gateway:
 
     # -- endpoints -------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
+        denied = await self._authorized(request, "/v1/models")
+        if denied is not None:
+            return denied
         models = await AsyncClient(settings=self.settings, redis_client=self.redis).models()
         data = [{"id": name, "object": "model", "created": int(info.get("created", 0) or 0), "owned_by": "mlxq",
                  "context_length": info.get("context_length")} for name, info in sorted(models.items())]
@@ -111,10 +143,16 @@ class Gateway:
         return await self._generate(request, CompletionRequest, chat=False)
 
     async def health(self, request: Request) -> Response:
+        denied = await self._authorized(request, "/health")
+        if denied is not None:
+            return denied
         await self.redis.ping()
         return JSONResponse({"status": "ok"})
 
     async def prometheus(self, request: Request) -> Response:
+        denied = await self._authorized(request, "/metrics")
+        if denied is not None:
+            return denied
         client = AsyncClient(settings=self.settings, redis_client=self.redis)
         for model in await client.models():
             counts = await self.redis.hgetall(client.gkeys.model_keys(model).counts)
@@ -144,9 +182,13 @@ class Gateway:
                                   code="model_not_found")
             model = req.model or await client.model()
             try:
-                job = await client.submit(model=model, _floor=floor, _source="gateway", **kwargs)
+                job = await client.submit(model=model, _floor=floor, _source="gateway",
+                                          _count_tokens=self.token_names.counter(models.get(model)), **kwargs)
             except ValidationError as exc:
                 raise validation_error(exc) from None
+            except ContextLengthError as exc:
+                raise OpenAIError(400, str(exc), param="messages" if chat else "prompt",
+                                  code="context_length_exceeded") from None
         except OpenAIError as exc:
             return self._error(endpoint, exc)
         except AuthError as exc:
@@ -162,9 +204,31 @@ class Gateway:
         meta = _Meta(id=("chatcmpl-" if chat else "cmpl-") + job.id, model=model, created=now_s(), chat=chat,
                      endpoint=endpoint, started=started, include_usage=req.include_usage)
         if req.stream:
-            return StreamingResponse(self._sse(job, meta, fmt), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await self._stream(request, job, meta, fmt)
         return await self._complete(request, job, meta, fmt)
+
+    async def _stream(self, request: Request, job: AsyncJob, meta: "_Meta", fmt: LogprobFormatter) -> Response:
+        """Headers go out with the job's first delta: a job that fails before producing anything
+        (refused by the worker) is answered with a plain error status, not an event mid-stream."""
+        deltas = job.stream()
+        first_task = asyncio.ensure_future(deltas.__anext__())
+        gone_task = asyncio.ensure_future(_wait_disconnect(request))
+        done, _ = await asyncio.wait({first_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+        if first_task not in done:
+            first_task.cancel()
+            await self._cancel(job, "client disconnected before the first token")
+            return Response(status_code=499)
+        gone_task.cancel()
+        try:
+            first = first_task.result()
+        except StopAsyncIteration:
+            first = None
+        if first is not None and first.finish_reason == "error" and not first.text and not first.token_ids:
+            res = await job.result(timeout=10)
+            jlog(logging.INFO, job.id, res.stats.attempts, "failed before streaming: %s", res.error)
+            return self._error(meta.endpoint, job_error(res))
+        return StreamingResponse(self._sse(job, meta, fmt, _prepend(first, deltas)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _complete(self, request: Request, job: AsyncJob, meta: "_Meta", fmt: LogprobFormatter) -> Response:
         self.metrics.inflight.inc()
@@ -183,8 +247,7 @@ class Gateway:
         jlog(logging.INFO, job.id, res.stats.attempts, "finished: %s, %d tokens", res.finish_reason,
              res.stats.generated_tokens)
         if res.finish_reason == "error":
-            return self._error(meta.endpoint, OpenAIError(500, res.error or "generation failed", "server_error",
-                                                          code="job_failed"))
+            return self._error(meta.endpoint, job_error(res))
         self.metrics.tokens.inc(res.stats.generated_tokens)
         self.metrics.latency.labels(meta.endpoint).observe(time.monotonic() - meta.started)
         self.metrics.requests.labels(meta.endpoint, "200").inc()
@@ -198,15 +261,17 @@ class Gateway:
                       "finish_reason": finish_reason(res.finish_reason)}
             obj = "text_completion"
         return JSONResponse({"id": meta.id, "object": obj, "created": meta.created, "model": meta.model,
-                             "choices": [choice], "usage": usage(res), "system_fingerprint": None})
+                             "choices": [choice], "usage": usage(res), "system_fingerprint": None,
+                             "stats": job_stats(res)})
 
-    async def _sse(self, job: AsyncJob, meta: "_Meta", fmt: LogprobFormatter) -> AsyncIterator[str]:
+    async def _sse(self, job: AsyncJob, meta: "_Meta", fmt: LogprobFormatter,
+                   deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
         self.metrics.inflight.inc()
         finished, attempt, offset = False, 0, 0
         try:
             if meta.chat:
                 yield _event(meta.chunk({"role": "assistant", "content": ""}, None))
-            async for d in job.stream():
+            async for d in deltas:
                 attempt = max(attempt, d.attempt)
                 if d.restart:
                     finished = True
@@ -227,7 +292,7 @@ class Gateway:
                     finished = True
             if meta.include_usage and finished:
                 res = await job.result(timeout=10)
-                yield _event(meta.usage_chunk(usage(res)))
+                yield _event(meta.usage_chunk(usage(res), job_stats(res)))
             yield "data: [DONE]\n\n"
             res = await job.result(timeout=10) if finished else None
             if res is not None:
@@ -285,10 +350,31 @@ class _Meta:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, u: dict) -> dict:
+    def usage_chunk(self, u: dict, stats: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
-                "usage": u}
+                "usage": u, "stats": stats}
+
+
+def job_error(res: Result) -> OpenAIError:
+    """A failed job as an HTTP error: 400 when the request can never run, else 500."""
+    if res.error_code == INVALID_REQUEST:
+        return OpenAIError(400, res.error or "invalid request", code="invalid_request")
+    return OpenAIError(500, res.error or "generation failed", "server_error", code="job_failed")
+
+
+def job_stats(res: Result) -> dict:
+    """mlxq's per-job stats (queue wait, ttft, tokens/s, tier, worker, attempts), an extra field
+    next to ``usage`` that OpenAI clients keep (``response.model_extra["stats"]``)."""
+    return res.stats.model_dump()
+
+
+async def _prepend(first: Optional[Delta], rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    if first is None:
+        return
+    yield first
+    async for d in rest:
+        yield d
 
 
 def _event(obj: dict) -> str:
@@ -393,7 +479,7 @@ def cmd_gateway(args) -> int:
 
 def add_command(sub) -> None:
     p = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway (chat/completions, models, metrics)")
-    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"), help="default: $MLXQ_REDIS_URL")
+    add_shared(p, "redis_url")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("MLXQ_LOG_FORMAT", "text"))

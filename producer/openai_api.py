@@ -158,9 +158,10 @@ class CompletionRequest(_Params):
 # -- responses -------------------------------------------------------------------------------
 
 def usage(res: Result) -> dict:
-    p, c = res.stats.prompt_tokens, res.stats.generated_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": res.stats.cached_tokens}}
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the prefix cache."""
+    u = res.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 def finish_reason(reason: Optional[str]) -> Optional[str]:
@@ -174,7 +175,8 @@ class TokenNames:
     def __init__(self):
         self._cache: dict[str, Any] = {}
 
-    def for_model(self, info: Optional[dict]):
+    def tokenizer(self, info: Optional[dict]):
+        """The model's ``tokenizers.Tokenizer`` when its directory is readable here, else None."""
         source = (info or {}).get("source") or ""
         if source not in self._cache:
             self._cache[source] = None
@@ -185,8 +187,17 @@ class TokenNames:
 
                     self._cache[source] = Tokenizer.from_file(path)
                 except Exception as exc:
-                    log.warning("logprobs: cannot load %s (%s); tokens shown as ids", path, exc)
-        tok = self._cache[source]
+                    log.warning("cannot load %s (%s): logprobs show token ids, prompt lengths are checked "
+                                "by the worker", path, exc)
+        return self._cache[source]
+
+    def counter(self, info: Optional[dict]):
+        """``text -> prompt token count`` (as the worker encodes a prompt), or None."""
+        tok = self.tokenizer(info)
+        return (lambda text: len(tok.encode(text).ids)) if tok is not None else None
+
+    def for_model(self, info: Optional[dict]):
+        tok = self.tokenizer(info)
         return (lambda i: tok.decode([i])) if tok is not None else (lambda i: f"<{i}>")
 
 

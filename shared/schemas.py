@@ -133,6 +133,21 @@ class JobStats(BaseModel):
     worker: Optional[str] = None
 
 
+class Usage(BaseModel):
+    """Token counts of one job, as OpenAI reports them (``cached_tokens``: prompt tokens whose KV came
+    from the prefix cache)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    cached_tokens: int = 0
+
+
+# Result.error_code values: why a job failed
+INVALID_REQUEST = "invalid_request"  # the request can never run (too long, bad ids...): HTTP 400
+INTERNAL_ERROR = "internal_error"  # the worker failed: HTTP 500
+
+
 class Result(BaseModel):
     model_config = ConfigDict(extra="ignore")
     id: str
@@ -140,5 +155,11 @@ class Result(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: FinishReason
     error: Optional[str] = None
+    error_code: Optional[str] = None  # INVALID_REQUEST | INTERNAL_ERROR when finish_reason is "error"
     logprobs: Optional[list] = None
     stats: JobStats = Field(default_factory=JobStats)
+
+    @property
+    def usage(self) -> Usage:
+        p, c = self.stats.prompt_tokens, self.stats.generated_tokens
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, cached_tokens=self.stats.cached_tokens)

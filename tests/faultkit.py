@@ -130,12 +130,8 @@ def reference_tokens(loaded, prompt_ids, max_tokens, ignore_eos=False):
 
 
 def detok_text(tokenizer, ids):
-    detok = tokenizer.detokenizer
-    detok.reset()
-    for t in ids:
-        detok.add_token(t)
-    detok.finalize()
-    return detok.text
+    """A job's text for these tokens: exactly ``decode(ids)``, as OpenAI and vLLM return it."""
+    return tokenizer.decode(ids)
 
 
 class StreamCollector(threading.Thread):

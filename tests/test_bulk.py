@@ -66,9 +66,55 @@ def test_batch_resumes_after_interruption_without_duplicates(tiny_model, redis_u
     assert summary["duplicates"] >= 1  # jobs queued before the interruption were waited for, not re-run
     for rec in records:
         i = rec["line"] - 1
-        assert rec["custom_id"] == f"c{i}" and rec["finish_reason"] in ("stop", "length")
-        if rec["finish_reason"] == "length":
-            assert rec["usage"]["completion_tokens"] == 20 + i
+        assert rec["custom_id"] == f"c{i}" and rec["error"] is None
+        assert rec["response"]["status_code"] == 200 and rec["response"]["request_id"] == rec["id"]
+        body = rec["response"]["body"]
+        assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] in ("stop", "length")
+        if body["choices"][0]["finish_reason"] == "length":
+            assert body["usage"]["completion_tokens"] == 20 + i
     # no line was enqueued twice: the rerun found the still-queued jobs by their idempotency keys
     assert int(r.hget(KEYS.counts, "submitted")) == n
     r.close()
+
+
+def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_path):
+    """OpenAI Batch request lines are accepted as they are; every output line is an OpenAI Batch output
+    line ({"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}) plus ``line``."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                  "ignore_eos": True}},
+        {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": "A recipe for bread starts with", "max_tokens": 3}},
+        {"custom_id": "plain-1", "prompt": "hello", "max_tokens": 2, "ignore_eos": True},
+        {"custom_id": "bad-1", "prompt": "hello", "max_tokens": 0},
+        {"custom_id": "bad-2", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "long-1", "prompt_tokens": [5] * (tiny_model.context_length + 1), "max_tokens": 2},
+        # the tiny model's chat template refuses the "tool" role: only the worker finds out
+        {"custom_id": "tool-1", "messages": [{"role": "tool", "content": "x"}], "max_tokens": 2},
+    ]
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    settings = fast_settings(redis_url)
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        client = Client(redis_url, model="tiny", settings=settings)
+        assert wait_for(lambda: "tiny" in client.models(), timeout=10)  # so the context check runs up front
+        summary = BatchRun(client, str(src), str(out), progress=False).run()
+    assert summary.written == len(lines)
+    recs = {rec["custom_id"]: rec for rec in _records(out)}
+    for rec in recs.values():
+        assert set(rec) == {"id", "custom_id", "line", "response", "error"}
+    chat = recs["chat-1"]["response"]
+    assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
+    assert chat["body"]["choices"][0]["finish_reason"] == "length"
+    assert chat["body"]["usage"]["completion_tokens"] == 3 and chat["body"]["stats"]["tier"] == "low"
+    cmpl = recs["cmpl-1"]["response"]["body"]
+    assert cmpl["object"] == "text_completion" and cmpl["choices"][0]["text"] == " the table."
+    assert cmpl["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert recs["plain-1"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    for bad in ("bad-1", "bad-2", "long-1"):  # never submitted: refused up front
+        assert recs[bad]["response"] is None and recs[bad]["error"]["code"] == "invalid_request", bad
+    assert recs["bad-1"]["line"] == 4
+    tool = recs["tool-1"]["response"]
+    assert tool["status_code"] == 400 and "chat template" in tool["body"]["error"]["message"]
+    assert recs["tool-1"]["error"] is None

@@ -17,12 +17,9 @@ K = ModelKeys("tiny")
 
 
 def streamed_text(tokenizer, ids):
-    """The text mlx-lm's stream_generate shows for these tokens (its streaming detokenizer)."""
-    detok = tokenizer.detokenizer
-    for t in ids:
-        detok.add_token(t)
-    detok.finalize()
-    return detok.text
+    """The text of these tokens as OpenAI and vLLM return it: exactly ``decode(ids)`` (a leading
+    space kept; mlx-lm's streaming detokenizer would trim it)."""
+    return tokenizer.decode(ids)
 
 
 def collect(job, sink, key):
@@ -242,7 +239,9 @@ def test_stats_counts_are_exact(tiny_model, redis_url):
     c.cancel()
     with running_worker(tiny_model, redis_url, settings) as w:
         done = [client.submit(f"job {i}", max_tokens=4) for i in range(5)]
-        bad = client.submit(prompt_tokens=[10**6], max_tokens=4)  # outside the vocabulary
+        # a job only the worker can refuse: the tiny model's chat template raises on the "tool" role
+        # (ids outside the vocabulary are refused at submit once the worker has registered the model)
+        bad = client.submit(messages=[{"role": "tool", "content": "x"}], max_tokens=4)
         for j in done + [bad]:
             j.result(timeout=60)
         assert wait_for(lambda: w._snap.get("processed", {}).get("done") == 5, timeout=60)
@@ -304,3 +303,19 @@ def test_result_while_another_thread_streams_the_same_job(tiny_model, redis_url)
         t.join(timeout=60)
     text, ids, finishes = sink[0]
     assert ids == res.token_ids and text == res.text and finishes == ["length"]
+
+
+def test_usage_reports_prefix_cache_hits_per_job(tiny_model, redis_url):
+    """Result.usage.cached_tokens: the prompt tokens whose KV the paged engine found in its prefix cache."""
+    from mlxq.worker.paged.engine import PagedEngine
+
+    prompt = [random.Random(5).randrange(4, 900) for _ in range(70)]
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    engine = PagedEngine(tiny_model.model, num_blocks=32, eos_token_ids=tiny_model.eos_token_ids, model_id="tiny")
+    with running_worker(tiny_model, redis_url, settings, engine=engine):
+        first = client.submit(prompt_tokens=prompt, max_tokens=2, ignore_eos=True).result(timeout=60)
+        second = client.submit(prompt_tokens=prompt, max_tokens=2, ignore_eos=True).result(timeout=60)
+    assert first.usage.cached_tokens == 0 and first.usage.prompt_tokens == 70
+    assert second.usage.cached_tokens == 64  # two full 32-token blocks; the last partial one is computed
+    assert second.usage.completion_tokens == 2 and second.usage.total_tokens == 72

@@ -62,6 +62,8 @@ def test_models_lists_the_served_model(stack):
     url, _ = stack
     models = oai(url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    with pytest.raises(openai.AuthenticationError):  # keys exist: an unknown key is refused everywhere
+        oai(url, "EMPTY").models.list()
 
 
 def test_chat_non_streaming_with_usage(stack):
@@ -261,3 +263,24 @@ def test_json_log_lines_carry_job_and_attempt():
     line = json.loads(JsonFormatter().format(records[0]))
     assert line["job"] == "ab" * 16 and line["attempt"] == 2
     assert line["message"] == f"job={'ab' * 16} attempt=2 finished: stop"
+
+
+def test_disconnect_while_waiting_for_the_first_token_cancels_the_job(stack):
+    """A stream's headers wait for the job's first delta; a client that leaves before it (here the job
+    stays queued: no worker serves "ghost") still cancels its job."""
+    url, r = stack
+    r.hset(GK.models, "ghost", codec.pack({"name": "ghost", "context_length": 4096, "max_token_bytes": 8}))
+    ghost = GK.model_keys("ghost")
+    try:
+        before = set(r.zrange(ghost.queue, 0, -1))  # (an earlier test leaves a job there)
+        u = urlparse(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        body = {"model": "ghost", "prompt": "never starts", "max_tokens": 4, "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        assert wait_for(lambda: set(r.zrange(ghost.queue, 0, -1)) - before, timeout=10)
+        (job_id,) = [m.decode() for m in set(r.zrange(ghost.queue, 0, -1)) - before]
+        conn.sock.close()
+        conn.close()
+        assert wait_for(lambda: r.hget(ghost.job(job_id), "status") == b"cancelled", timeout=15)
+    finally:
+        r.hdel(GK.models, "ghost")

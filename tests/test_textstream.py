@@ -1,13 +1,16 @@
-"""Streaming detokenization: multi-byte characters never split, stop strings cut and held back."""
+"""Streaming detokenization: the pieces are exactly ``decode(ids)`` (leading space kept), multi-byte
+characters never split, stop strings cut and held back."""
 
 from __future__ import annotations
 
-from mlxq.worker.textstream import TextStream
+import random
+
+from mlxq.worker.textstream import IncrementalDecoder, TextStream, decode_fn
 
 
 def stream_all(tokenizer, text, stop=None):
     ids = tokenizer.encode(text)
-    ts = TextStream(tokenizer.detokenizer, stop)
+    ts = TextStream.for_tokenizer(tokenizer, stop)
     pieces = [ts.add(t) for t in ids]
     pieces.append(ts.finish())
     return pieces, ts
@@ -17,9 +20,35 @@ def test_multibyte_characters_never_split(tiny_model):
     tok = tiny_model.tokenizer
     text = "café naïve 日本語 🙂 ünïcode ok"
     pieces, _ = stream_all(tok, text)
-    assert "".join(pieces) == tok.decode(tok.encode(text))
+    assert "".join(pieces) == tok.decode(tok.encode(text)) == text
     for p in pieces:
         assert "\ufffd" not in p
+
+
+def test_leading_space_is_kept_as_decoding_gives_it(tiny_model):
+    """OpenAI and vLLM return " the town." for a completion whose first token is " the";
+    mlx-lm's streaming detokenizer would give "the town."."""
+    tok = tiny_model.tokenizer
+    pieces, _ = stream_all(tok, " the town.")
+    assert "".join(pieces) == " the town."
+    assert pieces[0] == " the"
+    pieces, _ = stream_all(tok, "  two spaces")
+    assert "".join(pieces) == "  two spaces"
+
+
+def test_pieces_concatenate_to_the_decoded_tokens_for_any_ids(tiny_model):
+    """Random ids, byte-level pieces of multi-byte characters included: the concatenation is always
+    the tokenizer's decode of all ids, and no piece but the last ends inside a character."""
+    tok = tiny_model.tokenizer
+    decode = decode_fn(tok)
+    rng = random.Random(0)
+    vocab = len(tok._tokenizer)
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 24))]
+        dec = IncrementalDecoder(decode)
+        pieces = [dec.add(t) for t in ids] + [dec.finish()]
+        assert "".join(pieces) == decode(ids), ids
+        assert not any(p.endswith("\ufffd") for p in pieces[:-1]), ids
 
 
 def test_stop_string_is_cut_and_never_leaks(tiny_model):
@@ -27,6 +56,8 @@ def test_stop_string_is_cut_and_never_leaks(tiny_model):
     pieces, ts = stream_all(tok, "hello world. The END is near", stop=["END", "zzz"])
     assert "".join(pieces) == "hello world. The "
     assert ts.stopped
+    pieces, ts = stream_all(tok, " a stop at the start", stop=["stop"])
+    assert "".join(pieces) == " a "  # the leading space survives a stop string too
 
 
 def test_partial_stop_prefix_is_released_when_it_is_not_a_stop(tiny_model):

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL"), help="default: $MLXQ_REDIS_URL")
-    p.add_argument("--model", required=True, help="an mlx-lm model directory or hub id")
+    from mlxq.producer.cliopts import add_shared
+
+    add_shared(p, "redis_url", "model", required=("model",), help={"model": "an mlx-lm model directory or hub id"})
     p.add_argument("--name", help="the queue name (default: the model directory's base name or the hub id)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="most sequences decoded together (dense default 64; paged default: set by KV memory)")

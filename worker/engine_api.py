@@ -43,6 +43,8 @@ class TokenEvent:
     token: int
     finish_reason: Optional[str] = None  # None, "stop" or "length"
     logprobs: Any = None  # mx.array (vocab,) of log-probabilities, or None
+    # prompt tokens whose KV came from the prefix cache at the sequence's last admission; None: unknown
+    cached_tokens: Optional[int] = None
 
 
 @dataclass

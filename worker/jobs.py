@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -14,6 +15,13 @@ from mlxq.shared.schemas import Delta, GenerateRequest, JobStats, Result
 from .engine_api import SeqSpec
 from .sampling import make_processors, make_sampler, resolve_seed
 from .textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+# mlx-lm server's fallback for a model without a chat template (``convert_chat``): role-prefixed lines.
+PLAIN_CHAT_ROLES = {"system": "ASSISTANT's RULE: ", "user": "USER: ", "assistant": "ASSISTANT: "}
+PLAIN_CHAT_STOP = "\n"
+_warned_no_template: set[int] = set()
 
 
 class JobError(ValueError):
@@ -144,18 +152,32 @@ def tokenize(req: GenerateRequest, tokenizer) -> list[int]:
             raise JobError(f"prompt_tokens contains ids outside the vocabulary (size {vocab})")
         return list(req.prompt_tokens)
     if req.messages is not None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise JobError("this model has no chat template: send prompt= instead of messages=")
         msgs = [m.model_dump() for m in req.messages]
+        if not getattr(tokenizer, "chat_template", None):
+            if id(tokenizer) not in _warned_no_template:
+                _warned_no_template.add(id(tokenizer))
+                log.warning("this model has no chat template: chat messages are sent as role-prefixed plain "
+                            "text (USER: ... ASSISTANT:), as mlx-lm's server does")
+            return _encode(tokenizer, plain_chat_prompt(msgs))
         try:
             ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # templates are user code
             raise JobError(f"chat template failed: {exc}") from None
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    ids = tokenizer.encode(req.prompt)
+    return _encode(tokenizer, req.prompt)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.encode(text)
     if not ids:
         raise JobError("the prompt tokenizes to nothing")
     return list(ids)
+
+
+def plain_chat_prompt(messages: list[dict]) -> str:
+    """Chat messages as plain text for a model without a chat template (mlx-lm's ``convert_chat``)."""
+    text = "".join(f"{PLAIN_CHAT_ROLES.get(m['role'], '')}{m['content']}{PLAIN_CHAT_STOP}" for m in messages)
+    return (text + PLAIN_CHAT_ROLES["assistant"]).rstrip()
 
 
 def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer, worker_id: str,
@@ -173,7 +195,7 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
         id=pulled.job_id, request=req, attempt=pulled.attempt,
         owner=owner_token(worker_id, pulled.attempt), tier=pulled.tier, score=pulled.score,
         queued_at=pulled.queued_at, started_at=pulled.now, prompt=prompt, seed=seed,
-        text=TextStream(tokenizer.detokenizer, req.stop), clock_offset=clock_offset,
+        text=TextStream.for_tokenizer(tokenizer, req.stop), clock_offset=clock_offset,
     )
     tokens = resume.get("tokens")
     if tokens and isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):

@@ -44,6 +44,7 @@ class LoadedModel:
             "eos_token_ids": list(self.eos_token_ids),
             "num_params": self.num_params,
             "has_chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
+            "vocab_size": len(getattr(self.tokenizer, "_tokenizer", self.tokenizer)),
         }
 
 

@@ -83,8 +83,7 @@ def tier_for_queue(queue_name: Optional[str]) -> str:
 def result_payload(res: Result) -> dict:
     """What rq sees as the return value: mlxq's Result as plain values, plus OpenAI-style usage."""
     out = res.model_dump(mode="json", exclude={"logprobs"} if res.logprobs is None else set())
-    prompt, completion = res.stats.prompt_tokens, res.stats.generated_tokens
-    out["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out["usage"] = res.usage.model_dump()  # prompt, completion, total and cached tokens
     return out
 
 

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlxq.shared import codec
 from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.protocol import Pulled, Queue
-from mlxq.shared.schemas import Delta, Result
+from mlxq.shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
 from mlxq.shared.settings import TIERS, Settings
 from . import BLAS_STATUS
 from .engine import DenseEngine
@@ -76,7 +76,8 @@ class Worker:
         self.control = Control(self.q, self.worker_id, self._leases,
                                on_lost=lambda ids: self._control_q.put(("lost", ids)),
                                on_cancel=lambda ids: self._control_q.put(("cancel", ids)),
-                               snapshot=lambda: self._snap, model_info=loaded.info(),
+                               snapshot=lambda: self._snap,
+                               model_info={**loaded.info(), "max_new_tokens": self.settings.max_new_tokens},
                                registry_key=gk.models, stop=self.stop_event)
 
     # -- shared with the I/O threads ----------------------------------------
@@ -107,17 +108,17 @@ class Worker:
             job = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset)
         except JobError as exc:
             log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
-            self.publisher.submit(self._failure(entry, str(exc)))
+            self.publisher.submit(self._failure(entry, str(exc), INVALID_REQUEST))
             return
         except Exception as exc:  # a tokenizer bug must not kill the worker
             log.exception("job=%s attempt=%d failed to prepare", entry.job_id, entry.attempt)
-            self.publisher.submit(self._failure(entry, f"internal error preparing the job: {exc}"))
+            self.publisher.submit(self._failure(entry, f"internal error preparing the job: {exc}", INTERNAL_ERROR))
             return
         self.ready.put(job)
 
-    def _failure(self, entry: Pulled, message: str) -> StepOutput:
+    def _failure(self, entry: Pulled, message: str, code: str) -> StepOutput:
         owner = f"{self.worker_id}:{entry.attempt}"
-        result = Result(id=entry.job_id, finish_reason="error", error=message)
+        result = Result(id=entry.job_id, finish_reason="error", error=message, error_code=code)
         result.stats.queued_at = entry.queued_at
         result.stats.started_at = entry.now
         result.stats.attempts = entry.attempt
@@ -191,6 +192,8 @@ class Worker:
                 continue
             if job.first_token_at is None:
                 job.first_token_at = job.now()
+            if getattr(ev, "cached_tokens", None) is not None:  # prefix-cache hit tokens (engines that know)
+                job.cached_tokens = min(ev.cached_tokens, len(job.prompt))
             finish = ev.finish_reason
             ids: list[int] = []
             text = ""

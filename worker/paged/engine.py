@@ -56,6 +56,7 @@ class _Seq:
     num_computed: int = 0  # tokens whose KV is in the pool
     emitted: int = 0  # tokens emitted this run
     session_checked: bool = False  # warm session file looked at already
+    prefix_hit: int = 0  # prompt tokens found in the prefix cache at the last admission (reported per job)
 
     @property
     def uid(self) -> str:
@@ -243,6 +244,7 @@ class PagedEngine:
         seq.block_table = bm.allocate(new_blocks, hit)
         seq.block_hashes = list(hit.hashes)
         seq.num_computed = hit.num_blocks * self.block_size
+        seq.prefix_hit = seq.num_computed
         seq.state = SeqState.PREFILL
         self.counters.prefix_hit_tokens += seq.num_computed
         self.counters.prompt_tokens += n
@@ -383,7 +385,7 @@ class PagedEngine:
             reason = "stop"
         elif seq.emitted >= seq.spec.max_tokens:
             reason = "length"
-        events.append(TokenEvent(seq.uid, tok, reason, logprobs))
+        events.append(TokenEvent(seq.uid, tok, reason, logprobs, cached_tokens=seq.prefix_hit))
         if reason is not None:
             self._finish(seq)
 

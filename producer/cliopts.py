@@ -1,0 +1,78 @@
+"""Options every ``mlxq`` command shares, accepted before or after the sub-command.
+
+``mlxq --redis-url URL keys add KEY --tier low`` and ``mlxq keys add KEY --tier low --redis-url URL``
+mean the same.  Each parser (the top one and every sub-command, nested ones included) declares the
+shared options with ``default=SUPPRESS``, so a sub-command's default never overwrites a value given
+before it; ``finish()`` fills the defaults once parsing is done, and refuses an option given to a
+command that has no use for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class SharedOption:
+    flag: str
+    help: str
+    default: Callable[[], Optional[str]]
+
+
+SHARED = {
+    "redis_url": SharedOption("--redis-url", "Redis URL: redis://, rediss:// (TLS), unix://; "
+                              "default: $MLXQ_REDIS_URL", lambda: os.environ.get("MLXQ_REDIS_URL")),
+    "log_level": SharedOption("--log-level", "DEBUG, INFO, WARNING or ERROR (default: $MLXQ_LOG_LEVEL or INFO)",
+                              lambda: os.environ.get("MLXQ_LOG_LEVEL", "INFO")),
+    "model": SharedOption("--model", "the model's queue name (default: $MLXQ_MODEL, or the only model served)",
+                          lambda: None),
+    "api_key": SharedOption("--api-key", "an mlxq API key; it sets the tier (default: $MLXQ_API_KEY)",
+                            lambda: os.environ.get("MLXQ_API_KEY")),
+}
+ALWAYS = ("log_level",)
+
+
+def add_shared(p: argparse.ArgumentParser, *names: str, required: tuple[str, ...] = (),
+               help: Optional[dict[str, str]] = None) -> None:
+    """Declare shared options on a (sub-)command: ``--log-level`` always, plus ``names``."""
+    for name in ALWAYS + tuple(n for n in names if n not in ALWAYS):
+        opt = SHARED[name]
+        text = (help or {}).get(name, opt.help) + (" (required)" if name in required else "")
+        p.add_argument(opt.flag, dest=name, default=argparse.SUPPRESS, help=text)
+    p.set_defaults(_shared=tuple(names), _required=tuple(required))
+
+
+def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults for the shared options a command uses; an error for one it does not."""
+    uses = set(getattr(args, "_shared", ())) | set(ALWAYS)
+    command = " ".join(x for x in (getattr(args, "command", None), getattr(args, "action", None)) if x)
+    for name, opt in SHARED.items():
+        if hasattr(args, name):
+            if name not in uses:
+                parser.error(f"{opt.flag} does not apply to `mlxq {command}`")
+        else:
+            setattr(args, name, opt.default() if name in uses else None)
+    for name in getattr(args, "_required", ()):
+        if not getattr(args, name):
+            parser.error(f"`mlxq {command}` needs {SHARED[name].flag}")
+    return args
+
+
+class Parser(argparse.ArgumentParser):
+    """The top-level parser: shared options anywhere, finished once after the whole line is parsed."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        add_shared(self, *SHARED)
+        self.set_defaults(_shared=(), _required=())
+
+    def add_subparsers(self, **kw):
+        kw.setdefault("parser_class", argparse.ArgumentParser)  # sub-commands do not finish on their own
+        return super().add_subparsers(**kw)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        return finish(self, ns), extras

@@ -1,0 +1,78 @@
+"""Any service, any language: the Node.js producer of docs/PROTOCOL.md (examples/node/producer.mjs, npm's
+``redis`` and ``@msgpack/msgpack``) enqueues a job, streams its deltas from the channel and reads the
+result, against a real worker; its text equals the Python client's for the same greedy request."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import redis
+
+import mlxq.shared
+from mlxq import Client
+from mlxq.shared.keys import GlobalKeys
+from tests.conftest import fast_settings, running_worker, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "node" / "producer.mjs"
+ENQUEUE_LUA = Path(mlxq.shared.__file__).parent / "lua" / "enqueue.lua"
+NPM_PACKAGES = ["redis@4", "@msgpack/msgpack@3"]
+
+
+@pytest.fixture(scope="module")
+def node_dir(tmp_path_factory):
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        pytest.skip("node and npm are not installed: the Node.js producer example cannot run here")
+    d = tmp_path_factory.mktemp("node-producer")
+    # npm's own cache (~/.npm) makes a repeat install take a couple of seconds
+    proc = subprocess.run([npm, "install", "--prefix", str(d), "--no-audit", "--no-fund", *NPM_PACKAGES],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.fail(f"npm install failed:\n{proc.stderr[-2000:]}")
+    shutil.copy(EXAMPLE, d / "producer.mjs")  # next to its node_modules (ES modules ignore NODE_PATH)
+    return d
+
+
+def test_the_example_in_the_protocol_doc_is_the_tested_file():
+    assert EXAMPLE.read_text() in (ROOT / "docs" / "PROTOCOL.md").read_text()
+
+
+def run_node(node_dir: Path, url: str, prompt: str, max_tokens: int, api_key: str | None = None) -> dict:
+    env = {**os.environ, "MLXQ_REDIS_URL": url, "MLXQ_MODEL": "tiny", "MLXQ_ENQUEUE_LUA": str(ENQUEUE_LUA)}
+    env.pop("MLXQ_API_KEY", None)
+    if api_key:
+        env["MLXQ_API_KEY"] = api_key
+    proc = subprocess.run([shutil.which("node"), "producer.mjs", prompt, str(max_tokens)], cwd=node_dir, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_node_producer_streams_the_same_text_as_the_python_client(node_dir, tiny_model, redis_url):
+    settings = fast_settings(redis_url)
+    r = redis.Redis.from_url(redis_url)
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        client = Client(redis_url, model="tiny", settings=settings)
+        for prompt, n in (("A recipe for bread starts with", 3), ("café, naïve: 日本語 and more", 24)):
+            py = client.submit(prompt, max_tokens=n, temperature=0.0).result(timeout=60)
+            out = run_node(node_dir, redis_url, prompt, n)
+            assert out["streamed"] == out["text"] == py.text, prompt  # deltas == result == Python's
+            assert out["token_ids"] == py.token_ids and out["finish_reason"] == py.finish_reason
+            assert out["usage"] == {"prompt_tokens": py.stats.prompt_tokens,
+                                    "completion_tokens": py.stats.generated_tokens}
+            assert r.hget(GlobalKeys().model_keys("tiny").job(out["id"]), "tier") == b"normal"
+        assert out["text"] and py.text
+        # the tier comes from the key, as for every producer
+        from mlxq.shared import apikeys
+
+        apikeys.add_key(r, GlobalKeys().api_keys, "node-service-key", "high")
+        out = run_node(node_dir, redis_url, "hello", 2, api_key="node-service-key")
+        assert out["tier"] == "high" and out["finish_reason"] in ("stop", "length")
+        assert wait_for(lambda: r.hget(GlobalKeys().model_keys("tiny").job(out["id"]), "status") == b"done")
+    r.close()
