@@ -5,15 +5,18 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator, Optional
 
-import redis.asyncio as aredis
+import asyncio
 
 from mlxq.shared import apikeys, codec
+from mlxq.shared.connection import connect_async, is_cluster
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.protocol import Enqueued, ScriptCalls, parse_enqueue, script_source, SCRIPT_NAMES
 from mlxq.shared.schemas import Delta, Result
 from mlxq.shared.settings import Settings
+from .asubscriber import AsyncSubscriber
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
                      pick_model, result_from_hash)
+from .subscriber import SYNC
 
 
 class AsyncJob:
@@ -42,7 +45,7 @@ class AsyncJob:
 
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = await self._ensure_pubsub()
+        inbox = await self._ensure_pubsub()
         self._streaming = True
         try:
             for d in await self._replay():
@@ -50,13 +53,16 @@ class AsyncJob:
             while not self._state.done:
                 if deadline is not None and time.monotonic() > deadline:
                     raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if msg is None or msg.get("type") != "message" or msg["data"] == b"sync":
+                try:
+                    data = await asyncio.wait_for(inbox.get(), 1.0)
+                except asyncio.TimeoutError:
+                    data = None
+                if data is None or data == SYNC:  # quiet, a script wrote an event, or the link was lost
                     for d in await self._replay():
                         yield d
                     continue
                 try:
-                    delta = Delta.from_wire(codec.unpack(msg["data"]))
+                    delta = Delta.from_wire(codec.unpack(data))
                 except (codec.CodecError, ValueError, TypeError):
                     continue
                 for d in self._state.feed(delta):
@@ -94,37 +100,48 @@ class AsyncJob:
         s = await self._client.redis.hget(self._keys.job(self.id), "status")
         return s.decode() if s else None
 
-    async def _ensure_pubsub(self):
+    async def _ensure_pubsub(self) -> asyncio.Queue:
         if self._pubsub is None:
-            self._pubsub = self._client.redis.pubsub()
-            await self._pubsub.subscribe(self._keys.channel(self.id))
-            await self._pubsub.get_message(timeout=1.0)  # confirmed before the record is read
+            inbox: asyncio.Queue = asyncio.Queue()
+            # returns once the server confirmed it: before the record is read (or the job enqueued)
+            await self._client.subscriber.subscribe(self._keys.channel(self.id), inbox)
+            self._pubsub = inbox
         return self._pubsub
 
     async def _close_pubsub(self) -> None:
         if self._pubsub is not None:
-            ps, self._pubsub = self._pubsub, None
-            await ps.aclose()
+            self._pubsub = None
+            await self._client.subscriber.unsubscribe(self._keys.channel(self.id))
 
 
 class AsyncClient:
     """``Client`` for asyncio code (web backends, agents)."""
 
     def __init__(self, redis_url: Optional[str] = None, api_key: Optional[str] = None,
-                 model: Optional[str] = None, *, settings: Optional[Settings] = None, redis_client=None):
+                 model: Optional[str] = None, *, settings: Optional[Settings] = None, redis_client=None,
+                 subscriber: Optional[AsyncSubscriber] = None):
         self.settings = settings or Settings.from_env()
         url = redis_url or self.settings.redis_url
         if redis_client is None and not url:
             raise ValueError("no Redis URL: pass redis_url= or set MLXQ_REDIS_URL")
-        self.redis = redis_client or aredis.Redis.from_url(url, health_check_interval=30,
-                                                                   max_connections=10_000)
+        self.redis = redis_client if redis_client is not None else connect_async(url)
         self.api_key = api_key
         self._model = model
         self.gkeys = GlobalKeys(self.settings.prefix)
         self._scripts = {n: self.redis.register_script(script_source(n)) for n in SCRIPT_NAMES}
+        self.cluster = is_cluster(self.redis)
+        self._subscriber: Optional[AsyncSubscriber] = subscriber
+        self._own_subscriber = subscriber is None  # a shared one (the gateway's) is closed by its owner
+
+    @property
+    def subscriber(self) -> AsyncSubscriber:
+        """One pub/sub connection per node for every job of this client."""
+        if self._subscriber is None:
+            self._subscriber = AsyncSubscriber(self.redis)
+        return self._subscriber
 
     def calls(self, model: str) -> ScriptCalls:
-        return ScriptCalls(self.gkeys.model_keys(model), self.settings)
+        return ScriptCalls(self.gkeys.model_keys(model), self.settings, self.cluster)
 
     async def _run(self, call, decode: bool = False):
         name, keys, args = call
@@ -177,6 +194,8 @@ class AsyncClient:
         return AsyncJob(self, job_id, keys, None, Enqueued("existing", job_id, None, None))
 
     async def aclose(self) -> None:
+        if self._subscriber is not None and self._own_subscriber:
+            await self._subscriber.aclose()
         await self.redis.aclose()
 
     async def __aenter__(self):

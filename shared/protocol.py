@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Optional
 
+from .connection import for_slot, is_cluster
 from .keys import ModelKeys
 from .settings import Settings
 
@@ -95,9 +96,12 @@ def parse_pull(reply: list) -> list[Pulled]:
 class ScriptCalls:
     """Keys and arguments for each script; no I/O."""
 
-    def __init__(self, keys: ModelKeys, settings: Settings):
+    def __init__(self, keys: ModelKeys, settings: Settings, cluster: bool = False):
         self.k = keys
         self.s = settings
+        # Token deltas and wake-ups go out on the model's slot on a cluster (sharded pub/sub);
+        # classic PUBLISH on a cluster is broadcast to every node.
+        self.pubcmd = "SPUBLISH" if cluster else "PUBLISH"
 
     def enqueue(self, job_id: str, request: bytes, tier: str, idempotency_key: str | None):
         k, s = self.k, self.s
@@ -113,14 +117,14 @@ class ScriptCalls:
         k = self.k
         return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info],
                 [n, self.s.lease_s, worker_id, k.job_prefix, k.events(""), k.channel(""), self.s.result_ttl_s,
-                 k.done("")])
+                 k.done(""), self.pubcmd])
 
     def complete(self, job_id: str, owner: str, status: str, result: bytes, final_delta: bytes):
         k = self.k
         return (
             "complete",
-            [k.job(job_id), k.inflight, k.counts, k.events(job_id), k.done(job_id)],
-            [job_id, owner, status, result, self.s.result_ttl_s, final_delta, k.channel(job_id)],
+            [k.job(job_id), k.inflight, k.counts, k.events(job_id), k.done(job_id), k.channel(job_id)],
+            [job_id, owner, status, result, self.s.result_ttl_s, final_delta, self.pubcmd],
         )
 
     def requeue(self, job_id: str, owner: str, resume: bytes = b""):
@@ -131,15 +135,18 @@ class ScriptCalls:
         k = self.k
         return (
             "cancel",
-            [k.queue, k.job(job_id), k.counts, k.events(job_id), k.done(job_id)],
-            [job_id, k.cancel_channel, k.channel(job_id), self.s.result_ttl_s],
+            [k.queue, k.job(job_id), k.counts, k.events(job_id), k.done(job_id), k.cancel_channel,
+             k.channel(job_id)],
+            [job_id, self.pubcmd, "", self.s.result_ttl_s],
         )
 
     def renew(self, leases: dict[str, str]):
-        args: list = [self.s.lease_s, self.k.job_prefix]
+        args: list = [self.s.lease_s, ""]
+        keys = [self.k.inflight]
         for job_id, owner in leases.items():
             args += [job_id, owner]
-        return ("renew", [self.k.inflight], args)
+            keys.append(self.k.job(job_id))
+        return ("renew", keys, args)
 
     def reap(self, limit: int = 100):
         k = self.k
@@ -149,7 +156,7 @@ class ScriptCalls:
             "reap",
             [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake],
             [self.s.max_attempts, k.job_prefix, events_prefix, chan_prefix, self.s.result_ttl_s, limit,
-             k.done("")],
+             k.done(""), self.pubcmd],
         )
 
 
@@ -161,10 +168,12 @@ class Queue:
     """Synchronous access to one model's queue (workers and the sync client)."""
 
     def __init__(self, redis, keys: ModelKeys, settings: Settings):
+        redis = for_slot(redis, keys.queue)  # on a cluster: a plain client on the slot's master
         self.redis = redis
         self.keys = keys
         self.settings = settings
-        self.calls = ScriptCalls(keys, settings)
+        self.cluster = is_cluster(redis)
+        self.calls = ScriptCalls(keys, settings, self.cluster)
         self._scripts = {name: redis.register_script(script_source(name)) for name in SCRIPT_NAMES}
 
     def run(self, call, client=None):

@@ -77,7 +77,7 @@ class Worker:
                                on_lost=lambda ids: self._control_q.put(("lost", ids)),
                                on_cancel=lambda ids: self._control_q.put(("cancel", ids)),
                                snapshot=lambda: self._snap, model_info=loaded.info(),
-                               registry_key=gk.models, stop=self.stop_event)
+                               registry_key=gk.models, stop=self.stop_event, global_redis=redis_client)
 
     # -- shared with the I/O threads ----------------------------------------
     def _free_slots(self) -> int:

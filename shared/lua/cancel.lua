@@ -1,7 +1,7 @@
 -- Cancel a job: a queued one leaves the queue now; a running one is flagged and its
 -- worker told on the cancel channel (it leaves the batch at the next step).
--- KEYS: 1 queue, 2 job, 3 counts, 4 events, 5 done list
--- ARGV: 1 id, 2 cancel channel, 3 job channel, 4 ttl (s)
+-- KEYS: 1 queue, 2 job, 3 counts, 4 events, 5 done list, 6 cancel channel, 7 job channel
+-- ARGV: 1 id, 2 publish command (PUBLISH | SPUBLISH on a cluster), 3 unused, 4 ttl (s)
 -- Returns 'cancelled' | 'cancelling' | the job's final status | 'unknown'
 local status = redis.call('HGET', KEYS[2], 'status')
 if not status then return 'unknown' end
@@ -17,7 +17,7 @@ if status == 'queued' then
   redis.call('HINCRBY', KEYS[3], 'cancelled', 1)
   redis.call('HINCRBY', KEYS[3], 'processed', 1)
   redis.call('XADD', KEYS[4], '*', 'f', 'cancelled')
-  redis.call('PUBLISH', ARGV[3], 'sync')
+  redis.call(ARGV[2], KEYS[7], 'sync')
   local ttl = tonumber(ARGV[4])
   redis.call('EXPIRE', KEYS[2], ttl)
   redis.call('EXPIRE', KEYS[4], ttl)
@@ -27,7 +27,7 @@ if status == 'queued' then
 end
 if status == 'running' then
   redis.call('HSET', KEYS[2], 'cancel', '1')
-  redis.call('PUBLISH', ARGV[2], ARGV[1])
+  redis.call(ARGV[2], KEYS[6], ARGV[1])
   return 'cancelling'
 end
 return status

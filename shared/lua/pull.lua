@@ -1,7 +1,8 @@
 -- Take up to N jobs, highest priority (lowest score) first, and lease them.
 -- KEYS: 1 queue, 2 inflight, 3 counts, 4 dead, 5 deadinfo
 -- ARGV: 1 n, 2 lease (s), 3 worker id, 4 job key prefix, 5 events key prefix, 6 channel prefix, 7 ttl (s),
---       8 done-list key prefix
+--       8 done-list key prefix, 9 publish command (PUBLISH | SPUBLISH on a cluster)
+-- Job keys are built here from the declared prefix: they share the queue's hash slot (see README, scale-out).
 -- Returns a list of {id, kind, req, attempt, tier, score, queued_at, resume, now}
 -- kind 'job' is leased to this worker; 'garbage' was moved to the dead-letter set.
 -- Anything may sit in Redis (bugs, hostile writers): a member that is not a job id, a job key
@@ -49,7 +50,7 @@ for i = 1, #popped, 2 do
           redis.call('XADD', ek, '*', 'f', 'error', 'e', why)
           redis.call('RPUSH', ARGV[8] .. id, '1')
           redis.call('EXPIRE', ARGV[8] .. id, ttl)
-          redis.call('PUBLISH', ARGV[6] .. id, 'sync')
+          redis.call(ARGV[9], ARGV[6] .. id, 'sync')
           redis.call('EXPIRE', jk, ttl)
           redis.call('EXPIRE', ek, ttl)
         end

@@ -3,7 +3,8 @@
 -- Any worker may run this.
 -- KEYS: 1 inflight, 2 queue, 3 counts, 4 dead, 5 deadinfo, 6 wake
 -- ARGV: 1 max attempts, 2 job key prefix, 3 events key prefix, 4 channel prefix, 5 ttl, 6 limit,
---       7 done-list key prefix
+--       7 done-list key prefix, 8 publish command (PUBLISH | SPUBLISH on a cluster)
+-- Job keys are built here from the declared prefix: they share the queue's hash slot (see README, scale-out).
 -- Returns {requeued, dead, cancelled}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -39,7 +40,7 @@ for _, id in ipairs(expired) do
       redis.call('XADD', ek, '*', 'f', 'cancelled')
       redis.call('RPUSH', ARGV[7] .. id, '1')
       redis.call('EXPIRE', ARGV[7] .. id, ttl)
-      redis.call('PUBLISH', ch, 'sync')
+      redis.call(ARGV[8], ch, 'sync')
       redis.call('EXPIRE', jk, ttl)
       redis.call('EXPIRE', ek, ttl)
       cancelled = cancelled + 1
@@ -54,7 +55,7 @@ for _, id in ipairs(expired) do
       redis.call('XADD', ek, '*', 'f', 'error', 'e', err)
       redis.call('RPUSH', ARGV[7] .. id, '1')
       redis.call('EXPIRE', ARGV[7] .. id, ttl)
-      redis.call('PUBLISH', ch, 'sync')
+      redis.call(ARGV[8], ch, 'sync')
       redis.call('EXPIRE', jk, ttl)
       redis.call('EXPIRE', ek, ttl)
       dead = dead + 1
