@@ -124,6 +124,13 @@ def for_slot(client: Any, key: str) -> Any:
     return client
 
 
+def _not_sent(exc: Exception) -> bool:
+    """True when the failed command certainly did not run (safe to send again)."""
+    if isinstance(exc, (MovedError, ClusterDownError, TryAgainError)):
+        return True
+    return isinstance(exc, redis.ConnectionError) and "connecting to" in str(exc)
+
+
 class SlotRedis:
     """A plain ``redis.Redis`` on the master that serves one hash slot of a cluster.
 
@@ -161,19 +168,23 @@ class SlotRedis:
             except Exception as exc:  # every known node unreachable: the next call retries
                 log.warning("cluster topology refresh failed: %s", exc)
 
-    def _guard(self, fn):
+    def _guard(self, name: str, fn):
         @functools.wraps(fn)
         def call(*a, **kw):
             try:
                 return fn(*a, **kw)
-            except RESLOT_ERRORS:
+            except RESLOT_ERRORS as exc:
                 self.invalidate()
-                raise
+                if not _not_sent(exc):
+                    raise
+            # the command never ran (MOVED, or the old master refused the connection): once more,
+            # on the slot's master now
+            return getattr(self.current(), name)(*a, **kw)
         return call
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.current(), name)
-        return self._guard(attr) if callable(attr) else attr
+        return self._guard(name, attr) if callable(attr) else attr
 
     def pipeline(self, transaction: bool = True, shard_hint=None):
         """The node's own pipeline (scripts can be queued in it); ``execute`` re-resolves the slot on
