@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator, Optional
 
-import asyncio
+from redis.exceptions import NoPermissionError
 
 from mlxq.shared import apikeys, codec
 from mlxq.shared.connection import connect_async, is_cluster
 from mlxq.shared.keys import GlobalKeys, ModelKeys
-from mlxq.shared.protocol import Enqueued, ScriptCalls, parse_enqueue, script_source, SCRIPT_NAMES
+from mlxq.shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, function_name,
+                                  parse_check, parse_enqueue, script_source)
 from mlxq.shared.schemas import Delta, Result
 from mlxq.shared.settings import Settings
+
 from .asubscriber import AsyncSubscriber
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
                      pick_model, result_from_hash)
@@ -94,7 +97,7 @@ class AsyncJob:
             await r.blpop([self._keys.done(self.id)], timeout=max(0.01, wait))
 
     async def cancel(self) -> str:
-        return await self._client._run(self._client.calls(self._keys.model).cancel(self.id), decode=True)
+        return await self._client._cancel(self._keys.model, self.id)
 
     async def status(self) -> Optional[str]:
         s = await self._client.redis.hget(self._keys.job(self.id), "status")
@@ -130,6 +133,8 @@ class AsyncClient:
         self.gkeys = GlobalKeys(self.settings.prefix)
         self._scripts = {n: self.redis.register_script(script_source(n)) for n in SCRIPT_NAMES}
         self.cluster = is_cluster(self.redis)
+        self._functions = False  # set when this Redis user may FCALL but not EVALSHA
+        self._url = url
         self._subscriber: Optional[AsyncSubscriber] = subscriber
         self._own_subscriber = subscriber is None  # a shared one (the gateway's) is closed by its owner
 
@@ -143,10 +148,60 @@ class AsyncClient:
     def calls(self, model: str) -> ScriptCalls:
         return ScriptCalls(self.gkeys.model_keys(model), self.settings, self.cluster)
 
-    async def _run(self, call, decode: bool = False):
+    async def _run(self, call, decode: bool = False, read_only: bool = False):
         name, keys, args = call
-        reply = await self._scripts[name](keys=keys, args=args)
+        if self._functions:
+            fcall = self.redis.fcall_ro if read_only else self.redis.fcall
+            reply = await fcall(function_name(name), len(keys), *keys, *args)
+        else:
+            reply = await self._scripts[name](keys=keys, args=args)
         return reply.decode() if decode and isinstance(reply, bytes) else reply
+
+    async def _enqueue(self, model: str, job_id: str, payload: bytes, floor, idem) -> Enqueued:
+        """As ``Queue.enqueue``: the tier is decided in Redis; a producer whose ACL refuses EVALSHA
+        uses mlxq's Functions (check, then submit to the intake list)."""
+        kh = apikeys.key_hash(self.api_key) if self.api_key is not None else None
+        calls = self.calls(model)
+
+        async def attempt() -> Enqueued:
+            if not self._functions:
+                try:
+                    return parse_enqueue(await self._run(calls.enqueue(job_id, payload, kh, floor, idem)))
+                except NoPermissionError:  # EVALSHA refused before anything ran
+                    self._functions = True
+            parse_check(await self._run(calls.check(kh, floor), read_only=True))
+            return parse_enqueue(await self._run(calls.submit(job_id, payload, kh, floor, idem)))
+
+        try:
+            return await attempt()
+        except PolicyNotCopied:
+            pass
+        # no worker has served this model yet: a trusted client copies the registry into its slot
+        await asyncio.to_thread(self._sync_model_blocking, model)
+        return await attempt()
+
+    async def _cancel(self, model: str, job_id: str) -> str:
+        calls = self.calls(model)
+        if not self._functions:
+            try:
+                return await self._run(calls.cancel(job_id), decode=True)
+            except NoPermissionError:
+                self._functions = True
+        return await self._run(calls.cancel_request(job_id), decode=True)
+
+    def _sync_model_blocking(self, model: str) -> None:
+        from mlxq.shared.connection import connect, for_slot
+
+        if self._url is None:
+            raise PolicyNotCopied(f"model {model!r} has no copy of the key registry yet: start its worker first")
+        r = connect(self._url)
+        try:
+            apikeys.sync_model(r, for_slot(r, self.gkeys.model_keys(model).policy), self.gkeys, model)
+        except NoPermissionError:
+            raise PolicyNotCopied(f"model {model!r} has no copy of the key registry yet: "
+                                  "start its worker first") from None
+        finally:
+            r.close()
 
     async def models(self) -> dict[str, dict]:
         return decode_registry(await self.redis.hgetall(self.gkeys.models))
@@ -173,13 +228,12 @@ class AsyncClient:
         payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
         if len(payload) > self.settings.max_prompt_bytes:
             raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")
-        tier = await self.tier(_floor)
         keys = self.gkeys.model_keys(model)
         job = AsyncJob(self, req.id, keys, None, None)
         if subscribe:  # subscribed before the job exists; stream() also replays the durable record
             await job._ensure_pubsub()
         try:
-            enq = parse_enqueue(await self._run(self.calls(model).enqueue(req.id, payload, tier, idempotency_key)))
+            enq = await self._enqueue(model, req.id, payload, _floor, idempotency_key)
         except Exception:
             await job._close_pubsub()
             raise

@@ -190,7 +190,14 @@ class Client:
             self._model = pick_model(None, self.models())
         return self._model
 
+    @property
+    def key_hash(self) -> Optional[str]:
+        """What enqueue sends: sha256 of the API key (the tier is decided in Redis from it)."""
+        return apikeys.key_hash(self.api_key) if self.api_key is not None else None
+
     def tier(self, floor: Optional[str] = None) -> str:
+        """The tier the admin's registry gives this client's key (informational, and a 401 before
+        a bulk run; enqueue decides again in Redis).  Needs read access to the global registry."""
         return apikeys.resolve_tier(self.redis, self.gkeys.api_keys, self.api_key, floor)
 
     def queue_for(self, model: str) -> Queue:
@@ -219,13 +226,12 @@ class Client:
         payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
         if len(payload) > self.settings.max_prompt_bytes:
             raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")
-        tier = self.tier(_floor)
         q = self.queue_for(model)
         job = Job(self, req.id, q.keys, None, None)
         if subscribe:
             job._ensure_pubsub()  # subscribed (and confirmed) before the job exists
         try:
-            enq = q.enqueue(req.id, payload, tier, idempotency_key)
+            enq = q.enqueue(req.id, payload, self.key_hash, _floor, idempotency_key, global_redis=self.redis)
         except Exception:
             job._close_pubsub()
             raise

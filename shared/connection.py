@@ -80,9 +80,17 @@ def _cluster_mode(url: str) -> bool:
     the next connect probes again; put ``cluster=yes`` in the URL to be sure)."""
     try:
         return is_cluster_url(url)
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-        log.warning("could not probe %s for cluster mode (%s): taking it as a single Redis", url, exc)
+    except (redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.NoPermissionError) as exc:
+        # (an ACL user without INFO, e.g. the producer recipe: put cluster=yes in its URL on a cluster)
+        log.info("could not probe %s for cluster mode (%s): taking it as a single Redis", _redact(url), exc)
         return False
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password:
+        return url.replace(f":{parts.password}@", ":***@", 1)
+    return url
 
 
 def connect(url: Optional[str], **kw: Any) -> redis.Redis | RedisCluster:

@@ -11,16 +11,65 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Optional
 
+from redis.exceptions import NoPermissionError, ResponseError
+
 from .connection import for_slot, is_cluster
+from .apikeys import AuthError
 from .keys import ModelKeys
 from .settings import Settings
 
-SCRIPT_NAMES = ("enqueue", "pull", "complete", "requeue", "cancel", "renew", "reap")
+SCRIPT_NAMES = ("enqueue", "admit", "pull", "complete", "requeue", "cancel", "renew", "reap",
+                "check", "submit", "cancel_request")
+_WITH_TIER = ("enqueue", "admit", "check")  # scripts that decide a tier: the shared helpers go first
+_READ_ONLY = ("check",)  # registered with the no-writes flag: callable with FCALL_RO
+FUNCTION_LIBRARY = "mlxq"
+
+
+def _lua(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
 
 
 @functools.cache
 def script_source(name: str) -> str:
-    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
+    body = _lua(name)
+    return _lua("_tier") + "\n" + body if name in _WITH_TIER else body
+
+
+def function_name(name: str) -> str:
+    return f"{FUNCTION_LIBRARY}_{name}"
+
+
+@functools.cache
+def function_library() -> str:
+    """Every script as a Redis Function of one library (``FUNCTION LOAD``), so that an ACL can
+    allow ``FCALL`` while refusing ``EVAL``/``EVALSHA`` (no new code can be run)."""
+    parts = [f"#!lua name={FUNCTION_LIBRARY}", _lua("_tier")]
+    for name in SCRIPT_NAMES:
+        flags = ", flags = {'no-writes'}" if name in _READ_ONLY else ""
+        parts.append(f"redis.register_function{{function_name = '{function_name(name)}', "
+                     f"callback = function(KEYS, ARGV)\n{_lua(name)}\nend{flags}}}")
+    return "\n".join(parts)
+
+
+def load_functions(redis) -> None:
+    """Load (or replace) the library on every master: a worker does it at start."""
+    from .connection import SlotRedis
+
+    code = function_library()
+    cluster = redis.cluster if isinstance(redis, SlotRedis) else redis
+    if is_cluster(cluster):
+        for node in cluster.get_primaries():
+            cluster.get_redis_connection(node).function_load(code, replace=True)
+    else:
+        cluster.function_load(code, replace=True)
+
+
+class FunctionsNotLoaded(RuntimeError):
+    """This Redis user may only FCALL mlxq's functions, and they are not loaded yet."""
+
+
+class PolicyNotCopied(RuntimeError):
+    """The model's slot has no copy of the key registry and tier policy yet (no worker has run)."""
 
 
 class OverloadError(RuntimeError):
@@ -66,11 +115,27 @@ def _f(x: Any) -> float:
 
 def parse_enqueue(reply: list) -> Enqueued:
     status, job_id, score, now = (_s(x) for x in reply)
+    if status == "unauthorized":
+        raise AuthError(score)
+    if status == "unsynced":
+        raise PolicyNotCopied(job_id)
     if status == "overload":
         raise OverloadError(f"queue full: {score} jobs already waiting at this tier")
     if status == "exists":
         raise JobRefused(f"job id {job_id} already exists")
     return Enqueued(status, job_id, float(score) if score else None, float(now) if now else None)
+
+
+def parse_check(reply: list) -> str:
+    """The tier a restricted producer's job would get now, or the refusal raised."""
+    status, detail = (_s(x) for x in reply)
+    if status == "unauthorized":
+        raise AuthError(detail)
+    if status == "overload":
+        raise OverloadError(f"queue full: {detail} jobs already waiting at this tier")
+    if status == "unsynced":
+        raise PolicyNotCopied("")
+    return detail
 
 
 def parse_pull(reply: list) -> list[Pulled]:
@@ -103,15 +168,39 @@ class ScriptCalls:
         # classic PUBLISH on a cluster is broadcast to every node.
         self.pubcmd = "SPUBLISH" if cluster else "PUBLISH"
 
-    def enqueue(self, job_id: str, request: bytes, tier: str, idempotency_key: str | None):
+    def enqueue(self, job_id: str, request: bytes, key_hash: str | None, floor: str | None,
+                idempotency_key: str | None):
+        """``key_hash``: sha256 of the caller's API key (None: anonymous); the tier is decided in Redis."""
         k, s = self.k, self.s
         idem = k.idempotency(idempotency_key) if idempotency_key else k.job(job_id)
         return (
             "enqueue",
-            [k.queue, k.job(job_id), k.counts, k.wake, idem],
-            [job_id, request, tier, s.tier_offsets[tier], s.max_queued_per_tier,
-             "1" if idempotency_key else "0", s.idempotency_ttl_s],
+            [k.job(job_id), k.counts, k.wake, idem, k.intake, k.queue, k.key_copy, k.policy],
+            [job_id, request, key_hash or "", floor or "", "1" if idempotency_key else "0", s.idempotency_ttl_s],
         )
+
+    # -- producers under the ACL recipe (mlxq.shared.acl): no write to the queue ------------------
+    def check(self, key_hash: str | None, floor: str | None):
+        k = self.k
+        return ("check", [k.key_copy, k.policy, k.counts], [key_hash or "", floor or ""])
+
+    def submit(self, job_id: str, request: bytes, key_hash: str | None, floor: str | None,
+               idempotency_key: str | None):
+        k, s = self.k, self.s
+        idem = k.idempotency(idempotency_key) if idempotency_key else k.job(job_id)
+        return ("submit", [k.job(job_id), idem],
+                [job_id, request, key_hash or "", floor or "", "1" if idempotency_key else "0",
+                 s.idempotency_ttl_s, k.intake, k.wake])
+
+    def cancel_request(self, job_id: str):
+        k = self.k
+        return ("cancel_request", [k.job(job_id), k.events(job_id), k.done(job_id)],
+                [job_id, self.pubcmd, k.cancel_channel, k.channel(job_id), self.s.result_ttl_s])
+
+    def admit(self, limit: int = 1000):
+        k = self.k
+        return ("admit", [k.intake, k.queue, k.counts, k.key_copy, k.policy, k.wake],
+                [k.job_prefix, k.events(""), k.channel(""), k.done(""), self.s.result_ttl_s, limit, self.pubcmd])
 
     def pull(self, n: int, worker_id: str):
         k = self.k
@@ -131,13 +220,14 @@ class ScriptCalls:
         k = self.k
         return ("requeue", [k.job(job_id), k.inflight, k.queue, k.counts, k.wake], [job_id, owner, resume])
 
-    def cancel(self, job_id: str):
+    def cancel(self, job_id: str, mode: str = "queue"):
+        """``mode``: 'queue' (workers, trusted clients) or 'worker' (acting on a cancel request)."""
         k = self.k
         return (
             "cancel",
             [k.queue, k.job(job_id), k.counts, k.events(job_id), k.done(job_id), k.cancel_channel,
              k.channel(job_id)],
-            [job_id, self.pubcmd, "", self.s.result_ttl_s],
+            [job_id, self.pubcmd, mode, self.s.result_ttl_s],
         )
 
     def renew(self, leases: dict[str, str]):
@@ -175,16 +265,70 @@ class Queue:
         self.cluster = is_cluster(redis)
         self.calls = ScriptCalls(keys, settings, self.cluster)
         self._scripts = {name: redis.register_script(script_source(name)) for name in SCRIPT_NAMES}
+        # A producer whose ACL allows FCALL but not EVALSHA (see README, trust boundary) switches to
+        # mlxq's Functions, and to the intake list (it may not write the queue).
+        self.functions = False
 
-    def run(self, call, client=None):
+    def run(self, call, client=None, read_only: bool = False):
         name, keys, args = call
-        return self._scripts[name](keys=keys, args=args, client=client or self.redis)
+        c = client or self.redis
+        if self.functions:
+            fcall = c.fcall_ro if read_only else c.fcall
+            try:
+                return fcall(function_name(name), len(keys), *keys, *args)
+            except ResponseError as exc:
+                if "function not found" in str(exc).lower():
+                    raise FunctionsNotLoaded("mlxq's Redis Functions are not loaded: start a worker "
+                                             "(it loads them) first") from exc
+                raise
+        return self._scripts[name](keys=keys, args=args, client=c)
 
-    def enqueue(self, job_id, request: bytes, tier: str, idempotency_key=None) -> Enqueued:
-        return parse_enqueue(self.run(self.calls.enqueue(job_id, request, tier, idempotency_key)))
+    def enqueue(self, job_id, request: bytes, key_hash: str | None = None, floor: str | None = None,
+                idempotency_key=None, global_redis=None) -> Enqueued:
+        """Enqueue; the tier is decided in Redis from ``key_hash`` (sha256 of the API key) and ``floor``.
+
+        A caller whose ACL refuses EVALSHA (a producer under the recipe in ``mlxq.shared.acl``)
+        switches to mlxq's Functions: ``check`` (read-only), then ``submit`` to the intake list,
+        from which a worker admits the job.  ``global_redis`` (a client that reaches the global
+        keys) lets a trusted caller copy the key registry into a model's slot that has none yet."""
+        def attempt() -> Enqueued:
+            if not self.functions:
+                try:
+                    return parse_enqueue(self.run(self.calls.enqueue(job_id, request, key_hash, floor,
+                                                                     idempotency_key)))
+                except NoPermissionError:  # EVALSHA refused before anything ran
+                    self.functions = True
+            parse_check(self.run(self.calls.check(key_hash, floor), read_only=True))
+            return parse_enqueue(self.run(self.calls.submit(job_id, request, key_hash, floor, idempotency_key)))
+
+        try:
+            return attempt()
+        except PolicyNotCopied:
+            pass
+        from .apikeys import sync_model
+        from .keys import GlobalKeys
+
+        not_copied = PolicyNotCopied(f"model {self.keys.model!r} has no copy of the key registry yet: "
+                                     "start its worker first")
+        if global_redis is None:
+            raise not_copied
+        try:
+            sync_model(global_redis, self.redis, GlobalKeys(self.keys.prefix), self.keys.model)
+        except NoPermissionError:
+            raise not_copied from None
+        return attempt()
+
+    def admit(self, limit: int = 1000) -> tuple[int, int]:
+        admitted, refused = self.run(self.calls.admit(limit))
+        return int(admitted), int(refused)
 
     def pull(self, n: int, worker_id: str) -> list[Pulled]:
-        return parse_pull(self.run(self.calls.pull(n, worker_id)))
+        """Admit what waits on the intake list, then take up to ``n`` jobs (one round trip)."""
+        pipe = self.redis.pipeline(transaction=False)
+        self.run(self.calls.admit(), client=pipe)
+        self.run(self.calls.pull(n, worker_id), client=pipe)
+        _, pulled = pipe.execute()
+        return parse_pull(pulled)
 
     def complete(self, job_id, owner, status, result: bytes, final_delta: bytes = b"", client=None):
         return self.run(self.calls.complete(job_id, owner, status, result, final_delta), client)
@@ -192,8 +336,13 @@ class Queue:
     def requeue(self, job_id, owner, resume: bytes = b"", client=None):
         return self.run(self.calls.requeue(job_id, owner, resume), client)
 
-    def cancel(self, job_id: str) -> str:
-        return _s(self.run(self.calls.cancel(job_id)))
+    def cancel(self, job_id: str, mode: str = "queue") -> str:
+        if not self.functions:
+            try:
+                return _s(self.run(self.calls.cancel(job_id, mode)))
+            except NoPermissionError:
+                self.functions = True
+        return _s(self.run(self.calls.cancel_request(job_id)))
 
     def renew(self, leases: dict[str, str]) -> tuple[list[str], list[str]]:
         if not leases:

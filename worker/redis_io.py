@@ -22,9 +22,10 @@ from typing import Any, Callable, Optional
 
 import redis
 
-from mlxq.shared import codec
+from mlxq.shared import apikeys, codec
 from mlxq.shared.connection import RESLOT_ERRORS
-from mlxq.shared.protocol import Queue
+from mlxq.shared.keys import GlobalKeys
+from mlxq.shared.protocol import Queue, load_functions
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,8 @@ class Control(threading.Thread):
         self.stop_event = stop
         self.backoff = Backoff()
         self.reaped = [0, 0, 0]
+        self._seeded = False
+        self._prepared = False
 
     def run(self) -> None:
         s = self.q.settings
@@ -227,6 +230,8 @@ class Control(threading.Thread):
         pubsub = None
         while not self.stop_event.is_set():
             try:
+                if not self._prepared:
+                    self.prepare()
                 if pubsub is None:
                     pubsub = self.q.redis.pubsub(ignore_subscribe_messages=True)
                     if self.q.cluster:
@@ -236,6 +241,8 @@ class Control(threading.Thread):
                 msg = pubsub.get_message(timeout=0.1)
                 if msg and msg.get("type") in ("message", "smessage"):
                     job_id = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
+                    # a producer without queue access flags a queued job: a worker takes it out
+                    self.q.cancel(job_id, mode="worker")
                     self.on_cancel([job_id])
                 now = time.monotonic()
                 if now >= next_beat:
@@ -270,6 +277,7 @@ class Control(threading.Thread):
             pass
 
     def beat(self) -> None:
+        self.q.admit()  # jobs from producers that may not write the queue, placed within a beat
         lost, cancel = self.q.renew(self.leases())
         if lost:
             log.warning("leases lost for %d jobs: %s", len(lost), lost[:5])
@@ -283,7 +291,27 @@ class Control(threading.Thread):
             log.warning("reaped expired leases: %d requeued, %d dead-lettered, %d cancelled", requeued, dead, cancelled)
             self.reaped = [a + b for a, b in zip(self.reaped, (requeued, dead, cancelled))]
 
+    def prepare(self) -> None:
+        """Load mlxq's Redis Functions (for ACL-restricted producers) and copy the key registry and
+        tier policy into this model's slot, before anything is admitted."""
+        try:
+            load_functions(self.q.redis)
+        except redis.ResponseError as exc:  # e.g. a managed Redis without FUNCTION: scripts still work
+            log.warning("could not load mlxq's Redis Functions (%s): ACL-restricted producers cannot submit", exc)
+        self.sync_policy()
+        self._prepared = True
+
+    def sync_policy(self) -> None:
+        """Keep this model's slot copy of the key registry and tier policy current."""
+        gk = GlobalKeys(self.q.keys.prefix)
+        if not self._seeded:
+            apikeys.seed_policy(self.global_redis, gk, self.q.settings.tier_offsets, self.q.settings.max_queued_per_tier)
+            self._seeded = True
+        if apikeys.sync_if_stale(self.global_redis, self.q.redis, gk, self.q.keys.model):
+            log.info("copied the API-key registry and tier policy into model %s's slot", self.q.keys.model)
+
     def publish_stats(self) -> None:
+        self.sync_policy()
         s = self.q.settings
         k = self.q.keys
         snap = self.snapshot()
