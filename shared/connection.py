@@ -35,7 +35,9 @@ RESLOT_ERRORS = (redis.ConnectionError, redis.TimeoutError, MovedError, ClusterD
 
 _TRUE = {"1", "yes", "true", "on"}
 _FALSE = {"0", "no", "false", "off"}
-DEFAULT_KW = dict(health_check_interval=30, socket_keepalive=True)
+# A large pool: many concurrent result() waiters (BLPOP) or stream replays each hold a connection
+# for a moment (pub/sub needs none of them: it is one connection per node, see producer/subscriber.py).
+DEFAULT_KW = dict(health_check_interval=30, socket_keepalive=True, max_connections=10_000)
 
 
 def split_url(url: str) -> tuple[str, Optional[bool]]:
