@@ -21,7 +21,7 @@ from tests.faultkit import WorkerProc, detok_text, executions_by_job, record, re
 
 MODELS = ("tiny", "tiny-b")  # slots 11596 and 1452: the third and the first master
 PROMPTS = [[4 + i, 20 + 3 * i, 7, 99 - i] for i in range(10)]
-MAX_TOKENS = 4
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +147,46 @@ def test_500_streamed_jobs_share_one_pubsub_connection_per_node(cluster, cluster
     assert ok == 500
     assert max(links.values()) <= 1 and sum(links.values()) == held == 2  # the two shards serving the models
     client.close()
+
+
+def test_async_client_stats_metrics_and_keys_from_any_node(cluster, cluster_workers, references):
+    """The AsyncClient (the gateway's client) streams over sharded pub/sub; `mlxq stats`, the
+    metrics scrape and `mlxq keys` work from the URL of any node (the global keys live elsewhere)."""
+    import asyncio
+
+    from prometheus_client import generate_latest
+
+    from mlxq import AsyncClient
+    from mlxq.producer import stats
+    from mlxq.producer.cli import main as cli_main
+    from mlxq.shared import apikeys
+    from mlxq.shared.keys import GlobalKeys
+    from mlxq.worker.metrics import WorkerMetrics
+
+    url = cluster.masters[2].url
+    apikeys.add_key(connect(url), GlobalKeys(), "cluster-high-key-01", "high")
+
+    async def run():
+        c = AsyncClient(url, api_key="cluster-high-key-01")
+        jobs = [await c.submit(prompt_tokens=PROMPTS[i], model=MODELS[i % 2], max_tokens=MAX_TOKENS,
+                               ignore_eos=True) for i in range(6)]
+        texts = ["".join([d.text async for d in j.stream(timeout=120)]) for j in jobs]
+        results = [await j.result(timeout=120) for j in jobs]
+        links = c.subscriber.connections()
+        await c.aclose()
+        return texts, results, links
+
+    texts, results, links = asyncio.run(run())
+    assert [r.text for r in results] == texts and links == 2
+    assert all(r.token_ids == references[tuple(PROMPTS[i])] and r.stats.tier == "high"
+               for i, r in enumerate(results))
+    data = stats.collect(connect(cluster.masters[0].url))
+    assert set(MODELS) <= set(data) and all(len(data[m]["workers"]) == 2 for m in MODELS)
+    m = WorkerMetrics(connect(url), ModelKeys(MODELS[1]), MODELS[1])
+    assert b"mlxq_queue_jobs" in generate_latest(m.registry) or b"mlxq_" in generate_latest(m.registry)
+    assert cli_main(["keys", "--redis-url", cluster.masters[1].url, "revoke", "cluster-high-key-01"]) == 0
+    with pytest.raises(Exception, match="revoked"):
+        Client(url, api_key="cluster-high-key-01").submit(prompt_tokens=[5], model=MODELS[0], max_tokens=1)
 
 
 def test_master_killed_mid_run_replica_promoted_no_job_lost(cluster, cluster_workers, references):
