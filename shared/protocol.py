@@ -197,16 +197,28 @@ class ScriptCalls:
         return ("cancel_request", [k.job(job_id), k.events(job_id), k.done(job_id)],
                 [job_id, self.pubcmd, k.cancel_channel, k.channel(job_id), self.s.result_ttl_s])
 
-    def admit(self, limit: int = 1000):
+    def _per_member(self, members: list) -> list:
+        """The four keys of each member (job, events, done list, channel), declared to the script.
+        Members are raw bytes (a forged member need not be UTF-8); keys share the queue's slot."""
         k = self.k
-        return ("admit", [k.intake, k.queue, k.counts, k.key_copy, k.policy, k.wake],
-                [k.job_prefix, k.events(""), k.channel(""), k.done(""), self.s.result_ttl_s, limit, self.pubcmd])
+        out: list = []
+        for m in members:
+            raw = m if isinstance(m, bytes) else str(m).encode()
+            out += [k.job_prefix.encode() + raw, k.events("").encode() + raw, k.done("").encode() + raw,
+                    k.channel("").encode() + raw]
+        return out
 
-    def pull(self, n: int, worker_id: str):
+    def admit(self, ids: list):
+        """Admit ``ids``, the head of the intake list as the caller read it (LRANGE)."""
         k = self.k
-        return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info],
-                [n, self.s.lease_s, worker_id, k.job_prefix, k.events(""), k.channel(""), self.s.result_ttl_s,
-                 k.done(""), self.pubcmd])
+        return ("admit", [k.intake, k.queue, k.counts, k.key_copy, k.policy, k.wake, *self._per_member(ids)],
+                [self.s.result_ttl_s, self.pubcmd, *ids])
+
+    def pull(self, members: list, worker_id: str):
+        """Lease the jobs among ``members``, the head of the queue as the caller read it (ZRANGE)."""
+        k = self.k
+        return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info, *self._per_member(members)],
+                [len(members), self.s.lease_s, worker_id, self.s.result_ttl_s, self.pubcmd, *members])
 
     def complete(self, job_id: str, owner: str, status: str, result: bytes, final_delta: bytes):
         k = self.k
@@ -238,16 +250,11 @@ class ScriptCalls:
             keys.append(self.k.job(job_id))
         return ("renew", keys, args)
 
-    def reap(self, limit: int = 100):
+    def reap(self, candidates: list):
+        """Requeue or dead-letter ``candidates`` (in-flight members whose lease looked expired)."""
         k = self.k
-        events_prefix = k.events("")
-        chan_prefix = k.channel("")
-        return (
-            "reap",
-            [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake],
-            [self.s.max_attempts, k.job_prefix, events_prefix, chan_prefix, self.s.result_ttl_s, limit,
-             k.done(""), self.pubcmd],
-        )
+        return ("reap", [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake, *self._per_member(candidates)],
+                [self.s.max_attempts, self.s.result_ttl_s, self.pubcmd, *candidates])
 
 
 def owner_token(worker_id: str, attempt: int) -> str:
@@ -319,16 +326,26 @@ class Queue:
         return attempt()
 
     def admit(self, limit: int = 1000) -> tuple[int, int]:
-        admitted, refused = self.run(self.calls.admit(limit))
+        """Place what producers under the ACL recipe left on the intake list (a worker's job)."""
+        ids = self.redis.lrange(self.keys.intake, 0, limit - 1)
+        if not ids:
+            return 0, 0
+        admitted, refused = self.run(self.calls.admit(ids))
         return int(admitted), int(refused)
 
     def pull(self, n: int, worker_id: str) -> list[Pulled]:
-        """Admit what waits on the intake list, then take up to ``n`` jobs (one round trip)."""
+        """Admit what waits on the intake list, then lease up to ``n`` jobs, highest priority first.
+        Both scripts are given the members they may touch (read first), so every key is declared."""
         pipe = self.redis.pipeline(transaction=False)
-        self.run(self.calls.admit(), client=pipe)
-        self.run(self.calls.pull(n, worker_id), client=pipe)
-        _, pulled = pipe.execute()
-        return parse_pull(pulled)
+        pipe.lrange(self.keys.intake, 0, 999)
+        pipe.zrange(self.keys.queue, 0, n - 1)
+        intake, members = pipe.execute()
+        if intake:
+            self.run(self.calls.admit(intake))
+            members = self.redis.zrange(self.keys.queue, 0, n - 1)
+        if not members:
+            return []
+        return parse_pull(self.run(self.calls.pull(members, worker_id)))
 
     def complete(self, job_id, owner, status, result: bytes, final_delta: bytes = b"", client=None):
         return self.run(self.calls.complete(job_id, owner, status, result, final_delta), client)
@@ -351,7 +368,16 @@ class Queue:
         return [_s(x) for x in lost], [_s(x) for x in cancel]
 
     def reap(self, limit: int = 100) -> tuple[int, int, int]:
-        requeued, dead, cancelled = self.run(self.calls.reap(limit))
+        """Requeue (or dead-letter) jobs whose lease expired by the server's clock."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(self.keys.inflight, 0, limit - 1, withscores=True)
+        (sec, usec), leases = pipe.execute()
+        now = sec + usec / 1e6
+        candidates = [m for m, deadline in leases if deadline <= now]
+        if not candidates:
+            return 0, 0, 0
+        requeued, dead, cancelled = self.run(self.calls.reap(candidates))
         return int(requeued), int(dead), int(cancelled)
 
     def counts(self) -> dict[str, int]:

@@ -2,22 +2,27 @@
 -- is decided again from the job's key hash and floor, and the score from the time of admission
 -- (nothing a producer wrote into its own job record can raise its priority).  Workers run this
 -- before each pull and on each heartbeat.
--- KEYS: 1 intake, 2 queue, 3 counts, 4 key registry copy, 5 policy copy, 6 wake
--- ARGV: 1 job key prefix, 2 events key prefix, 3 channel prefix, 4 done-list key prefix, 5 ttl (s),
---       6 limit, 7 publish command (PUBLISH | SPUBLISH on a cluster)
--- Job keys are built here from the declared prefix: they share the queue's hash slot.
+-- KEYS: 1 intake, 2 queue, 3 counts, 4 key registry copy, 5 policy copy, 6 wake, then four per id
+--       (the caller read the ids with LRANGE, in ARGV order): job, events, done list, job channel
+-- ARGV: 1 ttl (s), 2 publish command (PUBLISH | SPUBLISH on a cluster), 3.. the ids at the head of intake
+-- An id is taken only while it is still at the head (another worker may have admitted it).
 -- Returns {admitted, refused}
 if redis.call('EXISTS', KEYS[5]) == 0 then return {0, 0} end  -- no policy copy yet: a worker is starting
-local ids = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[6]) - 1)
+local ids = {}
+for i = 3, #ARGV do
+  if redis.call('LINDEX', KEYS[1], 0) ~= ARGV[i] then break end
+  redis.call('LPOP', KEYS[1])
+  ids[#ids + 1] = ARGV[i]
+end
 if #ids == 0 then return {0, 0} end
-redis.call('LTRIM', KEYS[1], #ids, -1)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local nowstr = string.format('%.6f', now)
-local ttl = tonumber(ARGV[5])
+local ttl = tonumber(ARGV[1])
 local admitted, refused = 0, 0
 for i, id in ipairs(ids) do
-  local jk = ARGV[1] .. id
+  local base = 6 + (i - 1) * 4
+  local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   if #id == 32 and not string.find(id, '[^0-9a-f]') then
     local ktype = redis.call('TYPE', jk)
     if type(ktype) == 'table' then ktype = ktype['ok'] end
@@ -37,12 +42,12 @@ for i, id in ipairs(ids) do
           local err = 'refused at admission: ' .. why
           redis.call('HSET', jk, 'status', 'failed', 'error', err, 'finished_at', nowstr)
           redis.call('HDEL', jk, 'kh')
-          redis.call('XADD', ARGV[2] .. id, '*', 'f', 'error', 'e', err)
-          redis.call('RPUSH', ARGV[4] .. id, '1')
-          redis.call('EXPIRE', ARGV[4] .. id, ttl)
-          redis.call(ARGV[7], ARGV[3] .. id, 'sync')
+          redis.call('XADD', ek, '*', 'f', 'error', 'e', err)
+          redis.call('RPUSH', dk, '1')
+          redis.call('EXPIRE', dk, ttl)
+          redis.call(ARGV[2], ch, 'sync')
           redis.call('EXPIRE', jk, ttl)
-          redis.call('EXPIRE', ARGV[2] .. id, ttl)
+          redis.call('EXPIRE', ek, ttl)
           redis.call('HINCRBY', KEYS[3], 'refused', 1)
           refused = refused + 1
         end
