@@ -24,6 +24,7 @@ from __future__ import annotations
 PRODUCER_COMMANDS = (
     "+fcall", "+fcall_ro",  # mlxq's loaded functions; no +eval/+evalsha/+script/+function
     "+ping", "+client|setinfo", "+client|setname", "+time",
+    "+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command",  # cluster clients (slot map, command table)
     "+get", "+exists", "+hget", "+hgetall", "+hmget", "+hkeys", "+xrange", "+blpop",  # reads (blpop: its done list)
     "+hset", "+hdel", "+set", "+rpush", "+lpush", "+ltrim", "+expire", "+xadd",  # writes inside the functions
     "+publish", "+spublish", "+subscribe", "+unsubscribe", "+ssubscribe", "+sunsubscribe",

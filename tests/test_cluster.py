@@ -189,6 +189,32 @@ def test_async_client_stats_metrics_and_keys_from_any_node(cluster, cluster_work
         Client(url, api_key="cluster-high-key-01").submit(prompt_tokens=[5], model=MODELS[0], max_tokens=1)
 
 
+def test_acl_producer_user_on_the_cluster(cluster, cluster_workers):
+    """The producer ACL recipe on every node; the URL says cluster=yes (the user may not run INFO)."""
+    from redis.exceptions import NoPermissionError
+
+    from mlxq.shared import apikeys
+    from mlxq.shared.acl import producer_rules
+    from mlxq.shared.keys import GlobalKeys
+
+    for n in cluster.nodes:
+        cluster.client(n).execute_command("ACL", "SETUSER", "producer", *producer_rules("pw-cluster"))
+    apikeys.add_key(connect(cluster.url), GlobalKeys(), "cluster-low-key-001", "low")
+    url = cluster.masters[0].url.replace("redis://", "redis://producer:pw-cluster@") + "?cluster=yes"
+    client = Client(url, api_key="cluster-low-key-001")
+    jobs = [client.submit(prompt_tokens=PROMPTS[i], model=MODELS[i % 2], max_tokens=MAX_TOKENS, ignore_eos=True)
+            for i in range(4)]
+    texts = [_stream_text(j)[0] for j in jobs]
+    results = [j.result(timeout=120) for j in jobs]
+    assert [r.text for r in results] == texts and all(r.stats.tier == "low" for r in results)
+    assert client.queue_for(MODELS[0]).functions  # it runs mlxq's Functions, not scripts
+    with pytest.raises(NoPermissionError):
+        client.queue_for(MODELS[0]).redis.zadd(ModelKeys(MODELS[0]).queue, {"f" * 32: 0})
+    with pytest.raises(NoPermissionError):
+        client.queue_for(MODELS[1]).redis.eval("return 1", 0)
+    client.close()
+
+
 def test_master_killed_mid_run_replica_promoted_no_job_lost(cluster, cluster_workers, references):
     """Kill -9 the master serving ``tiny``'s slot while its jobs run: the replica is promoted,
     the workers and the client follow it, and every job ends with a single result."""
