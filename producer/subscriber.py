@@ -40,6 +40,7 @@ class _NodeReader(threading.Thread):
         self.lock = threading.RLock()
         self.stopped = False
         self.failed = threading.Event()
+        self.wakeup = threading.Event()  # set when a channel is added (an idle reader sleeps on it)
 
     def add(self, channel: bytes, timeout: float) -> None:
         ev = threading.Event()
@@ -50,6 +51,7 @@ class _NodeReader(threading.Thread):
                 self.pubsub.ssubscribe(channel)
             else:
                 self.pubsub.subscribe(channel)
+        self.wakeup.set()
         if not self.is_alive():
             self.start()
         if not ev.wait(timeout):
@@ -74,8 +76,9 @@ class _NodeReader(threading.Thread):
     def run(self) -> None:
         while not self.stopped:
             try:
-                if not self.pubsub.subscribed:
-                    time.sleep(0.01)
+                if not self.pubsub.subscribed:  # nothing to read: sleep until a channel is added
+                    self.wakeup.wait(1.0)
+                    self.wakeup.clear()
                     continue
                 msg = self.pubsub.get_message(timeout=1.0)
             except _LINK_ERRORS as exc:
@@ -103,6 +106,7 @@ class _NodeReader(threading.Thread):
 
     def close(self) -> None:
         self.stopped = True
+        self.wakeup.set()
         try:
             self.pubsub.close()
         except Exception:
