@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator, Optional
 
-import redis.asyncio as aredis
+from redis.exceptions import NoPermissionError
 
 from mlxq.shared import apikeys, codec
+from mlxq.shared.connection import connect_async, is_cluster
 from mlxq.shared.keys import GlobalKeys, ModelKeys
-from mlxq.shared.protocol import Enqueued, ScriptCalls, parse_enqueue, script_source, SCRIPT_NAMES
+from mlxq.shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, function_name,
+                                  parse_check, parse_enqueue, script_source)
 from mlxq.shared.schemas import Delta, Result
 from mlxq.shared.settings import Settings
+
+from .asubscriber import AsyncSubscriber
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
                      pick_model, result_from_hash)
+from .subscriber import SYNC
 
 
 class AsyncJob:
@@ -42,7 +48,7 @@ class AsyncJob:
 
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = await self._ensure_pubsub()
+        inbox = await self._ensure_pubsub()
         self._streaming = True
         try:
             for d in await self._replay():
@@ -50,13 +56,16 @@ class AsyncJob:
             while not self._state.done:
                 if deadline is not None and time.monotonic() > deadline:
                     raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if msg is None or msg.get("type") != "message" or msg["data"] == b"sync":
+                try:
+                    data = await asyncio.wait_for(inbox.get(), 1.0)
+                except asyncio.TimeoutError:
+                    data = None
+                if data is None or data == SYNC:  # quiet, a script wrote an event, or the link was lost
                     for d in await self._replay():
                         yield d
                     continue
                 try:
-                    delta = Delta.from_wire(codec.unpack(msg["data"]))
+                    delta = Delta.from_wire(codec.unpack(data))
                 except (codec.CodecError, ValueError, TypeError):
                     continue
                 for d in self._state.feed(delta):
@@ -88,48 +97,111 @@ class AsyncJob:
             await r.blpop([self._keys.done(self.id)], timeout=max(0.01, wait))
 
     async def cancel(self) -> str:
-        return await self._client._run(self._client.calls(self._keys.model).cancel(self.id), decode=True)
+        return await self._client._cancel(self._keys.model, self.id)
 
     async def status(self) -> Optional[str]:
         s = await self._client.redis.hget(self._keys.job(self.id), "status")
         return s.decode() if s else None
 
-    async def _ensure_pubsub(self):
+    async def _ensure_pubsub(self) -> asyncio.Queue:
         if self._pubsub is None:
-            self._pubsub = self._client.redis.pubsub()
-            await self._pubsub.subscribe(self._keys.channel(self.id))
-            await self._pubsub.get_message(timeout=1.0)  # confirmed before the record is read
+            inbox: asyncio.Queue = asyncio.Queue()
+            # returns once the server confirmed it: before the record is read (or the job enqueued)
+            await self._client.subscriber.subscribe(self._keys.channel(self.id), inbox)
+            self._pubsub = inbox
         return self._pubsub
 
     async def _close_pubsub(self) -> None:
         if self._pubsub is not None:
-            ps, self._pubsub = self._pubsub, None
-            await ps.aclose()
+            self._pubsub = None
+            await self._client.subscriber.unsubscribe(self._keys.channel(self.id))
 
 
 class AsyncClient:
     """``Client`` for asyncio code (web backends, agents)."""
 
     def __init__(self, redis_url: Optional[str] = None, api_key: Optional[str] = None,
-                 model: Optional[str] = None, *, settings: Optional[Settings] = None, redis_client=None):
+                 model: Optional[str] = None, *, settings: Optional[Settings] = None, redis_client=None,
+                 subscriber: Optional[AsyncSubscriber] = None):
         self.settings = settings or Settings.from_env()
         url = redis_url or self.settings.redis_url
         if redis_client is None and not url:
             raise ValueError("no Redis URL: pass redis_url= or set MLXQ_REDIS_URL")
-        self.redis = redis_client or aredis.Redis.from_url(url, health_check_interval=30,
-                                                                   max_connections=10_000)
+        self.redis = redis_client if redis_client is not None else connect_async(url)
         self.api_key = api_key
         self._model = model
         self.gkeys = GlobalKeys(self.settings.prefix)
         self._scripts = {n: self.redis.register_script(script_source(n)) for n in SCRIPT_NAMES}
+        self.cluster = is_cluster(self.redis)
+        self._functions = False  # set when this Redis user may FCALL but not EVALSHA
+        self._url = url
+        self._subscriber: Optional[AsyncSubscriber] = subscriber
+        self._own_subscriber = subscriber is None  # a shared one (the gateway's) is closed by its owner
+
+    @property
+    def subscriber(self) -> AsyncSubscriber:
+        """One pub/sub connection per node for every job of this client."""
+        if self._subscriber is None:
+            self._subscriber = AsyncSubscriber(self.redis)
+        return self._subscriber
 
     def calls(self, model: str) -> ScriptCalls:
-        return ScriptCalls(self.gkeys.model_keys(model), self.settings)
+        return ScriptCalls(self.gkeys.model_keys(model), self.settings, self.cluster)
 
-    async def _run(self, call, decode: bool = False):
+    async def _run(self, call, decode: bool = False, read_only: bool = False):
         name, keys, args = call
-        reply = await self._scripts[name](keys=keys, args=args)
+        if self._functions:
+            fcall = self.redis.fcall_ro if read_only else self.redis.fcall
+            reply = await fcall(function_name(name), len(keys), *keys, *args)
+        else:
+            reply = await self._scripts[name](keys=keys, args=args)
         return reply.decode() if decode and isinstance(reply, bytes) else reply
+
+    async def _enqueue(self, model: str, job_id: str, payload: bytes, floor, idem) -> Enqueued:
+        """As ``Queue.enqueue``: the tier is decided in Redis; a producer whose ACL refuses EVALSHA
+        uses mlxq's Functions (check, then submit to the intake list)."""
+        kh = apikeys.key_hash(self.api_key) if self.api_key is not None else None
+        calls = self.calls(model)
+
+        async def attempt() -> Enqueued:
+            if not self._functions:
+                try:
+                    return parse_enqueue(await self._run(calls.enqueue(job_id, payload, kh, floor, idem)))
+                except NoPermissionError:  # EVALSHA refused before anything ran
+                    self._functions = True
+            parse_check(await self._run(calls.check(kh, floor), read_only=True))
+            return parse_enqueue(await self._run(calls.submit(job_id, payload, kh, floor, idem)))
+
+        try:
+            return await attempt()
+        except PolicyNotCopied:
+            pass
+        # no worker has served this model yet: a trusted client copies the registry into its slot
+        await asyncio.to_thread(self._sync_model_blocking, model)
+        return await attempt()
+
+    async def _cancel(self, model: str, job_id: str) -> str:
+        calls = self.calls(model)
+        if not self._functions:
+            try:
+                return await self._run(calls.cancel(job_id), decode=True)
+            except NoPermissionError:
+                self._functions = True
+        return await self._run(calls.cancel_request(job_id), decode=True)
+
+    def _sync_model_blocking(self, model: str) -> None:
+        from mlxq.shared.connection import connect, for_slot
+
+        if self._url is None:
+            raise PolicyNotCopied(f"model {model!r} has no copy of the key registry yet: start its worker first")
+        r = connect(self._url)
+        try:
+            apikeys.sync_model(r, for_slot(r, self.gkeys.model_keys(model).policy), self.gkeys, model)
+        except NoPermissionError:
+            raise PolicyNotCopied(f"model {model!r} has no copy of the key registry yet: "
+                                  "start its worker first") from None
+        finally:
+            r.close()
 
     async def models(self) -> dict[str, dict]:
         return decode_registry(await self.redis.hgetall(self.gkeys.models))
@@ -157,13 +229,12 @@ class AsyncClient:
         payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
         if len(payload) > self.settings.max_prompt_bytes:
             raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")
-        tier = await self.tier(_floor)
         keys = self.gkeys.model_keys(model)
         job = AsyncJob(self, req.id, keys, None, None)
         if subscribe:  # subscribed before the job exists; stream() also replays the durable record
             await job._ensure_pubsub()
         try:
-            enq = parse_enqueue(await self._run(self.calls(model).enqueue(req.id, payload, tier, idempotency_key)))
+            enq = await self._enqueue(model, req.id, payload, _floor, idempotency_key)
         except Exception:
             await job._close_pubsub()
             raise
@@ -178,6 +249,8 @@ class AsyncClient:
         return AsyncJob(self, job_id, keys, None, Enqueued("existing", job_id, None, None))
 
     async def aclose(self) -> None:
+        if self._subscriber is not None and self._own_subscriber:
+            await self._subscriber.aclose()
         await self.redis.aclose()
 
     async def __aenter__(self):

@@ -65,7 +65,9 @@ def enqueue_request(client, params: dict, tier: str, idempotency_key: Optional[s
     payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
     if len(payload) > client.settings.max_prompt_bytes:
         raise ValueError(f"request of {len(payload)} bytes exceeds the {client.settings.max_prompt_bytes}-byte limit")
-    enq = client.queue_for(model).enqueue(req.id, payload, tier, idempotency_key)
+    # ``tier`` is a floor: the tier itself is decided in Redis from the client's key
+    enq = client.queue_for(model).enqueue(req.id, payload, client.key_hash, tier, idempotency_key,
+                                          global_redis=client.redis)
     return Submitted(model, enq.job_id, enq.status == "duplicate")
 
 

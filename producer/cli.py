@@ -68,6 +68,37 @@ def cmd_keys(args) -> int:
     return 0
 
 
+def cmd_tiers(args) -> int:
+    """Tier offsets, the per-tier queue bound and the tier of key-less callers, stored in Redis
+    (the enqueue script reads them there; every model's slot gets a copy)."""
+    from mlxq.shared import apikeys
+    from mlxq.shared.keys import GlobalKeys
+
+    from .client import connect
+
+    r = connect(args.redis_url)
+    offsets = {}
+    for part in args.offsets or []:
+        name, _, value = part.partition("=")
+        if name not in TIERS or not value:
+            raise ValueError(f"expected tier=seconds with tier in {TIERS}, got {part!r}")
+        offsets[name] = float(value)
+    if offsets or args.max_queued is not None or args.anonymous is not None:
+        policy = apikeys.set_policy(r, GlobalKeys(), offsets, args.max_queued, args.anonymous)
+    else:
+        policy = apikeys.get_policy(r, GlobalKeys())
+    print(json.dumps(policy, indent=2))
+    return 0
+
+
+def cmd_acl(args) -> int:
+    """Print the ACL SETUSER line of the producer recipe (mlxq.shared.acl)."""
+    from mlxq.shared.acl import producer_acl_line
+
+    print(producer_acl_line(args.user, args.password))
+    return 0
+
+
 def cmd_worker(args) -> int:
     from mlxq.worker.cli import run
 
@@ -131,6 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     ls = ks.add_parser("list", help="the registered keys' hash prefixes and tiers", description=KEY_RULES)
     add_shared(ls, "redis_url")
     p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("tiers", help="show or set tier offsets, the queue bound and the key-less tier (in Redis)")
+    _redis_url(p)
+    p.add_argument("offsets", nargs="*", help="tier=seconds, e.g. high=0 normal=30 low=300")
+    p.add_argument("--max-queued", type=int, help="jobs waiting per tier before submit is refused (429)")
+    p.add_argument("--anonymous", choices=TIERS + ("refuse",), help="the tier of callers with no API key")
+    p.set_defaults(func=cmd_tiers)
+
+    p = sub.add_parser("acl-producer", help="print the Redis ACL rule for a producer service (see README)")
+    p.add_argument("user")
+    p.add_argument("password")
+    p.set_defaults(func=cmd_acl)
 
     p = sub.add_parser("make-model", help="build the small local model (no network)")
     p.add_argument("dir")

@@ -2,27 +2,27 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Iterator, Optional
 
 import redis
 
 from mlxq.shared import apikeys, codec
+from mlxq.shared.connection import RESLOT_ERRORS, connect as shared_connect
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.protocol import Enqueued, Queue
 from mlxq.shared.schemas import Delta, Result
 from mlxq.shared.settings import Settings
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
                      pick_model, result_from_hash)
+from .subscriber import SYNC, Subscriber, get, new_inbox
 
 
-def connect(url: Optional[str]) -> redis.Redis:
-    """A Redis client from a URL (redis://, rediss:// for TLS, unix://; user:password@ for ACL)."""
-    if not url:
-        raise ValueError("no Redis URL: pass redis_url= or set MLXQ_REDIS_URL")
-    # Each in-flight job holds one pub/sub connection (subscribed before enqueue);
-    # redis-py's default pool of 100 would cap a producer at ~50 concurrent jobs.
-    return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True, max_connections=10_000)
+def connect(url: Optional[str]):
+    """A Redis client from a URL (redis://, rediss:// for TLS, unix://; user:password@ for ACL;
+    the URL of any node of a Redis Cluster).  See ``mlxq.shared.connection``."""
+    return shared_connect(url)
 
 
 class Job:
@@ -32,7 +32,7 @@ class Job:
         self.id = job_id
         self._client = client
         self._keys = keys
-        self._pubsub = pubsub  # subscribed before the job was enqueued
+        self._pubsub = pubsub  # this job's inbox on the client's shared subscriber, or None
         self.enqueued = enqueued
         self._state = StreamState()
         self._last_id = "0-0"
@@ -71,13 +71,13 @@ class Job:
                         pubsub = self._ensure_pubsub()
                         yield from self._replay()
                         continue
-                    msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    data = get(pubsub, timeout=1.0)
                     backoff = 0.0
-                    if msg is None or msg.get("type") != "message" or msg["data"] == b"sync":
-                        yield from self._replay()  # quiet, or a script wrote an event: read the record
+                    if data is None or data == SYNC:
+                        yield from self._replay()  # quiet, a script wrote an event, or the link was lost
                         continue
                     try:
-                        delta = Delta.from_wire(codec.unpack(msg["data"]))
+                        delta = Delta.from_wire(codec.unpack(data))
                     except (codec.CodecError, ValueError, TypeError):
                         continue
                     yield from self._state.feed(delta)
@@ -132,17 +132,16 @@ class Job:
 
     def _ensure_pubsub(self):
         if self._pubsub is None:
-            self._pubsub = self._client.redis.pubsub()
-            self._pubsub.subscribe(self._keys.channel(self.id))
-            self._pubsub.get_message(timeout=1.0)  # confirmed before the record is read
+            inbox = new_inbox()
+            # returns once the server confirmed it: before the record is read (or the job enqueued)
+            self._client.subscriber.subscribe(self._keys.channel(self.id), inbox)
+            self._pubsub = inbox
         return self._pubsub
 
     def _close_pubsub(self) -> None:
         if self._pubsub is not None:
-            try:
-                self._pubsub.close()
-            finally:
-                self._pubsub = None
+            self._pubsub = None
+            self._client.subscriber.unsubscribe(self._keys.channel(self.id))
 
     def __del__(self):
         try:
@@ -151,7 +150,7 @@ class Job:
             pass
 
 
-_LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+_LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) + RESLOT_ERRORS
 
 
 class Client:
@@ -169,6 +168,16 @@ class Client:
         self._model = model
         self.gkeys = GlobalKeys(self.settings.prefix)
         self._queues: dict[str, Queue] = {}
+        self._subscriber: Optional[Subscriber] = None
+        self._sub_lock = threading.Lock()
+
+    @property
+    def subscriber(self) -> Subscriber:
+        """The one pub/sub connection per node that carries every job's deltas."""
+        with self._sub_lock:
+            if self._subscriber is None:
+                self._subscriber = Subscriber(self.redis)
+            return self._subscriber
 
     # -- model and tier ---------------------------------------------------------
     def models(self) -> dict[str, dict]:
@@ -181,7 +190,14 @@ class Client:
             self._model = pick_model(None, self.models())
         return self._model
 
+    @property
+    def key_hash(self) -> Optional[str]:
+        """What enqueue sends: sha256 of the API key (the tier is decided in Redis from it)."""
+        return apikeys.key_hash(self.api_key) if self.api_key is not None else None
+
     def tier(self, floor: Optional[str] = None) -> str:
+        """The tier the admin's registry gives this client's key (informational, and a 401 before
+        a bulk run; enqueue decides again in Redis).  Needs read access to the global registry."""
         return apikeys.resolve_tier(self.redis, self.gkeys.api_keys, self.api_key, floor)
 
     def queue_for(self, model: str) -> Queue:
@@ -210,13 +226,12 @@ class Client:
         payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
         if len(payload) > self.settings.max_prompt_bytes:
             raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")
-        tier = self.tier(_floor)
         q = self.queue_for(model)
         job = Job(self, req.id, q.keys, None, None)
         if subscribe:
             job._ensure_pubsub()  # subscribed (and confirmed) before the job exists
         try:
-            enq = q.enqueue(req.id, payload, tier, idempotency_key)
+            enq = q.enqueue(req.id, payload, self.key_hash, _floor, idempotency_key, global_redis=self.redis)
         except Exception:
             job._close_pubsub()
             raise
@@ -232,6 +247,8 @@ class Client:
         return Job(self, job_id, keys, None, Enqueued("existing", job_id, None, None))
 
     def close(self) -> None:
+        if self._subscriber is not None:
+            self._subscriber.close()
         self.redis.close()
 
     def __enter__(self):

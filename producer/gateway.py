@@ -35,6 +35,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mlxq.producer.asubscriber import AsyncSubscriber
+from mlxq.shared.connection import connect_async
 from mlxq.shared.apikeys import AuthError
 from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.protocol import JobRefused, OverloadError
@@ -87,13 +89,15 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        self.redis = aredis.Redis.from_url(self.redis_url, health_check_interval=30)
+        self.redis = connect_async(self.redis_url)  # one server or any node of a cluster
+        self.subscriber = AsyncSubscriber(self.redis)  # every request's stream: one pub/sub link per node
         await self._warn_if_open()
         try:
             yield
         finally:
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)
+            await self.subscriber.aclose()
             await self.redis.aclose()
 
     async def _warn_if_open(self) -> None:
@@ -117,7 +121,8 @@ class Gateway:
         return None
 
     def client(self, request: Request) -> AsyncClient:
-        return AsyncClient(api_key=bearer(request), settings=self.settings, redis_client=self.redis)
+        return AsyncClient(api_key=bearer(request), settings=self.settings, redis_client=self.redis,
+                           subscriber=self.subscriber)
 
     def spawn(self, coro) -> None:
         """Run a coroutine outside the request's task (which may be being cancelled)."""

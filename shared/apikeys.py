@@ -4,6 +4,19 @@ Two modes, as vLLM, ollama and mlx-lm's server behave:
 - open (no key registered yet): every caller, whatever key it sends (``api_key="EMPTY"``), is normal tier;
 - keyed (once any key exists, revoked ones included): an unknown or revoked key is refused (401).
 A caller that sends no key at all is normal tier in both modes.
+
+The global registry (``mlxq:apikeys``: sha256(key) -> tier) is the admin's record.  The
+enqueue script decides the tier inside Redis, from a copy kept in each model's hash slot
+(``{mlxq:<model>}:apikeys``: sha1(sha256(key)) -> tier, so reading the copy reveals no
+usable credential) and from the policy (tier offsets, queue bound) also copied there.
+
+Keeping the copies in sync:
+* ``add_key``/``revoke_key``/``set_policy`` write the global record, bump
+  ``mlxq:policy:version``, then write every registered model's copy at once;
+* every worker compares its model's copy version with the global one on each
+  stats tick (about a second) and re-copies everything when they differ, which
+  covers a model registered during an admin change and a brand-new model.
+So a revocation holds within one stats tick at worst.
 """
 
 from __future__ import annotations
@@ -11,7 +24,8 @@ from __future__ import annotations
 import hashlib
 from typing import Optional
 
-from .settings import TIERS
+from .keys import GlobalKeys
+from .settings import DEFAULT_TIER_OFFSETS, TIERS
 
 REVOKED = "revoked"
 MIN_KEY_LENGTH = 8
@@ -62,19 +76,120 @@ def keys_registered(redis, registry_key: str) -> bool:
     return bool(redis.exists(registry_key))
 
 
-def add_key(redis, registry_key: str, api_key: str, tier: str) -> None:
+def copy_field(kh: str) -> str:
+    """The field of a key in the per-model copies: sha1 of its sha256 (the enqueue script's
+    ``redis.sha1hex(key_hash)``)."""
+    return hashlib.sha1(kh.encode()).hexdigest()
+
+
+def _gk(registry_key: str | GlobalKeys) -> GlobalKeys:
+    if isinstance(registry_key, GlobalKeys):
+        return registry_key
+    return GlobalKeys(registry_key.rsplit(":apikeys", 1)[0])
+
+
+def _s(x) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def add_key(redis, registry_key: str | GlobalKeys, api_key: str, tier: str) -> None:
     if tier not in TIERS:
         raise ValueError(f"tier must be one of {TIERS}")
     if len(api_key) < MIN_KEY_LENGTH:
         raise ValueError(f"API keys must be at least {MIN_KEY_LENGTH} characters")
-    redis.hset(registry_key, key_hash(api_key), tier)
-
-
-def revoke_key(redis, registry_key: str, api_key: str) -> bool:
+    gk = _gk(registry_key)
     h = key_hash(api_key)
-    old = redis.hget(registry_key, h)
+    redis.hset(gk.api_keys, h, tier)
+    _publish_key(redis, gk, h, tier)
+
+
+def revoke_key(redis, registry_key: str | GlobalKeys, api_key: str) -> bool:
+    gk = _gk(registry_key)
+    h = key_hash(api_key)
+    old = redis.hget(gk.api_keys, h)
     if old is None:
         return False
-    old = old.decode() if isinstance(old, bytes) else old
-    redis.hset(registry_key, h, f"{REVOKED}:{old}")
+    old = _s(old)
+    value = old if old.startswith(REVOKED) else f"{REVOKED}:{old}"
+    redis.hset(gk.api_keys, h, value)
+    _publish_key(redis, gk, h, value)
+    return True
+
+
+def _models(redis, gk: GlobalKeys) -> list[str]:
+    """Every model that has (or should have) a copy: the registered ones and the copied ones."""
+    return sorted({_s(m) for m in redis.hkeys(gk.models)} | {_s(m) for m in redis.smembers(gk.policy_models)})
+
+
+def _publish_key(redis, gk: GlobalKeys, h: str, value: str) -> None:
+    version = redis.incr(gk.policy_version)
+    for model in _models(redis, gk):
+        mk = gk.model_keys(model)
+        redis.hset(mk.key_copy, copy_field(h), value)
+        redis.hset(mk.policy, "version", version)
+
+
+def set_policy(redis, gk: GlobalKeys, offsets: Optional[dict[str, float]] = None,
+               max_queued: Optional[int] = None, anonymous: Optional[str] = None) -> dict:
+    """Store tier offsets (seconds), the per-tier queue bound and the tier of callers with no
+    key ('refuse' to require keys); then copy them to every model's slot."""
+    mapping: dict = {}
+    for tier, value in (offsets or {}).items():
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}: expected one of {TIERS}")
+        mapping[f"offset:{tier}"] = float(value)
+    if max_queued is not None:
+        if int(max_queued) < 1:
+            raise ValueError("max_queued must be positive")
+        mapping["max_queued"] = int(max_queued)
+    if anonymous is not None:
+        if anonymous not in TIERS + ("refuse",):
+            raise ValueError(f"anonymous must be one of {TIERS + ('refuse',)}")
+        mapping["anonymous"] = anonymous
+    if mapping:
+        redis.hset(gk.policy, mapping=mapping)
+    redis.incr(gk.policy_version)
+    from .connection import for_slot
+
+    for model in _models(redis, gk):
+        sync_model(redis, for_slot(redis, gk.model_keys(model).policy), gk, model)
+    return get_policy(redis, gk)
+
+
+def get_policy(redis, gk: GlobalKeys) -> dict:
+    raw = {_s(k): _s(v) for k, v in redis.hgetall(gk.policy).items()}
+    return {"offsets": {t: float(raw.get(f"offset:{t}", DEFAULT_TIER_OFFSETS[t])) for t in TIERS},
+            "max_queued": int(raw.get("max_queued", 10_000)), "anonymous": raw.get("anonymous", "normal")}
+
+
+def seed_policy(redis, gk: GlobalKeys, offsets: dict[str, float], max_queued: int) -> None:
+    """A worker's settings fill in what no admin has set (HSETNX: never overrides ``mlxq tiers``)."""
+    for tier, value in offsets.items():
+        redis.hsetnx(gk.policy, f"offset:{tier}", float(value))
+    redis.hsetnx(gk.policy, "max_queued", int(max_queued))
+
+
+def sync_model(redis, slot_redis, gk: GlobalKeys, model: str) -> str:
+    """Copy the registry and the policy into ``model``'s slot (one MULTI there); returns the version."""
+    redis.sadd(gk.policy_models, model)  # before reading: a later admin change will write this copy too
+    version = _s(redis.get(gk.policy_version) or b"0")
+    registry = {copy_field(_s(h)): v for h, v in redis.hgetall(gk.api_keys).items()}
+    policy = redis.hgetall(gk.policy)
+    mk = gk.model_keys(model)
+    pipe = slot_redis.pipeline(transaction=True)
+    pipe.delete(mk.key_copy, mk.policy)
+    if registry:
+        pipe.hset(mk.key_copy, mapping=registry)
+    pipe.hset(mk.policy, mapping={**policy, "version": version})
+    pipe.execute()
+    return version
+
+
+def sync_if_stale(redis, slot_redis, gk: GlobalKeys, model: str) -> bool:
+    """Re-copy when the model's copy is behind the global version (two reads when it is not)."""
+    version = _s(redis.get(gk.policy_version) or b"0")
+    have = slot_redis.hget(gk.model_keys(model).policy, "version")
+    if have is not None and _s(have) == version:
+        return False
+    sync_model(redis, slot_redis, gk, model)
     return True

@@ -35,6 +35,18 @@ class GlobalKeys:
         return f"{self.prefix}:apikeys"
 
     @property
+    def policy(self) -> str:  # hash: offset:<tier> -> seconds, max_queued, anonymous (set by `mlxq tiers`)
+        return f"{self.prefix}:policy"
+
+    @property
+    def policy_version(self) -> str:  # string: bumped on every key or policy change (slot copies follow it)
+        return f"{self.prefix}:policy:version"
+
+    @property
+    def policy_models(self) -> str:  # set: models whose slot holds a copy of the registry and policy
+        return f"{self.prefix}:policy:models"
+
+    @property
     def models(self) -> str:  # hash: model name -> msgpack model info (served by live workers)
         return f"{self.prefix}:models"
 
@@ -85,6 +97,18 @@ class ModelKeys:
     @property
     def wake(self) -> str:  # list: wake-up signal for idle workers
         return f"{self._base}:wake"
+
+    @property
+    def intake(self) -> str:  # list: ids enqueued by producers without write access to the queue
+        return f"{self._base}:intake"
+
+    @property
+    def key_copy(self) -> str:  # hash: sha1(sha256(api key)) -> tier | revoked:<tier>; this slot's registry copy
+        return f"{self._base}:apikeys"
+
+    @property
+    def policy(self) -> str:  # hash: offset:<tier>, max_queued, anonymous, version; this slot's policy copy
+        return f"{self._base}:policy"
 
     @property
     def cancel_channel(self) -> str:  # pub/sub: ids of running jobs to cancel

@@ -11,15 +11,65 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Optional
 
+from redis.exceptions import NoPermissionError, ResponseError
+
+from .connection import for_slot, is_cluster
+from .apikeys import AuthError
 from .keys import ModelKeys
 from .settings import Settings
 
-SCRIPT_NAMES = ("enqueue", "pull", "complete", "requeue", "cancel", "renew", "reap")
+SCRIPT_NAMES = ("enqueue", "admit", "pull", "complete", "requeue", "cancel", "renew", "reap",
+                "check", "submit", "cancel_request")
+_WITH_TIER = ("enqueue", "admit", "check")  # scripts that decide a tier: the shared helpers go first
+_READ_ONLY = ("check",)  # registered with the no-writes flag: callable with FCALL_RO
+FUNCTION_LIBRARY = "mlxq"
+
+
+def _lua(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
 
 
 @functools.cache
 def script_source(name: str) -> str:
-    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
+    body = _lua(name)
+    return _lua("_tier") + "\n" + body if name in _WITH_TIER else body
+
+
+def function_name(name: str) -> str:
+    return f"{FUNCTION_LIBRARY}_{name}"
+
+
+@functools.cache
+def function_library() -> str:
+    """Every script as a Redis Function of one library (``FUNCTION LOAD``), so that an ACL can
+    allow ``FCALL`` while refusing ``EVAL``/``EVALSHA`` (no new code can be run)."""
+    parts = [f"#!lua name={FUNCTION_LIBRARY}", _lua("_tier")]
+    for name in SCRIPT_NAMES:
+        flags = ", flags = {'no-writes'}" if name in _READ_ONLY else ""
+        parts.append(f"redis.register_function{{function_name = '{function_name(name)}', "
+                     f"callback = function(KEYS, ARGV)\n{_lua(name)}\nend{flags}}}")
+    return "\n".join(parts)
+
+
+def load_functions(redis) -> None:
+    """Load (or replace) the library on every master: a worker does it at start."""
+    from .connection import SlotRedis
+
+    code = function_library()
+    cluster = redis.cluster if isinstance(redis, SlotRedis) else redis
+    if is_cluster(cluster):
+        for node in cluster.get_primaries():
+            cluster.get_redis_connection(node).function_load(code, replace=True)
+    else:
+        cluster.function_load(code, replace=True)
+
+
+class FunctionsNotLoaded(RuntimeError):
+    """This Redis user may only FCALL mlxq's functions, and they are not loaded yet."""
+
+
+class PolicyNotCopied(RuntimeError):
+    """The model's slot has no copy of the key registry and tier policy yet (no worker has run)."""
 
 
 class OverloadError(RuntimeError):
@@ -65,11 +115,27 @@ def _f(x: Any) -> float:
 
 def parse_enqueue(reply: list) -> Enqueued:
     status, job_id, score, now = (_s(x) for x in reply)
+    if status == "unauthorized":
+        raise AuthError(score)
+    if status == "unsynced":
+        raise PolicyNotCopied(job_id)
     if status == "overload":
         raise OverloadError(f"queue full: {score} jobs already waiting at this tier")
     if status == "exists":
         raise JobRefused(f"job id {job_id} already exists")
     return Enqueued(status, job_id, float(score) if score else None, float(now) if now else None)
+
+
+def parse_check(reply: list) -> str:
+    """The tier a restricted producer's job would get now, or the refusal raised."""
+    status, detail = (_s(x) for x in reply)
+    if status == "unauthorized":
+        raise AuthError(detail)
+    if status == "overload":
+        raise OverloadError(f"queue full: {detail} jobs already waiting at this tier")
+    if status == "unsynced":
+        raise PolicyNotCopied("")
+    return detail
 
 
 def parse_pull(reply: list) -> list[Pulled]:
@@ -95,62 +161,100 @@ def parse_pull(reply: list) -> list[Pulled]:
 class ScriptCalls:
     """Keys and arguments for each script; no I/O."""
 
-    def __init__(self, keys: ModelKeys, settings: Settings):
+    def __init__(self, keys: ModelKeys, settings: Settings, cluster: bool = False):
         self.k = keys
         self.s = settings
+        # Token deltas and wake-ups go out on the model's slot on a cluster (sharded pub/sub);
+        # classic PUBLISH on a cluster is broadcast to every node.
+        self.pubcmd = "SPUBLISH" if cluster else "PUBLISH"
 
-    def enqueue(self, job_id: str, request: bytes, tier: str, idempotency_key: str | None):
+    def enqueue(self, job_id: str, request: bytes, key_hash: str | None, floor: str | None,
+                idempotency_key: str | None):
+        """``key_hash``: sha256 of the caller's API key (None: anonymous); the tier is decided in Redis."""
         k, s = self.k, self.s
         idem = k.idempotency(idempotency_key) if idempotency_key else k.job(job_id)
         return (
             "enqueue",
-            [k.queue, k.job(job_id), k.counts, k.wake, idem],
-            [job_id, request, tier, s.tier_offsets[tier], s.max_queued_per_tier,
-             "1" if idempotency_key else "0", s.idempotency_ttl_s],
+            [k.job(job_id), k.counts, k.wake, idem, k.intake, k.queue, k.key_copy, k.policy],
+            [job_id, request, key_hash or "", floor or "", "1" if idempotency_key else "0", s.idempotency_ttl_s],
         )
 
-    def pull(self, n: int, worker_id: str):
+    # -- producers under the ACL recipe (mlxq.shared.acl): no write to the queue ------------------
+    def check(self, key_hash: str | None, floor: str | None):
         k = self.k
-        return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info],
-                [n, self.s.lease_s, worker_id, k.job_prefix, k.events(""), k.channel(""), self.s.result_ttl_s,
-                 k.done("")])
+        return ("check", [k.key_copy, k.policy, k.counts], [key_hash or "", floor or ""])
+
+    def submit(self, job_id: str, request: bytes, key_hash: str | None, floor: str | None,
+               idempotency_key: str | None):
+        k, s = self.k, self.s
+        idem = k.idempotency(idempotency_key) if idempotency_key else k.job(job_id)
+        return ("submit", [k.job(job_id), idem],
+                [job_id, request, key_hash or "", floor or "", "1" if idempotency_key else "0",
+                 s.idempotency_ttl_s, k.intake, k.wake])
+
+    def cancel_request(self, job_id: str):
+        k = self.k
+        return ("cancel_request", [k.job(job_id), k.events(job_id), k.done(job_id)],
+                [job_id, self.pubcmd, k.cancel_channel, k.channel(job_id), self.s.result_ttl_s])
+
+    def _per_member(self, members: list) -> list:
+        """The four keys of each member (job, events, done list, channel), declared to the script.
+        Members are raw bytes (a forged member need not be UTF-8); keys share the queue's slot."""
+        k = self.k
+        out: list = []
+        for m in members:
+            raw = m if isinstance(m, bytes) else str(m).encode()
+            out += [k.job_prefix.encode() + raw, k.events("").encode() + raw, k.done("").encode() + raw,
+                    k.channel("").encode() + raw]
+        return out
+
+    def admit(self, ids: list):
+        """Admit ``ids``, the head of the intake list as the caller read it (LRANGE)."""
+        k = self.k
+        return ("admit", [k.intake, k.queue, k.counts, k.key_copy, k.policy, k.wake, *self._per_member(ids)],
+                [self.s.result_ttl_s, self.pubcmd, *ids])
+
+    def pull(self, members: list, worker_id: str):
+        """Lease the jobs among ``members``, the head of the queue as the caller read it (ZRANGE)."""
+        k = self.k
+        return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info, *self._per_member(members)],
+                [len(members), self.s.lease_s, worker_id, self.s.result_ttl_s, self.pubcmd, *members])
 
     def complete(self, job_id: str, owner: str, status: str, result: bytes, final_delta: bytes):
         k = self.k
         return (
             "complete",
-            [k.job(job_id), k.inflight, k.counts, k.events(job_id), k.done(job_id)],
-            [job_id, owner, status, result, self.s.result_ttl_s, final_delta, k.channel(job_id)],
+            [k.job(job_id), k.inflight, k.counts, k.events(job_id), k.done(job_id), k.channel(job_id)],
+            [job_id, owner, status, result, self.s.result_ttl_s, final_delta, self.pubcmd],
         )
 
     def requeue(self, job_id: str, owner: str, resume: bytes = b""):
         k = self.k
         return ("requeue", [k.job(job_id), k.inflight, k.queue, k.counts, k.wake], [job_id, owner, resume])
 
-    def cancel(self, job_id: str):
+    def cancel(self, job_id: str, mode: str = "queue"):
+        """``mode``: 'queue' (workers, trusted clients) or 'worker' (acting on a cancel request)."""
         k = self.k
         return (
             "cancel",
-            [k.queue, k.job(job_id), k.counts, k.events(job_id), k.done(job_id)],
-            [job_id, k.cancel_channel, k.channel(job_id), self.s.result_ttl_s],
+            [k.queue, k.job(job_id), k.counts, k.events(job_id), k.done(job_id), k.cancel_channel,
+             k.channel(job_id)],
+            [job_id, self.pubcmd, mode, self.s.result_ttl_s],
         )
 
     def renew(self, leases: dict[str, str]):
-        args: list = [self.s.lease_s, self.k.job_prefix]
+        args: list = [self.s.lease_s, ""]
+        keys = [self.k.inflight]
         for job_id, owner in leases.items():
             args += [job_id, owner]
-        return ("renew", [self.k.inflight], args)
+            keys.append(self.k.job(job_id))
+        return ("renew", keys, args)
 
-    def reap(self, limit: int = 100):
+    def reap(self, candidates: list):
+        """Requeue or dead-letter ``candidates`` (in-flight members whose lease looked expired)."""
         k = self.k
-        events_prefix = k.events("")
-        chan_prefix = k.channel("")
-        return (
-            "reap",
-            [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake],
-            [self.s.max_attempts, k.job_prefix, events_prefix, chan_prefix, self.s.result_ttl_s, limit,
-             k.done("")],
-        )
+        return ("reap", [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake, *self._per_member(candidates)],
+                [self.s.max_attempts, self.s.result_ttl_s, self.pubcmd, *candidates])
 
 
 def owner_token(worker_id: str, attempt: int) -> str:
@@ -161,21 +265,87 @@ class Queue:
     """Synchronous access to one model's queue (workers and the sync client)."""
 
     def __init__(self, redis, keys: ModelKeys, settings: Settings):
+        redis = for_slot(redis, keys.queue)  # on a cluster: a plain client on the slot's master
         self.redis = redis
         self.keys = keys
         self.settings = settings
-        self.calls = ScriptCalls(keys, settings)
+        self.cluster = is_cluster(redis)
+        self.calls = ScriptCalls(keys, settings, self.cluster)
         self._scripts = {name: redis.register_script(script_source(name)) for name in SCRIPT_NAMES}
+        # A producer whose ACL allows FCALL but not EVALSHA (see README, trust boundary) switches to
+        # mlxq's Functions, and to the intake list (it may not write the queue).
+        self.functions = False
 
-    def run(self, call, client=None):
+    def run(self, call, client=None, read_only: bool = False):
         name, keys, args = call
-        return self._scripts[name](keys=keys, args=args, client=client or self.redis)
+        c = client or self.redis
+        if self.functions:
+            fcall = c.fcall_ro if read_only else c.fcall
+            try:
+                return fcall(function_name(name), len(keys), *keys, *args)
+            except ResponseError as exc:
+                if "function not found" in str(exc).lower():
+                    raise FunctionsNotLoaded("mlxq's Redis Functions are not loaded: start a worker "
+                                             "(it loads them) first") from exc
+                raise
+        return self._scripts[name](keys=keys, args=args, client=c)
 
-    def enqueue(self, job_id, request: bytes, tier: str, idempotency_key=None) -> Enqueued:
-        return parse_enqueue(self.run(self.calls.enqueue(job_id, request, tier, idempotency_key)))
+    def enqueue(self, job_id, request: bytes, key_hash: str | None = None, floor: str | None = None,
+                idempotency_key=None, global_redis=None) -> Enqueued:
+        """Enqueue; the tier is decided in Redis from ``key_hash`` (sha256 of the API key) and ``floor``.
+
+        A caller whose ACL refuses EVALSHA (a producer under the recipe in ``mlxq.shared.acl``)
+        switches to mlxq's Functions: ``check`` (read-only), then ``submit`` to the intake list,
+        from which a worker admits the job.  ``global_redis`` (a client that reaches the global
+        keys) lets a trusted caller copy the key registry into a model's slot that has none yet."""
+        def attempt() -> Enqueued:
+            if not self.functions:
+                try:
+                    return parse_enqueue(self.run(self.calls.enqueue(job_id, request, key_hash, floor,
+                                                                     idempotency_key)))
+                except NoPermissionError:  # EVALSHA refused before anything ran
+                    self.functions = True
+            parse_check(self.run(self.calls.check(key_hash, floor), read_only=True))
+            return parse_enqueue(self.run(self.calls.submit(job_id, request, key_hash, floor, idempotency_key)))
+
+        try:
+            return attempt()
+        except PolicyNotCopied:
+            pass
+        from .apikeys import sync_model
+        from .keys import GlobalKeys
+
+        not_copied = PolicyNotCopied(f"model {self.keys.model!r} has no copy of the key registry yet: "
+                                     "start its worker first")
+        if global_redis is None:
+            raise not_copied
+        try:
+            sync_model(global_redis, self.redis, GlobalKeys(self.keys.prefix), self.keys.model)
+        except NoPermissionError:
+            raise not_copied from None
+        return attempt()
+
+    def admit(self, limit: int = 1000) -> tuple[int, int]:
+        """Place what producers under the ACL recipe left on the intake list (a worker's job)."""
+        ids = self.redis.lrange(self.keys.intake, 0, limit - 1)
+        if not ids:
+            return 0, 0
+        admitted, refused = self.run(self.calls.admit(ids))
+        return int(admitted), int(refused)
 
     def pull(self, n: int, worker_id: str) -> list[Pulled]:
-        return parse_pull(self.run(self.calls.pull(n, worker_id)))
+        """Admit what waits on the intake list, then lease up to ``n`` jobs, highest priority first.
+        Both scripts are given the members they may touch (read first), so every key is declared."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.lrange(self.keys.intake, 0, 999)
+        pipe.zrange(self.keys.queue, 0, n - 1)
+        intake, members = pipe.execute()
+        if intake:
+            self.run(self.calls.admit(intake))
+            members = self.redis.zrange(self.keys.queue, 0, n - 1)
+        if not members:
+            return []
+        return parse_pull(self.run(self.calls.pull(members, worker_id)))
 
     def complete(self, job_id, owner, status, result: bytes, final_delta: bytes = b"", client=None):
         return self.run(self.calls.complete(job_id, owner, status, result, final_delta), client)
@@ -183,8 +353,13 @@ class Queue:
     def requeue(self, job_id, owner, resume: bytes = b"", client=None):
         return self.run(self.calls.requeue(job_id, owner, resume), client)
 
-    def cancel(self, job_id: str) -> str:
-        return _s(self.run(self.calls.cancel(job_id)))
+    def cancel(self, job_id: str, mode: str = "queue") -> str:
+        if not self.functions:
+            try:
+                return _s(self.run(self.calls.cancel(job_id, mode)))
+            except NoPermissionError:
+                self.functions = True
+        return _s(self.run(self.calls.cancel_request(job_id)))
 
     def renew(self, leases: dict[str, str]) -> tuple[list[str], list[str]]:
         if not leases:
@@ -193,7 +368,16 @@ class Queue:
         return [_s(x) for x in lost], [_s(x) for x in cancel]
 
     def reap(self, limit: int = 100) -> tuple[int, int, int]:
-        requeued, dead, cancelled = self.run(self.calls.reap(limit))
+        """Requeue (or dead-letter) jobs whose lease expired by the server's clock."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(self.keys.inflight, 0, limit - 1, withscores=True)
+        (sec, usec), leases = pipe.execute()
+        now = sec + usec / 1e6
+        candidates = [m for m, deadline in leases if deadline <= now]
+        if not candidates:
+            return 0, 0, 0
+        requeued, dead, cancelled = self.run(self.calls.reap(candidates))
         return int(requeued), int(dead), int(cancelled)
 
     def counts(self) -> dict[str, int]:

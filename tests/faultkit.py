@@ -100,8 +100,10 @@ class WorkerProc:
 
 def wait_registered(url: str, model: str = "tiny", n: int = 1, timeout: float = 60.0) -> bool:
     """Wait until ``n`` workers of ``model`` have published stats (they are serving)."""
-    r = redis.Redis.from_url(url)
+    from mlxq.shared.connection import connect
     from mlxq.shared.keys import ModelKeys
+
+    r = connect(url)
 
     k = ModelKeys(model)
     end = time.monotonic() + timeout

@@ -273,9 +273,9 @@ def test_bad_input_is_refused_and_the_worker_survives(tiny_model, redis_url):
         with pytest.raises(ValueError):
             client.submit(**kwargs)
     q = Queue(client.redis, ModelKeys("tiny"), settings)
-    q.enqueue("a" * 32, b"\xc1\xff not msgpack", "normal")
-    q.enqueue("b" * 32, codec.pack({"model": "tiny", "prompt": 5}), "normal")
-    q.enqueue("c" * 32, codec.pack([1, 2, 3]), "normal")
+    q.enqueue("a" * 32, b"\xc1\xff not msgpack", global_redis=client.redis)  # anonymous: normal
+    q.enqueue("b" * 32, codec.pack({"model": "tiny", "prompt": 5}), global_redis=client.redis)  # anonymous: normal
+    q.enqueue("c" * 32, codec.pack([1, 2, 3]), global_redis=client.redis)  # anonymous: normal
     client.redis.zadd(q.keys.queue, {"garbage-member": 0})
     too_long = client.submit(prompt_tokens=[5] * (tiny_model.context_length + 10), max_tokens=2)
     with running_worker(tiny_model, redis_url, settings):

@@ -276,9 +276,10 @@ def test_sigterm_finishes_or_requeues_and_a_second_sigterm_exits_at_once(tiny_mo
 
 def test_overload_refuses_at_once_without_growing_redis(redis_url):
     bound = 40
-    settings = fast_settings(redis_url, max_queued_per_tier=bound)
+    settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
     r = client.redis
+    apikeys.set_policy(r, GlobalKeys(), max_queued=bound)  # the bound lives in Redis (`mlxq tiers`)
     accepted = [client.submit(prompt_tokens=[5, 6], max_tokens=2) for _ in range(bound)]
 
     def refuse():
@@ -330,9 +331,9 @@ def test_a_retried_enqueue_after_a_lost_reply_is_the_same_job(redis_url):
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, fast_settings(redis_url))
     job_id = "c" * 32
-    first = q.enqueue(job_id, b"same request", "normal")
-    again = q.enqueue(job_id, b"same request", "normal")
+    first = q.enqueue(job_id, b"same request", global_redis=r)
+    again = q.enqueue(job_id, b"same request", global_redis=r)
     assert (again.status, again.job_id, again.score) == ("ok", job_id, first.score)
     assert q.counts()["submitted"] == 1 and r.zcard(K.queue) == 1
     with pytest.raises(JobRefused):  # a different request under a taken id is still refused
-        q.enqueue(job_id, b"another request", "normal")
+        q.enqueue(job_id, b"another request", global_redis=r)

@@ -332,7 +332,7 @@ def test_pull_never_errors_and_never_loses_the_good_job_beside_a_bad_record(redi
         if fields:
             r.hset(k.job(bad_id), mapping=fields)
         r.zadd(k.queue, {bad_id: 1.0, member: 2.0})
-        q.enqueue(good_id, b"req", "normal")
+        q.enqueue(good_id, b"req", global_redis=r)  # anonymous: normal
         pulled = q.pull(10, "w")  # never a script error
         got = {p.job_id: p.kind for p in pulled}
         assert got.get(good_id) == "job"  # the good job is leased, not lost
@@ -352,8 +352,8 @@ def test_reaper_and_heartbeat_survive_clobbered_records(redis_url):
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, ModelKeys("fz"), Settings(lease_s=0.05, heartbeat_s=0.01))
     a, b = "a" * 32, "b" * 32
-    q.enqueue(a, b"x", "normal")
-    q.enqueue(b, b"x", "normal")
+    q.enqueue(a, b"x", global_redis=r)  # anonymous: normal
+    q.enqueue(b, b"x", global_redis=r)  # anonymous: normal
     assert len(q.pull(2, "w")) == 2
     r.set(q.keys.job(a), b"clobbered")  # the record of a running job is overwritten with a string
     lost, cancel = q.renew({a: "w:1", b: "w:1"})

@@ -175,7 +175,8 @@ def test_overload_is_429(stack, redis_server):
     """A gateway whose queues hold one job per tier, for a model no worker drains."""
     url, r = stack
     r.hset(GK.models, "ghost", codec.pack({"name": "ghost", "context_length": 4096, "max_token_bytes": 8}))
-    small = fast_settings(redis_server.url, max_queued_per_tier=1)
+    small = fast_settings(redis_server.url)
+    apikeys.set_policy(r, GK, max_queued=1)  # the bound lives in Redis (`mlxq tiers --max-queued`)
     try:
         Client(redis_server.url, api_key=KEY_HIGH, model="ghost", settings=small).submit("a", max_tokens=2)
         with ServerThread(create_app(redis_server.url, small)) as u2:
@@ -183,6 +184,7 @@ def test_overload_is_429(stack, redis_server):
                 oai(u2).completions.create(model="ghost", prompt="b", max_tokens=2)
             assert err.value.status_code == 429 and err.value.body["type"] == "rate_limit_error"
     finally:
+        apikeys.set_policy(r, GK, max_queued=10_000)
         r.hdel(GK.models, "ghost")
 
 

@@ -1,47 +1,70 @@
-"""The Lua scripts on fakeredis: atomic enqueue/pull/complete/cancel, priority and aging, leases."""
+"""The Lua scripts on a real Valkey (fakeredis lacks redis.sha1hex, which tier decisions use): atomic enqueue/pull/complete/cancel, priority and aging, leases."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import redis
 
-from mlxq.shared.keys import ModelKeys
+from mlxq.shared import apikeys
+from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.protocol import OverloadError, Queue
 from mlxq.shared.settings import Settings
 
+GK = GlobalKeys()
+
+
+@pytest.fixture
+def rr(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    yield r
+    r.close()
+TIER_KEYS = {t: f"key-of-tier-{t}" for t in ("high", "normal", "low")}
+
 
 def make_queue(r, **kw) -> Queue:
-    return Queue(r, ModelKeys("m"), Settings(**kw))
+    """A queue for model 'm' with one API key per tier; offsets and the bound stored in Redis."""
+    settings = Settings(**kw)
+    r.hset(GK.models, "m", b"")
+    for tier, key in TIER_KEYS.items():
+        apikeys.add_key(r, GK, key, tier)
+    apikeys.set_policy(r, GK, settings.tier_offsets, settings.max_queued_per_tier)
+    return Queue(r, ModelKeys("m"), settings)
+
+
+def enq(q: Queue, job_id: str, tier: str, idem=None):
+    """Enqueue as the holder of a key of ``tier`` (the tier itself is decided by the script)."""
+    return q.enqueue(job_id, b"x", apikeys.key_hash(TIER_KEYS[tier]), None, idem)
 
 
 def ids(n):
     return [f"{i:032x}" for i in range(1, n + 1)]
 
 
-def test_pull_order_is_tier_then_age(fake_redis):
-    q = make_queue(fake_redis)
+def test_pull_order_is_tier_then_age(rr):
+    q = make_queue(rr)
     a, b, c = ids(3)
-    q.enqueue(a, b"x", "low")
-    q.enqueue(b, b"x", "normal")
-    q.enqueue(c, b"x", "high")
+    enq(q, a, "low")
+    enq(q, b, "normal")
+    enq(q, c, "high")
     assert [p.job_id for p in q.pull(3, "w")] == [c, b, a]
 
 
-def test_aging_old_low_beats_new_high(fake_redis):
-    q = make_queue(fake_redis, tier_offsets={"high": 0.0, "normal": 0.05, "low": 0.1})
+def test_aging_old_low_beats_new_high(rr):
+    q = make_queue(rr, tier_offsets={"high": 0.0, "normal": 0.05, "low": 0.1})
     a, b = ids(2)
-    q.enqueue(a, b"x", "low")
+    enq(q, a, "low")
     time.sleep(0.15)  # older than the tier gap: it must not starve
-    q.enqueue(b, b"x", "high")
+    enq(q, b, "high")
     assert [p.job_id for p in q.pull(2, "w")] == [a, b]
 
 
-def test_counts_are_exact_through_a_lifecycle(fake_redis):
-    q = make_queue(fake_redis)
+def test_counts_are_exact_through_a_lifecycle(rr):
+    q = make_queue(rr)
     a, b, c = ids(3)
     for j in (a, b, c):
-        q.enqueue(j, b"x", "normal")
+        enq(q, j, "normal")
     assert q.counts()["queued:normal"] == 3
     assert q.cancel(c) == "cancelled"
     pulled = q.pull(5, "w")
@@ -54,10 +77,10 @@ def test_counts_are_exact_through_a_lifecycle(fake_redis):
     assert (c_["running"], c_["done"], c_["failed"], c_["processed"], c_["submitted"]) == (0, 1, 1, 3, 3)
 
 
-def test_completion_is_fenced_on_the_lease_owner(fake_redis):
-    q = make_queue(fake_redis)
+def test_completion_is_fenced_on_the_lease_owner(rr):
+    q = make_queue(rr)
     [a] = ids(1)
-    q.enqueue(a, b"x", "normal")
+    enq(q, a, "normal")
     [p] = q.pull(1, "w1")
     assert p.attempt == 1
     assert q.complete(a, "w2:1", "done", b"r") == 0  # not the owner
@@ -65,10 +88,10 @@ def test_completion_is_fenced_on_the_lease_owner(fake_redis):
     assert q.complete(a, "w1:1", "done", b"r") == 0  # already finished: single result
 
 
-def test_cancel_running_flags_and_notifies(fake_redis):
-    q = make_queue(fake_redis)
+def test_cancel_running_flags_and_notifies(rr):
+    q = make_queue(rr)
     [a] = ids(1)
-    q.enqueue(a, b"x", "normal")
+    enq(q, a, "normal")
     q.pull(1, "w")
     assert q.cancel(a) == "cancelling"
     lost, cancel = q.renew({a: "w:1"})
@@ -76,63 +99,63 @@ def test_cancel_running_flags_and_notifies(fake_redis):
     assert q.cancel("f" * 32) == "unknown"
 
 
-def test_idempotency_key_returns_the_same_job(fake_redis):
-    q = make_queue(fake_redis)
+def test_idempotency_key_returns_the_same_job(rr):
+    q = make_queue(rr)
     a, b = ids(2)
-    first = q.enqueue(a, b"x", "low", "key-1")
-    second = q.enqueue(b, b"x", "low", "key-1")
+    first = enq(q, a, "low", "key-1")
+    second = enq(q, b, "low", "key-1")
     assert first.status == "ok" and second.status == "duplicate" and second.job_id == a
     assert q.counts()["queued:low"] == 1
 
 
-def test_overload_refuses_past_the_bound(fake_redis):
-    q = make_queue(fake_redis, max_queued_per_tier=2)
+def test_overload_refuses_past_the_bound(rr):
+    q = make_queue(rr, max_queued_per_tier=2)
     a, b, c, d = ids(4)
-    q.enqueue(a, b"x", "low")
-    q.enqueue(b, b"x", "low")
+    enq(q, a, "low")
+    enq(q, b, "low")
     with pytest.raises(OverloadError):
-        q.enqueue(c, b"x", "low")
-    q.enqueue(d, b"x", "high")  # the bound is per tier
+        enq(q, c, "low")
+    enq(q, d, "high")  # the bound is per tier
 
 
-def test_expired_lease_is_requeued_then_dead_lettered(fake_redis):
-    q = make_queue(fake_redis, lease_s=0.05, heartbeat_s=0.01, max_attempts=2)
+def test_expired_lease_is_requeued_then_dead_lettered(rr):
+    q = make_queue(rr, lease_s=0.05, heartbeat_s=0.01, max_attempts=2)
     [a] = ids(1)
-    enq = q.enqueue(a, b"x", "normal")
+    first = enq(q, a, "normal")
     q.pull(1, "w1")
     time.sleep(0.1)
     assert q.reap() == (1, 0, 0)
     [p] = q.pull(1, "w2")
-    assert p.attempt == 2 and p.score == pytest.approx(enq.score)  # original score kept
+    assert p.attempt == 2 and p.score == pytest.approx(first.score)  # original score kept
     assert q.complete(a, "w1:1", "done", b"late") == 0  # the old owner is fenced out
     time.sleep(0.1)
     assert q.reap() == (0, 1, 0)
-    h = fake_redis.hgetall(q.keys.job(a))
+    h = rr.hgetall(q.keys.job(a))
     assert h[b"status"] == b"dead" and b"lease expired" in h[b"error"]
-    assert fake_redis.zscore(q.keys.dead, a) is not None
+    assert rr.zscore(q.keys.dead, a) is not None
 
 
-def test_requeue_keeps_score_and_gives_the_attempt_back(fake_redis):
-    q = make_queue(fake_redis)
+def test_requeue_keeps_score_and_gives_the_attempt_back(rr):
+    q = make_queue(rr)
     [a] = ids(1)
-    enq = q.enqueue(a, b"x", "low")
+    first = enq(q, a, "low")
     q.pull(1, "w")
     assert q.requeue(a, "w:1", b"state") == 1
     [p] = q.pull(1, "w")
-    assert p.attempt == 1 and p.resume == b"state" and p.score == pytest.approx(enq.score)
+    assert p.attempt == 1 and p.resume == b"state" and p.score == pytest.approx(first.score)
 
 
-def test_garbage_members_are_moved_aside(fake_redis):
-    q = make_queue(fake_redis)
+def test_garbage_members_are_moved_aside(rr):
+    q = make_queue(rr)
     [a] = ids(1)
-    fake_redis.zadd(q.keys.queue, {"not-a-job": 0})
-    q.enqueue(a, b"x", "normal")
+    rr.zadd(q.keys.queue, {"not-a-job": 0})
+    enq(q, a, "normal")
     pulled = q.pull(5, "w")
     assert [(p.job_id, p.kind) for p in pulled] == [("not-a-job", "garbage"), (a, "job")]
-    assert fake_redis.zscore(q.keys.dead, "not-a-job") is not None
+    assert rr.zscore(q.keys.dead, "not-a-job") is not None
     # a forged member for a finished job never runs it twice
     q.complete(a, "w:1", "done", b"r")
-    fake_redis.zadd(q.keys.queue, {a: 0})
+    rr.zadd(q.keys.queue, {a: 0})
     assert q.pull(5, "w") == []
 
 

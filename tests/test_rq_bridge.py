@@ -17,6 +17,7 @@ from rq.job import Job, JobStatus
 from rq.results import Result as RqResult
 
 from mlxq.shared import codec
+from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
 from mlxq.worker.rq_bridge import FUNC_PATH, RqBridge, SafePickle, tier_for_queue
@@ -33,7 +34,9 @@ def mlxq_job(r, rq_job: Job) -> dict:
 def bridged(tiny_model, redis_url):
     r = redis.Redis.from_url(redis_url)
     settings = fast_settings(redis_url)
-    bridge = RqBridge(r, "tiny", settings, poll_s=0.05)
+    # the rq queue name is a floor on the bridge's own key: a high key lets mlxq-high stay high
+    apikeys.add_key(r, GK, "rq-bridge-key-0001", "high")
+    bridge = RqBridge(r, "tiny", settings, poll_s=0.05, api_key="rq-bridge-key-0001")
     with running_worker(tiny_model, redis_url, settings, observers=[bridge]):
         bridge.start()
         try:

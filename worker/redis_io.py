@@ -22,12 +22,15 @@ from typing import Any, Callable, Optional
 
 import redis
 
-from mlxq.shared import codec
-from mlxq.shared.protocol import Queue
+from mlxq.shared import apikeys, codec
+from mlxq.shared.connection import RESLOT_ERRORS
+from mlxq.shared.keys import GlobalKeys
+from mlxq.shared.protocol import Queue, load_functions
 
 log = logging.getLogger(__name__)
 
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
+# A lost link, a restarting Redis, or a cluster failover (MOVED, CLUSTERDOWN, READONLY): retry with backoff.
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError) + RESLOT_ERRORS
 
 
 class Backoff:
@@ -104,10 +107,11 @@ class Publisher(threading.Thread):
                 pipe = self.q.redis.pipeline(transaction=False)
                 fenced: list[tuple[int, str, str]] = []  # (reply index, job id, kind)
                 n = 0
+                publish = pipe.spublish if self.q.cluster else pipe.publish  # sharded on a cluster
                 for out in batch:
                     for job_id, payload, first in out.deltas:
                         pipe.xadd(k.events(job_id), {"d": payload})
-                        pipe.publish(k.channel(job_id), payload)
+                        publish(k.channel(job_id), payload)
                         n += 2
                         if first:
                             pipe.expire(k.events(job_id), ttl)
@@ -202,7 +206,8 @@ class Control(threading.Thread):
 
     def __init__(self, q: Queue, worker_id: str, leases: Callable[[], dict[str, str]],
                  on_lost: Callable[[list[str]], None], on_cancel: Callable[[list[str]], None],
-                 snapshot: Callable[[], dict], model_info: dict, registry_key: str, stop: threading.Event):
+                 snapshot: Callable[[], dict], model_info: dict, registry_key: str, stop: threading.Event,
+                 global_redis=None):
         super().__init__(name="mlxq-control", daemon=True)
         self.q = q
         self.worker_id = worker_id
@@ -212,9 +217,12 @@ class Control(threading.Thread):
         self.snapshot = snapshot
         self.model_info = model_info
         self.registry_key = registry_key
+        self.global_redis = global_redis if global_redis is not None else q.redis  # keys of no model
         self.stop_event = stop
         self.backoff = Backoff()
         self.reaped = [0, 0, 0]
+        self._seeded = False
+        self._prepared = False
 
     def run(self) -> None:
         s = self.q.settings
@@ -222,12 +230,19 @@ class Control(threading.Thread):
         pubsub = None
         while not self.stop_event.is_set():
             try:
+                if not self._prepared:
+                    self.prepare()
                 if pubsub is None:
                     pubsub = self.q.redis.pubsub(ignore_subscribe_messages=True)
-                    pubsub.subscribe(self.q.keys.cancel_channel)
+                    if self.q.cluster:
+                        pubsub.ssubscribe(self.q.keys.cancel_channel)
+                    else:
+                        pubsub.subscribe(self.q.keys.cancel_channel)
                 msg = pubsub.get_message(timeout=0.1)
-                if msg and msg.get("type") == "message":
+                if msg and msg.get("type") in ("message", "smessage"):
                     job_id = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
+                    # a producer without queue access flags a queued job: a worker takes it out
+                    self.q.cancel(job_id, mode="worker")
                     self.on_cancel([job_id])
                 now = time.monotonic()
                 if now >= next_beat:
@@ -243,6 +258,8 @@ class Control(threading.Thread):
             except REDIS_ERRORS as exc:
                 delay = self.backoff.fail()
                 log.warning("control loop: redis unavailable (%s); retrying in %.2fs", exc, delay)
+                if hasattr(self.q.redis, "invalidate"):  # a cluster: find the slot's master again
+                    self.q.redis.invalidate()
                 try:
                     if pubsub is not None:
                         pubsub.close()
@@ -260,6 +277,7 @@ class Control(threading.Thread):
             pass
 
     def beat(self) -> None:
+        self.q.admit()  # jobs from producers that may not write the queue, placed within a beat
         lost, cancel = self.q.renew(self.leases())
         if lost:
             log.warning("leases lost for %d jobs: %s", len(lost), lost[:5])
@@ -273,7 +291,27 @@ class Control(threading.Thread):
             log.warning("reaped expired leases: %d requeued, %d dead-lettered, %d cancelled", requeued, dead, cancelled)
             self.reaped = [a + b for a, b in zip(self.reaped, (requeued, dead, cancelled))]
 
+    def prepare(self) -> None:
+        """Load mlxq's Redis Functions (for ACL-restricted producers) and copy the key registry and
+        tier policy into this model's slot, before anything is admitted."""
+        try:
+            load_functions(self.q.redis)
+        except redis.ResponseError as exc:  # e.g. a managed Redis without FUNCTION: scripts still work
+            log.warning("could not load mlxq's Redis Functions (%s): ACL-restricted producers cannot submit", exc)
+        self.sync_policy()
+        self._prepared = True
+
+    def sync_policy(self) -> None:
+        """Keep this model's slot copy of the key registry and tier policy current."""
+        gk = GlobalKeys(self.q.keys.prefix)
+        if not self._seeded:
+            apikeys.seed_policy(self.global_redis, gk, self.q.settings.tier_offsets, self.q.settings.max_queued_per_tier)
+            self._seeded = True
+        if apikeys.sync_if_stale(self.global_redis, self.q.redis, gk, self.q.keys.model):
+            log.info("copied the API-key registry and tier policy into model %s's slot", self.q.keys.model)
+
     def publish_stats(self) -> None:
+        self.sync_policy()
         s = self.q.settings
         k = self.q.keys
         snap = self.snapshot()
@@ -283,8 +321,10 @@ class Control(threading.Thread):
         pipe.expire(k.worker(self.worker_id), ttl)
         pipe.zadd(k.workers, {self.worker_id: time.time()})
         pipe.zremrangebyscore(k.workers, "-inf", time.time() - 60)
-        pipe.hset(self.registry_key, self.model_info["name"], codec.pack({**self.model_info, "seen_at": time.time()}))
         pipe.execute()
+        # the model registry is a global key (another slot on a cluster)
+        self.global_redis.hset(self.registry_key, self.model_info["name"],
+                               codec.pack({**self.model_info, "seen_at": time.time()}))
 
     def unregister(self) -> None:
         try:

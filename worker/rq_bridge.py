@@ -141,12 +141,14 @@ class RqBridge:
 
     def __init__(self, redis_client, model: str, settings: Optional[Settings] = None,
                  queues: tuple[str, ...] = DEFAULT_QUEUES, *, worker_name: Optional[str] = None,
-                 poll_s: float = 0.5):
+                 poll_s: float = 0.5, api_key: Optional[str] = None):
         from mlxq.producer.client import Client
 
         self.redis = redis_client
         self.settings = settings or Settings.from_env()
-        self.client = Client(settings=self.settings, redis_client=redis_client, model=model)
+        # rq queue names (mlxq-high, ...) are floors on the tier of the bridge's own key (MLXQ_RQ_API_KEY)
+        self.client = Client(settings=self.settings, redis_client=redis_client, model=model,
+                             api_key=api_key or os.environ.get("MLXQ_RQ_API_KEY") or None)
         self.model = model
         self.queues = [RqQueue(name, connection=redis_client, serializer=SafePickle) for name in queues]
         self.gkeys = GlobalKeys(self.settings.prefix)

@@ -78,7 +78,7 @@ class Worker:
                                on_cancel=lambda ids: self._control_q.put(("cancel", ids)),
                                snapshot=lambda: self._snap,
                                model_info={**loaded.info(), "max_new_tokens": self.settings.max_new_tokens},
-                               registry_key=gk.models, stop=self.stop_event)
+                               registry_key=gk.models, stop=self.stop_event, global_redis=redis_client)
 
     # -- shared with the I/O threads ----------------------------------------
     def _free_slots(self) -> int:

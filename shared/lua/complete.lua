@@ -1,7 +1,7 @@
 -- Finish a job, fenced on the lease owner: a worker that lost its lease writes nothing.
--- KEYS: 1 job, 2 inflight, 3 counts, 4 events, 5 done list
+-- KEYS: 1 job, 2 inflight, 3 counts, 4 events, 5 done list, 6 job channel (declared for cluster routing)
 -- ARGV: 1 id, 2 owner token, 3 status (done|failed|cancelled), 4 result (msgpack),
---       5 ttl (s), 6 final delta (msgpack, may be ''), 7 job channel
+--       5 ttl (s), 6 final delta (msgpack, may be ''), 7 publish command (PUBLISH | SPUBLISH on a cluster)
 -- Returns 1, or 0 when the lease was lost.
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
 local t = redis.call('TIME')
@@ -16,7 +16,7 @@ local ttl = tonumber(ARGV[5])
 redis.call('EXPIRE', KEYS[1], ttl)
 if ARGV[6] ~= '' then
   redis.call('XADD', KEYS[4], '*', 'd', ARGV[6])
-  redis.call('PUBLISH', ARGV[7], ARGV[6])
+  redis.call(ARGV[7], KEYS[6], ARGV[6])
 end
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.call('RPUSH', KEYS[5], '1')

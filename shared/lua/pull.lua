@@ -1,16 +1,24 @@
--- Take up to N jobs, highest priority (lowest score) first, and lease them.
--- KEYS: 1 queue, 2 inflight, 3 counts, 4 dead, 5 deadinfo
--- ARGV: 1 n, 2 lease (s), 3 worker id, 4 job key prefix, 5 events key prefix, 6 channel prefix, 7 ttl (s),
---       8 done-list key prefix
+-- Take the given queue members (the caller read them with ZRANGE, lowest score first: highest
+-- priority first) and lease the jobs among them.  A member another worker took meanwhile is skipped.
+-- KEYS: 1 queue, 2 inflight, 3 counts, 4 dead, 5 deadinfo, then four per member, in ARGV order:
+--       job, events, done list, job channel
+-- ARGV: 1 unused, 2 lease (s), 3 worker id, 4 ttl (s), 5 publish command (PUBLISH | SPUBLISH on a cluster),
+--       6.. the members
 -- Returns a list of {id, kind, req, attempt, tier, score, queued_at, resume, now}
 -- kind 'job' is leased to this worker; 'garbage' was moved to the dead-letter set.
 -- Anything may sit in Redis (bugs, hostile writers): a member that is not a job id, a job key
 -- that is not a hash, or a record with unusable fields is moved aside with the reason, never
--- raised as a script error (that would lose the rest of the popped batch).
+-- raised as a script error (that would lose the rest of the batch).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local nowstr = string.format('%.6f', now)
-local popped = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[1]))
+local popped = {}
+for i = 6, #ARGV do
+  local sc = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if sc and redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
+    table.insert(popped, {ARGV[i], sc, 5 + (i - 6) * 4})
+  end
+end
 local out = {}
 local TIERS = {high = true, normal = true, low = true}
 local function malformed(f)
@@ -21,9 +29,9 @@ local function malformed(f)
   if f[5] and not tonumber(f[5]) then return 'queued_at is not a number' end
   return nil
 end
-for i = 1, #popped, 2 do
-  local id = popped[i]
-  local jk = ARGV[4] .. id
+for _, entry in ipairs(popped) do
+  local id, base = entry[1], entry[3]
+  local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local why, status = nil, nil
   if #id ~= 32 or string.find(id, '[^0-9a-f]') then
     why = 'queue member is not a job id (32 hex digits)'
@@ -43,13 +51,13 @@ for i = 1, #popped, 2 do
         why = malformed(f)
         if why then
           why = 'malformed job record: ' .. why
-          local ek, ttl = ARGV[5] .. id, tonumber(ARGV[7])
+          local ttl = tonumber(ARGV[4])
           redis.call('HSET', jk, 'status', 'dead', 'error', why, 'finished_at', nowstr)
           redis.call('HDEL', jk, 'owner')
           redis.call('XADD', ek, '*', 'f', 'error', 'e', why)
-          redis.call('RPUSH', ARGV[8] .. id, '1')
-          redis.call('EXPIRE', ARGV[8] .. id, ttl)
-          redis.call('PUBLISH', ARGV[6] .. id, 'sync')
+          redis.call('RPUSH', dk, '1')
+          redis.call('EXPIRE', dk, ttl)
+          redis.call(ARGV[5], ch, 'sync')
           redis.call('EXPIRE', jk, ttl)
           redis.call('EXPIRE', ek, ttl)
         end
@@ -60,7 +68,7 @@ for i = 1, #popped, 2 do
     redis.call('ZADD', KEYS[4], now, id)
     redis.call('HSET', KEYS[5], id, why)
     redis.call('HINCRBY', KEYS[3], 'garbage', 1)
-    table.insert(out, {id, 'garbage', '', '0', '', popped[i + 1], '', '', nowstr})
+    table.insert(out, {id, 'garbage', '', '0', '', entry[2], '', '', nowstr})
   elseif status ~= 'queued' then
     -- a stale or forged member for a job that is not waiting: never run a job twice
     redis.call('HSET', KEYS[5], id, 'queue member for a job in status ' .. status)

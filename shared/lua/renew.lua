@@ -1,13 +1,13 @@
 -- Heartbeat: extend the leases this worker still owns.
--- KEYS: 1 inflight
--- ARGV: 1 lease (s), 2 job key prefix, then pairs of (id, owner token)
+-- KEYS: 1 inflight, then one job key per lease (in the order of the pairs)
+-- ARGV: 1 lease (s), 2 unused, then pairs of (id, owner token)
 -- Returns {lost ids, ids flagged for cancellation}
 local t = redis.call('TIME')
 local deadline = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
 local lost, cancel = {}, {}
 for i = 3, #ARGV, 2 do
   local id = ARGV[i]
-  local f = redis.pcall('HMGET', ARGV[2] .. id, 'owner', 'cancel')  -- pcall: a clobbered key is a lost lease
+  local f = redis.pcall('HMGET', KEYS[(i - 1) / 2 + 1], 'owner', 'cancel')  -- pcall: a clobbered key is a lost lease
   if type(f) ~= 'table' or f.err or f[1] ~= ARGV[i + 1] then
     table.insert(lost, id)
   else

@@ -1,0 +1,191 @@
+"""``Subscriber`` for asyncio: one pub/sub connection per node and one reader task per node
+for every job of an ``AsyncClient`` (see ``mlxq.producer.subscriber``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional
+
+import redis
+import redis.asyncio as aredis
+
+from mlxq.shared.connection import RESLOT_ERRORS, is_cluster
+
+from .subscriber import SYNC
+
+log = logging.getLogger(__name__)
+
+_LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError) + RESLOT_ERRORS
+
+
+class _NodeReader:
+    def __init__(self, owner: "AsyncSubscriber", name: str, client):
+        self.owner = owner
+        self.node = name
+        self.client = client  # a plain client on the node (ours to close on a cluster)
+        self.pubsub = client.pubsub()
+        self.channels: set[bytes] = set()
+        self.confirm: dict[bytes, asyncio.Future] = {}
+        self.task: Optional[asyncio.Task] = None
+        self.failed = False
+
+    async def add(self, channel: bytes, timeout: float) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self.confirm[channel] = fut
+        self.channels.add(channel)
+        if self.owner.sharded:
+            await self.pubsub.ssubscribe(channel)
+        else:
+            await self.pubsub.subscribe(channel)
+        if self.task is None:
+            self.task = asyncio.ensure_future(self.run())
+        await asyncio.wait_for(asyncio.shield(fut), timeout)
+        if self.failed:
+            raise redis.ConnectionError("the pub/sub link dropped while subscribing")
+
+    async def remove(self, channel: bytes) -> None:
+        if channel not in self.channels:
+            return
+        self.channels.discard(channel)
+        self.confirm.pop(channel, None)
+        try:
+            if self.owner.sharded:
+                await self.pubsub.sunsubscribe(channel)
+            else:
+                await self.pubsub.unsubscribe(channel)
+        except _LINK_ERRORS:
+            pass
+
+    async def run(self) -> None:
+        while True:
+            try:
+                msg = await self.pubsub.get_message(timeout=1.0)
+            except asyncio.CancelledError:
+                raise
+            except _LINK_ERRORS as exc:
+                self.failed = True
+                for fut in self.confirm.values():
+                    if not fut.done():
+                        fut.set_result(None)
+                await self.owner._node_lost(self, exc)
+                return
+            except Exception:
+                log.exception("pub/sub reader error")
+                await asyncio.sleep(0.1)
+                continue
+            if msg is None:
+                continue
+            kind, channel = msg["type"], msg["channel"]
+            if kind in ("subscribe", "ssubscribe"):
+                fut = self.confirm.get(channel)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            elif kind in ("message", "smessage"):
+                inbox = self.owner._inboxes.get(channel)
+                if inbox is not None:
+                    inbox.put_nowait(msg["data"])
+
+    async def close(self) -> None:
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
+            try:
+                await self.task
+            except (asyncio.CancelledError, Exception):
+                pass
+        try:
+            await self.pubsub.aclose()
+        except Exception:
+            pass
+        if self.owner.sharded:
+            try:
+                await self.client.aclose()
+            except Exception:
+                pass
+
+
+class AsyncSubscriber:
+    def __init__(self, client, confirm_timeout: float = 10.0):
+        self.client = client
+        self.sharded = is_cluster(client)
+        self.confirm_timeout = confirm_timeout
+        self._readers: dict[str, _NodeReader] = {}
+        self._inboxes: dict[bytes, asyncio.Queue] = {}
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def subscribe(self, channel: str | bytes, inbox: asyncio.Queue) -> None:
+        ch = channel.encode() if isinstance(channel, str) else channel
+        self._inboxes[ch] = inbox
+        try:
+            reader = await self._reader_for(ch)
+            await reader.add(ch, self.confirm_timeout)
+        except BaseException:
+            await self.unsubscribe(ch)
+            raise
+
+    async def unsubscribe(self, channel: str | bytes) -> None:
+        ch = channel.encode() if isinstance(channel, str) else channel
+        self._inboxes.pop(ch, None)
+        for r in list(self._readers.values()):
+            await r.remove(ch)
+
+    def connections(self) -> int:
+        return len(self._readers)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        readers, self._readers = list(self._readers.values()), {}
+        self._inboxes.clear()
+        for r in readers:
+            await r.close()
+
+    async def _reader_for(self, channel: bytes) -> _NodeReader:
+        async with self._lock:
+            if self._closed:
+                raise RuntimeError("client is closed")
+            if self.sharded:
+                node = self.client.get_node_from_key(channel.decode(errors="replace"))
+                name = f"{node.host}:{node.port}"
+            else:
+                node, name = None, "redis"
+            reader = self._readers.get(name)
+            if reader is None or reader.failed:
+                conn = self.client if node is None else _node_client(self.client, node)
+                reader = self._readers[name] = _NodeReader(self, name, conn)
+            return reader
+
+    async def _node_lost(self, reader: _NodeReader, exc: Exception) -> None:
+        log.warning("pub/sub link to %s lost (%s); resubscribing %d channels", reader.node, exc,
+                    len(reader.channels))
+        if self._readers.get(reader.node) is reader:
+            del self._readers[reader.node]
+        await reader.close()
+        delay = 0.05
+        pending = list(reader.channels)
+        while pending and not self._closed:
+            ch = pending[-1]
+            if ch not in self._inboxes:
+                pending.pop()
+                continue
+            try:
+                if self.sharded:
+                    await self.client.nodes_manager.initialize()
+                await (await self._reader_for(ch)).add(ch, self.confirm_timeout)
+                pending.pop()
+            except (asyncio.TimeoutError,) + _LINK_ERRORS:
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+        for ch in reader.channels:
+            inbox = self._inboxes.get(ch)
+            if inbox is not None:
+                inbox.put_nowait(SYNC)
+
+
+def _node_client(cluster, node):
+    """A plain asyncio client on one cluster node, with the cluster's credentials and TLS."""
+    kw = {k: v for k, v in node.connection_kwargs.items()
+          if k in ("username", "password", "socket_timeout", "socket_connect_timeout", "socket_keepalive",
+                   "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_check_hostname")}
+    ssl = "SSL" in getattr(node.connection_class, "__name__", "")
+    return aredis.Redis(host=node.host, port=node.port, ssl=ssl, **kw)

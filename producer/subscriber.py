@@ -1,0 +1,235 @@
+"""One pub/sub connection per Redis node for all of a client's jobs.
+
+``Subscriber`` keeps one ``PubSub`` per node (one node on a single Redis; on a
+cluster the node serving the channel's slot, with ``SSUBSCRIBE``) and one
+reader thread per node that hands each message to the inbox of the job whose
+channel it came on.  ``subscribe`` returns only once the server confirmed the
+subscription, so a job is still subscribed before it is enqueued.
+
+A lost link (a restart, a failover) is not fatal: the reader reconnects,
+subscribes every channel again (on the slot's new master on a cluster), and
+puts ``SYNC`` into each inbox so each job re-reads its durable record.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Optional
+
+import redis
+
+from mlxq.shared.connection import RESLOT_ERRORS, SlotRedis, is_cluster
+
+log = logging.getLogger(__name__)
+
+SYNC = b"sync"  # what a job's inbox gets when it must read its durable record
+_LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError) + RESLOT_ERRORS
+
+
+class _NodeReader(threading.Thread):
+    def __init__(self, owner: "Subscriber", name: str, client: redis.Redis):
+        super().__init__(name=f"mlxq-sub-{name}", daemon=True)
+        self.owner = owner
+        self.node = name
+        self.pubsub = client.pubsub()
+        self.channels: set[bytes] = set()
+        self.confirm: dict[bytes, threading.Event] = {}
+        self.lock = threading.RLock()
+        self.stopped = False
+        self.failed = threading.Event()
+        self.wakeup = threading.Event()  # set when a channel is added (an idle reader sleeps on it)
+
+    def add(self, channel: bytes, timeout: float) -> None:
+        ev = threading.Event()
+        with self.lock:
+            self.confirm[channel] = ev
+            self.channels.add(channel)
+            if self.owner.sharded:
+                self.pubsub.ssubscribe(channel)
+            else:
+                self.pubsub.subscribe(channel)
+        self.wakeup.set()
+        if not self.is_alive():
+            self.start()
+        if not ev.wait(timeout):
+            raise redis.TimeoutError(f"subscription to {channel!r} not confirmed within {timeout}s")
+        if self.failed.is_set():
+            raise redis.ConnectionError("the pub/sub link dropped while subscribing")
+
+    def remove(self, channel: bytes) -> None:
+        with self.lock:
+            if channel not in self.channels:
+                return
+            self.channels.discard(channel)
+            self.confirm.pop(channel, None)
+            try:
+                if self.owner.sharded:
+                    self.pubsub.sunsubscribe(channel)
+                else:
+                    self.pubsub.unsubscribe(channel)
+            except _LINK_ERRORS:
+                pass  # the link is gone; nothing is subscribed there any more
+
+    def run(self) -> None:
+        while not self.stopped:
+            try:
+                if not self.pubsub.subscribed:  # nothing to read: sleep until a channel is added
+                    self.wakeup.wait(1.0)
+                    self.wakeup.clear()
+                    continue
+                msg = self.pubsub.get_message(timeout=1.0)
+            except _LINK_ERRORS as exc:
+                if self.stopped:
+                    return
+                self.failed.set()
+                for ev in list(self.confirm.values()):
+                    ev.set()  # wake subscribers waiting on this link: they see `failed`
+                self.owner._node_lost(self, exc)
+                return
+            except Exception:
+                if self.stopped:
+                    return
+                log.exception("pub/sub reader error")
+                continue
+            if msg is None:
+                continue
+            kind, channel = msg["type"], msg["channel"]
+            if kind in ("subscribe", "ssubscribe"):
+                ev = self.confirm.get(channel)
+                if ev is not None:
+                    ev.set()
+            elif kind in ("message", "smessage"):
+                self.owner._dispatch(channel, msg["data"])
+
+    def close(self) -> None:
+        self.stopped = True
+        self.wakeup.set()
+        try:
+            self.pubsub.close()
+        except Exception:
+            pass
+
+
+class Subscriber:
+    """Multiplexes every job's channel of one client over one connection per node."""
+
+    def __init__(self, client, confirm_timeout: float = 10.0):
+        self.client = client
+        self.sharded = is_cluster(client)
+        self.confirm_timeout = confirm_timeout
+        self._lock = threading.RLock()
+        self._readers: dict[str, _NodeReader] = {}
+        self._inboxes: dict[bytes, "queue.Queue[bytes]"] = {}
+        self._closed = False
+
+    # -- the jobs' side -----------------------------------------------------
+    def subscribe(self, channel: str | bytes, inbox: "queue.Queue[bytes]") -> None:
+        """Route ``channel``'s messages to ``inbox``; returns once the server confirmed it."""
+        ch = channel.encode() if isinstance(channel, str) else channel
+        with self._lock:
+            self._inboxes[ch] = inbox
+        try:
+            self._reader_for(ch).add(ch, self.confirm_timeout)
+        except Exception:
+            self.unsubscribe(ch)
+            raise
+
+    def unsubscribe(self, channel: str | bytes) -> None:
+        ch = channel.encode() if isinstance(channel, str) else channel
+        with self._lock:
+            self._inboxes.pop(ch, None)
+            readers = list(self._readers.values())
+        for r in readers:
+            r.remove(ch)
+
+    def connections(self) -> int:
+        """Pub/sub connections held now (one per node with subscribed channels)."""
+        with self._lock:
+            return len(self._readers)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            readers, self._readers = list(self._readers.values()), {}
+            self._inboxes.clear()
+        for r in readers:
+            r.close()
+
+    # -- the readers' side --------------------------------------------------
+    def _node_client(self, channel: bytes) -> tuple[str, redis.Redis]:
+        if self.sharded:
+            slot = SlotRedis(self.client, channel.decode(errors="replace"))
+            node = slot.current()
+            kw = node.connection_pool.connection_kwargs
+            return f"{kw.get('host')}:{kw.get('port')}", node
+        return "redis", self.client
+
+    def _reader_for(self, channel: bytes) -> _NodeReader:
+        name, node = self._node_client(channel)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("client is closed")
+            reader = self._readers.get(name)
+            if reader is None or reader.failed.is_set():
+                reader = self._readers[name] = _NodeReader(self, name, node)
+            return reader
+
+    def _dispatch(self, channel: bytes, data: bytes) -> None:
+        inbox = self._inboxes.get(channel)
+        if inbox is not None:
+            inbox.put(data)
+
+    def _node_lost(self, reader: _NodeReader, exc: Exception) -> None:
+        """A reader's link dropped: move its channels to a fresh link (the slot's master now),
+        then tell each job to read its durable record (messages sent meanwhile are in it)."""
+        log.warning("pub/sub link to %s lost (%s); resubscribing %d channels", reader.node, exc,
+                    len(reader.channels))
+        with self._lock:
+            if self._readers.get(reader.node) is reader:
+                del self._readers[reader.node]
+        try:
+            reader.pubsub.close()
+        except Exception:
+            pass
+        if self.sharded:
+            try:
+                self.client.nodes_manager.initialize()
+            except Exception:
+                pass
+        pending = list(reader.channels)
+        delay = 0.05
+        while pending and not self._closed:
+            ch = pending[-1]
+            if ch not in self._inboxes:
+                pending.pop()
+                continue
+            try:
+                self._reader_for(ch).add(ch, self.confirm_timeout)
+                pending.pop()
+                delay = 0.05
+            except _LINK_ERRORS:
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+                if self.sharded:
+                    try:
+                        self.client.nodes_manager.initialize()
+                    except Exception:
+                        pass
+        for ch in reader.channels:
+            inbox = self._inboxes.get(ch)
+            if inbox is not None:
+                inbox.put(SYNC)
+
+
+def new_inbox() -> "queue.Queue[bytes]":
+    return queue.Queue()
+
+
+def get(inbox: "queue.Queue[bytes]", timeout: float) -> Optional[bytes]:
+    try:
+        return inbox.get(timeout=timeout)
+    except queue.Empty:
+        return None

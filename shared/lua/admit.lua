@@ -1,0 +1,62 @@
+-- Admit jobs from the intake list (enqueued by producers that may not write the queue): the tier
+-- is decided again from the job's key hash and floor, and the score from the time of admission
+-- (nothing a producer wrote into its own job record can raise its priority).  Workers run this
+-- before each pull and on each heartbeat.
+-- KEYS: 1 intake, 2 queue, 3 counts, 4 key registry copy, 5 policy copy, 6 wake, then four per id
+--       (the caller read the ids with LRANGE, in ARGV order): job, events, done list, job channel
+-- ARGV: 1 ttl (s), 2 publish command (PUBLISH | SPUBLISH on a cluster), 3.. the ids at the head of intake
+-- An id is taken only while it is still at the head (another worker may have admitted it).
+-- Returns {admitted, refused}
+if redis.call('EXISTS', KEYS[5]) == 0 then return {0, 0} end  -- no policy copy yet: a worker is starting
+local ids = {}
+for i = 3, #ARGV do
+  if redis.call('LINDEX', KEYS[1], 0) ~= ARGV[i] then break end
+  redis.call('LPOP', KEYS[1])
+  ids[#ids + 1] = ARGV[i]
+end
+if #ids == 0 then return {0, 0} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local nowstr = string.format('%.6f', now)
+local ttl = tonumber(ARGV[1])
+local admitted, refused = 0, 0
+for i, id in ipairs(ids) do
+  local base = 6 + (i - 1) * 4
+  local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
+  if #id == 32 and not string.find(id, '[^0-9a-f]') then
+    local ktype = redis.call('TYPE', jk)
+    if type(ktype) == 'table' then ktype = ktype['ok'] end
+    if ktype == 'hash' then
+      local f = redis.call('HMGET', jk, 'status', 'admitted', 'kh', 'floor')
+      if f[1] == 'queued' and not f[2] then
+        local tier, why = mlxq_tier(KEYS[4], KEYS[5], f[3] or '', f[4] or '')
+        if tier then
+          local score = now + mlxq_offset(KEYS[5], tier) + i * 0.000001
+          redis.call('HSET', jk, 'tier', tier, 'score', string.format('%.6f', score), 'admitted', '1')
+          redis.call('HDEL', jk, 'kh')  -- the key hash is a credential: kept no longer than needed
+          redis.call('ZADD', KEYS[2], score, id)
+          redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
+          redis.call('HINCRBY', KEYS[3], 'submitted', 1)
+          admitted = admitted + 1
+        else
+          local err = 'refused at admission: ' .. why
+          redis.call('HSET', jk, 'status', 'failed', 'error', err, 'finished_at', nowstr)
+          redis.call('HDEL', jk, 'kh')
+          redis.call('XADD', ek, '*', 'f', 'error', 'e', err)
+          redis.call('RPUSH', dk, '1')
+          redis.call('EXPIRE', dk, ttl)
+          redis.call(ARGV[2], ch, 'sync')
+          redis.call('EXPIRE', jk, ttl)
+          redis.call('EXPIRE', ek, ttl)
+          redis.call('HINCRBY', KEYS[3], 'refused', 1)
+          refused = refused + 1
+        end
+      end
+    end
+  end
+end
+if admitted > 0 then
+  redis.call('LPUSH', KEYS[6], '1')
+  redis.call('LTRIM', KEYS[6], 0, 63)
+end
+return {admitted, refused}

@@ -1,0 +1,14 @@
+-- Read-only (FCALL_RO, flag no-writes): would this caller's job be accepted now?  For producers
+-- whose ACL may not write the queue; ``submit`` then hands the job to the intake list and a
+-- worker's ``admit`` decides its tier again.  Under FCALL every declared key needs read and write
+-- permission; under FCALL_RO read is enough: the registry copy, policy and counters stay read-only.
+-- KEYS: 1 key registry copy, 2 policy copy, 3 counts
+-- ARGV: 1 sha256 of the API key ('' for none), 2 tier floor ('' for none)
+-- Returns {status, tier | reason | queued count}; status in ok | unauthorized | overload | unsynced
+if redis.call('EXISTS', KEYS[2]) == 0 then return {'unsynced', ''} end
+local tier, why = mlxq_tier(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+if not tier then return {'unauthorized', why} end
+local queued = tonumber(redis.call('HGET', KEYS[3], 'queued:' .. tier) or '0')
+local maxq = tonumber(redis.call('HGET', KEYS[2], 'max_queued') or '') or 10000
+if queued >= maxq then return {'overload', tostring(queued)} end
+return {'ok', tier}

@@ -1,0 +1,32 @@
+-- Hand one job to the workers without writing the queue (producers under the ACL recipe; see
+-- mlxq.shared.acl).  Nothing here decides priority: a worker's ``admit`` reads the key hash and
+-- floor from the record, decides the tier, scores the job at the time of admission and deletes
+-- the key hash.
+-- KEYS: 1 job, 2 idempotency key (ignored unless ARGV[5] == '1')
+-- ARGV: 1 id, 2 request (msgpack), 3 sha256 of the API key ('' for none), 4 tier floor ('' for none),
+--       5 use idempotency key ('1'/'0'), 6 idempotency ttl (s), 7 intake list, 8 wake list
+-- ARGV 7 and 8 name write-only keys of the job's hash slot: under FCALL a declared key needs read
+-- permission too, and a producer that could read the intake list would learn other jobs' ids.
+-- Returns {status, job id, '', server time}; status in ok | duplicate | exists
+local id = ARGV[1]
+if ARGV[5] == '1' then
+  local existing = redis.call('GET', KEYS[2])
+  if existing then return {'duplicate', existing, '', ''} end
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local f = redis.pcall('HMGET', KEYS[1], 'req', 'queued_at')
+  if type(f) == 'table' and not f.err and f[1] == ARGV[2] then return {'ok', id, '', f[2] or ''} end
+  return {'exists', id, '', ''}
+end
+local t = redis.call('TIME')
+local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
+redis.call('HSET', KEYS[1], 'req', ARGV[2], 'status', 'queued', 'attempts', '0', 'queued_at', now,
+  'kh', ARGV[3], 'floor', ARGV[4])
+if ARGV[5] == '1' then
+  redis.call('SET', KEYS[2], id, 'EX', tonumber(ARGV[6]))
+  redis.call('HSET', KEYS[1], 'idem', KEYS[2])
+end
+redis.call('RPUSH', ARGV[7], id)
+redis.call('LPUSH', ARGV[8], '1')
+redis.call('LTRIM', ARGV[8], 0, 63)
+return {'ok', id, '', now}

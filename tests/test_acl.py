@@ -1,0 +1,153 @@
+"""Tiers that Redis decides, and the ACL recipe for producer services (mlxq.shared.acl):
+a producer user may only FCALL mlxq's functions and read its own jobs.  As that user, a raw
+ZADD into the queue, a function call that tries to choose its tier, raw writes to its own job
+record and EVAL of new code change nothing; its jobs still run, at its key's tier."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from redis.exceptions import NoPermissionError
+
+from mlxq import AuthError, Client
+from mlxq.shared import apikeys
+from mlxq.shared.acl import producer_rules
+from mlxq.shared.connection import connect
+from mlxq.shared.keys import GlobalKeys, ModelKeys
+from mlxq.shared.protocol import Queue, function_name, load_functions
+from tests.conftest import fast_settings, running_worker, wait_for
+from tests.faultkit import record
+
+GK = GlobalKeys()
+K = ModelKeys("tiny")
+LOW_KEY, HIGH_KEY = "producer-low-key-0001", "someone-elses-high-key"
+
+
+def _as_user(url: str, user: str, pw: str) -> str:
+    return url.replace("redis://", f"redis://{user}:{pw}@", 1)
+
+
+@pytest.fixture
+def acl_setup(redis_url, tiny_model):
+    admin = redis.Redis.from_url(redis_url)
+    admin.hset(GK.models, "tiny", b"")
+    apikeys.add_key(admin, GK, LOW_KEY, "low")
+    apikeys.add_key(admin, GK, HIGH_KEY, "high")
+    load_functions(admin)  # what a worker does at start
+    apikeys.sync_model(admin, admin, GK, "tiny")
+    admin.execute_command("ACL", "SETUSER", "producer", *producer_rules("producer-pw"))
+    try:
+        yield admin, _as_user(redis_url, "producer", "producer-pw")
+    finally:
+        admin.execute_command("ACL", "DELUSER", "producer")
+        admin.close()
+
+
+def test_producer_user_cannot_choose_its_priority(acl_setup, redis_url, tiny_model):
+    admin, purl = acl_setup
+    settings = fast_settings(redis_url)
+    raw = connect(purl)
+    refused = 0
+
+    # 1. a raw ZADD into the queue (and other priority writes) is refused by the ACL
+    for attempt in (lambda: raw.zadd(K.queue, {"f" * 32: 0}), lambda: raw.hincrby(K.counts, "queued:high", -5),
+                    lambda: raw.hset(K.key_copy, "x", "high"), lambda: raw.hset(K.policy, "offset:low", 0),
+                    lambda: raw.hset(GK.api_keys, apikeys.key_hash("mine-mine-mine"), "high"),
+                    lambda: raw.hgetall(GK.api_keys)):
+        with pytest.raises(NoPermissionError):
+            attempt()
+        refused += 1
+    # 2. no new code: EVAL, EVALSHA (even of mlxq's own script), SCRIPT LOAD, FUNCTION LOAD
+    for attempt in (lambda: raw.eval("return redis.call('ZADD', KEYS[1], 0, 'x')", 1, K.queue),
+                    lambda: raw.evalsha("0" * 40, 0), lambda: raw.script_load("return 1"),
+                    lambda: raw.function_load("#!lua name=evil\nredis.register_function('e', function() end)")):
+        with pytest.raises(NoPermissionError):
+            attempt()
+        refused += 1
+    assert admin.zcard(K.queue) == 0 and admin.llen(K.intake) == 0
+
+    # 3. the trusted enqueue function (it writes the queue) is refused as a whole: under FCALL every
+    #    declared key needs write access; the read-only check takes a key hash, never a tier, so "high"
+    #    in its place is an unknown key; submit has no tier at all: a forged "high" floor or extra
+    #    argument leaves an anonymous job at the anonymous tier (normal) once a worker admits it
+    job_id = "a" * 32
+    keys = [K.job(job_id), K.counts, K.wake, K.job(job_id), K.intake, K.queue, K.key_copy, K.policy]
+    with pytest.raises(NoPermissionError):
+        raw.fcall(function_name("enqueue"), len(keys), *keys, job_id, b"req", apikeys.key_hash(LOW_KEY), "", "0", 60)
+    refused += 1
+    assert not admin.exists(K.job(job_id)) and admin.zcard(K.queue) == 0
+    reply = raw.fcall_ro(function_name("check"), 3, K.key_copy, K.policy, K.counts, "high", "")
+    assert reply == [b"unauthorized", b"unknown API key"]
+    refused += 1
+    raw.fcall(function_name("submit"), 2, K.job(job_id), K.job(job_id), job_id, b"req", "", "high", "0", 60,
+              K.intake, K.wake, "high", 0)
+    assert Queue(admin, K, settings).admit() == (1, 0)
+    assert admin.hget(K.job(job_id), "tier") == b"normal"
+    admin.zrem(K.queue, job_id)  # (not a real request: keep it away from the worker below)
+    admin.hincrby(K.counts, "queued:normal", -1)
+    refused += 1
+
+    # 4. the producer's own client: EVALSHA is refused, so it switches to the functions and the intake list
+    producer = Client(purl, api_key=LOW_KEY, model="tiny", settings=settings)
+    job = producer.submit(prompt_tokens=[5, 6, 7], max_tokens=2)
+    assert producer.queue_for("tiny").functions and admin.lrange(K.intake, 0, -1) == [job.id.encode()]
+    # raw writes to its own record before admission: admission decides again, from the key hash
+    raw.hset(K.job(job.id), mapping={"tier": "high", "score": 0, "queued_at": 0})
+    floor = producer.submit(prompt_tokens=[5, 6, 8], max_tokens=2, _floor="high")  # a floor only lowers
+    q = Queue(admin, K, settings)
+    assert q.admit() == (2, 0)
+    for j in (job, floor):
+        assert admin.hget(K.job(j.id), "tier") == b"low"
+    now = float(admin.time()[0])
+    assert admin.zscore(K.queue, job.id) > now + 250  # low's offset (300 s), not the forged 0
+    refused += 1
+
+    # 5. the jobs run, results and streams read back as that user
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        res = job.result(timeout=60)
+        text = "".join(d.text for d in floor.stream(timeout=60))
+        assert res.finish_reason == "length" and res.stats.tier == "low"
+        assert text == floor.result(timeout=60).text
+        # cancel as the producer: a queued-and-admitted job is flagged, a worker takes it out
+        blocker = producer.submit(prompt_tokens=[9, 9], max_tokens=1)
+        assert blocker.result(timeout=60).finish_reason in ("length", "stop")
+
+        # 6. revoking the key takes effect at once: the admin writes every model's copy
+        apikeys.revoke_key(admin, GK, LOW_KEY)
+        with pytest.raises(AuthError):
+            producer.submit(prompt_tokens=[5], max_tokens=1)
+        refused += 1
+    counts = q.counts()
+    record("ACL producer user", 3, 3, 0, 0, refused_attempts=refused, admitted=counts.get("submitted"))
+    producer.close()
+    raw.close()
+
+
+def test_revocation_between_enqueue_and_admission_refuses_the_job(acl_setup, redis_url):
+    admin, purl = acl_setup
+    settings = fast_settings(redis_url)
+    producer = Client(purl, api_key=LOW_KEY, model="tiny", settings=settings)
+    job = producer.submit(prompt_tokens=[5, 6], max_tokens=2)
+    apikeys.revoke_key(admin, GK, LOW_KEY)
+    assert Queue(admin, K, settings).admit() == (0, 1)
+    res = job.result(timeout=10)
+    assert res.finish_reason == "error" and "revoked" in res.error
+    assert admin.zcard(K.queue) == 0
+    producer.close()
+
+
+def test_worker_copies_the_registry_into_a_new_models_slot(redis_url, tiny_model):
+    """A model no admin command has seen: its worker copies registry and policy at start, and a
+    change made by the admin afterwards reaches the copy (within a stats tick)."""
+    admin = redis.Redis.from_url(redis_url)
+    apikeys.add_key(admin, GK, LOW_KEY, "low")
+    settings = fast_settings(redis_url)
+    with running_worker(tiny_model, redis_url, settings):
+        assert wait_for(lambda: admin.hget(K.policy, "version") is not None, timeout=20)
+        assert admin.hget(K.key_copy, apikeys.copy_field(apikeys.key_hash(LOW_KEY))) == b"low"
+        apikeys.set_policy(admin, GK, offsets={"low": 120.0})
+        assert admin.hget(K.policy, "offset:low") == b"120.0"
+        # a copy that fell behind (e.g. written while the model was unknown) is repaired by the worker
+        admin.hset(K.policy, "version", "stale")
+        assert wait_for(lambda: admin.hget(K.policy, "version") == admin.get(GK.policy_version), timeout=20)
+    admin.close()
