@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("tiers", help="show or set tier offsets, the queue bound and the key-less tier (in Redis)")
-    _redis_url(p)
+    add_shared(p, "redis_url")
     p.add_argument("offsets", nargs="*", help="tier=seconds, e.g. high=0 normal=30 low=300")
     p.add_argument("--max-queued", type=int, help="jobs waiting per tier before submit is refused (429)")
     p.add_argument("--anonymous", choices=TIERS + ("refuse",), help="the tier of callers with no API key")
@@ -173,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("acl-producer", help="print the Redis ACL rule for a producer service (see README)")
     p.add_argument("user")
     p.add_argument("password")
+    add_shared(p)
     p.set_defaults(func=cmd_acl)
 
     p = sub.add_parser("make-model", help="build the small local model (no network)")

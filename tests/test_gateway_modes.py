@@ -109,7 +109,8 @@ def test_open_until_a_key_exists_then_401_everywhere(open_stack):
         with pytest.raises(apikeys.AuthError):
             Client(api_key="EMPTY", model="plain", redis_client=r).submit("x", max_tokens=1)
     finally:
-        r.delete(GK.api_keys)
+        r.delete(GK.api_keys)  # back to open mode for the tests below ...
+        apikeys.set_policy(r, GK)  # ... and re-copied into the model's slot, as any admin change is
 
 
 def test_chat_without_a_template_falls_back_to_role_prefixed_text(open_stack, plain_model):

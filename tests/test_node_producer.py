@@ -13,14 +13,12 @@ from pathlib import Path
 import pytest
 import redis
 
-import mlxq.shared
 from mlxq import Client
 from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "node" / "producer.mjs"
-ENQUEUE_LUA = Path(mlxq.shared.__file__).parent / "lua" / "enqueue.lua"
 NPM_PACKAGES = ["redis@4", "@msgpack/msgpack@3"]
 
 
@@ -44,7 +42,7 @@ def test_the_example_in_the_protocol_doc_is_the_tested_file():
 
 
 def run_node(node_dir: Path, url: str, prompt: str, max_tokens: int, api_key: str | None = None) -> dict:
-    env = {**os.environ, "MLXQ_REDIS_URL": url, "MLXQ_MODEL": "tiny", "MLXQ_ENQUEUE_LUA": str(ENQUEUE_LUA)}
+    env = {**os.environ, "MLXQ_REDIS_URL": url, "MLXQ_MODEL": "tiny"}
     env.pop("MLXQ_API_KEY", None)
     if api_key:
         env["MLXQ_API_KEY"] = api_key

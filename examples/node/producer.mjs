@@ -1,11 +1,10 @@
 // mlxq from Node.js: enqueue one job, stream its text from the job's channel, read the result.
 //   npm install redis@4 @msgpack/msgpack
-//   MLXQ_REDIS_URL=redis://localhost:6379/0 MLXQ_MODEL=tiny MLXQ_ENQUEUE_LUA=enqueue.lua node producer.mjs "Once upon a time" 16
-// enqueue.lua ships with mlxq: python -c "import mlxq.shared, pathlib; print(pathlib.Path(mlxq.shared.__file__).parent / 'lua/enqueue.lua')"
+//   MLXQ_REDIS_URL=redis://localhost:6379/0 MLXQ_MODEL=tiny node producer.mjs "Once upon a time" 16
+// It calls mlxq's Redis Functions (library "mlxq", loaded by every worker at start): no script to ship.
 import { createClient, commandOptions } from "redis";
 import { encode, decode } from "@msgpack/msgpack";
 import { createHash, randomBytes } from "node:crypto";
-import { readFileSync } from "node:fs";
 
 const env = process.env;
 const model = env.MLXQ_MODEL ?? "tiny";
@@ -13,6 +12,7 @@ const [prompt = "Once upon a time", maxTokens = "16"] = process.argv.slice(2);
 const base = `mlxq:{mlxq:${model}}`; // every key of one model shares this hash tag
 const id = randomBytes(16).toString("hex"); // 32 hex digits, never guessable
 const k = { queue: `${base}:queue`, job: `${base}:job:${id}`, counts: `${base}:counts`, wake: `${base}:wake`,
+            intake: `${base}:intake`, keyCopy: `${base}:apikeys`, policy: `${base}:policy`,
             events: `${base}:events:${id}`, chan: `${base}:chan:${id}`, done: `${base}:done:${id}` };
 
 const redis = createClient({ url: env.MLXQ_REDIS_URL }); await redis.connect();
@@ -40,23 +40,16 @@ await sub.subscribe(k.chan, (msg) => {
   if (msg.toString() === "sync" || feed(decode(msg))) replay();
 }, true);
 
-// 2. The tier comes from the API key's registry entry (sha256 of the key); no key or no keys: normal.
-async function tierOf(apiKey) {
-  if (!apiKey) return "normal";
-  const tier = await redis.hGet("mlxq:apikeys", createHash("sha256").update(apiKey).digest("hex"));
-  if (tier === null && !(await redis.exists("mlxq:apikeys"))) return "normal"; // open mode
-  if (!["high", "normal", "low"].includes(tier)) throw new Error("unknown or revoked API key");
-  return tier;
-}
-const tier = await tierOf(env.MLXQ_API_KEY);
-const offset = { high: 0, normal: 30, low: 300 }[tier]; // seconds added to the score (MLXQ_TIER_OFFSETS)
-
-// 3. Enqueue atomically with mlxq's script.
+// 2. Enqueue atomically with mlxq's function. It gets the sha256 of the API key, never a tier:
+//    Redis decides the tier and the score (an unknown or revoked key is refused there).
+const keyHash = env.MLXQ_API_KEY ? createHash("sha256").update(env.MLXQ_API_KEY).digest("hex") : "";
 const request = Buffer.from(encode({ id, model, prompt, max_tokens: Number(maxTokens), temperature: 0,
                                      source: "node", submitted_at: Date.now() / 1000 }));
-const [status] = await redis.sendCommand(["EVAL", readFileSync(env.MLXQ_ENQUEUE_LUA, "utf8"), "5",
-  k.queue, k.job, k.counts, k.wake, k.job, id, request, tier, String(offset), "10000", "0", "86400"]);
-if (status !== "ok") throw new Error(`enqueue refused: ${status}`); // overload: the tier's queue is full
+const [status, , why] = (await redis.sendCommand(["FCALL", "mlxq_enqueue", "8", k.job, k.counts, k.wake, k.job,
+  k.intake, k.queue, k.keyCopy, k.policy, id, request, keyHash, "", "0", "86400"])).map(String);
+// overload: the tier's queue is full; unauthorized: `why` says which key rule; unsynced: no worker yet
+if (status !== "ok") throw new Error(`enqueue refused: ${status} ${why}`);
+const tier = String(await redis.hGet(k.job, "tier"));
 
 // 4. Stream until the final delta, then read the result record.
 const last = await ended;
