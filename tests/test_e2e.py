@@ -33,35 +33,32 @@ def collect(job, sink, key):
     sink[key] = (text, ids, finishes)
 
 
-def make_engine(kind, loaded, max_batch):
-    if kind == "dense":
-        return None  # the Worker's default DenseEngine
+def make_engine(loaded):
     from mlxq.worker.paged.engine import PagedEngine
 
     # a small pool: admission control and preemption really happen
     return PagedEngine(loaded.model, num_blocks=14, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name)
 
 
-@pytest.mark.parametrize("engine", ["dense", "paged"])
-def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_url, engine):
+def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_url):
     rng = random.Random(7)
     vocab = 1000
     specs = []
     for i in range(24):
         prompt = [rng.randrange(4, min(vocab, 900)) for _ in range(rng.randrange(2, 90))]
-        specs.append((prompt, rng.randrange(4, 40) if engine == "dense" else rng.randrange(20, 90)))
+        specs.append((prompt, rng.randrange(20, 90)))
     shared = [rng.randrange(4, 900) for _ in range(70)]
     specs[1] = (shared, specs[1][1])
     specs[5] = (shared + specs[5][0], specs[5][1])  # shares two full blocks with job 1 (paged: a hit)
-    # paged: long outputs in a 14-block pool, so running sequences get preempted and resumed
-    long_run = engine == "paged"
+    # long outputs in a 14-block pool, so running sequences get preempted and resumed
+    long_run = True
     refs = [reference_tokens(tiny_model, p, n, ignore_eos=long_run) for p, n in specs]
     cancel_at = {3, 11, 17}
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
     streamed: dict = {}
     with running_worker(tiny_model, redis_url, settings, max_batch=6,
-                        engine=make_engine(engine, tiny_model, 6)) as w:
+                        engine=make_engine(tiny_model)) as w:
         jobs, threads = [], []
         for i, (prompt, n) in enumerate(specs):
             job = client.submit(prompt_tokens=prompt, max_tokens=n, ignore_eos=long_run)
@@ -77,10 +74,9 @@ def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_u
         results = [j.result(timeout=60) for j in jobs]
         assert wait_for(lambda: w.engine.has_work() is False and not w.active, timeout=10)
         engine_stats = w.engine.stats()
-    print(engine, engine_stats)
-    if engine == "paged":
-        assert engine_stats["prefix_hit_tokens"] > 0
-        assert engine_stats["blocks_used"] == 0  # nothing leaked
+    print(engine_stats)
+    assert engine_stats["prefix_hit_tokens"] > 0
+    assert engine_stats["blocks_used"] == 0  # nothing leaked
     for i, (res, ref) in enumerate(zip(results, refs)):
         text, ids, finishes = streamed[i]
         assert finishes == [res.finish_reason], i

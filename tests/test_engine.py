@@ -1,6 +1,8 @@
-"""The dense engine against mlx-lm's single-sequence greedy decoding (random-weight models)."""
+"""The engine (paged continuous batching) against mlx-lm's single-sequence decoding (random-weight models)."""
 
 from __future__ import annotations
+
+import mlxq.worker  # noqa: F401  (BLAS before mlx)
 
 import random
 
@@ -10,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, qwen3
 
 from mlxq.shared.schemas import SamplingParams
-from mlxq.worker.engine import DenseEngine
+from mlxq.worker.paged import PagedEngine
 from mlxq.worker.engine_api import SeqSpec
 from mlxq.worker.sampling import make_processors, make_sampler
 
@@ -64,10 +66,11 @@ def test_staggered_greedy_equals_single_sequence(make_model):
     arrivals: dict[int, list] = {}
     for i, s in enumerate(specs):
         arrivals.setdefault(i * 2 if i % 3 else i * 2 + 1, []).append(s)
-    engine = DenseEngine(model, max_batch=5)
+    engine = PagedEngine(model, num_blocks=64, max_batch=5)
     out = drive(engine, arrivals)
     assert out == refs
-    assert engine.counters.migrations >= 1  # the solo path handed over to the batch at least once
+    # joins never recompute: every prompt token is prefilled exactly once
+    assert engine.counters.prefill_tokens == engine.counters.prompt_tokens - engine.counters.prefix_hit_tokens
 
 
 def test_solo_then_join_keeps_seeded_sampling_exact():
@@ -76,11 +79,11 @@ def test_solo_then_join_keeps_seeded_sampling_exact():
     prompt = [5, 6, 7, 8]
     ref_spec = SeqSpec(uid="alone", prompt=prompt, max_tokens=25, sampler=make_sampler(params, 3),
                        logits_processors=make_processors(params))
-    alone = drive(DenseEngine(model, max_batch=4), {0: [ref_spec]})["alone"]
+    alone = drive(PagedEngine(model, num_blocks=32), {0: [ref_spec]})["alone"]
     a = SeqSpec(uid="a", prompt=prompt, max_tokens=25, sampler=make_sampler(params, 3),
                 logits_processors=make_processors(params))
     b = SeqSpec(uid="b", prompt=[9, 10], max_tokens=10)
-    out = drive(DenseEngine(model, max_batch=4), {0: [a], 5: [b]})
+    out = drive(PagedEngine(model, num_blocks=32), {0: [a], 5: [b]})
     assert out["a"] == alone
     assert out["b"] == reference(model, [9, 10], 10)
 
@@ -89,7 +92,7 @@ def test_remove_and_stop_tokens():
     model = tiny_llama()
     ref = reference(model, [1, 2, 3], 20)
     eos = ref[5]
-    engine = DenseEngine(model, eos_token_ids=(eos,), max_batch=4)
+    engine = PagedEngine(model, num_blocks=32, eos_token_ids=(eos,))
     engine.add([SeqSpec(uid="s", prompt=[1, 2, 3], max_tokens=20, stop_token_ids=(eos,)),
                 SeqSpec(uid="r", prompt=[4, 5], max_tokens=50)])
     seen, finish = [], None

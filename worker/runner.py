@@ -24,12 +24,20 @@ from mlxq.shared.protocol import Pulled, Queue
 from mlxq.shared.schemas import Delta, Result
 from mlxq.shared.settings import TIERS, Settings
 from . import BLAS_STATUS
-from .engine import DenseEngine
 from .jobs import ActiveJob, JobError, decode_request, start_job, tokenize
 from .model import LoadedModel
+from .paged.engine import PagedEngine
 from .redis_io import Control, Fetcher, Publisher, ReadyQueue, StepOutput
 
 log = logging.getLogger(__name__)
+
+
+def make_engine(loaded: LoadedModel, *, max_batch: int | None = None, kv_memory_bytes: int | None = None,
+                num_blocks: int | None = None, session_dir: str | None = None) -> PagedEngine:
+    """The worker's engine: paged continuous batching (prefix cache, admission, preemption, sessions)."""
+    return PagedEngine(loaded.model, memory_budget_bytes=kv_memory_bytes, num_blocks=num_blocks,
+                       max_batch=max_batch, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name,
+                       session_dir=session_dir)
 
 
 def new_worker_id() -> str:
@@ -38,7 +46,7 @@ def new_worker_id() -> str:
 
 class Worker:
     def __init__(self, redis_client, loaded: LoadedModel, settings: Settings | None = None, *,
-                 engine=None, max_batch: int = 64, worker_id: str | None = None, grace_s: float = 30.0,
+                 engine=None, max_batch: int | None = None, worker_id: str | None = None, grace_s: float = 30.0,
                  observers: Optional[list] = None):
         self.settings = settings or Settings.from_env()
         self.loaded = loaded
@@ -46,7 +54,7 @@ class Worker:
         gk = GlobalKeys(self.settings.prefix)
         self.keys = gk.model_keys(loaded.name)
         self.q = Queue(redis_client, self.keys, self.settings)
-        self.engine = engine or DenseEngine(loaded.model, eos_token_ids=loaded.eos_token_ids, max_batch=max_batch)
+        self.engine = engine or make_engine(loaded, max_batch=max_batch)
         self.grace_s = grace_s
         self.eos = set(loaded.eos_token_ids)
         # Observers (metrics, rq mirroring) get on_token(job, n_tokens, now_monotonic),
@@ -178,10 +186,15 @@ class Worker:
             if jobs:
                 for job in jobs:
                     self.active[job.id] = job
-                self.engine.add([job.spec(self.loaded.eos_token_ids) for job in jobs])
+                self.engine.add([self._spec(job) for job in jobs])
             self._engine_free = self.engine.free_slots()
         if jobs:
             self.fetcher.kick.set()
+
+    def _spec(self, job: ActiveJob):
+        spec = job.spec(self.loaded.eos_token_ids)
+        spec.want_logprobs = bool(job.request.logprobs)
+        return spec
 
     def _after_step(self, events, preempted) -> None:
         out = StepOutput()
