@@ -159,7 +159,9 @@ class BatchView:
         self.ragged = bool((n_new != N).any())
         lens = offs + n_new
         self.max_len = int(lens.max())
-        self.single = B == 1
+        # every row at the same position (one sequence, or jobs that started
+        # together): an int RoPE offset and the single-sequence masks serve all
+        self.single = B == 1 or (not self.ragged and bool((offs == offs[0]).all()))
         nb = -(-self.max_len // bs)
         table = np.empty((B, nb), np.int64)
         for i, r in enumerate(rows):
