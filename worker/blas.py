@@ -15,7 +15,8 @@ Candidates, first hit wins:
    ships is used (a soname-patched copy of it is kept in the cache directory).
 
 ``MLXQ_BLAS=off`` skips all of this; ``MLXQ_BLAS_THREADS=N`` sets OpenBLAS's thread
-count (default: the cores minus one).  Nothing here imports MLX.
+count (default: the cores minus one; ``default``: OpenBLAS's own choice).  Nothing
+here imports MLX.
 """
 
 from __future__ import annotations
@@ -239,8 +240,17 @@ def default_threads() -> int:
 
 
 def _set_threads(lib: ctypes.CDLL) -> int | str:
-    """OpenBLAS threads: ``MLXQ_BLAS_THREADS=N``, else :func:`default_threads`."""
+    """OpenBLAS threads: ``MLXQ_BLAS_THREADS=N``, else :func:`default_threads`.
+
+    ``MLXQ_BLAS_THREADS=default`` leaves OpenBLAS's own default (all cores, or
+    ``OPENBLAS_NUM_THREADS``): what a plain mlx-lm process with this BLAS gets.
+    """
     want = os.environ.get("MLXQ_BLAS_THREADS") or default_threads()
+    if str(want).lower() == "default":
+        try:
+            return int(lib.openblas_get_num_threads())
+        except AttributeError:
+            return "default"
     try:
         lib.openblas_set_num_threads(int(want))
         return int(lib.openblas_get_num_threads())
