@@ -65,6 +65,7 @@ class Worker:
         self.active: dict[str, ActiveJob] = {}
         self.ready = ReadyQueue()
         self._engine_free = self.engine.free_slots()
+        self._engine_urgent_below = float("-inf")
         self._control_q: "queue.Queue[tuple[str, list[str]]]" = queue.Queue()
         self.stop_event = threading.Event()  # threads exit
         self.draining = threading.Event()  # warm shutdown: finish or requeue, pull nothing
@@ -80,7 +81,8 @@ class Worker:
 
         self.publisher = Publisher(self.q, self.stop_event)
         self.fetcher = Fetcher(self.q, self.worker_id, self._free_slots, self._prepare, self.stop_event,
-                               self.settings.gather_ms / 1000.0, self.settings.idle_block_s)
+                               self.settings.gather_ms / 1000.0, self.settings.idle_block_s,
+                               urgent_below=self._urgent_below)
         self.control = Control(self.q, self.worker_id, self._leases,
                                on_lost=lambda ids: self._control_q.put(("lost", ids)),
                                on_cancel=lambda ids: self._control_q.put(("cancel", ids)),
@@ -93,6 +95,12 @@ class Worker:
             return 0
         with self.ready.lock:
             return self._engine_free - len(self.ready.items)
+
+    def _urgent_below(self) -> float:
+        """Fetcher thread: a queued job scoring below this would preempt (engine value, refreshed per pass)."""
+        if self.draining.is_set() or len(self.ready.items):
+            return float("-inf")
+        return self._engine_urgent_below
 
     def _leases(self) -> dict[str, str]:
         jobs = list(self.active.values()) + list(self.ready.items)
@@ -188,6 +196,8 @@ class Worker:
                     self.active[job.id] = job
                 self.engine.add([self._spec(job) for job in jobs])
             self._engine_free = self.engine.free_slots()
+            urgent = getattr(self.engine, "urgent_below", None)
+            self._engine_urgent_below = urgent() if urgent is not None else float("-inf")
         if jobs:
             self.fetcher.kick.set()
 

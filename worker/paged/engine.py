@@ -211,6 +211,21 @@ class PagedEngine:
         return max(1, min(self.max_sequences - n_seqs, self.max_waiting - len(self._waiting),
                           headroom // 4 + self.max_waiting - len(self._waiting)))
 
+    def urgent_below(self) -> float:
+        """A queued job with a priority below this would preempt someone here now.
+
+        The worker's fetcher peeks at the head of the Redis queue while the
+        engine has no free slot and pulls such a job at once.  -inf when none
+        would (nothing running, or a waiting job already outranks it).
+        """
+        if not self._active:
+            return float("-inf")
+        victim = max(self._active.values(), key=_Seq.victim_key)
+        threshold = victim.spec.priority - self.priority_gap
+        if any(w.spec.priority <= threshold for w in self._waiting):
+            return float("-inf")  # one already waits to preempt: it goes first
+        return threshold
+
     def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
         need = self.bm.blocks_needed(prompt_len + max(1, max_tokens))
         return need + self.decode_reserve_blocks <= self.bm.num_blocks
