@@ -6,8 +6,8 @@ wait and get preempted.  Every job shares one system prompt, so after the
 first prefill the prefix cache serves it.  Low and normal jobs go in first;
 once they stream, high-tier jobs arrive and take their place (preemption; the
 preempted jobs resume later exactly where they stopped).  The streams are
-shown side by side, paced (``--pace``, seconds per engine step) so a person can
-follow them, then per-job stats and the engine's block / prefix-hit /
+shown side by side, paced (``PACE_S`` per engine step) so a person can follow
+them, then per-job stats and the engine's block / prefix-hit /
 preemption counters.
 """
 
@@ -34,6 +34,7 @@ DEMO_PROMPTS = [
     ("low", "Le petit café près de la gare"),
 ]
 ROOM = 3  # sequences the demo worker runs at once: fewer than the jobs
+PACE_S = 0.06  # seconds per engine step: about 16 tokens a second per stream
 
 
 class _Paced:
@@ -121,7 +122,8 @@ def main(args) -> int:
 
         try:
             loaded = load_model(model_src, name=model)
-            engine = _Paced(make_engine(loaded, max_batch=ROOM), args.pace)
+            # a small pool (64 blocks of 32 tokens) so the block counts are readable
+            engine = _Paced(make_engine(loaded, max_batch=ROOM, num_blocks=64), getattr(args, "pace", PACE_S))
             holder["worker"] = Worker(client.redis.__class__.from_url(url), loaded, settings, engine=engine)
         finally:
             ready.set()

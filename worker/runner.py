@@ -37,7 +37,7 @@ def make_engine(loaded: LoadedModel, *, max_batch: int | None = None, kv_memory_
     """The worker's engine: paged continuous batching (prefix cache, admission, preemption, sessions)."""
     return PagedEngine(loaded.model, memory_budget_bytes=kv_memory_bytes, num_blocks=num_blocks,
                        max_batch=max_batch, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name,
-                       session_dir=session_dir)
+                       session_dir=session_dir, context_length=loaded.context_length)
 
 
 def new_worker_id() -> str:

@@ -129,6 +129,7 @@ class PagedEngine:
         max_sequences: int = 256,
         max_waiting: int = 8,
         block_size: int = BLOCK_SIZE,
+        context_length: Optional[int] = None,
     ):
         self.model = model
         self.block_size = block_size
@@ -137,6 +138,9 @@ class PagedEngine:
         if num_blocks is None:
             budget = memory_budget_bytes or DEFAULT_BUDGET_BYTES
             num_blocks = budget // per_block
+            if memory_budget_bytes is None and context_length:
+                # the default budget never exceeds what max_sequences full contexts need
+                num_blocks = min(num_blocks, (max_batch or max_sequences) * -(-context_length // block_size))
         if num_blocks < 2:
             raise ValueError(f"memory budget too small: {per_block} bytes per block")
         self.bm = BlockManager(num_blocks, block_size, model_id)
