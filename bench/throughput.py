@@ -138,10 +138,11 @@ def mlxq_ttft(client: Client, prompt) -> float:
     return sink[0][1]
 
 
-def start_worker(url: str, model_dir: str, blas_threads: str | None) -> subprocess.Popen:
+def start_worker(url: str, model_dir: str, blas_threads: str | None, extra_env=()) -> subprocess.Popen:
     env = dict(os.environ, MLXQ_LOG_LEVEL="WARNING")
     if blas_threads:
         env["MLXQ_BLAS_THREADS"] = blas_threads
+    env.update(kv.split("=", 1) for kv in extra_env)
     cmd = [sys.executable, "-m", "mlxq", "worker", "--redis-url", url, "--model", model_dir, "--name", "bench"]
     return subprocess.Popen(cmd, env=env, cwd=str(ROOT))
 
@@ -165,6 +166,8 @@ def main() -> int:
                          "against the best of them (default: OpenBLAS's default, and 1)")
     ap.add_argument("--worker-blas-threads", default=None, help="MLXQ_BLAS_THREADS for the worker "
                     "(default: the worker's own default)")
+    ap.add_argument("--worker-env", action="append", default=[],
+                    help="KEY=VALUE for the worker process only (e.g. OPENBLAS_THREAD_TIMEOUT=4)")
     args = ap.parse_args()
     quick = args.quick
     rounds = args.rounds or (2 if quick else 3)
@@ -179,10 +182,11 @@ def main() -> int:
         server = EmbeddedRedis().start()
         url = server.url
     sides = [MlxLmSide(model_dir, t) for t in args.ref_threads.split(",")]
-    proc = start_worker(url, model_dir, args.worker_blas_threads)
+    proc = start_worker(url, model_dir, args.worker_blas_threads, args.worker_env)
     client = Client(url, model="bench", settings=Settings(redis_url=url))
     print(f"model {model_dir}, vocab {vocab}; {os.cpu_count()} cores; rounds {rounds}; "
-          f"{'quick' if quick else 'full'} run")
+          f"{'quick' if quick else 'full'} run; worker BLAS threads {args.worker_blas_threads or 'default'}"
+          f"{'; worker env ' + ' '.join(args.worker_env) if args.worker_env else ''}")
     for side in sides:
         print(f"mlx-lm process (threads={side.threads}) BLAS: {side.info['blas']}")
     rows = []
