@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -169,6 +170,8 @@ def main() -> int:
     ap.add_argument("--worker-env", action="append", default=[],
                     help="KEY=VALUE for the worker process only (e.g. OPENBLAS_THREAD_TIMEOUT=4)")
     args = ap.parse_args()
+    # a terminated bench still stops its worker, mlx-lm processes and Valkey (the finally below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     quick = args.quick
     rounds = args.rounds or (2 if quick else 3)
     gen = 64 if quick else 128
