@@ -380,15 +380,14 @@ class PagedEngine:
                            for seq, n in picked])
         ragged = any(n != width for _, n in picked)
         last = mx.array([n - 1 for _, n in picked]) if ragged else None
-        logits = self.runner.forward(rows, inputs, last)
-        self.counters.prefill_passes += 1
-        self.counters.prefill_tokens += sum(n for _, n in picked)
         ending = [i for i, (seq, n) in enumerate(picked)
                   if seq.num_computed + n >= len(seq.tokens)]
+        logits = self.runner.forward(rows, inputs, last, keep=ending)
+        self.counters.prefill_passes += 1
+        self.counters.prefill_tokens += sum(n for _, n in picked)
         toks = lps = None
         if ending:
-            sub = logits[mx.array(ending)] if len(ending) < len(picked) else logits
-            toks, lps = self.runner.sample(sub, [self._sample_row(picked[i][0]) for i in ending])
+            toks, lps = self.runner.sample(logits, [self._sample_row(picked[i][0]) for i in ending])
             mx.eval(toks, [x for x in lps if x is not None], self.pool.arrays())
             toks = toks.tolist()
         else:

@@ -27,22 +27,50 @@ class SampleRow:
     want_logprobs: bool
 
 
+# Model files whose ``__call__`` is exactly ``self.model(...)`` then the tied
+# embedding or ``lm_head``: for them the vocabulary projection runs only on the
+# rows and positions that are sampled (a prefill chunk needs one position of
+# its last chunk, not all of them).  Others run unchanged.
+_SPLIT_HEAD_MODULES = {"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"}
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool):
         self.model = model
         self.pool = pool
+        self.split_head = (type(model).__module__ in _SPLIT_HEAD_MODULES and hasattr(model, "model")
+                           and hasattr(model, "args"))
 
-    def forward(self, rows: list[BatchRow], inputs: mx.array, last_index: Optional[mx.array] = None):
-        """Run ``inputs`` (B, N) over the pool; logits of each row's last real token (B, V).
+    def _head(self, h: mx.array) -> mx.array:
+        if self.model.args.tie_word_embeddings:
+            return self.model.model.embed_tokens.as_linear(h)
+        return self.model.lm_head(h)
+
+    def forward(self, rows: list[BatchRow], inputs: mx.array, last_index: Optional[mx.array] = None,
+                keep: Optional[list[int]] = None):
+        """Run ``inputs`` (B, N) over the pool; logits of each row's last real token.
 
         ``last_index``: (B,) index of each row's last real input (ragged rows);
-        None: the last column.
+        None: the last column.  ``keep``: only these rows' logits (default all).
+        Returns (len(keep), V), or None when ``keep`` is empty (the pass only
+        writes K/V into the pool).
         """
         view = BatchView(rows, self.pool.block_size, self.pool.scratch_block)
-        logits = self.model(inputs, cache=make_layer_caches(self.pool, view))
+        caches = make_layer_caches(self.pool, view)
+        if keep is not None and not keep:
+            if self.split_head:
+                self.model.model(inputs, caches)  # lazy: K/V writes only, evaluated with the pool
+            else:
+                self.model(inputs, cache=caches)
+            return None
+        out = self.model.model(inputs, caches) if self.split_head else self.model(inputs, cache=caches)
         if last_index is None:
-            return logits[:, -1, :]
-        return mx.take_along_axis(logits, last_index[:, None, None], axis=1)[:, 0, :]
+            out = out[:, -1, :]
+        else:
+            out = mx.take_along_axis(out, last_index[:, None, None], axis=1)[:, 0, :]
+        if keep is not None and len(keep) < len(rows):
+            out = out[mx.array(keep)]
+        return self._head(out) if self.split_head else out
 
     def sample(self, logits: mx.array, rows: list[SampleRow]):
         """Tokens (B,) for each row, and per-row log-probabilities (None where not asked).
