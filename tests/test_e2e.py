@@ -157,7 +157,9 @@ def test_priority_order_through_a_busy_worker(tiny_model, redis_url):
         hi = high.submit("high job", max_tokens=3)
         results = {j.id: j.result(timeout=60) for j in [blocker, *lows, normal, hi]}
     order = sorted(results, key=lambda k: results[k].stats.started_at)
-    assert order[1:3] == [hi.id, normal.id]
+    # (the high job may also preempt the blocker, which then restarts later: leave it out)
+    order = [k for k in order if k != blocker.id]
+    assert order[:2] == [hi.id, normal.id]
     assert results[hi.id].stats.tier == "high" and results[lows[0].id].stats.tier == "low"
     with pytest.raises(AuthError):
         Client(redis_url, api_key="no-such-key-123", model="tiny", settings=settings).submit("x")

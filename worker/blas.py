@@ -234,7 +234,10 @@ def default_threads() -> int:
     """One core is left to the Python, MLX-stream and Redis I/O threads.
 
     OpenBLAS's idle threads spin; measured on 2 cores with one other busy
-    process: solo decode 35 tok/s with 1 thread, 4-7 tok/s with 2.
+    process: solo decode 35 tok/s with 1 thread, 4-7 tok/s with 2.  Measured
+    again end to end (worker + Valkey + client on 2 cores, 2026-11-22): 1
+    thread 38 tok/s solo, 175-235 at 16 jobs; 2 threads 8-14 and 48-57; 2
+    threads with ``OPENBLAS_THREAD_TIMEOUT=4`` (no spinning) 18-53 and 40-106.
     """
     return max(1, (os.cpu_count() or 2) - 1)
 
