@@ -75,7 +75,7 @@ def bench_memory(model, a):
     # Paged: the engine's own admission (prompt blocks + decode reserve, 85% pressure).
     eng = PagedEngine(model, memory_budget_bytes=budget)
     eng.add([SeqSpec(f"m{i}", rand_tokens(rng, n), out_tokens) for i, n in enumerate(lens)])
-    eng._admit([])  # admission only: no forward pass needed to count
+    eng._admit()  # admission only: no forward pass needed to count
     paged_n = len(eng._active)
     # The paged sequences must also be able to finish: blocks for prompt + all output.
     paged_full = sum(-(-(lens[i] + out_tokens) // 32) for i in range(paged_n))

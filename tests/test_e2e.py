@@ -32,35 +32,32 @@ def collect(job, sink, key):
     sink[key] = (text, ids, finishes)
 
 
-def make_engine(kind, loaded, max_batch):
-    if kind == "dense":
-        return None  # the Worker's default DenseEngine
+def make_engine(loaded):
     from mlxq.worker.paged.engine import PagedEngine
 
     # a small pool: admission control and preemption really happen
     return PagedEngine(loaded.model, num_blocks=14, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name)
 
 
-@pytest.mark.parametrize("engine", ["dense", "paged"])
-def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_url, engine):
+def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_url):
     rng = random.Random(7)
     vocab = 1000
     specs = []
     for i in range(24):
         prompt = [rng.randrange(4, min(vocab, 900)) for _ in range(rng.randrange(2, 90))]
-        specs.append((prompt, rng.randrange(4, 40) if engine == "dense" else rng.randrange(20, 90)))
+        specs.append((prompt, rng.randrange(20, 90)))
     shared = [rng.randrange(4, 900) for _ in range(70)]
     specs[1] = (shared, specs[1][1])
     specs[5] = (shared + specs[5][0], specs[5][1])  # shares two full blocks with job 1 (paged: a hit)
-    # paged: long outputs in a 14-block pool, so running sequences get preempted and resumed
-    long_run = engine == "paged"
+    # long outputs in a 14-block pool, so running sequences get preempted and resumed
+    long_run = True
     refs = [reference_tokens(tiny_model, p, n, ignore_eos=long_run) for p, n in specs]
     cancel_at = {3, 11, 17}
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
     streamed: dict = {}
     with running_worker(tiny_model, redis_url, settings, max_batch=6,
-                        engine=make_engine(engine, tiny_model, 6)) as w:
+                        engine=make_engine(tiny_model)) as w:
         jobs, threads = [], []
         for i, (prompt, n) in enumerate(specs):
             job = client.submit(prompt_tokens=prompt, max_tokens=n, ignore_eos=long_run)
@@ -77,9 +74,8 @@ def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_u
         results = [j.result(timeout=60) for j in jobs]
         assert wait_for(lambda: w.engine.has_work() is False and not w.active, timeout=60)
         engine_stats = w.engine.stats()
-    print(engine, engine_stats)
-    if engine == "paged":  # (prefix hits are arranged deterministically in their own test)
-        assert engine_stats["blocks_used"] == 0  # nothing leaked
+    print(engine_stats)  # (prefix hits are arranged deterministically in their own test)
+    assert engine_stats["blocks_used"] == 0  # nothing leaked
     for i, (res, ref) in enumerate(zip(results, refs)):
         text, ids, finishes = streamed[i]
         assert finishes == [res.finish_reason], i
@@ -187,7 +183,9 @@ def test_priority_order_through_a_busy_worker(tiny_model, redis_url):
         results = {j.id: j.result(timeout=120) for j in [blocker, *lows, normal, hi]}
     assert results[blocker.id].finish_reason == "cancelled"
     order = sorted(results, key=lambda k: results[k].stats.started_at)
-    assert order[:3] == [blocker.id, hi.id, normal.id] and set(order[3:]) == {j.id for j in lows}
+    # (the high job may also preempt the blocker, which then waits in the queue again: leave it out)
+    order = [k for k in order if k != blocker.id]
+    assert order[:2] == [hi.id, normal.id] and set(order[2:]) == {j.id for j in lows}
     assert results[hi.id].stats.tier == "high" and results[lows[0].id].stats.tier == "low"
     with pytest.raises(AuthError):
         Client(redis_url, api_key="no-such-key-123", model="tiny", settings=settings).submit("x")

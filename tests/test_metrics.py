@@ -26,17 +26,14 @@ def value(families: dict, name: str, sample: str | None = None, **labels) -> flo
     raise KeyError((name, sample, labels))
 
 
-@pytest.mark.parametrize("engine_kind", ["dense", "paged"])
-def test_worker_metrics_scrape(tiny_model, redis_url, engine_kind):
+def test_worker_metrics_scrape(tiny_model, redis_url):
     r = redis.Redis.from_url(redis_url)
     metrics = WorkerMetrics(r, GlobalKeys().model_keys("tiny"), "tiny")
     port = metrics.serve(0, addr="127.0.0.1")
-    engine = None
-    if engine_kind == "paged":
-        from mlxq.worker.paged.engine import PagedEngine
+    from mlxq.worker.paged.engine import PagedEngine
 
-        engine = PagedEngine(tiny_model.model, memory_budget_bytes=4 << 20, max_batch=4,
-                             eos_token_ids=tiny_model.eos_token_ids, model_id="tiny")
+    engine = PagedEngine(tiny_model.model, memory_budget_bytes=4 << 20, max_batch=4,
+                         eos_token_ids=tiny_model.eos_token_ids, model_id="tiny")
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
     try:
@@ -71,9 +68,6 @@ def test_worker_metrics_scrape(tiny_model, redis_url, engine_kind):
     assert value(after, "mlxq_queue_depth", model="tiny", tier="normal") == 0
     assert {"mlxq_active_jobs", "mlxq_tokens_per_second", "mlxq_prefix_hit_rate"} <= set(after)
     assert 0.0 <= value(after, "mlxq_prefix_hit_rate", model="tiny") <= 1.0
-    if engine_kind == "paged":
-        used, free = value(after, "mlxq_kv_blocks_used", model="tiny"), value(after, "mlxq_kv_blocks_free", model="tiny")
-        assert free > 0 and used >= 0
-        assert value(after, "mlxq_preemptions", "mlxq_preemptions_total", model="tiny") >= 0
-    else:
-        assert "mlxq_kv_blocks_used" not in after
+    used, free = value(after, "mlxq_kv_blocks_used", model="tiny"), value(after, "mlxq_kv_blocks_free", model="tiny")
+    assert free > 0 and used >= 0
+    assert value(after, "mlxq_preemptions", "mlxq_preemptions_total", model="tiny") >= 0

@@ -105,4 +105,4 @@ def test_pool_read_write_blocks_roundtrip():
 def test_bytes_per_block_matches_pool():
     model = _tiny("qwen3")
     shape = probe_kv_shape(model)
-    assert KVPool(shape, 10, BS).nbytes == 10 * shape.bytes_per_block(BS)
+    assert KVPool(shape, 10, BS).nbytes == (10 + 1) * shape.bytes_per_block(BS)  # + the scratch block

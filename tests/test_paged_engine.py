@@ -213,6 +213,9 @@ def test_admission_waits_when_pool_is_full(model):
     st = eng.stats()
     # 3 blocks each; the 4th would bring used + reserve to 13 > 85% of 12
     assert st["running"] == 3 and st["waiting"] == 1
+    # the worker keeps pulling while jobs wait here for memory, up to max_waiting
+    assert eng.free_slots() == eng.max_waiting - 1
+    eng.max_waiting = 1
     assert eng.free_slots() == 0
     assert eng.can_admit(90, 4) and not eng.can_admit(400, 10)
     out, _, _ = run(eng, [], added=specs)

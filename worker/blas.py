@@ -15,7 +15,8 @@ Candidates, first hit wins:
    ships is used (a soname-patched copy of it is kept in the cache directory).
 
 ``MLXQ_BLAS=off`` skips all of this; ``MLXQ_BLAS_THREADS=N`` sets OpenBLAS's thread
-count (default: the cores minus one).  Nothing here imports MLX.
+count (default: the cores minus one; ``default``: OpenBLAS's own choice).  Nothing
+here imports MLX.
 """
 
 from __future__ import annotations
@@ -233,14 +234,26 @@ def default_threads() -> int:
     """One core is left to the Python, MLX-stream and Redis I/O threads.
 
     OpenBLAS's idle threads spin; measured on 2 cores with one other busy
-    process: solo decode 35 tok/s with 1 thread, 4-7 tok/s with 2.
+    process: solo decode 35 tok/s with 1 thread, 4-7 tok/s with 2.  Measured
+    again end to end (worker + Valkey + client on 2 cores, 2026-11-22): 1
+    thread 38 tok/s solo, 175-235 at 16 jobs; 2 threads 8-14 and 48-57; 2
+    threads with ``OPENBLAS_THREAD_TIMEOUT=4`` (no spinning) 18-53 and 40-106.
     """
     return max(1, (os.cpu_count() or 2) - 1)
 
 
 def _set_threads(lib: ctypes.CDLL) -> int | str:
-    """OpenBLAS threads: ``MLXQ_BLAS_THREADS=N``, else :func:`default_threads`."""
+    """OpenBLAS threads: ``MLXQ_BLAS_THREADS=N``, else :func:`default_threads`.
+
+    ``MLXQ_BLAS_THREADS=default`` leaves OpenBLAS's own default (all cores, or
+    ``OPENBLAS_NUM_THREADS``): what a plain mlx-lm process with this BLAS gets.
+    """
     want = os.environ.get("MLXQ_BLAS_THREADS") or default_threads()
+    if str(want).lower() == "default":
+        try:
+            return int(lib.openblas_get_num_threads())
+        except AttributeError:
+            return "default"
     try:
         lib.openblas_set_num_threads(int(want))
         return int(lib.openblas_get_num_threads())

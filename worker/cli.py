@@ -14,13 +14,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_shared(p, "redis_url", "model", required=("model",), help={"model": "an mlx-lm model directory or hub id"})
     p.add_argument("--name", help="the queue name (default: the model directory's base name or the hub id)")
     p.add_argument("--max-batch", type=int, default=None,
-                   help="most sequences decoded together (dense default 64; paged default: set by KV memory)")
-    p.add_argument("--engine", choices=("dense", "paged"), default="dense",
-                   help="dense: mlx-lm BatchGenerator with a solo fast path; paged: 32-token KV blocks")
-    p.add_argument("--kv-memory-mb", type=float, default=None, help="paged engine: KV pool budget in MiB")
-    p.add_argument("--kv-blocks", type=int, default=None, help="paged engine: a fixed number of 32-token blocks")
+                   help="most sequences decoded together (default: as many as the KV memory holds)")
+    p.add_argument("--kv-memory-mb", type=float, default=None, help="KV block pool budget in MiB (default 512)")
+    p.add_argument("--kv-blocks", type=int, default=None, help="a fixed number of 32-token KV blocks")
     p.add_argument("--session-dir", default=None,
-                   help="paged engine: where session KV is written under pressure and at shutdown")
+                   help="where session KV is written under pressure and at shutdown")
     p.add_argument("--keep-dtype", action="store_true",
                    help="keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
     p.add_argument("--grace", type=float, default=30.0, help="warm-shutdown grace period in seconds")
@@ -32,16 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_engine(args, loaded):
-    if args.engine == "paged":
-        from .paged.engine import PagedEngine
+    from .runner import make_engine as _make
 
-        budget = int(args.kv_memory_mb * 2**20) if args.kv_memory_mb else None
-        return PagedEngine(loaded.model, memory_budget_bytes=budget, num_blocks=args.kv_blocks,
-                           max_batch=args.max_batch, eos_token_ids=loaded.eos_token_ids,
-                           model_id=loaded.name, session_dir=args.session_dir)
-    from .engine import DenseEngine
-
-    return DenseEngine(loaded.model, eos_token_ids=loaded.eos_token_ids, max_batch=args.max_batch or 64)
+    budget = int(args.kv_memory_mb * 2**20) if args.kv_memory_mb else None
+    return _make(loaded, max_batch=args.max_batch, kv_memory_bytes=budget, num_blocks=args.kv_blocks,
+                 session_dir=args.session_dir)
 
 
 def run(args) -> int:

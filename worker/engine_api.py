@@ -1,9 +1,8 @@
 """The contract between the worker loop and a generation engine.
 
-The worker loop (Redis, detokenizing, stop strings, stats) talks to an engine
-only through these types, so the dense engine (mlx-lm's ``BatchGenerator``) and
-the paged engine are interchangeable.  Every method is called on the single
-MLX thread.  Token ids, never text, cross this boundary.
+The worker loop (Redis, detokenizing, stop strings, stats) talks to the engine
+(``mlxq.worker.paged.PagedEngine``) only through these types.  Every method is
+called on the single MLX thread.  Token ids, never text, cross this boundary.
 """
 
 from __future__ import annotations
@@ -33,6 +32,9 @@ class SeqSpec:
     resume_tokens: list[int] = field(default_factory=list)
     priority: float = 0.0  # the job's queue score: lower is more urgent
     session_id: Optional[str] = None
+    # compute log-probabilities for this job's tokens (TokenEvent.logprobs); off, no
+    # logsumexp over the vocabulary runs for it
+    want_logprobs: bool = False
 
 
 @dataclass
@@ -42,7 +44,7 @@ class TokenEvent:
     uid: str
     token: int
     finish_reason: Optional[str] = None  # None, "stop" or "length"
-    logprobs: Any = None  # mx.array (vocab,) of log-probabilities, or None
+    logprobs: Any = None  # mx.array (vocab,) of log-probabilities (when the spec wants them), or None
     # prompt tokens whose KV came from the prefix cache at the sequence's last admission; None: unknown
     cached_tokens: Optional[int] = None
 

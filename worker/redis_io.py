@@ -147,11 +147,14 @@ class Fetcher(threading.Thread):
     """Pulls jobs off the MLX thread. ``prepare`` turns a Pulled entry into a ready item."""
 
     def __init__(self, q: Queue, worker_id: str, free_slots: Callable[[], int],
-                 prepare: Callable[[Any], None], stop: threading.Event, gather_s: float, idle_block_s: float):
+                 prepare: Callable[[Any], None], stop: threading.Event, gather_s: float, idle_block_s: float,
+                 urgent_below: Optional[Callable[[], float]] = None):
         super().__init__(name="mlxq-fetcher", daemon=True)
         self.q = q
         self.worker_id = worker_id
         self.free_slots = free_slots
+        # while no slot is free: a queued job scoring below urgent_below() would preempt, so pull it
+        self.urgent_below = urgent_below
         self.prepare = prepare
         self.stop_event = stop
         self.paused = threading.Event()  # set on warm shutdown: pull nothing more
@@ -167,6 +170,8 @@ class Fetcher(threading.Thread):
         while not self.stop_event.is_set() and not self.paused.is_set():
             try:
                 want = self.free_slots()
+                if want <= 0 and self._urgent_waiting():
+                    want = 1
                 if want <= 0:
                     self.kick.wait(0.05)
                     self.kick.clear()
@@ -199,6 +204,17 @@ class Fetcher(threading.Thread):
             except Exception:  # never let the fetcher die on one bad entry
                 log.exception("fetcher error")
                 time.sleep(0.1)
+
+
+    def _urgent_waiting(self) -> bool:
+        """True when the head of the queue is urgent enough to preempt a running job here."""
+        if self.urgent_below is None:
+            return False
+        below = self.urgent_below()
+        if below == float("-inf"):
+            return False
+        head = self.q.redis.zrange(self.q.keys.queue, 0, 0, withscores=True)
+        return bool(head) and head[0][1] < below
 
 
 class Control(threading.Thread):

@@ -24,12 +24,20 @@ from mlxq.shared.protocol import Pulled, Queue
 from mlxq.shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
 from mlxq.shared.settings import TIERS, Settings
 from . import BLAS_STATUS
-from .engine import DenseEngine
 from .jobs import ActiveJob, JobError, decode_request, start_job, tokenize
 from .model import LoadedModel
+from .paged.engine import PagedEngine
 from .redis_io import Control, Fetcher, Publisher, ReadyQueue, StepOutput
 
 log = logging.getLogger(__name__)
+
+
+def make_engine(loaded: LoadedModel, *, max_batch: int | None = None, kv_memory_bytes: int | None = None,
+                num_blocks: int | None = None, session_dir: str | None = None) -> PagedEngine:
+    """The worker's engine: paged continuous batching (prefix cache, admission, preemption, sessions)."""
+    return PagedEngine(loaded.model, memory_budget_bytes=kv_memory_bytes, num_blocks=num_blocks,
+                       max_batch=max_batch, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name,
+                       session_dir=session_dir, context_length=loaded.context_length)
 
 
 def new_worker_id() -> str:
@@ -38,7 +46,7 @@ def new_worker_id() -> str:
 
 class Worker:
     def __init__(self, redis_client, loaded: LoadedModel, settings: Settings | None = None, *,
-                 engine=None, max_batch: int = 64, worker_id: str | None = None, grace_s: float = 30.0,
+                 engine=None, max_batch: int | None = None, worker_id: str | None = None, grace_s: float = 30.0,
                  observers: Optional[list] = None):
         self.settings = settings or Settings.from_env()
         self.loaded = loaded
@@ -46,7 +54,7 @@ class Worker:
         gk = GlobalKeys(self.settings.prefix)
         self.keys = gk.model_keys(loaded.name)
         self.q = Queue(redis_client, self.keys, self.settings)
-        self.engine = engine or DenseEngine(loaded.model, eos_token_ids=loaded.eos_token_ids, max_batch=max_batch)
+        self.engine = engine or make_engine(loaded, max_batch=max_batch)
         self.grace_s = grace_s
         self.eos = set(loaded.eos_token_ids)
         # Observers (metrics, rq mirroring) get on_token(job, n_tokens, now_monotonic),
@@ -57,6 +65,7 @@ class Worker:
         self.active: dict[str, ActiveJob] = {}
         self.ready = ReadyQueue()
         self._engine_free = self.engine.free_slots()
+        self._engine_urgent_below = float("-inf")
         self._control_q: "queue.Queue[tuple[str, list[str]]]" = queue.Queue()
         self.stop_event = threading.Event()  # threads exit
         self.draining = threading.Event()  # warm shutdown: finish or requeue, pull nothing
@@ -72,7 +81,8 @@ class Worker:
 
         self.publisher = Publisher(self.q, self.stop_event)
         self.fetcher = Fetcher(self.q, self.worker_id, self._free_slots, self._prepare, self.stop_event,
-                               self.settings.gather_ms / 1000.0, self.settings.idle_block_s)
+                               self.settings.gather_ms / 1000.0, self.settings.idle_block_s,
+                               urgent_below=self._urgent_below)
         self.control = Control(self.q, self.worker_id, self._leases,
                                on_lost=lambda ids: self._control_q.put(("lost", ids)),
                                on_cancel=lambda ids: self._control_q.put(("cancel", ids)),
@@ -86,6 +96,12 @@ class Worker:
             return 0
         with self.ready.lock:
             return self._engine_free - len(self.ready.items)
+
+    def _urgent_below(self) -> float:
+        """Fetcher thread: a queued job scoring below this would preempt (engine value, refreshed per pass)."""
+        if self.draining.is_set() or len(self.ready.items):
+            return float("-inf")
+        return self._engine_urgent_below
 
     def _leases(self) -> dict[str, str]:
         jobs = list(self.active.values()) + list(self.ready.items)
@@ -179,10 +195,17 @@ class Worker:
             if jobs:
                 for job in jobs:
                     self.active[job.id] = job
-                self.engine.add([job.spec(self.loaded.eos_token_ids) for job in jobs])
+                self.engine.add([self._spec(job) for job in jobs])
             self._engine_free = self.engine.free_slots()
+            urgent = getattr(self.engine, "urgent_below", None)
+            self._engine_urgent_below = urgent() if urgent is not None else float("-inf")
         if jobs:
             self.fetcher.kick.set()
+
+    def _spec(self, job: ActiveJob):
+        spec = job.spec(self.loaded.eos_token_ids)
+        spec.want_logprobs = bool(job.request.logprobs)
+        return spec
 
     def _after_step(self, events, preempted) -> None:
         out = StepOutput()

@@ -1,7 +1,8 @@
 """mlx-lm's KV-cache protocol over a preallocated block pool.
 
 ``KVPool`` holds, per layer, one key and one value array of shape
-``(n_kv_heads, num_blocks * block_size, head_dim)`` (fp32).  A forward pass runs
+``(n_kv_heads, (num_blocks + 1) * block_size, head_dim)`` in the model's
+compute dtype.  A forward pass runs
 over a ``BatchView``: the rows of the batch, each with its block table, its
 cache offset and the number of new tokens it feeds.  ``make_layer_caches``
 returns one ``PagedLayerCache`` per model layer; the unmodified mlx-lm model
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -35,8 +37,10 @@ class LayerShape:
 @dataclass
 class ModelKVShape:
     layers: list[LayerShape]
+    dtype: object = mx.float32  # the dtype the model computes keys/values in
 
-    def bytes_per_block(self, block_size: int = BLOCK_SIZE, itemsize: int = 4) -> int:
+    def bytes_per_block(self, block_size: int = BLOCK_SIZE, itemsize: Optional[int] = None) -> int:
+        itemsize = itemsize or self.dtype.size
         return sum(
             block_size * s.n_kv_heads * (s.k_head_dim + s.v_head_dim) * itemsize
             for s in self.layers
@@ -49,9 +53,11 @@ class _ShapeProbe:
     def __init__(self):
         self.offset = 0
         self.shape: Optional[LayerShape] = None
+        self.dtype = None
 
     def update_and_fetch(self, keys, values):
         self.shape = LayerShape(keys.shape[1], keys.shape[3], values.shape[3])
+        self.dtype = keys.dtype
         return keys, values
 
     def make_mask(self, N, return_array=False, window_size=None):
@@ -65,18 +71,24 @@ def probe_kv_shape(model) -> ModelKVShape:
     mx.eval(model(mx.array([[0]]), cache=probes))
     if any(p.shape is None for p in probes):
         raise ValueError("model has layers that do not use a KV cache")
-    return ModelKVShape([p.shape for p in probes])
+    return ModelKVShape([p.shape for p in probes], probes[0].dtype)
 
 
 class KVPool:
-    """The preallocated per-layer key/value block pool."""
+    """The preallocated per-layer key/value block pool.
+
+    One extra *scratch* block (id ``num_blocks``, never handed out by the block
+    manager) takes the writes of a ragged batch's padding positions.
+    """
 
     def __init__(self, shape: ModelKVShape, num_blocks: int, block_size: int = BLOCK_SIZE,
                  dtype=mx.float32):
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        n = num_blocks * block_size
+        self.dtype = dtype
+        self.scratch_block = num_blocks
+        n = (num_blocks + 1) * block_size
         self.keys = [mx.zeros((s.n_kv_heads, n, s.k_head_dim), dtype) for s in shape.layers]
         self.values = [mx.zeros((s.n_kv_heads, n, s.v_head_dim), dtype) for s in shape.layers]
         mx.eval(self.keys, self.values)
@@ -115,39 +127,65 @@ def _slots_of_blocks(block_ids: Sequence[int], block_size: int) -> mx.array:
 class BatchRow:
     block_table: list[int]
     offset: int  # tokens already in the cache before this pass
-    num_new: int  # tokens fed this pass
+    num_new: int  # tokens fed this pass (rows may differ: ragged prefill)
 
 
 class BatchView:
-    """Index arrays shared by every layer for one forward pass."""
+    """Index arrays shared by every layer for one forward pass, built once.
 
-    def __init__(self, rows: list[BatchRow], block_size: int = BLOCK_SIZE):
+    Rows are ragged: row ``b`` feeds ``num_new[b]`` real tokens, padded to
+    ``num_new_max``.  Padding positions write their keys/values into the pool's
+    scratch block (never a block any sequence owns) and are masked out.
+
+    For attention backends: ``tables`` (B, nb) int32 block tables (padded with
+    the row's first block), ``q_offsets`` (B,) int32 position of each row's
+    first query, ``kv_lens`` (B,) int32 valid keys of each row after this pass.
+    """
+
+    def __init__(self, rows: list[BatchRow], block_size: int = BLOCK_SIZE,
+                 scratch_block: Optional[int] = None):
         if not rows:
             raise ValueError("empty batch")
-        n = rows[0].num_new
-        if any(r.num_new != n for r in rows):
-            raise ValueError("every row must feed the same number of tokens")
         self.rows = rows
-        self.num_new = n
         self.block_size = block_size
-        lengths = [r.offset + n for r in rows]
-        self.max_len = max(lengths)
-        self.single = len(rows) == 1
         bs = block_size
-        slots = []
-        for r in rows:
-            for p in range(r.offset, r.offset + n):
-                slots.append(r.block_table[p // bs] * bs + p % bs)
-        self.write_slots = mx.array(slots, dtype=mx.int32)  # (B * n,)
+        B = len(rows)
+        n_new = np.fromiter((r.num_new for r in rows), np.int64, B)
+        offs = np.fromiter((r.offset for r in rows), np.int64, B)
+        if (n_new < 1).any():
+            raise ValueError("every row feeds at least one token")
+        N = int(n_new.max())
+        self.num_new = N
+        self.ragged = bool((n_new != N).any())
+        lens = offs + n_new
+        self.max_len = int(lens.max())
+        # every row at the same position (one sequence, or jobs that started
+        # together): an int RoPE offset and the single-sequence masks serve all
+        self.single = B == 1 or (not self.ragged and bool((offs == offs[0]).all()))
         nb = -(-self.max_len // bs)
-        table = [
-            (r.block_table[:nb] + [r.block_table[0]] * nb)[:nb] for r in rows
-        ]
-        self.tables = mx.array(table, dtype=mx.int32)  # (B, nb)
+        table = np.empty((B, nb), np.int64)
+        for i, r in enumerate(rows):
+            t = r.block_table[:nb]
+            table[i, :len(t)] = t
+            table[i, len(t):] = r.block_table[0]
+        # write slots (B * N,): position p of row b -> table[b, p // bs] * bs + p % bs
+        pos = offs[:, None] + np.arange(N)[None, :]  # (B, N)
+        real = np.arange(N)[None, :] < n_new[:, None]
+        blk = np.take_along_axis(table, np.minimum(pos // bs, nb - 1), axis=1)
+        slots = blk * bs + pos % bs
+        if self.ragged:
+            if scratch_block is None:
+                raise ValueError("a ragged batch needs the pool's scratch block")
+            slots = np.where(real, slots, scratch_block * bs + np.arange(N)[None, :] % bs)
+        self.write_slots = mx.array(slots.reshape(-1).astype(np.int32))  # (B * N,)
+        self.tables = mx.array(table.astype(np.int32))  # (B, nb)
+        self.q_offsets = mx.array(offs.astype(np.int32))  # (B,)
+        self.kv_lens = mx.array(lens.astype(np.int32))  # (B,)
         self.num_table_blocks = nb
-        self.lengths = lengths
-        self.offsets = [r.offset for r in rows]
-        self.offset = rows[0].offset if self.single else mx.array(self.offsets)
+        self.lengths = lens.tolist()
+        self.offsets = offs.tolist()
+        self.num_new_rows = n_new.tolist()
+        self.offset = self.offsets[0] if self.single else self.q_offsets
         self._masks: dict = {}
         self._head_index: dict = {}
 
@@ -169,10 +207,12 @@ class BatchView:
             else:
                 mask = create_causal_mask(N, off, window_size=window_size)
         else:
-            offs = mx.array(self.offsets)[:, None, None, None]  # (B,1,1,1)
-            q = offs + mx.arange(N)[None, None, :, None]  # (B,1,N,1) query positions
-            k = mx.arange(self.max_len)[None, None, None, :]  # (1,1,1,L)
+            q = self.q_offsets[:, None, None, None] + mx.arange(N, dtype=mx.int32)[None, None, :, None]
+            k = mx.arange(self.max_len, dtype=mx.int32)[None, None, None, :]  # (1,1,1,L)
             mask = k <= q
+            if self.ragged:
+                # padded queries see only their row's real keys (their output is dropped)
+                mask = mask & (k < self.kv_lens[:, None, None, None])
             if window_size is not None:
                 mask = mask & (k > q - window_size)
         self._masks[key] = mask

@@ -1,0 +1,98 @@
+"""Profile the engine's decode step in process (no Redis): where a step's time goes.
+
+    python bench/profile_step.py [--batch 64] [--prompt-len 64] [--steps 40] [--cprofile]
+
+Prints, for ``--batch`` running sequences on the bench model: the engine's mean
+wall time per decode step (tokens/s), the same forward pass alone (one
+``model(...)`` + argmax, evaluated, no engine around it) as the floor, and with
+``--cprofile`` the top host-side functions of the engine's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlxq.worker  # noqa: E402,F401  (fast BLAS before mlx)
+
+import mlx.core as mx  # noqa: E402
+
+from mlxq.worker.engine_api import SeqSpec  # noqa: E402
+from mlxq.worker.model import load_model  # noqa: E402
+from mlxq.worker.paged import PagedEngine  # noqa: E402
+
+
+def bench_model_dir() -> str:
+    from mlxq.worker.make_model import ensure_model
+
+    cache = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
+    return str(ensure_model(cache / "bench-model", "bench"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--kv-mb", type=float, default=None, help="KV pool budget (default: the engine's)")
+    args = ap.parse_args()
+    loaded = load_model(args.model or bench_model_dir())
+    model = loaded.model
+    vocab = model.args.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+    budget = int(args.kv_mb * 2**20) if args.kv_mb else None
+    eng = PagedEngine(model, max_batch=args.batch, model_id="bench", memory_budget_bytes=budget)
+    eng.add([SeqSpec(f"s{i}", p, args.steps + 50, stop_token_ids=()) for i, p in enumerate(prompts)])
+    while eng.stats()["running"] < args.batch or any(
+            s.state.value != "decode" for s in eng._active.values()):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    prof = cProfile.Profile() if args.cprofile else None
+    t0 = time.perf_counter()
+    n = 0
+    if prof:
+        prof.enable()
+    for _ in range(args.steps):
+        ev, _ = eng.step()
+        n += len(ev)
+    if prof:
+        prof.disable()
+    dt = time.perf_counter() - t0
+    print(f"engine: batch {args.batch}, {dt / args.steps * 1000:.1f} ms/step, {n / dt:.0f} tok/s")
+
+    # the floor: the stock model over a dense mlx-lm cache, one step at a time, no host work
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    x = mx.array(prompts)
+    logits = model(x, cache=cache)
+    tok = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(tok)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        logits = model(tok[:, None], cache=cache)
+        tok = mx.argmax(logits[:, -1, :], axis=-1)
+        mx.async_eval(tok)
+    mx.eval(tok)
+    dt = time.perf_counter() - t0
+    print(f"dense mlx-lm cache forward+argmax alone: {dt / args.steps * 1000:.1f} ms/step, "
+          f"{args.batch * args.steps / dt:.0f} tok/s")
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
