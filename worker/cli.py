@@ -17,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most sequences decoded together (dense default 64; paged default: set by KV memory)")
     p.add_argument("--engine", choices=("dense", "paged"), default="dense",
                    help="dense: mlx-lm BatchGenerator with a solo fast path; paged: 32-token KV blocks")
+    p.add_argument("--attention", choices=("auto", "fused", "gather"), default=os.environ.get("MLXQ_ATTENTION"),
+                   help="paged engine: auto (the fused CPU op when it builds, else gather), fused, or gather "
+                        "(default: $MLXQ_ATTENTION, else auto)")
     p.add_argument("--kv-memory-mb", type=float, default=None, help="paged engine: KV pool budget in MiB")
     p.add_argument("--kv-blocks", type=int, default=None, help="paged engine: a fixed number of 32-token blocks")
     p.add_argument("--session-dir", default=None,
@@ -38,7 +41,8 @@ def make_engine(args, loaded):
         budget = int(args.kv_memory_mb * 2**20) if args.kv_memory_mb else None
         return PagedEngine(loaded.model, memory_budget_bytes=budget, num_blocks=args.kv_blocks,
                            max_batch=args.max_batch, eos_token_ids=loaded.eos_token_ids,
-                           model_id=loaded.name, session_dir=args.session_dir)
+                           model_id=loaded.name, session_dir=args.session_dir,
+                           attention=getattr(args, "attention", None))
     from .engine import DenseEngine
 
     return DenseEngine(loaded.model, eos_token_ids=loaded.eos_token_ids, max_batch=args.max_batch or 64)

@@ -80,6 +80,9 @@ class KVPool:
         self.keys = [mx.zeros((s.n_kv_heads, n, s.k_head_dim), dtype) for s in shape.layers]
         self.values = [mx.zeros((s.n_kv_heads, n, s.v_head_dim), dtype) for s in shape.layers]
         mx.eval(self.keys, self.values)
+        # The fused paged-attention op when the engine uses one (set by
+        # attention.use_attention); None: layers gather their blocks (the reference path).
+        self.attention = None
 
     @property
     def nbytes(self) -> int:
@@ -147,8 +150,13 @@ class BatchView:
         self.num_table_blocks = nb
         self.lengths = lengths
         self.offsets = [r.offset for r in rows]
+        # What the fused attention op reads (attention.py): row b's queries sit at
+        # q_offsets[b] + i and see keys j < kv_lens[b].
+        self.q_offsets = mx.array(self.offsets, dtype=mx.int32)  # (B,)
+        self.kv_lens = mx.array(lengths, dtype=mx.int32)  # (B,)
         self.offset = rows[0].offset if self.single else mx.array(self.offsets)
         self._masks: dict = {}
+        self._mask_windows: dict = {}  # id(mask) -> the window it was built for
         self._head_index: dict = {}
 
     def head_index(self, n_heads: int) -> mx.array:
@@ -176,7 +184,16 @@ class BatchView:
             if window_size is not None:
                 mask = mask & (k > q - window_size)
         self._masks[key] = mask
+        if isinstance(mask, mx.array):
+            self._mask_windows[id(mask)] = window_size
         return mask
+
+    def window_of(self, mask):
+        """The sliding window a mask from ``make_mask`` stands for (None: none, or one
+        that changes nothing), or ``NotImplemented`` for a mask this view did not make."""
+        if mask is None or (isinstance(mask, str) and mask == "causal"):
+            return None  # only returned where no window cuts anything off
+        return self._mask_windows.get(id(mask), NotImplemented)
 
 
 class PagedLayerCache:
@@ -205,7 +222,17 @@ class PagedLayerCache:
         pk[:, v.write_slots] = k_new.astype(pk.dtype)
         pv[:, v.write_slots] = v_new.astype(pv.dtype)
         self.pool.keys[self.layer], self.pool.values[self.layer] = pk, pv
+        if self.pool.attention is not None:
+            # The fused op reads the blocks in place: the model's attention call
+            # goes to attention.py's dispatch, which ignores these.
+            return keys, values
         return self._gather(pk, Dk), self._gather(pv, Dv)
+
+    def gathered(self) -> tuple[mx.array, mx.array]:
+        """This layer's keys and values as dense (B, H, L, D) copies (the reference path)."""
+        s = self.pool.shape.layers[self.layer]
+        return (self._gather(self.pool.keys[self.layer], s.k_head_dim),
+                self._gather(self.pool.values[self.layer], s.v_head_dim))
 
     def _gather(self, pool_arr: mx.array, D: int) -> mx.array:
         v = self.view

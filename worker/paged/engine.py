@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from ..engine_api import Preempted, SeqSpec, TokenEvent
+from .attention import use_attention
 from .block_manager import BLOCK_SIZE, BlockManager, PrefixHit
 from .cache import BatchRow, BatchView, KVPool, make_layer_caches, probe_kv_shape
 from .sessions import HotSession, SessionStore
@@ -102,6 +103,7 @@ class PagedEngine:
         priority_gap: float = 1.0,
         max_sequences: int = 256,
         block_size: int = BLOCK_SIZE,
+        attention: Optional[str] = None,
     ):
         self.model = model
         self.block_size = block_size
@@ -114,6 +116,8 @@ class PagedEngine:
             raise ValueError(f"memory budget too small: {per_block} bytes per block")
         self.bm = BlockManager(num_blocks, block_size, model_id)
         self.pool = KVPool(self.kv_shape, num_blocks, block_size)
+        # auto / fused / gather (None: $MLXQ_ATTENTION, else auto); logs its choice
+        self.attention = use_attention(model, self.pool, attention)
         self.max_batch = max_batch
         self.pressure = pressure
         self.eos_token_ids = set(eos_token_ids)
