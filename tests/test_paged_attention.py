@@ -12,8 +12,10 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
 from mlxq.worker.engine_api import SeqSpec
 from mlxq.worker.paged import PagedEngine, attention, extbuild
@@ -240,3 +242,39 @@ def test_engine_logits_fused_vs_gather(ext, tiny_model):
         mx.eval(outs[name])
     err = mx.max(mx.abs(outs["fused"] - outs["gather"])).item() / mx.max(mx.abs(outs["gather"])).item()
     assert err <= 1e-5
+
+
+# ------------------------------------------------------------------ models the dispatch can't serve
+class _TwistedModel(nn.Module):
+    """One attention layer that rescales the keys its cache returned before SDPA: the fused
+    op (which reads the pool) cannot follow, so the engine must keep the gather path."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.layers = [nn.Linear(32, 96)]
+        self.out = nn.Linear(32, 64)
+
+    def __call__(self, x, cache=None):
+        h = self.embed(x)
+        B, L, _ = h.shape
+        q, k, v = mx.split(self.layers[0](h).reshape(B, L, 3, 2, 16).transpose(2, 0, 3, 1, 4), 3)
+        mask = create_attention_mask(h, cache[0])
+        k, v = cache[0].update_and_fetch(k[0], v[0])
+        o = scaled_dot_product_attention(q[0], k * 2.0, v, cache=cache[0], scale=0.25, mask=mask)
+        return self.out(o.transpose(0, 2, 1, 3).reshape(B, L, 32))
+
+
+def test_model_that_transforms_cached_keys_keeps_gather(ext):
+    from mlxq.worker.paged.cache import KVPool, probe_kv_shape
+
+    model = _TwistedModel()
+    pool = KVPool(probe_kv_shape(model), 8)
+    assert attention.use_attention(model, pool, "auto").name == "gather"
+    assert pool.attention is None
+    with pytest.raises(ExtensionUnavailable, match="cached keys"):
+        attention.use_attention(model, pool, "fused")
+    # and the engine runs it (gather path) like any other model
+    eng = PagedEngine(model, num_blocks=16)
+    assert eng.attention.name == "gather"
+    assert len(_greedy(eng, [[1, 2, 3]], 3)["s0"]) == 3

@@ -273,9 +273,20 @@ def paged_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens, s
 
 # ============================================================== the model dispatch
 class _RouteProbe(_ShapeProbe):
-    """A probe cache that records whether the layer's attention went through _dispatch."""
+    """A probe cache that records whether the layer's attention went through _dispatch
+    with the very keys and values the cache handed out (not a transform of them)."""
 
     routed = False
+    handed_out = None
+
+    def update_and_fetch(self, keys, values):
+        self.handed_out = (keys, values)
+        return super().update_and_fetch(keys, values)
+
+
+def _untouched(cache, keys, values) -> bool:
+    out = cache.handed_out
+    return out is not None and keys is out[0] and values is out[1]
 
 
 def _dispatch(queries, keys, values, cache, scale, mask, sinks=None):
@@ -283,6 +294,9 @@ def _dispatch(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(cache, PagedLayerCache):
         pool = cache.pool
         if pool.attention is not None:
+            if not _untouched(cache, keys, values):  # routes_all_layers rules this out
+                raise RuntimeError("the model changed the keys/values its paged cache returned; "
+                                   "the fused attention cannot follow (use --attention gather)")
             view = cache.view
             window = view.window_of(mask) if sinks is None else NotImplemented
             if window is not NotImplemented:
@@ -291,7 +305,7 @@ def _dispatch(queries, keys, values, cache, scale, mask, sinks=None):
                     view.q_offsets, view.kv_lens, scale, window)
             keys, values = cache.gathered()  # update_and_fetch skipped the gather
     elif isinstance(cache, _RouteProbe):
-        cache.routed = True
+        cache.routed = _untouched(cache, keys, values)
     return mlx_base.scaled_dot_product_attention(
         queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -313,8 +327,9 @@ def install_dispatch(model) -> list[str]:
 
 
 def routes_all_layers(model) -> bool:
-    """True when every layer's attention call goes through _dispatch (one probe pass,
-    graph construction only; nothing is evaluated)."""
+    """True when every layer's attention call goes through _dispatch with the keys and
+    values its cache returned (one probe pass, graph construction only; nothing is
+    evaluated)."""
     probes = [_RouteProbe() for _ in range(len(make_prompt_cache(model)))]
     model(mx.array([[0]]), cache=probes)
     return all(p.routed for p in probes)
@@ -327,7 +342,7 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None) -> AttentionB
         modules = install_dispatch(model)
         if not modules or not routes_all_layers(model):
             why = ("the model's attention does not call mlx_lm.models.base."
-                   "scaled_dot_product_attention in every layer")
+                   "scaled_dot_product_attention on its cached keys/values in every layer")
             if resolve_mode(mode) == "fused":
                 raise ExtensionUnavailable(why)
             backend = AttentionBackend("gather", why)

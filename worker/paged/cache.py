@@ -199,6 +199,8 @@ class BatchView:
 class PagedLayerCache:
     """One layer's view of the pool for one forward pass (mlx-lm cache protocol)."""
 
+    handed_out = None  # fused attention: what update_and_fetch returned (attention.py checks)
+
     def __init__(self, pool: KVPool, layer: int, view: BatchView):
         self.pool = pool
         self.layer = layer
@@ -224,7 +226,8 @@ class PagedLayerCache:
         self.pool.keys[self.layer], self.pool.values[self.layer] = pk, pv
         if self.pool.attention is not None:
             # The fused op reads the blocks in place: the model's attention call
-            # goes to attention.py's dispatch, which ignores these.
+            # goes to attention.py's dispatch, which checks it gets these back untouched.
+            self.handed_out = (keys, values)
             return keys, values
         return self._gather(pk, Dk), self._gather(pv, Dv)
 
