@@ -219,7 +219,7 @@ def test_engine_greedy_equal_fused_vs_gather(ext, tiny_model):
 
 
 def test_engine_logits_fused_vs_gather(ext, tiny_model):
-    """One forward pass over a ragged decode batch and a prefill chunk, op on vs off."""
+    """Forward passes of the tiny model (ragged decode, prefill chunks), op on vs off."""
     from mlxq.worker.paged.cache import BatchRow, BatchView, KVPool, make_layer_caches, probe_kv_shape
 
     model = tiny_model.model
@@ -233,15 +233,20 @@ def test_engine_logits_fused_vs_gather(ext, tiny_model):
         view = BatchView([BatchRow(table, 0, n)])
         prompt = mx.array(rng.integers(4, 1000, size=(1, n)).astype(np.int32))
         mx.eval(model(prompt, cache=make_layer_caches(pool, view)))
-    toks = mx.array(rng.integers(4, 1000, size=(4, 1)).astype(np.int32))
-    outs = {}
-    for name, op in (("gather", None), ("fused", ext.paged_attention)):
-        pool.attention = op
-        view = BatchView([BatchRow(t, n, 1) for t, n in zip(tables, lens)])
-        outs[name] = model(toks, cache=make_layer_caches(pool, view))
-        mx.eval(outs[name])
-    err = mx.max(mx.abs(outs["fused"] - outs["gather"])).item() / mx.max(mx.abs(outs["gather"])).item()
-    assert err <= 1e-5
+    passes = [  # (rows, tokens): a ragged decode batch, a prefill chunk, a 2-row chunk
+        ([BatchRow(t, n, 1) for t, n in zip(tables, lens)], (4, 1)),
+        ([BatchRow(tables[2], 200, 20)], (1, 20)),
+        ([BatchRow(tables[0], 100, 3), BatchRow(tables[3], 10, 3)], (2, 3)),
+    ]
+    for rows, shape in passes:
+        toks = mx.array(rng.integers(4, 1000, size=shape).astype(np.int32))
+        outs = {}
+        for name, op in (("gather", None), ("fused", ext.paged_attention)):
+            pool.attention = op
+            outs[name] = model(toks, cache=make_layer_caches(pool, BatchView(rows)))
+            mx.eval(outs[name])
+        scale = mx.max(mx.abs(outs["gather"])).item()
+        assert mx.max(mx.abs(outs["fused"] - outs["gather"])).item() / scale <= 1e-5, shape
 
 
 # ------------------------------------------------------------------ models the dispatch can't serve
@@ -278,3 +283,15 @@ def test_model_that_transforms_cached_keys_keeps_gather(ext):
     eng = PagedEngine(model, num_blocks=16)
     assert eng.attention.name == "gather"
     assert len(_greedy(eng, [[1, 2, 3]], 3)["s0"]) == 3
+
+
+def test_head_dim_the_op_cannot_take_keeps_gather(ext):
+    from mlx_lm.models import llama
+
+    model = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=48, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64))  # D = 12
+    eng = PagedEngine(model, num_blocks=16)
+    assert eng.attention.name == "gather" and "multiples of 8" in eng.attention.reason
+    with pytest.raises(ExtensionUnavailable, match="multiples of 8"):
+        PagedEngine(model, num_blocks=16, attention="fused")

@@ -339,10 +339,15 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None) -> AttentionB
     """Choose the engine's attention, wire it to the pool and the model, and log it."""
     backend = select_backend(mode)
     if backend.fused:
-        modules = install_dispatch(model)
-        if not modules or not routes_all_layers(model):
+        why = None
+        multiple = 32 if backend.name == "fused-metal" else 8
+        dims = {d for s in pool.shape.layers for d in (s.k_head_dim, s.v_head_dim)}
+        if any(d % multiple for d in dims):
+            why = f"head dims {sorted(dims)}: the {backend.name} op needs multiples of {multiple}"
+        elif not install_dispatch(model) or not routes_all_layers(model):
             why = ("the model's attention does not call mlx_lm.models.base."
                    "scaled_dot_product_attention on its cached keys/values in every layer")
+        if why is not None:
             if resolve_mode(mode) == "fused":
                 raise ExtensionUnavailable(why)
             backend = AttentionBackend("gather", why)
