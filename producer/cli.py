@@ -212,6 +212,22 @@ def _ecosystem_commands(sub) -> None:
 _EXTRA_COMMANDS.append(_ecosystem_commands)
 
 
+def cmd_build_ext(args) -> int:
+    from mlxq.worker.paged.extbuild import main
+
+    return main(args)
+
+
+def _build_ext_command(sub) -> None:
+    """``mlxq build-ext``: compile the paged-attention CPU extension now rather than on first use."""
+    p = sub.add_parser("build-ext", help="build the paged-attention CPU extension (else built on first use)")
+    p.add_argument("--force", action="store_true", help="rebuild even if built (also retries a failed build)")
+    p.set_defaults(func=cmd_build_ext)
+
+
+_EXTRA_COMMANDS.append(_build_ext_command)
+
+
 def _user_errors() -> tuple:
     import redis
 

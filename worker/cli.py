@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 
 log = logging.getLogger(__name__)
@@ -15,6 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="the queue name (default: the model directory's base name or the hub id)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="most sequences decoded together (default: as many as the KV memory holds)")
+    p.add_argument("--attention", choices=("auto", "fused", "gather"), default=os.environ.get("MLXQ_ATTENTION"),
+                   help="auto (the fused CPU op when it builds, else gather), fused, or gather "
+                        "(default: $MLXQ_ATTENTION, else auto)")
     p.add_argument("--kv-memory-mb", type=float, default=None, help="KV block pool budget in MiB (default 512)")
     p.add_argument("--kv-blocks", type=int, default=None, help="a fixed number of 32-token KV blocks")
     p.add_argument("--session-dir", default=None,
@@ -34,7 +38,8 @@ def make_engine(args, loaded):
 
     budget = int(args.kv_memory_mb * 2**20) if args.kv_memory_mb else None
     return _make(loaded, max_batch=args.max_batch, kv_memory_bytes=budget, num_blocks=args.kv_blocks,
-                 session_dir=args.session_dir)
+                 session_dir=args.session_dir,
+                 attention=getattr(args, "attention", None))
 
 
 def run(args) -> int:

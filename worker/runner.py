@@ -33,11 +33,12 @@ log = logging.getLogger(__name__)
 
 
 def make_engine(loaded: LoadedModel, *, max_batch: int | None = None, kv_memory_bytes: int | None = None,
-                num_blocks: int | None = None, session_dir: str | None = None) -> PagedEngine:
+                num_blocks: int | None = None, session_dir: str | None = None,
+                attention: str | None = None) -> PagedEngine:
     """The worker's engine: paged continuous batching (prefix cache, admission, preemption, sessions)."""
     return PagedEngine(loaded.model, memory_budget_bytes=kv_memory_bytes, num_blocks=num_blocks,
                        max_batch=max_batch, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name,
-                       session_dir=session_dir, context_length=loaded.context_length)
+                       session_dir=session_dir, context_length=loaded.context_length, attention=attention)
 
 
 def new_worker_id() -> str:

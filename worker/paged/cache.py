@@ -92,6 +92,9 @@ class KVPool:
         self.keys = [mx.zeros((s.n_kv_heads, n, s.k_head_dim), dtype) for s in shape.layers]
         self.values = [mx.zeros((s.n_kv_heads, n, s.v_head_dim), dtype) for s in shape.layers]
         mx.eval(self.keys, self.values)
+        # The fused paged-attention op when the engine uses one (set by
+        # attention.use_attention); None: layers gather their blocks (the reference path).
+        self.attention = None
 
     @property
     def nbytes(self) -> int:
@@ -187,6 +190,7 @@ class BatchView:
         self.num_new_rows = n_new.tolist()
         self.offset = self.offsets[0] if self.single else self.q_offsets
         self._masks: dict = {}
+        self._mask_windows: dict = {}  # id(mask) -> the window it was built for
         self._head_index: dict = {}
 
     def head_index(self, n_heads: int) -> mx.array:
@@ -216,11 +220,22 @@ class BatchView:
             if window_size is not None:
                 mask = mask & (k > q - window_size)
         self._masks[key] = mask
+        if isinstance(mask, mx.array):
+            self._mask_windows[id(mask)] = window_size
         return mask
+
+    def window_of(self, mask):
+        """The sliding window a mask from ``make_mask`` stands for (None: none, or one
+        that changes nothing), or ``NotImplemented`` for a mask this view did not make."""
+        if mask is None or (isinstance(mask, str) and mask == "causal"):
+            return None  # only returned where no window cuts anything off
+        return self._mask_windows.get(id(mask), NotImplemented)
 
 
 class PagedLayerCache:
     """One layer's view of the pool for one forward pass (mlx-lm cache protocol)."""
+
+    handed_out = None  # fused attention: what update_and_fetch returned (attention.py checks)
 
     def __init__(self, pool: KVPool, layer: int, view: BatchView):
         self.pool = pool
@@ -245,7 +260,18 @@ class PagedLayerCache:
         pk[:, v.write_slots] = k_new.astype(pk.dtype)
         pv[:, v.write_slots] = v_new.astype(pv.dtype)
         self.pool.keys[self.layer], self.pool.values[self.layer] = pk, pv
+        if self.pool.attention is not None:
+            # The fused op reads the blocks in place: the model's attention call
+            # goes to attention.py's dispatch, which checks it gets these back untouched.
+            self.handed_out = (keys, values)
+            return keys, values
         return self._gather(pk, Dk), self._gather(pv, Dv)
+
+    def gathered(self) -> tuple[mx.array, mx.array]:
+        """This layer's keys and values as dense (B, H, L, D) copies (the reference path)."""
+        s = self.pool.shape.layers[self.layer]
+        return (self._gather(self.pool.keys[self.layer], s.k_head_dim),
+                self._gather(self.pool.values[self.layer], s.v_head_dim))
 
     def _gather(self, pool_arr: mx.array, D: int) -> mx.array:
         v = self.view

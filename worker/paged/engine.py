@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from ..engine_api import Preempted, SeqSpec, TokenEvent
+from .attention import use_attention
 from .block_manager import BLOCK_SIZE, BlockManager, PrefixHit
 from .cache import BatchRow, KVPool, probe_kv_shape
 from .model_runner import ModelRunner, SampleRow
@@ -131,6 +132,7 @@ class PagedEngine:
         max_waiting: int = 8,
         block_size: int = BLOCK_SIZE,
         context_length: Optional[int] = None,
+        attention: Optional[str] = None,
     ):
         self.model = model
         self.block_size = block_size
@@ -147,6 +149,8 @@ class PagedEngine:
         self.bm = BlockManager(num_blocks, block_size, model_id)
         self.pool = KVPool(self.kv_shape, num_blocks, block_size, dtype=self.kv_shape.dtype)
         self.runner = ModelRunner(model, self.pool)
+        # auto / fused / gather (None: $MLXQ_ATTENTION, else auto); logs its choice
+        self.attention = use_attention(model, self.pool, attention)
         self.max_batch = max_batch
         self.pressure = pressure
         self.eos_token_ids = set(eos_token_ids)

@@ -1,0 +1,356 @@
+"""Attention that reads KV blocks where they lie in the pool.
+
+The op (one interface, three implementations)::
+
+    paged_attention(queries (B, Hq, N, D), k_pool (Hkv, S, Dk), v_pool (Hkv, S, Dv),
+                    block_tables (B, nb) int32, q_offsets (B,) int32, kv_lens (B,) int32,
+                    scale, window=None) -> (B, Hq, N, Dv)
+
+S = num_blocks * 32. Query i of row b sits at position q_offsets[b] + i and attends the
+keys j with j <= q_offsets[b] + i, j < kv_lens[b] and, given a window, j > pos - window;
+key j of row b is pool row block_tables[b][j // 32] * 32 + j % 32. Query head h reads
+KV head h // (Hq // Hkv): GQA without repeating KV heads. Queries that see no key
+(padding) are don't-care: the fused kernels return zeros there.
+
+* ``gather_attention``: plain MLX ops (gather the blocks, masked softmax). The
+  reference every test compares against, and what runs where nothing fused does.
+* the CPU extension (``csrc/``, an MLX primitive in C++, built on first use by
+  :mod:`.extbuild`): multi-threaded, vectorized, online softmax, each K/V byte read
+  once per (row, KV head).
+* ``metal_paged_attention``: a kernel for Apple GPUs through ``mx.fast.metal_kernel``.
+  It has never run: no machine here has a Metal GPU. It is never the default; only
+  ``--attention fused`` on a GPU device selects it.
+
+How the model reaches it. The model files stay stock mlx-lm. Their attention layers
+call ``scaled_dot_product_attention(queries, keys, values, cache=..., scale=...,
+mask=...)``, a name each model module imported from ``mlx_lm.models.base``.
+:func:`use_attention` replaces that name, in the modules of the loaded model only, by
+:func:`_dispatch`, which diverts exactly one case: ``cache`` is a ``PagedLayerCache``
+whose pool has a fused op. Then it calls the op on the pool (the paged cache's
+``update_and_fetch`` wrote the new keys and skipped the gather). Anything else
+(other caches, attention sinks, a mask the paged view did not make) goes to
+mlx-lm's own function, with gathered keys for paged caches. Why not the cache alone:
+the cache returns keys and values and the model itself calls SDPA on them, so the
+cache cannot change what attention computes; a narrowly scoped dispatch can, and a
+probe forward pass checks that every layer of the model goes through it before the
+engine relies on it (models with their own attention code keep the gather path).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx_lm.models.base as mlx_base
+from mlx_lm.models.cache import make_prompt_cache
+
+from .block_manager import BLOCK_SIZE
+from .cache import KVPool, PagedLayerCache, _ShapeProbe
+from .extbuild import ExtensionUnavailable
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "fused", "gather")
+ENV_VAR = "MLXQ_ATTENTION"
+
+
+# ============================================================== the reference
+def gather_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens, scale: float,
+                     window: Optional[int] = None, block_size: int = BLOCK_SIZE) -> mx.array:
+    """The op in plain MLX ops: gather each row's blocks, masked softmax attention (fp32)."""
+    B, Hq, N, D = queries.shape
+    Hkv = k_pool.shape[0]
+    Dv = v_pool.shape[2]
+    G = Hq // Hkv
+    nb = block_tables.shape[1]
+    heads = mx.arange(Hkv)[None, :, None]
+    tables = block_tables[:, None, :]
+    k = k_pool.reshape(Hkv, -1, block_size, D)[heads, tables].reshape(B, Hkv, nb * block_size, D)
+    v = v_pool.reshape(Hkv, -1, block_size, Dv)[heads, tables].reshape(B, Hkv, nb * block_size, Dv)
+    q = queries.astype(mx.float32).reshape(B, Hkv, G * N, D) * scale
+    scores = q @ k.astype(mx.float32).transpose(0, 1, 3, 2)  # (B, Hkv, G*N, L)
+    pos = q_offsets.astype(mx.int32)[:, None] + mx.arange(N, dtype=mx.int32)[None]  # (B, N)
+    pos = mx.broadcast_to(pos[:, None, :], (B, G, N)).reshape(B, 1, G * N, 1)
+    j = mx.arange(nb * block_size, dtype=mx.int32)[None, None, None]
+    visible = (j <= pos) & (j < kv_lens.astype(mx.int32)[:, None, None, None])
+    if window:
+        visible = visible & (j > pos - window)
+    scores = mx.where(visible, scores, -mx.inf)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    probs = mx.where(mx.any(visible, axis=-1, keepdims=True), probs, 0.0)  # no key: zeros
+    out = probs @ v.astype(mx.float32)
+    return out.reshape(B, Hq, N, Dv).astype(queries.dtype)
+
+
+# ============================================================== Metal (never run here)
+_METAL_SOURCE = """
+    // One SIMD group (32 threads) per query (b, h, n); lane t holds elements
+    // t, t + 32, ... of the query, the accumulator and each K/V row.
+    uint qi = threadgroup_position_in_grid.x;
+    uint lane = thread_index_in_simdgroup;
+    int n = qi % NQ;
+    int h = (qi / NQ) % HQ;
+    int b = qi / (NQ * HQ);
+    int hk = h / (HQ / HKV);
+    int pos = q_offsets[b] + n;
+    int hi = min(min(pos + 1, kv_lens[b]), NB * BS);
+    int lo = WINDOW > 0 ? max(0, pos - WINDOW + 1) : 0;
+    float sc = scale[0];
+    float q[DK / 32];
+    for (int i = 0; i < DK / 32; ++i)
+        q[i] = float(queries[((long)(b * HQ + h) * NQ + n) * DK + lane + 32 * i]) * sc;
+    float acc[DV / 32];
+    for (int i = 0; i < DV / 32; ++i) acc[i] = 0.0f;
+    float m = -INFINITY;
+    float l = 0.0f;
+    for (int j = lo; j < hi; ++j) {
+        int blk = block_tables[b * NB + j / BS];
+        if (blk < 0 || blk >= NUM_BLOCKS) continue;
+        long row = (long)hk * NUM_BLOCKS * BS + (long)blk * BS + (j % BS);
+        float s = 0.0f;
+        for (int i = 0; i < DK / 32; ++i)
+            s += q[i] * float(k_pool[row * DK + lane + 32 * i]);
+        s = simd_sum(s);
+        float mnew = max(m, s);
+        float corr = exp(m - mnew);
+        float p = exp(s - mnew);
+        l = l * corr + p;
+        for (int i = 0; i < DV / 32; ++i)
+            acc[i] = acc[i] * corr + p * float(v_pool[row * DV + lane + 32 * i]);
+        m = mnew;
+    }
+    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int i = 0; i < DV / 32; ++i)
+        out[((long)(b * HQ + h) * NQ + n) * DV + lane + 32 * i] = T(acc[i] * inv);
+"""
+_metal_kernel = None
+
+
+def metal_paged_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens,
+                          scale: float, window: Optional[int] = None,
+                          block_size: int = BLOCK_SIZE) -> mx.array:
+    """The op as a Metal kernel (``mx.fast.metal_kernel``). NOT RUN on any machine yet.
+
+    Head dims must be multiples of 32. A simple design: one SIMD group per query, so
+    GQA groups each read their KV rows (no sharing across the query heads of a group).
+    """
+    global _metal_kernel
+    B, Hq, N, D = queries.shape
+    Hkv, S, _ = k_pool.shape
+    Dv = v_pool.shape[2]
+    if D % 32 or Dv % 32:
+        raise ValueError("the Metal kernel needs head dims that are multiples of 32")
+    if _metal_kernel is None:
+        _metal_kernel = mx.fast.metal_kernel(
+            name="mlxq_paged_attention",
+            input_names=["queries", "k_pool", "v_pool", "block_tables", "q_offsets", "kv_lens",
+                         "scale"],
+            output_names=["out"],
+            source=_METAL_SOURCE,
+        )
+    (out,) = _metal_kernel(
+        inputs=[queries, k_pool, v_pool, block_tables.astype(mx.int32),
+                q_offsets.astype(mx.int32), kv_lens.astype(mx.int32),
+                mx.array([scale], dtype=mx.float32)],
+        template=[("T", queries.dtype), ("NQ", N), ("HQ", Hq), ("HKV", Hkv), ("DK", D),
+                  ("DV", Dv), ("NB", block_tables.shape[1]), ("BS", block_size),
+                  ("NUM_BLOCKS", S // block_size), ("WINDOW", int(window or 0))],
+        grid=(32 * B * Hq * N, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(B, Hq, N, Dv)],
+        output_dtypes=[queries.dtype],
+    )
+    return out
+
+
+# ============================================================== the CPU extension
+_cpu_ext = None
+_cpu_error: Optional[str] = None
+
+
+def cpu_extension(build_if_missing: bool = True):
+    """The loaded, checked CPU extension module. Raises ExtensionUnavailable (remembered)."""
+    global _cpu_ext, _cpu_error
+    if _cpu_ext is not None:
+        return _cpu_ext
+    if _cpu_error is not None:
+        raise ExtensionUnavailable(_cpu_error)
+    from . import extbuild
+
+    try:
+        ext = extbuild.load(build_if_missing=build_if_missing)
+        _self_check(ext.paged_attention)
+    except ExtensionUnavailable as e:
+        if build_if_missing:
+            _cpu_error = str(e)
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. a nanobind/mlx type mismatch: TypeError
+        _cpu_error = f"the extension loaded but failed its self-check: {type(e).__name__}: {e}"
+        raise ExtensionUnavailable(_cpu_error) from e
+    _cpu_ext = ext
+    return ext
+
+
+def _self_check(op) -> None:
+    """One small ragged GQA case against the reference (catches ABI and build mistakes)."""
+    rs = mx.random.split(mx.random.key(7), 4)
+    k_pool = mx.random.normal((2, 8 * BLOCK_SIZE, 64), key=rs[0])
+    v_pool = mx.random.normal((2, 8 * BLOCK_SIZE, 64), key=rs[1])
+    q = mx.random.normal((2, 4, 3, 64), key=rs[2])
+    tables = mx.array([[3, 1, 6], [0, 5, 2]], dtype=mx.int32)
+    q_off = mx.array([70, 5], dtype=mx.int32)
+    kv_lens = mx.array([73, 8], dtype=mx.int32)
+    args = (q, k_pool, v_pool, tables, q_off, kv_lens, 0.125)
+    got = op(*args, 40)
+    want = gather_attention(*args, 40)
+    err = mx.max(mx.abs(got - want)).item()
+    if not err <= 1e-4:
+        raise ExtensionUnavailable(f"the extension's self-check differs from the reference by {err}")
+
+
+# ============================================================== choosing a backend
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str  # "fused-cpu", "fused-metal" or "gather"
+    reason: str
+    op: Optional[Callable] = None  # the paged op; None for the gather path
+
+    @property
+    def fused(self) -> bool:
+        return self.op is not None
+
+
+def resolve_mode(mode: Optional[str]) -> str:
+    mode = (mode or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"attention must be one of {', '.join(MODES)} (got {mode!r})")
+    return mode
+
+
+def select_backend(mode: Optional[str] = None) -> AttentionBackend:
+    """auto: the CPU extension when it builds and loads, else the gather path (and why);
+    fused: the fused op or an error; gather: the reference path. On a GPU device, auto is
+    the gather path (the Metal kernel has not been run) and fused is the Metal kernel."""
+    mode = resolve_mode(mode)
+    if mode == "gather":
+        return AttentionBackend("gather", "asked for")
+    if mx.default_device() == mx.gpu:
+        if mode == "auto":
+            return AttentionBackend(
+                "gather", "GPU device: the Metal kernel has never been run, so it is opt-in "
+                          "(--attention fused)")
+        return AttentionBackend("fused-metal", "asked for (untested Metal kernel)",
+                                metal_paged_attention)
+    try:
+        ext = cpu_extension()
+    except ExtensionUnavailable as e:
+        if mode == "fused":
+            raise
+        return AttentionBackend("gather", f"the CPU extension is unavailable: {e}")
+    return AttentionBackend(
+        "fused-cpu", f"CPU extension ({ext.isa()}, {ext.num_threads()} threads)",
+        ext.paged_attention)
+
+
+def paged_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens, scale: float,
+                    window: Optional[int] = None) -> mx.array:
+    """The op (see the module doc): the CPU extension where it loads, else the Metal kernel
+    on a GPU device, else the gather reference."""
+    if mx.default_device() == mx.gpu:
+        return metal_paged_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens,
+                                     scale, window)
+    try:
+        op = cpu_extension().paged_attention
+    except ExtensionUnavailable:
+        return gather_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens,
+                                scale, window)
+    return op(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens, scale, window)
+
+
+# ============================================================== the model dispatch
+class _RouteProbe(_ShapeProbe):
+    """A probe cache that records whether the layer's attention went through _dispatch
+    with the very keys and values the cache handed out (not a transform of them)."""
+
+    routed = False
+    handed_out = None
+
+    def update_and_fetch(self, keys, values):
+        self.handed_out = (keys, values)
+        return super().update_and_fetch(keys, values)
+
+
+def _untouched(cache, keys, values) -> bool:
+    out = cache.handed_out
+    return out is not None and keys is out[0] and values is out[1]
+
+
+def _dispatch(queries, keys, values, cache, scale, mask, sinks=None):
+    """Stands in for mlx_lm.models.base.scaled_dot_product_attention in model modules."""
+    if isinstance(cache, PagedLayerCache):
+        pool = cache.pool
+        if pool.attention is not None:
+            if not _untouched(cache, keys, values):  # routes_all_layers rules this out
+                raise RuntimeError("the model changed the keys/values its paged cache returned; "
+                                   "the fused attention cannot follow (use --attention gather)")
+            view = cache.view
+            window = view.window_of(mask) if sinks is None else NotImplemented
+            if window is not NotImplemented:
+                return pool.attention(
+                    queries, pool.keys[cache.layer], pool.values[cache.layer], view.tables,
+                    view.q_offsets, view.kv_lens, scale, window)
+            keys, values = cache.gathered()  # update_and_fetch skipped the gather
+    elif isinstance(cache, _RouteProbe):
+        cache.routed = _untouched(cache, keys, values)
+    return mlx_base.scaled_dot_product_attention(
+        queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def install_dispatch(model) -> list[str]:
+    """Point the loaded model's modules at _dispatch; returns their names."""
+    names = []
+    for m in [model, *[x for _, x in model.named_modules()]]:
+        mod = sys.modules.get(type(m).__module__)
+        if mod is None or mod.__dict__.get("scaled_dot_product_attention") is None:
+            continue
+        current = mod.__dict__["scaled_dot_product_attention"]
+        if current is _dispatch:
+            names.append(mod.__name__)
+        elif current is mlx_base.scaled_dot_product_attention:
+            mod.scaled_dot_product_attention = _dispatch
+            names.append(mod.__name__)
+    return sorted(set(names))
+
+
+def routes_all_layers(model) -> bool:
+    """True when every layer's attention call goes through _dispatch with the keys and
+    values its cache returned (one probe pass, graph construction only; nothing is
+    evaluated)."""
+    probes = [_RouteProbe() for _ in range(len(make_prompt_cache(model)))]
+    model(mx.array([[0]]), cache=probes)
+    return all(p.routed for p in probes)
+
+
+def use_attention(model, pool: KVPool, mode: Optional[str] = None) -> AttentionBackend:
+    """Choose the engine's attention, wire it to the pool and the model, and log it."""
+    backend = select_backend(mode)
+    if backend.fused:
+        why = None
+        multiple = 32 if backend.name == "fused-metal" else 8
+        dims = {d for s in pool.shape.layers for d in (s.k_head_dim, s.v_head_dim)}
+        if any(d % multiple for d in dims):
+            why = f"head dims {sorted(dims)}: the {backend.name} op needs multiples of {multiple}"
+        elif not install_dispatch(model) or not routes_all_layers(model):
+            why = ("the model's attention does not call mlx_lm.models.base."
+                   "scaled_dot_product_attention on its cached keys/values in every layer")
+        if why is not None:
+            if resolve_mode(mode) == "fused":
+                raise ExtensionUnavailable(why)
+            backend = AttentionBackend("gather", why)
+    pool.attention = backend.op
+    log.info("attention: %s (%s)", backend.name, backend.reason)
+    return backend

@@ -1,0 +1,71 @@
+// Paged attention, CPU inner loop: one (row, kv head) over a range of KV blocks.
+//
+// This header holds no MLX types. The implementation (pa_kernel_impl.h) is
+// compiled twice: by pa_kernel_generic.cpp (the target's baseline ISA) and, on
+// x86-64, by pa_kernel_avx2.cpp (with -mavx2 -mfma). paged_attention.cpp picks
+// one at run time (__builtin_cpu_supports), so the built library never runs an
+// instruction the CPU it lands on lacks, even if the cache dir moves between
+// machines.
+#pragma once
+
+#include <cstdint>
+
+namespace mlxq_pa {
+
+enum class PoolType : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+// Everything one call of the op needs; pointers are row-contiguous arrays.
+struct Args {
+  const void* k; // (Hkv, S, Dk) pool, PoolType
+  const void* v; // (Hkv, S, Dv) pool, PoolType
+  const int32_t* tables; // (B, nb)
+  const int32_t* q_off; // (B,)
+  const int32_t* kv_len; // (B,)
+  PoolType pool_type;
+  int B, Hq, Hkv, N, Dk, Dv, nb, num_blocks, block_size;
+  int window; // 0: no window
+};
+
+// The key range that row b can see at all (union over its queries), clamped to
+// the block table; [lo, hi) in token positions. Empty when hi <= lo.
+inline void row_key_range(const Args& a, int b, int& lo, int& hi) {
+  const int64_t off = a.q_off[b];
+  int64_t h = off + a.N; // the last query sees up to off + N - 1
+  if (h > a.kv_len[b])
+    h = a.kv_len[b];
+  if (h > (int64_t)a.nb * a.block_size)
+    h = (int64_t)a.nb * a.block_size;
+  int64_t l = 0;
+  if (a.window > 0 && off - a.window + 1 > 0)
+    l = off - a.window + 1;
+  lo = (int)l;
+  hi = h < 0 ? 0 : (int)h;
+}
+
+// Attend the G*N queries of (row b, kv head hk) to the keys of logical blocks
+// [t0, t1). q: those queries (index g*N + n), fp32, already multiplied by the
+// scale. Writes, per query: m (running max), l (sum of exponentials) and acc
+// (unnormalized sum of p*v, Dv floats). A query that saw no key gets
+// m = -inf, l = 0, acc = 0. scratch: block_size * (Dk + Dv) floats (for
+// f16/bf16 pools, converted a block at a time).
+using AttendFn = void (*)(
+    const Args& a,
+    const float* q,
+    int b,
+    int hk,
+    int t0,
+    int t1,
+    float* m,
+    float* l,
+    float* acc,
+    float* scratch);
+
+// One implementation per instruction set (pa_kernel_impl.h, compiled twice).
+namespace generic {
+void attend(const Args&, const float*, int, int, int, int, float*, float*, float*, float*);
+}
+namespace avx2 {
+void attend(const Args&, const float*, int, int, int, int, float*, float*, float*, float*);
+}
+
+} // namespace mlxq_pa

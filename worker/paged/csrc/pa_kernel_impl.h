@@ -1,0 +1,331 @@
+// The paged attention inner loop. Included by pa_kernel_generic.cpp and
+// pa_kernel_avx2.cpp with PA_NS set to the namespace of that build.
+//
+// Per KV block (block_size keys, contiguous rows in the pool) and per query of
+// the group (all G query heads that share the KV head, times the N tokens):
+// scores for the keys the query may see, an online-softmax update of
+// (m, l, acc), then acc += p * V. The block's K and V stay in L1 while every
+// query of the group uses them, so each K/V byte comes from memory once per
+// (row, kv head), whatever G and N are.
+//
+// Vectorization is explicit, with GCC/Clang vector extensions (8 floats) for
+// the dot products, the exponentials and the V accumulation; nothing depends
+// on -ffast-math or on what the auto-vectorizer decides.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "pa_kernel.h"
+
+#ifndef PA_NS
+#error "define PA_NS before including pa_kernel_impl.h"
+#endif
+
+namespace mlxq_pa {
+namespace PA_NS {
+namespace {
+
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+
+constexpr int kMaxBlock = 64;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vf v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+inline vf splat(float x) {
+  return vf{x, x, x, x, x, x, x, x};
+}
+
+inline float hsum(vf v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+inline vf select(vi mask, vf a, vf b) {
+  return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+}
+
+// exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp); exactly 0 below -87.3
+// (so -inf gives 0, which masked keys rely on).
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.3f);
+  const vi dead = x < lo;
+  x = select(dead, lo, x);
+  x = select(x > splat(0.0f), splat(0.0f), x);
+  vf fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  vi ti = __builtin_convertvector(fx, vi); // toward zero
+  vf tf = __builtin_convertvector(ti, vf);
+  ti = ti + (vi)(tf > fx); // floor: -1 where truncation went up
+  tf = __builtin_convertvector(ti, vf);
+  x = x - tf * splat(0.693359375f) - tf * splat(-2.12194440e-4f);
+  const vf z = x * x;
+  vf y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * z + x + splat(1.0f);
+  const vi e = (ti + 127) << 23;
+  y = y * (vf)e;
+  return (vf)((vi)y & ~dead);
+}
+
+inline vf vmax(vf a, vf b) {
+  return select(a > b, a, b);
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i)
+    m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// _mm256_hadd_ps: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7].
+inline vf hadd(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+      __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+// Scores of one query against 8 consecutive key rows: eight independent
+// accumulation chains, reduced together into one vector (no per-key
+// horizontal sums).
+inline vf dot8(const float* q, const float* k, int D) {
+  vf a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+     a7 = a0;
+  const float* k1 = k + D;
+  const float* k2 = k + 2 * D;
+  const float* k3 = k + 3 * D;
+  const float* k4 = k + 4 * D;
+  const float* k5 = k + 5 * D;
+  const float* k6 = k + 6 * D;
+  const float* k7 = k + 7 * D;
+  for (int d = 0; d < D; d += 8) {
+    const vf x = load(q + d);
+    a0 += x * load(k + d);
+    a1 += x * load(k1 + d);
+    a2 += x * load(k2 + d);
+    a3 += x * load(k3 + d);
+    a4 += x * load(k4 + d);
+    a5 += x * load(k5 + d);
+    a6 += x * load(k6 + d);
+    a7 += x * load(k7 + d);
+  }
+  const vf h0 = hadd(hadd(a0, a1), hadd(a2, a3)); // [lo0..lo3, hi0..hi3]
+  const vf h1 = hadd(hadd(a4, a5), hadd(a6, a7));
+  return __builtin_shufflevector(h0, h1, 0, 1, 2, 3, 8, 9, 10, 11) +
+      __builtin_shufflevector(h0, h1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// acc[0:8*NV] = acc * corr + sum_j p[j] * v[j][0:8*NV], rows j in [j0, j1).
+template <int NV>
+inline void accumulate(
+    float* acc,
+    float corr,
+    const float* p,
+    const float* v,
+    int ldv,
+    int j0,
+    int j1) {
+  vf c[NV];
+  const vf cv = splat(corr);
+  for (int k = 0; k < NV; ++k)
+    c[k] = load(acc + 8 * k) * cv;
+  for (int j = j0; j < j1; ++j) {
+    const vf pj = splat(p[j]);
+    const float* row = v + (int64_t)j * ldv;
+    for (int k = 0; k < NV; ++k)
+      c[k] += pj * load(row + 8 * k);
+  }
+  for (int k = 0; k < NV; ++k)
+    store(acc + 8 * k, c[k]);
+}
+
+inline void accumulate_any(
+    float* acc,
+    float corr,
+    const float* p,
+    const float* v,
+    int Dv,
+    int j0,
+    int j1) {
+  int d = 0;
+  for (; d + 64 <= Dv; d += 64)
+    accumulate<8>(acc + d, corr, p, v + d, Dv, j0, j1);
+  for (; d + 32 <= Dv; d += 32)
+    accumulate<4>(acc + d, corr, p, v + d, Dv, j0, j1);
+  for (; d < Dv; d += 8)
+    accumulate<1>(acc + d, corr, p, v + d, Dv, j0, j1);
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    const float r = std::ldexp((float)mant, -24); // zero or subnormal
+    return sign ? -r : r;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Rows [j0, j1) of one block of a 16-bit pool, to fp32 rows in dst.
+void convert_rows(
+    PoolType t,
+    const uint16_t* src,
+    float* dst,
+    int D,
+    int j0,
+    int j1) {
+  const int64_t n0 = (int64_t)j0 * D, n1 = (int64_t)j1 * D;
+  if (t == PoolType::f16) {
+    for (int64_t i = n0; i < n1; ++i)
+      dst[i] = half_to_float(src[i]);
+  } else {
+    for (int64_t i = n0; i < n1; ++i)
+      dst[i] = bf16_to_float(src[i]);
+  }
+}
+
+inline void prefetch_rows(const char* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    __builtin_prefetch(p + o);
+}
+
+} // namespace
+
+void attend(
+    const Args& a,
+    const float* q,
+    int b,
+    int hk,
+    int t0,
+    int t1,
+    float* m,
+    float* l,
+    float* acc,
+    float* scratch) {
+  const int G = a.Hq / a.Hkv;
+  const int N = a.N;
+  const int GN = G * N;
+  const int Dk = a.Dk, Dv = a.Dv, BS = a.block_size;
+  const int64_t S = (int64_t)a.num_blocks * BS;
+  const int esize = a.pool_type == PoolType::f32 ? 4 : 2;
+  for (int i = 0; i < GN; ++i) {
+    m[i] = kNegInf;
+    l[i] = 0.0f;
+  }
+  std::memset(acc, 0, sizeof(float) * (size_t)GN * Dv);
+
+  int lo, hi;
+  row_key_range(a, b, lo, hi);
+  const int64_t off = a.q_off[b];
+  const int64_t kvl = a.kv_len[b];
+  const int32_t* table = a.tables + (int64_t)b * a.nb;
+  const char* kbase = (const char*)a.k + (int64_t)hk * S * Dk * esize;
+  const char* vbase = (const char*)a.v + (int64_t)hk * S * Dv * esize;
+  float* kconv = scratch;
+  float* vconv = scratch + (int64_t)BS * Dk;
+
+  alignas(32) float s[kMaxBlock];
+  alignas(32) float p[kMaxBlock];
+
+  for (int t = t0; t < t1; ++t) {
+    const int64_t start = (int64_t)t * BS;
+    const int j0 = (int)((lo > start ? lo : start) - start);
+    const int j1 = (int)((hi < start + BS ? hi : start + BS) - start);
+    if (j1 <= j0)
+      continue;
+    const int32_t blk = table[t];
+    if (blk < 0 || blk >= a.num_blocks)
+      continue; // never read outside the pool
+    const char* kb_raw = kbase + (int64_t)blk * BS * Dk * esize;
+    const char* vb_raw = vbase + (int64_t)blk * BS * Dv * esize;
+    if (t + 1 < t1) {
+      const int32_t nxt = table[t + 1];
+      if (nxt >= 0 && nxt < a.num_blocks) {
+        prefetch_rows(kbase + (int64_t)nxt * BS * Dk * esize, (int64_t)BS * Dk * esize);
+        prefetch_rows(vbase + (int64_t)nxt * BS * Dv * esize, (int64_t)BS * Dv * esize);
+      }
+    }
+    const float* kb;
+    const float* vb;
+    if (a.pool_type == PoolType::f32) {
+      kb = (const float*)kb_raw;
+      vb = (const float*)vb_raw;
+    } else {
+      // The 8-aligned span around [j0, j1): dot8 reads whole groups of 8 rows.
+      const int c0 = j0 & ~7, c1 = (j1 + 7) & ~7;
+      convert_rows(a.pool_type, (const uint16_t*)kb_raw, kconv, Dk, c0, c1);
+      convert_rows(a.pool_type, (const uint16_t*)vb_raw, vconv, Dv, c0, c1);
+      kb = kconv;
+      vb = vconv;
+    }
+
+    for (int n = 0; n < N; ++n) {
+      // Keys this token may see inside the block: causal, length, window.
+      const int64_t pos = off + n;
+      int64_t qh = pos + 1 < kvl ? pos + 1 : kvl;
+      int64_t ql = a.window > 0 ? pos - a.window + 1 : 0;
+      int jl = (int)((ql - start) > j0 ? (ql - start) : j0);
+      int jh = (int)((qh - start) < j1 ? (qh - start) : j1);
+      if (jh <= jl)
+        continue;
+      const int ja = jl & ~7, jb = (jh + 7) & ~7; // 8-aligned, inside the block
+      // Lane j of group [j8, j8 + 8) is a key this token may see.
+      for (int g = 0; g < G; ++g) {
+        const int i = g * N + n;
+        const float* qi = q + (int64_t)i * Dk;
+        vf mb = splat(kNegInf);
+        for (int j8 = ja; j8 < jb; j8 += 8) {
+          vf sc = dot8(qi, kb + (int64_t)j8 * Dk, Dk);
+          if (j8 < jl || j8 + 8 > jh) {
+            const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7} + j8;
+            sc = select((lane >= jl) & (lane < jh), sc, splat(kNegInf));
+          }
+          store(s + j8, sc);
+          mb = vmax(mb, sc);
+        }
+        const float mblk = hmax(mb);
+        const float mnew = m[i] > mblk ? m[i] : mblk;
+        const float corr = std::exp(m[i] - mnew); // 0 when m was -inf
+        vf lsum = splat(0.0f);
+        const vf mv = splat(mnew);
+        for (int j8 = ja; j8 < jb; j8 += 8) {
+          const vf e = vexp(load(s + j8) - mv);
+          store(p + j8, e);
+          lsum += e;
+        }
+        l[i] = l[i] * corr + hsum(lsum);
+        m[i] = mnew;
+        accumulate_any(acc + (int64_t)i * Dv, corr, p, vb, Dv, jl, jh);
+      }
+    }
+  }
+}
+
+} // namespace PA_NS
+} // namespace mlxq_pa

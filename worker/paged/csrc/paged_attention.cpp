@@ -1,0 +1,478 @@
+// Paged attention as an MLX primitive: the op, the work plan and the threads.
+//
+// Work is split over (row, kv head) and, when there are too few of those to
+// keep every thread busy (one long sequence), over block ranges of a row:
+// split-K, each part producing (m, l, acc) that a second pass combines. The
+// inner loop lives in pa_kernel_impl.h.
+#include "paged_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#ifdef __linux__
+#include <sched.h>
+#endif
+#include <pthread.h>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "pa_kernel.h"
+
+namespace mlxq {
+namespace {
+
+using mlxq_pa::Args;
+using mlxq_pa::AttendFn;
+using mlxq_pa::PoolType;
+
+// ---------------------------------------------------------------- threads
+// A small pool: parallel_for(n, fn) runs fn(0..n-1) on the workers and the
+// calling thread (MLX's CPU stream thread). Workers sleep on a condition
+// variable between calls, so they take no cycles from BLAS or Redis I/O.
+class ThreadPool {
+ public:
+  explicit ThreadPool(int n) {
+    for (int i = 1; i < n; ++i)
+      workers_.emplace_back([this] { loop(); });
+  }
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_)
+      t.join();
+  }
+
+  int size() const {
+    return (int)workers_.size() + 1;
+  }
+
+  void parallel_for(int n, const std::function<void(int)>& fn) {
+    if (n <= 0)
+      return;
+    if (n == 1 || workers_.empty()) {
+      for (int i = 0; i < n; ++i)
+        fn(i);
+      return;
+    }
+    std::lock_guard<std::mutex> call(call_mu_);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      fn_ = &fn;
+      n_ = n;
+      next_.store(0);
+      active_ = (int)workers_.size();
+      ++gen_;
+    }
+    cv_.notify_all();
+    work(fn, n);
+    std::unique_lock<std::mutex> lk(mu_);
+    done_.wait(lk, [this] { return active_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void work(const std::function<void(int)>& fn, int n) {
+    for (int i = next_.fetch_add(1); i < n; i = next_.fetch_add(1))
+      fn(i);
+  }
+
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* fn;
+      int n;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || gen_ != seen; });
+        if (stop_)
+          return;
+        seen = gen_;
+        fn = fn_;
+        n = n_;
+      }
+      work(*fn, n);
+      std::lock_guard<std::mutex> lk(mu_);
+      if (--active_ == 0)
+        done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex call_mu_, mu_;
+  std::condition_variable cv_, done_;
+  const std::function<void(int)>* fn_ = nullptr;
+  int n_ = 0;
+  std::atomic<int> next_{0};
+  int active_ = 0;
+  uint64_t gen_ = 0;
+  bool stop_ = false;
+};
+
+int default_threads() {
+  if (const char* env = std::getenv("MLXQ_ATTN_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0)
+      return n;
+  }
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    int n = CPU_COUNT(&set);
+    if (n > 0)
+      return n;
+  }
+#endif
+  unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? (int)n : 1;
+}
+
+std::mutex g_pool_mu;
+ThreadPool* g_pool = nullptr;
+
+// A forked child has none of the parent's threads: forget the pool (leaked on
+// purpose, its threads do not exist) and make a new one on first use.
+void forget_pool_in_child() {
+  g_pool = nullptr;
+  new (&g_pool_mu) std::mutex();
+}
+
+ThreadPool& pool() {
+  std::lock_guard<std::mutex> lk(g_pool_mu);
+  if (g_pool == nullptr) {
+    static bool registered = [] {
+      pthread_atfork(nullptr, nullptr, forget_pool_in_child);
+      return true;
+    }();
+    (void)registered;
+    g_pool = new ThreadPool(default_threads());
+  }
+  return *g_pool;
+}
+
+AttendFn pick_attend() {
+#if defined(MLXQ_PA_HAVE_AVX2)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return mlxq_pa::avx2::attend;
+#endif
+  return mlxq_pa::generic::attend;
+}
+
+const AttendFn g_attend = pick_attend();
+
+// ---------------------------------------------------------------- plan
+struct Task {
+  int b, hk, t0, t1;
+  int64_t part; // -1: whole row, finalize into out; else index of its partial
+};
+
+struct Group {
+  int b, hk;
+  int64_t part0; // first partial
+  int nparts;
+};
+
+// Blocks per task: at least kMinChunk, and small enough to give every thread
+// several tasks (load balance over ragged rows).
+constexpr int kMinChunk = 16;
+constexpr int kTasksPerThread = 4;
+
+void plan(
+    const Args& a,
+    int threads,
+    std::vector<Task>& tasks,
+    std::vector<Group>& groups,
+    int64_t& nparts) {
+  const int BS = a.block_size;
+  std::vector<int> tlo(a.B), thi(a.B);
+  int64_t total = 0;
+  for (int b = 0; b < a.B; ++b) {
+    int lo, hi;
+    mlxq_pa::row_key_range(a, b, lo, hi);
+    tlo[b] = lo / BS;
+    thi[b] = hi > lo ? (hi + BS - 1) / BS : tlo[b];
+    total += (int64_t)(thi[b] - tlo[b]) * a.Hkv;
+  }
+  int64_t chunk = (total + (int64_t)kTasksPerThread * threads - 1) /
+      ((int64_t)kTasksPerThread * threads);
+  chunk = std::max<int64_t>(chunk, kMinChunk);
+  nparts = 0;
+  for (int b = 0; b < a.B; ++b) {
+    const int nblk = thi[b] - tlo[b];
+    const int ns = threads > 1 && nblk > chunk ? (int)((nblk + chunk - 1) / chunk) : 1;
+    for (int hk = 0; hk < a.Hkv; ++hk) {
+      if (ns == 1) {
+        tasks.push_back({b, hk, tlo[b], thi[b], -1});
+        continue;
+      }
+      groups.push_back({b, hk, nparts, ns});
+      for (int s = 0; s < ns; ++s) {
+        const int t0 = tlo[b] + (int)((int64_t)nblk * s / ns);
+        const int t1 = tlo[b] + (int)((int64_t)nblk * (s + 1) / ns);
+        tasks.push_back({b, hk, t0, t1, nparts + s});
+      }
+      nparts += ns;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- eval
+template <typename T>
+void run(
+    const Args& a,
+    const T* q,
+    T* out,
+    float scale) {
+  const int G = a.Hq / a.Hkv;
+  const int GN = G * a.N;
+  const int Dk = a.Dk, Dv = a.Dv;
+  ThreadPool& tp = pool();
+  std::vector<Task> tasks;
+  std::vector<Group> groups;
+  int64_t nparts = 0;
+  plan(a, tp.size(), tasks, groups, nparts);
+
+  // Partials of split rows: per part and query, m, l and Dv accumulators.
+  const int64_t part_stride = (int64_t)GN * (Dv + 2);
+  std::vector<float> partials((size_t)(nparts * part_stride));
+
+  auto group_queries = [&](int b, int hk) {
+    return q + ((int64_t)b * a.Hq + (int64_t)hk * G) * a.N * Dk;
+  };
+  auto group_out = [&](int b, int hk) {
+    return out + ((int64_t)b * a.Hq + (int64_t)hk * G) * a.N * Dv;
+  };
+
+  tp.parallel_for((int)tasks.size(), [&](int ti) {
+    const Task& t = tasks[ti];
+    thread_local std::vector<float> scratch;
+    const size_t need = (size_t)GN * Dk + (size_t)a.block_size * (Dk + Dv) +
+        (t.part < 0 ? (size_t)GN * (Dv + 2) : 0);
+    if (scratch.size() < need)
+      scratch.resize(need);
+    float* qs = scratch.data();
+    float* conv = qs + (size_t)GN * Dk;
+    const T* qg = group_queries(t.b, t.hk);
+    for (int64_t i = 0; i < (int64_t)GN * Dk; ++i)
+      qs[i] = static_cast<float>(qg[i]) * scale;
+    float* m;
+    float* l;
+    float* acc;
+    if (t.part < 0) {
+      m = conv + (size_t)a.block_size * (Dk + Dv);
+      l = m + GN;
+      acc = l + GN;
+    } else {
+      m = partials.data() + t.part * part_stride;
+      l = m + GN;
+      acc = l + GN;
+    }
+    g_attend(a, qs, t.b, t.hk, t.t0, t.t1, m, l, acc, conv);
+    if (t.part < 0) {
+      T* o = group_out(t.b, t.hk);
+      for (int i = 0; i < GN; ++i) {
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        for (int d = 0; d < Dv; ++d)
+          o[(int64_t)i * Dv + d] = static_cast<T>(acc[(int64_t)i * Dv + d] * inv);
+      }
+    }
+  });
+
+  // Combine the parts of split rows.
+  tp.parallel_for((int)groups.size(), [&](int gi) {
+    const Group& g = groups[gi];
+    T* o = group_out(g.b, g.hk);
+    for (int i = 0; i < GN; ++i) {
+      float mx_ = -std::numeric_limits<float>::infinity();
+      for (int s = 0; s < g.nparts; ++s)
+        mx_ = std::max(mx_, partials[(g.part0 + s) * part_stride + i]);
+      float L = 0.0f;
+      for (int d = 0; d < Dv; ++d)
+        o[(int64_t)i * Dv + d] = static_cast<T>(0.0f);
+      if (mx_ == -std::numeric_limits<float>::infinity())
+        continue;
+      thread_local std::vector<float> sum;
+      sum.assign(Dv, 0.0f);
+      for (int s = 0; s < g.nparts; ++s) {
+        const float* base = partials.data() + (g.part0 + s) * part_stride;
+        const float ls = base[GN + i];
+        if (ls == 0.0f)
+          continue;
+        const float w = std::exp(base[i] - mx_);
+        L += ls * w;
+        const float* acc = base + 2 * GN + (int64_t)i * Dv;
+        for (int d = 0; d < Dv; ++d)
+          sum[d] += acc[d] * w;
+      }
+      const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+      for (int d = 0; d < Dv; ++d)
+        o[(int64_t)i * Dv + d] = static_cast<T>(sum[d] * inv);
+    }
+  });
+}
+
+PoolType pool_type(mx::Dtype t) {
+  if (t == mx::float32)
+    return PoolType::f32;
+  if (t == mx::float16)
+    return PoolType::f16;
+  if (t == mx::bfloat16)
+    return PoolType::bf16;
+  throw std::invalid_argument(
+      "paged_attention: the KV pools must be float32, float16 or bfloat16");
+}
+
+} // namespace
+
+// ---------------------------------------------------------------- op
+mx::array paged_attention(
+    const mx::array& queries,
+    const mx::array& k_pool,
+    const mx::array& v_pool,
+    const mx::array& block_tables,
+    const mx::array& q_offsets,
+    const mx::array& kv_lens,
+    float scale,
+    int window,
+    int block_size) {
+  auto fail = [](const std::string& msg) {
+    throw std::invalid_argument("paged_attention: " + msg);
+  };
+  if (queries.ndim() != 4)
+    fail("queries must be (B, Hq, N, D)");
+  if (k_pool.ndim() != 3 || v_pool.ndim() != 3)
+    fail("the pools must be (Hkv, S, D)");
+  if (block_tables.ndim() != 2)
+    fail("block_tables must be (B, nb)");
+  const int B = queries.shape(0), Hq = queries.shape(1), D = queries.shape(3);
+  const int Hkv = k_pool.shape(0), S = k_pool.shape(1);
+  const int Dv = v_pool.shape(2);
+  if (v_pool.shape(0) != Hkv || v_pool.shape(1) != S)
+    fail("k_pool and v_pool disagree on heads or slots");
+  if (k_pool.shape(2) != D)
+    fail("queries and k_pool disagree on the head dim");
+  if (Hkv <= 0 || Hq % Hkv != 0)
+    fail("query heads must be a multiple of KV heads");
+  if (block_size <= 0 || block_size > 64 || block_size % 8 != 0)
+    fail("block_size must be a multiple of 8, at most 64");
+  if (S % block_size != 0)
+    fail("the pool's slot count is not a multiple of block_size");
+  if (D % 8 != 0 || Dv % 8 != 0 || D > 1024 || Dv > 1024)
+    fail("head dims must be multiples of 8 (at most 1024)");
+  if (block_tables.shape(0) != B || q_offsets.ndim() != 1 ||
+      q_offsets.shape(0) != B || kv_lens.ndim() != 1 || kv_lens.shape(0) != B)
+    fail("block_tables, q_offsets and kv_lens need one row per batch row");
+  if (k_pool.dtype() != v_pool.dtype())
+    fail("k_pool and v_pool must have one dtype");
+  pool_type(k_pool.dtype());
+  if (!mx::issubdtype(queries.dtype(), mx::floating))
+    fail("queries must be floating point");
+  if (queries.dtype() != mx::float32 && queries.dtype() != mx::float16 &&
+      queries.dtype() != mx::bfloat16)
+    fail("queries must be float32, float16 or bfloat16");
+  if (window < 0)
+    fail("window must be positive (or 0 for none)");
+
+  // The CPU stream, whatever the default device: this primitive has no GPU
+  // implementation (on Metal, worker/paged/attention.py uses its own kernel).
+  auto s = mx::default_stream(mx::Device(mx::Device::cpu));
+  auto i32 = [&](const mx::array& x) {
+    return mx::contiguous(mx::astype(x, mx::int32, s), false, s);
+  };
+  return mx::array(
+      {B, Hq, queries.shape(2), Dv},
+      queries.dtype(),
+      std::make_shared<PagedAttention>(s, scale, window, block_size),
+      {mx::contiguous(queries, false, s),
+       mx::contiguous(k_pool, false, s),
+       mx::contiguous(v_pool, false, s),
+       i32(block_tables),
+       i32(q_offsets),
+       i32(kv_lens)});
+}
+
+int num_threads() {
+  return pool().size();
+}
+
+const char* isa() {
+  return g_attend == mlxq_pa::generic::attend ? "generic" : "avx2";
+}
+
+void PagedAttention::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const auto& q = inputs[0];
+  const auto& k = inputs[1];
+  const auto& v = inputs[2];
+  const auto& tables = inputs[3];
+  const auto& q_off = inputs[4];
+  const auto& kv_len = inputs[5];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+
+  Args a;
+  a.k = k.data<uint8_t>();
+  a.v = v.data<uint8_t>();
+  a.tables = tables.data<int32_t>();
+  a.q_off = q_off.data<int32_t>();
+  a.kv_len = kv_len.data<int32_t>();
+  a.pool_type = pool_type(k.dtype());
+  a.B = q.shape(0);
+  a.Hq = q.shape(1);
+  a.N = q.shape(2);
+  a.Dk = q.shape(3);
+  a.Hkv = k.shape(0);
+  a.Dv = v.shape(2);
+  a.nb = tables.shape(1);
+  a.block_size = block_size_;
+  a.num_blocks = k.shape(1) / block_size_;
+  a.window = window_;
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& x : inputs)
+    encoder.set_input_array(x);
+  encoder.set_output_array(out);
+  const float scale = scale_;
+  const mx::Dtype dt = out.dtype();
+  const void* qp = q.data<uint8_t>();
+  void* op = out.data<uint8_t>();
+  encoder.dispatch([a, qp, op, scale, dt]() {
+    if (dt == mx::float32)
+      run<float>(a, (const float*)qp, (float*)op, scale);
+    else if (dt == mx::float16)
+      run<mx::float16_t>(a, (const mx::float16_t*)qp, (mx::float16_t*)op, scale);
+    else
+      run<mx::bfloat16_t>(a, (const mx::bfloat16_t*)qp, (mx::bfloat16_t*)op, scale);
+  });
+}
+
+void PagedAttention::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  throw std::runtime_error(
+      "MlxqPagedAttention runs on the CPU stream only (use the Metal kernel "
+      "of mlxq.worker.paged.attention on a GPU)");
+}
+
+bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PagedAttention&>(other);
+  return scale_ == o.scale_ && window_ == o.window_ &&
+      block_size_ == o.block_size_;
+}
+
+} // namespace mlxq

@@ -1,0 +1,68 @@
+// Paged attention as an MLX primitive (CPU).
+//
+//   paged_attention(queries (B, Hq, N, D), k_pool (Hkv, S, Dk),
+//                   v_pool (Hkv, S, Dv), block_tables (B, nb) int32,
+//                   q_offsets (B,) int32, kv_lens (B,) int32, scale,
+//                   window = 0) -> (B, Hq, N, Dv)
+//
+// S = num_blocks * block_size. Query n of row b sits at position
+// q_offsets[b] + n and attends the keys at positions j with
+// j <= q_offsets[b] + n, j < kv_lens[b] and, with a window w > 0,
+// j > q_offsets[b] + n - w. Key j of row b is pool row
+// block_tables[b][j / block_size] * block_size + j % block_size.
+// Query head h reads KV head h / (Hq / Hkv) (GQA, KV heads not repeated).
+// Queries that see no key (padding) give zeros.
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace mlxq {
+
+mx::array paged_attention(
+    const mx::array& queries,
+    const mx::array& k_pool,
+    const mx::array& v_pool,
+    const mx::array& block_tables,
+    const mx::array& q_offsets,
+    const mx::array& kv_lens,
+    float scale,
+    int window = 0,
+    int block_size = 32);
+
+// The threads the op uses (the pool is made on first use; MLXQ_ATTN_THREADS
+// overrides the CPU count of this process's affinity mask).
+int num_threads();
+
+// "avx2" or "generic": the inner loop this CPU runs.
+const char* isa();
+
+class PagedAttention : public mx::Primitive {
+ public:
+  PagedAttention(mx::Stream stream, float scale, int window, int block_size)
+      : mx::Primitive(stream),
+        scale_(scale),
+        window_(window),
+        block_size_(block_size) {}
+
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "MlxqPagedAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float scale_;
+  int window_;
+  int block_size_;
+};
+
+} // namespace mlxq
