@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import urllib.request
 
-import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
