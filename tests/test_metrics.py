@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import urllib.request
 
-import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 

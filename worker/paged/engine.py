@@ -217,8 +217,9 @@ class PagedEngine:
             return 0
         headroom = int(self.pressure * self.bm.num_blocks) - self.bm.num_used
         # At least one: a more urgent job may need to reach us to preempt.
-        return max(1, min(self.max_sequences - n_seqs, self.max_waiting - len(self._waiting),
-                          headroom // 4 + self.max_waiting - len(self._waiting)))
+        # as many as fit now (about 4 blocks each), plus up to max_waiting that wait here
+        return max(1, min(self.max_sequences - n_seqs,
+                          max(0, headroom // 4) + self.max_waiting - len(self._waiting)))
 
     def urgent_below(self) -> float:
         """A queued job with a priority below this would preempt someone here now.
