@@ -206,19 +206,24 @@ def main() -> int:
 
         workloads = []
         if "solo" in only:
-            ps = prompts_for(2 if quick else 3, 64, vocab, seed=1)
-            workloads.append(("solo", "stream_generate", "solo", ps, gen, mlxq_solo))
+            n_solo = 2 if quick else 3
+            workloads.append(("solo", "stream_generate", "solo",
+                              lambda r: prompts_for(n_solo, 64, vocab, seed=1 + 7919 * r), gen, mlxq_solo))
         for b in (16, 64):
             if f"c{b}" in only:
-                workloads.append((f"c{b}", f"batch_generate {b}", "batch", prompts_for(b, 64, vocab, seed=b),
-                                  gen, mlxq_batch))
+                workloads.append((f"c{b}", f"batch_generate {b}", "batch",
+                                  lambda r, b=b: prompts_for(b, 64, vocab, seed=b + 7919 * r), gen, mlxq_batch))
         if "long" in only:
-            workloads.append(("long", "batch_generate 16", "batch", prompts_for(16, 1000, vocab, seed=1000),
+            workloads.append(("long", "batch_generate 16", "batch",
+                              lambda r: prompts_for(16, 1000, vocab, seed=1000 + 7919 * r),
                               64 if quick else 128, mlxq_batch))
-        for name, ref_name, op, ps, n_gen, ours_fn in workloads:
+        # Each round has new prompts (the same for both sides): a prompt seen in an earlier round
+        # would be a prefix-cache hit for mlxq's worker, which mlx-lm's fresh calls cannot have.
+        for name, ref_name, op, make_prompts, n_gen, ours_fn in workloads:
             refs: dict = {side.threads: [] for side in sides}
             ours = []
-            for _ in range(rounds):
+            for r in range(rounds):
+                ps = make_prompts(r)
                 for side in sides:
                     refs[side.threads].append(side.run(op, ps, n_gen))
                 ours.append(ours_fn(client, ps, n_gen))
