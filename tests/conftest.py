@@ -9,7 +9,12 @@ import threading
 import time
 from pathlib import Path
 
-import mlxq.worker  # noqa: F401  (fast BLAS before mlx)
+# The suite runs its own process, worker subprocesses and Valkey on the same cores at once: the
+# case where OpenBLAS's spinning idle threads hurt (see mlxq.worker.blas.default_threads), so the
+# tests' workers (which inherit this environment) use one BLAS thread unless told otherwise.
+os.environ.setdefault("MLXQ_BLAS_THREADS", "1")
+
+import mlxq.worker  # noqa: E402,F401  (fast BLAS before mlx)
 
 import pytest
 import redis

@@ -15,7 +15,7 @@ Candidates, first hit wins:
    ships is used (a soname-patched copy of it is kept in the cache directory).
 
 ``MLXQ_BLAS=off`` skips all of this; ``MLXQ_BLAS_THREADS=N`` sets OpenBLAS's thread
-count (default: the cores minus one; ``default``: OpenBLAS's own choice).  Nothing
+count (default: all cores, measured in :func:`default_threads`; ``default``: OpenBLAS's own choice).  Nothing
 here imports MLX.
 """
 
@@ -231,15 +231,16 @@ def patch_soname(path: str | os.PathLike, new: str) -> None:
 
 
 def default_threads() -> int:
-    """One core is left to the Python, MLX-stream and Redis I/O threads.
+    """All cores, as OpenBLAS itself would choose, measured end to end.
 
-    OpenBLAS's idle threads spin; measured on 2 cores with one other busy
-    process: solo decode 35 tok/s with 1 thread, 4-7 tok/s with 2.  Measured
-    again end to end (worker + Valkey + client on 2 cores, 2026-11-22): 1
-    thread 38 tok/s solo, 175-235 at 16 jobs; 2 threads 8-14 and 48-57; 2
-    threads with ``OPENBLAS_THREAD_TIMEOUT=4`` (no spinning) 18-53 and 40-106.
+    On a quiet 2-core machine where the worker shares the cores with Valkey and the client
+    (``bench/throughput.py --worker-blas-threads N``, 2026-11-22), 2 threads against 1 gave solo
+    67 vs 48 tok/s, 16 jobs 497 vs 398, 64 jobs 728 vs 618: the Redis side needs little CPU.
+    OpenBLAS's idle threads spin, though, so on a machine where *other* busy processes compete
+    for the cores, 2 threads measured far worse (solo 8-14 tok/s against 38 with 1 thread):
+    there, set ``MLXQ_BLAS_THREADS`` to the cores minus one.
     """
-    return max(1, (os.cpu_count() or 2) - 1)
+    return max(1, os.cpu_count() or 1)
 
 
 def _set_threads(lib: ctypes.CDLL) -> int | str:
