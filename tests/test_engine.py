@@ -15,6 +15,7 @@ from mlxq.shared.schemas import SamplingParams
 from mlxq.worker.paged import PagedEngine
 from mlxq.worker.engine_api import SeqSpec
 from mlxq.worker.sampling import make_processors, make_sampler
+from tests.test_paged_engine import _gemma3
 
 
 def tiny_llama():
@@ -107,17 +108,9 @@ def test_remove_and_stop_tokens():
     assert seen == ref[: ref.index(eos) + 1] and finish == "stop"
 
 
-def tiny_gemma3():
-    """Sliding-window layers: the ragged mask must keep each row's window."""
-    from mlx_lm.models import gemma3_text
-
-    mx.random.seed(5)
-    m = gemma3_text.Model(gemma3_text.ModelArgs(
-        model_type="gemma3_text", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
-        sliding_window=24, sliding_window_pattern=3, query_pre_attn_scalar=16))
-    mx.eval(m.parameters())
-    return m
+# Sliding-window layers: the ragged mask must keep each row's window (the same tiny gemma3 as
+# the paged-engine tests).
+tiny_gemma3 = _gemma3
 
 
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen3, tiny_gemma3])
