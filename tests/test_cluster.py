@@ -189,6 +189,30 @@ def test_async_client_stats_metrics_and_keys_from_any_node(cluster, cluster_work
         Client(url, api_key="cluster-high-key-01").submit(prompt_tokens=[5], model=MODELS[0], max_tokens=1)
 
 
+def test_gateway_over_http_on_the_cluster(cluster, cluster_workers):
+    """`mlxq gateway` given one node's URL serves both models over HTTP (official openai client),
+    streaming over sharded pub/sub, with the same text as the Python client."""
+    import openai
+
+    from mlxq.producer.gateway import ServerThread, create_app
+    from mlxq.shared import apikeys
+    from mlxq.shared.keys import GlobalKeys
+
+    url = cluster.masters[1].url
+    apikeys.add_key(connect(url), GlobalKeys(), "cluster-gateway-key", "normal")
+    prompt = "The ship sailed across the sea"
+    py = {m: Client(url, api_key="cluster-gateway-key").submit(prompt, model=m, max_tokens=8, ignore_eos=True)
+          .result(timeout=120) for m in MODELS}
+    with ServerThread(create_app(url)) as gw:
+        oai = openai.OpenAI(base_url=f"{gw}/v1", api_key="cluster-gateway-key", max_retries=0, timeout=120)
+        assert set(MODELS) <= {m.id for m in oai.models.list().data}
+        for m in MODELS:
+            kw = dict(model=m, prompt=prompt, max_tokens=8, extra_body={"ignore_eos": True})
+            assert oai.completions.create(**kw).choices[0].text == py[m].text
+            streamed = "".join(c.choices[0].text for c in oai.completions.create(stream=True, **kw))
+            assert streamed == py[m].text
+
+
 def test_acl_producer_user_on_the_cluster(cluster, cluster_workers):
     """The producer ACL recipe on every node; the URL says cluster=yes (the user may not run INFO)."""
     from redis.exceptions import NoPermissionError
