@@ -212,18 +212,25 @@ class Gateway:
             return await self._stream(request, job, meta, fmt)
         return await self._complete(request, job, meta, fmt)
 
+    async def _done_unless_gone(self, request: Request, task: asyncio.Future, job: AsyncJob, reason: str) -> bool:
+        """Wait for ``task`` or the client's disconnect, whichever comes first; on a disconnect
+        cancel the task and the job (False)."""
+        gone_task = asyncio.ensure_future(_wait_disconnect(request))
+        done, _ = await asyncio.wait({task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            await self._cancel(job, reason)
+            return False
+        gone_task.cancel()
+        return True
+
     async def _stream(self, request: Request, job: AsyncJob, meta: "_Meta", fmt: LogprobFormatter) -> Response:
         """Headers go out with the job's first delta: a job that fails before producing anything
         (refused by the worker) is answered with a plain error status, not an event mid-stream."""
         deltas = job.stream()
         first_task = asyncio.ensure_future(deltas.__anext__())
-        gone_task = asyncio.ensure_future(_wait_disconnect(request))
-        done, _ = await asyncio.wait({first_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
-        if first_task not in done:
-            first_task.cancel()
-            await self._cancel(job, "client disconnected before the first token")
+        if not await self._done_unless_gone(request, first_task, job, "client disconnected before the first token"):
             return Response(status_code=499)
-        gone_task.cancel()
         try:
             first = first_task.result()
         except StopAsyncIteration:
@@ -239,13 +246,8 @@ class Gateway:
         self.metrics.inflight.inc()
         try:
             result_task = asyncio.ensure_future(job.result())
-            gone_task = asyncio.ensure_future(_wait_disconnect(request))
-            done, _ = await asyncio.wait({result_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
-            if result_task not in done:
-                result_task.cancel()
-                await self._cancel(job, "client disconnected")
+            if not await self._done_unless_gone(request, result_task, job, "client disconnected"):
                 return Response(status_code=499)
-            gone_task.cancel()
             res = result_task.result()
         finally:
             self.metrics.inflight.dec()
