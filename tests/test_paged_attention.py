@@ -8,8 +8,10 @@ or ~/.cache/mlxq/ext), about 20-40 s once per mlx version and source.
 import mlxq.worker  # noqa: F401  (BLAS before mlx)
 
 import logging
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -295,3 +297,25 @@ def test_head_dim_the_op_cannot_take_keeps_gather(ext):
     assert eng.attention.name == "gather" and "multiples of 8" in eng.attention.reason
     with pytest.raises(ExtensionUnavailable, match="multiples of 8"):
         PagedEngine(model, num_blocks=16, attention="fused")
+
+
+def test_generic_inner_loop_equals_reference(ext):
+    """The baseline-ISA loop (what CPUs without AVX2/FMA run), forced in a fresh process."""
+    script = (
+        "import mlxq.worker\n"
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from test_paged_attention import _case, _rel_err\n"
+        "from mlxq.worker.paged import attention\n"
+        "ext = attention.cpu_extension()\n"
+        "assert ext.isa() == 'generic', ext.isa()\n"
+        "for seed, (B, Hq, Hkv, n, D, ctx, w) in enumerate([(3, 8, 2, [1, 5, 2], 64, [300, 40, 2000], None),"
+        " (2, 8, 8, [9, 1], 128, [100, 33], 20)]):\n"
+        "    args, n_new = _case(seed, B, Hq, Hkv, n, D, ctx, window=w)\n"
+        "    err = _rel_err(ext.paged_attention(*args), attention.gather_attention(*args), n_new)\n"
+        "    assert err <= 1e-5, err\n"
+        "print('generic ok')\n")
+    env = dict(os.environ, MLXQ_ATTN_ISA="generic")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "generic ok" in out.stdout

@@ -163,7 +163,11 @@ ThreadPool& pool() {
   return *g_pool;
 }
 
+// MLXQ_ATTN_ISA=generic forces the baseline loop (tests run it on AVX2 machines).
 AttendFn pick_attend() {
+  const char* want = std::getenv("MLXQ_ATTN_ISA");
+  if (want != nullptr && std::string(want) == "generic")
+    return mlxq_pa::generic::attend;
 #if defined(MLXQ_PA_HAVE_AVX2)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
