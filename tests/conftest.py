@@ -83,6 +83,22 @@ def running_worker(loaded, url: str, settings: Settings | None = None, **kw):
         assert not t.is_alive(), "worker did not stop"
 
 
+def tier_clients(url: str, settings: Settings, tag: str):
+    """(admin, low, high): a key-less client and clients whose registered API keys (suffix ``tag``)
+    put their jobs in the low and high tiers."""
+    from mlxq import Client
+    from mlxq.shared import apikeys
+    from mlxq.shared.keys import GlobalKeys
+
+    admin = Client(url, model="tiny", settings=settings)
+    reg = GlobalKeys().api_keys
+    apikeys.add_key(admin.redis, reg, f"key-high-{tag}", "high")
+    apikeys.add_key(admin.redis, reg, f"key-low-0{tag}", "low")
+    low = Client(url, api_key=f"key-low-0{tag}", model="tiny", settings=settings)
+    high = Client(url, api_key=f"key-high-{tag}", model="tiny", settings=settings)
+    return admin, low, high
+
+
 def wait_for(pred, timeout=10.0, interval=0.02):
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -159,6 +159,16 @@ class StreamCollector(threading.Thread):
             self.error = exc
 
 
+def submit_and_follow(client, specs) -> tuple[list, list["StreamCollector"]]:
+    """Submit ``(prompt_tokens, max_tokens, ignore_eos)`` specs and follow each job's stream on a
+    thread (started); returns (jobs, collectors)."""
+    jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in specs]
+    collectors = [StreamCollector(j) for j in jobs]
+    for c in collectors:
+        c.start()
+    return jobs, collectors
+
+
 def record(name: str, submitted: int, completed: int, lost: int, duplicated: int, **extra) -> dict:
     row = dict(test=name, submitted=submitted, completed=completed, lost=lost, duplicated=duplicated, **extra)
     FIGURES.append(row)

@@ -10,7 +10,7 @@ import pytest
 from mlxq import AuthError, Client
 from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys, ModelKeys
-from tests.conftest import fast_settings, running_worker, wait_for
+from tests.conftest import fast_settings, running_worker, tier_clients, wait_for
 from tests.faultkit import reference_tokens
 
 K = ModelKeys("tiny")
@@ -166,12 +166,7 @@ def test_per_request_params_and_seeded_reproducibility_in_a_batch(tiny_model, re
 
 def test_priority_order_through_a_busy_worker(tiny_model, redis_url):
     settings = fast_settings(redis_url)
-    admin = Client(redis_url, model="tiny", settings=settings)
-    reg = GlobalKeys().api_keys
-    apikeys.add_key(admin.redis, reg, "key-high-0001", "high")
-    apikeys.add_key(admin.redis, reg, "key-low-00001", "low")
-    low = Client(redis_url, api_key="key-low-00001", model="tiny", settings=settings)
-    high = Client(redis_url, api_key="key-high-0001", model="tiny", settings=settings)
+    admin, low, high = tier_clients(redis_url, settings, "0001")
     with running_worker(tiny_model, redis_url, settings, max_batch=1):
         # the blocker holds the only slot until it is cancelled: long by construction
         blocker = admin.submit("warm up", max_tokens=3000, ignore_eos=True)
@@ -189,7 +184,7 @@ def test_priority_order_through_a_busy_worker(tiny_model, redis_url):
     assert results[hi.id].stats.tier == "high" and results[lows[0].id].stats.tier == "low"
     with pytest.raises(AuthError):
         Client(redis_url, api_key="no-such-key-123", model="tiny", settings=settings).submit("x")
-    apikeys.revoke_key(admin.redis, reg, "key-low-00001")
+    apikeys.revoke_key(admin.redis, GlobalKeys().api_keys, "key-low-00001")
     with pytest.raises(AuthError):
         low.submit("x")
 

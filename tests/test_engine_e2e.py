@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from mlxq import Client
-from mlxq.shared import apikeys
-from mlxq.shared.keys import GlobalKeys
-from tests.conftest import fast_settings, running_worker, wait_for
+from tests.conftest import fast_settings, running_worker, tier_clients, wait_for
 from tests.faultkit import reference_tokens
 
 
@@ -15,12 +12,7 @@ def test_urgent_job_is_pulled_while_full_and_preempts(tiny_model, redis_url):
     from mlxq.worker.paged.engine import PagedEngine
 
     settings = fast_settings(redis_url)
-    admin = Client(redis_url, model="tiny", settings=settings)
-    reg = GlobalKeys().api_keys
-    apikeys.add_key(admin.redis, reg, "key-high-0002", "high")
-    apikeys.add_key(admin.redis, reg, "key-low-00002", "low")
-    low = Client(redis_url, api_key="key-low-00002", model="tiny", settings=settings)
-    high = Client(redis_url, api_key="key-high-0002", model="tiny", settings=settings)
+    admin, low, high = tier_clients(redis_url, settings, "0002")
     prompts = [[10 + i, 20, 30, 40, 50] for i in range(2)]
     n_low = 600  # long by construction: still running when the urgent job arrives and ends
     refs = [reference_tokens(tiny_model, p, n_low, ignore_eos=True) for p in prompts]

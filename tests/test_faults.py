@@ -18,7 +18,7 @@ from mlxq.shared import apikeys
 from mlxq.shared.embedded import EmbeddedRedis
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from tests.conftest import fast_settings, running_worker, wait_for
-from tests.faultkit import (ROOT, StreamCollector, WorkerProc, detok_text, record, reference_tokens,
+from tests.faultkit import (ROOT, WorkerProc, detok_text, record, reference_tokens, submit_and_follow,
                             wait_registered, worker_env)
 
 K = ModelKeys("tiny")
@@ -72,10 +72,7 @@ def test_worker_kill9_mid_stream_loses_and_duplicates_nothing(tiny_model, tiny_m
     b = None
     try:
         assert wait_registered(redis_url), a.log()
-        jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in specs]
-        collectors = [StreamCollector(j) for j in jobs]
-        for c in collectors:
-            c.start()
+        jobs, collectors = submit_and_follow(client, specs)
         # kill -9 once every job has streamed a few deltas (or already finished: the ones that may
         # stop at EOS). Freeze the worker first so the states read below are the states at the kill.
         assert wait_for(lambda: all(_xlen(r, j.id) >= 4 or j.status() == "done" for j in jobs), timeout=120), a.log()
@@ -126,10 +123,7 @@ def test_redis_restart_mid_run_keeps_active_jobs(tiny_model, tmp_path, hard, cap
         client = Client(url, model="tiny", settings=settings)
         r = client.redis
         with running_worker(tiny_model, url, settings, max_batch=16) as w:
-            jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in specs]
-            collectors = [StreamCollector(j) for j in jobs]
-            for c in collectors:
-                c.start()
+            jobs, collectors = submit_and_follow(client, specs)
             assert wait_for(lambda: all(_xlen(r, j.id) >= 3 or j.status() == "done" for j in jobs), timeout=120)
             active_before = set(w.active)
             t0 = time.monotonic()
@@ -215,10 +209,7 @@ def test_sigterm_finishes_or_requeues_and_a_second_sigterm_exits_at_once(tiny_mo
         w1 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, grace=0.0, **lease)
         procs.append(w1)
         assert wait_registered(redis_url), w1.log()
-        long_jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in long]
-        collectors = [StreamCollector(j) for j in long_jobs]
-        for c in collectors:
-            c.start()
+        long_jobs, collectors = submit_and_follow(client, long)
         assert wait_for(lambda: all(_xlen(r, j.id) >= 3 for j in long_jobs), timeout=120), w1.log()
         w1.term()
         assert w1.wait(timeout=60) == 0, w1.log()
@@ -229,10 +220,7 @@ def test_sigterm_finishes_or_requeues_and_a_second_sigterm_exits_at_once(tiny_mo
         #    running job finish (the requeued ones from their resume state) before it exits
         w2 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, grace=600.0, **lease)
         procs.append(w2)
-        short_jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in short]
-        short_collectors = [StreamCollector(j) for j in short_jobs]
-        for c in short_collectors:
-            c.start()
+        short_jobs, short_collectors = submit_and_follow(client, short)
         assert wait_for(lambda: all(_xlen(r, j.id) >= 3 for j in short_jobs), timeout=120), w2.log()
         w2.term()
         assert w2.wait(timeout=300) == 0, w2.log()
@@ -244,10 +232,7 @@ def test_sigterm_finishes_or_requeues_and_a_second_sigterm_exits_at_once(tiny_mo
         # 3. a second SIGTERM exits at once, mid-job; the leases bring the jobs back
         w3 = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, grace=600.0, **lease)
         procs.append(w3)
-        cold_jobs = [client.submit(prompt_tokens=p, max_tokens=n, ignore_eos=ie) for p, n, ie in cold]
-        cold_collectors = [StreamCollector(j) for j in cold_jobs]
-        for c in cold_collectors:
-            c.start()
+        cold_jobs, cold_collectors = submit_and_follow(client, cold)
         assert wait_for(lambda: all(_xlen(r, j.id) >= 3 for j in cold_jobs), timeout=120), w3.log()
         w3.term()
         assert w3.wait_log("warm shutdown"), w3.log()  # the first signal was taken
