@@ -95,6 +95,9 @@ class KVPool:
         # The fused paged-attention op when the engine uses one (set by
         # attention.use_attention); None: layers gather their blocks (the reference path).
         self.attention = None
+        # With it, the same extension's in-place writer (keys, values -> pool rows);
+        # None: MLX scatters.
+        self.kv_write = None
 
     @property
     def nbytes(self) -> int:
@@ -254,11 +257,15 @@ class PagedLayerCache:
         v = self.view
         B, H, N, Dk = keys.shape
         Dv = values.shape[3]
-        k_new = keys.transpose(1, 0, 2, 3).reshape(H, B * N, Dk)
-        v_new = values.transpose(1, 0, 2, 3).reshape(H, B * N, Dv)
         pk, pv = self.pool.keys[self.layer], self.pool.values[self.layer]
-        pk[:, v.write_slots] = k_new.astype(pk.dtype)
-        pv[:, v.write_slots] = v_new.astype(pv.dtype)
+        if self.pool.kv_write is not None and keys.dtype == pk.dtype and values.dtype == pv.dtype:
+            # in place (the pool arrays are replaced by the op's outputs, which share their buffers)
+            pk, pv = self.pool.kv_write(pk, pv, keys, values, v.write_slots)
+        else:
+            k_new = keys.transpose(1, 0, 2, 3).reshape(H, B * N, Dk)
+            v_new = values.transpose(1, 0, 2, 3).reshape(H, B * N, Dv)
+            pk[:, v.write_slots] = k_new.astype(pk.dtype)
+            pv[:, v.write_slots] = v_new.astype(pv.dtype)
         self.pool.keys[self.layer], self.pool.values[self.layer] = pk, pv
         if self.pool.attention is not None:
             # The fused op reads the blocks in place: the model's attention call

@@ -3,16 +3,18 @@
 // crosses over; mlx.core must be imported before this module.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include <optional>
 
+#include "cpu_ops.h"
 #include "paged_attention.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_mlxq_paged_attention, m) {
-  m.doc() = "mlxq paged attention (CPU primitive)";
+  m.doc() = "mlxq CPU primitives: paged attention, the paged KV write, swiglu";
   m.def(
       "paged_attention",
       [](const mx::array& queries,
@@ -46,6 +48,22 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "block_size"_a = 32,
       "Attention over KV blocks read in place from the pools; see "
       "paged_attention.h.");
+  m.def(
+      "swiglu",
+      &mlxq::swiglu,
+      "gate"_a,
+      "up"_a,
+      "silu(gate) * up, float32, bit-identical to mlx-lm's swiglu on the CPU.");
+  m.def(
+      "paged_kv_write",
+      &mlxq::paged_kv_write,
+      "k_pool"_a,
+      "v_pool"_a,
+      "keys"_a,
+      "values"_a,
+      "slots"_a,
+      "[k_pool', v_pool']: keys (B, H, N, D) written at pool rows slots (B*N,).");
+  m.def("swiglu_isa", &mlxq::swiglu_isa, "The swiglu loop this CPU runs: avx2 or generic.");
   m.def("num_threads", &mlxq::num_threads, "Threads the op runs on.");
   m.def("isa", &mlxq::isa, "The inner loop this CPU runs: avx2 or generic.");
 }

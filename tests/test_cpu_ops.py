@@ -1,0 +1,122 @@
+"""The CPU extension's decode-step ops besides attention: swiglu and the in-place KV write.
+
+swiglu must be bit-identical to mlx-lm's (greedy equality with mlx-lm rests on it);
+the KV write must equal MLX's scatter and must not copy the pool when it can write
+in place.
+"""
+
+from __future__ import annotations
+
+import mlxq.worker  # noqa: F401  (BLAS before mlx)
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.activations import swiglu as mlx_swiglu
+
+from mlxq.worker.paged import PagedEngine, attention
+
+SPECIAL = [0.0, -0.0, 1e-40, -1e-40, 88.0, -88.0, 88.1, -88.1, 200.0, -200.0, float("inf"),
+           float("-inf"), float("nan"), 0.5, -0.5, 0.49999997, -0.49999997, 1e-8, -1e-8, 63.9, -63.9]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return attention.cpu_extension()
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 4.0, 30.0, 120.0])
+def test_swiglu_bit_identical_to_mlx_lm(ext, scale):
+    key = mx.random.key(int(scale * 100))
+    k1, k2 = mx.random.split(key)
+    gate = mx.concatenate([mx.random.normal((3 * 1187,), key=k1) * scale, mx.array(SPECIAL * 2)])
+    up = mx.random.normal(gate.shape, key=k2)
+    assert mx.array_equal(ext.swiglu(gate, up), mlx_swiglu(gate, up), equal_nan=True).item()
+    # the shape the MLP feeds it: (B, L, hidden), an odd tail past the 8-wide loop
+    g3, u3 = gate[:3 * 1187].reshape(3, 1, 1187), up[:3 * 1187].reshape(3, 1, 1187)
+    assert mx.array_equal(ext.swiglu(g3, u3), mlx_swiglu(g3, u3)).item()
+
+
+def test_swiglu_gradient_matches_mlx_lm(ext):
+    g = mx.random.normal((4, 9), key=mx.random.key(1)) * 3
+    u = mx.random.normal((4, 9), key=mx.random.key(2))
+    w = mx.arange(36, dtype=mx.float32).reshape(4, 9)
+    ours = mx.grad(lambda a, b: (ext.swiglu(a, b) * w).sum(), argnums=(0, 1))(g, u)
+    theirs = mx.grad(lambda a, b: (mlx_swiglu(a, b) * w).sum(), argnums=(0, 1))(g, u)
+    for a, b in zip(ours, theirs):
+        assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item()
+
+
+def test_swiglu_dispatch_falls_back_where_the_op_does_not_apply(ext, tiny_model):
+    assert "mlx_lm.models.llama" in attention.install_swiglu(tiny_model.model, ext.swiglu)
+    g16 = mx.random.normal((2, 8)).astype(mx.float16)
+    assert mx.array_equal(attention._swiglu_dispatch(g16, g16), mlx_swiglu(g16, g16)).item()
+    g, u = mx.random.normal((2, 8)), mx.random.normal((1, 8))  # broadcasting: mlx-lm's
+    assert mx.array_equal(attention._swiglu_dispatch(g, u), mlx_swiglu(g, u)).item()
+    with pytest.raises(ValueError, match="float32 only"):
+        ext.swiglu(g16, g16)
+    with pytest.raises(ValueError, match="one shape"):
+        ext.swiglu(g, u)
+
+
+def _pools(seed, H=2, S=8 * 32, Dk=16, Dv=8):
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    return mx.random.normal((H, S, Dk), key=k1), mx.random.normal((H, S, Dv), key=k2)
+
+
+def _scatter(k_pool, v_pool, keys, values, slots):
+    k, v = mx.array(k_pool), mx.array(v_pool)
+    B, H, N, _ = keys.shape
+    k[:, slots] = keys.transpose(1, 0, 2, 3).reshape(H, B * N, -1)
+    v[:, slots] = values.transpose(1, 0, 2, 3).reshape(H, B * N, -1)
+    return k, v
+
+
+def test_kv_write_equals_scatter_and_keeps_a_referenced_input(ext):
+    k_pool, v_pool = _pools(0)
+    mx.eval(k_pool, v_pool)
+    before = mx.array(k_pool)
+    keys = mx.random.normal((3, 4, 2, 16)).transpose(0, 2, 1, 3)  # (B, H, N, D), not contiguous
+    values = mx.random.normal((3, 2, 4, 8))
+    slots = mx.array([5, 6, 7, 8, 40, 41, 42, 43, 255, 0, 100, 101], dtype=mx.int32)
+    want_k, want_v = _scatter(k_pool, v_pool, keys, values, slots)
+    got_k, got_v = ext.paged_kv_write(k_pool, v_pool, keys, values, slots)
+    assert mx.array_equal(got_k, want_k).item() and mx.array_equal(got_v, want_v).item()
+    # k_pool was still referenced here, so the op copied it: the input is unchanged
+    assert mx.array_equal(k_pool, before).item()
+
+
+def test_kv_write_is_in_place_when_the_pool_is_donated(ext):
+    H, S, D = 4, 64 * 1024, 64  # 64 MiB per pool
+    pools = [mx.zeros((H, S, D)), mx.zeros((H, S, D))]
+    mx.eval(pools)
+    rows = mx.ones((8, H, 1, D))
+    slots = mx.arange(8, dtype=mx.int32) * 1000
+    mx.eval(rows, slots)
+    pool_bytes = pools[0].nbytes
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for _ in range(3):
+        pools[0], pools[1] = ext.paged_kv_write(pools[0], pools[1], rows, rows, slots)
+        mx.eval(pools)
+    assert mx.get_peak_memory() - base < pool_bytes // 2  # no pool-sized copy was made
+    assert pools[0][:, slots].sum().item() == 8 * H * D
+
+
+def test_kv_write_bad_input_is_a_clear_error(ext):
+    k_pool, v_pool = _pools(1)
+    keys = mx.zeros((1, 2, 1, 16))
+    values = mx.zeros((1, 2, 1, 8))
+    with pytest.raises(ValueError, match="slots must be"):
+        ext.paged_kv_write(k_pool, v_pool, keys, values, mx.array([1, 2], dtype=mx.int32))
+    with pytest.raises(ValueError, match="dtype"):
+        ext.paged_kv_write(k_pool, v_pool, keys.astype(mx.float16), values, mx.array([1], dtype=mx.int32))
+    with pytest.raises(ValueError, match="heads"):
+        ext.paged_kv_write(k_pool, v_pool, mx.zeros((1, 3, 1, 16)), values, mx.array([1], dtype=mx.int32))
+
+
+def test_engine_uses_the_ops_only_with_the_fused_backend(ext, tiny_model):
+    model = tiny_model.model
+    fused = PagedEngine(model, num_blocks=16, attention="fused")
+    assert fused.pool.kv_write is not None and "swiglu" in fused.attention.reason
+    gather = PagedEngine(model, num_blocks=16, attention="gather")
+    assert gather.pool.kv_write is None

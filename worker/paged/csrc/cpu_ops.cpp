@@ -1,0 +1,302 @@
+// swiglu and paged_kv_write as MLX CPU primitives (see cpu_ops.h).
+//
+// Compiled with -ffp-contract=off (CMakeLists.txt): every fused multiply-add
+// below is an explicit fma, exactly where MLX's own code has one, so the
+// compiler may not fuse anything else and the results stay bit-identical to
+// MLX's.
+#include "cpu_ops.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MLXQ_X86 1
+#endif
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mlxq {
+namespace {
+
+// ------------------------------------------------------------------ swiglu
+// MLX's exp (mlx/backend/cpu/simd/math.h) for one float, as the x86-64 wheel
+// runs it: floor(x + 0.5) in double (0.5 is a double literal there), the
+// Cephes polynomial with std::fma, 2**ipart by bit shifting, then the NaN and
+// overflow selects.
+inline float mlx_exp(float x_init) {
+  float x = x_init * 1.442695f;
+  const float ipart = static_cast<float>(std::floor(static_cast<double>(x) + 0.5));
+  const float fpart = x - ipart;
+  x = 1.535336188319500e-4f;
+  x = std::fma(x, fpart, 1.339887440266574e-3f);
+  x = std::fma(x, fpart, 9.618437357674640e-3f);
+  x = std::fma(x, fpart, 5.550332471162809e-2f);
+  x = std::fma(x, fpart, 2.402264791363012e-1f);
+  x = std::fma(x, fpart, 6.931472028550421e-1f);
+  x = std::fma(x, fpart, 1.000000000000000f);
+  if (std::isnan(x_init))
+    return x_init;
+  if (x_init > 88.0f)
+    return std::numeric_limits<float>::infinity();
+  if (x_init < -88.0f)
+    return 0.0f;
+  const int32_t e = (static_cast<int32_t>(ipart) + 127) << 23;
+  float two_i;
+  std::memcpy(&two_i, &e, sizeof(two_i));
+  return two_i * x;
+}
+
+// mlx::core::detail::Sigmoid, then nn.silu (x * sigmoid(x)), then swiglu's
+// silu(gate) * up.
+inline float swiglu_one(float g, float u) {
+  const float y = 1.0f / (1.0f + mlx_exp(std::fabs(g)));
+  const float s = g < 0.0f ? y : 1.0f - y;
+  return (g * s) * u;
+}
+
+void swiglu_generic(const float* g, const float* u, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = swiglu_one(g[i], u[i]);
+}
+
+#ifdef MLXQ_X86
+__attribute__((target("avx2,fma"))) inline __m256 floor_plus_half(__m256 x) {
+  // floor(x + 0.5) with the add in double, as MLX does: exact for every float.
+  const __m256d half = _mm256_set1_pd(0.5);
+  __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+  __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+  lo = _mm256_floor_pd(_mm256_add_pd(lo, half));
+  hi = _mm256_floor_pd(_mm256_add_pd(hi, half));
+  return _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 mlx_exp8(__m256 x_init) {
+  __m256 x = _mm256_mul_ps(x_init, _mm256_set1_ps(1.442695f));
+  const __m256 ipart = floor_plus_half(x);
+  const __m256 fpart = _mm256_sub_ps(x, ipart);
+  x = _mm256_set1_ps(1.535336188319500e-4f);
+  x = _mm256_fmadd_ps(x, fpart, _mm256_set1_ps(1.339887440266574e-3f));
+  x = _mm256_fmadd_ps(x, fpart, _mm256_set1_ps(9.618437357674640e-3f));
+  x = _mm256_fmadd_ps(x, fpart, _mm256_set1_ps(5.550332471162809e-2f));
+  x = _mm256_fmadd_ps(x, fpart, _mm256_set1_ps(2.402264791363012e-1f));
+  x = _mm256_fmadd_ps(x, fpart, _mm256_set1_ps(6.931472028550421e-1f));
+  x = _mm256_fmadd_ps(x, fpart, _mm256_set1_ps(1.000000000000000f));
+  // ipart is in [-127, 128] wherever the result is not overridden below.
+  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(ipart, _mm256_set1_ps(-127.0f)),
+                                       _mm256_set1_ps(128.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(clamped), _mm256_set1_epi32(127)), 23);
+  __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(e), x);
+  const __m256 nan = _mm256_cmp_ps(x_init, x_init, _CMP_UNORD_Q);
+  r = _mm256_blendv_ps(r, x_init, nan);
+  r = _mm256_blendv_ps(r, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                       _mm256_cmp_ps(x_init, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+  r = _mm256_blendv_ps(r, _mm256_setzero_ps(),
+                       _mm256_cmp_ps(x_init, _mm256_set1_ps(-88.0f), _CMP_LT_OQ));
+  return r;
+}
+
+__attribute__((target("avx2,fma"))) void swiglu_avx2(
+    const float* g,
+    const float* u,
+    float* out,
+    int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 y = _mm256_div_ps(one, _mm256_add_ps(one, mlx_exp8(_mm256_and_ps(gv, abs_mask))));
+    const __m256 neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 s = _mm256_blendv_ps(_mm256_sub_ps(one, y), y, neg);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, s), _mm256_loadu_ps(u + i)));
+  }
+  swiglu_generic(g + i, u + i, out + i, n - i);
+}
+#endif
+
+using SwigluFn = void (*)(const float*, const float*, float*, int64_t);
+
+// MLXQ_ATTN_ISA=generic forces the baseline loops (as for the attention).
+SwigluFn pick_swiglu() {
+  const char* want = std::getenv("MLXQ_ATTN_ISA");
+  if (want != nullptr && std::string(want) == "generic")
+    return swiglu_generic;
+#ifdef MLXQ_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return swiglu_avx2;
+#endif
+  return swiglu_generic;
+}
+
+const SwigluFn g_swiglu = pick_swiglu();
+
+mx::Stream cpu_stream() {
+  return mx::default_stream(mx::Device(mx::Device::cpu));
+}
+
+} // namespace
+
+const char* swiglu_isa() {
+  return g_swiglu == swiglu_generic ? "generic" : "avx2";
+}
+
+// ------------------------------------------------------------------ ops
+mx::array swiglu(const mx::array& gate, const mx::array& up) {
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32)
+    throw std::invalid_argument("swiglu: float32 only");
+  if (gate.shape() != up.shape())
+    throw std::invalid_argument("swiglu: gate and up must have one shape");
+  auto s = cpu_stream();
+  return mx::array(
+      gate.shape(),
+      mx::float32,
+      std::make_shared<SwiGLU>(s),
+      {mx::contiguous(gate, false, s), mx::contiguous(up, false, s)});
+}
+
+std::vector<mx::array> paged_kv_write(
+    const mx::array& k_pool,
+    const mx::array& v_pool,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& slots) {
+  auto fail = [](const std::string& msg) {
+    throw std::invalid_argument("paged_kv_write: " + msg);
+  };
+  if (k_pool.ndim() != 3 || v_pool.ndim() != 3)
+    fail("the pools must be (H, S, D)");
+  if (keys.ndim() != 4 || values.ndim() != 4)
+    fail("keys and values must be (B, H, N, D)");
+  const int H = k_pool.shape(0), S = k_pool.shape(1);
+  if (v_pool.shape(0) != H || v_pool.shape(1) != S)
+    fail("k_pool and v_pool disagree on heads or slots");
+  if (keys.shape(1) != H || values.shape(1) != H)
+    fail("keys/values and the pools disagree on heads");
+  if (keys.shape(0) != values.shape(0) || keys.shape(2) != values.shape(2))
+    fail("keys and values disagree on rows or tokens");
+  if (keys.shape(3) != k_pool.shape(2) || values.shape(3) != v_pool.shape(2))
+    fail("keys/values and the pools disagree on the head dim");
+  if (keys.dtype() != k_pool.dtype() || values.dtype() != v_pool.dtype())
+    fail("keys/values must have the pools' dtype");
+  if (slots.ndim() != 1 || slots.shape(0) != keys.shape(0) * keys.shape(2))
+    fail("slots must be (B * N,)");
+  auto s = cpu_stream();
+  auto slots32 = mx::contiguous(mx::astype(slots, mx::int32, s), false, s);
+  // One single-output node per pool: a multi-output node keeps a copy of its
+  // inputs per output, and a pool referenced twice cannot be donated. The pool
+  // goes in as it is (a contiguous() node would share its buffer, which stops
+  // the donation too); the engine's pools are row-contiguous by construction.
+  auto write = [&](const mx::array& pool, const mx::array& rows) {
+    return mx::array(
+        pool.shape(),
+        pool.dtype(),
+        std::make_shared<PagedKVWrite>(s),
+        {pool, mx::contiguous(rows, false, s), slots32});
+  };
+  return {write(k_pool, keys), write(v_pool, values)};
+}
+
+// ------------------------------------------------------------------ eval
+void SwiGLU::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const auto& g = inputs[0];
+  const auto& u = inputs[1];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(g);
+  encoder.set_input_array(u);
+  encoder.set_output_array(out);
+  const float* gp = g.data<float>();
+  const float* up = u.data<float>();
+  float* op = out.data<float>();
+  const int64_t n = out.size();
+  encoder.dispatch([gp, up, op, n]() { g_swiglu(gp, up, op, n); });
+}
+
+std::vector<mx::array> SwiGLU::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  const auto& g = primals[0];
+  const auto& u = primals[1];
+  const auto& c = cotangents[0];
+  auto s = mx::sigmoid(g, stream());
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      // d/dg [g * s(g)] = s + g * s * (1 - s)
+      auto dsilu = mx::add(s, mx::multiply(mx::multiply(g, s, stream()),
+                                           mx::subtract(mx::array(1.0f), s, stream()), stream()),
+                           stream());
+      grads.push_back(mx::multiply(c, mx::multiply(u, dsilu, stream()), stream()));
+    } else {
+      grads.push_back(mx::multiply(c, mx::multiply(g, s, stream()), stream()));
+    }
+  }
+  return grads;
+}
+
+void SwiGLU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("MlxqSwiGLU runs on the CPU stream only");
+}
+
+void PagedKVWrite::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const auto& pool = inputs[0];
+  const auto& rows = inputs[1];
+  const auto& slots = inputs[2];
+  auto& out = outputs[0];
+  if (!pool.flags().row_contiguous)
+    throw std::runtime_error("paged_kv_write: the KV pools must be row-contiguous");
+  const uint8_t* copy_from = nullptr;
+  if (pool.is_donatable()) {
+    out.copy_shared_buffer(pool); // in place
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    copy_from = pool.data<uint8_t>();
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& x : inputs)
+    encoder.set_input_array(x);
+  encoder.set_output_array(out);
+  const int B = rows.shape(0), H = rows.shape(1), N = rows.shape(2);
+  const int64_t S = pool.shape(1);
+  const size_t row_bytes = (size_t)rows.shape(3) * rows.itemsize(); // one token, one head
+  const size_t pool_bytes = out.nbytes();
+  uint8_t* dst = out.data<uint8_t>();
+  const uint8_t* src = rows.data<uint8_t>();
+  const int32_t* sl = slots.data<int32_t>();
+  encoder.dispatch([=]() {
+    if (copy_from != nullptr)
+      std::memcpy(dst, copy_from, pool_bytes);
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < H; ++h)
+        for (int n = 0; n < N; ++n) {
+          const int64_t slot = sl[(int64_t)b * N + n];
+          if (slot < 0 || slot >= S)
+            continue; // never out of bounds (the engine never asks for it)
+          std::memcpy(
+              dst + ((int64_t)h * S + slot) * row_bytes,
+              src + (((int64_t)b * H + h) * N + n) * row_bytes,
+              row_bytes);
+        }
+  });
+}
+
+void PagedKVWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("MlxqPagedKVWrite runs on the CPU stream only");
+}
+
+} // namespace mlxq
