@@ -1,11 +1,16 @@
 """Profile the engine's decode step in process (no Redis): where a step's time goes.
 
     python bench/profile_step.py [--batch 64] [--prompt-len 64] [--steps 40] [--cprofile]
+    python bench/profile_step.py --mixed [--batch 16]
 
 Prints, for ``--batch`` running sequences on the bench model: the engine's mean
 wall time per decode step (tokens/s), the same forward pass alone (one
 ``model(...)`` + argmax, evaluated, no engine around it) as the floor, and with
 ``--cprofile`` the top host-side functions of the engine's steps.
+
+``--mixed``: should decode rows ride in a prefill pass?  With ``--batch``
+decoding rows, one padded pass over prefill chunks + decode rows against a
+prefill pass then a decode pass, for several chunk shapes.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--kv-mb", type=float, default=None, help="KV pool budget (default: the engine's)")
+    ap.add_argument("--mixed", action="store_true", help="decode rows in the prefill pass, or not")
     args = ap.parse_args()
     loaded = load_model(args.model or bench_model_dir())
     model = loaded.model
@@ -59,6 +65,8 @@ def main() -> int:
         eng.step()
     for _ in range(5):
         eng.step()
+    if args.mixed:
+        return mixed_passes(eng)
     prof = cProfile.Profile() if args.cprofile else None
     t0 = time.perf_counter()
     n = 0
@@ -91,6 +99,40 @@ def main() -> int:
           f"{args.batch * args.steps / dt:.0f} tok/s")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    return 0
+
+
+def mixed_passes(eng) -> int:
+    """One padded pass (prefill chunks + decode rows) against two passes, each evaluated."""
+    from mlxq.worker.paged.cache import BatchRow
+
+    eng._settle()
+    dec = list(eng._active.values())
+    drows = [BatchRow(s.block_table, s.num_computed, 1) for s in dec]
+    for n_pre, width in ((8, 64), (8, 16), (4, 8), (2, 4)):
+        pre = [BatchRow(eng.bm.allocate(eng.bm.blocks_needed(width)), 0, width) for _ in range(n_pre)]
+
+        def two_passes():
+            mx.eval(eng.runner.forward(pre, mx.ones((n_pre, width), mx.int32)), eng.pool.arrays())
+            mx.eval(eng.runner.forward(drows, mx.ones((len(dec), 1), mx.int32)), eng.pool.arrays())
+
+        def one_pass():
+            inputs = mx.ones((n_pre + len(dec), width), mx.int32)
+            last = mx.array([width - 1] * n_pre + [0] * len(dec))
+            mx.eval(eng.runner.forward(pre + drows, inputs, last), eng.pool.arrays())
+
+        times = {}
+        for fn in (two_passes, one_pass, two_passes, one_pass):
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                fn()
+            times.setdefault(fn.__name__, []).append((time.perf_counter() - t0) / 5)
+        two, one = min(times["two_passes"]), min(times["one_pass"])
+        print(f"prefill {n_pre} x {width} tokens + {len(dec)} decode rows: two passes {two * 1e3:.1f} ms, "
+              f"one padded pass {one * 1e3:.1f} ms ({two / one:.2f}x)")
+        for r in pre:
+            eng.bm.deallocate(r.block_table)
     return 0
 
 

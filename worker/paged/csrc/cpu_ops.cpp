@@ -6,6 +6,7 @@
 // MLX's.
 #include "cpu_ops.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -138,11 +139,17 @@ SwigluFn pick_swiglu() {
 
 const SwigluFn g_swiglu = pick_swiglu();
 
+std::atomic<int64_t> g_kv_write_copies{0};
+
 mx::Stream cpu_stream() {
   return mx::default_stream(mx::Device(mx::Device::cpu));
 }
 
 } // namespace
+
+int64_t kv_write_copies() {
+  return g_kv_write_copies.load();
+}
 
 const char* swiglu_isa() {
   return g_swiglu == swiglu_generic ? "generic" : "avx2";
@@ -266,6 +273,7 @@ void PagedKVWrite::eval_cpu(
   } else {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     copy_from = pool.data<uint8_t>();
+    g_kv_write_copies.fetch_add(1);
   }
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& x : inputs)

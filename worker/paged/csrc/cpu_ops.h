@@ -16,6 +16,7 @@
 //     int64 index arithmetic) and two transposed copies per layer.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -33,6 +34,11 @@ std::vector<mx::array> paged_kv_write(
     const mx::array& keys,
     const mx::array& values,
     const mx::array& slots);
+
+// How many paged_kv_write evaluations had to copy their pool (it was still
+// referenced elsewhere, e.g. a second forward pass built before the first was
+// evaluated). The engine expects 0; tests check it.
+int64_t kv_write_copies();
 
 // "avx2" or "generic": the swiglu loop this CPU runs.
 const char* swiglu_isa();
