@@ -34,6 +34,11 @@ the cache returns keys and values and the model itself calls SDPA on them, so th
 cache cannot change what attention computes; a narrowly scoped dispatch can, and a
 probe forward pass checks that every layer of the model goes through it before the
 engine relies on it (models with their own attention code keep the gather path).
+
+With the CPU extension the engine also takes two more of its ops (``use_attention``):
+``paged_kv_write`` (the pool's new keys/values written in place, see ``cache.py``) and
+``swiglu``, installed like the attention dispatch (:func:`install_swiglu`) and bit-identical
+to mlx-lm's, which the x86-64 mlx wheel computes one float at a time.
 """
 
 from __future__ import annotations

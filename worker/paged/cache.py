@@ -8,10 +8,11 @@ cache offset and the number of new tokens it feeds.  ``make_layer_caches``
 returns one ``PagedLayerCache`` per model layer; the unmodified mlx-lm model
 calls ``offset`` (RoPE position), ``make_mask`` and ``update_and_fetch`` on it.
 
-``update_and_fetch`` scatters the new keys/values into the pool at the rows'
-slots and gathers each row's blocks back as a dense ``(B, H, L, D)`` view
-(L = the longest row), which the stock attention consumes with a mask that hides
-padding.  Sliding-window layers are stored in full and masked to their window.
+``update_and_fetch`` writes the new keys/values into the pool at the rows'
+slots (in place with the CPU extension's ``paged_kv_write``, else an MLX
+scatter) and, without a fused attention op, gathers each row's blocks back as
+a dense ``(B, H, L, D)`` view (L = the longest row), which the stock attention
+consumes with a mask that hides padding.  Sliding-window layers are stored in full and masked to their window.
 """
 
 from __future__ import annotations
