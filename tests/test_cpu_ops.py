@@ -1,6 +1,6 @@
-"""The CPU extension's decode-step ops besides attention: swiglu and the in-place KV write.
+"""The CPU extension's decode-step ops besides attention: swiglu, RoPE and the in-place KV write.
 
-swiglu must be bit-identical to mlx-lm's (greedy equality with mlx-lm rests on it);
+swiglu and RoPE must be bit-identical to MLX's (greedy equality with mlx-lm rests on it);
 the KV write must equal MLX's scatter and must not copy the pool when it can write
 in place.
 """
@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
-from mlxq.worker.paged import PagedEngine, attention
+from mlxq.worker.paged import PagedEngine, attention, model_ops
 
 SPECIAL = [0.0, -0.0, 1e-40, -1e-40, 88.0, -88.0, 88.1, -88.1, 200.0, -200.0, float("inf"),
            float("-inf"), float("nan"), 0.5, -0.5, 0.49999997, -0.49999997, 1e-8, -1e-8, 63.9, -63.9]
@@ -49,15 +49,51 @@ def test_swiglu_gradient_matches_mlx_lm(ext):
 
 
 def test_swiglu_dispatch_falls_back_where_the_op_does_not_apply(ext, tiny_model):
-    assert "mlx_lm.models.llama" in attention.install_swiglu(tiny_model.model, ext.swiglu)
+    assert "mlx_lm.models.llama" in model_ops.install_swiglu(tiny_model.model, ext.swiglu)
     g16 = mx.random.normal((2, 8)).astype(mx.float16)
-    assert mx.array_equal(attention._swiglu_dispatch(g16, g16), mlx_swiglu(g16, g16)).item()
+    assert mx.array_equal(model_ops.swiglu_dispatch(g16, g16), mlx_swiglu(g16, g16)).item()
     g, u = mx.random.normal((2, 8)), mx.random.normal((1, 8))  # broadcasting: mlx-lm's
-    assert mx.array_equal(attention._swiglu_dispatch(g, u), mlx_swiglu(g, u)).item()
+    assert mx.array_equal(model_ops.swiglu_dispatch(g, u), mlx_swiglu(g, u)).item()
     with pytest.raises(ValueError, match="float32 only"):
         ext.swiglu(g16, g16)
     with pytest.raises(ValueError, match="one shape"):
         ext.swiglu(g, u)
+
+
+ROPE_CONFIGS = [  # (B, H, T, D, dims, traditional, base, scale)
+    (16, 8, 1, 64, 64, False, 10000.0, 1.0), (3, 4, 7, 64, 64, False, 10000.0, 1.0),
+    (2, 2, 5, 128, 64, False, 500000.0, 0.25), (4, 8, 3, 64, 64, True, 10000.0, 1.0),
+    (1, 2, 33, 80, 80, False, 1e6, 1.0), (5, 3, 2, 96, 32, True, 10000.0, 2.0)]
+
+
+@pytest.mark.parametrize("B,H,T,D,dims,traditional,base,scale", ROPE_CONFIGS)
+def test_rope_bit_identical_to_mlx(ext, B, H, T, D, dims, traditional, base, scale):
+    x = mx.random.normal((B, H, T, D), key=mx.random.key(B * 100 + T)) * 3
+    offsets = [0, 7, 4095, 100_000, 2**23 + 5]  # the last: MLX's sincos hands it to libm
+    offsets = [mx.array(o, dtype=mx.int32) for o in offsets]
+    offsets += [mx.arange(B, dtype=mx.int32) * 5, mx.arange(B, dtype=mx.int32) * 17 + 123_456]
+    for off in offsets:
+        want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=off)
+        got = ext.rope(x, dims, traditional, base, scale, off)
+        assert mx.array_equal(got, want).item(), off
+
+
+def test_fast_rope_module(ext, tiny_model):
+    import mlx.nn as nn
+
+    rope = nn.RoPE(64, base=10000)
+    x = mx.random.normal((2, 4, 3, 64))
+    want = rope(x, offset=5)
+    assert model_ops.install_rope(tiny_model.model, ext.rope) >= 1  # the tiny llama's layers
+    fast = nn.RoPE(64, base=10000)
+    fast.__class__ = model_ops.FastRoPE
+    assert mx.array_equal(fast(x, offset=5), want).item()
+    offs = mx.array([3, 9], dtype=mx.int32)
+    assert mx.array_equal(fast(x, offset=offs), rope(x, offset=offs)).item()
+    x16 = x.astype(mx.float16)  # not float32: MLX's own
+    assert mx.array_equal(fast(x16, offset=5), rope(x16, offset=5)).item()
+    with pytest.raises(ValueError, match="float32 only"):
+        ext.rope(x16, 64, False, 10000.0, 1.0, mx.array(0))
 
 
 def _pools(seed, H=2, S=8 * 32, Dk=16, Dv=8):
@@ -119,7 +155,8 @@ def test_kv_write_bad_input_is_a_clear_error(ext):
 def test_engine_uses_the_ops_only_with_the_fused_backend(ext, tiny_model):
     model = tiny_model.model
     fused = PagedEngine(model, num_blocks=16, attention="fused")
-    assert fused.pool.kv_write is not None and "swiglu" in fused.attention.reason
+    assert fused.pool.kv_write is not None
+    assert fused.attention.model_ops == ("swiglu", "rope"), fused.attention.reason
     gather = PagedEngine(model, num_blocks=16, attention="gather")
     assert gather.pool.kv_write is None
 

@@ -35,10 +35,9 @@ cache cannot change what attention computes; a narrowly scoped dispatch can, and
 probe forward pass checks that every layer of the model goes through it before the
 engine relies on it (models with their own attention code keep the gather path).
 
-With the CPU extension the engine also takes two more of its ops (``use_attention``):
-``paged_kv_write`` (the pool's new keys/values written in place, see ``cache.py``) and
-``swiglu``, installed like the attention dispatch (:func:`install_swiglu`) and bit-identical
-to mlx-lm's, which the x86-64 mlx wheel computes one float at a time.
+With the CPU extension the engine also takes more of its ops (``use_attention``):
+``paged_kv_write`` (the pool's new keys/values written in place, see ``cache.py``), and the
+model ops of :mod:`.model_ops` (swiglu, RoPE), bit-identical to MLX's own.
 """
 
 from __future__ import annotations
@@ -51,9 +50,9 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
-from mlx_lm.models.activations import swiglu as _mlx_swiglu
 from mlx_lm.models.cache import make_prompt_cache
 
+from . import model_ops
 from .block_manager import BLOCK_SIZE
 from .cache import KVPool, PagedLayerCache, _ShapeProbe
 from .extbuild import ExtensionUnavailable
@@ -190,7 +189,7 @@ def cpu_extension(build_if_missing: bool = True):
     try:
         ext = extbuild.load(build_if_missing=build_if_missing)
         _self_check(ext.paged_attention)
-        _self_check_step_ops(ext)
+        model_ops.check_kv_write(ext)
     except ExtensionUnavailable as e:
         if build_if_missing:
             _cpu_error = str(e)
@@ -219,37 +218,16 @@ def _self_check(op) -> None:
         raise ExtensionUnavailable(f"the extension's self-check differs from the reference by {err}")
 
 
-def _self_check_step_ops(ext) -> None:
-    """The extension's other decode-step ops: the in-place KV write against MLX's scatter,
-    swiglu bit for bit against mlx-lm's (greedy equality with mlx-lm depends on it)."""
-    rs = mx.random.split(mx.random.key(11), 4)
-    k_pool = mx.random.normal((2, 4 * BLOCK_SIZE, 16), key=rs[0])
-    v_pool = mx.random.normal((2, 4 * BLOCK_SIZE, 8), key=rs[1])
-    keys = mx.random.normal((3, 2, 2, 16), key=rs[2])
-    values = mx.random.normal((3, 2, 2, 8), key=rs[3])
-    slots = mx.array([5, 6, 40, 41, 127, 0], dtype=mx.int32)
-    want_k, want_v = mx.array(k_pool), mx.array(v_pool)
-    want_k[:, slots] = keys.transpose(1, 0, 2, 3).reshape(2, 6, 16)
-    want_v[:, slots] = values.transpose(1, 0, 2, 3).reshape(2, 6, 8)
-    got_k, got_v = ext.paged_kv_write(k_pool, v_pool, keys, values, slots)
-    if not (mx.array_equal(got_k, want_k).item() and mx.array_equal(got_v, want_v).item()):
-        raise ExtensionUnavailable("the extension's KV write differs from MLX's scatter")
-    gate = mx.concatenate([mx.random.normal((997,), key=rs[0]) * 30,
-                           mx.array([0.0, -0.0, 88.5, -88.5, 1e-40, float("inf"), -float("inf")])])
-    up = mx.random.normal(gate.shape, key=rs[1])
-    if not mx.array_equal(ext.swiglu(gate, up), _mlx_swiglu(gate, up), equal_nan=True).item():
-        raise ExtensionUnavailable("the extension's swiglu is not bit-identical to mlx-lm's")
-
-
 # ============================================================== choosing a backend
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str  # "fused-cpu", "fused-metal" or "gather"
     reason: str
     op: Optional[Callable] = None  # the paged op; None for the gather path
-    # fused-cpu only: the in-place KV write and swiglu of the same extension
+    # fused-cpu only: the in-place KV write, and the model ops (swiglu, rope) of the same
+    # extension that passed their bit-for-bit check against MLX (model_ops.checked_ops)
     kv_write: Optional[Callable] = None
-    swiglu: Optional[Callable] = None
+    model_ops: tuple = ()
 
     @property
     def fused(self) -> bool:
@@ -283,10 +261,11 @@ def select_backend(mode: Optional[str] = None) -> AttentionBackend:
         if mode == "fused":
             raise
         return AttentionBackend("gather", f"the CPU extension is unavailable: {e}")
+    ops = model_ops.checked_ops(ext)
     return AttentionBackend(
-        "fused-cpu", f"CPU extension ({ext.isa()}, {ext.num_threads()} threads; "
-                     f"in-place KV writes; swiglu {ext.swiglu_isa()})",
-        ext.paged_attention, kv_write=ext.paged_kv_write, swiglu=ext.swiglu)
+        "fused-cpu", f"CPU extension ({ext.isa()}, {ext.num_threads()} threads; in-place KV writes; "
+                     f"{model_ops.describe(ext, ops)})",
+        ext.paged_attention, kv_write=ext.paged_kv_write, model_ops=ops)
 
 
 def paged_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens, scale: float,
@@ -359,34 +338,6 @@ def install_dispatch(model) -> list[str]:
     return sorted(set(names))
 
 
-_fast_swiglu: Optional[Callable] = None
-
-
-def _swiglu_dispatch(gate, x):
-    """Stands in for mlx_lm.models.activations.swiglu in model modules: the extension's
-    (bit-identical, vectorized) for float32 on the CPU, mlx-lm's own otherwise."""
-    op = _fast_swiglu
-    if (op is not None and gate.dtype == mx.float32 and x.dtype == mx.float32
-            and gate.shape == x.shape and mx.default_device() == mx.cpu):
-        return op(gate, x)
-    return _mlx_swiglu(gate, x)
-
-
-def install_swiglu(model, op: Callable) -> list[str]:
-    """Point the loaded model's modules that call mlx-lm's swiglu at _swiglu_dispatch."""
-    global _fast_swiglu
-    _fast_swiglu = op
-    names = []
-    for m in [model, *[x for _, x in model.named_modules()]]:
-        mod = sys.modules.get(type(m).__module__)
-        current = None if mod is None else mod.__dict__.get("swiglu")
-        if current is _mlx_swiglu:
-            mod.swiglu = _swiglu_dispatch
-        if current is _mlx_swiglu or current is _swiglu_dispatch:
-            names.append(mod.__name__)
-    return sorted(set(names))
-
-
 def routes_all_layers(model) -> bool:
     """True when every layer's attention call goes through _dispatch with the keys and
     values its cache returned (one probe pass, graph construction only; nothing is
@@ -414,7 +365,7 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None) -> AttentionB
             backend = AttentionBackend("gather", why)
     pool.attention = backend.op
     pool.kv_write = backend.kv_write if backend.fused else None
-    if backend.swiglu is not None and backend.fused:
-        install_swiglu(model, backend.swiglu)
+    if backend.fused and backend.model_ops:
+        model_ops.install(model, cpu_extension(), backend.model_ops)
     log.info("attention: %s (%s)", backend.name, backend.reason)
     return backend

@@ -55,6 +55,16 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "up"_a,
       "silu(gate) * up, float32, bit-identical to mlx-lm's swiglu on the CPU.");
   m.def(
+      "rope",
+      &mlxq::rope,
+      "x"_a,
+      "dims"_a,
+      "traditional"_a,
+      "base"_a,
+      "scale"_a,
+      "offset"_a,
+      "mx.fast.rope for float32 (B, H, T, D), bit-identical to MLX's CPU RoPE.");
+  m.def(
       "paged_kv_write",
       &mlxq::paged_kv_write,
       "k_pool"_a,

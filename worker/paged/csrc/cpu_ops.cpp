@@ -21,6 +21,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/simd/math.h"
 
 namespace mlxq {
 namespace {
@@ -169,6 +170,32 @@ mx::array swiglu(const mx::array& gate, const mx::array& up) {
       {mx::contiguous(gate, false, s), mx::contiguous(up, false, s)});
 }
 
+mx::array rope(
+    const mx::array& x,
+    int dims,
+    bool traditional,
+    float base,
+    float scale,
+    const mx::array& offset) {
+  if (x.dtype() != mx::float32)
+    throw std::invalid_argument("rope: float32 only");
+  if (x.ndim() != 4)
+    throw std::invalid_argument("rope: x must be (B, H, T, D)");
+  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(3))
+    throw std::invalid_argument("rope: dims must be even, positive and at most D");
+  if (offset.size() != 1 && offset.size() != (size_t)x.shape(0))
+    throw std::invalid_argument("rope: offset must be a scalar or one per row");
+  if (!mx::issubdtype(offset.dtype(), mx::integer))
+    throw std::invalid_argument("rope: offset must be an integer");
+  auto s = cpu_stream();
+  return mx::array(
+      x.shape(),
+      mx::float32,
+      std::make_shared<RoPE>(s, dims, traditional, base, scale),
+      {mx::contiguous(x, false, s),
+       mx::contiguous(mx::astype(mx::reshape(offset, {-1}, s), mx::int32, s), false, s)});
+}
+
 std::vector<mx::array> paged_kv_write(
     const mx::array& k_pool,
     const mx::array& v_pool,
@@ -256,6 +283,74 @@ std::vector<mx::array> SwiGLU::vjp(
 
 void SwiGLU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("MlxqSwiGLU runs on the CPU stream only");
+}
+
+void RoPE::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const auto& x = inputs[0];
+  const auto& off = inputs[1];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs)
+    encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  const float* xp = x.data<float>();
+  const int32_t* op = off.data<int32_t>();
+  float* yp = out.data<float>();
+  const int B = x.shape(0), H = x.shape(1), T = x.shape(2), D = x.shape(3);
+  const int n_off = off.size();
+  const int dims = dims_;
+  const bool traditional = traditional_;
+  const float base = base_, scale = scale_;
+  encoder.dispatch([=]() {
+    namespace simd = mx::simd;
+    using F1 = simd::Simd<float, 1>;
+    const int half = dims / 2;
+    // mlx/fast.cpp's fallback, step by step, each op rounded to float32 as there:
+    // inv_freqs = exp(arange(0, -half, -1) * (log(base) / half))
+    const float c = std::log(base) / half;
+    std::vector<float> inv_freq(half), cs(half), sn(half);
+    for (int i = 0; i < half; ++i)
+      inv_freq[i] = mlx_exp(static_cast<float>(-i) * c);
+    for (int b = 0; b < B; ++b) {
+      const float o = static_cast<float>(op[n_off == 1 ? 0 : b]);
+      for (int t = 0; t < T; ++t) {
+        // positions = (arange(T) + offset) * scale; theta = positions * inv_freqs
+        const float pos = (static_cast<float>(t) + o) * scale;
+        for (int i = 0; i < half; ++i) {
+          const F1 theta{pos * inv_freq[i]};
+          cs[i] = simd::cos(theta).value;
+          sn[i] = simd::sin(theta).value;
+        }
+        for (int h = 0; h < H; ++h) {
+          const int64_t row = (((int64_t)b * H + h) * T + t) * D;
+          const float* xr = xp + row;
+          float* yr = yp + row;
+          for (int i = 0; i < half; ++i) {
+            const int i1 = traditional ? 2 * i : i;
+            const int i2 = traditional ? 2 * i + 1 : i + half;
+            const float x1 = xr[i1], x2 = xr[i2];
+            yr[i1] = x1 * cs[i] - x2 * sn[i];
+            yr[i2] = x1 * sn[i] + x2 * cs[i];
+          }
+          for (int d = dims; d < D; ++d)
+            yr[d] = xr[d];
+        }
+      }
+    }
+  });
+}
+
+void RoPE::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("MlxqRoPE runs on the CPU stream only");
+}
+
+bool RoPE::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const RoPE&>(other);
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ &&
+      scale_ == o.scale_;
 }
 
 void PagedKVWrite::eval_cpu(

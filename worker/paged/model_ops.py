@@ -1,0 +1,166 @@
+"""Faster, bit-identical stand-ins for two MLX ops inside the stock mlx-lm model files.
+
+The x86-64 mlx wheel computes elementwise math one float at a time (its SIMD
+type has width 1 off Apple), and MLX's CPU RoPE is a graph of ~18 such ops
+(``mlx/fast.cpp``'s fallback).  On a decode step they add up: swiglu was ~6% of
+a batch-16 step, RoPE 70-140 us per call (2 calls per layer).  The CPU extension
+(``csrc/cpu_ops.cpp``) has both, computed exactly as MLX does (its own exp and
+sincos from the shipped simd headers, the same operation order, fma only where
+MLX has one), so greedy equality with mlx-lm holds bit for bit:
+
+* ``swiglu``: replaces the name ``swiglu`` in the loaded model's modules (as
+  ``attention.install_dispatch`` does for attention); mlx-lm's own runs for
+  anything but float32 on the CPU.
+* ``rope``: the model's ``nn.RoPE`` instances become :class:`FastRoPE` (same
+  attributes); other RoPE classes (llama3, yarn, ...) are left alone.
+
+Each op is checked bit for bit against MLX when the extension loads
+(:func:`checked_ops`); one that differs is not installed and the worker says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu as mlx_swiglu
+
+log = logging.getLogger(__name__)
+
+OPS = ("swiglu", "rope")
+
+
+# ============================================================== checks
+class OpMismatch(RuntimeError):
+    pass
+
+
+def check_kv_write(ext) -> None:
+    """The in-place KV write against MLX's scatter (the engine relies on it: mandatory)."""
+    from .extbuild import ExtensionUnavailable
+
+    rs = mx.random.split(mx.random.key(11), 4)
+    k_pool = mx.random.normal((2, 128, 16), key=rs[0])
+    v_pool = mx.random.normal((2, 128, 8), key=rs[1])
+    keys = mx.random.normal((3, 2, 2, 16), key=rs[2])
+    values = mx.random.normal((3, 2, 2, 8), key=rs[3])
+    slots = mx.array([5, 6, 40, 41, 127, 0], dtype=mx.int32)
+    want_k, want_v = mx.array(k_pool), mx.array(v_pool)
+    want_k[:, slots] = keys.transpose(1, 0, 2, 3).reshape(2, 6, 16)
+    want_v[:, slots] = values.transpose(1, 0, 2, 3).reshape(2, 6, 8)
+    got_k, got_v = ext.paged_kv_write(k_pool, v_pool, keys, values, slots)
+    if not (mx.array_equal(got_k, want_k).item() and mx.array_equal(got_v, want_v).item()):
+        raise ExtensionUnavailable("the extension's KV write differs from MLX's scatter")
+
+
+def _check_swiglu(ext) -> None:
+    rs = mx.random.split(mx.random.key(12), 2)
+    gate = mx.concatenate([mx.random.normal((997,), key=rs[0]) * 30,
+                           mx.array([0.0, -0.0, 88.5, -88.5, 1e-40, float("inf"), -float("inf")])])
+    up = mx.random.normal(gate.shape, key=rs[1])
+    if not mx.array_equal(ext.swiglu(gate, up), mlx_swiglu(gate, up), equal_nan=True).item():
+        raise OpMismatch("swiglu is not bit-identical to mlx-lm's")
+
+
+def _check_rope(ext) -> None:
+    x = mx.random.normal((3, 4, 5, 64), key=mx.random.key(13)) * 3
+    cases = [(64, False, 10000.0, 1.0, mx.array(7, dtype=mx.int32)),
+             (64, False, 500000.0, 0.5, mx.array([0, 4096, 123457], dtype=mx.int32)),
+             (32, True, 10000.0, 1.0, mx.array([9000001, 3, 40], dtype=mx.int32))]
+    for dims, trad, base, scale, off in cases:
+        want = mx.fast.rope(x, dims, traditional=trad, base=base, scale=scale, offset=off)
+        if not mx.array_equal(ext.rope(x, dims, trad, base, scale, off), want).item():
+            raise OpMismatch(f"rope (dims {dims}, traditional {trad}) is not bit-identical to MLX's")
+
+
+_checked: Optional[tuple] = None
+
+
+def checked_ops(ext) -> tuple:
+    """The names of the model ops that match MLX bit for bit here (checked once)."""
+    global _checked
+    if _checked is None:
+        ok = []
+        for name, check in (("swiglu", _check_swiglu), ("rope", _check_rope)):
+            try:
+                check(ext)
+                ok.append(name)
+            except Exception as e:  # noqa: BLE001 - a mismatch or a broken op: keep MLX's own
+                log.warning("CPU extension: %s; the model keeps MLX's own %s", e, name)
+        _checked = tuple(ok)
+    return _checked
+
+
+def describe(ext, ops: tuple) -> str:
+    parts = [f"swiglu {ext.swiglu_isa()}" if "swiglu" in ops else "mlx-lm's swiglu",
+             "rope" if "rope" in ops else "MLX's rope"]
+    return "; ".join(parts)
+
+
+# ============================================================== swiglu
+_fast_swiglu: Optional[Callable] = None
+
+
+def swiglu_dispatch(gate, x):
+    """Stands in for mlx_lm.models.activations.swiglu in model modules: the extension's
+    for float32 on the CPU, mlx-lm's own otherwise."""
+    op = _fast_swiglu
+    if (op is not None and gate.dtype == mx.float32 and x.dtype == mx.float32
+            and gate.shape == x.shape and mx.default_device() == mx.cpu):
+        return op(gate, x)
+    return mlx_swiglu(gate, x)
+
+
+def install_swiglu(model, op: Callable) -> list[str]:
+    """Point the loaded model's modules that call mlx-lm's swiglu at swiglu_dispatch."""
+    global _fast_swiglu
+    _fast_swiglu = op
+    names = []
+    for m in [model, *[x for _, x in model.named_modules()]]:
+        mod = sys.modules.get(type(m).__module__)
+        current = None if mod is None else mod.__dict__.get("swiglu")
+        if current is mlx_swiglu:
+            mod.swiglu = swiglu_dispatch
+        if current is mlx_swiglu or current is swiglu_dispatch:
+            names.append(mod.__name__)
+    return sorted(set(names))
+
+
+# ============================================================== rope
+_fast_rope: Optional[Callable] = None
+
+
+class FastRoPE(nn.RoPE):
+    """nn.RoPE with the extension's op for float32 (B, H, T, D) on the CPU."""
+
+    def __call__(self, x, offset: int = 0):
+        op = _fast_rope
+        if op is not None and x.dtype == mx.float32 and x.ndim == 4 and mx.default_device() == mx.cpu:
+            if isinstance(offset, int):
+                offset = mx.array(offset, dtype=mx.int32)
+            if offset.size in (1, x.shape[0]) and mx.issubdtype(offset.dtype, mx.integer):
+                return op(x, self.dims, self.traditional, self.base, self.scale, offset)
+        return super().__call__(x, offset)
+
+
+def install_rope(model, op: Callable) -> int:
+    """Make the model's plain nn.RoPE instances FastRoPE; returns how many."""
+    global _fast_rope
+    _fast_rope = op
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) is nn.RoPE:
+            m.__class__ = FastRoPE
+        if type(m) is FastRoPE:
+            n += 1
+    return n
+
+
+def install(model, ext, ops: tuple) -> None:
+    if "swiglu" in ops:
+        install_swiglu(model, ext.swiglu)
+    if "rope" in ops:
+        install_rope(model, ext.rope)
