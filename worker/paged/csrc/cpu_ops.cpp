@@ -281,10 +281,6 @@ std::vector<mx::array> SwiGLU::vjp(
   return grads;
 }
 
-void SwiGLU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("MlxqSwiGLU runs on the CPU stream only");
-}
-
 void RoPE::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
@@ -343,10 +339,6 @@ void RoPE::eval_cpu(
   });
 }
 
-void RoPE::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("MlxqRoPE runs on the CPU stream only");
-}
-
 bool RoPE::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const RoPE&>(other);
   return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ &&
@@ -396,10 +388,6 @@ void PagedKVWrite::eval_cpu(
               row_bytes);
         }
   });
-}
-
-void PagedKVWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("MlxqPagedKVWrite runs on the CPU stream only");
 }
 
 } // namespace mlxq

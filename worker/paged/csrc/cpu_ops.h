@@ -17,6 +17,8 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -56,13 +58,19 @@ int64_t kv_write_copies();
 // "avx2" or "generic": the swiglu loop this CPU runs.
 const char* swiglu_isa();
 
-class SwiGLU : public mx::Primitive {
+// The ops below have no GPU implementation (on Metal, MLX's own ops run).
+class CpuPrimitive : public mx::Primitive {
  public:
-  explicit SwiGLU(mx::Stream stream) : mx::Primitive(stream) {}
+  using mx::Primitive::Primitive;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU stream only");
+  }
+};
+
+class SwiGLU : public CpuPrimitive {
+ public:
+  explicit SwiGLU(mx::Stream stream) : CpuPrimitive(stream) {}
   void eval_cpu(
-      const std::vector<mx::array>& inputs,
-      std::vector<mx::array>& outputs) override;
-  void eval_gpu(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs) override;
   // Gradients through MLX ops (training code may run in a process whose
@@ -80,18 +88,15 @@ class SwiGLU : public mx::Primitive {
   }
 };
 
-class RoPE : public mx::Primitive {
+class RoPE : public CpuPrimitive {
  public:
   RoPE(mx::Stream stream, int dims, bool traditional, float base, float scale)
-      : mx::Primitive(stream),
+      : CpuPrimitive(stream),
         dims_(dims),
         traditional_(traditional),
         base_(base),
         scale_(scale) {}
   void eval_cpu(
-      const std::vector<mx::array>& inputs,
-      std::vector<mx::array>& outputs) override;
-  void eval_gpu(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -106,13 +111,10 @@ class RoPE : public mx::Primitive {
   float scale_;
 };
 
-class PagedKVWrite : public mx::Primitive {
+class PagedKVWrite : public CpuPrimitive {
  public:
-  explicit PagedKVWrite(mx::Stream stream) : mx::Primitive(stream) {}
+  explicit PagedKVWrite(mx::Stream stream) : CpuPrimitive(stream) {}
   void eval_cpu(
-      const std::vector<mx::array>& inputs,
-      std::vector<mx::array>& outputs) override;
-  void eval_gpu(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs) override;
   const char* name() const override {
