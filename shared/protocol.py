@@ -20,7 +20,9 @@ from .settings import Settings
 
 SCRIPT_NAMES = ("enqueue", "admit", "pull", "complete", "requeue", "cancel", "renew", "reap",
                 "check", "submit", "cancel_request")
-_WITH_TIER = ("enqueue", "admit", "check")  # scripts that decide a tier: the shared helpers go first
+# shared helpers put ahead of a script's body: _tier decides a tier, _end ends a job's record
+_PRELUDES = {"enqueue": ("_tier",), "admit": ("_tier", "_end"), "check": ("_tier",),
+             "pull": ("_end",), "reap": ("_end",), "cancel": ("_end",), "cancel_request": ("_end",)}
 _READ_ONLY = ("check",)  # registered with the no-writes flag: callable with FCALL_RO
 FUNCTION_LIBRARY = "mlxq"
 
@@ -31,8 +33,7 @@ def _lua(name: str) -> str:
 
 @functools.cache
 def script_source(name: str) -> str:
-    body = _lua(name)
-    return _lua("_tier") + "\n" + body if name in _WITH_TIER else body
+    return "\n".join([*(_lua(p) for p in _PRELUDES.get(name, ())), _lua(name)])
 
 
 def function_name(name: str) -> str:
@@ -43,7 +44,7 @@ def function_name(name: str) -> str:
 def function_library() -> str:
     """Every script as a Redis Function of one library (``FUNCTION LOAD``), so that an ACL can
     allow ``FCALL`` while refusing ``EVAL``/``EVALSHA`` (no new code can be run)."""
-    parts = [f"#!lua name={FUNCTION_LIBRARY}", _lua("_tier")]
+    parts = [f"#!lua name={FUNCTION_LIBRARY}", _lua("_tier"), _lua("_end")]
     for name in SCRIPT_NAMES:
         flags = ", flags = {'no-writes'}" if name in _READ_ONLY else ""
         parts.append(f"redis.register_function{{function_name = '{function_name(name)}', "

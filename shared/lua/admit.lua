@@ -42,12 +42,7 @@ for i, id in ipairs(ids) do
           local err = 'refused at admission: ' .. why
           redis.call('HSET', jk, 'status', 'failed', 'error', err, 'finished_at', nowstr)
           redis.call('HDEL', jk, 'kh')
-          redis.call('XADD', ek, '*', 'f', 'error', 'e', err)
-          redis.call('RPUSH', dk, '1')
-          redis.call('EXPIRE', dk, ttl)
-          redis.call(ARGV[2], ch, 'sync')
-          redis.call('EXPIRE', jk, ttl)
-          redis.call('EXPIRE', ek, ttl)
+          mlxq_end_record(ARGV[2], jk, ek, dk, ch, ttl, 'f', 'error', 'e', err)
           redis.call('HINCRBY', KEYS[3], 'refused', 1)
           refused = refused + 1
         end

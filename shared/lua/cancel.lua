@@ -14,13 +14,7 @@ local function finish()
   local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
   redis.call('HSET', KEYS[2], 'status', 'cancelled', 'finished_at', now)
   redis.call('HDEL', KEYS[2], 'resume')
-  redis.call('XADD', KEYS[4], '*', 'f', 'cancelled')
-  redis.call(ARGV[2], KEYS[7], 'sync')
-  local ttl = tonumber(ARGV[4])
-  redis.call('EXPIRE', KEYS[2], ttl)
-  redis.call('EXPIRE', KEYS[4], ttl)
-  redis.call('RPUSH', KEYS[5], '1')
-  redis.call('EXPIRE', KEYS[5], ttl)
+  mlxq_end_record(ARGV[2], KEYS[2], KEYS[4], KEYS[5], KEYS[7], tonumber(ARGV[4]), 'f', 'cancelled')
   return 'cancelled'
 end
 if status == 'queued' then

@@ -10,13 +10,7 @@ if status == 'queued' and not redis.call('HGET', KEYS[1], 'admitted') then
   local t = redis.call('TIME')
   local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', now)
-  redis.call('XADD', KEYS[2], '*', 'f', 'cancelled')
-  redis.call(ARGV[2], ARGV[4], 'sync')
-  local ttl = tonumber(ARGV[5])
-  redis.call('EXPIRE', KEYS[1], ttl)
-  redis.call('EXPIRE', KEYS[2], ttl)
-  redis.call('RPUSH', KEYS[3], '1')
-  redis.call('EXPIRE', KEYS[3], ttl)
+  mlxq_end_record(ARGV[2], KEYS[1], KEYS[2], KEYS[3], ARGV[4], tonumber(ARGV[5]), 'f', 'cancelled')
   return 'cancelled'
 end
 if status == 'queued' or status == 'running' then

@@ -54,12 +54,7 @@ for _, entry in ipairs(popped) do
           local ttl = tonumber(ARGV[4])
           redis.call('HSET', jk, 'status', 'dead', 'error', why, 'finished_at', nowstr)
           redis.call('HDEL', jk, 'owner')
-          redis.call('XADD', ek, '*', 'f', 'error', 'e', why)
-          redis.call('RPUSH', dk, '1')
-          redis.call('EXPIRE', dk, ttl)
-          redis.call(ARGV[5], ch, 'sync')
-          redis.call('EXPIRE', jk, ttl)
-          redis.call('EXPIRE', ek, ttl)
+          mlxq_end_record(ARGV[5], jk, ek, dk, ch, ttl, 'f', 'error', 'e', why)
         end
       end
     end

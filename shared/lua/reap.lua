@@ -39,12 +39,7 @@ for i = 4, #ARGV do
         redis.call('HSET', jk, 'status', 'cancelled', 'finished_at', nowstr)
         redis.call('HINCRBY', KEYS[3], 'cancelled', 1)
         redis.call('HINCRBY', KEYS[3], 'processed', 1)
-        redis.call('XADD', ek, '*', 'f', 'cancelled')
-        redis.call('RPUSH', dk, '1')
-        redis.call('EXPIRE', dk, ttl)
-        redis.call(ARGV[3], ch, 'sync')
-        redis.call('EXPIRE', jk, ttl)
-        redis.call('EXPIRE', ek, ttl)
+        mlxq_end_record(ARGV[3], jk, ek, dk, ch, ttl, 'f', 'cancelled')
         cancelled = cancelled + 1
       elseif attempts >= tonumber(ARGV[1]) then
         local err = 'lease expired after ' .. attempts .. ' attempts (worker died or hung)'
@@ -54,12 +49,7 @@ for i = 4, #ARGV do
         redis.call('HSET', KEYS[5], id, err)
         redis.call('HINCRBY', KEYS[3], 'dead', 1)
         redis.call('HINCRBY', KEYS[3], 'processed', 1)
-        redis.call('XADD', ek, '*', 'f', 'error', 'e', err)
-        redis.call('RPUSH', dk, '1')
-        redis.call('EXPIRE', dk, ttl)
-        redis.call(ARGV[3], ch, 'sync')
-        redis.call('EXPIRE', jk, ttl)
-        redis.call('EXPIRE', ek, ttl)
+        mlxq_end_record(ARGV[3], jk, ek, dk, ch, ttl, 'f', 'error', 'e', err)
         dead = dead + 1
       else
         local tier = f[3] or 'normal'
