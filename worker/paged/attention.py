@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -324,18 +323,8 @@ def _dispatch(queries, keys, values, cache, scale, mask, sinks=None):
 
 def install_dispatch(model) -> list[str]:
     """Point the loaded model's modules at _dispatch; returns their names."""
-    names = []
-    for m in [model, *[x for _, x in model.named_modules()]]:
-        mod = sys.modules.get(type(m).__module__)
-        if mod is None or mod.__dict__.get("scaled_dot_product_attention") is None:
-            continue
-        current = mod.__dict__["scaled_dot_product_attention"]
-        if current is _dispatch:
-            names.append(mod.__name__)
-        elif current is mlx_base.scaled_dot_product_attention:
-            mod.scaled_dot_product_attention = _dispatch
-            names.append(mod.__name__)
-    return sorted(set(names))
+    return model_ops.replace_module_global(
+        model, "scaled_dot_product_attention", mlx_base.scaled_dot_product_attention, _dispatch)
 
 
 def routes_all_layers(model) -> bool:

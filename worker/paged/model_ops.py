@@ -100,6 +100,21 @@ def describe(ext, ops: tuple) -> str:
     return "; ".join(parts)
 
 
+# ============================================================== installing
+def replace_module_global(model, name: str, original, replacement) -> list[str]:
+    """In the modules whose classes make up ``model``, point the global ``name`` at
+    ``replacement`` where it is ``original``; returns the modules that now use it."""
+    names = []
+    for m in [model, *[x for _, x in model.named_modules()]]:
+        mod = sys.modules.get(type(m).__module__)
+        current = None if mod is None else mod.__dict__.get(name)
+        if current is original:
+            setattr(mod, name, replacement)
+        if current is original or current is replacement:
+            names.append(mod.__name__)
+    return sorted(set(names))
+
+
 # ============================================================== swiglu
 _fast_swiglu: Optional[Callable] = None
 
@@ -118,15 +133,7 @@ def install_swiglu(model, op: Callable) -> list[str]:
     """Point the loaded model's modules that call mlx-lm's swiglu at swiglu_dispatch."""
     global _fast_swiglu
     _fast_swiglu = op
-    names = []
-    for m in [model, *[x for _, x in model.named_modules()]]:
-        mod = sys.modules.get(type(m).__module__)
-        current = None if mod is None else mod.__dict__.get("swiglu")
-        if current is mlx_swiglu:
-            mod.swiglu = swiglu_dispatch
-        if current is mlx_swiglu or current is swiglu_dispatch:
-            names.append(mod.__name__)
-    return sorted(set(names))
+    return replace_module_global(model, "swiglu", mlx_swiglu, swiglu_dispatch)
 
 
 # ============================================================== rope
