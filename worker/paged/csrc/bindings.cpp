@@ -14,7 +14,7 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_mlxq_paged_attention, m) {
-  m.doc() = "mlxq CPU primitives: paged attention, the paged KV write, swiglu";
+  m.doc() = "mlxq CPU primitives: paged attention, the paged KV write, swiglu, rope";
   m.def(
       "paged_attention",
       [](const mx::array& queries,

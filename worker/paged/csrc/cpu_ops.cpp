@@ -1,4 +1,4 @@
-// swiglu and paged_kv_write as MLX CPU primitives (see cpu_ops.h).
+// swiglu, rope and paged_kv_write as MLX CPU primitives (see cpu_ops.h).
 //
 // Compiled with -ffp-contract=off (CMakeLists.txt): every fused multiply-add
 // below is an explicit fma, exactly where MLX's own code has one, so the
@@ -22,44 +22,21 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/backend/cpu/simd/math.h"
+#include "mlx/backend/cpu/unary_ops.h"
 
 namespace mlxq {
 namespace {
 
 // ------------------------------------------------------------------ swiglu
-// MLX's exp (mlx/backend/cpu/simd/math.h) for one float, as the x86-64 wheel
-// runs it: floor(x + 0.5) in double (0.5 is a double literal there), the
-// Cephes polynomial with std::fma, 2**ipart by bit shifting, then the NaN and
-// overflow selects.
-inline float mlx_exp(float x_init) {
-  float x = x_init * 1.442695f;
-  const float ipart = static_cast<float>(std::floor(static_cast<double>(x) + 0.5));
-  const float fpart = x - ipart;
-  x = 1.535336188319500e-4f;
-  x = std::fma(x, fpart, 1.339887440266574e-3f);
-  x = std::fma(x, fpart, 9.618437357674640e-3f);
-  x = std::fma(x, fpart, 5.550332471162809e-2f);
-  x = std::fma(x, fpart, 2.402264791363012e-1f);
-  x = std::fma(x, fpart, 6.931472028550421e-1f);
-  x = std::fma(x, fpart, 1.000000000000000f);
-  if (std::isnan(x_init))
-    return x_init;
-  if (x_init > 88.0f)
-    return std::numeric_limits<float>::infinity();
-  if (x_init < -88.0f)
-    return 0.0f;
-  const int32_t e = (static_cast<int32_t>(ipart) + 127) << 23;
-  float two_i;
-  std::memcpy(&two_i, &e, sizeof(two_i));
-  return two_i * x;
+// The scalar path is MLX's own code (its shipped headers: detail::Sigmoid and
+// simd::exp at width 1, which is what the x86-64 wheel runs), then nn.silu's
+// x * sigmoid(x) and swiglu's silu(gate) * up.
+inline float mlx_exp(float x) {
+  return mx::simd::exp(mx::simd::Simd<float, 1>(x)).value;
 }
 
-// mlx::core::detail::Sigmoid, then nn.silu (x * sigmoid(x)), then swiglu's
-// silu(gate) * up.
 inline float swiglu_one(float g, float u) {
-  const float y = 1.0f / (1.0f + mlx_exp(std::fabs(g)));
-  const float s = g < 0.0f ? y : 1.0f - y;
-  return (g * s) * u;
+  return (g * mx::detail::Sigmoid{}(g)) * u;
 }
 
 void swiglu_generic(const float* g, const float* u, float* out, int64_t n) {
@@ -68,6 +45,8 @@ void swiglu_generic(const float* g, const float* u, float* out, int64_t n) {
 }
 
 #ifdef MLXQ_X86
+// The same exp and sigmoid 8 floats at a time: MLX's steps one for one (its Simd
+// has width 1 off Apple, so there is no MLX code to reuse here).
 __attribute__((target("avx2,fma"))) inline __m256 floor_plus_half(__m256 x) {
   // floor(x + 0.5) with the add in double, as MLX does: exact for every float.
   const __m256d half = _mm256_set1_pd(0.5);

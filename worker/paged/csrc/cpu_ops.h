@@ -1,4 +1,4 @@
-// Two small CPU primitives that sit on the decode step's critical path next to
+// Small CPU primitives that sit on the decode step's critical path next to
 // the paged attention:
 //
 //   swiglu(gate, up) -> silu(gate) * up
