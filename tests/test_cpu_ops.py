@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import mlxq.worker  # noqa: F401  (BLAS before mlx)
 
-from dataclasses import replace
-
 import mlx.core as mx
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
 from mlxq.worker.paged import PagedEngine, attention, model_ops
+
+from enginekit import run
 
 SPECIAL = [0.0, -0.0, 1e-40, -1e-40, 88.0, -88.0, 88.1, -88.1, 200.0, -200.0, float("inf"),
            float("-inf"), float("nan"), 0.5, -0.5, 0.49999997, -0.49999997, 1e-8, -1e-8, 63.9, -63.9]
@@ -161,46 +161,30 @@ def test_engine_uses_the_ops_only_with_the_fused_backend(ext, tiny_model):
     assert gather.pool.kv_write is None
 
 
-def _run(engine, specs_at):
-    """Step until done, adding specs at the given steps; greedy tokens per uid."""
-    out: dict = {}
-    given = {}
-    step = 0
-    while specs_at or engine.has_work():
-        if step in specs_at:
-            for spec in specs_at[step]:
-                given[spec.uid] = spec
-            engine.add(specs_at.pop(step))
-        events, preempted = engine.step()
-        for ev in events:
-            out.setdefault(ev.uid, []).append(ev.token)
-        for p in preempted:  # back in line with what it generated, as the worker requeues it
-            out[p.uid] = list(p.tokens)
-            engine.add([replace(given[p.uid], resume_tokens=list(p.tokens),
-                                max_tokens=given[p.uid].max_tokens - len(p.tokens))])
-        step += 1
-    return out
-
-
 def test_engine_writes_the_pool_in_place_through_joins_and_preemption(ext, tiny_model):
     """No KV write copies its pool during a run with joins, chunked prefill and preemption
     (a copy would mean a second pass was built before the first was evaluated: correct
     but a pool-sized copy per layer); the tokens equal the reference (gather) path's."""
     from mlxq.worker.engine_api import SeqSpec
 
-    def specs():
-        mk = lambda uid, n, prio: SeqSpec(uid, [(7 * i + n) % 500 + 4 for i in range(n)], 40,  # noqa: E731
-                                          stop_token_ids=(), priority=prio)
-        return {0: [mk("a", 30, 5), mk("b", 90, 5)], 3: [mk("c", 140, 5)], 6: [mk("urgent", 60, 0)]}
+    def spec(uid, n, prio):
+        return SeqSpec(uid, [(7 * i + n) % 500 + 4 for i in range(n)], 40, stop_token_ids=(), priority=prio)
 
     results = []
     for mode in ("fused", "gather"):
         eng = PagedEngine(tiny_model.model, num_blocks=12, attention=mode, priority_gap=1.0)
         before = ext.kv_write_copies()
-        out = _run(eng, specs())
+        later = {2: [spec("c", 140, 5)], 5: [spec("urgent", 60, 0)]}  # join after steps 3 and 6
+
+        def join(i, _events):
+            if i in later:
+                eng.add(later[i])
+
+        out, done, n_pre = run(eng, [spec("a", 30, 5), spec("b", 90, 5)], on_step=join,
+                               added=[s for specs in later.values() for s in specs])
         if mode == "fused":
             assert ext.kv_write_copies() == before
-            assert eng.stats()["preemptions"] >= 1  # the small pool made the urgent job preempt
-        assert all(len(toks) == 40 for toks in out.values())
+            assert n_pre >= 1  # the small pool made the urgent job preempt
+        assert all(len(toks) == 40 for toks in out.values()) and len(done) == 4
         results.append(out)
     assert results[0] == results[1]
