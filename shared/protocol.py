@@ -18,7 +18,7 @@ from .apikeys import AuthError
 from .keys import ModelKeys
 from .settings import Settings
 
-SCRIPT_NAMES = ("enqueue", "admit", "pull", "complete", "requeue", "cancel", "renew", "reap",
+SCRIPT_NAMES = ("enqueue", "admit", "pull", "deltas", "complete", "requeue", "cancel", "renew", "reap",
                 "check", "submit", "cancel_request")
 # shared helpers put ahead of a script's body: _tier decides a tier, _end ends a job's record
 _PRELUDES = {"enqueue": ("_tier",), "admit": ("_tier", "_end"), "check": ("_tier",),
@@ -221,6 +221,17 @@ class ScriptCalls:
         return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info, *self._per_member(members)],
                 [len(members), self.s.lease_s, worker_id, self.s.result_ttl_s, self.pubcmd, *members])
 
+    def deltas(self, items: list[tuple[str, str, bytes, bool]]):
+        """Append and publish ``(job id, owner token, delta, first of its attempt)`` items, each
+        fenced on its job's lease owner."""
+        k = self.k
+        keys: list = []
+        args: list = [self.s.result_ttl_s, self.pubcmd]
+        for job_id, owner, payload, first in items:
+            keys += [k.job(job_id), k.events(job_id), k.channel(job_id)]
+            args += [owner, payload, "1" if first else "0"]
+        return ("deltas", keys, args)
+
     def complete(self, job_id: str, owner: str, status: str, result: bytes, final_delta: bytes):
         k = self.k
         return (
@@ -347,6 +358,11 @@ class Queue:
         if not members:
             return []
         return parse_pull(self.run(self.calls.pull(members, worker_id)))
+
+    def publish_deltas(self, items: list[tuple[str, str, bytes, bool]], client=None):
+        """Fenced append + publish of token deltas; returns the job keys whose lease was lost
+        (with a pipeline as ``client``: its reply)."""
+        return self.run(self.calls.deltas(items), client)
 
     def complete(self, job_id, owner, status, result: bytes, final_delta: bytes = b"", client=None):
         return self.run(self.calls.complete(job_id, owner, status, result, final_delta), client)

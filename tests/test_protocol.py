@@ -88,6 +88,21 @@ def test_completion_is_fenced_on_the_lease_owner(rr):
     assert q.complete(a, "w1:1", "done", b"r") == 0  # already finished: single result
 
 
+def test_deltas_are_fenced_on_the_lease_owner(rr):
+    """A worker that lost a job's lease (another attempt owns it) appends and publishes nothing."""
+    q = make_queue(rr)
+    a, b = ids(2)
+    enq(q, a, "normal")
+    enq(q, b, "normal")
+    q.pull(2, "w1")
+    refused = q.publish_deltas([(a, "w1:1", b"d1", True), (b, "zombie:1", b"d2", True), (b, "zombie:1", b"d3", False),
+                                (a, "w1:1", b"d4", False)])
+    assert [k.decode() for k in refused] == [q.keys.job(b)]
+    assert [f[b"d"] for _, f in rr.xrange(q.keys.events(a))] == [b"d1", b"d4"]
+    assert rr.xlen(q.keys.events(b)) == 0
+    assert rr.ttl(q.keys.events(a)) > 0  # the first delta set the record's TTL
+
+
 def test_cancel_running_flags_and_notifies(rr):
     q = make_queue(rr)
     [a] = ids(1)

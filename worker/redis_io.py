@@ -51,7 +51,8 @@ class Backoff:
 class StepOutput:
     """What one engine step hands to Redis, in order."""
 
-    deltas: list[tuple[str, bytes, bool]] = field(default_factory=list)  # (job id, msgpack, first of attempt)
+    # (job id, owner token, msgpack delta, first of its attempt): appended and published fenced on the lease
+    deltas: list[tuple[str, str, bytes, bool]] = field(default_factory=list)
     completions: list[tuple[str, str, str, bytes, bytes]] = field(default_factory=list)
     requeues: list[tuple[str, str, bytes]] = field(default_factory=list)
 
@@ -99,31 +100,14 @@ class Publisher(threading.Thread):
             for _ in batch:
                 self.inbox.task_done()
 
+    # deltas per script call: one fenced append + publish for a whole step (or several coalesced)
+    DELTAS_PER_CALL = 512
+
     def _send(self, batch: list[StepOutput]) -> None:
-        k = self.q.keys
-        ttl = self.q.settings.result_ttl_s
         while True:
             try:
                 pipe = self.q.redis.pipeline(transaction=False)
-                fenced: list[tuple[int, str, str]] = []  # (reply index, job id, kind)
-                n = 0
-                publish = pipe.spublish if self.q.cluster else pipe.publish  # sharded on a cluster
-                for out in batch:
-                    for job_id, payload, first in out.deltas:
-                        pipe.xadd(k.events(job_id), {"d": payload})
-                        publish(k.channel(job_id), payload)
-                        n += 2
-                        if first:
-                            pipe.expire(k.events(job_id), ttl)
-                            n += 1
-                    for job_id, owner, status, result, final in out.completions:
-                        self.q.complete(job_id, owner, status, result, final, client=pipe)
-                        fenced.append((n, job_id, "complete"))
-                        n += 1
-                    for job_id, owner, resume in out.requeues:
-                        self.q.requeue(job_id, owner, resume, client=pipe)
-                        fenced.append((n, job_id, "requeue"))
-                        n += 1
+                fenced = self._queue_commands(pipe, batch)
                 replies = pipe.execute(raise_on_error=False)
                 self.round_trips += 1
                 self.backoff.ok()
@@ -132,15 +116,47 @@ class Publisher(threading.Thread):
                 delay = self.backoff.fail()
                 log.warning("publish failed (%s); retrying in %.2fs with the batch kept", exc, delay)
                 time.sleep(delay)
-        for r in replies:
-            if isinstance(r, Exception):
-                log.error("redis command failed in a publish batch: %s", r)
         for index, job_id, kind in fenced:
-            ok = replies[index] == 1
+            reply = replies[index]
+            if isinstance(reply, Exception):
+                log.error("redis command failed in a publish batch: %s", reply)
+                continue
+            if kind == "deltas":
+                for key in reply:
+                    key = key.decode() if isinstance(key, bytes) else key
+                    log.warning("job=%s deltas refused: the lease is no longer ours",
+                                key.removeprefix(self.q.keys.job_prefix))
+                continue
+            ok = reply == 1
             if not ok:
                 log.warning("job=%s %s refused: the lease is no longer ours", job_id, kind)
             if self.on_fenced is not None:
                 self.on_fenced(job_id, kind, ok)
+
+    def _queue_commands(self, pipe, batch: list[StepOutput]) -> list[tuple[int, str, str]]:
+        """Put the batch's writes on ``pipe`` in order: a job's deltas before its completion or requeue.
+        Returns (reply index, job id, kind) for each fenced command."""
+        fenced: list[tuple[int, str, str]] = []
+        deltas: list = []
+
+        def flush() -> None:
+            for i in range(0, len(deltas), self.DELTAS_PER_CALL):
+                self.q.publish_deltas(deltas[i:i + self.DELTAS_PER_CALL], client=pipe)
+                fenced.append((len(pipe), "", "deltas"))
+            deltas.clear()
+
+        for out in batch:
+            deltas.extend(out.deltas)
+            if out.completions or out.requeues:
+                flush()
+            for job_id, owner, status, result, final in out.completions:
+                self.q.complete(job_id, owner, status, result, final, client=pipe)
+                fenced.append((len(pipe), job_id, "complete"))
+            for job_id, owner, resume in out.requeues:
+                self.q.requeue(job_id, owner, resume, client=pipe)
+                fenced.append((len(pipe), job_id, "requeue"))
+        flush()
+        return [(i - 1, job_id, kind) for i, job_id, kind in fenced]
 
 
 class Fetcher(threading.Thread):
