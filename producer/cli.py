@@ -23,10 +23,7 @@ def cmd_submit(args) -> int:
     else:
         job = client.submit(args.text, **params)
     for delta in job.stream():
-        if delta.restart:
-            sys.stdout.write("\n[restarted on a new attempt]\n" + delta.text)
-        else:
-            sys.stdout.write(delta.text)
+        sys.stdout.write(delta.text)
         sys.stdout.flush()
     result = job.result(timeout=60)
     sys.stdout.write("\n")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from mlxq.shared import codec
@@ -104,62 +104,43 @@ def entry_delta(fields: dict) -> Optional[Delta]:
 
 @dataclass
 class StreamState:
-    """De-duplicates and orders deltas by (attempt, seq); follows a newer attempt.
+    """Keeps exactly one copy of each token index and each character of a job's output.
 
-    When a worker dies, the job's next attempt streams from the start.  The old
-    attempt's text is discarded: while the new attempt only repeats what was
-    already shown, nothing is yielded; if it diverges, a ``restart`` delta
-    carries the new attempt's whole text so far.
+    Every delta says where it starts: ``index`` (its first token id's position in the job's
+    tokens) and ``offset`` (its text's position in the job's text).  Those are absolute across
+    attempts: a worker that takes over a crashed or preempted job continues from the durable
+    record.  So the same delta read twice (live, then again from the record) or a delta that
+    overlaps what was yielded adds only what is new; a delta that starts past what was yielded
+    leaves a gap (``gap``), and the caller re-reads the durable record, which has it.
     """
 
-    attempt: int = 0
-    next_seq: int = 1
-    shown: str = ""  # text yielded to the caller, in the current view
-    acc: str = ""  # the current attempt's text
+    tokens: int = 0  # token ids yielded so far: the next index expected
+    chars: int = 0  # characters of text yielded so far
     done: bool = False
-    seen: set = field(default_factory=set)
-    pending: dict = field(default_factory=dict)  # out-of-order deltas of the current attempt
+    gap: bool = False  # the last delta fed starts past what was yielded: re-read the record
 
     def feed(self, d: Optional[Delta]) -> list[Delta]:
+        self.gap = False
         if self.done or d is None:
             return []
         if d.attempt == -1:  # terminal event from a script (cancel, dead-letter)
             self.done = True
             return [d]
-        if (d.attempt, d.seq) in self.seen or d.attempt < self.attempt:
+        if d.index > self.tokens or d.offset > self.chars:
+            self.gap = True
             return []
-        if d.attempt > self.attempt:
-            self.attempt, self.next_seq, self.acc = d.attempt, 1, ""
-            self.pending = {}
-        self.pending[d.seq] = d
-        out = []
-        while self.next_seq in self.pending:
-            cur = self.pending.pop(self.next_seq)
-            self.seen.add((cur.attempt, cur.seq))
-            self.next_seq += 1
-            out.extend(self._view(cur))
-            if cur.finish_reason:
-                self.done = True
-                break
-        return out
-
-    @property
-    def gap(self) -> bool:
-        return bool(self.pending)
-
-    def _view(self, d: Delta) -> list[Delta]:
-        prev, self.acc = self.acc, self.acc + d.text
-        if self.acc.startswith(self.shown):  # extends what was shown (the usual case)
-            new = self.acc[len(self.shown):]
-            repeated = len(prev) < len(self.shown)  # part of it was shown by an older attempt
-            self.shown = self.acc
-            if not repeated:
-                return [d]
-            return [d.model_copy(update={"text": new})] if new or d.finish_reason else []
-        if self.shown.startswith(self.acc) and not d.finish_reason:
-            return []  # a newer attempt still repeating text already shown
-        self.shown = self.acc  # diverged (or ended shorter): replace the shown text
-        return [d.model_copy(update={"text": self.acc, "restart": True})]
+        skip_ids, skip_chars = self.tokens - d.index, self.chars - d.offset
+        ids, text = d.token_ids[skip_ids:], d.text[skip_chars:]
+        if not (ids or text or d.finish_reason):
+            return []  # all of it was yielded already
+        self.tokens += len(ids)
+        self.chars += len(text)
+        self.done = d.finish_reason is not None
+        if not (skip_ids or skip_chars):
+            return [d]
+        lp = d.logprobs[skip_ids:] if d.logprobs is not None else None
+        return [d.model_copy(update={"token_ids": ids, "text": text, "logprobs": lp,
+                                     "index": self.tokens - len(ids), "offset": self.chars - len(text)})]
 
 
 def result_from_hash(job_id: str, h: dict) -> Optional[Result]:

@@ -280,11 +280,6 @@ class Gateway:
                 yield _event(meta.chunk({"role": "assistant", "content": ""}, None))
             async for d in deltas:
                 attempt = max(attempt, d.attempt)
-                if d.restart:
-                    finished = True
-                    yield _event(OpenAIError(500, "the job restarted on another worker with different output",
-                                             "server_error", code="job_restarted").body())
-                    break
                 if offset == 0 and d.text:
                     self.metrics.ttft.labels(meta.endpoint).observe(time.monotonic() - meta.started)
                 if d.finish_reason == "error":

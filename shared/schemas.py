@@ -80,20 +80,29 @@ class GenerateRequest(SamplingParams):
 
 
 class Delta(BaseModel):
-    """A piece of a job's output, as streamed: ``(attempt, seq)`` orders and de-duplicates."""
+    """A piece of a job's output, as streamed.
+
+    ``index`` is the absolute position of its first token id in the job's generated tokens, and
+    ``offset`` the absolute position of its text in the job's text, whatever the attempt: a worker
+    that takes over a crashed or preempted job continues from what the durable record holds, so a
+    subscriber keeps exactly one copy of each index (and of each character).  ``seq`` counts a job's
+    deltas from 1 across all its attempts; ``attempt`` says which run produced it.
+    """
 
     model_config = ConfigDict(extra="ignore")
     attempt: int = 1
     seq: int = 0
+    index: int = 0
+    offset: int = 0
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
     error: Optional[str] = None
     logprobs: Optional[list] = None
-    restart: bool = False  # set by the client when a new attempt replaced text it had shown
 
     def to_wire(self) -> dict:
-        d = {"a": self.attempt, "s": self.seq, "t": self.text, "i": self.token_ids}
+        d = {"a": self.attempt, "s": self.seq, "n": self.index, "c": self.offset, "t": self.text,
+             "i": self.token_ids}
         if self.finish_reason:
             d["f"] = self.finish_reason
         if self.error:
@@ -107,6 +116,8 @@ class Delta(BaseModel):
         return cls(
             attempt=int(d.get("a", 1)),
             seq=int(d.get("s", 0)),
+            index=int(d.get("n", 0)),
+            offset=int(d.get("c", 0)),
             text=d.get("t", "") or "",
             token_ids=list(d.get("i", []) or []),
             finish_reason=d.get("f") or None,

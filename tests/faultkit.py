@@ -137,22 +137,19 @@ def detok_text(tokenizer, ids):
 
 
 class StreamCollector(threading.Thread):
-    """Follows ``job.stream()`` on a thread, applying ``restart`` deltas as a UI would."""
+    """Follows ``job.stream()`` on a thread: the text and token ids it shows, each once."""
 
     def __init__(self, job, timeout: float = 120.0):
         super().__init__(daemon=True)
         # its own handle: a Job is not shared between threads (result() closes its pub/sub)
         self.job, self.timeout = job._client.job(job.id, job._keys.model), timeout
-        self.text, self.finishes, self.restarts, self.error = "", [], 0, None
+        self.text, self.ids, self.finishes, self.error = "", [], [], None
 
     def run(self) -> None:
         try:
             for d in self.job.stream(timeout=self.timeout):
-                if d.restart:
-                    self.restarts += 1
-                    self.text = d.text
-                else:
-                    self.text += d.text
+                self.text += d.text
+                self.ids += d.token_ids
                 if d.finish_reason:
                     self.finishes.append(d.finish_reason)
         except Exception as exc:  # reported by the test

@@ -71,7 +71,7 @@ def _shard_of(cluster, model: str) -> int:
 def _stream_text(job) -> tuple[str, list[str]]:
     text, finishes = "", []
     for d in job.stream(timeout=120):
-        text = d.text if d.restart else text + d.text
+        text += d.text
         if d.finish_reason:
             finishes.append(d.finish_reason)
     return text, finishes

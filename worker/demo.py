@@ -142,7 +142,7 @@ def main(args) -> int:
 
     def follow(job):
         for delta in job.stream(timeout=300):
-            texts[job.id] = delta.text if delta.restart else texts[job.id] + delta.text
+            texts[job.id] += delta.text
         done[job.id] = job.result(timeout=60)
 
     def start_following(from_index):

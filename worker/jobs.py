@@ -69,26 +69,29 @@ class ActiveJob:
             session_id=self.request.session_id,
         )
 
-    def take_text(self, new_text: str) -> str:
-        """Append produced text; return the part not yet published (never twice)."""
+    def emit(self, new_text: str, ids: list[int], finish: Optional[str] = None, error: Optional[str] = None,
+             logprobs: Optional[list] = None) -> Delta:
+        """The next delta: ``ids`` (already appended to ``tokens``) and the text not yet published,
+        each with its absolute position, so nothing is ever published twice."""
         self.full_text += new_text
-        out = self.full_text[self.sent_chars :]
-        self.sent_chars = max(self.sent_chars, len(self.full_text))
-        return out
-
-    def next_delta(self, text: str, ids: list[int], finish: Optional[str] = None,
-                   error: Optional[str] = None, logprobs: Optional[list] = None) -> Delta:
+        offset = self.sent_chars
+        text = self.full_text[offset:]
+        self.sent_chars = max(offset, len(self.full_text))
         self.seq += 1
-        return Delta(attempt=self.attempt, seq=self.seq, text=text, token_ids=ids,
-                     finish_reason=finish, error=error, logprobs=logprobs)
+        return Delta(attempt=self.attempt, seq=self.seq, index=len(self.tokens) - len(ids), offset=offset,
+                     text=text, token_ids=list(ids), finish_reason=finish, error=error, logprobs=logprobs)
+
+    def wire(self, delta: Delta) -> bytes:
+        """A delta as published; a job's first delta also records its seed, so a run that takes the
+        job over samples from the same stream (an unseeded sampled job too)."""
+        d = delta.to_wire()
+        if delta.seq == 1:
+            d["sd"] = self.seed
+        return codec.pack(d)
 
     def resume_state(self) -> bytes:
-        """What a later attempt needs to continue without re-sending anything."""
-        return codec.pack({
-            "tokens": self.tokens, "seq": self.seq, "text": self.full_text,
-            "sent": self.sent_chars, "first_token_at": self.first_token_at, "seed": self.seed,
-            "attempt": self.attempt,
-        })
+        """What a later attempt needs besides the durable record (which holds tokens and text)."""
+        return codec.pack({"seed": self.seed, "first_token_at": self.first_token_at, "attempt": self.attempt})
 
     def result(self, finish: str, error: Optional[str] = None) -> Result:
         finished = self.now()
@@ -180,8 +183,54 @@ def plain_chat_prompt(messages: list[dict]) -> str:
     return (text + PLAIN_CHAT_ROLES["assistant"]).rstrip()
 
 
+@dataclass
+class Published:
+    """What the job's durable record holds of its output: the state a new attempt resumes from."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    chars: int = 0  # characters of text published
+    seq: int = 0  # the last delta's sequence number
+    seed: Optional[int] = None
+    first_token_at: Optional[float] = None  # server time of the first delta with a token
+
+
+def read_published(entries: list) -> Published:
+    """Fold a job's event stream (XRANGE entries) into what it published, one copy of each token
+    index.  Terminal events and malformed entries are skipped; a gap (which a fenced, append-only
+    record cannot have) ends the fold there, so a resume never skips a token."""
+    p = Published()
+    for entry_id, fields in entries:
+        raw = fields.get(b"d", fields.get("d"))
+        if raw is None:
+            continue
+        try:
+            wire = codec.unpack(raw)
+            d = Delta.from_wire(wire)
+        except (codec.CodecError, ValueError, TypeError, AttributeError):
+            continue
+        if d.index > len(p.tokens) or d.offset > p.chars:
+            log.warning("the durable record has a gap at token %d; resuming before it", len(p.tokens))
+            break
+        skip = len(p.tokens) - d.index
+        if d.token_ids[skip:] and p.first_token_at is None:
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            p.first_token_at = int(eid.split("-")[0]) / 1000.0
+        p.tokens += d.token_ids[skip:]
+        if d.logprobs:
+            p.logprobs += d.logprobs[skip:]
+        p.chars = max(p.chars, d.offset + len(d.text))
+        p.seq = max(p.seq, d.seq)
+        if p.seed is None and isinstance(wire.get("sd"), int):
+            p.seed = wire["sd"]
+    return p
+
+
 def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer, worker_id: str,
-              clock_offset: float) -> ActiveJob:
+              clock_offset: float, published: Optional[Published] = None) -> ActiveJob:
+    """A pulled job, resumed from ``published`` (its durable record) when an earlier attempt streamed
+    part of it: the new attempt continues after the last published token, and never sends again
+    what was sent."""
     resume: dict[str, Any] = {}
     if pulled.resume:
         try:
@@ -190,21 +239,30 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
             resume = {}
         if not isinstance(resume, dict) or resume.get("attempt") != pulled.attempt:
             resume = {}
-    seed = resume.get("seed") if isinstance(resume.get("seed"), int) else resolve_seed(req.params())
+    published = published or Published()
+    if req.seed is not None:
+        seed = req.seed
+    elif published.seed is not None:
+        seed = published.seed
+    elif isinstance(resume.get("seed"), int):
+        seed = resume["seed"]
+    else:
+        seed = resolve_seed(req.params())
     job = ActiveJob(
         id=pulled.job_id, request=req, attempt=pulled.attempt,
         owner=owner_token(worker_id, pulled.attempt), tier=pulled.tier, score=pulled.score,
         queued_at=pulled.queued_at, started_at=pulled.now, prompt=prompt, seed=seed,
         text=TextStream.for_tokenizer(tokenizer, req.stop), clock_offset=clock_offset,
     )
-    tokens = resume.get("tokens")
-    if tokens and isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
-        # Rebuild the text state silently; only text beyond what was sent goes out.
+    if published.seq:
+        # Rebuild the text state silently; only text beyond what was published goes out.
         job.resumed = True
-        job.tokens = list(tokens)
-        for t in tokens:
+        job.tokens = list(published.tokens)
+        job.logprobs = list(published.logprobs)
+        for t in job.tokens:
             job.full_text += job.text.add(t)
-        job.sent_chars = int(resume.get("sent", 0))
-        job.seq = int(resume.get("seq", 0))
-        job.first_token_at = resume.get("first_token_at")
+        job.sent_chars = published.chars
+        job.seq = published.seq
+        job.first_token_at = resume.get("first_token_at") or published.first_token_at
+        log.info("job=%s attempt=%d resumes after %d published tokens", job.id, job.attempt, len(job.tokens))
     return job

@@ -24,10 +24,10 @@ from mlxq.shared.protocol import Pulled, Queue
 from mlxq.shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
 from mlxq.shared.settings import TIERS, Settings
 from . import BLAS_STATUS
-from .jobs import ActiveJob, JobError, decode_request, start_job, tokenize
+from .jobs import ActiveJob, JobError, Published, decode_request, read_published, start_job, tokenize
 from .model import LoadedModel
 from .paged.engine import PagedEngine
-from .redis_io import Control, Fetcher, Publisher, ReadyQueue, StepOutput
+from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQueue, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ class Worker:
                 raise JobError(f"prompt of {len(prompt)} tokens exceeds the model's context of {ctx} tokens")
             if not self.engine.can_admit(len(prompt), req.max_tokens):
                 raise JobError(f"prompt of {len(prompt)} tokens can never fit this worker's KV memory")
-            job = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset)
+            job = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset,
+                            self._published(entry))
         except JobError as exc:
             log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
             self.publisher.submit(self._failure(entry, str(exc), INVALID_REQUEST))
@@ -132,6 +133,23 @@ class Worker:
             self.publisher.submit(self._failure(entry, f"internal error preparing the job: {exc}", INTERNAL_ERROR))
             return
         self.ready.put(job)
+
+    def _published(self, entry: Pulled) -> Optional[Published]:
+        """Fetcher thread: what earlier attempts of this job published (its durable record), for a job
+        that ran before (a later attempt after a crash, or a preempted or requeued job)."""
+        if entry.attempt <= 1 and not entry.resume:
+            return None
+        backoff = Backoff()
+        while True:
+            try:
+                return read_published(self.q.redis.xrange(self.keys.events(entry.job_id)))
+            except REDIS_ERRORS as exc:
+                if self.stop_event.is_set():
+                    raise
+                delay = backoff.fail()
+                log.warning("job=%s: reading its durable record failed (%s); retrying in %.2fs",
+                            entry.job_id, exc, delay)
+                time.sleep(delay)
 
     def _failure(self, entry: Pulled, message: str, code: str) -> StepOutput:
         owner = f"{self.worker_id}:{entry.attempt}"
@@ -196,7 +214,13 @@ class Worker:
             if jobs:
                 for job in jobs:
                     self.active[job.id] = job
-                self.engine.add([self._spec(job) for job in jobs])
+                done = [j for j in jobs if len(j.tokens) >= j.request.max_tokens]
+                if done:  # an earlier attempt published every token, then died before finishing
+                    out = StepOutput()
+                    for job in done:
+                        self._finish(job, "length", out, job.text.finish())
+                    self.publisher.submit(out)
+                self.engine.add([self._spec(job) for job in jobs if job.id in self.active])
             self._engine_free = self.engine.free_slots()
             urgent = getattr(self.engine, "urgent_below", None)
             self._engine_urgent_below = urgent() if urgent is not None else float("-inf")
@@ -237,12 +261,10 @@ class Worker:
             if finish:
                 text += job.text.finish()
                 self._finish(job, finish, out, text, ids, lp)
-            else:
-                text = job.take_text(text)
-                if text or ids:
-                    delta = job.next_delta(text, ids, logprobs=lp)
-                    out.deltas.append((job.id, codec.pack(delta.to_wire()), job.seq == 1 or job.resumed))
-                    job.resumed = False
+            elif text or ids:
+                delta = job.emit(text, ids, logprobs=lp)
+                out.deltas.append((job.id, job.owner, job.wire(delta), job.seq == 1 or job.resumed))
+                job.resumed = False
         for p in preempted:
             job = self.active.pop(p.uid, None)
             if job is not None:
@@ -255,12 +277,10 @@ class Worker:
 
     def _finish(self, job: ActiveJob, finish: str, out: StepOutput, text: str = "", ids=(), lp=None,
                 error: Optional[str] = None) -> None:
-        text = job.take_text(text)
-        delta = job.next_delta(text, list(ids), finish, error, lp)
+        delta = job.emit(text, list(ids), finish, error, lp)
         result = job.result(finish, error)
         status = {"cancelled": "cancelled", "error": "failed"}.get(finish, "done")
-        out.completions.append((job.id, job.owner, status, codec.pack(result.model_dump()),
-                                codec.pack(delta.to_wire())))
+        out.completions.append((job.id, job.owner, status, codec.pack(result.model_dump()), job.wire(delta)))
         self.active.pop(job.id, None)
         self.processed[status] += 1
         self._notify("on_finish", job, result)
@@ -377,7 +397,7 @@ class Worker:
             self.ready.items.clear()
         for job in leftovers:
             self.engine.remove([job.id])
-            out.requeues.append((job.id, job.owner, job.resume_state() if job.tokens else b""))
+            out.requeues.append((job.id, job.owner, job.resume_state()))
             self.processed["requeued"] += 1
         if leftovers:
             log.warning("requeued %d unfinished jobs at their original scores", len(leftovers))

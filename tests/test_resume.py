@@ -1,0 +1,125 @@
+"""A job whose worker dies mid-stream resumes from its durable record: the next attempt prefills the
+prompt plus the tokens already published and generates only what is missing.  Every delta carries
+the absolute index of its first token (and offset of its text), so a subscriber keeps one copy of
+each; a seeded sampled job gives the same tokens whether or not its worker crashed."""
+
+from __future__ import annotations
+
+import random
+
+from mlxq import Client
+from mlxq.producer.common import StreamState
+from mlxq.shared import codec
+from mlxq.shared.keys import ModelKeys
+from mlxq.shared.schemas import Delta
+from mlxq.worker.jobs import read_published
+from tests.conftest import fast_settings, wait_for
+from tests.faultkit import StreamCollector, WorkerProc, reference_tokens, wait_registered
+
+K = ModelKeys("tiny")
+
+
+def _d(index, ids, offset, text, seq=0, attempt=1, finish=None):
+    return Delta(attempt=attempt, seq=seq, index=index, offset=offset, text=text, token_ids=ids,
+                 finish_reason=finish)
+
+
+def test_stream_state_keeps_one_copy_of_each_index():
+    s = StreamState()
+    out = s.feed(_d(0, [5, 6], 0, "ab", 1))
+    assert [(d.token_ids, d.text) for d in out] == [([5, 6], "ab")]
+    assert s.feed(_d(0, [5, 6], 0, "ab", 1)) == []  # read again (live, then from the record)
+    out = s.feed(_d(1, [6, 7], 1, "bc", 2, attempt=2))  # overlaps what was yielded: only the new part
+    assert [(d.index, d.token_ids, d.offset, d.text) for d in out] == [(2, [7], 2, "c")]
+    assert s.feed(_d(5, [9], 7, "z", 4)) == [] and s.gap  # starts past what was yielded: a gap
+    out = s.feed(_d(3, [8], 3, "d", 3))
+    assert [d.token_ids for d in out] == [[8]] and not s.gap
+    out = s.feed(_d(4, [], 4, "", 5, finish="stop"))
+    assert out[0].finish_reason == "stop" and s.done
+    assert s.feed(_d(4, [1], 4, "x", 6)) == []  # nothing after the end
+
+
+def test_read_published_folds_the_record_once_per_index():
+    def entry(ms, d: Delta, **extra):
+        return (f"{ms}-0".encode(), {b"d": codec.pack({**d.to_wire(), **extra})})
+
+    entries = [
+        entry(1000, _d(0, [1, 2], 0, "ab", 1), sd=42),
+        entry(1001, _d(2, [3], 2, "c", 2)),
+        entry(1002, _d(2, [3], 2, "c", 2)),  # a repeat adds nothing
+        (b"1003-0", {b"f": b"cancelled"}),  # a terminal event is not output
+        entry(1004, _d(3, [4], 3, "d", 3, attempt=2)),
+        entry(1005, _d(9, [9], 9, "z", 4)),  # a gap: the fold stops before it
+    ]
+    p = read_published(entries)
+    assert (p.tokens, p.chars, p.seq, p.seed, p.first_token_at) == ([1, 2, 3, 4], 4, 3, 42, 1.0)
+
+
+def _record_token_count(r, job_id) -> int:
+    """Token ids published in the job's durable record, counting every delta (a resend would show)."""
+    n = 0
+    for _, fields in r.xrange(K.events(job_id)):
+        if b"d" in fields:
+            n += len(codec.unpack(fields[b"d"]).get("i") or [])
+    return n
+
+
+def _follow(client, specs):
+    jobs = [client.submit(prompt_tokens=p, **kw) for p, kw in specs]
+    collectors = [StreamCollector(j, timeout=240) for j in jobs]
+    for c in collectors:
+        c.start()
+    return jobs, collectors
+
+
+def test_worker_kill9_streams_resume_token_exact(tiny_model, tiny_model_dir, redis_url, tmp_path):
+    rng = random.Random(17)
+    n_tok = 240  # long by construction: every job is mid-stream when the worker dies
+    specs = []
+    for i in range(8):
+        prompt = [rng.randrange(4, 900) for _ in range(rng.randrange(4, 20))]
+        if i < 3:  # greedy
+            kw = dict(max_tokens=n_tok, ignore_eos=True)
+        elif i < 7:  # seeded sampling: the same tokens with or without a crash
+            kw = dict(max_tokens=n_tok, ignore_eos=True, temperature=0.9, top_p=0.95, seed=1000 + i)
+        else:  # unseeded sampling: coherent across the crash (no repeat, no gap)
+            kw = dict(max_tokens=n_tok, ignore_eos=True, temperature=0.9)
+        specs.append((prompt, kw))
+    lease = dict(lease_s=2, heartbeat_s=0.5)
+    client = Client(redis_url, model="tiny", settings=fast_settings(redis_url, **lease))
+    r = client.redis
+    a = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=8, **lease)
+    b = None
+    try:
+        assert wait_registered(redis_url), a.log()
+        # the uncrashed reference, computed in this run: mlx-lm for greedy, an undisturbed run for seeded
+        undisturbed = [j.result(timeout=240) for j in (client.submit(prompt_tokens=p, **kw) for p, kw in specs)]
+        refs = [reference_tokens(tiny_model, p, n_tok, ignore_eos=True) if i < 3 else undisturbed[i].token_ids
+                for i, (p, _) in enumerate(specs)]
+        assert all(res.token_ids == ref for res, ref in zip(undisturbed, refs))  # batched == solo
+
+        jobs, collectors = _follow(client, specs)
+        assert wait_for(lambda: all(r.xlen(K.events(j.id)) >= 10 for j in jobs), timeout=240), a.log()
+        a.freeze()  # the states read below are the states at the kill
+        published_at_kill = {j.id: _record_token_count(r, j.id) for j in jobs}
+        assert all(j.status() == "running" for j in jobs)
+        a.kill9()
+        b = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=8, **lease)
+        results = [j.result(timeout=240) for j in jobs]
+        for c in collectors:
+            c.join(timeout=60)
+        for i, (job, res, c) in enumerate(zip(jobs, results, collectors)):
+            assert c.error is None, (i, c.error)
+            assert res.finish_reason == "length" and res.stats.attempts == 2, (i, res)
+            assert c.ids == res.token_ids, i  # the stream: each token index once, across the crash
+            assert c.text == res.text, i
+            assert c.finishes == ["length"], i
+            assert _record_token_count(r, job.id) == n_tok, i  # resumed: nothing published twice
+            assert 10 <= published_at_kill[job.id] < n_tok, i
+            if i < 7:
+                assert res.token_ids == refs[i], i  # greedy and seeded: exact across the crash
+        assert b.log().count("resumes after") == len(jobs), b.log()
+    finally:
+        a.stop()
+        if b:
+            b.stop()
