@@ -18,13 +18,16 @@ const k = { queue: `${base}:queue`, job: `${base}:job:${id}`, counts: `${base}:c
 const redis = createClient({ url: env.MLXQ_REDIS_URL }); await redis.connect();
 const sub = redis.duplicate(); await sub.connect();
 
-// Deltas {a: attempt, s: seq, t: text, i: token ids, f: finish reason, e: error}, in order, each once.
-let attempt = 0, next = 1, text = "", end;
+// Deltas {n: index of the first token id, c: offset of the text, t: text, i: token ids, f: finish reason,
+// e: error}: keep one copy of each token index and each character, whatever the attempt.
+// (c counts characters, i.e. code points: Array.from, not String.length, which counts UTF-16 units)
+let tokens = 0, chars = 0, text = "", end;
 const ended = new Promise((resolve) => (end = resolve));
 function feed(d) {
-  if (d.a > attempt) [attempt, next, text] = [d.a, 1, ""]; // a new attempt streams from the start
-  if (d.a !== attempt || d.s !== next) return d.a === attempt && d.s > next; // true: a gap
-  next += 1; text += d.t; process.stdout.write(d.t);
+  if (d.n > tokens || d.c > chars) return true; // a gap: read the durable stream
+  const t = Array.from(d.t).slice(chars - d.c);
+  tokens = Math.max(tokens, d.n + d.i.length); chars += t.length; text += t.join("");
+  process.stdout.write(t.join(""));
   if (d.f) end(d);
   return false;
 }
