@@ -1,9 +1,9 @@
 """Connections and client CPU for N concurrent streamed jobs: the client of a given git revision
 (default: the commit before one-subscriber-per-client) against this tree's, side by side.
 
-The worker is a fake publisher (a separate process) that does what a worker does per step: for
-every job one XADD to its event stream and one PUBLISH of the msgpack delta, pipelined, then the
-completion script; so the figures isolate the client.  Each client runs in its own process:
+The worker is a fake publisher (a separate process) that does what a worker does per step: one
+call of the fenced deltas script (for every job an XADD to its event stream and a PUBLISH of the
+msgpack delta), then the completion script; so the figures isolate the client.  Each client runs in its own process:
 it submits N jobs (each subscribed before enqueue), signals the fake worker, and streams all N
 concurrently (asyncio tasks on an AsyncClient, or threads on a sync Client).  Connections are
 counted with CLIENT LIST at the peak (all N subscribed, before the first delta).
@@ -95,20 +95,20 @@ FAKE_WORKER = textwrap.dedent('''
     pulled = []
     while len(pulled) < n:
         pulled += [p for p in q.pull(n - len(pulled), "fake") if p.kind == "job"]
-    for seq in range(1, tokens + 1):  # one pipelined round trip per engine step, as the Publisher does
+    for seq in range(1, tokens + 1):  # one round trip per engine step, as the Publisher does
         pipe = r.pipeline(transaction=False)
         last = seq == tokens
-        for p in pulled:
-            d = codec.pack({"a": p.attempt, "s": seq, "t": "x", "ids": [7], "f": None})
-            if not last:
-                pipe.xadd(k.events(p.job_id), {"d": d})
-                pipe.publish(k.channel(p.job_id), d)
-        if last:
+
+        def delta(p, finish=None):
+            return codec.pack({"a": p.attempt, "s": seq, "n": seq - 1, "c": seq - 1, "t": "x", "i": [7],
+                               "f": finish})
+        if not last:  # the worker's fenced append + publish: one script call for the step
+            q.publish_deltas([(p.job_id, f"fake:{p.attempt}", delta(p), seq == 1) for p in pulled], client=pipe)
+        else:
             for p in pulled:
-                d = codec.pack({"a": p.attempt, "s": seq, "t": "x", "ids": [7], "f": "length"})
                 res = codec.pack({"id": p.job_id, "text": "x" * tokens, "token_ids": [7] * tokens,
                                   "finish_reason": "length"})
-                q.complete(p.job_id, f"fake:{p.attempt}", "done", res, d, client=pipe)
+                q.complete(p.job_id, f"fake:{p.attempt}", "done", res, delta(p, "length"), client=pipe)
         pipe.execute()
 ''')
 
