@@ -379,18 +379,5 @@ class ReadyQueue:
             self.items.append(item)
         self.event.set()
 
-    def take_all(self) -> list:
-        with self.lock:
-            items = list(self.items)
-            self.items.clear()
-            self.event.clear()
-        return items
-
     def __len__(self) -> int:
         return len(self.items)
-
-    def put_back(self, items: list) -> None:
-        with self.lock:
-            self.items.extendleft(reversed(items))
-        if items:
-            self.event.set()
