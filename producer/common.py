@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -10,6 +13,8 @@ from mlxq.shared import codec
 from mlxq.shared.schemas import Delta, GenerateRequest, JobStats, Result
 
 TERMINAL = {"done", "failed", "cancelled", "dead"}
+
+log = logging.getLogger("mlxq.producer")
 
 
 class NoModelError(LookupError):
@@ -75,16 +80,56 @@ def pick_model(explicit: Optional[str], registered: dict[str, dict]) -> str:
 
 
 def decode_registry(raw: dict) -> dict[str, dict]:
+    """name -> info; a model whose info cannot be read is still registered (with ``{}``)."""
     out = {}
     for name, blob in raw.items():
         name = name.decode() if isinstance(name, bytes) else name
         try:
             info = codec.unpack(blob)
         except codec.CodecError:
-            continue
-        if isinstance(info, dict):
-            out[name] = info
+            info = None
+        out[name] = info if isinstance(info, dict) else {}
     return out
+
+
+def known_model(model: str, registry: Optional[dict[str, dict]]) -> Optional[dict]:
+    """The registry's info on ``model``; ``NoModelError`` naming the models that exist when no
+    worker ever registered it.  ``registry`` None (it could not be read): no check, None."""
+    if registry is None:
+        return None
+    if model not in registry:
+        served = ", ".join(sorted(registry)) or "none: no worker has registered a model yet"
+        raise NoModelError(f"model {model!r} is not served by any worker (models: {served}); "
+                           "start `mlxq worker --model ...` for it, or pass one of these")
+    return registry[model]
+
+
+_unreadable_logged = threading.Event()
+
+
+def registry_unreadable(exc: Exception) -> None:
+    """A producer whose Redis user may not read the model registry submits unchecked (logged once)."""
+    if not _unreadable_logged.is_set():
+        _unreadable_logged.set()
+        log.info("cannot read the model registry (%s): jobs are submitted without checking that the model "
+                 "exists or has a live worker", exc)
+
+
+def has_live_worker(info: Optional[dict], window_s: float, now: Optional[float] = None) -> bool:
+    """True when a worker of this model published its stats (the registry's ``seen_at``, written
+    every ``stats_interval_s``) within ``window_s`` seconds (``Settings.live_worker_s``)."""
+    seen = (info or {}).get("seen_at")
+    if not isinstance(seen, (int, float)):
+        return False
+    return (time.time() if now is None else now) - seen <= window_s
+
+
+def status_text(status: Optional[str], model: str, info: Optional[dict], window_s: float) -> Optional[str]:
+    """A job's status, with "queued, no live worker for MODEL" when nothing can take it now.
+    ``info`` None (the registry could not be read): the bare status."""
+    if status == "queued" and info is not None and not has_live_worker(info, window_s):
+        return f"queued, no live worker for {model}"
+    return status
 
 
 def entry_delta(fields: dict) -> Optional[Delta]:
