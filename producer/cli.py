@@ -22,6 +22,7 @@ def cmd_submit(args) -> int:
         job = client.submit(messages=[{"role": "user", "content": args.text}], **params)
     else:
         job = client.submit(args.text, **params)
+    _say_if_no_worker(job)
     for delta in job.stream():
         if delta.restart:
             sys.stdout.write("\n[restarted on a new attempt]\n" + delta.text)
@@ -35,6 +36,14 @@ def cmd_submit(args) -> int:
     if args.verbose:
         print(json.dumps(result.stats.model_dump(), indent=2), file=sys.stderr)
     return 0 if result.finish_reason != "error" else 1
+
+
+def _say_if_no_worker(job) -> None:
+    """A queue accepts work while no worker runs; say so rather than wait in silence."""
+    status = job.status() or ""
+    if status.startswith("queued, no live worker"):
+        print(f"mlxq submit: job {job.id} {status}; waiting for one (Ctrl-C leaves the job queued)",
+              file=sys.stderr, flush=True)
 
 
 def cmd_stats(args) -> int:

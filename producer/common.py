@@ -93,14 +93,15 @@ def decode_registry(raw: dict) -> dict[str, dict]:
 
 
 def known_model(model: str, registry: Optional[dict[str, dict]]) -> Optional[dict]:
-    """The registry's info on ``model``; ``NoModelError`` naming the models that exist when no
-    worker ever registered it.  ``registry`` None (it could not be read): no check, None."""
-    if registry is None:
+    """The registry's info on ``model``; ``NoModelError`` naming the models that exist when workers
+    have registered models but never this one.  None, and no check, when the registry could not be
+    read (``registry`` None) or is empty (a fresh deployment whose workers are still starting: the job
+    waits in the queue, and ``status()`` says "queued, no live worker for MODEL")."""
+    if not registry:
         return None
     if model not in registry:
-        served = ", ".join(sorted(registry)) or "none: no worker has registered a model yet"
-        raise NoModelError(f"model {model!r} is not served by any worker (models: {served}); "
-                           "start `mlxq worker --model ...` for it, or pass one of these")
+        raise NoModelError(f"model {model!r} is not served by any worker (models: {', '.join(sorted(registry))}); "
+                           "pass one of these, or start `mlxq worker --model ...` for it")
     return registry[model]
 
 

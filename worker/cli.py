@@ -52,13 +52,12 @@ def run(args) -> int:
     from mlxq.producer.client import connect
     from mlxq.shared.settings import Settings
 
-    from . import BLAS_STATUS
     from .model import ModelNotFound, load_model
     from .runner import Worker
 
     if not args.redis_url:
         raise SystemExit("mlxq worker: no Redis URL (pass --redis-url or set MLXQ_REDIS_URL)")
-    log.info("BLAS: %s", BLAS_STATUS)
+    # (the BLAS in use is logged once, in the worker's "serving" line)
     settings = Settings.from_env(redis_url=args.redis_url)
     try:
         loaded = load_model(args.model, name=args.name, keep_dtype=args.keep_dtype)
