@@ -33,7 +33,7 @@ class EmbeddedRedis:
     def start(self) -> "EmbeddedRedis":
         self._server.start()
         self.port = self._server.port
-        log.info("embedded Valkey listening on %s", self.url)
+        log.debug("embedded Valkey listening on %s", self.url)
         return self
 
     @property

@@ -87,7 +87,7 @@ class ActiveJob:
         return codec.pack({
             "tokens": self.tokens, "seq": self.seq, "text": self.full_text,
             "sent": self.sent_chars, "first_token_at": self.first_token_at, "seed": self.seed,
-            "attempt": self.attempt,
+            "attempt": self.attempt, "started_at": self.started_at,
         })
 
     def result(self, finish: str, error: Optional[str] = None) -> Result:
@@ -207,4 +207,6 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
         job.sent_chars = int(resume.get("sent", 0))
         job.seq = int(resume.get("seq", 0))
         job.first_token_at = resume.get("first_token_at")
+        if isinstance(resume.get("started_at"), (int, float)):  # queue_wait_s: until the job first started
+            job.started_at = resume["started_at"]
     return job
