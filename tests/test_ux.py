@@ -341,3 +341,36 @@ def test_stats_average_counts_a_finished_job(redis_url, tiny_model):
         agg = stats.collect(client.redis)["tiny"]
         assert agg["tok_s_avg"] > 0
         assert "average=0.0" not in stats.render({"tiny": agg})
+
+
+# -- the README's Client examples ------------------------------------------------------------------------
+def _readme_python_block(needle: str) -> str:
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    (code,) = [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M) if needle in m.group(1)]
+    return code
+
+
+def _run_snippet(code: str, redis_url: str) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code.replace("redis://localhost:6379/0", redis_url), "README.md", "exec"),
+             {"__name__": "readme_example"})
+    return out.getvalue()
+
+
+def test_readme_client_snippets_print_their_lines_apart(redis_url, tiny_model):
+    """The quickstart's Client snippet ends the streamed text before the usage line; the map example
+    prints one line per item, saying how many tokens each produced (whatever the weights say)."""
+    with running_worker(tiny_model, redis_url):
+        r = redis.Redis.from_url(redis_url)
+        assert wait_for(lambda: r.hexists(GK.models, "tiny"), timeout=60)
+        r.close()
+        out = _run_snippet(_readme_python_block('model="tiny")\njob = client.submit('), redis_url)
+        assert out.endswith("\n") and out.splitlines()[-1].startswith("tokens: "), out
+        lines = _run_snippet(_readme_python_block("client.map("), redis_url).splitlines()
+    assert len(lines) == 2 and all(" tokens: " in ln for ln in lines), lines
