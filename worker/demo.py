@@ -177,11 +177,16 @@ def main(args) -> int:
     ready = threading.Event()
 
     def run_worker():
-        from .model import load_model
+        from .model import ModelNotFound, load_model
         from .runner import Worker, make_engine
 
         try:
             loaded = load_model(model_src, name=model)
+        except ModelNotFound as exc:  # one line, said by the main thread
+            holder["error"] = str(exc)
+            ready.set()
+            return
+        try:
             # a small pool (64 blocks of 32 tokens) so the block counts are readable
             engine = make_engine(loaded, max_batch=ROOM, num_blocks=64)
             holder["pacer"] = _Pacer(engine, getattr(args, "pace", PACE_S))
@@ -194,8 +199,12 @@ def main(args) -> int:
     thread.start()
     ready.wait()
     if "worker" not in holder:
-        print("the worker failed to start", file=sys.stderr)
-        return 1
+        print(f"mlxq demo: {holder.get('error', 'the worker failed to start')}", file=sys.stderr)
+        for _, _, j in jobs:
+            j._client.close()  # its subscriber first: the server goes next
+        if server:
+            server.stop()
+        return 2 if "error" in holder else 1
     print(f"worker serving {model!r} with room for {ROOM} sequences at once\n")
     texts: dict = {}
     done = {}
