@@ -18,7 +18,7 @@ log = logging.getLogger("mlxq.producer")
 
 
 class NoModelError(LookupError):
-    """No model given and none could be chosen."""
+    """No model given and none could be chosen, or the one given is served by no worker."""
 
 
 class JobTimeout(TimeoutError):
@@ -105,13 +105,12 @@ def known_model(model: str, registry: Optional[dict[str, dict]]) -> Optional[dic
     return registry[model]
 
 
-_unreadable_logged = threading.Event()
+_unreadable_once = threading.Lock()  # taken by the first report, never released: one log line
 
 
 def registry_unreadable(exc: Exception) -> None:
     """A producer whose Redis user may not read the model registry submits unchecked (logged once)."""
-    if not _unreadable_logged.is_set():
-        _unreadable_logged.set()
+    if _unreadable_once.acquire(blocking=False):
         log.info("cannot read the model registry (%s): jobs are submitted without checking that the model "
                  "exists or has a live worker", exc)
 

@@ -521,8 +521,8 @@ def add_command(sub) -> None:
     p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("MLXQ_LOG_FORMAT", "text"),
                    help="text, or one JSON object per line with job and attempt fields ($MLXQ_LOG_FORMAT)")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
-    p.add_argument("--no-worker-wait", type=float, default=os.environ.get("MLXQ_NO_WORKER_WAIT_S") or Settings().no_worker_wait_s,
-                   metavar="SECONDS",
+    wait = os.environ.get("MLXQ_NO_WORKER_WAIT_S") or Settings().no_worker_wait_s
+    p.add_argument("--no-worker-wait", type=float, default=wait, metavar="SECONDS",
                    help="how long a request for a model with no live worker waits for one before a 503 with "
                         "Retry-After ($MLXQ_NO_WORKER_WAIT_S); /v1/batch/ requests are queued anyway")
     p.set_defaults(func=cmd_gateway)

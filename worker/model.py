@@ -109,8 +109,8 @@ def missing_model(source: str, exc: BaseException) -> ModelNotFound:
     if _looks_like_path(source):
         return ModelNotFound(f"no model directory at {path}: it does not exist; pass an mlx-lm model directory "
                              f"({make}) or a Hugging Face hub id (org/name)")
-    return ModelNotFound(f"model {source!r}: no directory {path}, and hub id {source!r} is not in the local Hugging Face "
-                         f"cache ({_hub_cache()}) and could not be downloaded ({type(exc).__name__}); download it "
+    return ModelNotFound(f"model {source!r}: no directory {path}, and hub id {source!r} is not in the local "
+                         f"Hugging Face cache ({_hub_cache()}) and could not be downloaded ({type(exc).__name__}); download it "
                          f"first (`hf download {source}`) or pass a model directory ({make})")
 
 
