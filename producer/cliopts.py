@@ -61,16 +61,41 @@ def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     return args
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already names it: "(default: X)";
+    an on/off flag reads "(default: off)".  An option whose default is None says in its own help text
+    what happens without it (a test checks that every option's help mentions its default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        if action.default is None:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class SubParser(argparse.ArgumentParser):
+    """A sub-command's parser: defaults in its help; it does not finish on its own."""
+
+    def __init__(self, *a, **kw):
+        kw.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*a, **kw)
+
+
 class Parser(argparse.ArgumentParser):
     """The top-level parser: shared options anywhere, finished once after the whole line is parsed."""
 
     def __init__(self, *a, **kw):
+        kw.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*a, **kw)
         add_shared(self, *SHARED)
         self.set_defaults(_shared=(), _required=())
 
     def add_subparsers(self, **kw):
-        kw.setdefault("parser_class", argparse.ArgumentParser)  # sub-commands do not finish on their own
+        kw.setdefault("parser_class", SubParser)  # sub-commands do not finish on their own
         return super().add_subparsers(**kw)
 
     def parse_known_args(self, args=None, namespace=None):

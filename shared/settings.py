@@ -37,6 +37,8 @@ class Settings:
     idempotency_ttl_s: int = 24 * 3600
     max_prompt_bytes: int = 4 * 1024 * 1024  # a hard cap on request size at submit
     max_new_tokens: int = 32_768
+    live_worker_s: float = 10.0  # a model's worker counts as live while its last heartbeat is this recent
+    no_worker_wait_s: float = 3.0  # the gateway waits this long for a live worker, then answers 503
 
     def __post_init__(self) -> None:
         unknown = set(self.tier_offsets) - set(TIERS)

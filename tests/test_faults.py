@@ -179,7 +179,7 @@ def test_producer_dies_after_enqueue_and_the_job_still_runs(tiny_model, redis_ur
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.strip()
     client = Client(redis_url, model="tiny", settings=fast_settings(redis_url))
-    assert client.job(job_id).status() == "queued"
+    assert client.job(job_id).status().startswith("queued")  # (", no live worker for tiny")
     with running_worker(tiny_model, redis_url, fast_settings(redis_url)):
         res = client.job(job_id).result(timeout=60)
     assert res.token_ids == ref and res.finish_reason in ("stop", "length")
@@ -212,7 +212,7 @@ def test_sigterm_finishes_or_requeues_and_a_second_sigterm_exits_at_once(tiny_mo
         assert wait_for(lambda: all(_xlen(r, j.id) >= 3 for j in long_jobs), timeout=120), w1.log()
         w1.term()
         assert w1.wait(timeout=60) == 0, w1.log()
-        assert all(j.status() == "queued" for j in long_jobs), w1.log()
+        assert all(j.status().startswith("queued") for j in long_jobs), w1.log()
         assert all(r.hget(K.job(j.id), "resume") for j in long_jobs)  # resume state kept
 
         # 2. a second worker resumes them; short jobs join; a SIGTERM with a long grace lets every
@@ -297,7 +297,8 @@ def test_overload_refuses_at_once_without_growing_redis(redis_url):
     apikeys.add_key(r, GlobalKeys().api_keys, "overload-high-key", "high")
     high = Client(redis_url, api_key="overload-high-key", model="tiny", settings=settings)
     used2 = int(r.info("memory")["used_memory"])
-    assert all(high.submit(prompt_tokens=[5, 6, 7, 8], max_tokens=2).status() == "queued" for _ in range(bound))
+    assert all(high.submit(prompt_tokens=[5, 6, 7, 8], max_tokens=2).status().startswith("queued")
+               for _ in range(bound))
     per_job = (int(r.info("memory")["used_memory"]) - used2) / bound
     print(f"\nFIGURES overload: bound={bound}, refused=2000 after warm-up, median_refusal_ms={times[1000]*1e3:.2f}, "
           f"p99_ms={times[1980]*1e3:.2f}, used_memory_growth_bytes={growth} (dataset {data_growth}; 2000 refused), "

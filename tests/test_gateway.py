@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 from urllib.parse import urlparse
 
 import openai
@@ -171,10 +172,14 @@ def test_bad_json_unknown_model_and_openai_client_errors(stack):
         oai(url).completions.create(model="tiny", prompt="hi", n=3)
 
 
+# "ghost": a model whose (pretend) worker heartbeats for the whole test but never pulls a job
+GHOST = {"name": "ghost", "context_length": 4096, "max_token_bytes": 8, "seen_at": time.time() + 10 * 365 * 86400}
+
+
 def test_overload_is_429(stack, redis_server):
     """A gateway whose queues hold one job per tier, for a model no worker drains."""
     url, r = stack
-    r.hset(GK.models, "ghost", codec.pack({"name": "ghost", "context_length": 4096, "max_token_bytes": 8}))
+    r.hset(GK.models, "ghost", codec.pack(GHOST))
     small = fast_settings(redis_server.url)
     apikeys.set_policy(r, GK, max_queued=1)  # the bound lives in Redis (`mlxq tiers --max-queued`)
     try:
@@ -271,7 +276,7 @@ def test_disconnect_while_waiting_for_the_first_token_cancels_the_job(stack):
     """A stream's headers wait for the job's first delta; a client that leaves before it (here the job
     stays queued: no worker serves "ghost") still cancels its job."""
     url, r = stack
-    r.hset(GK.models, "ghost", codec.pack({"name": "ghost", "context_length": 4096, "max_token_bytes": 8}))
+    r.hset(GK.models, "ghost", codec.pack(GHOST))
     ghost = GK.model_keys("ghost")
     try:
         before = set(r.zrange(ghost.queue, 0, -1))  # (an earlier test leaves a job there)

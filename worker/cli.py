@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import logging
+import os
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -20,17 +21,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (the fused CPU op when it builds, else gather), fused, or gather "
                         "(default: $MLXQ_ATTENTION, else auto)")
     p.add_argument("--kv-memory-mb", type=float, default=None, help="KV block pool budget in MiB (default 512)")
-    p.add_argument("--kv-blocks", type=int, default=None, help="a fixed number of 32-token KV blocks")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="a fixed number of 32-token KV blocks (default: as many as --kv-memory-mb holds)")
     p.add_argument("--session-dir", default=None,
-                   help="where session KV is written under pressure and at shutdown")
+                   help="where session KV is written under pressure and at shutdown (default: not written)")
     p.add_argument("--keep-dtype", action="store_true",
                    help="keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
     p.add_argument("--grace", type=float, default=30.0, help="warm-shutdown grace period in seconds")
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.add_argument("--rq-queues", default=None,
                    help="also take jobs from these rq queues (comma-separated, e.g. mlxq-high,mlxq-normal,mlxq-low; "
-                        "see mlxq.worker.rq_bridge)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+                        "see mlxq.worker.rq_bridge) (default: none)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (default: no metrics server)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="the address the metrics server binds: loopback; 0.0.0.0 exposes it on every interface "
+                        "(for a Prometheus on another host)")
 
 
 def make_engine(args, loaded):
@@ -46,15 +52,18 @@ def run(args) -> int:
     from mlxq.producer.client import connect
     from mlxq.shared.settings import Settings
 
-    from . import BLAS_STATUS
-    from .model import load_model
+    from .model import ModelNotFound, load_model
     from .runner import Worker
 
     if not args.redis_url:
         raise SystemExit("mlxq worker: no Redis URL (pass --redis-url or set MLXQ_REDIS_URL)")
-    log.info("BLAS: %s", BLAS_STATUS)
+    # (the BLAS in use is logged once, in the worker's "serving" line)
     settings = Settings.from_env(redis_url=args.redis_url)
-    loaded = load_model(args.model, name=args.name, keep_dtype=args.keep_dtype)
+    try:
+        loaded = load_model(args.model, name=args.name, keep_dtype=args.keep_dtype)
+    except ModelNotFound as exc:
+        print(f"mlxq worker: {exc}", file=sys.stderr)
+        return 2
     observers, bridge = [], None
     redis_client = connect(args.redis_url)
     if getattr(args, "metrics_port", None):
@@ -63,7 +72,7 @@ def run(args) -> int:
         from .metrics import WorkerMetrics
 
         metrics = WorkerMetrics(redis_client, GlobalKeys(settings.prefix).model_keys(loaded.name), loaded.name)
-        metrics.serve(args.metrics_port)
+        metrics.serve(args.metrics_port, getattr(args, "metrics_host", "127.0.0.1"))
         observers.append(metrics)
     if getattr(args, "rq_queues", None):
         from .rq_bridge import RqBridge

@@ -37,27 +37,92 @@ ROOM = 3  # sequences the demo worker runs at once: fewer than the jobs
 PACE_S = 0.06  # seconds per engine step: about 16 tokens a second per stream
 
 
-class _Paced:
-    """The engine, one step per ``pace`` seconds: tokens at a pace a person can read."""
+class _Pacer:
+    """Paces an engine (one step per ``pace`` seconds: tokens at a pace a person can read) and records
+    which jobs are generating right now, from the engine's own output: a job is generating from its
+    first token until it finishes, is removed or is preempted.  The engine object itself is unchanged
+    (its stats still name it), only its ``step`` and ``remove`` go through here, on the MLX thread."""
 
     def __init__(self, engine, pace: float):
-        self._engine, self._pace, self._last = engine, pace, 0.0
+        self._pace, self._last = pace, 0.0
+        self.generating: frozenset = frozenset()  # replaced whole: the display thread reads it as is
+        self.preempted: frozenset = frozenset()  # preempted, not yet resumed
+        self.finished: frozenset = frozenset()  # finished (or removed: a stop string, a cancel)
+        self._step, self._remove = engine.step, engine.remove
+        engine.step, engine.remove = self.step, self.remove
 
     def step(self):
         wait = self._last + self._pace - time.monotonic()
         if wait > 0:
             time.sleep(wait)
         self._last = time.monotonic()
-        return self._engine.step()
+        events, preempted = self._step()
+        now, out = set(self.generating), {p.uid for p in preempted}
+        ended = {ev.uid for ev in events if ev.finish_reason}
+        now |= {ev.uid for ev in events}
+        self.finished = self.finished | ended
+        self.generating = frozenset(now - out - ended)
+        self.preempted = frozenset((self.preempted | out) - now)
+        return events, preempted
 
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
+    def remove(self, uids):
+        self.finished = self.finished | set(uids)
+        self.generating = self.generating - set(uids)
+        return self._remove(uids)
+
+
+def _num(x, width: int, places: int) -> str:
+    """A figure, or "-" where there is none (tok/s of a one-token job: no interval to divide by)."""
+    return f"{x:{width}.{places}f}" if x is not None else f"{'-':>{width}}"
+
+
+def _state(job_id: str, done: dict, pacer: _Pacer) -> str:
+    """A row's label, from what the engine did: at most ROOM rows read "streaming"."""
+    if job_id in done or job_id in pacer.finished:
+        return "done"
+    if job_id in pacer.generating:
+        return "streaming"
+    if job_id in pacer.preempted:
+        return "preempted"
+    return "waiting"  # queued, or admitted and prefilling its prompt (no token yet)
+
 
 KEYS = {"high": "demo-key-high-tier", "normal": None, "low": "demo-key-batch-tier"}
 
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
+
+
+def _small_model() -> str:
+    """The small local model, built on the first run (~20 s on 2 cores), with what is happening said."""
+    from .make_model import ensure_model, read_stamp
+
+    where = _cache_dir() / "tiny-model"
+    before = read_stamp(where)
+    print("small local model: checking the cache; the first run builds it (~20 s on 2 cores) ...", flush=True)
+    t0 = time.perf_counter()
+    ensure_model(where, "tiny")
+    how = "built" if read_stamp(where) != before else "cached"
+    print(f"small local model ready in {where} ({how}, {time.perf_counter() - t0:.1f}s)")
+    return str(where)
+
+
+def _prepare_extension() -> None:
+    """Compile the paged-attention CPU extension now (first run only) rather than silently in the
+    worker; said, with a progress bar on a terminal, and how long it took."""
+    from .paged.extbuild import ExtensionUnavailable, build, built_library
+
+    if os.environ.get("MLXQ_ATTENTION", "auto") not in ("", "auto", "fused") or built_library() is not None:
+        return
+    print("compiling the paged-attention CPU extension (first run only, ~15-40 s) ...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        build()
+    except ExtensionUnavailable as exc:
+        print(f"the extension is unavailable ({str(exc).splitlines()[0]}): the worker uses the gather path")
+        return
+    print(f"extension compiled in {time.perf_counter() - t0:.1f}s")
 
 
 def main(args) -> int:
@@ -78,13 +143,8 @@ def main(args) -> int:
         url = server.url
         print(f"embedded Valkey server at {url}")
     print(f"BLAS: {BLAS_STATUS}")
-    model_src = args.model
-    if not model_src:
-        from .make_model import ensure_model
-
-        t0 = time.perf_counter()
-        model_src = str(ensure_model(_cache_dir() / "tiny-model", "tiny"))
-        print(f"small local model ready in {model_src} ({time.perf_counter() - t0:.1f}s)")
+    model_src = args.model or _small_model()
+    _prepare_extension()
 
     settings = Settings.from_env(redis_url=url, gather_ms=20.0)
     client = Client(url, settings=settings)
@@ -117,13 +177,19 @@ def main(args) -> int:
     ready = threading.Event()
 
     def run_worker():
-        from .model import load_model
+        from .model import ModelNotFound, load_model
         from .runner import Worker, make_engine
 
         try:
             loaded = load_model(model_src, name=model)
+        except ModelNotFound as exc:  # one line, said by the main thread
+            holder["error"] = str(exc)
+            ready.set()
+            return
+        try:
             # a small pool (64 blocks of 32 tokens) so the block counts are readable
-            engine = _Paced(make_engine(loaded, max_batch=ROOM, num_blocks=64), getattr(args, "pace", PACE_S))
+            engine = make_engine(loaded, max_batch=ROOM, num_blocks=64)
+            holder["pacer"] = _Pacer(engine, getattr(args, "pace", PACE_S))
             holder["worker"] = Worker(client.redis.__class__.from_url(url), loaded, settings, engine=engine)
         finally:
             ready.set()
@@ -133,8 +199,12 @@ def main(args) -> int:
     thread.start()
     ready.wait()
     if "worker" not in holder:
-        print("the worker failed to start", file=sys.stderr)
-        return 1
+        print(f"mlxq demo: {holder.get('error', 'the worker failed to start')}", file=sys.stderr)
+        for _, _, j in jobs:
+            j._client.close()  # its subscriber first: the server goes next
+        if server:
+            server.stop()
+        return 2 if "error" in holder else 1
     print(f"worker serving {model!r} with room for {ROOM} sequences at once\n")
     texts: dict = {}
     done = {}
@@ -156,26 +226,30 @@ def main(args) -> int:
     tty = sys.stdout.isatty()
     width = 70
     while late:
-        if sum(1 for t in texts.values() if t) >= ROOM:  # the worker is full and streaming
+        pacer = holder["pacer"]
+        if len(pacer.generating) >= ROOM or pacer.finished:  # the worker is full and streaming (or ends early)
             n = len(jobs)
             for tier, prompt in late:
                 submit(tier, prompt)
             late = []
             start_following(n)
         time.sleep(0.02)
+    pacer = holder["pacer"]
+
+    def frame() -> None:
+        lines = [f"{tier:>6} {_state(j.id, done, pacer):>9} | "
+                 + (prompt + texts[j.id]).replace("\n", " ")[-width:] for tier, prompt, j in jobs]
+        sys.stdout.write("\x1b[2K" + "\n\x1b[2K".join(lines) + f"\x1b[{len(lines) - 1}F\r")
+        sys.stdout.flush()
+
     while len(done) < len(jobs):
         if tty:
-            lines = []
-            for tier, prompt, j in jobs:
-                state = "done" if j.id in done else ("streaming" if texts[j.id] else "queued")
-                text = (prompt + texts[j.id]).replace("\n", " ")[-width:]
-                lines.append(f"{tier:>6} {state:>9} | {text}")
-            sys.stdout.write("\x1b[2K" + "\n\x1b[2K".join(lines) + f"\x1b[{len(lines) - 1}F\r")
-            sys.stdout.flush()
+            frame()
         time.sleep(0.1)
     for f in followers:
         f.join()
     if tty:
+        frame()  # the final frame: every row done
         sys.stdout.write("\n" * len(jobs))
     print(f"{'tier':>6} {'wait s':>7} {'ttft s':>7} {'tokens':>6} {'tok/s':>6} {'finish':>7}  text")
     rank = {"high": 0, "normal": 1, "low": 2}  # jobs pulled together start at the same instant
@@ -183,8 +257,8 @@ def main(args) -> int:
     for tier, prompt, j in order:
         r = done[j.id]
         s = r.stats
-        print(f"{tier:>6} {s.queue_wait_s or 0:7.2f} {s.ttft_s or 0:7.2f} {s.generated_tokens:6d} "
-              f"{s.generation_tps or 0:6.1f} {r.finish_reason:>7}  {(prompt + r.text).replace(chr(10), ' ')[:90]}")
+        print(f"{tier:>6} {_num(s.queue_wait_s, 7, 2)} {_num(s.ttft_s, 7, 2)} {s.generated_tokens:6d} "
+              f"{_num(s.generation_tps, 6, 1)} {r.finish_reason:>7}  {(prompt + r.text).replace(chr(10), ' ')[:90]}")
     print("\n(rows in the order the worker started them; a preempted job shows its first start)\n")
     st = holder["worker"].engine.stats()
     print(f"KV blocks: {st['blocks_total']} of 32 tokens; now {st['blocks_used']} used, {st['blocks_cached']} "

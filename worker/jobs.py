@@ -91,7 +91,8 @@ class ActiveJob:
 
     def resume_state(self) -> bytes:
         """What a later attempt needs besides the durable record (which holds tokens and text)."""
-        return codec.pack({"seed": self.seed, "first_token_at": self.first_token_at, "attempt": self.attempt})
+        return codec.pack({"seed": self.seed, "first_token_at": self.first_token_at, "attempt": self.attempt,
+                           "started_at": self.started_at})
 
     def result(self, finish: str, error: Optional[str] = None) -> Result:
         finished = self.now()
@@ -265,4 +266,6 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
         job.seq = published.seq
         job.first_token_at = resume.get("first_token_at") or published.first_token_at
         log.info("job=%s attempt=%d resumes after %d published tokens", job.id, job.attempt, len(job.tokens))
+    if isinstance(resume.get("started_at"), (int, float)):  # queue_wait_s: until the job first started
+        job.started_at = resume["started_at"]
     return job

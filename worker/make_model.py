@@ -52,7 +52,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from . import _corpus
+from . import _corpus, progress
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def _build(out: Path, preset: str, steps: int, seed: int) -> dict:
         "cpu_seconds": round(time.process_time() - cpu0, 2),
     }
     _write_json(out / STAMP, info)
-    logger.info(
+    logger.debug(  # `mlxq make-model` prints the result; the training step logged its time
         "built %s model: %d params, vocab %d, eval loss %.3f -> %.3f after %d steps, %.1f s",
         preset, n_params, vocab_size, loss_before, loss_after, steps, info["seconds"],
     )
@@ -343,14 +343,17 @@ def _train(model, cfg: Preset, steps: int, seed: int, train, evals) -> tuple[flo
     )
     optimizer = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.95], weight_decay=0.01)
     loss_and_grad = nn.value_and_grad(model, loss_fn)
-    for i in range(steps):
-        x, y = batch(train, rng.integers(0, n_train, size=cfg.batch_size))
-        loss, grads = loss_and_grad(model, x, y)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        optimizer.update(model, grads)
-        mx.eval(model.state, optimizer.state, loss)
-        if (i + 1) % 100 == 0 or i + 1 == steps:
-            logger.debug("step %d/%d: train loss %.3f", i + 1, steps, loss.item())
+    with progress.step(logger, f"training the small model ({steps} steps)", total=steps, unit="step",
+                       expect="once per machine; tiny takes ~20 s on 2 cores") as bar:
+        for i in range(steps):
+            x, y = batch(train, rng.integers(0, n_train, size=cfg.batch_size))
+            loss, grads = loss_and_grad(model, x, y)
+            grads, _ = optim.clip_grad_norm(grads, 1.0)
+            optimizer.update(model, grads)
+            mx.eval(model.state, optimizer.state, loss)
+            bar.update()
+            if (i + 1) % 100 == 0 or i + 1 == steps:
+                logger.debug("step %d/%d: train loss %.3f", i + 1, steps, loss.item())
     return loss_before, eval_loss()
 
 

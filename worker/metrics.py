@@ -78,8 +78,9 @@ class WorkerMetrics:
         self._snapshot = snapshot  # replaced whole, read by the scrape thread
 
     # -- serving ---------------------------------------------------------------------------
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Serve /metrics on a daemon thread; returns the port (pass 0 for a free one)."""
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve /metrics on a daemon thread; returns the port (pass 0 for a free one).  Loopback unless
+        ``addr`` says otherwise (`mlxq worker --metrics-host 0.0.0.0`)."""
         self._server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         port = self._server.server_port
         log.info("metrics on http://%s:%d/metrics", addr, port)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -82,10 +84,54 @@ def _max_token_bytes(tokenizer) -> int:
     return max(1, max(len(t.encode("utf-8", "replace")) for t in texts))
 
 
+class ModelNotFound(FileNotFoundError):
+    """The model to load is not there: the message says what was looked for, where, and what to pass."""
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.startswith((".", "/", "~")) or source.count("/") > 1 or os.sep != "/" and os.sep in source
+
+
+def missing_model(source: str, exc: BaseException) -> ModelNotFound:
+    """One line for a model that is not where ``source`` says: no directory, a directory that is not
+    a model, or a hub id that is neither in the local Hugging Face cache nor downloadable."""
+    path = Path(source).expanduser().resolve()
+    make = "`mlxq make-model DIR` builds a small one"
+    if path.is_dir():
+        return ModelNotFound(f"{path} is not an mlx-lm model directory ({exc}); pass a directory with config.json, "
+                             f"the tokenizer and *.safetensors weights ({make})")
+    if _looks_like_path(source):
+        return ModelNotFound(f"no model directory at {path}: it does not exist; pass an mlx-lm model directory "
+                             f"({make}) or a Hugging Face hub id (org/name)")
+    return ModelNotFound(f"model {source!r}: no directory {path}, and hub id {source!r} is not in the local "
+                         f"Hugging Face cache ({_hub_cache()}) and could not be downloaded ({type(exc).__name__}); download it "
+                         f"first (`hf download {source}`) or pass a model directory ({make})")
+
+
+def _not_found_errors() -> tuple:
+    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, OfflineModeIsEnabled
+
+    return (FileNotFoundError, HFValidationError, HfHubHTTPError, OfflineModeIsEnabled)
+
+
+def _mlx_load(source: str):
+    """``mlx_lm.load``; ``ModelNotFound`` (one clear line) when there is no model at ``source``."""
+    try:
+        return mlx_load(source, return_config=True)
+    except _not_found_errors() as exc:
+        raise missing_model(source, exc) from None
+
+
 def load_model(source: str, *, name: str | None = None, keep_dtype: bool = False) -> LoadedModel:
     """``mlx_lm.load`` of a directory or hub id, then fp32 on the CPU unless ``keep_dtype``."""
     t0 = time.perf_counter()
-    model, tokenizer, config = mlx_load(source, return_config=True)
+    model, tokenizer, config = _mlx_load(source)
     if keep_dtype or not _is_cpu():
         note = "dtype kept" + ("" if keep_dtype else " (not on the CPU)")
     else:

@@ -255,6 +255,7 @@ class Control(threading.Thread):
         self.reaped = [0, 0, 0]
         self._seeded = False
         self._prepared = False
+        self.publish_soon = threading.Event()  # set by the worker when a job finished: publish stats now
 
     def run(self) -> None:
         s = self.q.settings
@@ -280,7 +281,8 @@ class Control(threading.Thread):
                 if now >= next_beat:
                     self.beat()
                     next_beat = now + s.heartbeat_s
-                if now >= next_stats:
+                if now >= next_stats or self.publish_soon.is_set():
+                    self.publish_soon.clear()
                     self.publish_stats()
                     next_stats = now + s.stats_interval_s
                 if now >= next_reap:

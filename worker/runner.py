@@ -79,6 +79,7 @@ class Worker:
         self._window: list[tuple[float, int]] = []
         self._snap: dict = {}
         self._snap_at = 0.0
+        self._snap_due = False  # a job finished since the last snapshot: refresh and publish it at once
 
         self.publisher = Publisher(self.q, self.stop_event)
         self.fetcher = Fetcher(self.q, self.worker_id, self._free_slots, self._prepare, self.stop_event,
@@ -283,6 +284,7 @@ class Worker:
         out.completions.append((job.id, job.owner, status, codec.pack(result.model_dump()), job.wire(delta)))
         self.active.pop(job.id, None)
         self.processed[status] += 1
+        self._snap_due = True
         self._notify("on_finish", job, result)
         log.info("job=%s attempt=%d finished: %s, %d tokens", job.id, job.attempt, finish, len(job.tokens))
 
@@ -336,8 +338,10 @@ class Worker:
 
     # -- stats ---------------------------------------------------------------
     def _refresh_snapshot(self) -> None:
+        """Every half second at most; at once (and published at once) when a job just finished, so
+        `mlxq stats` right after a result counts its tokens."""
         now = time.monotonic()
-        if now - self._snap_at < min(0.5, self.settings.stats_interval_s):
+        if not self._snap_due and now - self._snap_at < min(0.5, self.settings.stats_interval_s):
             return
         self._snap_at = now
         self._window = [(t, n) for t, n in self._window if now - t <= 1.0]
@@ -363,6 +367,9 @@ class Worker:
             **{f"engine_{k}" if not k.startswith("engine") else k: v for k, v in self.engine.stats().items()},
         }
         self._notify("on_snapshot", self._snap)
+        if self._snap_due:
+            self._snap_due = False
+            self.control.publish_soon.set()
 
     # -- shutdown ------------------------------------------------------------
     _drain_deadline = float("inf")

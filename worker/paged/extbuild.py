@@ -31,13 +31,17 @@ import importlib.util
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+from .. import progress
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +179,6 @@ def _build_locked(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=d))
     logfile = d / "build.log"
-    t0 = time.perf_counter()
-    log.info("building the paged-attention extension in %s (once per mlx version and source; "
-             "~30 s)", d)
     env = dict(os.environ)
     # the interpreter's own bin first: `python -m nanobind` / `-m mlx` inside CMake
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -188,15 +189,13 @@ def _build_locked(d: Path) -> Path:
         [cmake, "--build", str(work), "--parallel", jobs],
     ]
     try:
-        with open(logfile, "w") as out:
+        with open(logfile, "w") as out, progress.step(
+                log, "compiling the paged-attention CPU extension", total=100, unit="%",
+                expect=f"once per mlx version and source, ~15-40 s; log: {logfile}") as bar:
             for cmd in steps:
                 out.write("$ " + " ".join(cmd) + "\n")
                 out.flush()
-                try:
-                    rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                        timeout=BUILD_TIMEOUT_S).returncode
-                except (OSError, subprocess.TimeoutExpired) as e:
-                    raise ExtensionUnavailable(f"build step failed: {e}") from e
+                rc = _run_step(cmd, out, env, bar)
                 if rc != 0:
                     raise ExtensionUnavailable(
                         f"build failed ({Path(cmd[0]).name} exit {rc}; log: {logfile}):\n"
@@ -210,8 +209,34 @@ def _build_locked(d: Path) -> Path:
         os.replace(tmp, target)  # atomic: loaders never see half a file
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    log.info("built %s in %.1f s", target, time.perf_counter() - t0)
+    log.info("built %s", target)
     return target
+
+
+_PERCENT = re.compile(rb"^\[\s*(\d+)%\]")
+
+
+def _run_step(cmd: list[str], out, env: dict, bar) -> int:
+    """Run one build command, its output into the log file; CMake's ``[ NN%]`` lines move the bar."""
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    except OSError as e:
+        raise ExtensionUnavailable(f"build step failed: {e}") from e
+    killed = threading.Event()
+    timer = threading.Timer(BUILD_TIMEOUT_S, lambda: (killed.set(), proc.kill()))
+    timer.start()
+    try:
+        for line in proc.stdout:
+            out.write(line.decode(errors="replace"))
+            m = _PERCENT.match(line)
+            if m and int(m.group(1)) > bar.n:
+                bar.update(int(m.group(1)) - bar.n)
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+    if killed.is_set():
+        raise ExtensionUnavailable(f"build step failed: {Path(cmd[0]).name} killed after {BUILD_TIMEOUT_S} s")
+    return rc
 
 
 def import_library(path: Path):
