@@ -302,6 +302,21 @@ class Queue:
                 raise
         return self._scripts[name](keys=keys, args=args, client=c)
 
+    def queue_call(self, pipe, call) -> None:
+        """Put a script call on a pipeline as a bare EVALSHA (or FCALL).  redis-py's own script objects
+        would send SCRIPT EXISTS in a round trip of its own at every ``execute``: a hot path (the
+        worker's publisher, once per step) instead re-sends the calls a NOSCRIPT reply refused, after
+        ``load_scripts`` (a Redis restarted without its script cache)."""
+        name, keys, args = call
+        if self.functions:
+            pipe.fcall(function_name(name), len(keys), *keys, *args)
+        else:
+            pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
+
+    def load_scripts(self) -> None:
+        for script in self._scripts.values():
+            script.sha = self.redis.script_load(script.script)
+
     def enqueue(self, job_id, request: bytes, key_hash: str | None = None, floor: str | None = None,
                 idempotency_key=None, global_redis=None) -> Enqueued:
         """Enqueue; the tier is decided in Redis from ``key_hash`` (sha256 of the API key) and ``floor``.

@@ -123,3 +123,26 @@ def test_worker_kill9_streams_resume_token_exact(tiny_model, tiny_model_dir, red
         a.stop()
         if b:
             b.stop()
+
+
+def test_publisher_sends_again_what_a_lost_script_cache_refused(redis_url):
+    """A Redis restarted without its script cache answers NOSCRIPT: the publisher loads the scripts
+    and sends the refused calls again, in order (no SCRIPT EXISTS round trip per step meanwhile)."""
+    import threading
+
+    import redis
+
+    from mlxq.shared.protocol import Queue
+    from mlxq.shared.settings import Settings
+    from mlxq.worker.redis_io import Publisher, StepOutput
+
+    r = redis.Redis.from_url(redis_url)
+    q = Queue(r, K, Settings())
+    job = "ab" * 16
+    r.hset(K.job(job), "owner", "w:1")
+    pub = Publisher(q, threading.Event())
+    pub._send([StepOutput(deltas=[(job, "w:1", b"d1", True)])])
+    r.script_flush()
+    pub._send([StepOutput(deltas=[(job, "w:1", b"d2", False), (job, "zombie:1", b"dz", False)])])
+    assert [f[b"d"] for _, f in r.xrange(K.events(job))] == [b"d1", b"d2"]
+    r.close()

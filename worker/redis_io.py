@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import redis
+from redis.exceptions import NoScriptError
 
 from mlxq.shared import apikeys, codec
 from mlxq.shared.connection import RESLOT_ERRORS
@@ -104,45 +105,38 @@ class Publisher(threading.Thread):
     DELTAS_PER_CALL = 512
 
     def _send(self, batch: list[StepOutput]) -> None:
-        while True:
+        todo = self._calls(batch)
+        while todo:
             try:
                 pipe = self.q.redis.pipeline(transaction=False)
-                fenced = self._queue_commands(pipe, batch)
+                for call, _, _ in todo:
+                    self.q.queue_call(pipe, call)
                 replies = pipe.execute(raise_on_error=False)
                 self.round_trips += 1
                 self.backoff.ok()
-                break
             except REDIS_ERRORS as exc:
                 delay = self.backoff.fail()
                 log.warning("publish failed (%s); retrying in %.2fs with the batch kept", exc, delay)
                 time.sleep(delay)
-        for index, job_id, kind in fenced:
-            reply = replies[index]
-            if isinstance(reply, Exception):
-                log.error("redis command failed in a publish batch: %s", reply)
                 continue
-            if kind == "deltas":
-                for key in reply:
-                    key = key.decode() if isinstance(key, bytes) else key
-                    log.warning("job=%s deltas refused: the lease is no longer ours",
-                                key.removeprefix(self.q.keys.job_prefix))
-                continue
-            ok = reply == 1
-            if not ok:
-                log.warning("job=%s %s refused: the lease is no longer ours", job_id, kind)
-            if self.on_fenced is not None:
-                self.on_fenced(job_id, kind, ok)
+            refused = [item for item, reply in zip(todo, replies) if isinstance(reply, NoScriptError)]
+            for (_, job_id, kind), reply in zip(todo, replies):
+                if not isinstance(reply, NoScriptError):
+                    self._settled(job_id, kind, reply)
+            todo = refused
+            if todo:  # Redis lost its script cache (a restart): load them and send what was refused
+                log.warning("Redis lost mlxq's scripts; loading them again")
+                self.q.load_scripts()
 
-    def _queue_commands(self, pipe, batch: list[StepOutput]) -> list[tuple[int, str, str]]:
-        """Put the batch's writes on ``pipe`` in order: a job's deltas before its completion or requeue.
-        Returns (reply index, job id, kind) for each fenced command."""
-        fenced: list[tuple[int, str, str]] = []
+    def _calls(self, batch: list[StepOutput]) -> list[tuple[tuple, str, str]]:
+        """The batch's writes as (script call, job id, kind), in order: a job's deltas come before
+        its completion or requeue."""
+        calls: list[tuple[tuple, str, str]] = []
         deltas: list = []
 
         def flush() -> None:
             for i in range(0, len(deltas), self.DELTAS_PER_CALL):
-                self.q.publish_deltas(deltas[i:i + self.DELTAS_PER_CALL], client=pipe)
-                fenced.append((len(pipe), "", "deltas"))
+                calls.append((self.q.calls.deltas(deltas[i:i + self.DELTAS_PER_CALL]), "", "deltas"))
             deltas.clear()
 
         for out in batch:
@@ -150,13 +144,27 @@ class Publisher(threading.Thread):
             if out.completions or out.requeues:
                 flush()
             for job_id, owner, status, result, final in out.completions:
-                self.q.complete(job_id, owner, status, result, final, client=pipe)
-                fenced.append((len(pipe), job_id, "complete"))
+                calls.append((self.q.calls.complete(job_id, owner, status, result, final), job_id, "complete"))
             for job_id, owner, resume in out.requeues:
-                self.q.requeue(job_id, owner, resume, client=pipe)
-                fenced.append((len(pipe), job_id, "requeue"))
+                calls.append((self.q.calls.requeue(job_id, owner, resume), job_id, "requeue"))
         flush()
-        return [(i - 1, job_id, kind) for i, job_id, kind in fenced]
+        return calls
+
+    def _settled(self, job_id: str, kind: str, reply) -> None:
+        if isinstance(reply, Exception):
+            log.error("redis command failed in a publish batch: %s", reply)
+            return
+        if kind == "deltas":
+            for key in reply:
+                key = key.decode() if isinstance(key, bytes) else key
+                log.warning("job=%s deltas refused: the lease is no longer ours",
+                            key.removeprefix(self.q.keys.job_prefix))
+            return
+        ok = reply == 1
+        if not ok:
+            log.warning("job=%s %s refused: the lease is no longer ours", job_id, kind)
+        if self.on_fenced is not None:
+            self.on_fenced(job_id, kind, ok)
 
 
 class Fetcher(threading.Thread):
