@@ -33,8 +33,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from mlxq.worker.engine_api import SeqSpec
-from mlxq.worker.paged import PagedEngine
-from mlxq.worker.paged.cache import probe_kv_shape
+from mlxq.worker.engine import PagedEngine
+from mlxq.worker.engine.kv_cache import probe_kv_shape
 
 VOCAB = 8192
 
@@ -187,7 +187,7 @@ def _time_gathers(eng, model) -> float:
     """Decode-forward seconds saved when the K/V block gathers are skipped:
     the same forward over the same batch, once on the paged caches and once on
     caches that hand back pre-gathered contiguous K/V (what dense slices give)."""
-    from mlxq.worker.paged.cache import BatchRow, BatchView, PagedLayerCache, make_layer_caches
+    from mlxq.worker.engine.kv_cache import BatchRow, BatchView, PagedLayerCache, make_layer_caches
 
     class _Pregathered(PagedLayerCache):
         def update_and_fetch(self, keys, values):

@@ -32,7 +32,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlxq.worker.engine_api import SeqSpec  # noqa: E402
 from mlxq.worker.model import load_model  # noqa: E402
-from mlxq.worker.paged import PagedEngine  # noqa: E402
+from mlxq.worker.engine import PagedEngine  # noqa: E402
 
 
 def bench_model_dir() -> str:
@@ -104,7 +104,7 @@ def main() -> int:
 
 def mixed_passes(eng) -> int:
     """One padded pass (prefill chunks + decode rows) against two passes, each evaluated."""
-    from mlxq.worker.paged.cache import BatchRow
+    from mlxq.worker.engine.kv_cache import BatchRow
 
     eng._settle()
     dec = list(eng._active.values())

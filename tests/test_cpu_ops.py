@@ -13,7 +13,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
-from mlxq.worker.paged import PagedEngine, attention, model_ops
+from mlxq.worker.engine import PagedEngine, attention
+from mlxq.worker.engine.kernels import model_ops
 
 from enginekit import run
 

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, llama, qwen3
 
 from mlxq.worker.engine_api import SeqSpec
-from mlxq.worker.paged import PagedEngine
+from mlxq.worker.engine import PagedEngine
 
 from enginekit import run
 

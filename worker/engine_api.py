@@ -1,7 +1,7 @@
 """The contract between the worker loop and a generation engine.
 
 The worker loop (Redis, detokenizing, stop strings, stats) talks to the engine
-(``mlxq.worker.paged.PagedEngine``) only through these types.  Every method is
+(``mlxq.worker.engine.PagedEngine``) only through these types.  Every method is
 called on the single MLX thread.  Token ids, never text, cross this boundary.
 """
 

@@ -26,7 +26,7 @@ from mlxq.shared.settings import TIERS, Settings
 from . import BLAS_STATUS
 from .jobs import ActiveJob, JobError, Published, decode_request, read_published, start_job, tokenize
 from .model import LoadedModel
-from .paged.engine import PagedEngine
+from .engine import PagedEngine
 from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQueue, StepOutput
 
 log = logging.getLogger(__name__)

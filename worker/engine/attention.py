@@ -51,10 +51,10 @@ import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import model_ops
 from .block_manager import BLOCK_SIZE
-from .cache import KVPool, PagedLayerCache, _ShapeProbe
-from .extbuild import ExtensionUnavailable
+from .kernels import model_ops
+from .kernels.extbuild import ExtensionUnavailable
+from .kv_cache import KVPool, PagedLayerCache, _ShapeProbe
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def cpu_extension(build_if_missing: bool = True):
         return _cpu_ext
     if _cpu_error is not None:
         raise ExtensionUnavailable(_cpu_error)
-    from . import extbuild
+    from .kernels import extbuild
 
     try:
         ext = extbuild.load(build_if_missing=build_if_missing)

@@ -40,7 +40,7 @@ import mlx.core as mx
 from ..engine_api import Preempted, SeqSpec, TokenEvent
 from .attention import use_attention
 from .block_manager import BLOCK_SIZE, BlockManager, PrefixHit
-from .cache import BatchRow, KVPool, probe_kv_shape
+from .kv_cache import BatchRow, KVPool, probe_kv_shape
 from .model_runner import ModelRunner, SampleRow
 from .sessions import HotSession, SessionStore
 

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from ..sampling import RowSampler, sample_rows
-from .cache import BatchRow, BatchView, KVPool, make_layer_caches
+from .sampler import RowSampler, sample_rows
+from .kv_cache import BatchRow, BatchView, KVPool, make_layer_caches
 
 
 @dataclass

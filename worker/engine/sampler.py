@@ -1,4 +1,4 @@
-"""Per-request samplers and logits processors, honoured inside a batch.
+"""Per-request samplers, honoured inside a batch.
 
 A sampled (temperature > 0) job draws from its own key stream: the key of
 step ``n`` is a hash of ``(seed, n)``.  So a seeded job gives the same tokens
@@ -7,14 +7,10 @@ alone or in any batch, and a preempted job resumes its stream at step ``n``.
 
 from __future__ import annotations
 
-import secrets
-from typing import Optional
-
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxq.shared.schemas import SamplingParams
-from .engine_api import LogitsProcessor
 
 _MASK64 = (1 << 64) - 1
 
@@ -28,11 +24,6 @@ def _splitmix64(x: int) -> int:
 
 def step_key(seed: int, step: int) -> mx.array:
     return mx.random.key(_splitmix64(seed ^ _splitmix64(step)) >> 1)
-
-
-def resolve_seed(params: SamplingParams) -> int:
-    """The seed a job samples with: its own, or a fresh one recorded in its stats."""
-    return params.seed if params.seed is not None else secrets.randbits(63)
 
 
 class RowSampler:
@@ -75,16 +66,3 @@ def sample_rows(logprobs: mx.array, samplers: list[RowSampler]) -> mx.array:
     # categorical = argmax(logits + Gumbel noise); one noise row per job, from its own key
     noise = mx.stack([mx.random.gumbel((vocab,), key=r.next_key()) for r in samplers])
     return mx.argmax(logprobs * s.inv_temp + noise, axis=-1)
-
-
-def make_sampler(params: SamplingParams, seed: int, start_step: int = 0) -> Optional[RowSampler]:
-    """None for greedy jobs (they share one batched argmax)."""
-    if params.greedy:
-        return None
-    return RowSampler(params, seed, start_step)
-
-
-def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    if params.repetition_penalty is None or params.repetition_penalty == 1.0:
-        return []
-    return make_logits_processors(repetition_penalty=params.repetition_penalty)

@@ -1,0 +1,30 @@
+"""A job's sampler and logits processors, built from its sampling params (the engine samples with them)."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Optional
+
+from mlx_lm.sample_utils import make_logits_processors
+
+from mlxq.shared.schemas import SamplingParams
+from .engine.sampler import RowSampler
+from .engine_api import LogitsProcessor
+
+
+def resolve_seed(params: SamplingParams) -> int:
+    """The seed a job samples with: its own, or a fresh one recorded in its stats."""
+    return params.seed if params.seed is not None else secrets.randbits(63)
+
+
+def make_sampler(params: SamplingParams, seed: int, start_step: int = 0) -> Optional[RowSampler]:
+    """None for greedy jobs (they share one batched argmax)."""
+    if params.greedy:
+        return None
+    return RowSampler(params, seed, start_step)
+
+
+def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
+    if params.repetition_penalty is None or params.repetition_penalty == 1.0:
+        return []
+    return make_logits_processors(repetition_penalty=params.repetition_penalty)
