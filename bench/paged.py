@@ -75,8 +75,8 @@ def bench_memory(model, a):
     # Paged: the engine's own admission (prompt blocks + decode reserve, 85% pressure).
     eng = PagedEngine(model, memory_budget_bytes=budget)
     eng.add([SeqSpec(f"m{i}", rand_tokens(rng, n), out_tokens) for i, n in enumerate(lens)])
-    eng._admit()  # admission only: no forward pass needed to count
-    paged_n = len(eng._active)
+    eng.scheduler.schedule_prefill()  # admission (and a plan, not run): no forward pass needed to count
+    paged_n = len(eng.scheduler.running)
     # The paged sequences must also be able to finish: blocks for prompt + all output.
     paged_full = sum(-(-(lens[i] + out_tokens) // 32) for i in range(paged_n))
     print(f"[memory] KV budget {a.budget_mib} MiB ({budget // per_token} tokens), "
@@ -193,7 +193,7 @@ def _time_gathers(eng, model) -> float:
         def update_and_fetch(self, keys, values):
             return self.kv
 
-    rows = [s for s in eng._active.values() if s.state.value == "decode"]
+    rows = [s for s in eng.scheduler.running.values() if s.status.value == "decode"]
     view = BatchView([BatchRow(s.block_table, s.num_computed, 1) for s in rows])
     inputs = mx.array([[s.tokens[-1]] for s in rows])
     paged = make_layer_caches(eng.pool, view)

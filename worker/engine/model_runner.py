@@ -1,30 +1,39 @@
-"""The paged engine's tensor side: forward passes over the pool, batched sampling.
+"""The engine's tensor side: plans become arrays, forward passes over the pool, sampled tokens.
 
-No scheduling policy lives here: the engine decides which rows run; this module
-turns rows into one forward pass (``forward``) and one batched sampling call
-(``sample``).  Everything returned is lazy; the engine decides when to
-evaluate (``mx.async_eval`` to overlap the next step with handing out tokens).
+The scheduler decides which rows run; this module turns a prefill plan into one
+ragged forward pass (evaluated, with its sampled tokens read back) and decode rows
+into one batched forward pass that runs while the host hands out the previous
+step's tokens.  It owns every ``mx.eval`` / ``mx.async_eval`` of a step.
+
+The decode is mlx-lm's ``generate_step`` pipelining, for any batch size: a row's
+input is the previous launch's sampled token, still lazy, and ``mx.async_eval``
+starts the next forward before the host reads token n.  A row that turns out to
+have finished wastes one speculative row; its write lands in its own (released)
+block's free slot, ordered before any later owner's writes by the pool arrays'
+data dependencies.  ``take_inflight`` reads the pending tokens at once (the
+scheduler's ``settle``, before a preemption or a session spill).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import mlx.core as mx
 
-from .sampler import RowSampler, sample_rows
 from .kv_cache import BatchRow, BatchView, KVPool, make_layer_caches
+from .sampler import SampleRow, sample
+from .scheduler import PrefillPlan
+from .sequence import Sampled, Sequence
 
 
 @dataclass
-class SampleRow:
-    """What sampling needs to know about one row."""
+class _InFlight:
+    """A launched decode whose tokens have not been read yet."""
 
-    sampler: object  # None (greedy), a RowSampler, or any callable (1, V) logprobs -> (1,)
-    processors: Sequence  # logits processors (ctx, logits) -> logits
-    context: Optional[mx.array]  # token context for processors (built only when there are some)
-    want_logprobs: bool
+    seqs: list[Sequence]
+    toks: mx.array  # (B,) lazy
+    logprobs: list  # per row: lazy (vocab,) or None
 
 
 # Model files whose ``__call__`` is exactly ``self.model(...)`` then the tied
@@ -40,6 +49,7 @@ class ModelRunner:
         self.pool = pool
         self.split_head = (type(model).__module__ in _SPLIT_HEAD_MODULES and hasattr(model, "model")
                            and hasattr(model, "args"))
+        self._inflight: Optional[_InFlight] = None
 
     def _head(self, h: mx.array) -> mx.array:
         if self.model.args.tie_word_embeddings:
@@ -72,51 +82,70 @@ class ModelRunner:
             out = out[mx.array(keep)]
         return self._head(out) if self.split_head else out
 
-    def sample(self, logits: mx.array, rows: list[SampleRow]):
-        """Tokens (B,) for each row, and per-row log-probabilities (None where not asked).
+    # ================================================================ prefill
+    def prefill(self, plan: PrefillPlan) -> list[Sampled]:
+        """Run one ragged prefill pass (evaluated); the first token of each ending row."""
+        width = max(n for _, n in plan.rows)
+        rows = [BatchRow(seq.block_table, seq.num_computed, n) for seq, n in plan.rows]
+        inputs = mx.array([seq.tokens[seq.num_computed:seq.num_computed + n] + [0] * (width - n)
+                           for seq, n in plan.rows])
+        ragged = any(n != width for _, n in plan.rows)
+        last = mx.array([n - 1 for _, n in plan.rows]) if ragged else None
+        logits = self.forward(rows, inputs, last, keep=plan.ending)
+        if not plan.ending:
+            mx.eval(self.pool.arrays())
+            return []
+        seqs = plan.ending_seqs()
+        toks, lps = sample(logits, [self._sample_row(seq) for seq in seqs])
+        mx.eval(toks, [x for x in lps if x is not None], self.pool.arrays())
+        return [Sampled(seq, tok, lp) for seq, tok, lp in zip(seqs, toks.tolist(), lps)]
 
-        Greedy rows share one argmax; sampled rows that share a configuration
-        are sampled in one call (each row from its own key); log-probabilities
-        (a logsumexp over the vocabulary) only for rows that ask for them or
-        whose sampler needs them.
-        """
-        B = logits.shape[0]
-        if any(r.processors for r in rows):
-            parts = []
-            for i, r in enumerate(rows):
-                x = logits[i:i + 1]
-                for proc in r.processors:
-                    x = proc(r.context, x)
-                parts.append(x)
-            logits = mx.concatenate(parts, axis=0)
-        need_lp = [r.want_logprobs or r.sampler is not None for r in rows]
-        logprobs = None
-        if any(need_lp):
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if all(r.sampler is None for r in rows):
-            toks = mx.argmax(logits, axis=-1)
-        else:
-            toks = self._sample_mixed(logits, logprobs, rows)
-        lps = [logprobs[i] if rows[i].want_logprobs else None for i in range(B)]
-        return toks, lps
+    # ================================================================ decode
+    def decode(self, rows: list[Sequence]) -> list[Sampled]:
+        """Launch one decode step over ``rows`` (not waited for), then read the previous launch."""
+        prev = self._inflight
+        self._inflight = self._launch(rows, prev) if rows else None
+        return self._read(prev)
+
+    def take_inflight(self) -> list[Sampled]:
+        """Read the launched decode's tokens now (nothing stays in flight)."""
+        prev, self._inflight = self._inflight, None
+        return self._read(prev)
+
+    def _launch(self, rows: list[Sequence], prev: Optional[_InFlight]) -> _InFlight:
+        # rows with a pending token feed it straight from the previous launch
+        rows = sorted(rows, key=lambda s: not s.pending)
+        n_pending = sum(1 for s in rows if s.pending)
+        parts = []
+        if n_pending:
+            where = {id(s): i for i, s in enumerate(prev.seqs)}
+            idx = [where[id(s)] for s in rows[:n_pending]]
+            prev_toks = prev.toks.astype(mx.int32)
+            parts.append(prev_toks if idx == list(range(len(prev.seqs))) else prev_toks[mx.array(idx)])
+        if n_pending < len(rows):
+            parts.append(mx.array([s.tokens[-1] for s in rows[n_pending:]], dtype=mx.int32))
+        inputs = (parts[0] if len(parts) == 1 else mx.concatenate(parts))[:, None]
+        logits = self.forward([BatchRow(s.block_table, s.num_computed, 1) for s in rows], inputs)
+        sample_rows = []
+        for s in rows:
+            i = where[id(s)] if s.pending and s.spec.logits_processors else None
+            sample_rows.append(self._sample_row(s, None if i is None else prev_toks[i:i + 1]))
+        toks, lps = sample(logits, sample_rows)
+        mx.async_eval(toks, [x for x in lps if x is not None])
+        return _InFlight(rows, toks, lps)
 
     @staticmethod
-    def _sample_mixed(logits, logprobs, rows: list[SampleRow]) -> mx.array:
-        greedy = mx.argmax(logits, axis=-1)
-        groups: dict = {}
-        for i, r in enumerate(rows):
-            if r.sampler is None:
-                continue
-            key = r.sampler.config if isinstance(r.sampler, RowSampler) else ("callable", i)
-            groups.setdefault(key, []).append(i)
-        index, values = [], []
-        for key, idx in groups.items():
-            sub = logprobs[mx.array(idx)] if len(idx) < len(rows) else logprobs
-            first = rows[idx[0]].sampler
-            if isinstance(first, RowSampler):
-                values.append(sample_rows(sub, [rows[i].sampler for i in idx]).astype(greedy.dtype))
-            else:
-                values.append(first(sub).reshape(-1).astype(greedy.dtype))
-            index.extend(idx)
-        greedy[mx.array(index, dtype=mx.int32)] = mx.concatenate(values)
-        return greedy
+    def _read(fl: Optional[_InFlight]) -> list[Sampled]:
+        if fl is None:
+            return []
+        return [Sampled(seq, tok, lp) for seq, tok, lp in zip(fl.seqs, fl.toks.tolist(), fl.logprobs)]
+
+    @staticmethod
+    def _sample_row(seq: Sequence, pending_tok: Optional[mx.array] = None) -> SampleRow:
+        spec = seq.spec
+        ctx = None
+        if spec.logits_processors:
+            ctx = mx.array(seq.tokens)
+            if pending_tok is not None:
+                ctx = mx.concatenate([ctx, pending_tok])
+        return SampleRow(spec.sampler, spec.logits_processors, ctx, spec.want_logprobs)

@@ -1,11 +1,15 @@
-"""Per-request samplers, honoured inside a batch.
+"""Sampling a batch: one argmax for greedy rows, per-request samplers for the others.
 
-A sampled (temperature > 0) job draws from its own key stream: the key of
+``sample`` turns a pass's logits (B, vocab) into tokens; rows that share a
+sampling configuration are sampled in one call.  A sampled (temperature > 0) job draws from its own key stream: the key of
 step ``n`` is a hash of ``(seed, n)``.  So a seeded job gives the same tokens
 alone or in any batch, and a preempted job resumes its stream at step ``n``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -66,3 +70,63 @@ def sample_rows(logprobs: mx.array, samplers: list[RowSampler]) -> mx.array:
     # categorical = argmax(logits + Gumbel noise); one noise row per job, from its own key
     noise = mx.stack([mx.random.gumbel((vocab,), key=r.next_key()) for r in samplers])
     return mx.argmax(logprobs * s.inv_temp + noise, axis=-1)
+
+
+@dataclass
+class SampleRow:
+    """What sampling needs to know about one row."""
+
+    sampler: object  # None (greedy), a RowSampler, or any callable (1, V) logprobs -> (1,)
+    processors: Sequence  # logits processors (ctx, logits) -> logits
+    context: Optional[mx.array]  # token context for processors (built only when there are some)
+    want_logprobs: bool
+
+
+def sample(logits: mx.array, rows: list[SampleRow]):
+    """Tokens (B,) for each row, and per-row log-probabilities (None where not asked).
+
+    Greedy rows share one argmax; sampled rows that share a configuration
+    are sampled in one call (each row from its own key); log-probabilities
+    (a logsumexp over the vocabulary) only for rows that ask for them or
+    whose sampler needs them.  Everything returned is lazy.
+    """
+    B = logits.shape[0]
+    if any(r.processors for r in rows):
+        parts = []
+        for i, r in enumerate(rows):
+            x = logits[i:i + 1]
+            for proc in r.processors:
+                x = proc(r.context, x)
+            parts.append(x)
+        logits = mx.concatenate(parts, axis=0)
+    need_lp = [r.want_logprobs or r.sampler is not None for r in rows]
+    logprobs = None
+    if any(need_lp):
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if all(r.sampler is None for r in rows):
+        toks = mx.argmax(logits, axis=-1)
+    else:
+        toks = _sample_mixed(logits, logprobs, rows)
+    lps = [logprobs[i] if rows[i].want_logprobs else None for i in range(B)]
+    return toks, lps
+
+
+def _sample_mixed(logits, logprobs, rows: list[SampleRow]) -> mx.array:
+    greedy = mx.argmax(logits, axis=-1)
+    groups: dict = {}
+    for i, r in enumerate(rows):
+        if r.sampler is None:
+            continue
+        key = r.sampler.config if isinstance(r.sampler, RowSampler) else ("callable", i)
+        groups.setdefault(key, []).append(i)
+    index, values = [], []
+    for key, idx in groups.items():
+        sub = logprobs[mx.array(idx)] if len(idx) < len(rows) else logprobs
+        first = rows[idx[0]].sampler
+        if isinstance(first, RowSampler):
+            values.append(sample_rows(sub, [rows[i].sampler for i in idx]).astype(greedy.dtype))
+        else:
+            values.append(first(sub).reshape(-1).astype(greedy.dtype))
+        index.extend(idx)
+    greedy[mx.array(index, dtype=mx.int32)] = mx.concatenate(values)
+    return greedy
