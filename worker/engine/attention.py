@@ -36,7 +36,7 @@ probe forward pass checks that every layer of the model goes through it before t
 engine relies on it (models with their own attention code keep the gather path).
 
 With the CPU extension the engine also takes more of its ops (``use_attention``):
-``paged_kv_write`` (the pool's new keys/values written in place, see ``cache.py``), and the
+``paged_kv_write`` (the pool's new keys/values written in place, see ``kv_cache.py``), and the
 model ops of :mod:`.model_ops` (swiglu, RoPE), bit-identical to MLX's own.
 """
 
