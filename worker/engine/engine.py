@@ -33,6 +33,8 @@ DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
 
 
 class PagedEngine:
+    """Builds the pool, the runner and the scheduler for one model; ``step()`` drives them."""
+
     def __init__(
         self,
         model,
@@ -84,6 +86,7 @@ class PagedEngine:
                  num_blocks, block_size, self.pool.nbytes / 2**20, self.pool.dtype)
 
     def step(self) -> tuple[list[TokenEvent], list[Preempted]]:
+        """Schedule, run, postprocess: a prefill pass, then a decode launch (read one step later)."""
         sched = self.scheduler
         plan = sched.schedule_prefill()
         just_prefilled = []
@@ -95,7 +98,8 @@ class PagedEngine:
         return sched.take_output()
 
     def _settle(self) -> None:
-        """Read the decode still in flight now (the scheduler's hook, before preempting or spilling)."""
+        """Read the decode still in flight now (the scheduler's hook: before a preemption, or when
+        the pool runs short mid-decode and finished rows must give their blocks back first)."""
         self.scheduler.collect(self.runner.take_inflight())
 
     # ================================================================ the rest of the Engine API

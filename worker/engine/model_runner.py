@@ -11,7 +11,7 @@ starts the next forward before the host reads token n.  A row that turns out to
 have finished wastes one speculative row; its write lands in its own (released)
 block's free slot, ordered before any later owner's writes by the pool arrays'
 data dependencies.  ``take_inflight`` reads the pending tokens at once (the
-scheduler's ``settle``, before a preemption or a session spill).
+scheduler's ``settle``: before a preemption, or when the pool runs short mid-decode).
 """
 
 from __future__ import annotations
