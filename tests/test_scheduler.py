@@ -246,7 +246,8 @@ def test_sessions_stay_hot_spill_under_pressure_and_come_back_from_disk():
 
 def test_removed_and_finished_rows_waste_their_in_flight_token_only():
     h = Harness(num_blocks=64)
-    h.scheduler.add([SeqSpec("a", [1] * 5, 50, stop_token_ids=()), SeqSpec("b", [2] * 5, 50, stop_token_ids=())])
+    h.scheduler.add([SeqSpec("a", [1] * 5, 50, stop_token_ids=()),
+                     SeqSpec("b", [2] * 5, 50, stop_token_ids=())])
     for _ in range(3):
         h.step()
     h.scheduler.remove(["a"])

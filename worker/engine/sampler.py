@@ -1,9 +1,10 @@
 """Sampling a batch: one argmax for greedy rows, per-request samplers for the others.
 
 ``sample`` turns a pass's logits (B, vocab) into tokens; rows that share a
-sampling configuration are sampled in one call.  A sampled (temperature > 0) job draws from its own key stream: the key of
-step ``n`` is a hash of ``(seed, n)``.  So a seeded job gives the same tokens
-alone or in any batch, and a preempted job resumes its stream at step ``n``.
+sampling configuration are sampled in one call.  A sampled (temperature > 0)
+job draws from its own key stream: the key of step ``n`` is a hash of
+``(seed, n)``.  So a seeded job gives the same tokens alone or in any batch,
+and a preempted job resumes its stream at step ``n``.
 """
 
 from __future__ import annotations
