@@ -33,7 +33,7 @@ import mlxq.worker  # noqa: E402,F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlxq.worker.paged import attention  # noqa: E402
+from mlxq.worker.engine import attention  # noqa: E402
 
 BS = 32
 HQ, HKV, D = 8, 4, 64
@@ -105,7 +105,7 @@ def engine_decode(rounds: int, batch: int, ctx: int, steps: int) -> dict:
     from mlxq.worker.engine_api import SeqSpec
     from mlxq.worker.make_model import ensure_model
     from mlxq.worker.model import load_model
-    from mlxq.worker.paged import PagedEngine
+    from mlxq.worker.engine import PagedEngine
 
     base = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
     loaded = load_model(str(ensure_model(base / "bench-model", "bench")), name="bench")

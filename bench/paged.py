@@ -33,8 +33,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from mlxq.worker.engine_api import SeqSpec
-from mlxq.worker.paged import PagedEngine
-from mlxq.worker.paged.cache import probe_kv_shape
+from mlxq.worker.engine import PagedEngine
+from mlxq.worker.engine.kv_cache import probe_kv_shape
 
 VOCAB = 8192
 
@@ -75,8 +75,8 @@ def bench_memory(model, a):
     # Paged: the engine's own admission (prompt blocks + decode reserve, 85% pressure).
     eng = PagedEngine(model, memory_budget_bytes=budget)
     eng.add([SeqSpec(f"m{i}", rand_tokens(rng, n), out_tokens) for i, n in enumerate(lens)])
-    eng._admit()  # admission only: no forward pass needed to count
-    paged_n = len(eng._active)
+    eng.scheduler.schedule_prefill()  # admission (and a plan, not run): no forward pass needed to count
+    paged_n = len(eng.scheduler.running)
     # The paged sequences must also be able to finish: blocks for prompt + all output.
     paged_full = sum(-(-(lens[i] + out_tokens) // 32) for i in range(paged_n))
     print(f"[memory] KV budget {a.budget_mib} MiB ({budget // per_token} tokens), "
@@ -187,13 +187,13 @@ def _time_gathers(eng, model) -> float:
     """Decode-forward seconds saved when the K/V block gathers are skipped:
     the same forward over the same batch, once on the paged caches and once on
     caches that hand back pre-gathered contiguous K/V (what dense slices give)."""
-    from mlxq.worker.paged.cache import BatchRow, BatchView, PagedLayerCache, make_layer_caches
+    from mlxq.worker.engine.kv_cache import BatchRow, BatchView, PagedLayerCache, make_layer_caches
 
     class _Pregathered(PagedLayerCache):
         def update_and_fetch(self, keys, values):
             return self.kv
 
-    rows = [s for s in eng._active.values() if s.state.value == "decode"]
+    rows = [s for s in eng.scheduler.running.values() if s.status.value == "decode"]
     view = BatchView([BatchRow(s.block_table, s.num_computed, 1) for s in rows])
     inputs = mx.array([[s.tokens[-1]] for s in rows])
     paged = make_layer_caches(eng.pool, view)

@@ -32,7 +32,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlxq.worker.engine_api import SeqSpec  # noqa: E402
 from mlxq.worker.model import load_model  # noqa: E402
-from mlxq.worker.paged import PagedEngine  # noqa: E402
+from mlxq.worker.engine import PagedEngine  # noqa: E402
 
 
 def bench_model_dir() -> str:
@@ -61,7 +61,7 @@ def main() -> int:
     eng = PagedEngine(model, max_batch=args.batch, model_id="bench", memory_budget_bytes=budget)
     eng.add([SeqSpec(f"s{i}", p, args.steps + 50, stop_token_ids=()) for i, p in enumerate(prompts)])
     while eng.stats()["running"] < args.batch or any(
-            s.state.value != "decode" for s in eng._active.values()):
+            s.status.value != "decode" for s in eng.scheduler.running.values()):
         eng.step()
     for _ in range(5):
         eng.step()
@@ -104,10 +104,10 @@ def main() -> int:
 
 def mixed_passes(eng) -> int:
     """One padded pass (prefill chunks + decode rows) against two passes, each evaluated."""
-    from mlxq.worker.paged.cache import BatchRow
+    from mlxq.worker.engine.kv_cache import BatchRow
 
-    eng._settle()
-    dec = list(eng._active.values())
+    eng._settle()  # nothing in flight: the passes below run alone
+    dec = list(eng.scheduler.running.values())
     drows = [BatchRow(s.block_table, s.num_computed, 1) for s in dec]
     for n_pre, width in ((8, 64), (8, 16), (4, 8), (2, 4)):
         pre = [BatchRow(eng.bm.allocate(eng.bm.blocks_needed(width)), 0, width) for _ in range(n_pre)]

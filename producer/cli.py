@@ -241,7 +241,7 @@ _EXTRA_COMMANDS.append(_ecosystem_commands)
 
 
 def cmd_build_ext(args) -> int:
-    from mlxq.worker.paged.extbuild import main
+    from mlxq.worker.engine.kernels.extbuild import main
 
     return main(args)
 

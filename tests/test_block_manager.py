@@ -5,7 +5,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mlxq.worker.paged.block_manager import BlockManager, chain_hashes
+from mlxq.worker.engine.block_manager import BlockManager, chain_hashes
 
 BS = 4  # small blocks keep the random sequences short
 

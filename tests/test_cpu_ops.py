@@ -13,7 +13,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
-from mlxq.worker.paged import PagedEngine, attention, model_ops
+from mlxq.worker.engine import PagedEngine, attention
+from mlxq.worker.engine.kernels import model_ops
 
 from enginekit import run
 
@@ -188,3 +189,23 @@ def test_engine_writes_the_pool_in_place_through_joins_and_preemption(ext, tiny_
         assert all(len(toks) == 40 for toks in out.values()) and len(done) == 4
         results.append(out)
     assert results[0] == results[1]
+
+
+def test_the_wheel_ships_every_kernel_source_and_engine_package():
+    """pyproject names every engine package and every file the extension build reads."""
+    import fnmatch
+    from pathlib import Path
+
+    from mlxq.worker.engine.kernels import extbuild
+
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    engine_pkgs = {"mlxq.worker." + str(p.parent.relative_to(root / "worker")).replace("/", ".")
+                   for p in (root / "worker" / "engine").rglob("__init__.py")}
+    assert engine_pkgs and engine_pkgs <= set(setup["packages"])
+    patterns = setup["package-data"]["mlxq.worker.engine.kernels"]
+    kernels = extbuild.SOURCE_DIR.parent
+    for f in extbuild.SOURCE_DIR.iterdir():
+        rel = str(f.relative_to(kernels))
+        assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel

@@ -33,7 +33,7 @@ def collect(job, sink, key):
 
 
 def make_engine(loaded):
-    from mlxq.worker.paged.engine import PagedEngine
+    from mlxq.worker.engine import PagedEngine
 
     # a small pool: admission control and preemption really happen
     return PagedEngine(loaded.model, num_blocks=14, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name)
@@ -92,7 +92,7 @@ def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_u
 
 
 def test_paged_preemption_requeues_through_redis_and_resumes_exactly(tiny_model, redis_url):
-    from mlxq.worker.paged.engine import PagedEngine
+    from mlxq.worker.engine import PagedEngine
 
     rng = random.Random(3)
     prompts = [[rng.randrange(4, 900) for _ in range(40)] for _ in range(4)]
@@ -121,7 +121,7 @@ def test_paged_preemption_requeues_through_redis_and_resumes_exactly(tiny_model,
 def test_paged_prefix_hit_is_exact(tiny_model, redis_url):
     """A prefix hit arranged by construction: the first job's full blocks are cached when it ends,
     nothing else runs, and the pool is large enough that nothing is evicted before the second."""
-    from mlxq.worker.paged.engine import PagedEngine
+    from mlxq.worker.engine import PagedEngine
 
     rng = random.Random(5)
     shared = [rng.randrange(4, 900) for _ in range(70)]  # two full 32-token blocks and a tail
@@ -300,7 +300,7 @@ def test_result_while_another_thread_streams_the_same_job(tiny_model, redis_url)
 
 def test_usage_reports_prefix_cache_hits_per_job(tiny_model, redis_url):
     """Result.usage.cached_tokens: the prompt tokens whose KV the paged engine found in its prefix cache."""
-    from mlxq.worker.paged.engine import PagedEngine
+    from mlxq.worker.engine import PagedEngine
 
     prompt = [random.Random(5).randrange(4, 900) for _ in range(70)]
     settings = fast_settings(redis_url)

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, qwen3
 
 from mlxq.shared.schemas import SamplingParams
-from mlxq.worker.paged import PagedEngine
+from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine_api import SeqSpec
 from mlxq.worker.sampling import make_processors, make_sampler
 from tests.test_paged_engine import _gemma3

@@ -9,7 +9,7 @@ from tests.faultkit import reference_tokens
 
 
 def test_urgent_job_is_pulled_while_full_and_preempts(tiny_model, redis_url):
-    from mlxq.worker.paged.engine import PagedEngine
+    from mlxq.worker.engine import PagedEngine
 
     settings = fast_settings(redis_url)
     admin, low, high = tier_clients(redis_url, settings, "0002")

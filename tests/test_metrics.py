@@ -29,7 +29,7 @@ def test_worker_metrics_scrape(tiny_model, redis_url):
     r = redis.Redis.from_url(redis_url)
     metrics = WorkerMetrics(r, GlobalKeys().model_keys("tiny"), "tiny")
     port = metrics.serve(0, addr="127.0.0.1")
-    from mlxq.worker.paged.engine import PagedEngine
+    from mlxq.worker.engine import PagedEngine
 
     engine = PagedEngine(tiny_model.model, memory_budget_bytes=4 << 20, max_batch=4,
                          eos_token_ids=tiny_model.eos_token_ids, model_id="tiny")

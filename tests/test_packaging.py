@@ -17,7 +17,7 @@ def test_user_packages_named_like_ours_do_not_clash(tmp_path):
         (tmp_path / name / "__init__.py").write_text(f"WHOSE = 'the application\\'s {name}'\n")
     script = textwrap.dedent("""
         from mlxq import Client, AsyncClient, AuthError, OverloadError
-        import mlxq.shared.keys, mlxq.worker.paged.block_manager
+        import mlxq.shared.keys, mlxq.worker.engine.block_manager
         import shared, worker, producer
         assert shared.WHOSE == "the application's shared", shared.__file__
         assert worker.WHOSE == "the application's worker", worker.__file__

@@ -20,9 +20,10 @@ import pytest
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
 from mlxq.worker.engine_api import SeqSpec
-from mlxq.worker.paged import PagedEngine, attention, extbuild
-from mlxq.worker.paged.attention import gather_attention
-from mlxq.worker.paged.extbuild import ExtensionUnavailable
+from mlxq.worker.engine import PagedEngine, attention
+from mlxq.worker.engine.kernels import extbuild
+from mlxq.worker.engine.attention import gather_attention
+from mlxq.worker.engine.kernels.extbuild import ExtensionUnavailable
 
 BS = 32
 
@@ -182,7 +183,7 @@ def test_fallback_to_gather_when_the_extension_fails(broken_loader, tiny_model, 
     assert b.name == "gather" and "forced failure" in b.reason and not b.fused
     with pytest.raises(ExtensionUnavailable):
         attention.select_backend("fused")
-    with caplog.at_level(logging.INFO, logger="mlxq.worker.paged.attention"):
+    with caplog.at_level(logging.INFO, logger="mlxq.worker.engine.attention"):
         eng = PagedEngine(tiny_model.model, num_blocks=32, attention="auto")
     assert eng.attention.name == "gather" and eng.pool.attention is None
     assert any("attention: gather" in r.getMessage() and "forced failure" in r.getMessage()
@@ -222,7 +223,7 @@ def test_engine_greedy_equal_fused_vs_gather(ext, tiny_model):
 
 def test_engine_logits_fused_vs_gather(ext, tiny_model):
     """Forward passes of the tiny model (ragged decode, prefill chunks), op on vs off."""
-    from mlxq.worker.paged.cache import BatchRow, BatchView, KVPool, make_layer_caches, probe_kv_shape
+    from mlxq.worker.engine.kv_cache import BatchRow, BatchView, KVPool, make_layer_caches, probe_kv_shape
 
     model = tiny_model.model
     attention.install_dispatch(model)
@@ -273,7 +274,7 @@ class _TwistedModel(nn.Module):
 
 
 def test_model_that_transforms_cached_keys_keeps_gather(ext):
-    from mlxq.worker.paged.cache import KVPool, probe_kv_shape
+    from mlxq.worker.engine.kv_cache import KVPool, probe_kv_shape
 
     model = _TwistedModel()
     pool = KVPool(probe_kv_shape(model), 8)
@@ -305,10 +306,10 @@ def test_generic_inner_loop_equals_reference(ext):
         "import mlxq.worker\n"
         "import sys; sys.path.insert(0, 'tests')\n"
         "from test_paged_attention import _case, _rel_err\n"
-        "from mlxq.worker.paged import attention\n"
+        "from mlxq.worker.engine import attention\n"
         "ext = attention.cpu_extension()\n"
         "assert ext.isa() == 'generic' and ext.swiglu_isa() == 'generic', ext.isa()\n"
-        "from mlxq.worker.paged import model_ops\n"
+        "from mlxq.worker.engine.kernels import model_ops\n"
         "assert model_ops.checked_ops(ext) == ('swiglu', 'rope'), model_ops.checked_ops(ext)\n"
         "for seed, (B, Hq, Hkv, n, D, ctx, w) in enumerate([(3, 8, 2, [1, 5, 2], 64, [300, 40, 2000], None),"
         " (2, 8, 8, [9, 1], 128, [100, 33], 20)]):\n"

@@ -7,8 +7,8 @@ import pytest
 from mlx_lm.models import gemma2, gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxq.worker.paged.block_manager import BlockManager
-from mlxq.worker.paged.cache import BatchRow, BatchView, KVPool, make_layer_caches, probe_kv_shape
+from mlxq.worker.engine.block_manager import BlockManager
+from mlxq.worker.engine.kv_cache import BatchRow, BatchView, KVPool, make_layer_caches, probe_kv_shape
 
 BS = 32
 

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, llama, qwen3
 
 from mlxq.worker.engine_api import SeqSpec
-from mlxq.worker.paged import PagedEngine
+from mlxq.worker.engine import PagedEngine
 
 from enginekit import run
 
@@ -73,7 +73,7 @@ def _prompts(seed, n, lo, hi):
 
 def _assert_no_leak(engine):
     st = engine.stats()
-    assert st["blocks_used"] == len({b for h in engine.sessions.hot.values() for b in h.block_ids})
+    assert st["blocks_used"] == len({b for h in engine.scheduler.hot_sessions.values() for b in h.block_ids})
     assert st["blocks_used"] + st["blocks_cached"] + st["blocks_free"] == st["blocks_total"]
     engine.bm.check_invariants()
 
@@ -103,7 +103,7 @@ def test_prefix_hits_share_blocks_and_match_dense(model):
     seen_shared = []
 
     def on_step(i, events):
-        tables = [s.block_table[:3] for s in eng._active.values()]
+        tables = [s.block_table[:3] for s in eng.scheduler.running.values()]
         if len(tables) > 1:
             seen_shared.append(all(t == tables[0] for t in tables))
 
@@ -146,7 +146,7 @@ def test_urgent_job_preempts_lowest_priority_newest(model):
     prior = {s.uid: [] for s in low}
     for e in eng.step()[0]:
         prior[e.uid].append(e.token)
-    assert len(eng._active) == 3
+    assert len(eng.scheduler.running) == 3
     # 3 x 2 blocks used; the urgent job needs 4 + 1 reserve of the 10
     urgent = SeqSpec("urgent", _prompts(9, 1, 120, 120)[0], 5, priority=0.0)
     eng.add([urgent])
@@ -154,7 +154,7 @@ def test_urgent_job_preempts_lowest_priority_newest(model):
     for e in events:
         prior.setdefault(e.uid, []).append(e.token)
     assert [p.uid for p in preempted] == ["low2"]  # newest of the lowest priority
-    assert "urgent" in eng._active
+    assert "urgent" in eng.scheduler.running
     # the victim resumes from its cached blocks and ends exactly as it would have
     p = preempted[0]
     del prior["low2"]  # now carried by its resume tokens
@@ -181,8 +181,8 @@ def test_admission_waits_when_pool_is_full(model):
     # 3 blocks each; the 4th would bring used + reserve to 13 > 85% of 12
     assert st["running"] == 3 and st["waiting"] == 1
     # the worker keeps pulling while jobs wait here for memory, up to max_waiting
-    assert eng.free_slots() == eng.max_waiting - 1
-    eng.max_waiting = 1
+    assert eng.free_slots() == eng.scheduler.config.max_waiting - 1
+    eng.scheduler.config = replace(eng.scheduler.config, max_waiting=1)
     assert eng.free_slots() == 0
     assert eng.can_admit(90, 4) and not eng.can_admit(400, 10)
     out, _, _ = run(eng, [], added=specs)
@@ -209,7 +209,7 @@ def test_chunked_prefill_keeps_streams_going(model):
     long = SeqSpec("long", _prompts(11, 1, 300, 300)[0], 4)
     eng.add([long])
     steps_with_stream_tokens = 0
-    while eng._waiting or any(s.state.value == "prefill" for s in eng._active.values()):
+    while eng.scheduler.waiting or any(s.status.value == "prefill" for s in eng.scheduler.running.values()):
         events, _ = eng.step()
         assert len([e for e in events if e.uid.startswith("s")]) == 3
         steps_with_stream_tokens += 1

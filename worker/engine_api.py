@@ -1,8 +1,9 @@
 """The contract between the worker loop and a generation engine.
 
-The worker loop (Redis, detokenizing, stop strings, stats) talks to the engine
-(``mlxq.worker.paged.PagedEngine``) only through these types.  Every method is
-called on the single MLX thread.  Token ids, never text, cross this boundary.
+The worker loop (``mlxq.worker.runner``: Redis, detokenizing, stop strings, stats)
+talks to the engine (``mlxq.worker.engine.PagedEngine``) only through these types:
+``Engine`` lists every method it calls.  Every method is called on the single MLX
+thread.  Token ids, never text, cross this boundary.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Preempted:
 
 
 class Engine(Protocol):
+    """Everything the worker loop calls on its engine (tests check the runner calls nothing else)."""
+
     def add(self, specs: list[SeqSpec]) -> None:
         """Queue sequences; they join the running batch at the next step."""
 
@@ -78,8 +81,18 @@ class Engine(Protocol):
     def free_slots(self) -> int:
         """How many more sequences the worker may hand over right now."""
 
+    def urgent_below(self) -> float:
+        """A queued job with a priority score below this would preempt a running sequence now.
+
+        While the engine has no free slot the worker peeks at the head of the queue and
+        pulls such a job at once; -inf when none would.
+        """
+
     def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
         """Whether a sequence of this size could ever fit (for early refusal)."""
 
     def stats(self) -> dict:
         """Engine counters for the aggregate stats (flat str -> number)."""
+
+    def close(self) -> None:
+        """The worker stops: finish what must outlive it (spill hot sessions to disk)."""

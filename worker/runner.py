@@ -26,7 +26,7 @@ from mlxq.shared.settings import TIERS, Settings
 from . import BLAS_STATUS
 from .jobs import ActiveJob, JobError, Published, decode_request, read_published, start_job, tokenize
 from .model import LoadedModel
-from .paged.engine import PagedEngine
+from .engine import PagedEngine
 from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQueue, StepOutput
 
 log = logging.getLogger(__name__)
@@ -223,8 +223,7 @@ class Worker:
                     self.publisher.submit(out)
                 self.engine.add([self._spec(job) for job in jobs if job.id in self.active])
             self._engine_free = self.engine.free_slots()
-            urgent = getattr(self.engine, "urgent_below", None)
-            self._engine_urgent_below = urgent() if urgent is not None else float("-inf")
+            self._engine_urgent_below = self.engine.urgent_below()
         if jobs:
             self.fetcher.kick.set()
 
@@ -241,7 +240,7 @@ class Worker:
                 continue
             if job.first_token_at is None:
                 job.first_token_at = job.now()
-            if getattr(ev, "cached_tokens", None) is not None:  # prefix-cache hit tokens (engines that know)
+            if ev.cached_tokens is not None:  # prefix-cache hit tokens (engines that know)
                 job.cached_tokens = min(ev.cached_tokens, len(job.prompt))
             finish = ev.finish_reason
             ids: list[int] = []
@@ -419,7 +418,5 @@ class Worker:
         self.control.join(timeout=2)
         self.publisher.join(timeout=2)
         self.control.unregister()
-        close = getattr(self.engine, "close", None)
-        if close:
-            close()
+        self.engine.close()
         log.info("worker %s stopped", self.worker_id)

@@ -1,80 +1,20 @@
-"""Per-request samplers and logits processors, honoured inside a batch.
-
-A sampled (temperature > 0) job draws from its own key stream: the key of
-step ``n`` is a hash of ``(seed, n)``.  So a seeded job gives the same tokens
-alone or in any batch, and a preempted job resumes its stream at step ``n``.
-"""
+"""A job's sampler and logits processors, built from its sampling params (the engine samples with them)."""
 
 from __future__ import annotations
 
 import secrets
 from typing import Optional
 
-import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import make_logits_processors
 
 from mlxq.shared.schemas import SamplingParams
+from .engine.sampler import RowSampler
 from .engine_api import LogitsProcessor
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def step_key(seed: int, step: int) -> mx.array:
-    return mx.random.key(_splitmix64(seed ^ _splitmix64(step)) >> 1)
 
 
 def resolve_seed(params: SamplingParams) -> int:
     """The seed a job samples with: its own, or a fresh one recorded in its stats."""
     return params.seed if params.seed is not None else secrets.randbits(63)
-
-
-class RowSampler:
-    """One job's sampler: filters, temperature and its own key stream.
-
-    The engine samples every row that shares a ``config`` in one call
-    (``sample_rows``); each row still draws from its own key, so a job's tokens
-    do not depend on the batch it runs in.  Calling it on one row's
-    log-probabilities (1, vocab) does the same for that row alone.
-    """
-
-    def __init__(self, params: SamplingParams, seed: int, start_step: int = 0):
-        self.top_p = params.top_p if 0.0 < params.top_p < 1.0 else None
-        self.min_p = params.min_p if params.min_p > 0.0 else None
-        self.top_k = params.top_k if params.top_k > 0 else None
-        self.inv_temp = 1.0 / params.temperature
-        self.config = (self.top_p, self.min_p, self.top_k, self.inv_temp)
-        self.seed = seed
-        self.step = start_step
-
-    def next_key(self) -> mx.array:
-        key = step_key(self.seed, self.step)
-        self.step += 1
-        return key
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        return sample_rows(logprobs, [self])
-
-
-def sample_rows(logprobs: mx.array, samplers: list[RowSampler]) -> mx.array:
-    """Sample (B, vocab) log-probabilities; every sampler shares samplers[0].config."""
-    s = samplers[0]
-    if s.top_p is not None:
-        logprobs = apply_top_p(logprobs, s.top_p)
-    if s.min_p is not None:
-        logprobs = apply_min_p(logprobs, s.min_p, 1)
-    if s.top_k is not None:
-        logprobs = apply_top_k(logprobs, s.top_k)
-    vocab = logprobs.shape[-1]
-    # categorical = argmax(logits + Gumbel noise); one noise row per job, from its own key
-    noise = mx.stack([mx.random.gumbel((vocab,), key=r.next_key()) for r in samplers])
-    return mx.argmax(logprobs * s.inv_temp + noise, axis=-1)
 
 
 def make_sampler(params: SamplingParams, seed: int, start_step: int = 0) -> Optional[RowSampler]:

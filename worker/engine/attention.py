@@ -36,7 +36,7 @@ probe forward pass checks that every layer of the model goes through it before t
 engine relies on it (models with their own attention code keep the gather path).
 
 With the CPU extension the engine also takes more of its ops (``use_attention``):
-``paged_kv_write`` (the pool's new keys/values written in place, see ``cache.py``), and the
+``paged_kv_write`` (the pool's new keys/values written in place, see ``kv_cache.py``), and the
 model ops of :mod:`.model_ops` (swiglu, RoPE), bit-identical to MLX's own.
 """
 
@@ -51,10 +51,10 @@ import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import model_ops
 from .block_manager import BLOCK_SIZE
-from .cache import KVPool, PagedLayerCache, _ShapeProbe
-from .extbuild import ExtensionUnavailable
+from .kernels import model_ops
+from .kernels.extbuild import ExtensionUnavailable
+from .kv_cache import KVPool, PagedLayerCache, _ShapeProbe
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def cpu_extension(build_if_missing: bool = True):
         return _cpu_ext
     if _cpu_error is not None:
         raise ExtensionUnavailable(_cpu_error)
-    from . import extbuild
+    from .kernels import extbuild
 
     try:
         ext = extbuild.load(build_if_missing=build_if_missing)

@@ -392,7 +392,7 @@ mx::array paged_attention(
     fail("window must be positive (or 0 for none)");
 
   // The CPU stream, whatever the default device: this primitive has no GPU
-  // implementation (on Metal, worker/paged/attention.py uses its own kernel).
+  // implementation (on Metal, worker/engine/attention.py uses its own kernel).
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
   auto i32 = [&](const mx::array& x) {
     return mx::contiguous(mx::astype(x, mx::int32, s), false, s);
@@ -470,7 +470,7 @@ void PagedAttention::eval_gpu(
     std::vector<mx::array>& outputs) {
   throw std::runtime_error(
       "MlxqPagedAttention runs on the CPU stream only (use the Metal kernel "
-      "of mlxq.worker.paged.attention on a GPU)");
+      "of mlxq.worker.engine.attention on a GPU)");
 }
 
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {

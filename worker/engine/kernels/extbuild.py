@@ -270,7 +270,7 @@ def main(args) -> int:
     """``mlxq build-ext``: build (or rebuild with --force), load and self-check; say where."""
     import mlxq.worker  # noqa: F401  (BLAS under MLX, as in the worker)
 
-    from .attention import cpu_extension
+    from ..attention import cpu_extension
 
     t0 = time.perf_counter()
     try:

@@ -1,0 +1,134 @@
+"""The paged-KV generation engine (implements ``mlxq.worker.engine_api.Engine``).
+
+One ``step()`` reads like nano-vllm's: schedule, run, postprocess, twice (a
+prefill pass, then a decode launch)::
+
+    plan = scheduler.schedule_prefill()        # admission, preemption, prompt chunks
+    scheduler.postprocess_prefill(plan, runner.prefill(plan))
+    rows = scheduler.schedule_decode(...)      # a slot for each decoding row's token
+    scheduler.postprocess_decode(rows, runner.decode(rows))  # launch n+1, read n
+
+``scheduler.py`` decides (plain Python, no MLX); ``model_runner.py`` turns its
+plans into arrays and runs them (every ``mx.eval``); ``block_manager.py`` keeps
+the block bookkeeping; all KV lives in ``kv_cache.KVPool`` and the stock mlx-lm
+model runs over ``PagedLayerCache`` objects.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+from ..engine_api import Preempted, SeqSpec, TokenEvent
+from .attention import use_attention
+from .block_manager import BLOCK_SIZE, BlockManager
+from .kv_cache import KVPool, probe_kv_shape
+from .model_runner import ModelRunner
+from .scheduler import DEFAULT_CHUNK_SCHEDULE, Scheduler, SchedulerConfig
+from .sessions import SessionFiles
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
+
+
+class PagedEngine:
+    """Builds the pool, the runner and the scheduler for one model; ``step()`` drives them."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        memory_budget_bytes: Optional[int] = None,
+        num_blocks: Optional[int] = None,
+        max_batch: Optional[int] = None,
+        pressure: float = 0.85,
+        eos_token_ids: Sequence[int] = (),
+        model_id: str = "",
+        session_dir: Optional[str] = None,
+        prefix_cache: bool = True,
+        chunked_prefill: bool = True,
+        chunk_schedule=DEFAULT_CHUNK_SCHEDULE,
+        step_token_budget: int = 512,
+        decode_reserve_blocks: int = 1,
+        priority_gap: float = 1.0,
+        max_sequences: int = 256,
+        max_waiting: int = 8,
+        block_size: int = BLOCK_SIZE,
+        context_length: Optional[int] = None,
+        attention: Optional[str] = None,
+    ):
+        self.model = model
+        self.block_size = block_size
+        self.kv_shape = probe_kv_shape(model)
+        per_block = self.kv_shape.bytes_per_block(block_size)
+        if num_blocks is None:
+            budget = memory_budget_bytes or DEFAULT_BUDGET_BYTES
+            num_blocks = budget // per_block
+            if memory_budget_bytes is None and context_length:
+                # the default budget never exceeds what max_sequences full contexts need
+                num_blocks = min(num_blocks, (max_batch or max_sequences) * -(-context_length // block_size))
+        if num_blocks < 2:
+            raise ValueError(f"memory budget too small: {per_block} bytes per block")
+        self.bm = BlockManager(num_blocks, block_size, model_id)
+        self.pool = KVPool(self.kv_shape, num_blocks, block_size, dtype=self.kv_shape.dtype)
+        self.runner = ModelRunner(model, self.pool)
+        # auto / fused / gather (None: $MLXQ_ATTENTION, else auto); logs its choice
+        self.attention = use_attention(model, self.pool, attention)
+        self.sessions = SessionFiles(session_dir, model_id, self.pool) if session_dir else None
+        config = SchedulerConfig(
+            max_batch=max_batch, pressure=pressure, eos_token_ids=frozenset(eos_token_ids),
+            prefix_cache=prefix_cache, chunked_prefill=chunked_prefill, chunk_schedule=tuple(chunk_schedule),
+            step_token_budget=step_token_budget, decode_reserve_blocks=decode_reserve_blocks,
+            priority_gap=priority_gap, max_sequences=max_sequences, max_waiting=max_waiting)
+        self.scheduler = Scheduler(self.bm, config, settle=self._settle, session_files=self.sessions)
+        log.info("paged engine: %d blocks of %d tokens, %.1f MiB %s pool",
+                 num_blocks, block_size, self.pool.nbytes / 2**20, self.pool.dtype)
+
+    def step(self) -> tuple[list[TokenEvent], list[Preempted]]:
+        """Schedule, run, postprocess: a prefill pass, then a decode launch (read one step later)."""
+        sched = self.scheduler
+        plan = sched.schedule_prefill()
+        just_prefilled = []
+        if plan is not None:
+            sched.postprocess_prefill(plan, self.runner.prefill(plan))
+            just_prefilled = plan.ending_seqs()
+        rows = sched.schedule_decode(skip=just_prefilled)
+        sched.postprocess_decode(rows, self.runner.decode(rows))
+        return sched.take_output()
+
+    def _settle(self) -> None:
+        """Read the decode still in flight now (the scheduler's hook: before a preemption, or when
+        the pool runs short mid-decode and finished rows must give their blocks back first)."""
+        self.scheduler.collect(self.runner.take_inflight())
+
+    # ================================================================ the rest of the Engine API
+    def add(self, specs: list[SeqSpec]) -> None:
+        self.scheduler.add(specs)
+
+    def remove(self, uids: list[str]) -> None:
+        self.scheduler.remove(uids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def free_slots(self) -> int:
+        return self.scheduler.free_slots()
+
+    def urgent_below(self) -> float:
+        return self.scheduler.urgent_below()
+
+    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
+        return self.scheduler.can_admit(prompt_len, max_tokens)
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    @property
+    def counters(self):
+        return self.scheduler.counters
+
+    def close(self) -> None:
+        """Spill every hot session (to disk when a session dir is set)."""
+        self._settle()
+        self.scheduler.spill_all_sessions()

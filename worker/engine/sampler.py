@@ -1,0 +1,133 @@
+"""Sampling a batch: one argmax for greedy rows, per-request samplers for the others.
+
+``sample`` turns a pass's logits (B, vocab) into tokens; rows that share a
+sampling configuration are sampled in one call.  A sampled (temperature > 0)
+job draws from its own key stream: the key of step ``n`` is a hash of
+``(seed, n)``.  So a seeded job gives the same tokens alone or in any batch,
+and a preempted job resumes its stream at step ``n``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from mlxq.shared.schemas import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_key(seed: int, step: int) -> mx.array:
+    return mx.random.key(_splitmix64(seed ^ _splitmix64(step)) >> 1)
+
+
+class RowSampler:
+    """One job's sampler: filters, temperature and its own key stream.
+
+    The engine samples every row that shares a ``config`` in one call
+    (``sample_rows``); each row still draws from its own key, so a job's tokens
+    do not depend on the batch it runs in.  Calling it on one row's
+    log-probabilities (1, vocab) does the same for that row alone.
+    """
+
+    def __init__(self, params: SamplingParams, seed: int, start_step: int = 0):
+        self.top_p = params.top_p if 0.0 < params.top_p < 1.0 else None
+        self.min_p = params.min_p if params.min_p > 0.0 else None
+        self.top_k = params.top_k if params.top_k > 0 else None
+        self.inv_temp = 1.0 / params.temperature
+        self.config = (self.top_p, self.min_p, self.top_k, self.inv_temp)
+        self.seed = seed
+        self.step = start_step
+
+    def next_key(self) -> mx.array:
+        key = step_key(self.seed, self.step)
+        self.step += 1
+        return key
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return sample_rows(logprobs, [self])
+
+
+def sample_rows(logprobs: mx.array, samplers: list[RowSampler]) -> mx.array:
+    """Sample (B, vocab) log-probabilities; every sampler shares samplers[0].config."""
+    s = samplers[0]
+    if s.top_p is not None:
+        logprobs = apply_top_p(logprobs, s.top_p)
+    if s.min_p is not None:
+        logprobs = apply_min_p(logprobs, s.min_p, 1)
+    if s.top_k is not None:
+        logprobs = apply_top_k(logprobs, s.top_k)
+    vocab = logprobs.shape[-1]
+    # categorical = argmax(logits + Gumbel noise); one noise row per job, from its own key
+    noise = mx.stack([mx.random.gumbel((vocab,), key=r.next_key()) for r in samplers])
+    return mx.argmax(logprobs * s.inv_temp + noise, axis=-1)
+
+
+@dataclass
+class SampleRow:
+    """What sampling needs to know about one row."""
+
+    sampler: object  # None (greedy), a RowSampler, or any callable (1, V) logprobs -> (1,)
+    processors: Sequence  # logits processors (ctx, logits) -> logits
+    context: Optional[mx.array]  # token context for processors (built only when there are some)
+    want_logprobs: bool
+
+
+def sample(logits: mx.array, rows: list[SampleRow]):
+    """Tokens (B,) for each row, and per-row log-probabilities (None where not asked).
+
+    Greedy rows share one argmax; sampled rows that share a configuration
+    are sampled in one call (each row from its own key); log-probabilities
+    (a logsumexp over the vocabulary) only for rows that ask for them or
+    whose sampler needs them.  Everything returned is lazy.
+    """
+    B = logits.shape[0]
+    if any(r.processors for r in rows):
+        parts = []
+        for i, r in enumerate(rows):
+            x = logits[i:i + 1]
+            for proc in r.processors:
+                x = proc(r.context, x)
+            parts.append(x)
+        logits = mx.concatenate(parts, axis=0)
+    need_lp = [r.want_logprobs or r.sampler is not None for r in rows]
+    logprobs = None
+    if any(need_lp):
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if all(r.sampler is None for r in rows):
+        toks = mx.argmax(logits, axis=-1)
+    else:
+        toks = _sample_mixed(logits, logprobs, rows)
+    lps = [logprobs[i] if rows[i].want_logprobs else None for i in range(B)]
+    return toks, lps
+
+
+def _sample_mixed(logits, logprobs, rows: list[SampleRow]) -> mx.array:
+    greedy = mx.argmax(logits, axis=-1)
+    groups: dict = {}
+    for i, r in enumerate(rows):
+        if r.sampler is None:
+            continue
+        key = r.sampler.config if isinstance(r.sampler, RowSampler) else ("callable", i)
+        groups.setdefault(key, []).append(i)
+    index, values = [], []
+    for key, idx in groups.items():
+        sub = logprobs[mx.array(idx)] if len(idx) < len(rows) else logprobs
+        first = rows[idx[0]].sampler
+        if isinstance(first, RowSampler):
+            values.append(sample_rows(sub, [rows[i].sampler for i in idx]).astype(greedy.dtype))
+        else:
+            values.append(first(sub).reshape(-1).astype(greedy.dtype))
+        index.extend(idx)
+    greedy[mx.array(index, dtype=mx.int32)] = mx.concatenate(values)
+    return greedy

@@ -1,0 +1,482 @@
+"""Who runs this step: admission, preemption, prefill chunks, decode slots, sessions.
+
+Plain Python over :class:`Sequence` and :class:`BlockManager`; no MLX is imported or
+touched here.  Each step the engine asks for two plans and hands back what the model
+runner sampled:
+
+1. ``schedule_prefill()`` admits queued sequences while their prompt blocks (minus
+   prefix-cache hits) plus a decode reserve fit under the pressure threshold,
+   spilling hot sessions and preempting much-lower-priority sequences when needed,
+   then picks the prompt chunks of one ragged prefill pass (a token budget, chunk
+   size by cache position);
+2. ``schedule_decode()`` gives every other decoding sequence a block for its new
+   token, preempting the lowest-priority, newest sequence when the pool is full;
+3. ``postprocess_*()`` appends the sampled tokens, commits full blocks to the prefix
+   cache, and finishes sequences (stop id or length), keeping their session hot.
+
+Two things it decides need tensors; it calls what the engine wires in for them:
+``settle()`` reads the tokens of the decode still in flight (before a preemption,
+so a preempted job carries every token it generated), and ``session_files``
+spills and restores a session's blocks (``sessions.SessionFiles``; None: no
+session dir, a spilled session is dropped).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional, Sequence as Seq
+
+from ..engine_api import Preempted, SeqSpec, TokenEvent
+from .block_manager import BlockManager, PrefixHit
+from .sequence import Sampled, Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+# (cache position below which, chunk size); the issue's 4096/2048/1024/512
+# scaled down 8x for a CPU.
+DEFAULT_CHUNK_SCHEDULE = ((2048, 512), (8192, 256), (20480, 128), (None, 64))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: Optional[int] = None  # a fixed batch size (None: memory-aware admission)
+    pressure: float = 0.85  # admit while used blocks stay under this share of the pool
+    eos_token_ids: frozenset = frozenset()
+    prefix_cache: bool = True
+    chunked_prefill: bool = True
+    chunk_schedule: tuple = DEFAULT_CHUNK_SCHEDULE
+    step_token_budget: int = 512  # tokens of one step (prefill chunks + decode rows)
+    decode_reserve_blocks: int = 1
+    priority_gap: float = 1.0  # how much more urgent a job must be to preempt another
+    max_sequences: int = 256
+    max_waiting: int = 8  # jobs waiting inside the engine for memory
+
+
+@dataclass
+class PrefillPlan:
+    """One ragged prefill pass: (sequence, tokens this pass), most urgent first."""
+
+    rows: list[tuple[Sequence, int]]
+    ending: list[int] = field(init=False)  # rows whose prompt ends in this pass: their next token is sampled
+
+    def __post_init__(self):
+        self.ending = [i for i, (seq, n) in enumerate(self.rows) if n >= seq.num_uncomputed]
+
+    def ending_seqs(self) -> list[Sequence]:
+        return [self.rows[i][0] for i in self.ending]
+
+
+@dataclass
+class HotSession:
+    """A finished turn whose full blocks stay pinned in the pool for the next turn."""
+
+    session_id: str
+    block_ids: list[int]
+    tokens: list[int]  # the tokens of those full blocks
+
+
+@dataclass
+class StepCounters:
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    preemptions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    session_spills: int = 0
+    session_restores: int = 0
+    steps: int = 0
+    prefill_passes: int = 0
+    decode_passes: int = 0
+
+
+class Scheduler:
+    def __init__(self, bm: BlockManager, config: SchedulerConfig = SchedulerConfig(), *,
+                 settle: Callable[[], None] = lambda: None, session_files=None):
+        self.bm = bm
+        self.block_size = bm.block_size
+        self.config = config
+        self.settle = settle
+        self.session_files = session_files
+        self.counters = StepCounters()
+        self.waiting: list[Sequence] = []
+        self.running: dict[str, Sequence] = {}
+        self.hot_sessions: "OrderedDict[str, HotSession]" = OrderedDict()
+        self._arrivals = itertools.count()
+        self._events: list[TokenEvent] = []
+        self._preempted: list[Preempted] = []
+
+    # ================================================================ the engine API's policy
+    def add(self, specs: list[SeqSpec]) -> None:
+        for spec in specs:
+            if not spec.prompt:
+                raise ValueError(f"{spec.uid}: empty prompt")
+            ctx = list(spec.prompt) + list(spec.resume_tokens)
+            fits = (self.bm.num_blocks - self.config.decode_reserve_blocks) * self.block_size
+            if len(ctx) + spec.max_tokens > fits:
+                # Alone it would exhaust the pool mid-decode: finish it with
+                # "length" where the pool ends (the worker should have asked
+                # can_admit first).
+                log.warning("%s: %d + %d tokens exceed the pool; max_tokens capped",
+                            spec.uid, len(ctx), spec.max_tokens)
+                spec = replace(spec, max_tokens=max(1, fits - len(ctx)))
+            self.waiting.append(Sequence(spec, next(self._arrivals), ctx, len(ctx)))
+        self.waiting.sort(key=Sequence.rank)
+
+    def remove(self, uids: list[str]) -> None:
+        gone = set(uids)
+        self.waiting = [s for s in self.waiting if s.uid not in gone]
+        for uid in gone:
+            seq = self.running.pop(uid, None)
+            if seq is not None:
+                self._release(seq)
+
+    def has_work(self) -> bool:
+        # a launched decode matters only for sequences still running
+        return bool(self.waiting or self.running)
+
+    def free_slots(self) -> int:
+        """Keep pulling while up to ``max_waiting`` jobs wait here for memory.
+
+        Jobs waiting inside the engine are admitted (in priority order) the
+        moment blocks free up, and a more urgent one preempts at once; beyond
+        the bound the rest stay in Redis for other workers.
+        """
+        cfg = self.config
+        n_seqs = len(self.waiting) + len(self.running)
+        if cfg.max_batch is not None:
+            return max(0, cfg.max_batch - n_seqs)
+        if n_seqs >= cfg.max_sequences or len(self.waiting) >= cfg.max_waiting:
+            return 0
+        headroom = int(cfg.pressure * self.bm.num_blocks) - self.bm.num_used
+        # At least one: a more urgent job may need to reach us to preempt.
+        # as many as fit now (about 4 blocks each), plus up to max_waiting that wait here
+        return max(1, min(cfg.max_sequences - n_seqs,
+                          max(0, headroom // 4) + cfg.max_waiting - len(self.waiting)))
+
+    def urgent_below(self) -> float:
+        """A queued job with a priority below this would preempt someone here now.
+
+        -inf when none would (nothing running, or a waiting job already outranks it).
+        """
+        if not self.running:
+            return float("-inf")
+        threshold = self._victim().spec.priority - self.config.priority_gap
+        if any(w.spec.priority <= threshold for w in self.waiting):
+            return float("-inf")  # one already waits to preempt: it goes first
+        return threshold
+
+    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
+        need = self.bm.blocks_needed(prompt_len + max(1, max_tokens))
+        return need + self.config.decode_reserve_blocks <= self.bm.num_blocks
+
+    def stats(self) -> dict:
+        c = self.bm.counts()
+        k = self.counters
+        return {
+            "blocks_total": c.total,
+            "blocks_used": c.used,
+            "blocks_cached": c.cached,
+            "blocks_free": c.free,
+            "prefix_hit_tokens": k.prefix_hit_tokens,
+            "prompt_tokens": k.prompt_tokens,
+            "preemptions": k.preemptions,
+            "evictions": self.bm.evictions,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "sessions_hot": len(self.hot_sessions),
+            "session_spills": k.session_spills,
+            "session_restores": k.session_restores,
+            "engine_steps": k.steps,
+            "prefill_passes": k.prefill_passes,
+            "decode_passes": k.decode_passes,
+        }
+
+    def take_output(self) -> tuple[list[TokenEvent], list[Preempted]]:
+        """This step's token events and preempted sequences (and start afresh)."""
+        out = self._events, self._preempted
+        self._events, self._preempted = [], []
+        return out
+
+    def spill_all_sessions(self) -> None:
+        while self._spill_one_session():
+            pass
+
+    # ================================================================ admission
+    def _admit(self) -> None:
+        cfg = self.config
+        while self.waiting:
+            if cfg.max_batch is not None and len(self.running) >= cfg.max_batch:
+                if not self._preempt_for(self.waiting[0]):
+                    return
+                continue
+            seq = self.waiting[0]
+            if self._try_allocate(seq):
+                self.waiting.pop(0)
+                self.running[seq.uid] = seq
+                continue
+            if self._spill_one_session():
+                continue
+            if not self._preempt_for(seq):
+                return
+
+    def _try_allocate(self, seq: Sequence) -> bool:
+        bm, cfg = self.bm, self.config
+        n = len(seq.tokens)
+        if seq.spec.session_id and not seq.session_checked:
+            seq.session_checked = True
+            self._restore_session(seq)
+        hit = PrefixHit()
+        if cfg.prefix_cache:
+            hit = bm.lookup(seq.tokens, n - 1)
+        new_blocks = bm.blocks_needed(n) - hit.num_blocks
+        revived = sum(1 for b in hit.block_ids if bm.blocks[b].ref_count == 0)
+        used_after = bm.num_used + revived + new_blocks + cfg.decode_reserve_blocks
+        limit = bm.num_blocks if not self.running else cfg.pressure * bm.num_blocks
+        if used_after > limit or not bm.can_allocate(new_blocks + cfg.decode_reserve_blocks, hit):
+            return False
+        seq.block_table = bm.allocate(new_blocks, hit)
+        seq.block_hashes = list(hit.hashes)
+        seq.num_computed = hit.num_blocks * self.block_size
+        seq.prefix_hit = seq.num_computed
+        seq.status = SequenceStatus.PREFILL
+        self.counters.prefix_hit_tokens += seq.num_computed
+        self.counters.prompt_tokens += n
+        log.debug("admit %s: %d tokens, %d hit, %d new blocks",
+                  seq.uid, n, seq.num_computed, new_blocks)
+        return True
+
+    def _victim(self) -> Sequence:
+        return max(self.running.values(), key=Sequence.rank)
+
+    def _preempt_for(self, waiting: Sequence) -> bool:
+        """Preempt a running sequence far enough below ``waiting`` in priority."""
+        if not self.running:
+            return False
+        victim = self._victim()
+        if victim.spec.priority - waiting.spec.priority < self.config.priority_gap:
+            return False
+        self._preempt(victim)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.settle()  # the victim's pending token belongs in its Preempted record
+        if self.running.get(seq.uid) is not seq:
+            return  # it finished while settling
+        log.info("preempt %s (priority %s) after %d tokens",
+                 seq.uid, seq.spec.priority, len(seq.generated))
+        del self.running[seq.uid]
+        self._release(seq)
+        self.counters.preemptions += 1
+        self._preempted.append(Preempted(seq.uid, list(seq.generated)))
+
+    # ================================================================ prefill
+    def schedule_prefill(self) -> Optional[PrefillPlan]:
+        """Start a step: admit what fits, then the prefill pass's rows (None: no prefill)."""
+        self.counters.steps += 1
+        self._admit()
+        n_decoding = sum(1 for s in self.running.values() if s.status is SequenceStatus.DECODE)
+        rows = self._pick_prefill(max(1, self.config.step_token_budget - n_decoding))
+        return PrefillPlan(rows) if rows else None
+
+    def _chunk_size(self, pos: int) -> int:
+        for limit, size in self.config.chunk_schedule:
+            if limit is None or pos < limit:
+                return size
+        return self.config.chunk_schedule[-1][1]
+
+    def _pick_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
+        """The rows of one ragged prefill pass: (sequence, tokens this pass).
+
+        Most urgent first, within the token budget; padded size (rows x the
+        longest chunk) stays within the budget too, so a long chunk does not
+        drag many short rows' padding along.
+        """
+        todo = sorted((s for s in self.running.values() if s.status is SequenceStatus.PREFILL),
+                      key=Sequence.rank)
+        picked: list[tuple[Sequence, int]] = []
+        width = 0
+        left = budget
+        for seq in todo:
+            if left <= 0:
+                break
+            n = seq.num_uncomputed
+            if self.config.chunked_prefill:
+                n = min(n, self._chunk_size(seq.num_computed), left)
+            if picked and max(width, n) * (len(picked) + 1) > budget:
+                break
+            picked.append((seq, n))
+            width = max(width, n)
+            left -= n
+        return picked
+
+    def postprocess_prefill(self, plan: PrefillPlan, sampled: list[Sampled]) -> None:
+        """The pass computed its chunks; ``sampled`` has the first token of each ending row."""
+        self.counters.prefill_passes += 1
+        self.counters.prefill_tokens += sum(n for _, n in plan.rows)
+        for seq, n in plan.rows:
+            seq.num_computed += n
+            self._commit_full_blocks(seq)
+        for s in sampled:
+            s.seq.status = SequenceStatus.DECODE
+            self._emit(s)
+
+    # ================================================================ decode
+    def schedule_decode(self, skip: Seq[Sequence] = ()) -> list[Sequence]:
+        """The decode rows of this step (``skip``: just prefilled), each with a slot for its token.
+
+        When the pool has fewer free blocks than the rows need, the pending
+        tokens are read first (finished rows free theirs), then sessions are
+        spilled or sequences preempted row by row.
+        """
+        rows = self._decode_rows(skip)
+        if sum(1 for s in rows if self._needs_block(s)) <= self.bm.num_unreferenced:
+            for seq in rows:
+                if self._needs_block(seq):
+                    seq.block_table.append(self.bm.append_block())
+            return rows
+        self.settle()
+        ready = [seq for seq in self._decode_rows(skip)
+                 if self.running.get(seq.uid) is seq and self._ensure_slot(seq)]
+        return [s for s in ready if self.running.get(s.uid) is s]
+
+    def _decode_rows(self, skip: Seq[Sequence]) -> list[Sequence]:
+        # a row whose pending token is its last (max_tokens) needs no launch
+        skipped = {id(s) for s in skip}
+        rows = [s for s in self.running.values()
+                if s.status is SequenceStatus.DECODE and id(s) not in skipped
+                and s.emitted + s.pending < s.spec.max_tokens]
+        rows.sort(key=Sequence.rank)
+        return rows
+
+    def _needs_block(self, seq: Sequence) -> bool:
+        return seq.num_computed >= len(seq.block_table) * self.block_size
+
+    def _ensure_slot(self, seq: Sequence) -> bool:
+        """Give ``seq`` a block for its next token, preempting if the pool is full."""
+        while self._needs_block(seq):
+            if self.bm.can_append():
+                seq.block_table.append(self.bm.append_block())
+                return True
+            if self._spill_one_session():
+                continue
+            # Never the only sequence: add() keeps each one within the pool.
+            victim = self._victim()
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def postprocess_decode(self, launched: list[Sequence], collected: list[Sampled]) -> None:
+        """``launched`` rows now have a token in flight; ``collected`` are the previous launch's."""
+        if launched:
+            self.counters.decode_passes += 1
+            self.counters.decode_tokens += len(launched)
+        for s in launched:
+            s.num_computed += 1
+            s.pending += 1
+        self.collect(collected)
+
+    def collect(self, sampled: list[Sampled]) -> None:
+        """Hand out the tokens of a launched decode, now read back."""
+        for s in sampled:
+            if self.running.get(s.seq.uid) is not s.seq:
+                continue  # removed, finished or preempted since the launch: a wasted row
+            s.seq.pending -= 1
+            self._emit(s)
+
+    # ================================================================ tokens and blocks
+    def _commit_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks whose every token is computed and known."""
+        bs = self.block_size
+        n_full = min(seq.num_computed, len(seq.tokens)) // bs
+        while len(seq.block_hashes) < n_full:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = self.bm.commit(seq.block_table[i], parent, seq.tokens[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(h)
+
+    def _emit(self, s: Sampled) -> None:
+        seq, tok = s.seq, s.token
+        seq.tokens.append(tok)
+        seq.emitted += 1
+        self._commit_full_blocks(seq)
+        reason = None
+        stops = self.config.eos_token_ids if seq.spec.stop_token_ids is None else seq.spec.stop_token_ids
+        if tok in stops:
+            reason = "stop"
+        elif seq.emitted >= seq.spec.max_tokens:
+            reason = "length"
+        self._events.append(TokenEvent(seq.uid, tok, reason, s.logprobs, cached_tokens=seq.prefix_hit))
+        if reason is not None:
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.running.pop(seq.uid, None)
+        if seq.spec.session_id:
+            self._keep_session(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.bm.deallocate(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed = 0
+        seq.pending = 0
+        seq.status = SequenceStatus.WAITING
+
+    # ================================================================ sessions
+    def _keep_session(self, seq: Sequence) -> None:
+        n_full = len(seq.block_hashes)
+        if n_full == 0:
+            return
+        blocks = seq.block_table[:n_full]
+        self.bm.ref(blocks)
+        sid = seq.spec.session_id
+        old = self.hot_sessions.pop(sid, None)
+        self.hot_sessions[sid] = HotSession(sid, blocks, seq.tokens[:n_full * self.block_size])
+        if old is not None:
+            self.bm.deallocate(old.block_ids)
+
+    def _spill_one_session(self) -> bool:
+        """Write the least recently used hot session to disk and unpin it."""
+        if not self.hot_sessions:
+            return False
+        _, hot = self.hot_sessions.popitem(last=False)
+        if self.session_files is not None:
+            self.session_files.spill(hot.session_id, hot.block_ids, hot.tokens)
+        self.bm.deallocate(hot.block_ids)
+        self.counters.session_spills += 1
+        return True
+
+    def _restore_session(self, seq: Sequence) -> None:
+        """Load a warm session's blocks into the prefix cache when they help."""
+        sid = seq.spec.session_id
+        if sid in self.hot_sessions:
+            self.hot_sessions.move_to_end(sid)
+            return
+        bs = self.block_size
+        warm = self.session_files.load(sid) if self.session_files is not None else None
+        if warm is None:
+            return
+        n_blocks = min(len(warm.tokens), len(seq.tokens) - 1) // bs
+        while n_blocks and warm.tokens[:n_blocks * bs] != seq.tokens[:n_blocks * bs]:
+            n_blocks -= 1
+        hit = self.bm.lookup(seq.tokens, n_blocks * bs)
+        need = n_blocks - hit.num_blocks
+        if need <= 0 or not self.bm.can_allocate(need, hit):
+            return
+        # Reference the blocks already in the pool (so allocating cannot evict
+        # them), load the rest into fresh blocks and register their hashes.
+        table = self.bm.allocate(need, hit)
+        new_ids = table[hit.num_blocks:]
+        self.session_files.restore(warm, new_ids, hit.num_blocks * bs, n_blocks * bs)
+        parent = hit.hashes[-1] if hit.hashes else None
+        for i, bid in enumerate(new_ids, start=hit.num_blocks):
+            parent = self.bm.commit(bid, parent, seq.tokens[i * bs:(i + 1) * bs])
+        self.bm.deallocate(table)  # now cached; the lookup that follows takes them
+        self.counters.session_restores += 1
+        log.debug("session %s restored: %d of %d blocks from disk", sid, need, n_blocks)

@@ -1,0 +1,57 @@
+"""One sequence in the engine: its tokens, its blocks and where it stands (plain data, no MLX)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..engine_api import SeqSpec
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued in the engine (also after a release)
+    PREFILL = "prefill"  # admitted: blocks allocated, prompt chunks still to compute
+    DECODE = "decode"  # prompt computed: one token per step
+
+
+@dataclass
+class Sequence:
+    spec: SeqSpec
+    arrival: int  # admission order among equal priorities
+    tokens: list[int]  # prompt + resume tokens + tokens generated this run
+    num_context: int  # len(prompt) + len(resume_tokens)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # committed full blocks
+    num_computed: int = 0  # tokens whose KV is in the pool
+    emitted: int = 0  # tokens emitted this run
+    session_checked: bool = False  # warm session file looked at already
+    prefix_hit: int = 0  # prompt tokens found in the prefix cache at the last admission (reported per job)
+    pending: int = 0  # tokens sampled by a launched decode, not yet read (0 or 1)
+
+    @property
+    def uid(self) -> str:
+        return self.spec.uid
+
+    @property
+    def generated(self) -> list[int]:
+        """Everything generated for this job, earlier runs included."""
+        return self.tokens[len(self.spec.prompt):]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV is not in the pool yet (the rest of the prompt, while prefilling)."""
+        return len(self.tokens) - self.num_computed
+
+    def rank(self):
+        """(priority score, arrival): the min is the most urgent, the max the preemption victim."""
+        return (self.spec.priority, self.arrival)
+
+
+@dataclass
+class Sampled:
+    """A token the model runner sampled for a sequence (read back to the host)."""
+
+    seq: Sequence
+    token: int
+    logprobs: object = None  # the runner's (vocab,) log-probabilities when the spec wants them, else None

@@ -1,0 +1,76 @@
+"""Session files: a session's KV blocks spilled to disk, and loaded back into the pool.
+
+A *hot* session (the scheduler's ``HotSession``) pins the full blocks of its last
+turn's computed context, so they stay in the pool.  Spilling writes those blocks
+to ``<session_dir>/<sha1(session id)>.safetensors`` (per-layer keys/values plus
+the token ids and model id as metadata); the scheduler then drops the pins and
+the blocks stay in the prefix cache until reused.  A later turn restores the file
+into fresh blocks, which the scheduler registers in the prefix cache before its
+prompt is looked up.  The scheduler decides when; this module moves the tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from .kv_cache import KVPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WarmSession:
+    tokens: list[int]
+    data: dict  # per-layer "k{i}" / "v{i}" arrays (H, n_tokens, D)
+
+
+class SessionFiles:
+    def __init__(self, session_dir: str, model_id: str, pool: KVPool):
+        self.session_dir = session_dir
+        self.model_id = model_id
+        self.pool = pool
+        os.makedirs(session_dir, exist_ok=True)
+
+    def path(self, session_id: str) -> str:
+        name = hashlib.sha1(session_id.encode()).hexdigest()
+        return os.path.join(self.session_dir, name + ".safetensors")
+
+    def spill(self, session_id: str, block_ids: Sequence[int], tokens: list[int]) -> None:
+        """Write these blocks of the pool (holding ``tokens``) to the session's file."""
+        self.save(session_id, tokens, self.pool.read_blocks(block_ids))
+
+    def restore(self, warm: WarmSession, block_ids: Sequence[int], lo: int, hi: int) -> None:
+        """Write tokens ``lo:hi`` of a loaded session into these blocks of the pool."""
+        self.pool.write_blocks(block_ids, {k: v[:, lo:hi] for k, v in warm.data.items()})
+
+    def save(self, session_id: str, tokens: list[int], data: dict) -> None:
+        p = self.path(session_id)
+        meta = {"tokens": json.dumps(tokens), "model_id": self.model_id, "session_id": session_id}
+        tmp = p[: -len(".safetensors")] + ".tmp.safetensors"
+        mx.save_safetensors(tmp, data, metadata=meta)
+        os.replace(tmp, p)
+        log.debug("session %s spilled: %d tokens to %s", session_id, len(tokens), p)
+
+    def load(self, session_id: str) -> Optional[WarmSession]:
+        p = self.path(session_id)
+        if not os.path.exists(p):
+            return None
+        try:
+            data, meta = mx.load(p, return_metadata=True)
+        except Exception:  # a torn or foreign file: ignore it
+            log.warning("session file %s unreadable; ignored", p, exc_info=True)
+            return None
+        if meta.get("model_id") != self.model_id or meta.get("session_id") != session_id:
+            return None
+        return WarmSession(json.loads(meta["tokens"]), data)
+
+    def warm_count(self) -> int:
+        return sum(1 for f in os.listdir(self.session_dir)
+                   if f.endswith(".safetensors") and ".tmp." not in f)
