@@ -111,7 +111,7 @@ def _small_model() -> str:
 def _prepare_extension() -> None:
     """Compile the paged-attention CPU extension now (first run only) rather than silently in the
     worker; said, with a progress bar on a terminal, and how long it took."""
-    from .paged.extbuild import ExtensionUnavailable, build, built_library
+    from .engine.kernels.extbuild import ExtensionUnavailable, build, built_library
 
     if os.environ.get("MLXQ_ATTENTION", "auto") not in ("", "auto", "fused") or built_library() is not None:
         return
