@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from .. import progress
+from ... import progress
 
 log = logging.getLogger(__name__)
 
