@@ -130,11 +130,12 @@ def test_trained_loss_is_far_below_untrained(tiny_dir, tiny):
     assert sum(losses) / len(losses) < 0.4 * log_vocab
 
 
-def test_ensure_model_and_cli_reuse_a_complete_build(tiny_dir, capsys):
+def test_ensure_model_and_cli_reuse_a_complete_build(tiny_dir, tiny_model_seed, capsys):
     weights = tiny_dir / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    assert ensure_model(tiny_dir, "tiny") == tiny_dir
-    assert main([str(tiny_dir)]) == 0
+    assert read_stamp(tiny_dir)["seed"] == tiny_model_seed and f"seed{tiny_model_seed}" in tiny_dir.name
+    assert ensure_model(tiny_dir, "tiny", seed=tiny_model_seed) == tiny_dir
+    assert main([str(tiny_dir), "--seed", str(tiny_model_seed)]) == 0
     assert "up to date" in capsys.readouterr().out
     assert weights.stat().st_mtime_ns == mtime
 
