@@ -17,12 +17,16 @@ from mlxq.worker.make_model import (
     END,
     FILES,
     PRESETS,
+    SEED_ENV,
     STAMP,
+    _is_complete,
     ensure_model,
     format_chat,
     main,
     make_model,
     read_stamp,
+    seed_from_env,
+    seeded_dir,
 )
 
 TINY_PARAMS = 164_160
@@ -148,3 +152,17 @@ def test_same_seed_same_files(tmp_path):
     b = make_model(tmp_path / "b", train_steps=3, seed=1)
     assert digest(a) == digest(b)
     assert read_stamp(a)["train_steps"] == 3
+    # a build counts as complete for its own seed only: another seed is rebuilt, never reused
+    assert _is_complete(a, "tiny", 3, 1) and not _is_complete(a, "tiny", 3, 0)
+
+
+def test_the_test_model_seed_comes_from_the_environment_and_names_the_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv(SEED_ENV, raising=False)
+    assert seed_from_env() == 0
+    monkeypatch.setenv(SEED_ENV, " 2 ")
+    assert seed_from_env() == 2
+    monkeypatch.setenv(SEED_ENV, "two")
+    with pytest.raises(ValueError, match=SEED_ENV):
+        seed_from_env()
+    dirs = {seeded_dir(tmp_path, "tiny", s) for s in (0, 1, 2)}
+    assert len(dirs) == 3 and all(d.parent == tmp_path for d in dirs)
