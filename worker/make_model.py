@@ -7,8 +7,9 @@ the ``tokenizers`` library (``tokenizer.json``, ``tokenizer_config.json`` with a
 Jinja chat template, ``special_tokens_map.json``).  The model is trained for a
 few hundred steps of next-token prediction on the generated corpus of
 :mod:`mlxq.worker._corpus`, so greedy output is short English-like sentences that
-end with ``<|end|>`` (the EOS token); they follow the prompt's topic only weakly.  Builds are fully
-deterministic (fixed seeds).
+end with ``<|end|>`` (the EOS token); they follow the prompt's topic only weakly.  A build is
+deterministic for a given seed on a given machine; the trained weights (and so the generated text)
+also follow the BLAS build and the CPU kernels it picks, so they differ between machines.
 
 Presets (parameters counted with tied embeddings):
 
