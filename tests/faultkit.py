@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -185,3 +186,47 @@ def executions_by_job(r, keys, job_ids) -> dict[str, int]:
                 attempts.add(codec.unpack(fields[b"d"]).get("a"))
         out[jid] = len(attempts)
     return out
+
+
+class StepGate:
+    """Holds a worker's MLX thread between two engine steps, so that what a test does meanwhile (a
+    Redis restart) surely finds the jobs mid-run, however fast this machine or these weights generate.
+
+    It counts each job's tokens from the steps' events; once every job given to :meth:`hold_when`
+    has ``n`` tokens or has finished, the step waits (its events not yet handed to the worker) until
+    the gate is released.  Use it as a context manager inside ``running_worker``: leaving it releases
+    the gate and puts the engine's own ``step`` back."""
+
+    def __init__(self, engine):
+        self.engine, self._engine_step = engine, engine.step
+        self.tokens: Counter = Counter()
+        self.finished: set = set()
+        self.held, self._go = threading.Event(), threading.Event()
+        self._watch: Optional[tuple[set, int]] = None
+        engine.step = self._step
+
+    def hold_when(self, uids, n: int) -> None:
+        self._watch = (set(uids), n)
+
+    def release(self) -> None:
+        self._go.set()
+
+    def _step(self):
+        events, preempted = self._engine_step()
+        for e in events:
+            self.tokens[e.uid] += 1
+            if e.finish_reason:
+                self.finished.add(e.uid)
+        watch = self._watch
+        if watch and not self._go.is_set() and all(
+                self.tokens[u] >= watch[1] or u in self.finished for u in watch[0]):
+            self.held.set()
+            self._go.wait()
+        return events, preempted
+
+    def __enter__(self) -> "StepGate":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+        del self.engine.step

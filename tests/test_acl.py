@@ -89,7 +89,7 @@ def test_producer_user_cannot_choose_its_priority(acl_setup, redis_url, tiny_mod
 
     # 4. the producer's own client: EVALSHA is refused, so it switches to the functions and the intake list
     producer = Client(purl, api_key=LOW_KEY, model="tiny", settings=settings)
-    job = producer.submit(prompt_tokens=[5, 6, 7], max_tokens=2)
+    job = producer.submit(prompt_tokens=[5, 6, 7], max_tokens=2, ignore_eos=True)  # "length" by construction
     assert producer.queue_for("tiny").functions and admin.lrange(K.intake, 0, -1) == [job.id.encode()]
     # raw writes to its own record before admission: admission decides again, from the key hash
     raw.hset(K.job(job.id), mapping={"tier": "high", "score": 0, "queued_at": 0})

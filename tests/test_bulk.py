@@ -12,8 +12,10 @@ from mlxq.producer.bulk import BatchRun
 from mlxq.producer.cli import main as mlxq_main
 from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
+from tests.refkit import greedy
 
 KEYS = GlobalKeys().model_keys("tiny")
+CMPL_PROMPT = "A recipe for bread starts with"
 
 
 def test_client_map_yields_results_in_input_order(tiny_model, redis_url):
@@ -86,7 +88,7 @@ def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_p
          "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                   "ignore_eos": True}},
         {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
-         "body": {"model": "tiny", "prompt": "A recipe for bread starts with", "max_tokens": 3}},
+         "body": {"model": "tiny", "prompt": CMPL_PROMPT, "max_tokens": 3}},
         {"custom_id": "plain-1", "prompt": "hello", "max_tokens": 2, "ignore_eos": True},
         {"custom_id": "bad-1", "prompt": "hello", "max_tokens": 0},
         {"custom_id": "bad-2", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
@@ -109,7 +111,9 @@ def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_p
     assert chat["body"]["choices"][0]["finish_reason"] == "length"
     assert chat["body"]["usage"]["completion_tokens"] == 3 and chat["body"]["stats"]["tier"] == "low"
     cmpl = recs["cmpl-1"]["response"]["body"]
-    assert cmpl["object"] == "text_completion" and cmpl["choices"][0]["text"] == " the table."
+    ref, ref_text = greedy(tiny_model, CMPL_PROMPT, 3)  # mlx-lm on this run's weights
+    assert cmpl["object"] == "text_completion" and cmpl["choices"][0]["text"] == ref_text
+    assert cmpl["choices"][0]["finish_reason"] == ("length" if len(ref) == 3 else "stop")
     assert cmpl["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert recs["plain-1"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
     for bad in ("bad-1", "bad-2", "long-1"):  # never submitted: refused up front

@@ -147,16 +147,19 @@ def test_per_request_params_and_seeded_reproducibility_in_a_batch(tiny_model, re
     client = Client(redis_url, model="tiny", settings=settings)
     prompt = "The ship sailed across the sea"
     with running_worker(tiny_model, redis_url, settings, max_batch=8):
-        alone = client.submit(prompt, max_tokens=24, temperature=0.9, seed=1234).result(timeout=60)
+        # 24 tokens each whatever the weights (ignore_eos): the outputs compared below cannot all be
+        # an early EOS
+        alone = client.submit(prompt, max_tokens=24, temperature=0.9, seed=1234, ignore_eos=True).result(timeout=60)
         batch = [
-            client.submit(prompt, max_tokens=24, temperature=0.9, seed=1234),
-            client.submit(prompt, max_tokens=24),  # greedy
-            client.submit(prompt, max_tokens=24, temperature=1.5, top_k=20, seed=5),
+            client.submit(prompt, max_tokens=24, temperature=0.9, seed=1234, ignore_eos=True),
+            client.submit(prompt, max_tokens=24, ignore_eos=True),  # greedy
+            client.submit(prompt, max_tokens=24, temperature=1.5, top_k=20, seed=5, ignore_eos=True),
             client.submit("Another prompt entirely", max_tokens=30, temperature=0.7, top_p=0.8, seed=9),
-            client.submit(prompt, max_tokens=24, temperature=0.9, seed=1234, repetition_penalty=1.3),
+            client.submit(prompt, max_tokens=24, temperature=0.9, seed=1234, repetition_penalty=1.3,
+                          ignore_eos=True),
         ]
         res = [j.result(timeout=60) for j in batch]
-    greedy_ref = reference_tokens(tiny_model, tiny_model.tokenizer.encode(prompt), 24)
+    greedy_ref = reference_tokens(tiny_model, tiny_model.tokenizer.encode(prompt), 24, ignore_eos=True)
     assert res[0].token_ids == alone.token_ids  # same seed: same tokens alone or in a batch
     assert res[1].token_ids == greedy_ref
     assert res[0].token_ids != res[1].token_ids  # sampling really differs from greedy
@@ -214,7 +217,7 @@ def test_late_subscriber_gets_the_whole_text(tiny_model, redis_url):
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
     with running_worker(tiny_model, redis_url, settings):
-        job = client.submit("Once upon a time", max_tokens=20)
+        job = client.submit("Once upon a time", max_tokens=20, ignore_eos=True)  # 20 tokens, whatever the weights
         res = job.result(timeout=60)
     late = Client(redis_url, model="tiny", settings=settings).job(job.id)
     deltas = list(late.stream(timeout=10))

@@ -18,8 +18,8 @@ from mlxq.shared import apikeys
 from mlxq.shared.embedded import EmbeddedRedis
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from tests.conftest import fast_settings, running_worker, wait_for
-from tests.faultkit import (ROOT, WorkerProc, detok_text, record, reference_tokens, submit_and_follow,
-                            wait_registered, worker_env)
+from tests.faultkit import (ROOT, StepGate, WorkerProc, detok_text, record, reference_tokens,
+                            submit_and_follow, wait_registered, worker_env)
 
 K = ModelKeys("tiny")
 
@@ -108,8 +108,9 @@ _RESTART_REFS: dict = {}
 
 @pytest.mark.parametrize("hard", [False, True], ids=["graceful", "sigkill"])
 def test_redis_restart_mid_run_keeps_active_jobs(tiny_model, tmp_path, hard, caplog):
-    # the jobs that ignore EOS are long by construction (300 tokens), so some are surely active at
-    # the restart, which comes once every job has streamed a few deltas
+    # the jobs that ignore EOS are long (300 tokens) and are held mid-run at the restart by
+    # construction: the worker's MLX thread waits at a StepGate from the moment every job has made
+    # a few tokens (or finished) until Redis is back, however fast the machine or the weights
     specs = [(p, 300 if ie else 40, ie) for p, _, ie in _specs(21, 12, 0)]
     if "refs" not in _RESTART_REFS:
         _RESTART_REFS["refs"] = _refs(tiny_model, specs)
@@ -121,13 +122,15 @@ def test_redis_restart_mid_run_keeps_active_jobs(tiny_model, tmp_path, hard, cap
         settings = fast_settings(url, lease_s=5.0)
         client = Client(url, model="tiny", settings=settings)
         r = client.redis
-        with running_worker(tiny_model, url, settings, max_batch=16) as w:
+        with running_worker(tiny_model, url, settings, max_batch=16) as w, StepGate(w.engine) as gate:
             jobs, collectors = submit_and_follow(client, specs)
-            assert wait_for(lambda: all(_xlen(r, j.id) >= 3 or j.status() == "done" for j in jobs), timeout=120)
+            gate.hold_when([j.id for j in jobs], 3)
+            assert gate.held.wait(timeout=120)
             active_before = set(w.active)
             t0 = time.monotonic()
             srv.restart(hard=hard)
             down_s = time.monotonic() - t0
+            gate.release()
             results = [j.result(timeout=90) for j in jobs]
             for c in collectors:
                 c.join(timeout=30)

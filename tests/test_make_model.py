@@ -17,12 +17,16 @@ from mlxq.worker.make_model import (
     END,
     FILES,
     PRESETS,
+    SEED_ENV,
     STAMP,
+    _is_complete,
     ensure_model,
     format_chat,
     main,
     make_model,
     read_stamp,
+    seed_from_env,
+    seeded_dir,
 )
 
 TINY_PARAMS = 164_160
@@ -130,11 +134,12 @@ def test_trained_loss_is_far_below_untrained(tiny_dir, tiny):
     assert sum(losses) / len(losses) < 0.4 * log_vocab
 
 
-def test_ensure_model_and_cli_reuse_a_complete_build(tiny_dir, capsys):
+def test_ensure_model_and_cli_reuse_a_complete_build(tiny_dir, tiny_model_seed, capsys):
     weights = tiny_dir / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    assert ensure_model(tiny_dir, "tiny") == tiny_dir
-    assert main([str(tiny_dir)]) == 0
+    assert read_stamp(tiny_dir)["seed"] == tiny_model_seed and f"seed{tiny_model_seed}" in tiny_dir.name
+    assert ensure_model(tiny_dir, "tiny", seed=tiny_model_seed) == tiny_dir
+    assert main([str(tiny_dir), "--seed", str(tiny_model_seed)]) == 0
     assert "up to date" in capsys.readouterr().out
     assert weights.stat().st_mtime_ns == mtime
 
@@ -147,3 +152,17 @@ def test_same_seed_same_files(tmp_path):
     b = make_model(tmp_path / "b", train_steps=3, seed=1)
     assert digest(a) == digest(b)
     assert read_stamp(a)["train_steps"] == 3
+    # a build counts as complete for its own seed only: another seed is rebuilt, never reused
+    assert _is_complete(a, "tiny", 3, 1) and not _is_complete(a, "tiny", 3, 0)
+
+
+def test_the_test_model_seed_comes_from_the_environment_and_names_the_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv(SEED_ENV, raising=False)
+    assert seed_from_env() == 0
+    monkeypatch.setenv(SEED_ENV, " 2 ")
+    assert seed_from_env() == 2
+    monkeypatch.setenv(SEED_ENV, "two")
+    with pytest.raises(ValueError, match=SEED_ENV):
+        seed_from_env()
+    dirs = {seeded_dir(tmp_path, "tiny", s) for s in (0, 1, 2)}
+    assert len(dirs) == 3 and all(d.parent == tmp_path for d in dirs)

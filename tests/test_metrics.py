@@ -36,7 +36,7 @@ def test_worker_metrics_scrape(tiny_model, redis_url):
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
     try:
-        queued = client.submit("waiting in line", max_tokens=2)  # before the worker: queue depth 1
+        queued = client.submit("waiting in line", max_tokens=2, ignore_eos=True)  # before the worker: queue depth 1
         before = scrape(port)
         assert value(before, "mlxq_queue_depth", model="tiny", tier="normal") == 1
         with running_worker(tiny_model, redis_url, settings, engine=engine, observers=[metrics]) as w:

@@ -16,10 +16,13 @@ import redis
 from mlxq import Client
 from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
+from tests.refkit import greedy, pick_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "node" / "producer.mjs"
 NPM_PACKAGES = ["redis@4", "@msgpack/msgpack@3"]
+MULTIBYTE_PROMPTS = ("café, naïve: 日本語 and more", "Crème brûlée in Zürich is", "The 日本語 word for tea is",
+                     "über the sea, naïve and", "emoji 🚀 and the")
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +60,14 @@ def test_node_producer_streams_the_same_text_as_the_python_client(node_dir, tiny
     r = redis.Redis.from_url(redis_url)
     with running_worker(tiny_model, redis_url, settings, max_batch=4):
         client = Client(redis_url, model="tiny", settings=settings)
-        for prompt, n in (("A recipe for bread starts with", 3), ("café, naïve: 日本語 and more", 24)):
+        # a multi-byte prompt whose greedy answer is not empty on this run's weights (the Node example
+        # has no ignore_eos): picked from mlx-lm's answers, computed here
+        multibyte, _, _ = pick_prompt(tiny_model, MULTIBYTE_PROMPTS, 24, lambda ids, text: bool(text), "text")
+        for prompt, n in (("A recipe for bread starts with", 3), (multibyte, 24)):
             py = client.submit(prompt, max_tokens=n, temperature=0.0).result(timeout=60)
             out = run_node(node_dir, redis_url, prompt, n)
             assert out["streamed"] == out["text"] == py.text, prompt  # deltas == result == Python's
+            assert (py.token_ids, py.text) == greedy(tiny_model, prompt, n), prompt  # == mlx-lm's
             assert out["token_ids"] == py.token_ids and out["finish_reason"] == py.finish_reason
             assert out["usage"] == {"prompt_tokens": py.stats.prompt_tokens,
                                     "completion_tokens": py.stats.generated_tokens}

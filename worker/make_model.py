@@ -7,8 +7,9 @@ the ``tokenizers`` library (``tokenizer.json``, ``tokenizer_config.json`` with a
 Jinja chat template, ``special_tokens_map.json``).  The model is trained for a
 few hundred steps of next-token prediction on the generated corpus of
 :mod:`mlxq.worker._corpus`, so greedy output is short English-like sentences that
-end with ``<|end|>`` (the EOS token); they follow the prompt's topic only weakly.  Builds are fully
-deterministic (fixed seeds).
+end with ``<|end|>`` (the EOS token); they follow the prompt's topic only weakly.  A build is
+deterministic for a given seed on a given machine; the trained weights (and so the generated text)
+also follow the BLAS build and the CPU kernels it picks, so they differ between machines.
 
 Presets (parameters counted with tied embeddings):
 
@@ -21,7 +22,9 @@ Presets (parameters counted with tied embeddings):
 
 Training runs with one OpenBLAS thread (see :func:`_one_blas_thread`).
 A stamp file (:data:`STAMP`) records the preset, seed, steps and a hash of this
-code; :func:`ensure_model` rebuilds only when it does not match.
+code; :func:`ensure_model` rebuilds only when it does not match.  The test suite
+trains its model from ``$MLXQ_TEST_MODEL_SEED`` (:func:`seed_from_env`, default 0)
+into a directory named after that seed (:func:`seeded_dir`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from . import _corpus, progress
 logger = logging.getLogger(__name__)
 
 STAMP = "mlxq_build.json"
+SEED_ENV = "MLXQ_TEST_MODEL_SEED"
 FILES = (
     "config.json",
     "model.safetensors",
@@ -149,18 +153,35 @@ def make_model(out_dir, preset: str = "tiny", *, train_steps: int | None = None,
     return out_dir
 
 
-def ensure_model(out_dir, preset: str = "tiny") -> Path:
+def ensure_model(out_dir, preset: str = "tiny", *, seed: int = 0) -> Path:
     """``out_dir`` holding a complete ``preset`` model built by this code version
-    (default steps, seed 0), building it only when needed.  Concurrent callers
+    (default steps, ``seed``), building it only when needed.  Concurrent callers
     wait for one build (a file lock) and never see half-written files."""
     out_dir = Path(out_dir)
     steps = PRESETS[preset].train_steps
-    if _is_complete(out_dir, preset, steps, 0):
+    if _is_complete(out_dir, preset, steps, seed):
         return out_dir
     with _locked(out_dir):
-        if not _is_complete(out_dir, preset, steps, 0):
-            _build_and_install(out_dir, preset, steps, 0)
+        if not _is_complete(out_dir, preset, steps, seed):
+            _build_and_install(out_dir, preset, steps, seed)
     return out_dir
+
+
+def seed_from_env() -> int:
+    """The seed the test suite's tiny model is trained from: ``$MLXQ_TEST_MODEL_SEED``
+    (default 0).  Another seed gives other weights (and another tokenizer); the
+    suite's verdict must not change with it."""
+    raw = os.environ.get(SEED_ENV, "").strip()
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        raise ValueError(f"{SEED_ENV} must be an integer, got {raw!r}") from None
+
+
+def seeded_dir(cache_dir, preset: str, seed: int) -> Path:
+    """Where a cached ``preset`` model trained from ``seed`` lives: the seed is part of
+    the name, so a build from another seed is never picked up by mistake."""
+    return Path(cache_dir) / f"{preset}-model-seed{seed}"
 
 
 @contextlib.contextmanager
@@ -412,10 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
     before = read_stamp(args.dir)
-    if args.force or args.steps is not None or args.seed != 0:
+    if args.force or args.steps is not None:
         make_model(args.dir, args.preset, train_steps=args.steps, seed=args.seed)
     else:
-        ensure_model(args.dir, args.preset)
+        ensure_model(args.dir, args.preset, seed=args.seed)
     info = read_stamp(args.dir) or {}
     print(
         "%s %s: preset %s, %s parameters, vocab %d, eval loss %.3f -> %.3f (log vocab %.3f) "
