@@ -77,6 +77,19 @@ class WorkerProc:
     def thaw(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
 
+    def run_until(self, pred, timeout: float = 240.0, slice_s: float = 0.02) -> bool:
+        """Let the worker run in short slices and check ``pred`` while it is frozen: it returns True
+        with the worker frozen at a point where ``pred`` holds, having run at most about one slice
+        past the first point where it did (the worker makes no progress while the test looks)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            time.sleep(slice_s)
+            self.freeze()
+            if pred():
+                return True
+            self.thaw()
+        return False
+
     def wait_log(self, text: str, timeout: float = 60.0) -> bool:
         """Wait until the worker's log shows ``text`` (an event the worker itself produces)."""
         end = time.monotonic() + timeout

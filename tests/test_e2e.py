@@ -213,6 +213,30 @@ def test_cancel_queued_and_running_jobs(tiny_model, redis_url):
     assert other.finish_reason in ("length", "stop")
 
 
+def test_a_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(tiny_model, redis_url):
+    """The token that reaches max_tokens also completes a stop string: the reason is "stop" (as vLLM's)."""
+    tok = tiny_model.tokenizer
+    case = None
+    for seed in range(20):  # a prompt whose 4th token adds text that a stop string can end on
+        rng = random.Random(seed)
+        prompt = [rng.randrange(4, 900) for _ in range(6)]
+        ids = reference_tokens(tiny_model, prompt, 4, ignore_eos=True)
+        t3, t4 = tok.decode(ids[:3]), tok.decode(ids[:4])
+        if not t4.startswith(t3) or len(t4) == len(t3):
+            continue
+        stop = next((t4[-m:] for m in range(1, len(t4) + 1) if t4[-m:] not in t3), None)
+        if stop is not None and t4.index(stop) == len(t4) - len(stop):
+            case = prompt, stop, t4[:-len(stop)]
+            break
+    assert case, "no prompt of 20 gave a fourth token with text"
+    prompt, stop, expected = case
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    with running_worker(tiny_model, redis_url, settings):
+        res = client.submit(prompt_tokens=prompt, max_tokens=4, ignore_eos=True, stop=[stop]).result(timeout=60)
+    assert (res.finish_reason, res.text) == ("stop", expected)
+
+
 def test_late_subscriber_gets_the_whole_text(tiny_model, redis_url):
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)

@@ -76,8 +76,8 @@ def test_worker_kill9_mid_stream_loses_and_duplicates_nothing(tiny_model, tiny_m
         jobs, collectors = submit_and_follow(client, specs)
         # kill -9 once every job has streamed a few deltas (or already finished: the ones that may
         # stop at EOS). Freeze the worker first so the states read below are the states at the kill.
-        assert wait_for(lambda: all(_xlen(r, j.id) >= 4 or j.status() == "done" for j in jobs), timeout=120), a.log()
-        a.freeze()
+        # (the worker runs in short slices meanwhile and is frozen when the condition holds)
+        assert a.run_until(lambda: all(_xlen(r, j.id) >= 4 or j.status() == "done" for j in jobs)), a.log()
         running_at_kill = [j.id for j in jobs if j.status() == "running"]
         a.kill9()
         # the jobs that ignore EOS are long by construction (160 tokens; they had streamed only a

@@ -13,7 +13,7 @@ from mlxq.shared import codec
 from mlxq.shared.keys import ModelKeys
 from mlxq.shared.schemas import Delta
 from mlxq.worker.jobs import read_published
-from tests.conftest import fast_settings, wait_for
+from tests.conftest import fast_settings
 from tests.faultkit import StreamCollector, WorkerProc, reference_tokens, wait_registered
 
 K = ModelKeys("tiny")
@@ -99,8 +99,9 @@ def test_worker_kill9_streams_resume_token_exact(tiny_model, tiny_model_dir, red
         assert all(res.token_ids == ref for res, ref in zip(undisturbed, refs))  # batched == solo
 
         jobs, collectors = _follow(client, specs)
-        assert wait_for(lambda: all(r.xlen(K.events(j.id)) >= 10 for j in jobs), timeout=240), a.log()
-        a.freeze()  # the states read below are the states at the kill
+        # frozen once every job has streamed 10 tokens (the worker runs only in short slices meanwhile),
+        # so every job is mid-stream at the kill by construction
+        assert a.run_until(lambda: all(r.xlen(K.events(j.id)) >= 10 for j in jobs)), a.log()
         published_at_kill = {j.id: _record_token_count(r, j.id) for j in jobs}
         assert all(j.status() == "running" for j in jobs)
         a.kill9()

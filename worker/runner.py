@@ -255,9 +255,10 @@ class Worker:
                 if job.request.logprobs:
                     lp = [self._logprobs(ev, job.request.logprobs)]
                     job.logprobs.extend(lp)
-            if job.text.stopped and finish is None:
+            if job.text.stopped:  # a stop string, also on the token that reached max_tokens
+                if finish is None:
+                    self.engine.remove([job.id])
                 finish = "stop"
-                self.engine.remove([job.id])
             if finish:
                 text += job.text.finish()
                 self._finish(job, finish, out, text, ids, lp)
