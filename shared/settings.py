@@ -37,6 +37,7 @@ class Settings:
     idempotency_ttl_s: int = 24 * 3600
     max_prompt_bytes: int = 4 * 1024 * 1024  # a hard cap on request size at submit
     max_new_tokens: int = 32_768
+    redis_outage_s: float = 30.0  # producers retry an unreachable Redis this long (then: ConnectionError, HTTP 503)
 
     def __post_init__(self) -> None:
         unknown = set(self.tier_offsets) - set(TIERS)
