@@ -50,7 +50,8 @@ RESLOT_ERRORS = (redis.ConnectionError, redis.TimeoutError, MovedError, ClusterD
 # Everything a lost link, a restarting server or a failover can raise: a producer retries these
 # (with backoff, within its request's time) instead of failing.  RedisClusterException is what
 # redis-py's cluster client raises when no node it knows answers a topology refresh.
-LINK_ERRORS = (redis.BusyLoadingError, OSError, RedisClusterException) + RESLOT_ERRORS
+# (socket errors: the builtin ConnectionError, not OSError, which a refusal such as a PermissionError is)
+LINK_ERRORS = (redis.BusyLoadingError, ConnectionError, RedisClusterException) + RESLOT_ERRORS
 
 _TRUE = {"1", "yes", "true", "on"}
 _FALSE = {"0", "no", "false", "off"}
@@ -124,7 +125,7 @@ def _names(seeds) -> str:
 def _is_link_failure(exc: BaseException) -> bool:
     """A failure to reach a node (the cause of a RedisClusterException included), not a refusal."""
     while exc is not None:
-        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError,
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, ConnectionError,
                             ClusterDownError)):
             return True
         exc = exc.__cause__ or exc.__context__
@@ -283,7 +284,7 @@ def is_cluster_url(url: str, wait_s: Optional[float] = None) -> bool:
                 log.info("%s may not run INFO: taking it as a single Redis (put cluster=yes in the URL "
                          "on a cluster)", _redact(u))
                 return False
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError) as exc:
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, ConnectionError) as exc:
                 last = exc
         raise redis.ConnectionError(str(last))
 
