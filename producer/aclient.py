@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Optional
 from redis.exceptions import NoPermissionError
 
 from mlxq.shared import apikeys, codec
-from mlxq.shared.connection import LINK_ERRORS, LinkWatch, connect_async, is_cluster
+from mlxq.shared.connection import LinkWatch, connect_async, is_cluster
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, function_name,
                                   parse_check, parse_enqueue, script_source)
@@ -21,9 +21,6 @@ from .common import (JobTimeout, StreamState, build_request, check_fits, decode_
                      pick_model, result_from_hash)
 from .client import check_deadline
 from .subscriber import SYNC
-
-_LINK_ERRORS = LINK_ERRORS
-
 
 class AsyncJob:
     def __init__(self, client: "AsyncClient", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued):
@@ -60,7 +57,7 @@ class AsyncJob:
                 self._client._check_deadline(deadline, f"job {self.id} did not finish within {timeout}s")
                 try:
                     batch = await self._next_batch()
-                except _LINK_ERRORS as exc:
+                except Exception as exc:  # abackoff re-raises what is not a lost link
                     delay = await self._client.watch.abackoff(exc, deadline, delay)
                     continue
                 delay = 0.05
@@ -104,7 +101,7 @@ class AsyncJob:
             self._client._check_deadline(deadline, f"job {self.id} did not finish within {timeout}s")
             try:
                 self._result = await self._poll_result(deadline)
-            except _LINK_ERRORS as exc:
+            except Exception as exc:  # abackoff re-raises what is not a lost link
                 delay = await self._client.watch.abackoff(exc, deadline, delay)
                 continue
             delay = 0.05

@@ -10,7 +10,8 @@ from typing import Optional
 import redis
 import redis.asyncio as aredis
 
-from mlxq.shared.connection import LINK_ERRORS, LinkWatch, is_cluster, nodes_tried, refresh_topology_async
+from mlxq.shared.connection import LINK_ERRORS, LinkWatch, is_cluster, is_link_error, nodes_tried, \
+    refresh_topology_async
 
 from .subscriber import SYNC
 
@@ -43,8 +44,9 @@ class _NodeReader:
                     await self.pubsub.ssubscribe(channel)
                 else:
                     await self.pubsub.subscribe(channel)
-        except _LINK_ERRORS as exc:
-            self.fail()
+        except Exception as exc:
+            if is_link_error(exc):
+                self.fail()
             raise
         if self.task is None:
             self.task = asyncio.ensure_future(self.run())
@@ -84,11 +86,11 @@ class _NodeReader:
                 msg = await self.pubsub.get_message(timeout=1.0)
             except asyncio.CancelledError:
                 raise
-            except _LINK_ERRORS as exc:
-                self.fail()
-                await self.owner._node_lost(self, exc)
-                return
-            except Exception:
+            except Exception as exc:
+                if is_link_error(exc):
+                    self.fail()
+                    await self.owner._node_lost(self, exc)
+                    return
                 log.exception("pub/sub reader error")
                 await asyncio.sleep(0.1)
                 continue
@@ -187,7 +189,7 @@ class AsyncSubscriber:
             if self._closed:
                 return
             await self.watch.acall(lambda ch=ch: self._resubscribe(ch), None,
-                                   is_link=lambda e: isinstance(e, (asyncio.TimeoutError,) + _LINK_ERRORS))
+                                   is_link=lambda e: isinstance(e, asyncio.TimeoutError) or is_link_error(e))
         for ch in moved:
             inbox = self._inboxes.get(ch)
             if inbox is not None:

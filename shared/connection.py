@@ -195,7 +195,7 @@ class LinkWatch:
     def _next_delay(self, exc: Exception, deadline: Optional[float], delay: float, is_link) -> float:
         """After a failed call: re-raise what is not a link failure, give up past ``deadline``, else
         the delay after this one."""
-        if not (is_link or _is_link_error)(exc):
+        if not (is_link or is_link_error)(exc):
             raise exc
         self.failed(exc)
         if deadline is not None and time.monotonic() + delay > deadline:
@@ -243,8 +243,22 @@ class LinkWatch:
             return result
 
 
-def _is_link_error(exc: BaseException) -> bool:
-    return isinstance(exc, LINK_ERRORS)
+def is_link_error(exc: BaseException) -> bool:
+    """A lost link, a restarting server or a failover (retry it), not a refusal."""
+    return isinstance(exc, LINK_ERRORS) or _closed_under_us(exc)
+
+
+def _closed_under_us(exc: BaseException) -> bool:
+    """redis-py's asyncio cluster client disconnects a node's connections when a topology refresh
+    drops or recycles the node, also while another task is sending on one: that task then fails
+    with an AttributeError from inside redis-py's connection code (its stream writer is None).
+    It is a lost link like any other."""
+    if not isinstance(exc, AttributeError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("redis/asyncio/connection.py")
 
 
 def until_answered(what: str, seeds, wait_s: Optional[float], attempt: Callable[[], Any]) -> Any:
