@@ -19,7 +19,7 @@ from mlxq.shared.settings import Settings
 from .asubscriber import AsyncSubscriber, link_watch
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
                      pick_model, result_from_hash)
-from .client import check_deadline
+from .client import check_deadline, feed_message
 from .subscriber import SYNC
 
 class AsyncJob:
@@ -80,14 +80,8 @@ class AsyncJob:
             data = None
         if data is None or data == SYNC:  # quiet, a script wrote an event, or the link was lost
             return await self._replay()
-        try:
-            delta = Delta.from_wire(codec.unpack(data))
-        except (codec.CodecError, ValueError, TypeError):
-            return []
-        out = self._state.feed(delta)
-        if self._state.gap:
-            out += await self._replay()
-        return out
+        out = feed_message(self._state, data)
+        return out + await self._replay() if self._state.gap else out
 
     async def result(self, timeout: Optional[float] = None) -> Result:
         """Wait for the final result on the job's done list (nothing per generated token)."""

@@ -91,14 +91,8 @@ class Job:
         data = get(self._pubsub, timeout=1.0)
         if data is None or data == SYNC:
             return self._replay()
-        try:
-            delta = Delta.from_wire(codec.unpack(data))
-        except (codec.CodecError, ValueError, TypeError):
-            return []
-        out = self._state.feed(delta)
-        if self._state.gap:
-            out += self._replay()
-        return out
+        out = feed_message(self._state, data)
+        return out + self._replay() if self._state.gap else out
 
     def result(self, timeout: Optional[float] = None) -> Result:
         """Wait for the final result (kept in Redis: it survives disconnects).
@@ -164,6 +158,15 @@ class Job:
 
 
 _LINK_ERRORS = LINK_ERRORS
+
+
+def feed_message(state: StreamState, data: bytes) -> list[Delta]:
+    """The deltas a live pub/sub message adds to ``state`` (none for a malformed one)."""
+    try:
+        delta = Delta.from_wire(codec.unpack(data))
+    except (codec.CodecError, ValueError, TypeError):
+        return []
+    return state.feed(delta)
 
 
 def check_deadline(watch: LinkWatch, deadline: Optional[float], message: str) -> None:

@@ -339,7 +339,7 @@ class Gateway:
         self.metrics.cancels.inc()
         jlog(logging.INFO, job.id, attempt, "%s: cancel -> %s", why, status)
         with contextlib.suppress(Exception):
-            await job.result(timeout=self.result_wait_s)  # the final status; also releases the job's channel subscription
+            await job.result(timeout=self.result_wait_s)  # the final status; also releases its channel
 
     def _error(self, endpoint: str, exc: OpenAIError, retry_after: Optional[float] = None) -> JSONResponse:
         """An error response; every 429 and 503 says when to come back (``Retry-After``, seconds)."""
