@@ -207,14 +207,16 @@ class LinkWatch:
         past ``deadline``, else sleep ``delay``, refresh the topology and return the next delay."""
         nxt = self._next_delay(exc, deadline, delay, is_link)
         time.sleep(delay)
-        self.refresh()
+        if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
+            self.refresh()
         return nxt
 
     async def abackoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
         """``backoff`` for asyncio code."""
         nxt = self._next_delay(exc, deadline, delay, is_link)
         await asyncio.sleep(delay)
-        await self.arefresh()
+        if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
+            await self.arefresh()
         return nxt
 
     def call(self, fn: Callable[[], Any], deadline: Optional[float], is_link=None) -> Any:
