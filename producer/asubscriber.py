@@ -171,6 +171,8 @@ class AsyncSubscriber:
             else:
                 node, name = None, "redis"
             reader = self._readers.get(name)
+            if reader is not None and reader.failed and reader.task is None:
+                asyncio.ensure_future(reader.close())  # it failed before it read anything
             if reader is None or reader.failed:
                 conn = self.client if node is None else _node_client(self.client, node)
                 reader = self._readers[name] = _NodeReader(self, name, conn)
@@ -201,10 +203,10 @@ class AsyncSubscriber:
             await (await self._reader_for(ch)).add(ch, self.confirm_timeout)
 
 
-def link_watch(what: str, redis_client) -> LinkWatch:
+def link_watch(what: str, redis_client, give_up_s: Optional[float] = None) -> LinkWatch:
     """A LinkWatch for an asyncio client (a topology refresh per failure on a cluster)."""
     refresh = (lambda: refresh_topology_async(redis_client)) if is_cluster(redis_client) else None
-    return LinkWatch(what, lambda: nodes_tried(redis_client), refresh)
+    return LinkWatch(what, lambda: nodes_tried(redis_client), refresh, give_up_s)
 
 
 def _node_client(cluster, node):

@@ -96,7 +96,8 @@ class Gateway:
         # one server, any node of a cluster or several seeds; waits up to redis_outage_s for one to answer
         self.redis = connect_async(self.redis_url, wait_s=self.settings.redis_outage_s)
         self.subscriber = AsyncSubscriber(self.redis)  # every request's stream: one pub/sub link per node
-        self.watch = link_watch("mlxq gateway", self.redis)  # one log line per link state change
+        # one log line per link state change; a request fails (503) once Redis stayed down redis_outage_s
+        self.watch = link_watch("mlxq gateway", self.redis, give_up_s=self.settings.redis_outage_s)
         await self._warn_if_open()
         try:
             yield

@@ -201,6 +201,8 @@ class Subscriber:
             if self._closed:
                 raise RuntimeError("client is closed")
             reader = self._readers.get(name)
+            if reader is not None and reader.failed.is_set() and not reader.started:
+                reader.close()  # it failed before it read anything: nothing else will close it
             if reader is None or reader.failed.is_set():
                 reader = self._readers[name] = _NodeReader(self, name, node)
             return reader

@@ -137,8 +137,10 @@ class LinkWatch:
     work again, however many threads or tasks notice at once; the retry loops of its calls
     (backoff, a deadline, a topology refresh per failure on a cluster, at most one at a time)."""
 
-    def __init__(self, what: str, nodes: Callable[[], str], refresh: Optional[Callable[[], Any]] = None):
+    def __init__(self, what: str, nodes: Callable[[], str], refresh: Optional[Callable[[], Any]] = None,
+                 give_up_s: Optional[float] = None):
         self.what, self._nodes, self._refresh = what, nodes, refresh
+        self.give_up_s = give_up_s  # past this long down, every retrying call fails (the gateway's 503)
         self._lock = threading.Lock()
         self._refreshing = threading.Lock()
         self._down_since: Optional[float] = None
@@ -198,7 +200,10 @@ class LinkWatch:
         if not (is_link or is_link_error)(exc):
             raise exc
         self.failed(exc)
-        if deadline is not None and time.monotonic() + delay > deadline:
+        now, since = time.monotonic(), self._down_since
+        if deadline is not None and now + delay > deadline:
+            raise self.unreachable(exc) from None
+        if self.give_up_s is not None and since is not None and now - since > self.give_up_s:
             raise self.unreachable(exc) from None
         return min(2.0, delay * 2)
 
@@ -397,16 +402,20 @@ def refresh_topology(cluster: RedisCluster) -> None:
 
 
 async def refresh_topology_async(cluster) -> None:
-    """``refresh_topology`` for the asyncio cluster client."""
-    seeds: Optional[Seeds] = getattr(cluster, "mlxq_seeds", None)
+    """``refresh_topology`` for the asyncio cluster client.  Only the slot map is re-read (the
+    NodesManager): a failed ``RedisCluster.initialize`` would close every node's connections, also
+    those other tasks are sending on, and a refresh that fails while a failover is under way is
+    common.  A client not yet initialized is left to initialize itself on its next command."""
+    if cluster._initialize:
+        return
     nm = cluster.nodes_manager
-    if seeds is not None:
-        seeds.learn(list(nm.nodes_cache.values()))
-    extra = seeds.missing_from(dict(nm.startup_nodes)) if seeds is not None else None
-    cluster._initialize = True  # redis-py's own flag: the next command (or this call) re-reads the slots
-    await cluster.initialize(additional_startup_nodes_info=extra)
-    if seeds is not None:
-        seeds.learn(list(nm.nodes_cache.values()))
+    seeds: Optional[Seeds] = getattr(cluster, "mlxq_seeds", None)
+    if seeds is None:
+        await nm.initialize()
+        return
+    seeds.learn(list(nm.nodes_cache.values()))
+    await nm.initialize(additional_startup_nodes_info=seeds.missing_from(dict(nm.startup_nodes)))
+    seeds.learn(list(nm.nodes_cache.values()))
 
 
 def connect(url: Optional[str], *, wait_s: Optional[float] = None, **kw: Any) -> redis.Redis | RedisCluster:

@@ -11,6 +11,7 @@ the same model in the same run (``reference_tokens``), never from hard-coded tex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import traceback
@@ -44,6 +45,7 @@ class Run:
         self.killed_at: float | None = None
         self.after_kill: list[float] = []  # when each delta came after the kill
         self.last_result: float | None = None
+        self.done_at = [None] * n
         self._lock = threading.Lock()
 
     def delta(self, i: int, token_ids, text: str) -> None:
@@ -57,7 +59,7 @@ class Run:
     def done(self, i: int, res) -> None:
         with self._lock:
             self.results[i] = res
-            self.last_result = time.monotonic()
+            self.last_result = self.done_at[i] = time.monotonic()
 
     def started(self) -> int:
         with self._lock:
@@ -73,6 +75,7 @@ class Run:
     def timings(self) -> dict:
         def since_kill(t):
             return None if t is None else round(t - self.killed_at, 2)
+        print("  results after the kill (s):", sorted(since_kill(t) for t in self.done_at if t is not None))
         return dict(kill_to_first_resumed_delta_s=since_kill(self.resumed_at()),
                     kill_to_last_result_s=since_kill(self.last_result))
 
@@ -323,4 +326,66 @@ def test_every_node_stopped_result_times_out_then_the_same_client_works_again(cl
     cluster.wait_ok(60)
     # the nodes kept no data (no AOF): the same client serves a new job
     assert client.submit(prompt_tokens=[5, 6, 7], max_tokens=4).status() == "queued"
+    client.close()
+
+
+# -- refusals say when to come back -----------------------------------------------------------------------
+def _post(url: str, body: dict):
+    """(status, headers, body) of a POST, errors included."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.headers, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, json.loads(exc.read() or b"{}")
+
+
+def test_gateway_503_with_retry_after_only_past_the_outage_limit(tmp_path):
+    """Redis gone for good: a request waits out ``redis_outage_s`` (a pause, not an error), then
+    gets 503 with Retry-After; no 500."""
+    from mlxq.producer.gateway import ServerThread, create_app
+
+    srv = EmbeddedRedis(tmp_path / "data").start()
+    try:
+        settings = fast_settings(srv.url, redis_outage_s=2.0)
+        with ServerThread(create_app(srv.url, settings)) as gw:
+            srv.kill()
+            t0 = time.monotonic()
+            status, headers, body = _post(f"{gw}/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            waited = time.monotonic() - t0
+            assert status == 503 and int(headers["Retry-After"]) >= 1, (status, body)
+            assert body["error"]["code"] == "redis_unavailable" and str(srv.port) in body["error"]["message"]
+            assert waited >= 1.0  # it retried first (a retry that would end past the limit is not begun)
+    finally:
+        with contextlib.suppress(Exception):
+            srv.stop()
+
+
+def test_gateway_429_carries_retry_after(tiny_model, redis_url):
+    """A full tier queue: 429 with Retry-After (from the queue's drain rate once known)."""
+    from mlxq.producer.gateway import ServerThread, create_app
+    from mlxq.shared import apikeys
+    from mlxq.shared.keys import GlobalKeys
+    from tests.conftest import running_worker
+
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    apikeys.set_policy(client.redis, GlobalKeys(), max_queued=1)
+    with running_worker(tiny_model, redis_url, settings, max_batch=1), \
+            ServerThread(create_app(redis_url, settings)) as gw:
+        assert wait_registered(redis_url)
+        running = client.submit(prompt_tokens=[5, 6, 7], max_tokens=2000, ignore_eos=True)  # holds the worker
+        assert wait_for(lambda: running.status() == "running", timeout=60)
+        queued = client.submit(prompt_tokens=[5, 6, 8], max_tokens=4, ignore_eos=True)  # fills the tier
+        statuses = []
+        for _ in range(3):
+            status, headers, body = _post(f"{gw}/v1/completions", {"model": "tiny", "prompt": [5], "max_tokens": 2})
+            statuses.append(status)
+            assert status == 429 and 1 <= int(headers["Retry-After"]) <= 60, (status, body)
+        running.cancel()
+        queued.cancel()
     client.close()
