@@ -6,10 +6,10 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Optional
 
-from redis.exceptions import NoPermissionError
+from redis.exceptions import NoPermissionError, NoScriptError
 
 from mlxq.shared import apikeys, codec
-from mlxq.shared.connection import LinkWatch, connect_async, is_cluster
+from mlxq.shared.connection import LinkWatch, connect_async, is_cluster, is_link_error
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, function_name,
                                   parse_check, parse_enqueue, script_source)
@@ -132,6 +132,12 @@ class AsyncJob:
             await self._client.subscriber.unsubscribe(self._keys.channel(self.id))
 
 
+def _retryable(exc: BaseException) -> bool:
+    """A lost link, or a script the slot's new master has not cached yet (after a failover the
+    cluster client may load it on the old set of masters first; the retry reaches the new one)."""
+    return is_link_error(exc) or isinstance(exc, NoScriptError)
+
+
 class AsyncClient:
     """``Client`` for asyncio code (web backends, agents)."""
 
@@ -161,7 +167,7 @@ class AsyncClient:
         """``await fn()``, retried through a lost link for up to ``settings.redis_outage_s``."""
         if deadline is None:
             deadline = time.monotonic() + self.settings.redis_outage_s
-        return await self.watch.acall(fn, deadline)
+        return await self.watch.acall(fn, deadline, is_link=_retryable)
 
     def _check_deadline(self, deadline: Optional[float], message: str) -> None:
         check_deadline(self.watch, deadline, message)
