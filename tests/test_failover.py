@@ -19,7 +19,6 @@ import traceback
 import pytest
 
 from mlxq import AsyncClient, Client
-from mlxq.shared.connection import RedisUnreachable
 from mlxq.shared.embedded import EmbeddedCluster, EmbeddedRedis
 from mlxq.shared.keys import ModelKeys
 from tests.conftest import fast_settings, wait_for
@@ -308,6 +307,8 @@ def test_three_seeds_the_first_dead_at_start(cluster, tiny_model, tiny_model_dir
 def test_every_node_stopped_result_times_out_then_the_same_client_works_again(cluster, tmp_path):
     """No wait without an end: with every node down, result(timeout=5) raises a ConnectionError
     naming the nodes within about 5 s; once the nodes are back the same client works."""
+    from mlxq.shared.connection import RedisUnreachable
+
     url = _seed_url(cluster.masters)
     client = Client(url, model="tiny", settings=fast_settings(url, redis_outage_s=5.0))
     job = client.submit(prompt_tokens=[5, 6, 7], max_tokens=4)  # no worker: it stays queued
