@@ -187,20 +187,23 @@ class AsyncSubscriber:
             del self._readers[reader.node]
         await reader.close()
         moved = list(reader.channels)
-        for ch in moved:
-            if self._closed:
-                return
-            await self.watch.acall(lambda ch=ch: self._resubscribe(ch), None,
-                                   is_link=lambda e: isinstance(e, asyncio.TimeoutError) or is_link_error(e))
+        # all at once: a link's confirmations come in one by one, and each job waits for its own
+        await asyncio.gather(*(self.watch.acall(lambda ch=ch: self._resubscribe(ch), None, is_link=_resubscribe_again)
+                               for ch in moved))
         for ch in moved:
             inbox = self._inboxes.get(ch)
             if inbox is not None:
                 inbox.put_nowait(SYNC)
 
     async def _resubscribe(self, ch: bytes) -> None:
-        """Subscribe ``ch`` on the link serving it now, unless its job stopped waiting for it."""
+        """Subscribe ``ch`` on the link serving it now, unless its job stopped waiting for it (or
+        the subscriber was closed)."""
         if ch in self._inboxes and not self._closed:
             await (await self._reader_for(ch)).add(ch, self.confirm_timeout)
+
+
+def _resubscribe_again(exc: BaseException) -> bool:
+    return isinstance(exc, asyncio.TimeoutError) or is_link_error(exc)
 
 
 def link_watch(what: str, redis_client, give_up_s: Optional[float] = None) -> LinkWatch:
