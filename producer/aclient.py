@@ -6,21 +6,21 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Optional
 
-from redis.exceptions import NoPermissionError
+from redis.exceptions import NoPermissionError, NoScriptError
 
 from mlxq.shared import apikeys, codec
-from mlxq.shared.connection import connect_async, is_cluster
+from mlxq.shared.connection import LinkWatch, connect_async, is_cluster, is_link_error
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, function_name,
                                   parse_check, parse_enqueue, script_source)
 from mlxq.shared.schemas import Delta, Result
 from mlxq.shared.settings import Settings
 
-from .asubscriber import AsyncSubscriber
+from .asubscriber import AsyncSubscriber, link_watch
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
                      known_model, pick_model, registry_unreadable, result_from_hash, status_text)
+from .client import check_deadline, feed_message
 from .subscriber import SYNC
-
 
 class AsyncJob:
     def __init__(self, client: "AsyncClient", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued):
@@ -47,36 +47,41 @@ class AsyncJob:
         return out
 
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
+        """As ``Job.stream``: a lost link is a pause; past ``timeout``, ``JobTimeout`` or
+        ``RedisUnreachable`` while no Redis node answers."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        inbox = await self._ensure_pubsub()
+        delay = 0.05
         self._streaming = True
         try:
-            for d in await self._replay():
-                yield d
             while not self._state.done:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
+                self._client._check_deadline(deadline, f"job {self.id} did not finish within {timeout}s")
                 try:
-                    data = await asyncio.wait_for(inbox.get(), 1.0)
-                except asyncio.TimeoutError:
-                    data = None
-                if data is None or data == SYNC:  # quiet, a script wrote an event, or the link was lost
-                    for d in await self._replay():
-                        yield d
+                    batch = await self._next_batch()
+                except Exception as exc:  # abackoff re-raises what is not a lost link
+                    delay = await self._client.watch.abackoff(exc, deadline, delay)
                     continue
-                try:
-                    delta = Delta.from_wire(codec.unpack(data))
-                except (codec.CodecError, ValueError, TypeError):
-                    continue
-                for d in self._state.feed(delta):
+                delay = 0.05
+                self._client.watch.ok()
+                for d in batch:
                     yield d
-                if self._state.gap:
-                    for d in await self._replay():
-                        yield d
         finally:
             self._streaming = False
             if self._state.done:
                 await self._close_pubsub()
+
+    async def _next_batch(self) -> list[Delta]:
+        """As ``Job._next_batch``."""
+        if self._pubsub is None:
+            await self._ensure_pubsub()
+            return await self._replay()
+        try:
+            data = await asyncio.wait_for(self._pubsub.get(), 1.0)
+        except asyncio.TimeoutError:
+            data = None
+        if data is None or data == SYNC:  # quiet, a script wrote an event, or the link was lost
+            return await self._replay()
+        out = feed_message(self._state, data)
+        return out + await self._replay() if self._state.gap else out
 
     async def result(self, timeout: Optional[float] = None) -> Result:
         """Wait for the final result on the job's done list (nothing per generated token)."""
@@ -85,23 +90,33 @@ class AsyncJob:
         if not self._streaming:  # a result-only caller needs no token stream
             await self._close_pubsub()
         deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.05
+        while self._result is None:
+            self._client._check_deadline(deadline, f"job {self.id} did not finish within {timeout}s")
+            try:
+                self._result = await self._poll_result(deadline)
+            except Exception as exc:  # abackoff re-raises what is not a lost link
+                delay = await self._client.watch.abackoff(exc, deadline, delay)
+                continue
+            delay = 0.05
+            self._client.watch.ok()
+        return self._result
+
+    async def _poll_result(self, deadline: Optional[float]) -> Optional[Result]:
         r = self._client.redis
-        while True:
-            res = result_from_hash(self.id, await r.hgetall(self._keys.job(self.id)))
-            if res is not None:
-                self._result = res
-                return res
+        res = result_from_hash(self.id, await r.hgetall(self._keys.job(self.id)))
+        if res is None:
             wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-            if wait <= 0:
-                raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
-            await r.blpop([self._keys.done(self.id)], timeout=max(0.01, wait))
+            if wait > 0:
+                await r.blpop([self._keys.done(self.id)], timeout=max(0.01, wait))
+        return res
 
     async def cancel(self) -> str:
-        return await self._client._cancel(self._keys.model, self.id)
+        return await self._client._retry(lambda: self._client._cancel(self._keys.model, self.id))
 
     async def status(self) -> Optional[str]:
         """As ``Job.status``: "queued, no live worker for MODEL" when no live worker can take it now."""
-        s = await self._client.redis.hget(self._keys.job(self.id), "status")
+        s = await self._client._retry(lambda: self._client.redis.hget(self._keys.job(self.id), "status"))
         s = s.decode() if s else None
         if s != "queued":
             return s
@@ -122,17 +137,25 @@ class AsyncJob:
             await self._client.subscriber.unsubscribe(self._keys.channel(self.id))
 
 
+def _retryable(exc: BaseException) -> bool:
+    """A lost link, or a script the slot's new master has not cached yet (after a failover the
+    cluster client may load it on the old set of masters first; the retry reaches the new one)."""
+    return is_link_error(exc) or isinstance(exc, NoScriptError)
+
+
 class AsyncClient:
     """``Client`` for asyncio code (web backends, agents)."""
 
     def __init__(self, redis_url: Optional[str] = None, api_key: Optional[str] = None,
                  model: Optional[str] = None, *, settings: Optional[Settings] = None, redis_client=None,
-                 subscriber: Optional[AsyncSubscriber] = None):
+                 subscriber: Optional[AsyncSubscriber] = None, watch: Optional[LinkWatch] = None):
         self.settings = settings or Settings.from_env()
         url = redis_url or self.settings.redis_url
         if redis_client is None and not url:
             raise ValueError("no Redis URL: pass redis_url= or set MLXQ_REDIS_URL")
-        self.redis = redis_client if redis_client is not None else connect_async(url)
+        if redis_client is None:
+            redis_client = connect_async(url, wait_s=self.settings.redis_outage_s)
+        self.redis = redis_client
         self.api_key = api_key
         self._model = model
         self.gkeys = GlobalKeys(self.settings.prefix)
@@ -140,15 +163,19 @@ class AsyncClient:
         self.cluster = is_cluster(self.redis)
         self._functions = False  # set when this Redis user may FCALL but not EVALSHA
         self._url = url
-        self._subscriber: Optional[AsyncSubscriber] = subscriber
         self._own_subscriber = subscriber is None  # a shared one (the gateway's) is closed by its owner
+        # one pub/sub connection per node for every job of this client; made here, not on first use
+        self.subscriber: AsyncSubscriber = subscriber if subscriber is not None else AsyncSubscriber(self.redis)
+        self.watch = watch or link_watch("mlxq async client", self.redis)
 
-    @property
-    def subscriber(self) -> AsyncSubscriber:
-        """One pub/sub connection per node for every job of this client."""
-        if self._subscriber is None:
-            self._subscriber = AsyncSubscriber(self.redis)
-        return self._subscriber
+    async def _retry(self, fn, deadline: Optional[float] = None):
+        """``await fn()``, retried through a lost link for up to ``settings.redis_outage_s``."""
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.redis_outage_s
+        return await self.watch.acall(fn, deadline, is_link=_retryable)
+
+    def _check_deadline(self, deadline: Optional[float], message: str) -> None:
+        check_deadline(self.watch, deadline, message)
 
     def calls(self, model: str) -> ScriptCalls:
         return ScriptCalls(self.gkeys.model_keys(model), self.settings, self.cluster)
@@ -209,7 +236,7 @@ class AsyncClient:
             r.close()
 
     async def models(self) -> dict[str, dict]:
-        return decode_registry(await self.redis.hgetall(self.gkeys.models))
+        return decode_registry(await self._retry(lambda: self.redis.hgetall(self.gkeys.models)))
 
     async def _registry(self) -> Optional[dict[str, dict]]:
         """``models()``, or None for a Redis user that may not read the registry (ACL)."""
@@ -229,6 +256,9 @@ class AsyncClient:
         return self._model
 
     async def tier(self, floor: Optional[str] = None) -> str:
+        return await self._retry(lambda: self._tier(floor))
+
+    async def _tier(self, floor: Optional[str]) -> str:
         record = await self.redis.hget(self.gkeys.api_keys, apikeys.key_hash(self.api_key)) if self.api_key else None
         keys_exist = record is not None or not self.api_key or bool(await self.redis.exists(self.gkeys.api_keys))
         tier = apikeys.tier_from_record(record, self.api_key, keys_exist)
@@ -248,10 +278,12 @@ class AsyncClient:
             raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")
         keys = self.gkeys.model_keys(model)
         job = AsyncJob(self, req.id, keys, None, None)
+        deadline = time.monotonic() + self.settings.redis_outage_s
         if subscribe:  # subscribed before the job exists; stream() also replays the durable record
-            await job._ensure_pubsub()
+            await self._retry(job._ensure_pubsub, deadline)
         try:
-            enq = await self._enqueue(model, req.id, payload, _floor, idempotency_key)
+            # the same request under the same id: a retry after a lost reply is the same job
+            enq = await self._retry(lambda: self._enqueue(model, req.id, payload, _floor, idempotency_key), deadline)
         except Exception:
             await job._close_pubsub()
             raise
@@ -266,8 +298,8 @@ class AsyncClient:
         return AsyncJob(self, job_id, keys, None, Enqueued("existing", job_id, None, None))
 
     async def aclose(self) -> None:
-        if self._subscriber is not None and self._own_subscriber:
-            await self._subscriber.aclose()
+        if self._own_subscriber:
+            await self.subscriber.aclose()
         await self.redis.aclose()
 
     async def __aenter__(self):

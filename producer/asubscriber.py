@@ -10,13 +10,14 @@ from typing import Optional
 import redis
 import redis.asyncio as aredis
 
-from mlxq.shared.connection import RESLOT_ERRORS, is_cluster
+from mlxq.shared.connection import LINK_ERRORS, LinkWatch, is_cluster, is_link_error, nodes_tried, \
+    refresh_topology_async
 
 from .subscriber import SYNC
 
 log = logging.getLogger(__name__)
 
-_LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError) + RESLOT_ERRORS
+_LINK_ERRORS = LINK_ERRORS
 
 
 class _NodeReader:
@@ -29,31 +30,53 @@ class _NodeReader:
         self.confirm: dict[bytes, asyncio.Future] = {}
         self.task: Optional[asyncio.Task] = None
         self.failed = False
+        self.lock = asyncio.Lock()  # one (un)subscribe command at a time on the link
 
     async def add(self, channel: bytes, timeout: float) -> None:
+        if self.failed:
+            raise redis.ConnectionError(f"the pub/sub link to {self.node} is down")
         fut = asyncio.get_running_loop().create_future()
         self.confirm[channel] = fut
         self.channels.add(channel)
-        if self.owner.sharded:
-            await self.pubsub.ssubscribe(channel)
-        else:
-            await self.pubsub.subscribe(channel)
+        try:
+            async with self.lock:
+                if self.owner.sharded:
+                    await self.pubsub.ssubscribe(channel)
+                else:
+                    await self.pubsub.subscribe(channel)
+        except Exception as exc:
+            if is_link_error(exc):
+                self.fail()
+            raise
         if self.task is None:
             self.task = asyncio.ensure_future(self.run())
         await asyncio.wait_for(asyncio.shield(fut), timeout)
         if self.failed:
-            raise redis.ConnectionError("the pub/sub link dropped while subscribing")
+            raise redis.ConnectionError(f"the pub/sub link to {self.node} dropped while subscribing")
+
+    def fail(self) -> bool:
+        """Mark the link failed (once) and wake the subscribers waiting on it."""
+        if self.failed:
+            return False
+        self.failed = True
+        for fut in self.confirm.values():
+            if not fut.done():
+                fut.set_result(None)
+        return True
 
     async def remove(self, channel: bytes) -> None:
         if channel not in self.channels:
             return
         self.channels.discard(channel)
         self.confirm.pop(channel, None)
+        if self.failed:
+            return
         try:
-            if self.owner.sharded:
-                await self.pubsub.sunsubscribe(channel)
-            else:
-                await self.pubsub.unsubscribe(channel)
+            async with self.lock:
+                if self.owner.sharded:
+                    await self.pubsub.sunsubscribe(channel)
+                else:
+                    await self.pubsub.unsubscribe(channel)
         except _LINK_ERRORS:
             pass
 
@@ -63,14 +86,11 @@ class _NodeReader:
                 msg = await self.pubsub.get_message(timeout=1.0)
             except asyncio.CancelledError:
                 raise
-            except _LINK_ERRORS as exc:
-                self.failed = True
-                for fut in self.confirm.values():
-                    if not fut.done():
-                        fut.set_result(None)
-                await self.owner._node_lost(self, exc)
-                return
-            except Exception:
+            except Exception as exc:
+                if is_link_error(exc):
+                    self.fail()
+                    await self.owner._node_lost(self, exc)
+                    return
                 log.exception("pub/sub reader error")
                 await asyncio.sleep(0.1)
                 continue
@@ -109,6 +129,7 @@ class AsyncSubscriber:
         self.client = client
         self.sharded = is_cluster(client)
         self.confirm_timeout = confirm_timeout
+        self.watch = link_watch("pub/sub", client)
         self._readers: dict[str, _NodeReader] = {}
         self._inboxes: dict[bytes, asyncio.Queue] = {}
         self._lock = asyncio.Lock()
@@ -150,36 +171,45 @@ class AsyncSubscriber:
             else:
                 node, name = None, "redis"
             reader = self._readers.get(name)
+            if reader is not None and reader.failed and reader.task is None:
+                asyncio.ensure_future(reader.close())  # it failed before it read anything
             if reader is None or reader.failed:
                 conn = self.client if node is None else _node_client(self.client, node)
                 reader = self._readers[name] = _NodeReader(self, name, conn)
             return reader
 
     async def _node_lost(self, reader: _NodeReader, exc: Exception) -> None:
+        """A reader's link dropped: move its channels to a fresh link (the slot's master now), then
+        tell each job to read its durable record.  Runs in the failed reader's task, once."""
         log.warning("pub/sub link to %s lost (%s); resubscribing %d channels", reader.node, exc,
                     len(reader.channels))
         if self._readers.get(reader.node) is reader:
             del self._readers[reader.node]
         await reader.close()
-        delay = 0.05
-        pending = list(reader.channels)
-        while pending and not self._closed:
-            ch = pending[-1]
-            if ch not in self._inboxes:
-                pending.pop()
-                continue
-            try:
-                if self.sharded:
-                    await self.client.nodes_manager.initialize()
-                await (await self._reader_for(ch)).add(ch, self.confirm_timeout)
-                pending.pop()
-            except (asyncio.TimeoutError,) + _LINK_ERRORS:
-                await asyncio.sleep(delay)
-                delay = min(2.0, delay * 2)
-        for ch in reader.channels:
+        moved = list(reader.channels)
+        # all at once: a link's confirmations come in one by one, and each job waits for its own
+        await asyncio.gather(*(self.watch.acall(lambda ch=ch: self._resubscribe(ch), None, is_link=_resubscribe_again)
+                               for ch in moved))
+        for ch in moved:
             inbox = self._inboxes.get(ch)
             if inbox is not None:
                 inbox.put_nowait(SYNC)
+
+    async def _resubscribe(self, ch: bytes) -> None:
+        """Subscribe ``ch`` on the link serving it now, unless its job stopped waiting for it (or
+        the subscriber was closed)."""
+        if ch in self._inboxes and not self._closed:
+            await (await self._reader_for(ch)).add(ch, self.confirm_timeout)
+
+
+def _resubscribe_again(exc: BaseException) -> bool:
+    return isinstance(exc, asyncio.TimeoutError) or is_link_error(exc)
+
+
+def link_watch(what: str, redis_client, give_up_s: Optional[float] = None) -> LinkWatch:
+    """A LinkWatch for an asyncio client (a topology refresh per failure on a cluster)."""
+    refresh = (lambda: refresh_topology_async(redis_client)) if is_cluster(redis_client) else None
+    return LinkWatch(what, lambda: nodes_tried(redis_client), refresh, give_up_s)
 
 
 def _node_client(cluster, node):

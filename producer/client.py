@@ -6,11 +6,11 @@ import threading
 import time
 from typing import Any, Iterator, Optional
 
-import redis
 from redis.exceptions import NoPermissionError
 
 from mlxq.shared import apikeys, codec
-from mlxq.shared.connection import RESLOT_ERRORS, connect as shared_connect
+from mlxq.shared.connection import LINK_ERRORS, LinkWatch, connect as shared_connect, is_cluster, nodes_tried, \
+    refresh_topology
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.protocol import Enqueued, Queue
 from mlxq.shared.schemas import Delta, Result
@@ -20,10 +20,11 @@ from .common import (JobTimeout, StreamState, build_request, check_fits, decode_
 from .subscriber import SYNC, Subscriber, get, new_inbox
 
 
-def connect(url: Optional[str]):
+def connect(url: Optional[str], wait_s: Optional[float] = None):
     """A Redis client from a URL (redis://, rediss:// for TLS, unix://; user:password@ for ACL;
-    the URL of any node of a Redis Cluster).  See ``mlxq.shared.connection``."""
-    return shared_connect(url)
+    the URL of any node of a Redis Cluster, or several: ``redis://h1:7000,h2:7001/0``).
+    See ``mlxq.shared.connection``."""
+    return shared_connect(url, wait_s=wait_s)
 
 
 class Job:
@@ -58,79 +59,85 @@ class Job:
         return out
 
     def stream(self, timeout: Optional[float] = None) -> Iterator[Delta]:
-        """Deltas in order, each once; a late subscriber still gets the whole text."""
+        """Deltas in order, each once; a late subscriber still gets the whole text.
+
+        A lost link (a Redis restart, a failover) is a pause: the job resubscribes and reads
+        what it missed from its durable record.  Past ``timeout``: ``JobTimeout``, or
+        ``RedisUnreachable`` (a ``ConnectionError``) while no Redis node answers."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = None
-        backoff = 0.0
+        delay = 0.05
         self._streaming = True
         try:
             while not self._state.done:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
+                self._client._check_deadline(deadline, f"job {self.id} did not finish within {timeout}s")
                 try:
-                    if pubsub is None:
-                        pubsub = self._ensure_pubsub()
-                        yield from self._replay()
-                        continue
-                    data = get(pubsub, timeout=1.0)
-                    backoff = 0.0
-                    if data is None or data == SYNC:
-                        yield from self._replay()  # quiet, a script wrote an event, or the link was lost
-                        continue
-                    try:
-                        delta = Delta.from_wire(codec.unpack(data))
-                    except (codec.CodecError, ValueError, TypeError):
-                        continue
-                    yield from self._state.feed(delta)
-                    if self._state.gap:
-                        yield from self._replay()
-                except _LINK_ERRORS:
-                    # Redis restarted or the link dropped: resubscribe, then read the durable record
-                    # from where we were (live messages sent meanwhile are in it).
-                    self._close_pubsub()
-                    pubsub = None
-                    backoff = min(2.0, backoff * 2 if backoff else 0.05)
-                    time.sleep(backoff)
+                    batch = self._next_batch()
+                except _LINK_ERRORS as exc:
+                    delay = self._client.watch.backoff(exc, deadline, delay)
+                    continue
+                delay = 0.05
+                self._client.watch.ok()
+                yield from batch
         finally:
             self._streaming = False
             if self._state.done:
                 self._close_pubsub()
+
+    def _next_batch(self) -> list[Delta]:
+        """The next deltas: the durable record when (re)subscribed, quiet, told to (``SYNC``: the
+        link was lost meanwhile) or a gap shows; else the live message."""
+        if self._pubsub is None:
+            self._ensure_pubsub()
+            return self._replay()
+        data = get(self._pubsub, timeout=1.0)
+        if data is None or data == SYNC:
+            return self._replay()
+        out = feed_message(self._state, data)
+        return out + self._replay() if self._state.gap else out
 
     def result(self, timeout: Optional[float] = None) -> Result:
         """Wait for the final result (kept in Redis: it survives disconnects).
 
         It waits on the job's done list (one entry when the job ends), not on its
         token channel, so a result-only caller costs nothing per generated token.
+        Links are retried as in ``stream``, within ``timeout``.
         """
         if self._result is not None:
             return self._result
         if not self._streaming:  # a result-only caller needs no token stream
             self._close_pubsub()
         deadline = None if timeout is None else time.monotonic() + timeout
-        r = self._client.redis
-        while True:
+        delay = 0.05
+        while self._result is None:
+            self._client._check_deadline(deadline, f"job {self.id} did not finish within {timeout}s")
             try:
-                res = result_from_hash(self.id, r.hgetall(self._keys.job(self.id)))
-                if res is not None:
-                    self._result = res
-                    return res
-                wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-                if wait <= 0:
-                    raise JobTimeout(f"job {self.id} did not finish within {timeout}s")
+                self._result = self._poll_result(deadline)
+            except _LINK_ERRORS as exc:
+                delay = self._client.watch.backoff(exc, deadline, delay)
+                continue
+            delay = 0.05
+            self._client.watch.ok()
+        return self._result
+
+    def _poll_result(self, deadline: Optional[float]) -> Optional[Result]:
+        """The result if the job ended, else None after waiting up to a second for it to end."""
+        r = self._client.redis
+        res = result_from_hash(self.id, r.hgetall(self._keys.job(self.id)))
+        if res is None:
+            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if wait > 0:
                 r.blpop([self._keys.done(self.id)], timeout=max(0.01, wait))
-            except _LINK_ERRORS:  # Redis restarted: retry; the result is read from the job hash
-                if deadline is not None and time.monotonic() > deadline:
-                    raise JobTimeout(f"job {self.id} did not finish within {timeout}s") from None
-                time.sleep(0.2)
+        return res
 
     def cancel(self) -> str:
         """'cancelled' (was queued), 'cancelling' (leaves the batch at the next step) or the final status."""
-        return self._client.queue_for(self._keys.model).cancel(self.id)
+        q = self._client.queue_for(self._keys.model)
+        return self._client._retry(lambda: q.cancel(self.id))
 
     def status(self) -> Optional[str]:
         """The job's status: queued, running, done, failed, cancelled, dead; a queued job that no
         live worker can take now reads "queued, no live worker for MODEL"."""
-        s = self._client.redis.hget(self._keys.job(self.id), "status")
+        s = self._client._retry(lambda: self._client.redis.hget(self._keys.job(self.id), "status"))
         s = s.decode() if s else None
         if s != "queued":
             return s
@@ -157,7 +164,25 @@ class Job:
             pass
 
 
-_LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) + RESLOT_ERRORS
+_LINK_ERRORS = LINK_ERRORS
+
+
+def feed_message(state: StreamState, data: bytes) -> list[Delta]:
+    """The deltas a live pub/sub message adds to ``state`` (none for a malformed one)."""
+    try:
+        delta = Delta.from_wire(codec.unpack(data))
+    except (codec.CodecError, ValueError, TypeError):
+        return []
+    return state.feed(delta)
+
+
+def check_deadline(watch: LinkWatch, deadline: Optional[float], message: str) -> None:
+    """Past ``deadline``: ``RedisUnreachable`` naming the nodes while the links are down, else
+    ``JobTimeout(message)``."""
+    if deadline is not None and time.monotonic() > deadline:
+        if watch.down:
+            raise watch.unreachable()
+        raise JobTimeout(message)
 
 
 class Client:
@@ -170,26 +195,32 @@ class Client:
     def __init__(self, redis_url: Optional[str] = None, api_key: Optional[str] = None,
                  model: Optional[str] = None, *, settings: Optional[Settings] = None, redis_client=None):
         self.settings = settings or Settings.from_env()
-        self.redis = redis_client or connect(redis_url or self.settings.redis_url)
+        self.redis = redis_client or connect(redis_url or self.settings.redis_url, self.settings.redis_outage_s)
         self.api_key = api_key
         self._model = model
         self.gkeys = GlobalKeys(self.settings.prefix)
+        # Every shared resource is made here or under _lock (threads share a Client), and a lost
+        # link is rebuilt by the one subscriber reader that saw it fail (see subscriber.py).
+        self._lock = threading.RLock()
         self._queues: dict[str, Queue] = {}
-        self._subscriber: Optional[Subscriber] = None
-        self._sub_lock = threading.Lock()
+        cluster = is_cluster(self.redis)
+        self.watch = LinkWatch("mlxq client", lambda: nodes_tried(self.redis),
+                               (lambda: refresh_topology(self.redis)) if cluster else None)
+        self.subscriber = Subscriber(self.redis)  # one pub/sub connection per node for every job's deltas
 
-    @property
-    def subscriber(self) -> Subscriber:
-        """The one pub/sub connection per node that carries every job's deltas."""
-        with self._sub_lock:
-            if self._subscriber is None:
-                self._subscriber = Subscriber(self.redis)
-            return self._subscriber
+    def _retry(self, fn, deadline: Optional[float] = None):
+        """``fn()``, retried through a lost link for up to ``settings.redis_outage_s``."""
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.redis_outage_s
+        return self.watch.call(fn, deadline)
+
+    def _check_deadline(self, deadline: Optional[float], message: str) -> None:
+        check_deadline(self.watch, deadline, message)
 
     # -- model and tier ---------------------------------------------------------
     def models(self) -> dict[str, dict]:
         """Models served by workers (name -> info)."""
-        return decode_registry(self.redis.hgetall(self.gkeys.models))
+        return decode_registry(self._retry(lambda: self.redis.hgetall(self.gkeys.models)))
 
     def _registry(self) -> Optional[dict[str, dict]]:
         """``models()``, or None for a Redis user that may not read the registry (ACL)."""
@@ -205,9 +236,10 @@ class Client:
 
     @property
     def model(self) -> str:
-        if self._model is None:
-            self._model = pick_model(None, self.models())
-        return self._model
+        with self._lock:
+            if self._model is None:
+                self._model = pick_model(None, self.models())
+            return self._model
 
     @property
     def key_hash(self) -> Optional[str]:
@@ -217,12 +249,13 @@ class Client:
     def tier(self, floor: Optional[str] = None) -> str:
         """The tier the admin's registry gives this client's key (informational, and a 401 before
         a bulk run; enqueue decides again in Redis).  Needs read access to the global registry."""
-        return apikeys.resolve_tier(self.redis, self.gkeys.api_keys, self.api_key, floor)
+        return self._retry(lambda: apikeys.resolve_tier(self.redis, self.gkeys.api_keys, self.api_key, floor))
 
     def queue_for(self, model: str) -> Queue:
-        if model not in self._queues:
-            self._queues[model] = Queue(self.redis, self.gkeys.model_keys(model), self.settings)
-        return self._queues[model]
+        with self._lock:
+            if model not in self._queues:
+                self._queues[model] = Queue(self.redis, self.gkeys.model_keys(model), self.settings)
+            return self._queues[model]
 
     # -- submit -----------------------------------------------------------------
     def submit(self, prompt: Optional[str] = None, *, messages: Optional[list] = None,
@@ -247,10 +280,13 @@ class Client:
             raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")
         q = self.queue_for(model)
         job = Job(self, req.id, q.keys, None, None)
+        deadline = time.monotonic() + self.settings.redis_outage_s
         if subscribe:
-            job._ensure_pubsub()  # subscribed (and confirmed) before the job exists
+            self._retry(job._ensure_pubsub, deadline)  # subscribed (and confirmed) before the job exists
         try:
-            enq = q.enqueue(req.id, payload, self.key_hash, _floor, idempotency_key, global_redis=self.redis)
+            # the same request under the same id: a retry after a lost reply is the same job
+            enq = self._retry(lambda: q.enqueue(req.id, payload, self.key_hash, _floor, idempotency_key,
+                                                global_redis=self.redis), deadline)
         except Exception:
             job._close_pubsub()
             raise
@@ -266,8 +302,7 @@ class Client:
         return Job(self, job_id, keys, None, Enqueued("existing", job_id, None, None))
 
     def close(self) -> None:
-        if self._subscriber is not None:
-            self._subscriber.close()
+        self.subscriber.close()
         self.redis.close()
 
     def __enter__(self):

@@ -36,8 +36,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxq.producer.asubscriber import AsyncSubscriber
-from mlxq.shared.connection import connect_async
+from mlxq.producer.asubscriber import AsyncSubscriber, link_watch
+from mlxq.shared.connection import LINK_ERRORS, RedisUnreachable, connect_async
 from mlxq.shared.apikeys import AuthError
 from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.protocol import JobRefused, OverloadError
@@ -87,11 +87,17 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.token_names = TokenNames()
         self._background: set[asyncio.Task] = set()
+        self.drain = DrainRate()
+        # a finished job's result is read once more: allow for a link that drops just then
+        self.result_wait_s = max(10.0, self.settings.redis_outage_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        self.redis = connect_async(self.redis_url)  # one server or any node of a cluster
+        # one server, any node of a cluster or several seeds; waits up to redis_outage_s for one to answer
+        self.redis = connect_async(self.redis_url, wait_s=self.settings.redis_outage_s)
         self.subscriber = AsyncSubscriber(self.redis)  # every request's stream: one pub/sub link per node
+        # one log line per link state change; a request fails (503) once Redis stayed down redis_outage_s
+        self.watch = link_watch("mlxq gateway", self.redis, give_up_s=self.settings.redis_outage_s)
         await self._warn_if_open()
         try:
             yield
@@ -123,7 +129,7 @@ class Gateway:
 
     def client(self, request: Request) -> AsyncClient:
         return AsyncClient(api_key=bearer(request), settings=self.settings, redis_client=self.redis,
-                           subscriber=self.subscriber)
+                           subscriber=self.subscriber, watch=self.watch)
 
     def spawn(self, coro) -> None:
         """Run a coroutine outside the request's task (which may be being cancelled)."""
@@ -136,7 +142,7 @@ class Gateway:
         denied = await self._authorized(request, "/v1/models")
         if denied is not None:
             return denied
-        models = self._live(await AsyncClient(settings=self.settings, redis_client=self.redis).models())
+        models = self._live(await self.client(request).models())
         data = [{"id": name, "object": "model", "created": int(info.get("created", 0) or 0), "owned_by": "mlxq",
                  "context_length": info.get("context_length")} for name, info in sorted(models.items())]
         self.metrics.requests.labels("/v1/models", "200").inc()
@@ -152,14 +158,14 @@ class Gateway:
         denied = await self._authorized(request, "/health")
         if denied is not None:
             return denied
-        await self.redis.ping()
+        await self.client(request)._retry(self.redis.ping)
         return JSONResponse({"status": "ok"})
 
     async def prometheus(self, request: Request) -> Response:
         denied = await self._authorized(request, "/metrics")
         if denied is not None:
             return denied
-        client = AsyncClient(settings=self.settings, redis_client=self.redis)
+        client = self.client(request)
         for model in await client.models():
             counts = await self.redis.hgetall(client.gkeys.model_keys(model).counts)
             counts = {k.decode(): int(v) for k, v in counts.items()}
@@ -217,7 +223,10 @@ class Gateway:
         except AuthError as exc:
             return self._error(endpoint, OpenAIError(401, str(exc), "authentication_error", code="invalid_api_key"))
         except OverloadError as exc:
-            return self._error(endpoint, OpenAIError(429, str(exc), "rate_limit_error", code="queue_full"))
+            wait = await self._drain_wait(client, req.model or client._model, tier)
+            return self._error(endpoint, OpenAIError(429, str(exc), "rate_limit_error", code="queue_full"), wait)
+        except RedisUnreachable as exc:  # retried for redis_outage_s first: a dropped link alone is a pause
+            return self._error(endpoint, unreachable_error(exc))
         except NoModelError as exc:
             return self._error(endpoint, OpenAIError(404, str(exc), param="model", code="model_not_found"))
         except (JobRefused, ValueError) as exc:
@@ -254,7 +263,7 @@ class Gateway:
         except StopAsyncIteration:
             first = None
         if first is not None and first.finish_reason == "error" and not first.text and not first.token_ids:
-            res = await job.result(timeout=10)
+            res = await job.result(timeout=self.result_wait_s)
             jlog(logging.INFO, job.id, res.stats.attempts, "failed before streaming: %s", res.error)
             return self._error(meta.endpoint, job_error(res))
         return StreamingResponse(self._sse(job, meta, fmt, _prepend(first, deltas)), media_type="text/event-stream",
@@ -311,10 +320,10 @@ class Gateway:
                 if d.finish_reason:
                     finished = True
             if meta.include_usage and finished:
-                res = await job.result(timeout=10)
+                res = await job.result(timeout=self.result_wait_s)
                 yield _event(meta.usage_chunk(usage(res), job_stats(res)))
             yield "data: [DONE]\n\n"
-            res = await job.result(timeout=10) if finished else None
+            res = await job.result(timeout=self.result_wait_s) if finished else None
             if res is not None:
                 self.metrics.tokens.inc(res.stats.generated_tokens)
                 jlog(logging.INFO, job.id, res.stats.attempts, "streamed: %s, %d tokens", res.finish_reason,
@@ -343,13 +352,35 @@ class Gateway:
         self.metrics.cancels.inc()
         jlog(logging.INFO, job.id, attempt, "%s: cancel -> %s", why, status)
         with contextlib.suppress(Exception):
-            await job.result(timeout=10)  # the final status; also releases the job's channel subscription
+            await job.result(timeout=self.result_wait_s)  # the final status; also releases its channel
 
-    def _error(self, endpoint: str, exc: OpenAIError) -> JSONResponse:
+    def _error(self, endpoint: str, exc: OpenAIError, retry_after: Optional[float] = None) -> JSONResponse:
+        """An error response; every 429 and 503 says when to come back (``Retry-After``, seconds)."""
         self.metrics.requests.labels(endpoint, str(exc.status)).inc()
         self.metrics.errors.labels(exc.type).inc()
         log.info("%s %d %s: %s", endpoint, exc.status, exc.type, exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)  # an error that knows its own Retry-After
+        if headers is None and exc.status in (429, 503):
+            wait = retry_after if retry_after is not None else RETRY_AFTER_DEFAULT_S
+            headers = {"Retry-After": str(max(1, math.ceil(wait)))}
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    async def _drain_wait(self, client: AsyncClient, model: Optional[str], tier: str) -> Optional[float]:
+        """Seconds until the tier's queue has drained at the rate jobs have been finishing lately
+        (None: no estimate yet)."""
+        if not model:
+            return None
+        try:
+            counts = await self.redis.hgetall(client.gkeys.model_keys(model).counts)
+        except LINK_ERRORS:
+            return None
+        counts = {k.decode(): int(v) for k, v in counts.items()}
+        return self.drain.wait(model, counts.get("processed", counts.get("done", 0)),
+                               counts.get(f"queued:{tier}", 0))
+
+    async def unreachable(self, request: Request, exc: RedisUnreachable) -> Response:
+        """Any endpoint, when Redis stayed unreachable past ``redis_outage_s``: 503 + Retry-After."""
+        return self._error(request.url.path, unreachable_error(exc))
 
 
 class NoLiveWorker(OpenAIError):
@@ -384,6 +415,34 @@ class _Meta:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
                 "usage": u, "stats": stats}
+
+
+RETRY_AFTER_DEFAULT_S = 2.0  # a 429/503 with no better estimate
+
+
+def unreachable_error(exc: Exception) -> OpenAIError:
+    return OpenAIError(503, f"Redis is unreachable: {exc}", "server_error", code="redis_unavailable")
+
+
+class DrainRate:
+    """How fast each model's jobs finish, from the ``processed`` counter seen at refusals over a
+    sliding minute; ``wait`` is how long the waiting jobs take at that rate, in [1, 60] s."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self):
+        self._seen: dict[str, list[tuple[float, int]]] = {}
+
+    def wait(self, model: str, processed: int, queued: int) -> Optional[float]:
+        now = time.monotonic()
+        seen = [(t, n) for t, n in self._seen.get(model, []) if now - t <= self.WINDOW_S]
+        seen.append((now, processed))
+        self._seen[model] = seen
+        (t0, n0), span = seen[0], now - seen[0][0]
+        if span < 1.0 or processed <= n0:
+            return None
+        rate = (processed - n0) / span
+        return min(60.0, max(1.0, queued / rate))
 
 
 def job_error(res: Result) -> OpenAIError:
@@ -447,7 +506,7 @@ def create_app(redis_url: Optional[str] = None, settings: Optional[Settings] = N
         Route("/metrics", gw.prometheus, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=gw.lifespan)
+    app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={RedisUnreachable: gw.unreachable})
     app.state.gateway = gw
     return app
 

@@ -16,20 +16,23 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from typing import Optional
 
 import redis
 
-from mlxq.shared.connection import RESLOT_ERRORS, SlotRedis, is_cluster
+from mlxq.shared.connection import LINK_ERRORS, LinkWatch, SlotRedis, is_cluster, nodes_tried, refresh_topology
 
 log = logging.getLogger(__name__)
 
 SYNC = b"sync"  # what a job's inbox gets when it must read its durable record
-_LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError) + RESLOT_ERRORS
+_LINK_ERRORS = LINK_ERRORS
 
 
 class _NodeReader(threading.Thread):
+    """One node's pub/sub link and the thread reading it.  Started once (under ``lock``), failed
+    once: the first of the reader or a subscriber to see the link drop marks it ``failed``; the
+    reader thread then hands its channels to a fresh link (``Subscriber._node_lost``)."""
+
     def __init__(self, owner: "Subscriber", name: str, client: redis.Redis):
         super().__init__(name=f"mlxq-sub-{name}", daemon=True)
         self.owner = owner
@@ -38,26 +41,48 @@ class _NodeReader(threading.Thread):
         self.channels: set[bytes] = set()
         self.confirm: dict[bytes, threading.Event] = {}
         self.lock = threading.RLock()
+        self.started = False
         self.stopped = False
         self.failed = threading.Event()
+        self.error: Optional[BaseException] = None
         self.wakeup = threading.Event()  # set when a channel is added (an idle reader sleeps on it)
 
     def add(self, channel: bytes, timeout: float) -> None:
         ev = threading.Event()
         with self.lock:
+            if self.failed.is_set():
+                raise redis.ConnectionError(f"the pub/sub link to {self.node} is down")
             self.confirm[channel] = ev
             self.channels.add(channel)
-            if self.owner.sharded:
-                self.pubsub.ssubscribe(channel)
-            else:
-                self.pubsub.subscribe(channel)
+            try:
+                if self.owner.sharded:
+                    self.pubsub.ssubscribe(channel)
+                else:
+                    self.pubsub.subscribe(channel)
+            except _LINK_ERRORS as exc:
+                self.fail(exc)
+                raise
+            if not self.started:  # many threads subscribe at once: one of them starts the reader
+                self.started = True
+                self.start()
         self.wakeup.set()
-        if not self.is_alive():
-            self.start()
         if not ev.wait(timeout):
             raise redis.TimeoutError(f"subscription to {channel!r} not confirmed within {timeout}s")
         if self.failed.is_set():
-            raise redis.ConnectionError("the pub/sub link dropped while subscribing")
+            raise redis.ConnectionError(f"the pub/sub link to {self.node} dropped while subscribing")
+
+    def fail(self, exc: BaseException) -> bool:
+        """Mark the link failed (once) and wake the subscribers waiting on it; False if it already was."""
+        with self.lock:
+            if self.failed.is_set():
+                return False
+            self.error = exc
+            self.failed.set()
+            waiting = list(self.confirm.values())
+        for ev in waiting:
+            ev.set()  # they see `failed`
+        self.wakeup.set()
+        return True
 
     def remove(self, channel: bytes) -> None:
         with self.lock:
@@ -65,6 +90,8 @@ class _NodeReader(threading.Thread):
                 return
             self.channels.discard(channel)
             self.confirm.pop(channel, None)
+            if self.failed.is_set():
+                return
             try:
                 if self.owner.sharded:
                     self.pubsub.sunsubscribe(channel)
@@ -74,7 +101,7 @@ class _NodeReader(threading.Thread):
                 pass  # the link is gone; nothing is subscribed there any more
 
     def run(self) -> None:
-        while not self.stopped:
+        while not self.stopped and not self.failed.is_set():
             try:
                 if not self.pubsub.subscribed:  # nothing to read: sleep until a channel is added
                     self.wakeup.wait(1.0)
@@ -82,27 +109,26 @@ class _NodeReader(threading.Thread):
                     continue
                 msg = self.pubsub.get_message(timeout=1.0)
             except _LINK_ERRORS as exc:
-                if self.stopped:
-                    return
-                self.failed.set()
-                for ev in list(self.confirm.values()):
-                    ev.set()  # wake subscribers waiting on this link: they see `failed`
-                self.owner._node_lost(self, exc)
-                return
+                self.fail(exc)
+                break
             except Exception:
                 if self.stopped:
                     return
                 log.exception("pub/sub reader error")
                 continue
-            if msg is None:
-                continue
-            kind, channel = msg["type"], msg["channel"]
-            if kind in ("subscribe", "ssubscribe"):
-                ev = self.confirm.get(channel)
-                if ev is not None:
-                    ev.set()
-            elif kind in ("message", "smessage"):
-                self.owner._dispatch(channel, msg["data"])
+            if msg is not None:
+                self._handle(msg)
+        if not self.stopped:
+            self.owner._node_lost(self, self.error)
+
+    def _handle(self, msg: dict) -> None:
+        kind, channel = msg["type"], msg["channel"]
+        if kind in ("subscribe", "ssubscribe"):
+            ev = self.confirm.get(channel)
+            if ev is not None:
+                ev.set()
+        elif kind in ("message", "smessage"):
+            self.owner._dispatch(channel, msg["data"])
 
     def close(self) -> None:
         self.stopped = True
@@ -116,10 +142,12 @@ class _NodeReader(threading.Thread):
 class Subscriber:
     """Multiplexes every job's channel of one client over one connection per node."""
 
-    def __init__(self, client, confirm_timeout: float = 10.0):
+    def __init__(self, client, confirm_timeout: float = 10.0, watch: Optional[LinkWatch] = None):
         self.client = client
         self.sharded = is_cluster(client)
         self.confirm_timeout = confirm_timeout
+        self.watch = watch or LinkWatch("pub/sub", lambda: nodes_tried(client),
+                                        (lambda: refresh_topology(client)) if self.sharded else None)
         self._lock = threading.RLock()
         self._readers: dict[str, _NodeReader] = {}
         self._inboxes: dict[bytes, "queue.Queue[bytes]"] = {}
@@ -173,6 +201,8 @@ class Subscriber:
             if self._closed:
                 raise RuntimeError("client is closed")
             reader = self._readers.get(name)
+            if reader is not None and reader.failed.is_set() and not reader.started:
+                reader.close()  # it failed before it read anything: nothing else will close it
             if reader is None or reader.failed.is_set():
                 reader = self._readers[name] = _NodeReader(self, name, node)
             return reader
@@ -182,46 +212,35 @@ class Subscriber:
         if inbox is not None:
             inbox.put(data)
 
-    def _node_lost(self, reader: _NodeReader, exc: Exception) -> None:
+    def _node_lost(self, reader: _NodeReader, exc: Optional[BaseException]) -> None:
         """A reader's link dropped: move its channels to a fresh link (the slot's master now),
-        then tell each job to read its durable record (messages sent meanwhile are in it)."""
+        then tell each job to read its durable record (messages sent meanwhile are in it).
+        Runs on the failed reader's own thread, once per failed link."""
         log.warning("pub/sub link to %s lost (%s); resubscribing %d channels", reader.node, exc,
                     len(reader.channels))
         with self._lock:
             if self._readers.get(reader.node) is reader:
                 del self._readers[reader.node]
-        try:
-            reader.pubsub.close()
-        except Exception:
-            pass
-        if self.sharded:
-            try:
-                self.client.nodes_manager.initialize()
-            except Exception:
-                pass
-        pending = list(reader.channels)
-        delay = 0.05
-        while pending and not self._closed:
-            ch = pending[-1]
-            if ch not in self._inboxes:
-                pending.pop()
-                continue
-            try:
-                self._reader_for(ch).add(ch, self.confirm_timeout)
-                pending.pop()
-                delay = 0.05
-            except _LINK_ERRORS:
-                time.sleep(delay)
-                delay = min(2.0, delay * 2)
-                if self.sharded:
-                    try:
-                        self.client.nodes_manager.initialize()
-                    except Exception:
-                        pass
-        for ch in reader.channels:
+        reader.close()
+        with reader.lock:
+            moved = list(reader.channels)
+        for ch in moved:
+            if self._closed:
+                return
+            self._move(ch)
+        for ch in moved:
             inbox = self._inboxes.get(ch)
             if inbox is not None:
                 inbox.put(SYNC)
+
+    def _move(self, ch: bytes) -> None:
+        """Subscribe ``ch`` on the link that serves it now, retrying (with backoff, a topology
+        refresh each time on a cluster) while no node answers; a job that stopped waiting for
+        it (unsubscribed) ends the retries."""
+        def attempt() -> None:
+            if ch in self._inboxes and not self._closed:
+                self._reader_for(ch).add(ch, self.confirm_timeout)
+        self.watch.call(attempt, None)
 
 
 def new_inbox() -> "queue.Queue[bytes]":

@@ -1,11 +1,21 @@
 """One connection factory for every mlxq component: a single Redis or a Redis Cluster.
 
-The URL of any node works.  Cluster mode is detected (``INFO cluster`` reports
-``cluster_enabled:1``) unless the URL says so:
+The URL of any node works, and a cluster URL may name several seed nodes, separated by commas
+(the form Lettuce, Jedis URIs and most cluster clients accept)::
+
+    redis://h1:7000,h2:7001,h3:7002/0?cluster=yes
+
+Cluster mode is detected (``INFO cluster`` reports ``cluster_enabled:1``) unless the URL says so:
 
 * ``redis+cluster://host:port`` / ``rediss+cluster://host:port``: a cluster, no probe;
 * ``?cluster=yes`` / ``?cluster=no`` on any ``redis://`` / ``rediss://`` URL: forced either way;
-* nothing: one ``INFO cluster`` round trip at connect decides.
+* nothing: ``INFO cluster`` on the first seed that answers decides.  A seed that does not answer
+  decides nothing: the next one is asked, in rounds with backoff, and when none has answered
+  within ``wait_s`` the connect fails with one line naming them (never a guess).
+
+A cluster client keeps its configured seeds for good: every topology refresh mlxq asks for
+(:func:`refresh_topology`) asks the seeds plus every node discovered so far, so losing any one
+node, the one in the URL included, never leaves it without a node to ask.
 
 On a cluster every model's keys share one hash slot (``{mlxq:<model>}``), so all
 of a model's traffic can go to the master serving that slot over one plain
@@ -17,31 +27,61 @@ cluster pipeline does not (it refuses EVALSHA).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import os
 import threading
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
-from redis.cluster import RedisCluster
-from redis.exceptions import ClusterDownError, MovedError, ReadOnlyError, TryAgainError
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import (ClusterDownError, MovedError, ReadOnlyError, RedisClusterException,
+                              TryAgainError)
 
 log = logging.getLogger(__name__)
 
 # Errors after which a slot's owner must be looked up again (and the call retried by its caller).
 RESLOT_ERRORS = (redis.ConnectionError, redis.TimeoutError, MovedError, ClusterDownError, TryAgainError,
                  ReadOnlyError)
+# Everything a lost link, a restarting server or a failover can raise: a producer retries these
+# (with backoff, within its request's time) instead of failing.  RedisClusterException is what
+# redis-py's cluster client raises when no node it knows answers a topology refresh.
+# (socket errors: the builtin ConnectionError, not OSError, which a refusal such as a PermissionError is)
+LINK_ERRORS = (redis.BusyLoadingError, ConnectionError, RedisClusterException) + RESLOT_ERRORS
 
 _TRUE = {"1", "yes", "true", "on"}
 _FALSE = {"0", "no", "false", "off"}
 # A large pool: many concurrent result() waiters (BLPOP) or stream replays each hold a connection
 # for a moment (pub/sub needs none of them: it is one connection per node, see producer/subscriber.py).
-DEFAULT_KW = dict(health_check_interval=30, socket_keepalive=True, max_connections=10_000)
+# Socket timeouts: no call blocks for ever on a dead peer (the longest blocking command mlxq sends,
+# BLPOP, waits at most a few seconds).
+DEFAULT_KW = dict(health_check_interval=30, socket_keepalive=True, max_connections=10_000,
+                  socket_connect_timeout=5, socket_timeout=20)
+DEFAULT_WAIT_S = 30.0  # Settings.redis_outage_s
+
+
+class RedisUnreachable(redis.ConnectionError, ConnectionError):
+    """No Redis node answered within the time allowed; the message names the nodes tried.
+    Both a ``redis.ConnectionError`` and a builtin ``ConnectionError``."""
+
+
+def _outage_s() -> float:
+    raw = os.environ.get("MLXQ_REDIS_OUTAGE_S")
+    return float(raw) if raw else DEFAULT_WAIT_S
 
 
 def split_url(url: str) -> tuple[str, Optional[bool]]:
-    """The URL redis-py understands and the cluster mode it states (None: not stated)."""
+    """The URL redis-py understands (the first seed's) and the cluster mode it states (None: not stated)."""
+    first, _, forced = parse_url(url)
+    return first, forced
+
+
+def parse_url(url: str) -> tuple[str, list[tuple[str, int]], Optional[bool]]:
+    """(the first seed's URL as redis-py reads it, every seed as (host, port), the cluster mode stated)."""
     if not url:
         raise ValueError("no Redis URL: pass redis_url= or set MLXQ_REDIS_URL")
     parts = urlsplit(url)
@@ -59,33 +99,228 @@ def split_url(url: str) -> tuple[str, Optional[bool]]:
                 raise ValueError(f"cluster= in the Redis URL must be yes or no, not {v!r}")
         else:
             query.append((k, v))
-    return urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment)), forced
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    if scheme == "unix":
+        q = urlencode(query)
+        return f"unix://{parts.netloc}{parts.path}" + (f"?{q}" if q else ""), [], forced
+    hosts = [h.strip() for h in hostlist.split(",")]
+    if not all(hosts):
+        raise ValueError(f"an empty host in the Redis URL's seed list: {hostlist!r}")
+    seeds = [_host_port(h) for h in hosts]
+    first = urlunsplit((scheme, userinfo + at + hosts[0], parts.path, urlencode(query), parts.fragment))
+    if len(hosts) > 1 and forced is False:
+        raise ValueError("several hosts in a Redis URL are seeds of a Redis Cluster: drop cluster=no")
+    return first, seeds, forced
+
+
+def _host_port(netloc: str) -> tuple[str, int]:
+    probe = urlsplit(f"//{netloc}")
+    return probe.hostname or "localhost", probe.port or 6379
+
+
+def _names(seeds) -> str:
+    return ", ".join(f"{h}:{p}" for h, p in seeds)
+
+
+def _is_link_failure(exc: BaseException) -> bool:
+    """A failure to reach a node (the cause of a RedisClusterException included), not a refusal."""
+    while exc is not None:
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, ConnectionError,
+                            ClusterDownError)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class LinkWatch:
+    """How one client's Redis links fare: a log line when they start failing and one when they
+    work again, however many threads or tasks notice at once; the retry loops of its calls
+    (backoff, a deadline, a topology refresh per failure on a cluster, at most one at a time)."""
+
+    def __init__(self, what: str, nodes: Callable[[], str], refresh: Optional[Callable[[], Any]] = None,
+                 give_up_s: Optional[float] = None):
+        self.what, self._nodes, self._refresh = what, nodes, refresh
+        self.give_up_s = give_up_s  # past this long down, every retrying call fails (the gateway's 503)
+        self._lock = threading.Lock()
+        self._refreshing = threading.Lock()
+        self._down_since: Optional[float] = None
+        self.last_error: Optional[BaseException] = None
+
+    @property
+    def down(self) -> bool:
+        return self._down_since is not None
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.last_error = exc
+            if self._down_since is not None:
+                return
+            self._down_since = time.monotonic()
+        log.warning("%s: Redis link lost (%s: %s); retrying with backoff (nodes: %s)", self.what,
+                    type(exc).__name__, exc, self._nodes())
+
+    def ok(self) -> None:
+        if self._down_since is None:
+            return
+        with self._lock:
+            since, self._down_since = self._down_since, None
+        if since is not None:
+            log.warning("%s: Redis link back after %.1fs", self.what, time.monotonic() - since)
+
+    def unreachable(self, exc: Optional[BaseException] = None) -> RedisUnreachable:
+        exc = exc or self.last_error
+        return RedisUnreachable(f"{self.what}: Redis unreachable (tried {self._nodes()}; last error: "
+                                f"{type(exc).__name__}: {exc})")
+
+    def refresh(self) -> None:
+        """A topology refresh (a cluster), unless one is under way in another thread."""
+        if self._refresh is None or not self._refreshing.acquire(blocking=False):
+            return
+        try:
+            self._refresh()
+        except Exception as exc:
+            log.debug("topology refresh failed: %s", exc)
+        finally:
+            self._refreshing.release()
+
+    async def arefresh(self) -> None:
+        """``refresh`` for an asyncio client (its refresh is a coroutine function)."""
+        if self._refresh is None or not self._refreshing.acquire(blocking=False):
+            return
+        try:
+            await self._refresh()
+        except Exception as exc:
+            log.debug("topology refresh failed: %s", exc)
+        finally:
+            self._refreshing.release()
+
+    def _next_delay(self, exc: Exception, deadline: Optional[float], delay: float, is_link) -> float:
+        """After a failed call: re-raise what is not a link failure, give up past ``deadline``, else
+        the delay after this one."""
+        if not (is_link or is_link_error)(exc):
+            raise exc
+        self.failed(exc)
+        now, since = time.monotonic(), self._down_since
+        if deadline is not None and now + delay > deadline:
+            raise self.unreachable(exc) from None
+        if self.give_up_s is not None and since is not None and now - since > self.give_up_s:
+            raise self.unreachable(exc) from None
+        return min(2.0, delay * 2)
+
+    def backoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
+        """After a failed call: re-raise what is not a link failure, raise :class:`RedisUnreachable`
+        past ``deadline``, else sleep ``delay``, refresh the topology and return the next delay."""
+        nxt = self._next_delay(exc, deadline, delay, is_link)
+        time.sleep(delay)
+        if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
+            self.refresh()
+        return nxt
+
+    async def abackoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
+        """``backoff`` for asyncio code."""
+        nxt = self._next_delay(exc, deadline, delay, is_link)
+        await asyncio.sleep(delay)
+        if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
+            await self.arefresh()
+        return nxt
+
+    def call(self, fn: Callable[[], Any], deadline: Optional[float], is_link=None) -> Any:
+        """``fn()`` until it returns; a link failure is retried with backoff until ``deadline``
+        (monotonic; None: no end), then :class:`RedisUnreachable`."""
+        delay = 0.05
+        while True:
+            try:
+                result = fn()
+            except Exception as exc:
+                delay = self.backoff(exc, deadline, delay, is_link)
+                continue
+            self.ok()
+            return result
+
+    async def acall(self, fn: Callable[[], Any], deadline: Optional[float], is_link=None) -> Any:
+        """``call`` for coroutines: ``await fn()`` until it returns."""
+        delay = 0.05
+        while True:
+            try:
+                result = await fn()
+            except Exception as exc:
+                delay = await self.abackoff(exc, deadline, delay, is_link)
+                continue
+            self.ok()
+            return result
+
+
+def is_link_error(exc: BaseException) -> bool:
+    """A lost link, a restarting server or a failover (retry it), not a refusal."""
+    return isinstance(exc, LINK_ERRORS) or _closed_under_us(exc)
+
+
+def _closed_under_us(exc: BaseException) -> bool:
+    """redis-py's asyncio cluster client disconnects a node's connections when a topology refresh
+    drops or recycles the node, also while another task is sending on one: that task then fails
+    with an AttributeError from inside redis-py's connection code (its stream writer is None).
+    It is a lost link like any other."""
+    if not isinstance(exc, AttributeError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("redis/asyncio/connection.py")
+
+
+def until_answered(what: str, seeds, wait_s: Optional[float], attempt: Callable[[], Any]) -> Any:
+    """``attempt()`` until it returns, retrying link failures with backoff for up to ``wait_s``;
+    then :class:`RedisUnreachable` naming ``seeds``."""
+    wait_s = _outage_s() if wait_s is None else wait_s
+    watch = LinkWatch(what, lambda: _names(seeds))
+    return watch.call(attempt, time.monotonic() + wait_s, is_link=_is_link_failure)
 
 
 @functools.lru_cache(maxsize=64)
-def is_cluster_url(url: str) -> bool:
-    """Whether the server at ``url`` runs in cluster mode (stated in the URL, else one INFO probe)."""
-    plain, forced = split_url(url)
-    if forced is not None:
-        return forced
-    if plain.startswith("unix://"):
-        return False
-    probe = redis.Redis.from_url(plain, socket_timeout=5, socket_connect_timeout=5, retry=None)
+def _probe(first_url: str) -> bool:
+    probe = redis.Redis.from_url(first_url, socket_timeout=5, socket_connect_timeout=5, retry=None)
     try:
         return bool(int(probe.info("cluster").get("cluster_enabled", 0)))
     finally:
         probe.close()
 
 
-def _cluster_mode(url: str) -> bool:
-    """Cluster mode for ``url``; an unreachable server is taken as a single Redis (not cached:
-    the next connect probes again; put ``cluster=yes`` in the URL to be sure)."""
-    try:
-        return is_cluster_url(url)
-    except (redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.NoPermissionError) as exc:
-        # (an ACL user without INFO, e.g. the producer recipe: put cluster=yes in its URL on a cluster)
-        log.info("could not probe %s for cluster mode (%s): taking it as a single Redis", _redact(url), exc)
+def is_cluster_url(url: str, wait_s: Optional[float] = None) -> bool:
+    """Whether ``url`` names a cluster: stated in the URL, else ``INFO cluster`` on the first seed
+    that answers (each seed in turn, in rounds, for up to ``wait_s``; a dead seed decides nothing)."""
+    first, seeds, forced = parse_url(url)
+    if forced is not None:
+        return forced
+    if first.startswith("unix://"):
         return False
+    urls = [_seed_url(first, h, p) for h, p in seeds]
+
+    def any_seed() -> bool:
+        last: Optional[BaseException] = None
+        for u in urls:
+            try:
+                return _probe(u)
+            except redis.exceptions.NoPermissionError:
+                # an ACL user without INFO (the producer recipe): put cluster=yes in its URL on a cluster
+                log.info("%s may not run INFO: taking it as a single Redis (put cluster=yes in the URL "
+                         "on a cluster)", _redact(u))
+                return False
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, ConnectionError) as exc:
+                last = exc
+        raise redis.ConnectionError(str(last))
+
+    mode = until_answered("cluster mode probe", seeds, wait_s, any_seed)
+    if len(seeds) > 1 and not mode:
+        raise ValueError(f"several hosts in the Redis URL ({_names(seeds)}) but {seeds[0][0]} is not a "
+                         "cluster node: a single Redis takes one host")
+    return mode
+
+
+def _seed_url(first: str, host: str, port: int) -> str:
+    parts = urlsplit(first)
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return urlunsplit((parts.scheme, userinfo + at + netloc, parts.path, parts.query, parts.fragment))
 
 
 def _redact(url: str) -> str:
@@ -95,34 +330,124 @@ def _redact(url: str) -> str:
     return url
 
 
-def connect(url: Optional[str], **kw: Any) -> redis.Redis | RedisCluster:
-    """A sync client: ``redis.Redis`` for one server, ``RedisCluster`` for a cluster."""
-    plain, _ = split_url(url or "")
+class Seeds:
+    """A cluster client's configured seed nodes, kept for good, and every node discovered so far."""
+
+    def __init__(self, seeds: list[tuple[str, int]]):
+        self.configured = list(seeds)
+        self._known = dict.fromkeys(seeds)
+        self._lock = threading.Lock()
+
+    def learn(self, nodes) -> None:
+        with self._lock:
+            for n in nodes:
+                self._known.setdefault((n.host, int(n.port)))
+
+    def all(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return list(self._known)
+
+    def missing_from(self, startup_nodes: dict) -> list[tuple[str, int]]:
+        """The seeds and known nodes a refresh would not ask on its own (redis-py replaces its
+        startup nodes with the nodes it discovered last, so a dead seed drops out of them)."""
+        names = set(startup_nodes)
+        return [hp for hp in self.all() if f"{hp[0]}:{hp[1]}" not in names]
+
+    def names(self) -> str:
+        return _names(self.all())
+
+
+class SeededCluster(RedisCluster):
+    """redis-py's sync cluster client, started from every seed, remembering them (``mlxq_seeds``)."""
+
+    def __init__(self, *args, mlxq_seeds: Seeds, **kw):
+        self.mlxq_seeds = mlxq_seeds
+        super().__init__(*args, **kw)
+        mlxq_seeds.learn(self.nodes_manager.nodes_cache.values())
+
+
+class AsyncSeededCluster(AsyncRedisCluster):
+    """redis-py's asyncio cluster client, started from every seed, remembering them."""
+
+    __slots__ = ("mlxq_seeds",)
+
+    def __init__(self, *args, mlxq_seeds: Seeds, **kw):
+        self.mlxq_seeds = mlxq_seeds
+        super().__init__(*args, **kw)
+
+
+def nodes_tried(client: Any) -> str:
+    """The nodes a client asks, for error messages: a cluster's seeds and known nodes, else host:port."""
+    seeds = getattr(getattr(client, "cluster", client), "mlxq_seeds", None)
+    if seeds is not None:
+        return seeds.names()
+    try:
+        kw = client.connection_pool.connection_kwargs
+        return f"{kw.get('host', kw.get('path'))}:{kw.get('port', '')}".rstrip(":")
+    except AttributeError:
+        return repr(client)
+
+
+def refresh_topology(cluster: RedisCluster) -> None:
+    """Ask who serves which slot now: the configured seeds plus every node discovered so far
+    (raises when none answers; the caller retries)."""
+    nm = cluster.nodes_manager
+    seeds: Optional[Seeds] = getattr(cluster, "mlxq_seeds", None)
+    if seeds is None:
+        nm.initialize()
+        return
+    seeds.learn(list(nm.nodes_cache.values()))
+    nm.initialize(additional_startup_nodes_info=seeds.missing_from(dict(nm.startup_nodes)))
+    seeds.learn(list(nm.nodes_cache.values()))
+
+
+async def refresh_topology_async(cluster) -> None:
+    """``refresh_topology`` for the asyncio cluster client.  Only the slot map is re-read (the
+    NodesManager): a failed ``RedisCluster.initialize`` would close every node's connections, also
+    those other tasks are sending on, and a refresh that fails while a failover is under way is
+    common.  A client not yet initialized is left to initialize itself on its next command."""
+    if cluster._initialize:
+        return
+    nm = cluster.nodes_manager
+    seeds: Optional[Seeds] = getattr(cluster, "mlxq_seeds", None)
+    if seeds is None:
+        await nm.initialize()
+        return
+    seeds.learn(list(nm.nodes_cache.values()))
+    await nm.initialize(additional_startup_nodes_info=seeds.missing_from(dict(nm.startup_nodes)))
+    seeds.learn(list(nm.nodes_cache.values()))
+
+
+def connect(url: Optional[str], *, wait_s: Optional[float] = None, **kw: Any) -> redis.Redis | RedisCluster:
+    """A sync client: ``redis.Redis`` for one server, a ``RedisCluster`` (kept seeds) for a cluster."""
+    first, seeds, _ = parse_url(url or "")
     opts = {**DEFAULT_KW, **kw}
-    if _cluster_mode(url):
-        opts.pop("max_connections", None)
-        return RedisCluster.from_url(plain, **opts)
-    return redis.Redis.from_url(plain, **opts)
+    if not is_cluster_url(url, wait_s):
+        return redis.Redis.from_url(first, **opts)
+    opts.pop("max_connections", None)
+    book = Seeds(seeds)
+    others = [ClusterNode(h, p) for h, p in seeds[1:]]
+    return until_answered("cluster connect", seeds, wait_s, lambda: SeededCluster.from_url(
+        first, startup_nodes=list(others), mlxq_seeds=book, **opts))
 
 
-def connect_async(url: Optional[str], **kw: Any):
-    """An asyncio client (``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster``).
-    Cluster detection, when the URL does not state it, is one blocking round trip here."""
+def connect_async(url: Optional[str], *, wait_s: Optional[float] = None, **kw: Any):
+    """An asyncio client (``redis.asyncio.Redis`` or an asyncio ``RedisCluster`` with kept seeds).
+    Cluster detection, when the URL does not state it, is a blocking round trip here."""
     import redis.asyncio as aredis
-    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 
-    plain, _ = split_url(url or "")
+    first, seeds, _ = parse_url(url or "")
     opts = {**DEFAULT_KW, **kw}
-    if _cluster_mode(url):
-        opts.pop("max_connections", None)
-        opts.pop("health_check_interval", None)
-        return AsyncRedisCluster.from_url(plain, **opts)
-    return aredis.Redis.from_url(plain, **opts)
+    if not is_cluster_url(url, wait_s):
+        return aredis.Redis.from_url(first, **opts)
+    opts.pop("max_connections", None)
+    opts.pop("health_check_interval", None)
+    others = [AsyncClusterNode(h, p) for h, p in seeds[1:]]
+    return AsyncSeededCluster.from_url(first, startup_nodes=others, mlxq_seeds=Seeds(seeds), **opts)
 
 
 def is_cluster(client: Any) -> bool:
-    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-
     return isinstance(client, (RedisCluster, AsyncRedisCluster, SlotRedis))
 
 
@@ -173,10 +498,10 @@ class SlotRedis:
         """Forget the pinned node and refresh the cluster's view of slot owners."""
         with self._lock:
             self._node_client = None
-            try:
-                self.cluster.nodes_manager.initialize()
-            except Exception as exc:  # every known node unreachable: the next call retries
-                log.warning("cluster topology refresh failed: %s", exc)
+        try:
+            refresh_topology(self.cluster)
+        except Exception as exc:  # every known node unreachable: the next call retries
+            log.debug("cluster topology refresh failed: %s", exc)
 
     def _guard(self, name: str, fn):
         @functools.wraps(fn)

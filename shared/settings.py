@@ -39,6 +39,7 @@ class Settings:
     max_new_tokens: int = 32_768
     live_worker_s: float = 10.0  # a model's worker counts as live while its last heartbeat is this recent
     no_worker_wait_s: float = 3.0  # the gateway waits this long for a live worker, then answers 503
+    redis_outage_s: float = 30.0  # producers retry an unreachable Redis this long (then: ConnectionError, HTTP 503)
 
     def __post_init__(self) -> None:
         unknown = set(self.tier_offsets) - set(TIERS)

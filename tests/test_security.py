@@ -206,7 +206,8 @@ def test_rediss_tls_url(redis_server, tmp_path):
     has_tls = _valkey_has_tls(tmp_path)
     print(f"\nvalkeylite binary TLS support: {has_tls}")
     # the URL scheme alone selects redis-py's SSL connection class, with the options passed through
-    r = connect("rediss://user:pw@127.0.0.1:6390/0?ssl_cert_reqs=required&ssl_ca_certs=/tmp/ca.pem")
+    # (cluster=no: no server there, and a client never guesses the mode from a dead node)
+    r = connect("rediss://user:pw@127.0.0.1:6390/0?ssl_cert_reqs=required&ssl_ca_certs=/tmp/ca.pem&cluster=no")
     kw = r.connection_pool.connection_kwargs
     assert r.connection_pool.connection_class is redis.SSLConnection
     assert (kw["username"], kw["password"], kw["ssl_ca_certs"]) == ("user", "pw", "/tmp/ca.pem")
