@@ -36,7 +36,7 @@ from mlxq.worker.engine import PagedEngine  # noqa: E402
 
 
 def bench_model_dir() -> str:
-    from mlxq.worker.make_model import ensure_model
+    from mlxq.devkit.make_model import ensure_model
 
     cache = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
     return str(ensure_model(cache / "bench-model", "bench"))

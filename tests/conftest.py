@@ -49,14 +49,14 @@ def fake_redis():
 def tiny_model_seed() -> int:
     """The seed the tiny model is trained from ($MLXQ_TEST_MODEL_SEED, default 0).  Its weights also
     follow the machine's BLAS and CPU kernels: no test may depend on which text they produce."""
-    from mlxq.worker.make_model import seed_from_env
+    from mlxq.devkit.make_model import seed_from_env
 
     return seed_from_env()
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_model_seed):
-    from mlxq.worker.make_model import ensure_model, seeded_dir
+    from mlxq.devkit.make_model import ensure_model, seeded_dir
 
     base = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
     return ensure_model(seeded_dir(base, "tiny", tiny_model_seed), "tiny", seed=tiny_model_seed)
