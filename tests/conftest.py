@@ -7,7 +7,6 @@ import contextlib
 import os
 import threading
 import time
-from pathlib import Path
 
 # The suite runs its own process, worker subprocesses and Valkey on the same cores at once: the
 # case where OpenBLAS's spinning idle threads hurt (see mlxq.worker.blas.default_threads), so the
@@ -20,7 +19,7 @@ import pytest
 import redis
 
 from mlxq.shared.embedded import EmbeddedRedis
-from mlxq.shared.settings import Settings
+from mlxq.shared.settings import Settings, cache_dir
 
 
 @pytest.fixture(scope="session")
@@ -58,8 +57,7 @@ def tiny_model_seed() -> int:
 def tiny_model_dir(tiny_model_seed):
     from mlxq.devkit.make_model import ensure_model, seeded_dir
 
-    base = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
-    return ensure_model(seeded_dir(base, "tiny", tiny_model_seed), "tiny", seed=tiny_model_seed)
+    return ensure_model(seeded_dir(cache_dir(), "tiny", tiny_model_seed), "tiny", seed=tiny_model_seed)
 
 
 @pytest.fixture(scope="session")

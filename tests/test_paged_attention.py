@@ -192,9 +192,11 @@ def test_fallback_to_gather_when_the_extension_fails(broken_loader, tiny_model, 
     assert len(out["s0"]) == 4
 
 
-def test_mode_from_env_and_validation(monkeypatch):
-    monkeypatch.setenv("MLXQ_ATTENTION", "gather")
-    assert attention.select_backend().name == "gather"
+def test_mode_from_settings_and_validation(monkeypatch):
+    from mlxq.shared.settings import Settings
+
+    monkeypatch.setenv("MLXQ_ATTENTION", "gather")  # read by Settings, the one reader of MLXQ_*
+    assert attention.select_backend(Settings.from_env().attention).name == "gather"
     with pytest.raises(ValueError, match="auto, fused, gather"):
         attention.resolve_mode("fast")
 

@@ -33,6 +33,8 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxq.shared.settings import cache_dir
+
 _SYSTEM_OPENBLAS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -168,7 +170,7 @@ def _preload_bundled_gfortran(steps: list[str]) -> None:
             continue
         for quad in sorted(libs.glob("libquadmath-*.so*")):
             _keep.append(ctypes.CDLL(str(quad), mode=ctypes.RTLD_GLOBAL))
-        cache = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq")) / "blas"
+        cache = cache_dir() / "blas"
         cache.mkdir(parents=True, exist_ok=True)
         target = cache / "libgfortran.so.5"
         source = gfortran[0]
