@@ -28,7 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import mlxq.worker  # noqa: E402,F401  (fast BLAS before mlx)
+from mlxq.worker import blas  # noqa: E402
+
+blas.setup()  # fast BLAS before mlx
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402

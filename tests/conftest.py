@@ -13,7 +13,9 @@ import time
 # tests' workers (which inherit this environment) use one BLAS thread unless told otherwise.
 os.environ.setdefault("MLXQ_BLAS_THREADS", "1")
 
-import mlxq.worker  # noqa: E402,F401  (fast BLAS before mlx)
+from mlxq.worker import blas  # noqa: E402
+
+blas.setup()  # the fast BLAS under MLX, as in the worker: before any test module imports mlx
 
 import pytest
 import redis

@@ -1,7 +1,5 @@
 """The local test model: files, tokenizer, chat template, generation, training."""
 
-import mlxq.worker  # noqa: F401  (fast BLAS before mlx)
-
 import hashlib
 import json
 import math

@@ -5,8 +5,6 @@ The first test that needs the extension builds it (file-locked, into $MLXQ_CACHE
 or ~/.cache/mlxq/ext), about 20-40 s once per mlx version and source.
 """
 
-import mlxq.worker  # noqa: F401  (BLAS before mlx)
-
 import logging
 import os
 import subprocess
@@ -305,7 +303,7 @@ def test_head_dim_the_op_cannot_take_keeps_gather(ext):
 def test_generic_inner_loop_equals_reference(ext):
     """The baseline-ISA loop (what CPUs without AVX2/FMA run), forced in a fresh process."""
     script = (
-        "import mlxq.worker\n"
+        "from mlxq.worker import blas; blas.setup()\n"
         "import sys; sys.path.insert(0, 'tests')\n"
         "from test_paged_attention import _case, _rel_err\n"
         "from mlxq.worker.engine import attention\n"

@@ -159,3 +159,13 @@ def test_make_engine_follows_the_settings(tiny_model):
     assert cfg.eos_token_ids == frozenset(tiny_model.eos_token_ids)
     eng2 = make_engine(tiny_model, dataclasses.replace(s, kv_blocks=None, kv_memory_mb=1))
     assert eng2.bm.num_blocks == 2**20 // eng2.kv_shape.bytes_per_block(32)
+
+
+def test_importing_the_worker_loads_no_blas_and_no_mlx():
+    """The fast BLAS is loaded by the worker's entry points (and the tests' conftest), not as a side
+    effect of an import."""
+    script = ("import sys\nimport mlxq.worker, mlxq.worker.cli, mlxq.producer.cli\n"
+              "from mlxq.worker import blas\nmlxq.producer.cli.build_parser()\n"
+              "assert blas.status() is None and 'mlx.core' not in sys.modules\nprint('ok')\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

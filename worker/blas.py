@@ -63,6 +63,13 @@ def status() -> BlasStatus | None:
     return _status
 
 
+def describe() -> str:
+    """What :func:`setup` did, for the worker's logs and stats (also when it was never called)."""
+    if _status is None:
+        return "not set up (mlxq.worker.blas.setup() was not called before MLX): MLX's bundled BLAS"
+    return str(_status)
+
+
 def setup() -> BlasStatus:
     """Load the fastest BLAS we can find ahead of MLX.  Idempotent."""
     global _status
@@ -80,7 +87,7 @@ def _setup() -> BlasStatus:
         return BlasStatus(
             False,
             "mlx.core was imported before mlxq.worker.blas.setup(); the reference BLAS stays "
-            "(import mlxq.worker first, or set LD_PRELOAD)",
+            "(call it first, or set LD_PRELOAD)",
         )
     steps: list[str] = []
     for path, kind in _candidates(steps):

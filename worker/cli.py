@@ -57,11 +57,13 @@ def run(args) -> int:
         return 2
     log.info("settings: %s", settings.describe())
 
+    from . import blas
+
+    blas.setup()  # the fast BLAS under MLX, before anything imports MLX (logged in the "serving" line)
     from .engine.engine import make_engine
     from .model import ModelNotFound, load_model
     from .runner import Worker
 
-    # (the BLAS in use is logged once, in the worker's "serving" line)
     try:
         loaded = load_model(args.model, name=args.name, keep_dtype=settings.keep_dtype)
     except ModelNotFound as exc:

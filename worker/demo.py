@@ -129,7 +129,7 @@ def main(args) -> int:
     from mlxq.shared.keys import GlobalKeys
     from mlxq.shared.settings import Settings
 
-    from . import BLAS_STATUS
+    from . import blas
 
     logging.getLogger("mlxq.worker").setLevel(logging.WARNING)
     server = None
@@ -138,7 +138,7 @@ def main(args) -> int:
         server = EmbeddedRedis().start()
         url = server.url
         print(f"embedded Valkey server at {url}")
-    print(f"BLAS: {BLAS_STATUS}")
+    print(f"BLAS: {blas.setup()}")  # before MLX loads (the model, the worker)
     settings = Settings.from_env(redis_url=url, gather_ms=20.0)
     model_src = args.model or _small_model()
     _prepare_extension(settings.attention)

@@ -24,7 +24,7 @@ from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.protocol import Pulled, Queue
 from mlxq.shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
 from mlxq.shared.settings import TIERS, Settings
-from . import BLAS_STATUS
+from . import blas
 from .jobs import ActiveJob, JobError, Published, decode_request, read_published, start_job, tokenize
 from .model import LoadedModel
 from .engine.engine import make_engine
@@ -163,7 +163,7 @@ class Worker:
     # -- the loop ------------------------------------------------------------
     def start_threads(self) -> None:
         log.info("worker %s serving %r (%s); BLAS: %s", self.worker_id, self.loaded.name,
-                 type(self.engine).__name__, BLAS_STATUS)
+                 type(self.engine).__name__, blas.describe())
         self.publisher.start()
         self.fetcher.start()
         self.control.start()
@@ -358,7 +358,7 @@ class Worker:
             "peak_memory_bytes": mx.get_peak_memory(),
             "active_memory_bytes": mx.get_active_memory(),
             "publish_round_trips": self.publisher.round_trips,
-            "blas": str(BLAS_STATUS),
+            "blas": blas.describe(),
             "draining": self.draining.is_set(),
             **{f"engine_{k}" if not k.startswith("engine") else k: v for k, v in self.engine.stats().items()},
         }

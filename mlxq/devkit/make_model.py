@@ -45,7 +45,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlxq.worker  # noqa: F401  (fast BLAS before mlx)
+from mlxq.worker import blas
+
+blas.setup()  # the fast BLAS under MLX, as in the worker: before mlx is imported below
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -269,7 +269,9 @@ def load(build_if_missing: bool = True):
 
 def main(args) -> int:
     """``mlxq build-ext``: build (or rebuild with --force), load and self-check; say where."""
-    import mlxq.worker  # noqa: F401  (BLAS under MLX, as in the worker)
+    from ... import blas
+
+    blas.setup()  # BLAS under MLX, as in the worker
 
     from ..attention import cpu_extension
 
