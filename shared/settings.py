@@ -108,12 +108,14 @@ _PARSERS: dict[str, Callable[[str], object]] = {
 
 def opt(default=None, help: str = "", *, factory=None, flag: Optional[str] = None, worker: bool = True,
         engine: Optional[str] = None, to_engine: Optional[Callable] = None, choices: Optional[tuple] = None,
-        parse: Optional[Callable] = None, show: Optional[Callable] = None, shown_default: Optional[str] = None):
+        parse: Optional[Callable] = None, show: Optional[Callable] = None, shown_default: Optional[str] = None,
+        secret: bool = False):
     """A settings field and how it is set.  ``worker``: ``mlxq worker`` has a flag for it (``flag``,
     else ``--name-with-dashes``); ``engine``: the ``PagedEngine`` parameter it feeds (through
-    ``to_engine``); ``shown_default``: the default as said in ``--help``, where the value is None."""
+    ``to_engine``); ``shown_default``: the default as said in ``--help``, where the value is None;
+    ``secret``: never shown (``***`` in :meth:`Settings.describe`)."""
     meta = dict(help=help, flag=flag, worker=worker, engine=engine, to_engine=to_engine, choices=choices,
-                parse=parse, show=show, shown_default=shown_default)
+                parse=parse, show=show, shown_default=shown_default, secret=secret)
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -152,6 +154,9 @@ class Settings:
     burst: bool = opt(False, "exit when the queue is empty")
     rq_queues: Optional[str] = opt(None, "also take jobs from these rq queues (comma-separated, e.g. "
                                    "mlxq-high,mlxq-normal,mlxq-low; see mlxq.worker.rq_bridge)", shown_default="none")
+    # the rq bridge's own API key (its jobs' tier); a secret: no flag (a command line is visible to every
+    # user of the host), masked in the start-up log
+    rq_api_key: Optional[str] = opt(None, "the rq bridge's API key", worker=False, secret=True)
     metrics_port: Optional[int] = opt(None, "serve Prometheus metrics on this port",
                                       shown_default="no metrics server")
     metrics_host: str = opt("127.0.0.1", "the address the metrics server binds: loopback; 0.0.0.0 exposes it "
@@ -256,6 +261,8 @@ class Settings:
 
     def _shown(self, f) -> str:
         value = getattr(self, f.name)
+        if f.metadata["secret"] and value is not None:
+            return "***"
         if f.name == "redis_url":
             value = mask_url(value)
         show = f.metadata.get("show")

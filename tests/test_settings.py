@@ -128,11 +128,13 @@ def test_the_worker_refuses_a_bad_setting_before_it_loads_anything():
 
 
 def test_the_worker_logs_its_settings_once_with_the_password_masked():
-    out = _worker({"MLXQ_MAX_BATCH": "3"}, "--redis-url", "redis://app:s3cret@127.0.0.1:1/0", "--kv-blocks", "50")
+    out = _worker({"MLXQ_MAX_BATCH": "3", "MLXQ_RQ_API_KEY": "rq-key-s3cret"},
+                  "--redis-url", "redis://app:s3cret@127.0.0.1:1/0", "--kv-blocks", "50")
     lines = [line for line in out.stderr.splitlines() if "settings: " in line]
     assert len(lines) == 1, out.stderr
     assert "max_batch=3" in lines[0] and "kv_blocks=50" in lines[0] and "attention=auto" in lines[0]
     assert "s3cret" not in out.stderr and "redis://app:***@127.0.0.1:1/0" in lines[0]
+    assert "rq_api_key=***" in lines[0]
 
 
 def test_mask_url():
