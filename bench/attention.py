@@ -28,7 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import mlxq.worker  # noqa: E402,F401  (fast BLAS before mlx)
+from mlxq.worker import blas  # noqa: E402
+
+blas.setup()  # fast BLAS before mlx
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -103,11 +105,12 @@ def op_case(B: int, L: int, rounds: int, op) -> dict:
 
 def engine_decode(rounds: int, batch: int, ctx: int, steps: int) -> dict:
     from mlxq.worker.engine_api import SeqSpec
-    from mlxq.worker.make_model import ensure_model
+    from mlxq.devkit.make_model import ensure_model
     from mlxq.worker.model import load_model
-    from mlxq.worker.engine import PagedEngine
+    from mlxq.shared.settings import Settings, cache_dir
+    from mlxq.worker.engine.engine import make_engine
 
-    base = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
+    base = cache_dir()
     loaded = load_model(str(ensure_model(base / "bench-model", "bench")), name="bench")
     rng = np.random.default_rng(0)
     vocab = loaded.model.args.vocab_size
@@ -117,8 +120,8 @@ def engine_decode(rounds: int, batch: int, ctx: int, steps: int) -> dict:
     need_blocks = int(batch * (-(-(ctx + gen) // BS)) / 0.8) + 16
     engines = {}
     for mode in ("fused", "gather"):
-        eng = PagedEngine(loaded.model, num_blocks=need_blocks, attention=mode,
-                          prefix_cache=False, max_batch=batch)
+        eng = make_engine(loaded, Settings(kv_blocks=need_blocks, attention=mode, prefix_cache=False,
+                                           max_batch=batch))
         eng.add([SeqSpec(f"{mode}{i}", p, gen, stop_token_ids=()) for i, p in enumerate(prompts)])
         for _ in range(10_000):  # prefill: until a step decodes every row
             events, _ = eng.step()

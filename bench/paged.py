@@ -20,7 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import mlxq.worker  # noqa: E402,F401  (optimized BLAS before mlx)
+from mlxq.worker import blas  # noqa: E402
+
+blas.setup()  # optimized BLAS before mlx
 
 import argparse
 import logging

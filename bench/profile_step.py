@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import random
 import sys
@@ -26,19 +25,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import mlxq.worker  # noqa: E402,F401  (fast BLAS before mlx)
+from mlxq.worker import blas  # noqa: E402
+
+blas.setup()  # fast BLAS before mlx
 
 import mlx.core as mx  # noqa: E402
 
 from mlxq.worker.engine_api import SeqSpec  # noqa: E402
 from mlxq.worker.model import load_model  # noqa: E402
-from mlxq.worker.engine import PagedEngine  # noqa: E402
+from mlxq.shared.settings import Settings, cache_dir  # noqa: E402
+from mlxq.worker.engine.engine import make_engine  # noqa: E402
 
 
 def bench_model_dir() -> str:
-    from mlxq.worker.make_model import ensure_model
+    from mlxq.devkit.make_model import ensure_model
 
-    cache = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
+    cache = cache_dir()
     return str(ensure_model(cache / "bench-model", "bench"))
 
 
@@ -57,8 +59,7 @@ def main() -> int:
     vocab = model.args.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(10, vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.batch)]
-    budget = int(args.kv_mb * 2**20) if args.kv_mb else None
-    eng = PagedEngine(model, max_batch=args.batch, model_id="bench", memory_budget_bytes=budget)
+    eng = make_engine(loaded, Settings.from_env(max_batch=args.batch, kv_memory_mb=args.kv_mb))
     eng.add([SeqSpec(f"s{i}", p, args.steps + 50, stop_token_ids=()) for i, p in enumerate(prompts)])
     while eng.stats()["running"] < args.batch or any(
             s.status.value != "decode" for s in eng.scheduler.running.values()):

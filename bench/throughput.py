@@ -46,13 +46,13 @@ sys.path.insert(0, str(ROOT))
 
 from mlxq import Client  # noqa: E402  (the producer side imports no MLX)
 from mlxq.shared.embedded import EmbeddedRedis  # noqa: E402
-from mlxq.shared.settings import Settings  # noqa: E402
+from mlxq.shared.settings import Settings, cache_dir  # noqa: E402
 
 
 def bench_model_dir() -> str:
-    from mlxq.worker.make_model import ensure_model
+    from mlxq.devkit.make_model import ensure_model
 
-    cache = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
+    cache = cache_dir()
     return str(ensure_model(cache / "bench-model", "bench"))
 
 

@@ -7,8 +7,8 @@ inside it, so the package's search path also covers the checkout's root.
 
     from mlxq import Client, AsyncClient
 
-Importing ``mlxq`` does not import MLX: producers need only Redis. ``mlxq.worker`` puts an
-optimized BLAS under MLX before MLX loads.
+Importing ``mlxq`` does not import MLX: producers need only Redis. The worker's entry points call
+``mlxq.worker.blas.setup()``, which puts an optimized BLAS under MLX before MLX loads.
 """
 
 import os as _os

@@ -112,7 +112,7 @@ def cmd_worker(args) -> int:
 
 
 def cmd_make_model(args) -> int:
-    from mlxq.worker.make_model import main
+    from mlxq.devkit.make_model import main
 
     argv = [args.dir, "--preset", args.preset] + (["--force"] if args.force else [])
     return main(argv)

@@ -1,12 +1,57 @@
-"""Settings shared by producers and workers, read from ``MLXQ_*`` environment variables."""
+"""The one settings object of producers, workers and the engine, read from ``MLXQ_*`` environment variables.
+
+Every option is a field of :class:`Settings` with its default; the field's metadata says, once, how
+it is set: the environment variable ``MLXQ_<NAME>``, the ``mlxq worker`` flag (generated from the
+fields by :func:`worker_flags`), the ``PagedEngine`` parameter it feeds (:meth:`Settings.engine_options`)
+and its help text.  ``Settings.from_env()`` is the one reader; ``__post_init__`` refuses bad values with
+a message that names the variable and the flag.  :func:`cache_dir` is the one place the cache
+directory's default lives.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Callable, Optional
+from urllib.parse import urlsplit, urlunsplit
 
 TIERS = ("high", "normal", "low")
 DEFAULT_TIER_OFFSETS = {"high": 0.0, "normal": 30.0, "low": 300.0}
+ATTENTION_MODES = ("auto", "fused", "gather")
+BLOCK_SIZE = 32  # tokens per KV block: the only size the engine and its kernels are built and tested for
+# prefill chunk size by prompt position: (positions below this, chunk tokens); None: every later position
+DEFAULT_CHUNK_SCHEDULE = ((2048, 512), (8192, 256), (20480, 128), (None, 64))
+
+
+def cache_dir() -> Path:
+    """Where built things are cached (the test and bench models, the attention extension, the BLAS
+    shim): ``$MLXQ_CACHE_DIR``, else ``~/.cache/mlxq``."""
+    return Path(os.environ.get("MLXQ_CACHE_DIR") or Path.home() / ".cache" / "mlxq")
+
+
+# ---------------------------------------------------------------- parsing one value (env var or flag)
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected on/off (1/0, true/false, yes/no), got {text!r}")
 
 
 def _parse_offsets(text: str) -> dict[str, float]:
@@ -14,59 +59,284 @@ def _parse_offsets(text: str) -> dict[str, float]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
         if name not in TIERS or not value:
-            raise ValueError(f"MLXQ_TIER_OFFSETS: expected tier=seconds with tier in {TIERS}, got {part!r}")
-        offsets[name] = float(value)
+            raise ValueError(f"expected tier=seconds with tier in {TIERS}, got {part!r}")
+        offsets[name] = _float(value)
     return offsets
+
+
+def _parse_chunks(text: str) -> tuple:
+    """``2048:512,8192:256,*:64``: below position 2048 chunks of 512 tokens, ..., then 64."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        limit, sep, size = part.partition(":")
+        if not sep:
+            raise ValueError(f"expected position:chunk pairs (e.g. 2048:512,*:64), got {part!r}")
+        pairs.append((None if limit.strip() == "*" else _int(limit), _int(size)))
+    return tuple(pairs)
+
+
+def _show_chunks(schedule) -> str:
+    return ",".join(f"{'*' if limit is None else limit}:{size}" for limit, size in schedule)
+
+
+def _show_offsets(offsets: dict) -> str:
+    return ",".join(f"{k}={v:g}" for k, v in offsets.items())
+
+
+def _mib_to_bytes(mib: Optional[float]) -> Optional[int]:
+    return None if mib is None else int(mib * 2**20)
+
+
+def mask_url(url: Optional[str]) -> Optional[str]:
+    """A Redis URL fit for a log: its password replaced by ``***``."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+_PARSERS: dict[str, Callable[[str], object]] = {
+    "int": _int, "Optional[int]": _int, "float": _float, "Optional[float]": _float,
+    "bool": _bool, "str": str, "Optional[str]": str,
+}
+
+
+def opt(default=None, help: str = "", *, factory=None, flag: Optional[str] = None, worker: bool = True,
+        engine: Optional[str] = None, to_engine: Optional[Callable] = None, choices: Optional[tuple] = None,
+        parse: Optional[Callable] = None, show: Optional[Callable] = None, shown_default: Optional[str] = None,
+        secret: bool = False):
+    """A settings field and how it is set.  ``worker``: ``mlxq worker`` has a flag for it (``flag``,
+    else ``--name-with-dashes``); ``engine``: the ``PagedEngine`` parameter it feeds (through
+    ``to_engine``); ``shown_default``: the default as said in ``--help``, where the value is None;
+    ``secret``: never shown (``***`` in :meth:`Settings.describe`)."""
+    meta = dict(help=help, flag=flag, worker=worker, engine=engine, to_engine=to_engine, choices=choices,
+                parse=parse, show=show, shown_default=shown_default, secret=secret)
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass(slots=True)
 class Settings:
-    """One place for every knob. ``Settings.from_env()`` reads ``MLXQ_<NAME>``."""
+    """One place for every knob. ``Settings.from_env()`` reads ``MLXQ_<NAME>``; ``mlxq worker`` has a flag
+    for each worker and engine field."""
 
-    redis_url: str | None = None
-    prefix: str = "mlxq"
-    tier_offsets: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_OFFSETS))
-    max_queued_per_tier: int = 10_000  # past this, submit fails with an overload error
-    lease_s: float = 30.0  # a pulled job's lease; the heartbeat renews it
-    heartbeat_s: float = 2.0
-    max_attempts: int = 3  # leases that may expire before a job goes to the dead-letter set
-    result_ttl_s: int = 24 * 3600  # how long results and token streams are kept
-    gather_ms: float = 5.0  # an idle worker, once woken, waits this long to gather a batch
-    idle_block_s: float = 1.0  # longest block on the wake-up signal
-    stats_interval_s: float = 1.0
-    idempotency_ttl_s: int = 24 * 3600
-    max_prompt_bytes: int = 4 * 1024 * 1024  # a hard cap on request size at submit
-    max_new_tokens: int = 32_768
-    live_worker_s: float = 10.0  # a model's worker counts as live while its last heartbeat is this recent
-    no_worker_wait_s: float = 3.0  # the gateway waits this long for a live worker, then answers 503
-    redis_outage_s: float = 30.0  # producers retry an unreachable Redis this long (then: ConnectionError, HTTP 503)
+    # -- Redis and the queue protocol (producers and workers) --------------------------------------------------
+    redis_url: Optional[str] = opt(None, "Redis URL", worker=False)  # --redis-url: an option of every command
+    prefix: str = opt("mlxq", "the key prefix of every Redis key")
+    tier_offsets: dict[str, float] = opt(
+        help="seconds added to a job's queue score per tier (tier=seconds,...; an admin's `mlxq tiers` wins)",
+        factory=lambda: dict(DEFAULT_TIER_OFFSETS), parse=_parse_offsets, show=_show_offsets)
+    max_queued_per_tier: int = opt(10_000, "past this, submit fails with an overload error")
+    lease_s: float = opt(30.0, "a pulled job's lease in seconds; the heartbeat renews it")
+    heartbeat_s: float = opt(2.0, "seconds between lease renewals (shorter than the lease)")
+    max_attempts: int = opt(3, "leases that may expire before a job goes to the dead-letter set")
+    result_ttl_s: int = opt(24 * 3600, "seconds results and token streams are kept")
+    gather_ms: float = opt(5.0, "an idle worker, once woken, waits this long to gather a batch")
+    idle_block_s: float = opt(1.0, "longest block on the wake-up signal, in seconds")
+    stats_interval_s: float = opt(1.0, "seconds between worker stats snapshots")
+    idempotency_ttl_s: int = opt(24 * 3600, "seconds an idempotency key is remembered", worker=False)
+    max_prompt_bytes: int = opt(4 * 1024 * 1024, "a hard cap on request size at submit", worker=False)
+    max_new_tokens: int = opt(32_768, "the most tokens one job may ask for")
+    live_worker_s: float = opt(10.0, "a model's worker counts as live while its last heartbeat is this recent",
+                               worker=False)
+    no_worker_wait_s: float = opt(3.0, "the gateway waits this long for a live worker, then answers 503",
+                                  worker=False)
+    redis_outage_s: float = opt(30.0, "producers retry an unreachable Redis this long (then: ConnectionError, "
+                                "HTTP 503)", worker=False)
+
+    # -- the worker process -----------------------------------------------------------------------------------
+    keep_dtype: bool = opt(False, "keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
+    grace_s: float = opt(30.0, "warm-shutdown grace period in seconds", flag="--grace")
+    burst: bool = opt(False, "exit when the queue is empty")
+    rq_queues: Optional[str] = opt(None, "also take jobs from these rq queues (comma-separated, e.g. "
+                                   "mlxq-high,mlxq-normal,mlxq-low; see mlxq.worker.rq_bridge)", shown_default="none")
+    # the rq bridge's own API key (its jobs' tier); a secret: no flag (a command line is visible to every
+    # user of the host), masked in the start-up log
+    rq_api_key: Optional[str] = opt(None, "the rq bridge's API key", worker=False, secret=True)
+    metrics_port: Optional[int] = opt(None, "serve Prometheus metrics on this port",
+                                      shown_default="no metrics server")
+    metrics_host: str = opt("127.0.0.1", "the address the metrics server binds: loopback; 0.0.0.0 exposes it "
+                            "on every interface (for a Prometheus on another host)")
+
+    # -- the engine (PagedEngine's parameters) --------------------------------------------------------------------
+    max_batch: Optional[int] = opt(None, "most sequences decoded together", engine="max_batch",
+                                   shown_default="as many as the KV memory holds")
+    kv_memory_mb: Optional[float] = opt(None, "KV block pool budget in MiB", engine="memory_budget_bytes",
+                                        to_engine=_mib_to_bytes,
+                                        shown_default="512, never more than max sequences x context")
+    kv_blocks: Optional[int] = opt(None, "a fixed number of 32-token KV blocks", engine="num_blocks",
+                                   shown_default="as many as --kv-memory-mb holds")
+    block_size: int = opt(BLOCK_SIZE, "tokens per KV block (only 32 is supported)", engine="block_size")
+    pressure: float = opt(0.85, "admit while used KV blocks stay under this share of the pool", engine="pressure")
+    prefix_cache: bool = opt(True, "reuse the KV blocks of shared prompt prefixes", engine="prefix_cache")
+    chunked_prefill: bool = opt(True, "prefill long prompts in chunks between decode steps",
+                                engine="chunked_prefill")
+    chunk_schedule: tuple = opt(DEFAULT_CHUNK_SCHEDULE, "prefill chunk size by prompt position "
+                                "(position:tokens,...; * for every later position)", engine="chunk_schedule",
+                                parse=_parse_chunks, show=_show_chunks)
+    step_token_budget: int = opt(512, "tokens of one engine step (prefill chunks + decode rows)",
+                                 engine="step_token_budget")
+    decode_reserve_blocks: int = opt(1, "KV blocks admission keeps free for the running sequences' next tokens",
+                                     engine="decode_reserve_blocks")
+    priority_gap: float = opt(1.0, "how much more urgent a job must be to preempt another", engine="priority_gap")
+    max_sequences: int = opt(256, "most sequences the engine holds at once (running and waiting)", engine="max_sequences")
+    max_waiting: int = opt(8, "most jobs waiting inside the engine for KV memory", engine="max_waiting")
+    session_dir: Optional[str] = opt(None, "where session KV is written under pressure and at shutdown",
+                                     engine="session_dir", shown_default="not written")
+    attention: str = opt("auto", "auto (the fused CPU op when it builds, else gather), fused, or gather",
+                         engine="attention", choices=ATTENTION_MODES)
 
     def __post_init__(self) -> None:
         unknown = set(self.tier_offsets) - set(TIERS)
         if unknown:
             raise ValueError(f"unknown tiers in tier_offsets: {sorted(unknown)}")
-        if self.max_queued_per_tier < 1 or self.lease_s <= 0 or self.max_attempts < 1:
-            raise ValueError("max_queued_per_tier, lease_s and max_attempts must be positive")
-        if self.heartbeat_s >= self.lease_s:
-            raise ValueError("heartbeat_s must be shorter than lease_s")
-        if "{" in self.prefix or "}" in self.prefix:
-            raise ValueError("prefix must not contain braces (they delimit Redis Cluster hash tags)")
+        for name, ok, rule in self._rules():
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} ({where(name)}): {rule}")
+
+    def _rules(self):
+        """(field, holds, what it must be): checked in order, the first broken one is reported."""
+        pos = "must be positive"
+        yield from (
+            ("max_queued_per_tier", self.max_queued_per_tier >= 1, pos),
+            ("lease_s", self.lease_s > 0, pos),
+            ("max_attempts", self.max_attempts >= 1, pos),
+            ("heartbeat_s", self.heartbeat_s < self.lease_s, "heartbeat_s must be shorter than lease_s"),
+            ("prefix", "{" not in self.prefix and "}" not in self.prefix,
+             "prefix must not contain braces (they delimit Redis Cluster hash tags)"),
+            ("max_new_tokens", self.max_new_tokens >= 1, pos),
+            ("gather_ms", self.gather_ms >= 0, "must not be negative"),
+            ("grace_s", self.grace_s >= 0, "must not be negative"),
+            ("metrics_port", self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+             "must be a port number, 0 to 65535"),
+            ("max_batch", self.max_batch is None or self.max_batch >= 1, "must be at least 1"),
+            ("kv_memory_mb", self.kv_memory_mb is None or self.kv_memory_mb > 0, pos),
+            ("kv_blocks", self.kv_blocks is None or self.kv_blocks >= 2, "must be at least 2"),
+            ("block_size", self.block_size == BLOCK_SIZE,
+             f"only {BLOCK_SIZE}-token blocks are supported (the attention kernels and session files use them)"),
+            ("pressure", 0 < self.pressure <= 1, "must be a share of the pool, above 0 and at most 1"),
+            ("chunk_schedule", _valid_chunks(self.chunk_schedule),
+             "must be position:tokens pairs with increasing positions and positive sizes, * only last"),
+            ("step_token_budget", self.step_token_budget >= 1, pos),
+            ("decode_reserve_blocks", self.decode_reserve_blocks >= 0, "must not be negative"),
+            ("priority_gap", self.priority_gap >= 0, "must not be negative"),
+            ("max_sequences", self.max_sequences >= 1, pos),
+            ("max_waiting", self.max_waiting >= 0, "must not be negative"),
+            ("attention", self.attention in ATTENTION_MODES, f"must be one of {', '.join(ATTENTION_MODES)}"),
+        )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
+        """Settings from ``MLXQ_<NAME>`` variables; ``overrides`` (e.g. command-line values) win where not None."""
         env = os.environ if env is None else env
         values: dict = {}
         for f in fields(cls):
-            raw = env.get(f"MLXQ_{f.name.upper()}")
+            raw = env.get(env_var(f.name))
             if raw is None or raw == "":
                 continue
-            if f.name == "tier_offsets":
-                values[f.name] = _parse_offsets(raw)
-            elif f.type in ("int", int):
-                values[f.name] = int(raw)
-            elif f.type in ("float", float):
-                values[f.name] = float(raw)
-            else:
-                values[f.name] = raw
+            try:
+                values[f.name] = parser(f.name)(raw)
+            except ValueError as exc:
+                raise ValueError(f"{env_var(f.name)}={raw!r}: {exc}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+    def engine_options(self) -> dict:
+        """The ``PagedEngine`` keyword arguments these settings set (the model's own come from the model)."""
+        out = {}
+        for f in fields(self):
+            param, convert = f.metadata["engine"], f.metadata["to_engine"]
+            if param:
+                value = getattr(self, f.name)
+                out[param] = convert(value) if convert else value
+        return out
+
+    def describe(self) -> str:
+        """Every setting on one line, for the worker's start-up log (the Redis password masked)."""
+        return " ".join(f"{f.name}={self._shown(f)}" for f in fields(self))
+
+    def _shown(self, f) -> str:
+        value = getattr(self, f.name)
+        if f.metadata["secret"] and value is not None:
+            return "***"
+        if f.name == "redis_url":
+            value = mask_url(value)
+        show = f.metadata.get("show")
+        return show(value) if show and value is not None else str(value)
+
+
+def _valid_chunks(schedule) -> bool:
+    try:
+        limits = [limit for limit, _ in schedule]
+        sizes = [size for _, size in schedule]
+    except (TypeError, ValueError):
+        return False
+    bounded = [x for x in limits if x is not None]
+    return (bool(schedule) and all(isinstance(s, int) and s >= 1 for s in sizes)
+            and None not in limits[:-1] and bounded == sorted(set(bounded)) and all(x >= 1 for x in bounded))
+
+
+_FIELDS = {f.name: f for f in fields(Settings)}
+
+
+def env_var(name: str) -> str:
+    return f"MLXQ_{name.upper()}"
+
+
+def flag(name: str) -> Optional[str]:
+    """The ``mlxq worker`` flag of a field (None: not a worker option)."""
+    meta = _FIELDS[name].metadata
+    if name == "redis_url":
+        return "--redis-url"
+    if not meta["worker"]:
+        return None
+    return meta["flag"] or "--" + name.replace("_", "-")
+
+
+def where(name: str) -> str:
+    """How a field is set, for error messages: ``MLXQ_MAX_BATCH / --max-batch``."""
+    return " / ".join(x for x in (env_var(name), flag(name)) if x)
+
+
+def parser(name: str) -> Callable[[str], object]:
+    f = _FIELDS[name]
+    return f.metadata["parse"] or _PARSERS[f.type]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One generated ``mlxq worker`` flag."""
+
+    name: str  # the field (and the argparse dest)
+    flag: str
+    help: str
+    is_bool: bool
+    parse: Callable[[str], object]
+    choices: Optional[tuple]
+
+
+def worker_flags() -> list[Flag]:
+    """The ``mlxq worker`` flags, one per worker and engine field, with help that gives the default and the
+    environment variable."""
+    out = []
+    for f in fields(Settings):
+        fl = flag(f.name)
+        if fl is None or f.name == "redis_url":
+            continue
+        meta = f.metadata
+        default = f.default if f.default_factory is MISSING else f.default_factory()
+        shown = meta["shown_default"] or (meta["show"](default) if meta["show"] else _on_off(default))
+        text = f"{meta['help']}; env ${env_var(f.name)} (default: {shown})"
+        out.append(Flag(f.name, fl, text, f.type == "bool", parser(f.name), meta["choices"]))
+    return out
+
+
+def _on_off(value) -> str:
+    return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+

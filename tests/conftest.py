@@ -7,20 +7,21 @@ import contextlib
 import os
 import threading
 import time
-from pathlib import Path
 
 # The suite runs its own process, worker subprocesses and Valkey on the same cores at once: the
 # case where OpenBLAS's spinning idle threads hurt (see mlxq.worker.blas.default_threads), so the
 # tests' workers (which inherit this environment) use one BLAS thread unless told otherwise.
 os.environ.setdefault("MLXQ_BLAS_THREADS", "1")
 
-import mlxq.worker  # noqa: E402,F401  (fast BLAS before mlx)
+from mlxq.worker import blas  # noqa: E402
+
+blas.setup()  # the fast BLAS under MLX, as in the worker: before any test module imports mlx
 
 import pytest
 import redis
 
 from mlxq.shared.embedded import EmbeddedRedis
-from mlxq.shared.settings import Settings
+from mlxq.shared.settings import Settings, cache_dir
 
 
 @pytest.fixture(scope="session")
@@ -49,17 +50,16 @@ def fake_redis():
 def tiny_model_seed() -> int:
     """The seed the tiny model is trained from ($MLXQ_TEST_MODEL_SEED, default 0).  Its weights also
     follow the machine's BLAS and CPU kernels: no test may depend on which text they produce."""
-    from mlxq.worker.make_model import seed_from_env
+    from mlxq.devkit.make_model import seed_from_env
 
     return seed_from_env()
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_model_seed):
-    from mlxq.worker.make_model import ensure_model, seeded_dir
+    from mlxq.devkit.make_model import ensure_model, seeded_dir
 
-    base = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
-    return ensure_model(seeded_dir(base, "tiny", tiny_model_seed), "tiny", seed=tiny_model_seed)
+    return ensure_model(seeded_dir(cache_dir(), "tiny", tiny_model_seed), "tiny", seed=tiny_model_seed)
 
 
 @pytest.fixture(scope="session")

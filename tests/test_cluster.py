@@ -14,7 +14,7 @@ import pytest
 
 from mlxq import Client
 from mlxq.shared.connection import connect
-from mlxq.shared.embedded import EmbeddedCluster
+from tests.clusterkit import EmbeddedCluster
 from mlxq.shared.keys import ModelKeys
 from tests.conftest import wait_for
 from tests.faultkit import WorkerProc, detok_text, executions_by_job, record, reference_tokens, wait_registered

@@ -7,8 +7,6 @@ in place.
 
 from __future__ import annotations
 
-import mlxq.worker  # noqa: F401  (BLAS before mlx)
-
 import mlx.core as mx
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_swiglu

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import mlxq.worker  # noqa: F401  (BLAS before mlx)
-
 import random
 
 import mlx.core as mx

@@ -19,7 +19,8 @@ import traceback
 import pytest
 
 from mlxq import AsyncClient, Client
-from mlxq.shared.embedded import EmbeddedCluster, EmbeddedRedis
+from mlxq.shared.embedded import EmbeddedRedis
+from tests.clusterkit import EmbeddedCluster
 from mlxq.shared.keys import ModelKeys
 from tests.conftest import fast_settings, wait_for
 from tests.faultkit import WorkerProc, detok_text, record, reference_tokens, wait_registered

@@ -1,7 +1,5 @@
 """The local test model: files, tokenizer, chat template, generation, training."""
 
-import mlxq.worker  # noqa: F401  (fast BLAS before mlx)
-
 import hashlib
 import json
 import math
@@ -12,8 +10,8 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxq.worker import _corpus
-from mlxq.worker.make_model import (
+from mlxq.devkit import corpus
+from mlxq.devkit.make_model import (
     END,
     FILES,
     PRESETS,
@@ -113,7 +111,7 @@ def test_model_learned_to_end_answers(tiny):
     model, tokenizer = tiny
     end_id = tokenizer.convert_tokens_to_ids(END)
     ranks = []
-    for doc in _corpus.documents(seed=777, n=10, chat_fraction=1.0):
+    for doc in corpus.documents(seed=777, n=10, chat_fraction=1.0):
         ids = tokenizer.encode(format_chat(doc))[:-2]  # cut the final "<|end|>\n"
         logits = model(mx.array(ids)[None])[0, -1]
         ranks.append((logits > logits[end_id]).sum().item())
@@ -128,7 +126,7 @@ def test_trained_loss_is_far_below_untrained(tiny_dir, tiny):
     assert stamp["loss_after"] < 0.4 * log_vocab
     # Recompute on fresh text through the loaded model.
     losses = []
-    for doc in _corpus.documents(seed=12345, n=8, chat_fraction=1.0):
+    for doc in corpus.documents(seed=12345, n=8, chat_fraction=1.0):
         ids = mx.array(tokenizer.encode(format_chat(doc)))[None]
         losses.append(nn.losses.cross_entropy(model(ids[:, :-1]), ids[:, 1:], reduction="mean").item())
     assert sum(losses) / len(losses) < 0.4 * log_vocab

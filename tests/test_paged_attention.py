@@ -5,8 +5,6 @@ The first test that needs the extension builds it (file-locked, into $MLXQ_CACHE
 or ~/.cache/mlxq/ext), about 20-40 s once per mlx version and source.
 """
 
-import mlxq.worker  # noqa: F401  (BLAS before mlx)
-
 import logging
 import os
 import subprocess
@@ -192,9 +190,11 @@ def test_fallback_to_gather_when_the_extension_fails(broken_loader, tiny_model, 
     assert len(out["s0"]) == 4
 
 
-def test_mode_from_env_and_validation(monkeypatch):
-    monkeypatch.setenv("MLXQ_ATTENTION", "gather")
-    assert attention.select_backend().name == "gather"
+def test_mode_from_settings_and_validation(monkeypatch):
+    from mlxq.shared.settings import Settings
+
+    monkeypatch.setenv("MLXQ_ATTENTION", "gather")  # read by Settings, the one reader of MLXQ_*
+    assert attention.select_backend(Settings.from_env().attention).name == "gather"
     with pytest.raises(ValueError, match="auto, fused, gather"):
         attention.resolve_mode("fast")
 
@@ -303,7 +303,7 @@ def test_head_dim_the_op_cannot_take_keeps_gather(ext):
 def test_generic_inner_loop_equals_reference(ext):
     """The baseline-ISA loop (what CPUs without AVX2/FMA run), forced in a fresh process."""
     script = (
-        "import mlxq.worker\n"
+        "from mlxq.worker import blas; blas.setup()\n"
         "import sys; sys.path.insert(0, 'tests')\n"
         "from test_paged_attention import _case, _rel_err\n"
         "from mlxq.worker.engine import attention\n"

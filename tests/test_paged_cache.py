@@ -1,7 +1,5 @@
 """The mlx-lm cache protocol over the block pool, with unmodified model files."""
 
-import mlxq.worker  # noqa: F401  (BLAS before mlx)
-
 import mlx.core as mx
 import pytest
 from mlx_lm.models import gemma2, gemma3_text, llama, qwen2, qwen3

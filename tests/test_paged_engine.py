@@ -1,8 +1,6 @@
 """PagedEngine end to end: greedy equality with dense mlx-lm, prefix cache,
 admission, preemption + resume, chunked prefill, sessions, no block leaks."""
 
-import mlxq.worker  # noqa: F401  (BLAS before mlx)
-
 import random
 from dataclasses import replace
 

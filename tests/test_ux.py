@@ -260,12 +260,19 @@ def test_help_shows_defaults(argv, expected, capsys):
         assert text in out, (text, out)
 
 
+def _worker_settings(argv):
+    """The settings ``mlxq worker`` would run with (flags over $MLXQ_*, over the defaults)."""
+    from mlxq.worker.cli import settings_from_args
+
+    return settings_from_args(build_parser().parse_args(argv))
+
+
 def test_metrics_bind_loopback_unless_told(fake_redis):
     from mlxq.shared.keys import ModelKeys
     from mlxq.worker.metrics import WorkerMetrics
 
-    assert build_parser().parse_args(["worker", "--model", "m"]).metrics_host == "127.0.0.1"
-    assert build_parser().parse_args(["worker", "--model", "m", "--metrics-host", "0.0.0.0"]).metrics_host == "0.0.0.0"
+    assert _worker_settings(["worker", "--model", "m"]).metrics_host == "127.0.0.1"
+    assert _worker_settings(["worker", "--model", "m", "--metrics-host", "0.0.0.0"]).metrics_host == "0.0.0.0"
     m = WorkerMetrics(fake_redis, ModelKeys("m"), "m")
     try:
         m.serve(0)
@@ -278,7 +285,7 @@ def test_compose_exposes_the_metrics_port_to_prometheus():
     from tests.test_compose import compose, mlxq_invocations
 
     (_, worker) = mlxq_invocations(compose()["services"]["worker"]["command"])
-    assert build_parser().parse_args(worker[1:]).metrics_host == "0.0.0.0"  # Prometheus is another container
+    assert _worker_settings(worker[1:]).metrics_host == "0.0.0.0"  # Prometheus is another container
 
 
 def _free_port() -> int:

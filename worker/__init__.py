@@ -1,9 +1,6 @@
 """The mlxq worker: one process, one model, one thread for every MLX call.
 
-Importing this package first puts an optimized BLAS under MLX on Linux (see
-:mod:`mlxq.worker.blas`); the result is logged by the worker at start-up.
+Importing this package loads nothing: the worker's entry points (``mlxq worker``, ``mlxq demo``, the
+dev kit, the tests' conftest) call :func:`mlxq.worker.blas.setup` before MLX is imported, which puts
+an optimized BLAS under MLX on Linux; the worker logs the result at start-up.
 """
-
-from . import blas as _blas
-
-BLAS_STATUS = _blas.setup()

@@ -33,6 +33,8 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxq.shared.settings import cache_dir
+
 _SYSTEM_OPENBLAS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -61,6 +63,13 @@ def status() -> BlasStatus | None:
     return _status
 
 
+def describe() -> str:
+    """What :func:`setup` did, for the worker's logs and stats (also when it was never called)."""
+    if _status is None:
+        return "not set up (mlxq.worker.blas.setup() was not called before MLX): MLX's bundled BLAS"
+    return str(_status)
+
+
 def setup() -> BlasStatus:
     """Load the fastest BLAS we can find ahead of MLX.  Idempotent."""
     global _status
@@ -78,7 +87,7 @@ def _setup() -> BlasStatus:
         return BlasStatus(
             False,
             "mlx.core was imported before mlxq.worker.blas.setup(); the reference BLAS stays "
-            "(import mlxq.worker first, or set LD_PRELOAD)",
+            "(call it first, or set LD_PRELOAD)",
         )
     steps: list[str] = []
     for path, kind in _candidates(steps):
@@ -168,7 +177,7 @@ def _preload_bundled_gfortran(steps: list[str]) -> None:
             continue
         for quad in sorted(libs.glob("libquadmath-*.so*")):
             _keep.append(ctypes.CDLL(str(quad), mode=ctypes.RTLD_GLOBAL))
-        cache = Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq")) / "blas"
+        cache = cache_dir() / "blas"
         cache.mkdir(parents=True, exist_ok=True)
         target = cache / "libgfortran.so.5"
         source = gfortran[0]

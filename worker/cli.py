@@ -1,11 +1,16 @@
-"""``mlxq worker``: run one MLX worker process for one model."""
+"""``mlxq worker``: run one MLX worker process for one model.
+
+Its flags are generated from :class:`mlxq.shared.settings.Settings` (one per worker and engine field,
+each also set by ``MLXQ_<NAME>``): a flag wins over the environment, the environment over the default.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+
+from mlxq.shared.settings import Settings, worker_flags
 
 log = logging.getLogger(__name__)
 
@@ -15,78 +20,77 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_shared(p, "redis_url", "model", required=("model",), help={"model": "an mlx-lm model directory or hub id"})
     p.add_argument("--name", help="the queue name (default: the model directory's base name or the hub id)")
-    p.add_argument("--max-batch", type=int, default=None,
-                   help="most sequences decoded together (default: as many as the KV memory holds)")
-    p.add_argument("--attention", choices=("auto", "fused", "gather"), default=os.environ.get("MLXQ_ATTENTION"),
-                   help="auto (the fused CPU op when it builds, else gather), fused, or gather "
-                        "(default: $MLXQ_ATTENTION, else auto)")
-    p.add_argument("--kv-memory-mb", type=float, default=None, help="KV block pool budget in MiB (default 512)")
-    p.add_argument("--kv-blocks", type=int, default=None,
-                   help="a fixed number of 32-token KV blocks (default: as many as --kv-memory-mb holds)")
-    p.add_argument("--session-dir", default=None,
-                   help="where session KV is written under pressure and at shutdown (default: not written)")
-    p.add_argument("--keep-dtype", action="store_true",
-                   help="keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
-    p.add_argument("--grace", type=float, default=30.0, help="warm-shutdown grace period in seconds")
-    p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
-    p.add_argument("--rq-queues", default=None,
-                   help="also take jobs from these rq queues (comma-separated, e.g. mlxq-high,mlxq-normal,mlxq-low; "
-                        "see mlxq.worker.rq_bridge) (default: none)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port (default: no metrics server)")
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="the address the metrics server binds: loopback; 0.0.0.0 exposes it on every interface "
-                        "(for a Prometheus on another host)")
+    for f in worker_flags():
+        if f.is_bool:  # --keep-dtype / --no-keep-dtype; None: not given, the environment decides
+            p.add_argument(f.flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f.help)
+        else:
+            p.add_argument(f.flag, dest=f.name, type=_argtype(f), default=None, choices=f.choices, help=f.help)
 
 
-def make_engine(args, loaded):
-    from .runner import make_engine as _make
+def _argtype(f):
+    """The setting's own parser, named for argparse's message ("invalid integer value: 'x'")."""
+    def parse(text: str):
+        try:
+            return f.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-    budget = int(args.kv_memory_mb * 2**20) if args.kv_memory_mb else None
-    return _make(loaded, max_batch=args.max_batch, kv_memory_bytes=budget, num_blocks=args.kv_blocks,
-                 session_dir=args.session_dir,
-                 attention=getattr(args, "attention", None))
+    parse.__name__ = f.name
+    return parse
+
+
+def settings_from_args(args) -> Settings:
+    """The worker's settings: ``MLXQ_*`` from the environment, each flag given on the command line over it."""
+    given = {f.name: getattr(args, f.name, None) for f in worker_flags()}
+    return Settings.from_env(redis_url=args.redis_url, **given)
 
 
 def run(args) -> int:
     from mlxq.producer.client import connect
-    from mlxq.shared.settings import Settings
-
-    from .model import ModelNotFound, load_model
-    from .runner import Worker
 
     if not args.redis_url:
         raise SystemExit("mlxq worker: no Redis URL (pass --redis-url or set MLXQ_REDIS_URL)")
-    # (the BLAS in use is logged once, in the worker's "serving" line)
-    settings = Settings.from_env(redis_url=args.redis_url)
     try:
-        loaded = load_model(args.model, name=args.name, keep_dtype=args.keep_dtype)
+        settings = settings_from_args(args)
+    except ValueError as exc:  # a bad value: said before anything loads
+        print(f"mlxq worker: {exc}", file=sys.stderr)
+        return 2
+    log.info("settings: %s", settings.describe())
+
+    from . import blas
+
+    blas.setup()  # the fast BLAS under MLX, before anything imports MLX (logged in the "serving" line)
+    from .engine.engine import make_engine
+    from .model import ModelNotFound, load_model
+    from .runner import Worker
+
+    try:
+        loaded = load_model(args.model, name=args.name, keep_dtype=settings.keep_dtype)
     except ModelNotFound as exc:
         print(f"mlxq worker: {exc}", file=sys.stderr)
         return 2
     observers, bridge = [], None
     redis_client = connect(args.redis_url)
-    if getattr(args, "metrics_port", None):
+    if settings.metrics_port:
         from mlxq.shared.keys import GlobalKeys
 
         from .metrics import WorkerMetrics
 
         metrics = WorkerMetrics(redis_client, GlobalKeys(settings.prefix).model_keys(loaded.name), loaded.name)
-        metrics.serve(args.metrics_port, getattr(args, "metrics_host", "127.0.0.1"))
+        metrics.serve(settings.metrics_port, settings.metrics_host)
         observers.append(metrics)
-    if getattr(args, "rq_queues", None):
+    if settings.rq_queues:
         from .rq_bridge import RqBridge
 
-        queues = tuple(q.strip() for q in args.rq_queues.split(",") if q.strip())
+        queues = tuple(q.strip() for q in settings.rq_queues.split(",") if q.strip())
         bridge = RqBridge(redis_client, loaded.name, settings, queues)
         observers.append(bridge)
-    worker = Worker(redis_client, loaded, settings, engine=make_engine(args, loaded),
-                    grace_s=args.grace, observers=observers)
+    worker = Worker(redis_client, loaded, settings, engine=make_engine(loaded, settings), observers=observers)
     worker.install_signal_handlers()
     if bridge is not None:
         bridge.start()
     try:
-        worker.run(burst=args.burst)
+        worker.run(burst=settings.burst)
     finally:
         if bridge is not None:
             bridge.stop()

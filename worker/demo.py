@@ -13,12 +13,11 @@ preemption counters.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 SYSTEM_PROMPT = ("You are a storyteller on a long sea voyage. Every answer is a short story told to the "
                  "crew at night, with a ship, a harbour and the weather in it. ")
@@ -90,15 +89,12 @@ def _state(job_id: str, done: dict, pacer: _Pacer) -> str:
 KEYS = {"high": "demo-key-high-tier", "normal": None, "low": "demo-key-batch-tier"}
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("MLXQ_CACHE_DIR", Path.home() / ".cache" / "mlxq"))
-
-
 def _small_model() -> str:
     """The small local model, built on the first run (~20 s on 2 cores), with what is happening said."""
-    from .make_model import ensure_model, read_stamp
+    from mlxq.devkit.make_model import ensure_model, read_stamp
+    from mlxq.shared.settings import cache_dir
 
-    where = _cache_dir() / "tiny-model"
+    where = cache_dir() / "tiny-model"
     before = read_stamp(where)
     print("small local model: checking the cache; the first run builds it (~20 s on 2 cores) ...", flush=True)
     t0 = time.perf_counter()
@@ -108,12 +104,12 @@ def _small_model() -> str:
     return str(where)
 
 
-def _prepare_extension() -> None:
+def _prepare_extension(attention: str) -> None:
     """Compile the paged-attention CPU extension now (first run only) rather than silently in the
     worker; said, with a progress bar on a terminal, and how long it took."""
     from .engine.kernels.extbuild import ExtensionUnavailable, build, built_library
 
-    if os.environ.get("MLXQ_ATTENTION", "auto") not in ("", "auto", "fused") or built_library() is not None:
+    if attention == "gather" or built_library() is not None:
         return
     print("compiling the paged-attention CPU extension (first run only, ~15-40 s) ...", flush=True)
     t0 = time.perf_counter()
@@ -133,7 +129,7 @@ def main(args) -> int:
     from mlxq.shared.keys import GlobalKeys
     from mlxq.shared.settings import Settings
 
-    from . import BLAS_STATUS
+    from . import blas
 
     logging.getLogger("mlxq.worker").setLevel(logging.WARNING)
     server = None
@@ -142,11 +138,11 @@ def main(args) -> int:
         server = EmbeddedRedis().start()
         url = server.url
         print(f"embedded Valkey server at {url}")
-    print(f"BLAS: {BLAS_STATUS}")
-    model_src = args.model or _small_model()
-    _prepare_extension()
-
+    print(f"BLAS: {blas.setup()}")  # before MLX loads (the model, the worker)
     settings = Settings.from_env(redis_url=url, gather_ms=20.0)
+    model_src = args.model or _small_model()
+    _prepare_extension(settings.attention)
+
     client = Client(url, settings=settings)
     for tier, key in KEYS.items():
         if key:
@@ -178,7 +174,8 @@ def main(args) -> int:
 
     def run_worker():
         from .model import ModelNotFound, load_model
-        from .runner import Worker, make_engine
+        from .engine.engine import make_engine
+        from .runner import Worker
 
         try:
             loaded = load_model(model_src, name=model)
@@ -188,7 +185,7 @@ def main(args) -> int:
             return
         try:
             # a small pool (64 blocks of 32 tokens) so the block counts are readable
-            engine = make_engine(loaded, max_batch=ROOM, num_blocks=64)
+            engine = make_engine(loaded, dataclasses.replace(settings, max_batch=ROOM, kv_blocks=64))
             holder["pacer"] = _Pacer(engine, getattr(args, "pace", PACE_S))
             holder["worker"] = Worker(client.redis.__class__.from_url(url), loaded, settings, engine=engine)
         finally:

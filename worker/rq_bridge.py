@@ -148,7 +148,7 @@ class RqBridge:
         self.settings = settings or Settings.from_env()
         # rq queue names (mlxq-high, ...) are floors on the tier of the bridge's own key (MLXQ_RQ_API_KEY)
         self.client = Client(settings=self.settings, redis_client=redis_client, model=model,
-                             api_key=api_key or os.environ.get("MLXQ_RQ_API_KEY") or None)
+                             api_key=api_key or self.settings.rq_api_key)
         self.model = model
         self.queues = [RqQueue(name, connection=redis_client, serializer=SafePickle) for name in queues]
         self.gkeys = GlobalKeys(self.settings.prefix)

@@ -7,6 +7,7 @@ runs on other threads (``mlxq.worker.redis_io``) and never stalls a decode step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -23,22 +24,13 @@ from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.protocol import Pulled, Queue
 from mlxq.shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
 from mlxq.shared.settings import TIERS, Settings
-from . import BLAS_STATUS
+from . import blas
 from .jobs import ActiveJob, JobError, Published, decode_request, read_published, start_job, tokenize
 from .model import LoadedModel
-from .engine import PagedEngine
+from .engine.engine import make_engine
 from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQueue, StepOutput
 
 log = logging.getLogger(__name__)
-
-
-def make_engine(loaded: LoadedModel, *, max_batch: int | None = None, kv_memory_bytes: int | None = None,
-                num_blocks: int | None = None, session_dir: str | None = None,
-                attention: str | None = None) -> PagedEngine:
-    """The worker's engine: paged continuous batching (prefix cache, admission, preemption, sessions)."""
-    return PagedEngine(loaded.model, memory_budget_bytes=kv_memory_bytes, num_blocks=num_blocks,
-                       max_batch=max_batch, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name,
-                       session_dir=session_dir, context_length=loaded.context_length, attention=attention)
 
 
 def new_worker_id() -> str:
@@ -47,7 +39,8 @@ def new_worker_id() -> str:
 
 class Worker:
     def __init__(self, redis_client, loaded: LoadedModel, settings: Settings | None = None, *,
-                 engine=None, max_batch: int | None = None, worker_id: str | None = None, grace_s: float = 30.0,
+                 engine=None, max_batch: int | None = None, worker_id: str | None = None,
+                 grace_s: float | None = None,
                  observers: Optional[list] = None):
         self.settings = settings or Settings.from_env()
         self.loaded = loaded
@@ -55,8 +48,11 @@ class Worker:
         gk = GlobalKeys(self.settings.prefix)
         self.keys = gk.model_keys(loaded.name)
         self.q = Queue(redis_client, self.keys, self.settings)
-        self.engine = engine or make_engine(loaded, max_batch=max_batch)
-        self.grace_s = grace_s
+        if engine is None:
+            engine = make_engine(loaded, self.settings if max_batch is None else
+                                 dataclasses.replace(self.settings, max_batch=max_batch))
+        self.engine = engine
+        self.grace_s = self.settings.grace_s if grace_s is None else grace_s
         self.eos = set(loaded.eos_token_ids)
         # Observers (metrics, rq mirroring) get on_token(job, n_tokens, now_monotonic),
         # on_finish(job, result) and on_snapshot(snapshot); all are called on the MLX thread
@@ -167,7 +163,7 @@ class Worker:
     # -- the loop ------------------------------------------------------------
     def start_threads(self) -> None:
         log.info("worker %s serving %r (%s); BLAS: %s", self.worker_id, self.loaded.name,
-                 type(self.engine).__name__, BLAS_STATUS)
+                 type(self.engine).__name__, blas.describe())
         self.publisher.start()
         self.fetcher.start()
         self.control.start()
@@ -362,7 +358,7 @@ class Worker:
             "peak_memory_bytes": mx.get_peak_memory(),
             "active_memory_bytes": mx.get_active_memory(),
             "publish_round_trips": self.publisher.round_trips,
-            "blas": str(BLAS_STATUS),
+            "blas": blas.describe(),
             "draining": self.draining.is_set(),
             **{f"engine_{k}" if not k.startswith("engine") else k: v for k, v in self.engine.stats().items()},
         }

@@ -43,13 +43,14 @@ model ops of :mod:`.model_ops` (swiglu, RoPE), bit-identical to MLX's own.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 from mlx_lm.models.cache import make_prompt_cache
+
+from mlxq.shared.settings import ATTENTION_MODES
 
 from .block_manager import BLOCK_SIZE
 from .kernels import model_ops
@@ -58,8 +59,7 @@ from .kv_cache import KVPool, PagedLayerCache, _ShapeProbe
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "fused", "gather")
-ENV_VAR = "MLXQ_ATTENTION"
+MODES = ATTENTION_MODES  # the attention setting (MLXQ_ATTENTION / --attention) is read by Settings
 
 
 # ============================================================== the reference
@@ -234,7 +234,7 @@ class AttentionBackend:
 
 
 def resolve_mode(mode: Optional[str]) -> str:
-    mode = (mode or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    mode = (mode or "auto").strip().lower()
     if mode not in MODES:
         raise ValueError(f"attention must be one of {', '.join(MODES)} (got {mode!r})")
     return mode

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
+from mlxq.shared.settings import Settings
+
 from ..engine_api import Preempted, SeqSpec, TokenEvent
 from .attention import use_attention
 from .block_manager import BLOCK_SIZE, BlockManager
@@ -30,6 +32,17 @@ from .sessions import SessionFiles
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
+# PagedEngine's parameters that come from the model, not from Settings (every other one is a setting)
+FROM_MODEL = ("model", "eos_token_ids", "model_id", "context_length")
+
+
+def make_engine(loaded, settings: Optional[Settings] = None) -> "PagedEngine":
+    """The worker's engine for a loaded model (``mlxq.worker.model.LoadedModel``): paged continuous
+    batching (prefix cache, admission, preemption, sessions), configured by ``settings``
+    (default: ``Settings.from_env()``)."""
+    settings = settings or Settings.from_env()
+    return PagedEngine(loaded.model, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name,
+                       context_length=loaded.context_length, **settings.engine_options())
 
 
 class PagedEngine:
@@ -56,7 +69,7 @@ class PagedEngine:
         max_waiting: int = 8,
         block_size: int = BLOCK_SIZE,
         context_length: Optional[int] = None,
-        attention: Optional[str] = None,
+        attention: str = "auto",
     ):
         self.model = model
         self.block_size = block_size
@@ -73,7 +86,7 @@ class PagedEngine:
         self.bm = BlockManager(num_blocks, block_size, model_id)
         self.pool = KVPool(self.kv_shape, num_blocks, block_size, dtype=self.kv_shape.dtype)
         self.runner = ModelRunner(model, self.pool)
-        # auto / fused / gather (None: $MLXQ_ATTENTION, else auto); logs its choice
+        # auto / fused / gather; logs its choice
         self.attention = use_attention(model, self.pool, attention)
         self.sessions = SessionFiles(session_dir, model_id, self.pool) if session_dir else None
         config = SchedulerConfig(

@@ -29,15 +29,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence as Seq
 
+from mlxq.shared.settings import DEFAULT_CHUNK_SCHEDULE
+
 from ..engine_api import Preempted, SeqSpec, TokenEvent
 from .block_manager import BlockManager, PrefixHit
 from .sequence import Sampled, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
-# (cache position below which, chunk size); the 4096/2048/1024/512
-# scaled down 8x for a CPU.
-DEFAULT_CHUNK_SCHEDULE = ((2048, 512), (8192, 256), (20480, 128), (None, 64))
+# DEFAULT_CHUNK_SCHEDULE (a setting): (cache position below which, chunk size); the issue's
+# 4096/2048/1024/512 scaled down 8x for a CPU.
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ import threading
 import time
 from pathlib import Path
 
+from mlxq.shared.settings import cache_dir
+
 from ... import progress
 
 log = logging.getLogger(__name__)
@@ -56,8 +58,7 @@ class ExtensionUnavailable(RuntimeError):
 
 
 def cache_root() -> Path:
-    base = os.environ.get("MLXQ_CACHE_DIR") or str(Path.home() / ".cache" / "mlxq")
-    return Path(base) / "ext"
+    return cache_dir() / "ext"
 
 
 def _version(dist: str) -> str:
@@ -268,7 +269,9 @@ def load(build_if_missing: bool = True):
 
 def main(args) -> int:
     """``mlxq build-ext``: build (or rebuild with --force), load and self-check; say where."""
-    import mlxq.worker  # noqa: F401  (BLAS under MLX, as in the worker)
+    from ... import blas
+
+    blas.setup()  # BLAS under MLX, as in the worker
 
     from ..attention import cpu_extension
 

@@ -6,7 +6,7 @@ reads through its normal path: ``config.json`` (``model_type: llama``),
 the ``tokenizers`` library (``tokenizer.json``, ``tokenizer_config.json`` with a
 Jinja chat template, ``special_tokens_map.json``).  The model is trained for a
 few hundred steps of next-token prediction on the generated corpus of
-:mod:`mlxq.worker._corpus`, so greedy output is short English-like sentences that
+:mod:`mlxq.devkit.corpus`, so greedy output is short English-like sentences that
 end with ``<|end|>`` (the EOS token); they follow the prompt's topic only weakly.  A build is
 deterministic for a given seed on a given machine; the trained weights (and so the generated text)
 also follow the BLAS build and the CPU kernels it picks, so they differ between machines.
@@ -45,7 +45,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlxq.worker  # noqa: F401  (fast BLAS before mlx)
+from mlxq.worker import blas
+
+blas.setup()  # the fast BLAS under MLX, as in the worker: before mlx is imported below
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,7 +57,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from . import _corpus, progress
+from mlxq.worker import progress
+
+from . import corpus
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +121,7 @@ _EVAL_DOCS = 200
 def code_version() -> str:
     """A hash of the code and corpus that determine the built files."""
     h = hashlib.sha256()
-    for path in (Path(__file__), Path(_corpus.__file__)):
+    for path in (Path(__file__), Path(corpus.__file__)):
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -213,8 +217,8 @@ def _build(out: Path, preset: str, steps: int, seed: int) -> dict:
     cfg = PRESETS[preset]
     t0, cpu0 = time.perf_counter(), time.process_time()
     n_docs = max(2000, 10 * steps)  # fewer repeats of a document than of a window
-    docs = _corpus.documents(seed, n_docs)
-    eval_docs = _corpus.documents(seed + 10_000, _EVAL_DOCS)
+    docs = corpus.documents(seed, n_docs)
+    eval_docs = corpus.documents(seed + 10_000, _EVAL_DOCS)
 
     tokenizer = _train_tokenizer(docs, cfg, seed)
     vocab_size = tokenizer.get_vocab_size()
@@ -298,7 +302,7 @@ def _train_tokenizer(docs, cfg: Preset, seed: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = _doc_texts(docs) + _corpus.lexicon(seed, cfg.lexicon_lines)
+    texts = _doc_texts(docs) + corpus.lexicon(seed, cfg.lexicon_lines)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
 

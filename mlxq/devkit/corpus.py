@@ -1,4 +1,4 @@
-"""The embedded text the local test model is trained on (see :mod:`mlxq.worker.make_model`).
+"""The embedded text the local test model is trained on (see :mod:`mlxq.devkit.make_model`).
 
 Twelve topics, each with word lists and a few hand-written lines; documents are
 short paragraphs or one-turn chats that stay on one topic, so a small model
