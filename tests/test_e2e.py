@@ -159,12 +159,29 @@ def test_per_request_params_and_seeded_reproducibility_in_a_batch(tiny_model, re
                           ignore_eos=True),
         ]
         res = [j.result(timeout=60) for j in batch]
-    greedy_ref = reference_tokens(tiny_model, tiny_model.tokenizer.encode(prompt), 24, ignore_eos=True)
+    ids = tiny_model.tokenizer.encode(prompt)
+    greedy_ref = reference_tokens(tiny_model, ids, 24, ignore_eos=True)
     assert res[0].token_ids == alone.token_ids  # same seed: same tokens alone or in a batch
     assert res[1].token_ids == greedy_ref
-    assert res[0].token_ids != res[1].token_ids  # sampling really differs from greedy
-    assert res[2].token_ids != res[0].token_ids  # its own params
-    assert res[4].token_ids != res[0].token_ids  # the repetition penalty is applied per request
+    # each job's own params, against mlx-lm's single-sequence forward with that job's sampler and
+    # processors (whatever the weights; a sampler's key of token n is hash(seed, n))
+    assert res[0].token_ids == _sampled_ref(tiny_model, ids, 24, temperature=0.9, seed=1234)
+    assert res[2].token_ids == _sampled_ref(tiny_model, ids, 24, temperature=1.5, top_k=20, seed=5)
+    assert res[4].token_ids == _sampled_ref(tiny_model, ids, 24, temperature=0.9, seed=1234,
+                                            repetition_penalty=1.3)
+
+
+def _sampled_ref(loaded, prompt_ids, n, **params):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from mlxq.shared.schemas import SamplingParams
+    from mlxq.worker.sampling import make_processors, make_sampler
+
+    p = SamplingParams(max_tokens=n, ignore_eos=True, **params)
+    steps = generate_step(mx.array(prompt_ids), loaded.model, max_tokens=n, sampler=make_sampler(p, p.seed),
+                          logits_processors=make_processors(p))
+    return [int(t) for t, _ in steps]
 
 
 def test_priority_order_through_a_busy_worker(tiny_model, redis_url):
