@@ -9,11 +9,11 @@ import sys
 
 from mlxq.shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
 from mlxq.shared.settings import TIERS
-from .cliopts import Parser, add_shared
+from .shared.cliopts import Parser, add_shared
 
 
 def cmd_submit(args) -> int:
-    from .client import Client
+    from .producer.client import Client
 
     client = Client(args.redis_url, api_key=args.api_key, model=args.model)
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -44,8 +44,8 @@ def _say_if_no_worker(job) -> None:
 
 
 def cmd_stats(args) -> int:
-    from . import stats
-    from .client import connect
+    from .producer import stats
+    from .producer.client import connect
 
     data = stats.collect(connect(args.redis_url))
     print(json.dumps(data, indent=2, default=str) if args.json else stats.render(data))
@@ -56,7 +56,7 @@ def cmd_keys(args) -> int:
     from mlxq.shared import apikeys
     from mlxq.shared.keys import GlobalKeys
 
-    from .client import connect
+    from .producer.client import connect
 
     r = connect(args.redis_url)
     reg = GlobalKeys().api_keys
@@ -80,7 +80,7 @@ def cmd_tiers(args) -> int:
     from mlxq.shared import apikeys
     from mlxq.shared.keys import GlobalKeys
 
-    from .client import connect
+    from .producer.client import connect
 
     r = connect(args.redis_url)
     offsets = {}
@@ -106,7 +106,7 @@ def cmd_acl(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from mlxq.worker.cli import run
+    from .worker_cli import run
 
     return run(args)
 
@@ -119,7 +119,7 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from mlxq.worker.demo import main
+    from .demo import main
 
     return main(args)
 
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("worker", help="run an MLX worker for one model")
-    from mlxq.worker.cli import add_arguments
+    from .worker_cli import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=cmd_worker)
@@ -224,20 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Other modules add sub-commands here: each item is a function(subparsers) that adds its parser.
-_EXTRA_COMMANDS: list = []
-
-
 def _ecosystem_commands(sub) -> None:
     """``mlxq gateway`` (OpenAI-compatible HTTP) and ``mlxq batch`` (resumable JSONL bulk submission)."""
-    from .bulk import add_command as add_batch
-    from .gateway import add_command as add_gateway
+    from .producer.bulk import add_command as add_batch
+    from .producer.gateway import add_command as add_gateway
 
     add_gateway(sub)
     add_batch(sub)
-
-
-_EXTRA_COMMANDS.append(_ecosystem_commands)
 
 
 def cmd_build_ext(args) -> int:
@@ -253,7 +246,8 @@ def _build_ext_command(sub) -> None:
     p.set_defaults(func=cmd_build_ext)
 
 
-_EXTRA_COMMANDS.append(_build_ext_command)
+# Sub-commands declared beside their own code: each adds its parser to the sub-parsers.
+_EXTRA_COMMANDS = (_ecosystem_commands, _build_ext_command)
 
 
 def _user_errors() -> tuple:
@@ -262,7 +256,7 @@ def _user_errors() -> tuple:
     from mlxq.shared.apikeys import AuthError
     from mlxq.shared.protocol import JobRefused, OverloadError
 
-    from .common import JobTimeout, NoModelError
+    from .producer.common import JobTimeout, NoModelError
 
     return (AuthError, OverloadError, JobRefused, NoModelError, JobTimeout, ValueError, redis.ConnectionError)
 

@@ -107,7 +107,7 @@ def _small_model() -> str:
 def _prepare_extension(attention: str) -> None:
     """Compile the paged-attention CPU extension now (first run only) rather than silently in the
     worker; said, with a progress bar on a terminal, and how long it took."""
-    from .engine.kernels.extbuild import ExtensionUnavailable, build, built_library
+    from .worker.engine.kernels.extbuild import ExtensionUnavailable, build, built_library
 
     if attention == "gather" or built_library() is not None:
         return
@@ -129,7 +129,7 @@ def main(args) -> int:
     from mlxq.shared.keys import GlobalKeys
     from mlxq.shared.settings import Settings
 
-    from . import blas
+    from .worker import blas
 
     logging.getLogger("mlxq.worker").setLevel(logging.WARNING)
     server = None
@@ -173,9 +173,9 @@ def main(args) -> int:
     ready = threading.Event()
 
     def run_worker():
-        from .model import ModelNotFound, load_model
-        from .engine.engine import make_engine
-        from .runner import Worker
+        from .worker.model import ModelNotFound, load_model
+        from .worker.engine.engine import make_engine
+        from .worker.runner import Worker
 
         try:
             loaded = load_model(model_src, name=model)
