@@ -7,8 +7,8 @@ import json
 import logging
 import sys
 
-from mlxq.shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
-from mlxq.shared.settings import TIERS
+from .shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
+from .shared.settings import TIERS
 from .shared.cliopts import Parser, add_shared
 
 
@@ -53,8 +53,8 @@ def cmd_stats(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from mlxq.shared import apikeys
-    from mlxq.shared.keys import GlobalKeys
+    from .shared import apikeys
+    from .shared.keys import GlobalKeys
 
     from .producer.client import connect
 
@@ -77,8 +77,8 @@ def cmd_keys(args) -> int:
 def cmd_tiers(args) -> int:
     """Tier offsets, the per-tier queue bound and the tier of key-less callers, stored in Redis
     (the enqueue script reads them there; every model's slot gets a copy)."""
-    from mlxq.shared import apikeys
-    from mlxq.shared.keys import GlobalKeys
+    from .shared import apikeys
+    from .shared.keys import GlobalKeys
 
     from .producer.client import connect
 
@@ -99,7 +99,7 @@ def cmd_tiers(args) -> int:
 
 def cmd_acl(args) -> int:
     """Print the ACL SETUSER line of the producer recipe (mlxq.shared.acl)."""
-    from mlxq.shared.acl import producer_acl_line
+    from .shared.acl import producer_acl_line
 
     print(producer_acl_line(args.user, args.password))
     return 0
@@ -112,7 +112,7 @@ def cmd_worker(args) -> int:
 
 
 def cmd_make_model(args) -> int:
-    from mlxq.devkit.make_model import main
+    from .devkit.make_model import main
 
     argv = [args.dir, "--preset", args.preset] + (["--force"] if args.force else [])
     return main(argv)
@@ -125,7 +125,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_redis(args) -> int:
-    from mlxq.shared.embedded import run_foreground
+    from .shared.embedded import run_foreground
 
     extra = args.valkey_args[1:] if args.valkey_args[:1] == ["--"] else args.valkey_args
     run_foreground(args.port, args.data_dir, args.bind, tuple(extra))
@@ -234,7 +234,7 @@ def _ecosystem_commands(sub) -> None:
 
 
 def cmd_build_ext(args) -> int:
-    from mlxq.worker.engine.kernels.extbuild import main
+    from .worker.engine.kernels.extbuild import main
 
     return main(args)
 
@@ -253,8 +253,8 @@ _EXTRA_COMMANDS = (_ecosystem_commands, _build_ext_command)
 def _user_errors() -> tuple:
     import redis
 
-    from mlxq.shared.apikeys import AuthError
-    from mlxq.shared.protocol import JobRefused, OverloadError
+    from .shared.apikeys import AuthError
+    from .shared.protocol import JobRefused, OverloadError
 
     from .producer.common import JobTimeout, NoModelError
 

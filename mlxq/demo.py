@@ -91,8 +91,8 @@ KEYS = {"high": "demo-key-high-tier", "normal": None, "low": "demo-key-batch-tie
 
 def _small_model() -> str:
     """The small local model, built on the first run (~20 s on 2 cores), with what is happening said."""
-    from mlxq.devkit.make_model import ensure_model, read_stamp
-    from mlxq.shared.settings import cache_dir
+    from .devkit.make_model import ensure_model, read_stamp
+    from .shared.settings import cache_dir
 
     where = cache_dir() / "tiny-model"
     before = read_stamp(where)
@@ -122,12 +122,12 @@ def _prepare_extension(attention: str) -> None:
 
 
 def main(args) -> int:
-    from mlxq.producer import Client
-    from mlxq.producer import stats as stats_mod
-    from mlxq.shared import apikeys
-    from mlxq.shared.embedded import EmbeddedRedis
-    from mlxq.shared.keys import GlobalKeys
-    from mlxq.shared.settings import Settings
+    from .producer import Client
+    from .producer import stats as stats_mod
+    from .shared import apikeys
+    from .shared.embedded import EmbeddedRedis
+    from .shared.keys import GlobalKeys
+    from .shared.settings import Settings
 
     from .worker import blas
 
@@ -148,7 +148,7 @@ def main(args) -> int:
         if key:
             apikeys.add_key(client.redis, GlobalKeys(settings.prefix).api_keys, key, tier)
 
-    from mlxq.shared.keys import model_name
+    from .shared.keys import model_name
 
     model = model_name(model_src)
     picked = DEMO_PROMPTS[: max(ROOM + 1, args.jobs)]

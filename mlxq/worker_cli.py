@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from mlxq.shared.settings import Settings, worker_flags
+from .shared.settings import Settings, worker_flags
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def settings_from_args(args) -> Settings:
 
 
 def run(args) -> int:
-    from mlxq.producer.client import connect
+    from .producer.client import connect
 
     if not args.redis_url:
         raise SystemExit("mlxq worker: no Redis URL (pass --redis-url or set MLXQ_REDIS_URL)")
@@ -72,7 +72,7 @@ def run(args) -> int:
     observers, bridge = [], None
     redis_client = connect(args.redis_url)
     if settings.metrics_port:
-        from mlxq.shared.keys import GlobalKeys
+        from .shared.keys import GlobalKeys
 
         from .worker.metrics import WorkerMetrics
 

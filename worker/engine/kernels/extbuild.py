@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from mlxq.shared.settings import cache_dir
+from ....shared.settings import cache_dir
 
 from ... import progress
 
