@@ -234,9 +234,27 @@ def _ecosystem_commands(sub) -> None:
 
 
 def cmd_build_ext(args) -> int:
-    from .worker.engine.kernels.extbuild import main
+    """``mlxq build-ext``: build (or rebuild with --force), load and self-check; say where."""
+    import time
 
-    return main(args)
+    from .worker import blas
+
+    blas.setup()  # BLAS under MLX, as in the worker
+
+    from .worker.engine.attention import cpu_extension
+    from .worker.engine.kernels.extbuild import ExtensionUnavailable, build, built_library
+
+    t0 = time.perf_counter()
+    try:
+        build(force=getattr(args, "force", False))
+        ext = cpu_extension(build_if_missing=False)
+    except ExtensionUnavailable as e:
+        print(f"mlxq build-ext: the extension is unavailable: {e}", file=sys.stderr)
+        print("mlxq build-ext: workers will use the gather attention path", file=sys.stderr)
+        return 1
+    print(f"paged-attention extension ready: {built_library()}")
+    print(f"inner loop {ext.isa()}, {ext.num_threads()} threads, {time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 def _build_ext_command(sub) -> None:
