@@ -1,6 +1,7 @@
 """The layers of the code (issue 18), checked by import-linter with the contract in pyproject.toml:
 the face ``mlxq/`` (public API, CLI, demo, dev kit) above ``mlxq.producer | mlxq.worker``
-(siblings that never import each other) above ``mlxq.shared``.
+(siblings that never import each other) above ``mlxq.shared``; and no import cycles among
+the modules of any package.
 
 import-linter reads a package from one folder, as it is installed; a checkout (or an editable
 install) keeps ``producer/``, ``worker/`` and ``shared/`` beside ``mlxq/``. The test lays the
@@ -37,7 +38,7 @@ def lint(tree: Path) -> subprocess.CompletedProcess:
 def test_imports_keep_the_layers(tmp_path):
     out = lint(installed_layout(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "1 kept, 0 broken" in out.stdout, out.stdout
+    assert "2 kept, 0 broken" in out.stdout, out.stdout
 
 
 def test_an_import_across_the_layers_breaks_the_build(tmp_path):
@@ -46,5 +47,16 @@ def test_an_import_across_the_layers_breaks_the_build(tmp_path):
     stats.write_text(stats.read_text() + "\nfrom ..worker import progress  # noqa: E402,F401\n")
     out = lint(tree)
     assert out.returncode != 0, out.stdout
-    assert "0 kept, 1 broken" in out.stdout and "mlxq.producer.stats -> mlxq.worker.progress" in out.stdout, \
+    assert "1 kept, 1 broken" in out.stdout and "mlxq.producer.stats -> mlxq.worker.progress" in out.stdout, \
         out.stdout
+
+
+def test_an_import_cycle_breaks_the_build(tmp_path):
+    tree = installed_layout(tmp_path)
+    keys = tree / "mlxq" / "shared" / "keys.py"  # shared.keys <-> shared.settings
+    keys.write_text(keys.read_text() + "\nfrom . import settings  # noqa: E402,F401\n")
+    settings = tree / "mlxq" / "shared" / "settings.py"
+    settings.write_text(settings.read_text() + "\nfrom . import keys  # noqa: E402,F401\n")
+    out = lint(tree)
+    assert out.returncode != 0, out.stdout
+    assert "1 kept, 1 broken" in out.stdout and "No cycles are allowed in mlxq.shared" in out.stdout, out.stdout
