@@ -37,6 +37,6 @@ def __getattr__(name):
     # ``mlxq.generate`` is the rq function path (rq imports ``mlxq`` and looks the name up); it is
     # resolved lazily so that producers importing ``mlxq`` never load the worker or MLX.
     if name == "generate":
-        from .worker.rq_bridge import generate
+        from .producer.rq_bridge import generate
         return generate
     raise AttributeError(f"module 'mlxq' has no attribute {name!r}")

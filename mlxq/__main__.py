@@ -1,6 +1,6 @@
 """``python -m mlxq`` is the ``mlxq`` command."""
 
-from mlxq.producer.cli import main
+from .cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The mlxq producer library: hand generation work to mlxq workers through Redis."""
 
-from mlxq.shared.apikeys import AuthError
-from mlxq.shared.protocol import JobRefused, OverloadError
+from ..shared.apikeys import AuthError
+from ..shared.protocol import JobRefused, OverloadError
 
 from .aclient import AsyncClient, AsyncJob
 from .client import Client, Job

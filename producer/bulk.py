@@ -35,10 +35,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from mlxq.shared import codec
-from mlxq.shared.protocol import OverloadError
-from mlxq.shared.schemas import INVALID_REQUEST, Result
-from .cliopts import add_shared
+from ..shared import codec
+from ..shared.protocol import OverloadError
+from ..shared.schemas import INVALID_REQUEST, Result
+from ..shared.cliopts import add_shared
 from .common import build_request, check_fits, result_from_hash
 
 log = logging.getLogger(__name__)

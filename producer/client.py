@@ -8,13 +8,13 @@ from typing import Any, Iterator, Optional
 
 from redis.exceptions import NoPermissionError
 
-from mlxq.shared import apikeys, codec
-from mlxq.shared.connection import LINK_ERRORS, LinkWatch, connect as shared_connect, is_cluster, nodes_tried, \
+from ..shared import apikeys, codec
+from ..shared.connection import LINK_ERRORS, LinkWatch, connect as shared_connect, is_cluster, nodes_tried, \
     refresh_topology
-from mlxq.shared.keys import GlobalKeys, ModelKeys
-from mlxq.shared.protocol import Enqueued, Queue
-from mlxq.shared.schemas import Delta, Result
-from mlxq.shared.settings import Settings
+from ..shared.keys import GlobalKeys, ModelKeys
+from ..shared.protocol import Enqueued, Queue
+from ..shared.schemas import Delta, Result
+from ..shared.settings import Settings
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
                      known_model, pick_model, registry_unreadable, result_from_hash, status_text)
 from .subscriber import SYNC, Subscriber, get, new_inbox

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mlxq.shared import codec
-from mlxq.shared.schemas import Delta, GenerateRequest, JobStats, Result
+from ..shared import codec
+from ..shared.schemas import Delta, GenerateRequest, JobStats, Result
 
 TERMINAL = {"done", "failed", "cancelled", "dead"}
 

@@ -44,7 +44,7 @@ from mlxq.shared.protocol import JobRefused, OverloadError
 from mlxq.shared.schemas import INVALID_REQUEST, Delta, Result
 from mlxq.shared.settings import TIERS, Settings
 from .aclient import AsyncClient, AsyncJob
-from .cliopts import add_shared
+from ..shared.cliopts import add_shared
 from .common import ContextLengthError, NoModelError, has_live_worker
 from .openai_api import (ChatCompletionRequest, CompletionRequest, LogprobFormatter, OpenAIError, TokenNames,
                          finish_reason, now_s, usage, validation_error)

@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from mlxq.shared.schemas import Result
+from ..shared.schemas import Result
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from mlxq.shared import codec
-from mlxq.shared.keys import GlobalKeys
-from mlxq.shared.settings import TIERS
+from ..shared import codec
+from ..shared.keys import GlobalKeys
+from ..shared.settings import TIERS
 
 
 def _s(x) -> str:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import redis
 
-from mlxq.shared.connection import LINK_ERRORS, LinkWatch, SlotRedis, is_cluster, nodes_tried, refresh_topology
+from ..shared.connection import LINK_ERRORS, LinkWatch, SlotRedis, is_cluster, nodes_tried, refresh_topology
 
 log = logging.getLogger(__name__)
 

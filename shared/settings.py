@@ -155,7 +155,7 @@ class Settings:
     grace_s: float = opt(30.0, "warm-shutdown grace period in seconds", flag="--grace")
     burst: bool = opt(False, "exit when the queue is empty")
     rq_queues: Optional[str] = opt(None, "also take jobs from these rq queues (comma-separated, e.g. "
-                                   "mlxq-high,mlxq-normal,mlxq-low; see mlxq.worker.rq_bridge)", shown_default="none")
+                                   "mlxq-high,mlxq-normal,mlxq-low; see mlxq.producer.rq_bridge)", shown_default="none")
     # the rq bridge's own API key (its jobs' tier); a secret: no flag (a command line is visible to every
     # user of the host), masked in the start-up log
     rq_api_key: Optional[str] = opt(None, "the rq bridge's API key", worker=False, secret=True)

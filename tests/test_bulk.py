@@ -9,7 +9,7 @@ import redis
 
 from mlxq import Client
 from mlxq.producer.bulk import BatchRun
-from mlxq.producer.cli import main as mlxq_main
+from mlxq.cli import main as mlxq_main
 from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
 from tests.refkit import greedy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from mlxq.producer.cli import build_parser, main
+from mlxq.cli import build_parser, main
 from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys
 

@@ -158,7 +158,7 @@ def test_async_client_stats_metrics_and_keys_from_any_node(cluster, cluster_work
 
     from mlxq import AsyncClient
     from mlxq.producer import stats
-    from mlxq.producer.cli import main as cli_main
+    from mlxq.cli import main as cli_main
     from mlxq.shared import apikeys
     from mlxq.shared.keys import GlobalKeys
     from mlxq.worker.metrics import WorkerMetrics

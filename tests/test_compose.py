@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from mlxq.producer.cli import build_parser
+from mlxq.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -30,7 +30,7 @@ def test_user_packages_named_like_ours_do_not_clash(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["ok", "mlxq.producer.client", "mlxq.worker.rq_bridge"]
+    assert out.stdout.split() == ["ok", "mlxq.producer.client", "mlxq.producer.rq_bridge"]
 
 
 def test_installed_distribution_has_one_top_level_name():

@@ -19,7 +19,7 @@ import redis
 from mlxq.producer.gateway import ServerThread, create_app
 from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
-from mlxq.worker.rq_bridge import RqBridge
+from mlxq.producer.rq_bridge import RqBridge
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)

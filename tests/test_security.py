@@ -236,13 +236,13 @@ _PICKLE_USE = re.compile(r"^\s*(import\s+(c?pickle|dill|cloudpickle|jsonpickle|m
                          r"cloudpickle|jsonpickle|marshal)\s+import)|\b(pickle|marshal|dill)\.loads?\(", re.M)
 # rq stores its own call records as pickles: the rq bridge talks to rq in rq's format, with an
 # unpickler that refuses every class and function (checked below). Nothing else may.
-_RQ_INTEROP = {"worker/rq_bridge.py"}
+_RQ_INTEROP = {"producer/rq_bridge.py"}
 
 
 def test_no_pickle_in_the_mlxq_data_path():
     offenders = []
     # the shipped sources only (a non-editable `pip install .` leaves copies under build/)
-    for path in sorted(p for d in ("producer", "worker", "shared", "bench") for p in (ROOT / d).rglob("*.py")):
+    for path in sorted(p for d in ("mlxq", "producer", "worker", "shared", "bench") for p in (ROOT / d).rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         if rel.startswith(("tests/", ".")) or "/." in rel or rel in _RQ_INTEROP:
             continue
@@ -254,7 +254,7 @@ def test_no_pickle_in_the_mlxq_data_path():
         if not (ROOT / rel).exists():
             continue
         try:
-            from mlxq.worker.rq_bridge import SafePickle
+            from mlxq.producer.rq_bridge import SafePickle
         except ImportError:
             continue
 

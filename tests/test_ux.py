@@ -24,8 +24,8 @@ import pytest
 import redis
 
 from mlxq import AsyncClient, Client
-from mlxq.producer.cli import build_parser, main
-from mlxq.producer.cliopts import DefaultsFormatter
+from mlxq.cli import build_parser, main
+from mlxq.shared.cliopts import DefaultsFormatter
 from mlxq.producer.common import NoModelError, decode_registry
 from mlxq.shared import apikeys, codec
 from mlxq.shared.acl import producer_rules
@@ -262,7 +262,7 @@ def test_help_shows_defaults(argv, expected, capsys):
 
 def _worker_settings(argv):
     """The settings ``mlxq worker`` would run with (flags over $MLXQ_*, over the defaults)."""
-    from mlxq.worker.cli import settings_from_args
+    from mlxq.worker_cli import settings_from_args
 
     return settings_from_args(build_parser().parse_args(argv))
 

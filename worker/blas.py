@@ -33,7 +33,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxq.shared.settings import cache_dir
+from ..shared.settings import cache_dir
 
 _SYSTEM_OPENBLAS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",

@@ -9,9 +9,9 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from mlxq.shared import codec
-from mlxq.shared.protocol import Pulled, owner_token
-from mlxq.shared.schemas import Delta, GenerateRequest, JobStats, Result
+from ..shared import codec
+from ..shared.protocol import Pulled, owner_token
+from ..shared.schemas import Delta, GenerateRequest, JobStats, Result
 from .engine_api import SeqSpec
 from .sampling import make_processors, make_sampler, resolve_seed
 from .textstream import TextStream

@@ -16,7 +16,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from mlxq.shared.settings import TIERS
+from ..shared.settings import TIERS
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.utils import dequantize_model
 
-from mlxq.shared.keys import model_name
+from ..shared.keys import model_name
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from typing import Any, Callable, Optional
 import redis
 from redis.exceptions import NoScriptError
 
-from mlxq.shared import apikeys, codec
-from mlxq.shared.connection import RESLOT_ERRORS
-from mlxq.shared.keys import GlobalKeys
-from mlxq.shared.protocol import Queue, load_functions
+from ..shared import apikeys, codec
+from ..shared.connection import RESLOT_ERRORS
+from ..shared.keys import GlobalKeys
+from ..shared.protocol import Queue, load_functions
 
 log = logging.getLogger(__name__)
 

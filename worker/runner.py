@@ -19,11 +19,11 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlxq.shared import codec
-from mlxq.shared.keys import GlobalKeys
-from mlxq.shared.protocol import Pulled, Queue
-from mlxq.shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
-from mlxq.shared.settings import TIERS, Settings
+from ..shared import codec
+from ..shared.keys import GlobalKeys
+from ..shared.protocol import Pulled, Queue
+from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
+from ..shared.settings import TIERS, Settings
 from . import blas
 from .jobs import ActiveJob, JobError, Published, decode_request, read_published, start_job, tokenize
 from .model import LoadedModel

@@ -7,7 +7,7 @@ from typing import Optional
 
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlxq.shared.schemas import SamplingParams
+from ..shared.schemas import SamplingParams
 from .engine.sampler import RowSampler
 from .engine_api import LogitsProcessor
 

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxq.worker import blas
+from ..worker import blas
 
 blas.setup()  # the fast BLAS under MLX, as in the worker: before mlx is imported below
 
@@ -57,7 +57,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from mlxq.worker import progress
+from ..worker import progress
 
 from . import corpus
 

@@ -50,7 +50,7 @@ import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxq.shared.settings import ATTENTION_MODES
+from ...shared.settings import ATTENTION_MODES
 
 from .block_manager import BLOCK_SIZE
 from .kernels import model_ops

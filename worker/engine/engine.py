@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
-from mlxq.shared.settings import Settings
+from ...shared.settings import Settings
 
 from ..engine_api import Preempted, SeqSpec, TokenEvent
 from .attention import use_attention

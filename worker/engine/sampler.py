@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlxq.shared.schemas import SamplingParams
+from ...shared.schemas import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

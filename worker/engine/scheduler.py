@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence as Seq
 
-from mlxq.shared.settings import DEFAULT_CHUNK_SCHEDULE
+from ...shared.settings import DEFAULT_CHUNK_SCHEDULE
 
 from ..engine_api import Preempted, SeqSpec, TokenEvent
 from .block_manager import BlockManager, PrefixHit

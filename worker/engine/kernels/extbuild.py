@@ -38,10 +38,9 @@ import sys
 import sysconfig
 import tempfile
 import threading
-import time
 from pathlib import Path
 
-from mlxq.shared.settings import cache_dir
+from ....shared.settings import cache_dir
 
 from ... import progress
 
@@ -266,23 +265,3 @@ def load(build_if_missing: bool = True):
         lib = build()
     return import_library(lib)
 
-
-def main(args) -> int:
-    """``mlxq build-ext``: build (or rebuild with --force), load and self-check; say where."""
-    from ... import blas
-
-    blas.setup()  # BLAS under MLX, as in the worker
-
-    from ..attention import cpu_extension
-
-    t0 = time.perf_counter()
-    try:
-        build(force=getattr(args, "force", False))
-        ext = cpu_extension(build_if_missing=False)
-    except ExtensionUnavailable as e:
-        print(f"mlxq build-ext: the extension is unavailable: {e}", file=sys.stderr)
-        print("mlxq build-ext: workers will use the gather attention path", file=sys.stderr)
-        return 1
-    print(f"paged-attention extension ready: {built_library()}")
-    print(f"inner loop {ext.isa()}, {ext.num_threads()} threads, {time.perf_counter() - t0:.1f} s")
-    return 0

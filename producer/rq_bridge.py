@@ -40,11 +40,11 @@ from rq.registry import CanceledJobRegistry
 from rq.results import Result as RqResult
 from rq.utils import now as rq_now, utcformat
 
-from mlxq.shared import codec
-from mlxq.shared.keys import GlobalKeys
-from mlxq.shared.protocol import OverloadError
-from mlxq.shared.schemas import Result
-from mlxq.shared.settings import TIERS, Settings
+from ..shared import codec
+from ..shared.keys import GlobalKeys
+from ..shared.protocol import OverloadError
+from ..shared.schemas import Result
+from ..shared.settings import TIERS, Settings
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def enqueue_generation(client, kwargs: dict, tier: str, idempotency_key: Optiona
     """Validate an rq job's kwargs as a generation request and put it on the mlxq queue.
 
     ValueError: the request is invalid; OverloadError: the tier's queue is full."""
-    from mlxq.producer.bulk import enqueue_request
+    from .bulk import enqueue_request
 
     return enqueue_request(client, kwargs, tier, idempotency_key, source="rq")
 
@@ -103,7 +103,7 @@ def generate(prompt: Optional[str] = None, **kwargs: Any) -> dict:
     kwargs: messages=, prompt_tokens=, model= and the sampling params of ``Client.submit``."""
     from rq import get_current_job
 
-    from mlxq.producer.client import Client
+    from .client import Client
 
     rq_job = get_current_job()
     settings = Settings.from_env()
@@ -142,7 +142,7 @@ class RqBridge:
     def __init__(self, redis_client, model: str, settings: Optional[Settings] = None,
                  queues: tuple[str, ...] = DEFAULT_QUEUES, *, worker_name: Optional[str] = None,
                  poll_s: float = 0.5, api_key: Optional[str] = None):
-        from mlxq.producer.client import Client
+        from .client import Client
 
         self.redis = redis_client
         self.settings = settings or Settings.from_env()
@@ -267,7 +267,7 @@ class RqBridge:
 
     def mirror_once(self) -> int:
         """Mirror every pending job that has ended; cancel in mlxq what was cancelled in rq."""
-        from mlxq.producer.common import result_from_hash
+        from .common import result_from_hash
 
         items = self.pending()
         if not items:

@@ -10,13 +10,13 @@ import argparse
 import logging
 import sys
 
-from mlxq.shared.settings import Settings, worker_flags
+from .shared.settings import Settings, worker_flags
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlxq.producer.cliopts import add_shared
+    from .shared.cliopts import add_shared
 
     add_shared(p, "redis_url", "model", required=("model",), help={"model": "an mlx-lm model directory or hub id"})
     p.add_argument("--name", help="the queue name (default: the model directory's base name or the hub id)")
@@ -46,7 +46,7 @@ def settings_from_args(args) -> Settings:
 
 
 def run(args) -> int:
-    from mlxq.producer.client import connect
+    from .producer.client import connect
 
     if not args.redis_url:
         raise SystemExit("mlxq worker: no Redis URL (pass --redis-url or set MLXQ_REDIS_URL)")
@@ -57,12 +57,12 @@ def run(args) -> int:
         return 2
     log.info("settings: %s", settings.describe())
 
-    from . import blas
+    from .worker import blas
 
     blas.setup()  # the fast BLAS under MLX, before anything imports MLX (logged in the "serving" line)
-    from .engine.engine import make_engine
-    from .model import ModelNotFound, load_model
-    from .runner import Worker
+    from .worker.engine.engine import make_engine
+    from .worker.model import ModelNotFound, load_model
+    from .worker.runner import Worker
 
     try:
         loaded = load_model(args.model, name=args.name, keep_dtype=settings.keep_dtype)
@@ -72,15 +72,15 @@ def run(args) -> int:
     observers, bridge = [], None
     redis_client = connect(args.redis_url)
     if settings.metrics_port:
-        from mlxq.shared.keys import GlobalKeys
+        from .shared.keys import GlobalKeys
 
-        from .metrics import WorkerMetrics
+        from .worker.metrics import WorkerMetrics
 
         metrics = WorkerMetrics(redis_client, GlobalKeys(settings.prefix).model_keys(loaded.name), loaded.name)
         metrics.serve(settings.metrics_port, settings.metrics_host)
         observers.append(metrics)
     if settings.rq_queues:
-        from .rq_bridge import RqBridge
+        from .producer.rq_bridge import RqBridge
 
         queues = tuple(q.strip() for q in settings.rq_queues.split(",") if q.strip())
         bridge = RqBridge(redis_client, loaded.name, settings, queues)

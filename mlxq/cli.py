@@ -7,13 +7,13 @@ import json
 import logging
 import sys
 
-from mlxq.shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
-from mlxq.shared.settings import TIERS
-from .cliopts import Parser, add_shared
+from .shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
+from .shared.settings import TIERS
+from .shared.cliopts import Parser, add_shared
 
 
 def cmd_submit(args) -> int:
-    from .client import Client
+    from .producer.client import Client
 
     client = Client(args.redis_url, api_key=args.api_key, model=args.model)
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -44,8 +44,8 @@ def _say_if_no_worker(job) -> None:
 
 
 def cmd_stats(args) -> int:
-    from . import stats
-    from .client import connect
+    from .producer import stats
+    from .producer.client import connect
 
     data = stats.collect(connect(args.redis_url))
     print(json.dumps(data, indent=2, default=str) if args.json else stats.render(data))
@@ -53,10 +53,10 @@ def cmd_stats(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from mlxq.shared import apikeys
-    from mlxq.shared.keys import GlobalKeys
+    from .shared import apikeys
+    from .shared.keys import GlobalKeys
 
-    from .client import connect
+    from .producer.client import connect
 
     r = connect(args.redis_url)
     reg = GlobalKeys().api_keys
@@ -77,10 +77,10 @@ def cmd_keys(args) -> int:
 def cmd_tiers(args) -> int:
     """Tier offsets, the per-tier queue bound and the tier of key-less callers, stored in Redis
     (the enqueue script reads them there; every model's slot gets a copy)."""
-    from mlxq.shared import apikeys
-    from mlxq.shared.keys import GlobalKeys
+    from .shared import apikeys
+    from .shared.keys import GlobalKeys
 
-    from .client import connect
+    from .producer.client import connect
 
     r = connect(args.redis_url)
     offsets = {}
@@ -99,33 +99,33 @@ def cmd_tiers(args) -> int:
 
 def cmd_acl(args) -> int:
     """Print the ACL SETUSER line of the producer recipe (mlxq.shared.acl)."""
-    from mlxq.shared.acl import producer_acl_line
+    from .shared.acl import producer_acl_line
 
     print(producer_acl_line(args.user, args.password))
     return 0
 
 
 def cmd_worker(args) -> int:
-    from mlxq.worker.cli import run
+    from .worker_cli import run
 
     return run(args)
 
 
 def cmd_make_model(args) -> int:
-    from mlxq.devkit.make_model import main
+    from .devkit.make_model import main
 
     argv = [args.dir, "--preset", args.preset] + (["--force"] if args.force else [])
     return main(argv)
 
 
 def cmd_demo(args) -> int:
-    from mlxq.worker.demo import main
+    from .demo import main
 
     return main(args)
 
 
 def cmd_redis(args) -> int:
-    from mlxq.shared.embedded import run_foreground
+    from .shared.embedded import run_foreground
 
     extra = args.valkey_args[1:] if args.valkey_args[:1] == ["--"] else args.valkey_args
     run_foreground(args.port, args.data_dir, args.bind, tuple(extra))
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("worker", help="run an MLX worker for one model")
-    from mlxq.worker.cli import add_arguments
+    from .worker_cli import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=cmd_worker)
@@ -224,26 +224,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Other modules add sub-commands here: each item is a function(subparsers) that adds its parser.
-_EXTRA_COMMANDS: list = []
-
-
 def _ecosystem_commands(sub) -> None:
     """``mlxq gateway`` (OpenAI-compatible HTTP) and ``mlxq batch`` (resumable JSONL bulk submission)."""
-    from .bulk import add_command as add_batch
-    from .gateway import add_command as add_gateway
+    from .producer.bulk import add_command as add_batch
+    from .producer.gateway import add_command as add_gateway
 
     add_gateway(sub)
     add_batch(sub)
 
 
-_EXTRA_COMMANDS.append(_ecosystem_commands)
-
-
 def cmd_build_ext(args) -> int:
-    from mlxq.worker.engine.kernels.extbuild import main
+    """``mlxq build-ext``: build (or rebuild with --force), load and self-check; say where."""
+    import time
 
-    return main(args)
+    from .worker import blas
+
+    blas.setup()  # BLAS under MLX, as in the worker
+
+    from .worker.engine.attention import cpu_extension
+    from .worker.engine.kernels.extbuild import ExtensionUnavailable, build, built_library
+
+    t0 = time.perf_counter()
+    try:
+        build(force=getattr(args, "force", False))
+        ext = cpu_extension(build_if_missing=False)
+    except ExtensionUnavailable as e:
+        print(f"mlxq build-ext: the extension is unavailable: {e}", file=sys.stderr)
+        print("mlxq build-ext: workers will use the gather attention path", file=sys.stderr)
+        return 1
+    print(f"paged-attention extension ready: {built_library()}")
+    print(f"inner loop {ext.isa()}, {ext.num_threads()} threads, {time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 def _build_ext_command(sub) -> None:
@@ -253,16 +264,17 @@ def _build_ext_command(sub) -> None:
     p.set_defaults(func=cmd_build_ext)
 
 
-_EXTRA_COMMANDS.append(_build_ext_command)
+# Sub-commands declared beside their own code: each adds its parser to the sub-parsers.
+_EXTRA_COMMANDS = (_ecosystem_commands, _build_ext_command)
 
 
 def _user_errors() -> tuple:
     import redis
 
-    from mlxq.shared.apikeys import AuthError
-    from mlxq.shared.protocol import JobRefused, OverloadError
+    from .shared.apikeys import AuthError
+    from .shared.protocol import JobRefused, OverloadError
 
-    from .common import JobTimeout, NoModelError
+    from .producer.common import JobTimeout, NoModelError
 
     return (AuthError, OverloadError, JobRefused, NoModelError, JobTimeout, ValueError, redis.ConnectionError)
 

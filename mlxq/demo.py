@@ -91,8 +91,8 @@ KEYS = {"high": "demo-key-high-tier", "normal": None, "low": "demo-key-batch-tie
 
 def _small_model() -> str:
     """The small local model, built on the first run (~20 s on 2 cores), with what is happening said."""
-    from mlxq.devkit.make_model import ensure_model, read_stamp
-    from mlxq.shared.settings import cache_dir
+    from .devkit.make_model import ensure_model, read_stamp
+    from .shared.settings import cache_dir
 
     where = cache_dir() / "tiny-model"
     before = read_stamp(where)
@@ -107,7 +107,7 @@ def _small_model() -> str:
 def _prepare_extension(attention: str) -> None:
     """Compile the paged-attention CPU extension now (first run only) rather than silently in the
     worker; said, with a progress bar on a terminal, and how long it took."""
-    from .engine.kernels.extbuild import ExtensionUnavailable, build, built_library
+    from .worker.engine.kernels.extbuild import ExtensionUnavailable, build, built_library
 
     if attention == "gather" or built_library() is not None:
         return
@@ -122,14 +122,14 @@ def _prepare_extension(attention: str) -> None:
 
 
 def main(args) -> int:
-    from mlxq.producer import Client
-    from mlxq.producer import stats as stats_mod
-    from mlxq.shared import apikeys
-    from mlxq.shared.embedded import EmbeddedRedis
-    from mlxq.shared.keys import GlobalKeys
-    from mlxq.shared.settings import Settings
+    from .producer import Client
+    from .producer import stats as stats_mod
+    from .shared import apikeys
+    from .shared.embedded import EmbeddedRedis
+    from .shared.keys import GlobalKeys
+    from .shared.settings import Settings
 
-    from . import blas
+    from .worker import blas
 
     logging.getLogger("mlxq.worker").setLevel(logging.WARNING)
     server = None
@@ -148,7 +148,7 @@ def main(args) -> int:
         if key:
             apikeys.add_key(client.redis, GlobalKeys(settings.prefix).api_keys, key, tier)
 
-    from mlxq.shared.keys import model_name
+    from .shared.keys import model_name
 
     model = model_name(model_src)
     picked = DEMO_PROMPTS[: max(ROOM + 1, args.jobs)]
@@ -173,9 +173,9 @@ def main(args) -> int:
     ready = threading.Event()
 
     def run_worker():
-        from .model import ModelNotFound, load_model
-        from .engine.engine import make_engine
-        from .runner import Worker
+        from .worker.model import ModelNotFound, load_model
+        from .worker.engine.engine import make_engine
+        from .worker.runner import Worker
 
         try:
             loaded = load_model(model_src, name=model)
