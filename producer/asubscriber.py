@@ -8,10 +8,9 @@ import logging
 from typing import Optional
 
 import redis
-import redis.asyncio as aredis
 
-from mlxq.shared.connection import LINK_ERRORS, LinkWatch, is_cluster, is_link_error, nodes_tried, \
-    refresh_topology_async
+from mlxq.shared.connection import LINK_ERRORS, LinkWatch, is_cluster, is_link_error, node_client_async, \
+    nodes_tried, refresh_topology_async
 
 from .subscriber import SYNC
 
@@ -174,7 +173,7 @@ class AsyncSubscriber:
             if reader is not None and reader.failed and reader.task is None:
                 asyncio.ensure_future(reader.close())  # it failed before it read anything
             if reader is None or reader.failed:
-                conn = self.client if node is None else _node_client(self.client, node)
+                conn = self.client if node is None else node_client_async(self.client, node)
                 reader = self._readers[name] = _NodeReader(self, name, conn)
             return reader
 
@@ -211,11 +210,3 @@ def link_watch(what: str, redis_client, give_up_s: Optional[float] = None) -> Li
     refresh = (lambda: refresh_topology_async(redis_client)) if is_cluster(redis_client) else None
     return LinkWatch(what, lambda: nodes_tried(redis_client), refresh, give_up_s)
 
-
-def _node_client(cluster, node):
-    """A plain asyncio client on one cluster node, with the cluster's credentials and TLS."""
-    kw = {k: v for k, v in node.connection_kwargs.items()
-          if k in ("username", "password", "socket_timeout", "socket_connect_timeout", "socket_keepalive",
-                   "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_check_hostname")}
-    ssl = "SSL" in getattr(node.connection_class, "__name__", "")
-    return aredis.Redis(host=node.host, port=node.port, ssl=ssl, **kw)
