@@ -404,19 +404,22 @@ def refresh_topology(cluster: RedisCluster) -> None:
 
 async def refresh_topology_async(cluster) -> None:
     """``refresh_topology`` for the asyncio cluster client.  Only the slot map is re-read (the
-    NodesManager): a failed ``RedisCluster.initialize`` would close every node's connections, also
-    those other tasks are sending on, and a refresh that fails while a failover is under way is
-    common.  A client not yet initialized is left to initialize itself on its next command."""
-    if cluster._initialize:
-        return
+    NodesManager) once the client is initialized: a failed ``RedisCluster.initialize`` closes every
+    node's connections, also those other tasks are sending on.  A client that redis-py marked for
+    re-initialization (after a failed command of its own) is initialized here, from the seeds too:
+    mlxq's traffic goes over pinned plain clients (:class:`AsyncSlotRedis`) and pub/sub links of
+    its own, which that does not disturb, and the pins and pub/sub links need the new slot map."""
     nm = cluster.nodes_manager
     seeds: Optional[Seeds] = getattr(cluster, "mlxq_seeds", None)
-    if seeds is None:
-        await nm.initialize()
-        return
-    seeds.learn(list(nm.nodes_cache.values()))
-    await nm.initialize(additional_startup_nodes_info=seeds.missing_from(dict(nm.startup_nodes)))
-    seeds.learn(list(nm.nodes_cache.values()))
+    if seeds is not None:
+        seeds.learn(list(nm.nodes_cache.values()))
+    extra = None if seeds is None else seeds.missing_from(dict(nm.startup_nodes)) or None
+    if cluster._initialize:
+        await cluster.initialize(additional_startup_nodes_info=extra)
+    else:
+        await nm.initialize(additional_startup_nodes_info=extra)
+    if seeds is not None:
+        seeds.learn(list(cluster.nodes_manager.nodes_cache.values()))
 
 
 def connect(url: Optional[str], *, wait_s: Optional[float] = None, **kw: Any) -> redis.Redis | RedisCluster:
@@ -618,7 +621,7 @@ class AsyncSlotRedis:
         async with self._locked():
             if self._client is None:
                 if self.cluster._initialize:  # a first use, or the cluster client gave up its map
-                    await self.cluster.initialize(additional_startup_nodes_info=_seeds_missing(self.cluster))
+                    await refresh_topology_async(self.cluster)
                 node = self.cluster.nodes_manager.get_node_from_slot(self.slot)
                 self._client = node_client_async(self.cluster, node)
                 log.debug("slot %d pinned to %s", self.slot, node.name)
@@ -632,8 +635,7 @@ class AsyncSlotRedis:
             log.debug("slot %d: pinned node failed; re-reading the topology", self.slot)
             self._client = None
             try:
-                if not self.cluster._initialize:
-                    await refresh_topology_async(self.cluster)
+                await refresh_topology_async(self.cluster)
             except Exception as exc:  # every known node unreachable: the caller's retry comes back here
                 log.debug("cluster topology refresh failed: %s", exc)
         await _close_quietly(stale)  # its other users fail at once and retry on the new pin
@@ -663,11 +665,6 @@ async def _close_quietly(client) -> None:
         await client.aclose()
     except Exception as exc:
         log.debug("closing a pinned client: %s", exc)
-
-
-def _seeds_missing(cluster) -> Optional[list[tuple[str, int]]]:
-    seeds: Optional[Seeds] = getattr(cluster, "mlxq_seeds", None)
-    return None if seeds is None else seeds.missing_from(dict(cluster.nodes_manager.startup_nodes)) or None
 
 
 async def close_pins(client) -> None:
