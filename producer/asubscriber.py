@@ -33,12 +33,14 @@ class _NodeReader:
 
     async def add(self, channel: bytes, timeout: float) -> None:
         if self.failed:
-            raise redis.ConnectionError(f"the pub/sub link to {self.node} is down")
+            raise self._down()
         fut = asyncio.get_running_loop().create_future()
         self.confirm[channel] = fut
         self.channels.add(channel)
         try:
             async with self.lock:
+                if self.failed:  # it failed while this one waited: no connect attempt per waiting channel
+                    raise self._down()
                 if self.owner.sharded:
                     await self.pubsub.ssubscribe(channel)
                 else:
@@ -52,6 +54,9 @@ class _NodeReader:
         await asyncio.wait_for(asyncio.shield(fut), timeout)
         if self.failed:
             raise redis.ConnectionError(f"the pub/sub link to {self.node} dropped while subscribing")
+
+    def _down(self) -> redis.ConnectionError:
+        return redis.ConnectionError(f"the pub/sub link to {self.node} is down")
 
     def fail(self) -> bool:
         """Mark the link failed (once) and wake the subscribers waiting on it."""
@@ -72,6 +77,8 @@ class _NodeReader:
             return
         try:
             async with self.lock:
+                if self.failed:
+                    return
                 if self.owner.sharded:
                     await self.pubsub.sunsubscribe(channel)
                 else:

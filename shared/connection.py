@@ -276,8 +276,9 @@ def until_answered(what: str, seeds, wait_s: Optional[float], attempt: Callable[
     return watch.call(attempt, time.monotonic() + wait_s, is_link=_is_link_failure)
 
 
-@functools.lru_cache(maxsize=64)
 def _probe(first_url: str) -> bool:
+    """``INFO cluster`` on one node, asked anew each time: a cached answer outlived the server that
+    gave it (a port reused by another server, a node restarted in the other mode)."""
     probe = redis.Redis.from_url(first_url, socket_timeout=5, socket_connect_timeout=5, retry=None)
     try:
         return bool(int(probe.info("cluster").get("cluster_enabled", 0)))
