@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
 from redis.exceptions import NoPermissionError, NoScriptError
 
 from mlxq.shared import apikeys, codec
-from mlxq.shared.connection import LinkWatch, connect_async, is_cluster, is_link_error
+from mlxq.shared.connection import LinkWatch, close_pins, connect_async, for_slot_async, is_cluster, is_link_error
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, function_name,
                                   parse_check, parse_enqueue, script_source)
@@ -22,12 +23,15 @@ from .common import (JobTimeout, StreamState, build_request, check_fits, decode_
 from .client import check_deadline, feed_message
 from .subscriber import SYNC
 
+log = logging.getLogger(__name__)
+
 class AsyncJob:
     def __init__(self, client: "AsyncClient", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued):
         self.id = job_id
         self._client = client
         self._keys = keys
         self._pubsub = pubsub
+        self._redis = client.at(keys.job(job_id))  # the model's slot (its master, pinned, on a cluster)
         self.enqueued = enqueued
         self._state = StreamState()
         self._last_id = "0-0"
@@ -41,7 +45,7 @@ class AsyncJob:
     async def _replay(self) -> list[Delta]:
         out: list[Delta] = []
         start = f"({self._last_id}" if self._last_id != "0-0" else "-"
-        for entry_id, fields in await self._client.redis.xrange(self._keys.events(self.id), min=start):
+        for entry_id, fields in await self._redis.xrange(self._keys.events(self.id), min=start):
             self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             out.extend(self._state.feed(entry_delta(fields)))
         return out
@@ -58,6 +62,7 @@ class AsyncJob:
                 try:
                     batch = await self._next_batch()
                 except Exception as exc:  # abackoff re-raises what is not a lost link
+                    log.debug("job %s: stream: %s: %s", self.id, type(exc).__name__, exc)
                     delay = await self._client.watch.abackoff(exc, deadline, delay)
                     continue
                 delay = 0.05
@@ -96,6 +101,7 @@ class AsyncJob:
             try:
                 self._result = await self._poll_result(deadline)
             except Exception as exc:  # abackoff re-raises what is not a lost link
+                log.debug("job %s: result: %s: %s", self.id, type(exc).__name__, exc)
                 delay = await self._client.watch.abackoff(exc, deadline, delay)
                 continue
             delay = 0.05
@@ -103,7 +109,7 @@ class AsyncJob:
         return self._result
 
     async def _poll_result(self, deadline: Optional[float]) -> Optional[Result]:
-        r = self._client.redis
+        r = self._redis
         res = result_from_hash(self.id, await r.hgetall(self._keys.job(self.id)))
         if res is None:
             wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
@@ -116,7 +122,7 @@ class AsyncJob:
 
     async def status(self) -> Optional[str]:
         """As ``Job.status``: "queued, no live worker for MODEL" when no live worker can take it now."""
-        s = await self._client._retry(lambda: self._client.redis.hget(self._keys.job(self.id), "status"))
+        s = await self._client._retry(lambda: self._redis.hget(self._keys.job(self.id), "status"))
         s = s.decode() if s else None
         if s != "queued":
             return s
@@ -163,6 +169,7 @@ class AsyncClient:
         self.cluster = is_cluster(self.redis)
         self._functions = False  # set when this Redis user may FCALL but not EVALSHA
         self._url = url
+        self._pins: dict = {}  # per-slot pins, when the cluster client keeps none itself
         self._own_subscriber = subscriber is None  # a shared one (the gateway's) is closed by its owner
         # one pub/sub connection per node for every job of this client; made here, not on first use
         self.subscriber: AsyncSubscriber = subscriber if subscriber is not None else AsyncSubscriber(self.redis)
@@ -177,16 +184,22 @@ class AsyncClient:
     def _check_deadline(self, deadline: Optional[float], message: str) -> None:
         check_deadline(self.watch, deadline, message)
 
+    def at(self, key: str):
+        """The client for ``key``'s slot: ``self.redis`` on a single Redis; on a cluster a plain
+        client on the slot's master, shared by every task, re-resolved once per failover."""
+        return for_slot_async(self.redis, key, self._pins)
+
     def calls(self, model: str) -> ScriptCalls:
         return ScriptCalls(self.gkeys.model_keys(model), self.settings, self.cluster)
 
     async def _run(self, call, decode: bool = False, read_only: bool = False):
         name, keys, args = call
+        r = self.at(keys[0]) if keys else self.redis
         if self._functions:
-            fcall = self.redis.fcall_ro if read_only else self.redis.fcall
+            fcall = r.fcall_ro if read_only else r.fcall
             reply = await fcall(function_name(name), len(keys), *keys, *args)
         else:
-            reply = await self._scripts[name](keys=keys, args=args)
+            reply = await self._scripts[name](keys=keys, args=args, client=r)
         return reply.decode() if decode and isinstance(reply, bytes) else reply
 
     async def _enqueue(self, model: str, job_id: str, payload: bytes, floor, idem) -> Enqueued:
@@ -236,7 +249,7 @@ class AsyncClient:
             r.close()
 
     async def models(self) -> dict[str, dict]:
-        return decode_registry(await self._retry(lambda: self.redis.hgetall(self.gkeys.models)))
+        return decode_registry(await self._retry(lambda: self.at(self.gkeys.models).hgetall(self.gkeys.models)))
 
     async def _registry(self) -> Optional[dict[str, dict]]:
         """``models()``, or None for a Redis user that may not read the registry (ACL)."""
@@ -259,8 +272,9 @@ class AsyncClient:
         return await self._retry(lambda: self._tier(floor))
 
     async def _tier(self, floor: Optional[str]) -> str:
-        record = await self.redis.hget(self.gkeys.api_keys, apikeys.key_hash(self.api_key)) if self.api_key else None
-        keys_exist = record is not None or not self.api_key or bool(await self.redis.exists(self.gkeys.api_keys))
+        r = self.at(self.gkeys.api_keys)
+        record = await r.hget(self.gkeys.api_keys, apikeys.key_hash(self.api_key)) if self.api_key else None
+        keys_exist = record is not None or not self.api_key or bool(await r.exists(self.gkeys.api_keys))
         tier = apikeys.tier_from_record(record, self.api_key, keys_exist)
         return apikeys.lower_tier(tier, floor) if floor else tier
 
@@ -300,6 +314,9 @@ class AsyncClient:
     async def aclose(self) -> None:
         if self._own_subscriber:
             await self.subscriber.aclose()
+        for pin in self._pins.values():
+            await pin.aclose()
+        await close_pins(self.redis)
         await self.redis.aclose()
 
     async def __aenter__(self):

@@ -8,10 +8,9 @@ import logging
 from typing import Optional
 
 import redis
-import redis.asyncio as aredis
 
-from mlxq.shared.connection import LINK_ERRORS, LinkWatch, is_cluster, is_link_error, nodes_tried, \
-    refresh_topology_async
+from mlxq.shared.connection import LINK_ERRORS, LinkWatch, is_cluster, is_link_error, node_client_async, \
+    nodes_tried, refresh_topology_async
 
 from .subscriber import SYNC
 
@@ -34,12 +33,14 @@ class _NodeReader:
 
     async def add(self, channel: bytes, timeout: float) -> None:
         if self.failed:
-            raise redis.ConnectionError(f"the pub/sub link to {self.node} is down")
+            raise self._down()
         fut = asyncio.get_running_loop().create_future()
         self.confirm[channel] = fut
         self.channels.add(channel)
         try:
             async with self.lock:
+                if self.failed:  # it failed while this one waited: no connect attempt per waiting channel
+                    raise self._down()
                 if self.owner.sharded:
                     await self.pubsub.ssubscribe(channel)
                 else:
@@ -53,6 +54,9 @@ class _NodeReader:
         await asyncio.wait_for(asyncio.shield(fut), timeout)
         if self.failed:
             raise redis.ConnectionError(f"the pub/sub link to {self.node} dropped while subscribing")
+
+    def _down(self) -> redis.ConnectionError:
+        return redis.ConnectionError(f"the pub/sub link to {self.node} is down")
 
     def fail(self) -> bool:
         """Mark the link failed (once) and wake the subscribers waiting on it."""
@@ -73,6 +77,8 @@ class _NodeReader:
             return
         try:
             async with self.lock:
+                if self.failed:
+                    return
                 if self.owner.sharded:
                     await self.pubsub.sunsubscribe(channel)
                 else:
@@ -174,7 +180,7 @@ class AsyncSubscriber:
             if reader is not None and reader.failed and reader.task is None:
                 asyncio.ensure_future(reader.close())  # it failed before it read anything
             if reader is None or reader.failed:
-                conn = self.client if node is None else _node_client(self.client, node)
+                conn = self.client if node is None else node_client_async(self.client, node)
                 reader = self._readers[name] = _NodeReader(self, name, conn)
             return reader
 
@@ -211,11 +217,3 @@ def link_watch(what: str, redis_client, give_up_s: Optional[float] = None) -> Li
     refresh = (lambda: refresh_topology_async(redis_client)) if is_cluster(redis_client) else None
     return LinkWatch(what, lambda: nodes_tried(redis_client), refresh, give_up_s)
 
-
-def _node_client(cluster, node):
-    """A plain asyncio client on one cluster node, with the cluster's credentials and TLS."""
-    kw = {k: v for k, v in node.connection_kwargs.items()
-          if k in ("username", "password", "socket_timeout", "socket_connect_timeout", "socket_keepalive",
-                   "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_check_hostname")}
-    ssl = "SSL" in getattr(node.connection_class, "__name__", "")
-    return aredis.Redis(host=node.host, port=node.port, ssl=ssl, **kw)

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxq.producer.asubscriber import AsyncSubscriber, link_watch
-from mlxq.shared.connection import LINK_ERRORS, RedisUnreachable, connect_async
+from mlxq.shared.connection import LINK_ERRORS, RedisUnreachable, close_pins, connect_async
 from mlxq.shared.apikeys import AuthError
 from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.protocol import JobRefused, OverloadError
@@ -105,6 +105,7 @@ class Gateway:
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)
             await self.subscriber.aclose()
+            await close_pins(self.redis)
             await self.redis.aclose()
 
     async def _warn_if_open(self) -> None:
@@ -167,7 +168,8 @@ class Gateway:
             return denied
         client = self.client(request)
         for model in await client.models():
-            counts = await self.redis.hgetall(client.gkeys.model_keys(model).counts)
+            key = client.gkeys.model_keys(model).counts
+            counts = await client.at(key).hgetall(key)
             counts = {k.decode(): int(v) for k, v in counts.items()}
             for tier in TIERS:
                 self.metrics.queue_depth.labels(model, tier).set(counts.get(f"queued:{tier}", 0))
@@ -371,7 +373,8 @@ class Gateway:
         if not model:
             return None
         try:
-            counts = await self.redis.hgetall(client.gkeys.model_keys(model).counts)
+            key = client.gkeys.model_keys(model).counts
+            counts = await client.at(key).hgetall(key)
         except LINK_ERRORS:
             return None
         counts = {k.decode(): int(v) for k, v in counts.items()}

@@ -276,8 +276,9 @@ def until_answered(what: str, seeds, wait_s: Optional[float], attempt: Callable[
     return watch.call(attempt, time.monotonic() + wait_s, is_link=_is_link_failure)
 
 
-@functools.lru_cache(maxsize=64)
 def _probe(first_url: str) -> bool:
+    """``INFO cluster`` on one node, asked anew each time: a cached answer outlived the server that
+    gave it (a port reused by another server, a node restarted in the other mode)."""
     probe = redis.Redis.from_url(first_url, socket_timeout=5, socket_connect_timeout=5, retry=None)
     try:
         return bool(int(probe.info("cluster").get("cluster_enabled", 0)))
@@ -369,10 +370,11 @@ class SeededCluster(RedisCluster):
 class AsyncSeededCluster(AsyncRedisCluster):
     """redis-py's asyncio cluster client, started from every seed, remembering them."""
 
-    __slots__ = ("mlxq_seeds",)
+    __slots__ = ("mlxq_seeds", "mlxq_pins")
 
     def __init__(self, *args, mlxq_seeds: Seeds, **kw):
         self.mlxq_seeds = mlxq_seeds
+        self.mlxq_pins: dict[int, AsyncSlotRedis] = {}  # one pin per slot, shared by every task and client
         super().__init__(*args, **kw)
 
 
@@ -403,19 +405,22 @@ def refresh_topology(cluster: RedisCluster) -> None:
 
 async def refresh_topology_async(cluster) -> None:
     """``refresh_topology`` for the asyncio cluster client.  Only the slot map is re-read (the
-    NodesManager): a failed ``RedisCluster.initialize`` would close every node's connections, also
-    those other tasks are sending on, and a refresh that fails while a failover is under way is
-    common.  A client not yet initialized is left to initialize itself on its next command."""
-    if cluster._initialize:
-        return
+    NodesManager) once the client is initialized: a failed ``RedisCluster.initialize`` closes every
+    node's connections, also those other tasks are sending on.  A client that redis-py marked for
+    re-initialization (after a failed command of its own) is initialized here, from the seeds too:
+    mlxq's traffic goes over pinned plain clients (:class:`AsyncSlotRedis`) and pub/sub links of
+    its own, which that does not disturb, and the pins and pub/sub links need the new slot map."""
     nm = cluster.nodes_manager
     seeds: Optional[Seeds] = getattr(cluster, "mlxq_seeds", None)
-    if seeds is None:
-        await nm.initialize()
-        return
-    seeds.learn(list(nm.nodes_cache.values()))
-    await nm.initialize(additional_startup_nodes_info=seeds.missing_from(dict(nm.startup_nodes)))
-    seeds.learn(list(nm.nodes_cache.values()))
+    if seeds is not None:
+        seeds.learn(list(nm.nodes_cache.values()))
+    extra = None if seeds is None else seeds.missing_from(dict(nm.startup_nodes)) or None
+    if cluster._initialize:
+        await cluster.initialize(additional_startup_nodes_info=extra)
+    else:
+        await nm.initialize(additional_startup_nodes_info=extra)
+    if seeds is not None:
+        seeds.learn(list(cluster.nodes_manager.nodes_cache.values()))
 
 
 def connect(url: Optional[str], *, wait_s: Optional[float] = None, **kw: Any) -> redis.Redis | RedisCluster:
@@ -448,7 +453,7 @@ def connect_async(url: Optional[str], *, wait_s: Optional[float] = None, **kw: A
 
 
 def is_cluster(client: Any) -> bool:
-    return isinstance(client, (RedisCluster, AsyncRedisCluster, SlotRedis))
+    return isinstance(client, (RedisCluster, AsyncRedisCluster, SlotRedis, AsyncSlotRedis))
 
 
 def for_slot(client: Any, key: str) -> Any:
@@ -457,6 +462,22 @@ def for_slot(client: Any, key: str) -> Any:
     if isinstance(client, RedisCluster):
         return SlotRedis(client, key)
     return client
+
+
+def for_slot_async(client: Any, key: str, pins: Optional[dict] = None) -> Any:
+    """``for_slot`` for an asyncio client: an :class:`AsyncSlotRedis` on a cluster, one per slot,
+    kept in the cluster client (``mlxq_pins``) or else in ``pins``, so that every task (and every
+    ``AsyncClient`` sharing the cluster client, as the gateway's do) shares it."""
+    if not isinstance(client, AsyncRedisCluster):
+        return client
+    pins = getattr(client, "mlxq_pins", pins)
+    slot = client.keyslot(key)
+    if pins is None:
+        return AsyncSlotRedis(client, slot)
+    pin = pins.get(slot)
+    if pin is None:
+        pin = pins[slot] = AsyncSlotRedis(client, slot)
+    return pin
 
 
 def _not_sent(exc: Exception) -> bool:
@@ -545,3 +566,111 @@ class SlotRedis:
     def register_script(self, script: str):
         return self.cluster.register_script(script)  # a Script object; it runs on whichever client it is given
 
+
+
+def node_client_async(cluster, node):
+    """A plain asyncio client on one cluster node, with the cluster's credentials and TLS.  It does
+    not retry on its own: redis-py's default (3 reconnects, exponential backoff from 1 s) kept a
+    call on a killed master failing for several seconds before its caller learned of it; mlxq's
+    callers retry through :class:`LinkWatch`, re-resolving the slot's owner first."""
+    import redis.asyncio as aredis
+    from redis.asyncio.retry import Retry as AsyncRetry
+    from redis.backoff import NoBackoff
+
+    kw = {k: v for k, v in node.connection_kwargs.items()
+          if k in ("username", "password", "socket_timeout", "socket_connect_timeout", "socket_keepalive",
+                   "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_check_hostname")}
+    ssl = "SSL" in getattr(node.connection_class, "__name__", "")
+    return aredis.Redis(host=node.host, port=node.port, ssl=ssl, retry=AsyncRetry(NoBackoff(), 0), **kw)
+
+
+class AsyncSlotRedis:
+    """:class:`SlotRedis` for asyncio: a plain ``redis.asyncio.Redis`` on the master serving one slot.
+
+    redis-py's asyncio cluster client recovers from a failover one command at a time: every
+    command that meets the dead master marks the whole client for re-initialization, the next
+    one re-reads the topology (and the COMMAND table) under one lock, a failed or CLUSTERDOWN
+    attempt closes every node's connections, also those other tasks are waiting on, and those
+    tasks start over behind the lock.  With many jobs waiting (BLPOP, XRANGE) they come back
+    one by one, seconds apart.  Here the slot's owner is looked up once per failure, however
+    many tasks notice it: the first task to see the pinned client fail re-reads the topology
+    under an asyncio lock and the others just take the new pin (the caller's retry loop, with
+    backoff, sends the command again).  Plain connections also keep scripts working as on a
+    single Redis.
+    """
+
+    cluster_mode = True
+
+    def __init__(self, cluster, slot: int):
+        self.cluster = cluster
+        self.slot = slot
+        self._lock: Optional[asyncio.Lock] = None
+        self._client = None
+
+    def __repr__(self) -> str:
+        return f"AsyncSlotRedis(slot={self.slot})"
+
+    def _locked(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def current(self):
+        client = self._client
+        if client is not None:
+            return client
+        async with self._locked():
+            if self._client is None:
+                if self.cluster._initialize:  # a first use, or the cluster client gave up its map
+                    await refresh_topology_async(self.cluster)
+                node = self.cluster.nodes_manager.get_node_from_slot(self.slot)
+                self._client = node_client_async(self.cluster, node)
+                log.debug("slot %d pinned to %s", self.slot, node.name)
+            return self._client
+
+    async def invalidate(self, stale) -> None:
+        """``stale`` failed: forget it and re-read the topology, unless another task already did."""
+        async with self._locked():
+            if self._client is not stale:
+                return
+            log.debug("slot %d: pinned node failed; re-reading the topology", self.slot)
+            self._client = None
+            try:
+                await refresh_topology_async(self.cluster)
+            except Exception as exc:  # every known node unreachable: the caller's retry comes back here
+                log.debug("cluster topology refresh failed: %s", exc)
+        await _close_quietly(stale)  # its other users fail at once and retry on the new pin
+
+    def __getattr__(self, name: str) -> Any:
+        async def call(*a, **kw):
+            client = await self.current()
+            try:
+                return await getattr(client, name)(*a, **kw)
+            except RESLOT_ERRORS as exc:
+                await self.invalidate(client)
+                if not _not_sent(exc):
+                    raise
+            # the command never ran (MOVED, or the old master refused the connection): once more
+            return await getattr(await self.current(), name)(*a, **kw)
+        call.__name__ = name
+        return call
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await _close_quietly(client)
+
+
+async def _close_quietly(client) -> None:
+    try:
+        await client.aclose()
+    except Exception as exc:
+        log.debug("closing a pinned client: %s", exc)
+
+
+async def close_pins(client) -> None:
+    """Close the pinned per-slot clients of an asyncio cluster client (before closing it)."""
+    pins = getattr(client, "mlxq_pins", None) or {}
+    for pin in list(pins.values()):
+        await pin.aclose()
+    pins.clear()

@@ -46,6 +46,7 @@ class Run:
         self.after_kill: list[float] = []  # when each delta came after the kill
         self.last_result: float | None = None
         self.done_at = [None] * n
+        self.last_delta = [None] * n  # each job's last delta after the kill
         self._lock = threading.Lock()
 
     def delta(self, i: int, token_ids, text: str) -> None:
@@ -55,6 +56,7 @@ class Run:
             self.texts[i] += text
             if self.killed_at is not None:
                 self.after_kill.append(now)
+                self.last_delta[i] = now
 
     def done(self, i: int, res) -> None:
         with self._lock:
@@ -76,6 +78,8 @@ class Run:
         def since_kill(t):
             return None if t is None else round(t - self.killed_at, 2)
         print("  results after the kill (s):", sorted(since_kill(t) for t in self.done_at if t is not None))
+        print("  per job, last delta -> result after the kill (s):",
+              sorted((since_kill(a), since_kill(b)) for a, b in zip(self.last_delta, self.done_at) if a and b))
         return dict(kill_to_first_resumed_delta_s=since_kill(self.resumed_at()),
                     kill_to_last_result_s=since_kill(self.last_result))
 
