@@ -9,13 +9,13 @@ from typing import Any, AsyncIterator, Optional
 
 from redis.exceptions import NoPermissionError, NoScriptError
 
-from mlxq.shared import apikeys, codec
-from mlxq.shared.connection import LinkWatch, close_pins, connect_async, for_slot_async, is_cluster, is_link_error
-from mlxq.shared.keys import GlobalKeys, ModelKeys
-from mlxq.shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, function_name,
+from ..shared import apikeys, codec
+from ..shared.connection import LinkWatch, close_pins, connect_async, for_slot_async, is_cluster, is_link_error
+from ..shared.keys import GlobalKeys, ModelKeys
+from ..shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, function_name,
                                   parse_check, parse_enqueue, script_source)
-from mlxq.shared.schemas import Delta, Result
-from mlxq.shared.settings import Settings
+from ..shared.schemas import Delta, Result
+from ..shared.settings import Settings
 
 from .asubscriber import AsyncSubscriber, link_watch
 from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
@@ -235,7 +235,7 @@ class AsyncClient:
         return await self._run(calls.cancel_request(job_id), decode=True)
 
     def _sync_model_blocking(self, model: str) -> None:
-        from mlxq.shared.connection import connect, for_slot
+        from ..shared.connection import connect, for_slot
 
         if self._url is None:
             raise PolicyNotCopied(f"model {model!r} has no copy of the key registry yet: start its worker first")

@@ -36,13 +36,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxq.producer.asubscriber import AsyncSubscriber, link_watch
-from mlxq.shared.connection import LINK_ERRORS, RedisUnreachable, close_pins, connect_async
-from mlxq.shared.apikeys import AuthError
-from mlxq.shared.keys import GlobalKeys
-from mlxq.shared.protocol import JobRefused, OverloadError
-from mlxq.shared.schemas import INVALID_REQUEST, Delta, Result
-from mlxq.shared.settings import TIERS, Settings
+from .asubscriber import AsyncSubscriber, link_watch
+from ..shared.connection import LINK_ERRORS, RedisUnreachable, close_pins, connect_async
+from ..shared.apikeys import AuthError
+from ..shared.keys import GlobalKeys
+from ..shared.protocol import JobRefused, OverloadError
+from ..shared.schemas import INVALID_REQUEST, Delta, Result
+from ..shared.settings import TIERS, Settings
 from .aclient import AsyncClient, AsyncJob
 from ..shared.cliopts import add_shared
 from .common import ContextLengthError, NoModelError, has_live_worker

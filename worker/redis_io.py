@@ -37,7 +37,7 @@ REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingErro
 class Backoff:
     """Capped exponential backoff, as rq's worker does for ConnectionError."""
 
-    def __init__(self, first: float = 0.05, cap: float = 5.0):
+    def __init__(self, first: float = 0.05, cap: float = 1.0):
         self.first, self.cap, self.delay = first, cap, 0.0
 
     def fail(self) -> float:
