@@ -161,8 +161,10 @@ def main(args) -> int:
 
     def submit(tier, prompt):
         c = Client(url, api_key=KEYS[tier], model=model, settings=settings)
+        # the low/normal jobs run their full length (ignore_eos), so they are still streaming when the
+        # high-tier jobs arrive: the preemption happens by construction, whatever the model says
         job = c.submit(SYSTEM_PROMPT + prompt, max_tokens=args.max_tokens, temperature=0.6, top_p=0.9,
-                       seed=len(jobs))
+                       seed=len(jobs), ignore_eos=tier != "high")
         jobs.append((tier, prompt, job))
 
     for tier, prompt in early:

@@ -125,7 +125,7 @@ class Publisher(threading.Thread):
                     self._settled(job_id, kind, reply)
             todo = refused
             if todo:  # Redis lost its script cache (a restart): load them and send what was refused
-                log.warning("Redis lost mlxq's scripts; loading them again")
+                log.info("Redis does not have mlxq's scripts (a new or restarted server): loading them")
                 self.q.load_scripts()
 
     def _calls(self, batch: list[StepOutput]) -> list[tuple[tuple, str, str]]:
