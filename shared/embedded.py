@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 
 def _random_free_port(cluster: bool) -> int:
-    """A port free on loopback now (and its cluster bus port, +10000, for a cluster node)."""
+    """A port free on loopback now (and its cluster bus port, +10000, for a cluster node), random so
+    that servers several processes start at once do not race for one port."""
     import random
     import socket
 
@@ -29,8 +30,15 @@ def _random_free_port(cluster: bool) -> int:
             except OSError:
                 return False
 
+    # below the kernel's ephemeral range: a port freed by a stopped server (which a test starts again
+    # on the same port) must not be taken meanwhile by some client socket's local end
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    high = max(12000, min(ephemeral, 32768) - 10000)  # the cluster bus port (+10000) stays below it too
     while True:
-        port = random.randrange(20000, 55000)
+        port = random.randrange(10000, high)
         if free(port) and (not cluster or free(port + 10000)):
             return port
 
