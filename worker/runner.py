@@ -111,6 +111,10 @@ class Worker:
             log.warning("garbage queue member %r moved to the dead-letter set", entry.job_id[:80])
             return
         offset = self.fetcher.clock_offset
+        # outside the try below: reading the record retries through lost links and raises only when the
+        # worker stops; that is no fault of the job, which must not be failed for it (its lease brings
+        # it back)
+        published = self._published(entry)
         try:
             req = decode_request(entry, self.loaded.name, self.settings.max_new_tokens)
             prompt = tokenize(req, self.loaded.tokenizer)
@@ -119,8 +123,7 @@ class Worker:
                 raise JobError(f"prompt of {len(prompt)} tokens exceeds the model's context of {ctx} tokens")
             if not self.engine.can_admit(len(prompt), req.max_tokens):
                 raise JobError(f"prompt of {len(prompt)} tokens can never fit this worker's KV memory")
-            job = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset,
-                            self._published(entry))
+            job = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset, published)
         except JobError as exc:
             log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
             self.publisher.submit(self._failure(entry, str(exc), INVALID_REQUEST))
