@@ -7,123 +7,108 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
-from redis.exceptions import NoPermissionError, NoScriptError
+from redis.exceptions import NoPermissionError, ResponseError
 
-from ..shared import apikeys, codec
-from ..shared.connection import LinkWatch, close_pins, connect_async, for_slot_async, is_cluster, is_link_error
+from ..shared import apikeys
+from ..shared.connection import LinkWatch, close_pins, connect_async, for_slot_async, is_cluster
 from ..shared.keys import GlobalKeys, ModelKeys
-from ..shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, function_name,
-                                  parse_check, parse_enqueue, script_source)
+from ..shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, fcall_failed, function_name,
+                               parse_check, parse_enqueue, script_source)
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
 
 from .asubscriber import AsyncSubscriber, link_watch
-from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
-                     known_model, pick_model, registry_unreadable, result_from_hash, status_text)
-from .client import check_deadline, feed_message
-from .subscriber import SYNC
+from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
+from .core import (SYNC, WAIT_S, Backoff, Emit, JobCore, Steps, WaitDone, decode_status, prepare, retryable,
+                   submit_kwargs)
 
 log = logging.getLogger(__name__)
 
 class AsyncJob:
-    def __init__(self, client: "AsyncClient", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued):
+    """``Job`` for asyncio: the same core (``mlxq.producer.core.JobCore``), its reads awaited."""
+
+    def __init__(self, client: "AsyncClient", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued,
+                 schema=None):
         self.id = job_id
         self._client = client
         self._keys = keys
         self._pubsub = pubsub
         self._redis = client.at(keys.job(job_id))  # the model's slot (its master, pinned, on a cluster)
         self.enqueued = enqueued
-        self._state = StreamState()
-        self._last_id = "0-0"
-        self._result: Optional[Result] = None
+        self._core = JobCore(job_id, keys, client.watch, schema)
         self._streaming = False  # a stream() is reading the subscription
+
+    def __repr__(self) -> str:
+        return f"AsyncJob({self.id!r})"
 
     @property
     def duplicate(self) -> bool:
         return self.enqueued.status == "duplicate"
 
-    async def _replay(self) -> list[Delta]:
-        out: list[Delta] = []
-        start = f"({self._last_id}" if self._last_id != "0-0" else "-"
-        for entry_id, fields in await self._redis.xrange(self._keys.events(self.id), min=start):
-            self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            out.extend(self._state.feed(entry_delta(fields)))
-        return out
-
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
         """As ``Job.stream``: a lost link is a pause; past ``timeout``, ``JobTimeout`` or
         ``RedisUnreachable`` while no Redis node answers."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.05
         self._streaming = True
         try:
-            while not self._state.done:
-                self._client._check_deadline(deadline, f"job {self.id} did not finish within {timeout}s")
-                try:
-                    batch = await self._next_batch()
-                except Exception as exc:  # abackoff re-raises what is not a lost link
-                    log.debug("job %s: stream: %s: %s", self.id, type(exc).__name__, exc)
-                    delay = await self._client.watch.abackoff(exc, deadline, delay)
-                    continue
-                delay = 0.05
-                self._client.watch.ok()
-                for d in batch:
-                    yield d
+            async for d in self._drive(Steps(self._core.stream(timeout))):
+                yield d
         finally:
             self._streaming = False
-            if self._state.done:
+            if self._core.state.done:
                 await self._close_pubsub()
 
-    async def _next_batch(self) -> list[Delta]:
-        """As ``Job._next_batch``."""
-        if self._pubsub is None:
-            await self._ensure_pubsub()
-            return await self._replay()
-        try:
-            data = await asyncio.wait_for(self._pubsub.get(), 1.0)
-        except asyncio.TimeoutError:
-            data = None
-        if data is None or data == SYNC:  # quiet, a script wrote an event, or the link was lost
-            return await self._replay()
-        out = feed_message(self._state, data)
-        return out + await self._replay() if self._state.gap else out
-
     async def result(self, timeout: Optional[float] = None) -> Result:
-        """Wait for the final result on the job's done list (nothing per generated token)."""
-        if self._result is not None:
-            return self._result
+        """As ``Job.result``: waits on the job's done list (nothing per generated token)."""
+        if self._core.result is not None:
+            return self._core.result
         if not self._streaming:  # a result-only caller needs no token stream
             await self._close_pubsub()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.05
-        while self._result is None:
-            self._client._check_deadline(deadline, f"job {self.id} did not finish within {timeout}s")
-            try:
-                self._result = await self._poll_result(deadline)
-            except Exception as exc:  # abackoff re-raises what is not a lost link
-                log.debug("job %s: result: %s: %s", self.id, type(exc).__name__, exc)
-                delay = await self._client.watch.abackoff(exc, deadline, delay)
-                continue
-            delay = 0.05
-            self._client.watch.ok()
-        return self._result
+        steps = Steps(self._core.wait_result(timeout))
+        async for _ in self._drive(steps):
+            pass
+        return steps.value
 
-    async def _poll_result(self, deadline: Optional[float]) -> Optional[Result]:
-        r = self._redis
-        res = result_from_hash(self.id, await r.hgetall(self._keys.job(self.id)))
-        if res is None:
-            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-            if wait > 0:
-                await r.blpop([self._keys.done(self.id)], timeout=max(0.01, wait))
-        return res
+    async def _drive(self, steps: Steps) -> AsyncIterator[Delta]:
+        """As ``Job._drive``, each read awaited."""
+        for op in steps:
+            if isinstance(op, Emit):
+                for d in op.deltas:
+                    yield d
+                continue
+            try:
+                steps.reply(await getattr(self, f"_io_{op.name}")(op))
+            except Exception as exc:
+                log.debug("job %s: %s: %s: %s", self.id, op.name, type(exc).__name__, exc)
+                steps.fail(exc)
+
+    # -- the reads of the core's requests ---------------------------------------------------------
+    async def _io_receive(self, op) -> Optional[bytes]:
+        if self._pubsub is None:
+            await self._ensure_pubsub()
+            return SYNC
+        try:
+            return await asyncio.wait_for(self._pubsub.get(), WAIT_S)
+        except asyncio.TimeoutError:
+            return None
+
+    async def _io_read_events(self, op) -> list:
+        return await self._redis.xrange(self._keys.events(self.id), min=self._core.replay_from())
+
+    async def _io_read_record(self, op) -> dict:
+        return await self._redis.hgetall(self._keys.job(self.id))
+
+    async def _io_wait_done(self, op: WaitDone) -> None:
+        await self._redis.blpop([self._keys.done(self.id)], timeout=op.seconds)
+
+    async def _io_backoff(self, op: Backoff) -> float:
+        return await self._client.watch.abackoff(op.error, op.deadline, op.delay, retryable)
 
     async def cancel(self) -> str:
         return await self._client._retry(lambda: self._client._cancel(self._keys.model, self.id))
 
     async def status(self) -> Optional[str]:
         """As ``Job.status``: "queued, no live worker for MODEL" when no live worker can take it now."""
-        s = await self._client._retry(lambda: self._redis.hget(self._keys.job(self.id), "status"))
-        s = s.decode() if s else None
+        s = decode_status(await self._client._retry(lambda: self._redis.hget(self._keys.job(self.id), "status")))
         if s != "queued":
             return s
         return status_text(s, self._keys.model, await self._client._registry_entry(self._keys.model),
@@ -141,12 +126,6 @@ class AsyncJob:
         if self._pubsub is not None:
             self._pubsub = None
             await self._client.subscriber.unsubscribe(self._keys.channel(self.id))
-
-
-def _retryable(exc: BaseException) -> bool:
-    """A lost link, or a script the slot's new master has not cached yet (after a failover the
-    cluster client may load it on the old set of masters first; the retry reaches the new one)."""
-    return is_link_error(exc) or isinstance(exc, NoScriptError)
 
 
 class AsyncClient:
@@ -179,10 +158,7 @@ class AsyncClient:
         """``await fn()``, retried through a lost link for up to ``settings.redis_outage_s``."""
         if deadline is None:
             deadline = time.monotonic() + self.settings.redis_outage_s
-        return await self.watch.acall(fn, deadline, is_link=_retryable)
-
-    def _check_deadline(self, deadline: Optional[float], message: str) -> None:
-        check_deadline(self.watch, deadline, message)
+        return await self.watch.acall(fn, deadline, is_link=retryable)
 
     def at(self, key: str):
         """The client for ``key``'s slot: ``self.redis`` on a single Redis; on a cluster a plain
@@ -197,7 +173,11 @@ class AsyncClient:
         r = self.at(keys[0]) if keys else self.redis
         if self._functions:
             fcall = r.fcall_ro if read_only else r.fcall
-            reply = await fcall(function_name(name), len(keys), *keys, *args)
+            try:
+                reply = await fcall(function_name(name), len(keys), *keys, *args)
+            except ResponseError as exc:
+                fcall_failed(exc)
+                raise
         else:
             reply = await self._scripts[name](keys=keys, args=args, client=r)
         return reply.decode() if decode and isinstance(reply, bytes) else reply
@@ -284,26 +264,23 @@ class AsyncClient:
                      subscribe: bool = True, _floor: Optional[str] = None, _source: str = "client",
                      _count_tokens=None, **params: Any) -> AsyncJob:
         model = model or await self.model()
-        req = build_request(model, dict(prompt=prompt, messages=messages, prompt_tokens=prompt_tokens,
-                                        session_id=session_id, source=_source, submitted_at=time.time(), **params))
-        check_fits(req, known_model(model, await self._registry()), _count_tokens)  # NoModelError at once
-        payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
-        if len(payload) > self.settings.max_prompt_bytes:
-            raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")
+        prep = prepare(model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
+                       known_model(model, await self._registry()), self.settings.max_prompt_bytes, _count_tokens)
         keys = self.gkeys.model_keys(model)
-        job = AsyncJob(self, req.id, keys, None, None)
+        job = AsyncJob(self, prep.request.id, keys, None, None, prep.schema)
         deadline = time.monotonic() + self.settings.redis_outage_s
         if subscribe:  # subscribed before the job exists; stream() also replays the durable record
             await self._retry(job._ensure_pubsub, deadline)
         try:
             # the same request under the same id: a retry after a lost reply is the same job
-            enq = await self._retry(lambda: self._enqueue(model, req.id, payload, _floor, idempotency_key), deadline)
+            enq = await self._retry(lambda: self._enqueue(model, prep.request.id, prep.payload, _floor,
+                                                          idempotency_key), deadline)
         except Exception:
             await job._close_pubsub()
             raise
         if enq.status == "duplicate":
             await job._close_pubsub()
-            return AsyncJob(self, enq.job_id, keys, None, enq)
+            return AsyncJob(self, enq.job_id, keys, None, enq, prep.schema)
         job.enqueued = enq
         return job
 

@@ -12,11 +12,9 @@ import redis
 from ..shared.connection import LINK_ERRORS, LinkWatch, is_cluster, is_link_error, node_client_async, \
     nodes_tried, refresh_topology_async
 
-from .subscriber import SYNC
+from .core import SYNC
 
 log = logging.getLogger(__name__)
-
-_LINK_ERRORS = LINK_ERRORS
 
 
 class _NodeReader:
@@ -83,7 +81,7 @@ class _NodeReader:
                     await self.pubsub.sunsubscribe(channel)
                 else:
                     await self.pubsub.unsubscribe(channel)
-        except _LINK_ERRORS:
+        except LINK_ERRORS:
             pass
 
     async def run(self) -> None:

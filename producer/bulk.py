@@ -1,4 +1,4 @@
-"""Bulk submission at the low tier: ``mlxq batch IN.jsonl -o OUT.jsonl`` and ``Client.map``.
+"""Bulk submission at the low tier: ``mlxq batch IN.jsonl -o OUT.jsonl`` (``Client.map``: ``bulkmap``).
 
 Input lines are JSON: a string (the prompt), an object with one of ``prompt`` / ``messages`` /
 ``prompt_tokens`` plus sampling params (``max_tokens``, ``temperature``, ...) and an optional
@@ -31,53 +31,15 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
-from ..shared import codec
-from ..shared.protocol import OverloadError
 from ..shared.schemas import INVALID_REQUEST, Result
 from ..shared.cliopts import add_shared
-from .common import build_request, check_fits, result_from_hash
+from .bulkmap import BULK_TIER_FLOOR, as_params, submit_with_backoff
+from .common import result_from_hash
 
 log = logging.getLogger(__name__)
-
-BULK_TIER_FLOOR = "low"
-OVERLOAD_BACKOFF_S = 0.5
-
-
-@dataclass
-class Submitted:
-    model: str
-    job_id: str
-    duplicate: bool
-
-
-def enqueue_request(client, params: dict, tier: str, idempotency_key: Optional[str] = None,
-                    source: str = "bulk") -> Submitted:
-    """Validate and enqueue one request without holding a channel subscription per job
-    (bulk callers wait by polling job records).  ValueError: invalid; OverloadError: queue full."""
-    params = dict(params)
-    model = params.pop("model", None) or client.model
-    req = build_request(model, {**params, "source": source, "submitted_at": time.time()})
-    check_fits(req, client.models().get(model))
-    payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
-    if len(payload) > client.settings.max_prompt_bytes:
-        raise ValueError(f"request of {len(payload)} bytes exceeds the {client.settings.max_prompt_bytes}-byte limit")
-    # ``tier`` is a floor: the tier itself is decided in Redis from the client's key
-    enq = client.queue_for(model).enqueue(req.id, payload, client.key_hash, tier, idempotency_key,
-                                          global_redis=client.redis)
-    return Submitted(model, enq.job_id, enq.status == "duplicate")
-
-
-def _as_params(item: Any) -> dict:
-    if isinstance(item, str):
-        return {"prompt": item}
-    if isinstance(item, dict):
-        return dict(item)
-    raise ValueError(f"expected a prompt string or an object of submit arguments, got {type(item).__name__}")
-
 
 OPENAI_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
 
@@ -99,7 +61,7 @@ def _line_params(item: Any) -> tuple[dict, Optional[str], bool]:
         if req.model:
             params["model"] = req.model
         return params, item.get("custom_id"), url == "/v1/chat/completions"
-    params = _as_params(item)
+    params = as_params(item)
     custom_id = params.pop("custom_id", None)
     return params, custom_id, params.get("messages") is not None
 
@@ -131,50 +93,6 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
 def refused_line(n: int, custom_id: Optional[str], message: str) -> dict:
     return {"id": None, "custom_id": custom_id, "line": n, "response": None,
             "error": {"code": "invalid_request", "message": message}}
-
-
-def _submit_with_backoff(client, params: dict, tier: str, key: Optional[str], stop: Optional[threading.Event]):
-    while True:
-        try:
-            return enqueue_request(client, params, tier, key)
-        except OverloadError as exc:
-            log.info("queue full, retrying in %.1fs: %s", OVERLOAD_BACKOFF_S, exc)
-            if stop is not None and stop.wait(OVERLOAD_BACKOFF_S):
-                return None
-            if stop is None:
-                time.sleep(OVERLOAD_BACKOFF_S)
-
-
-# -- Client.map ----------------------------------------------------------------------------------
-
-def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Optional[float] = None,
-                idempotency_prefix: Optional[str] = None, **params: Any) -> Iterator[Result]:
-    """Submit each item (a prompt or a dict of submit arguments; ``params`` are defaults) at the
-    low tier, keeping up to ``window`` jobs queued; yield Results in input order.  An invalid item
-    yields a Result with ``finish_reason="error"`` rather than stopping the iteration."""
-    tier = client.tier(BULK_TIER_FLOOR)
-    it = enumerate(items)
-    inflight: deque = deque()  # (index, Submitted | Result)
-    exhausted = False
-    while True:
-        while not exhausted and len(inflight) < window:
-            try:
-                i, item = next(it)
-            except StopIteration:
-                exhausted = True
-                break
-            key = f"{idempotency_prefix}:{i}" if idempotency_prefix else None
-            try:
-                inflight.append((i, _submit_with_backoff(client, {**params, **_as_params(item)}, tier, key, None)))
-            except ValueError as exc:
-                inflight.append((i, Result(id="", finish_reason="error", error=f"invalid request: {exc}")))
-        if not inflight:
-            return
-        _, sub = inflight.popleft()
-        if isinstance(sub, Result):
-            yield sub
-        else:
-            yield client.job(sub.job_id, sub.model).result(timeout=timeout)
 
 
 # -- mlxq batch ------------------------------------------------------------------------------------
@@ -275,7 +193,7 @@ class BatchRun:
             custom_id = item.get("custom_id") if isinstance(item, dict) else None
             params, custom_id, chat = _line_params(item)
             params = {**self.defaults, **params}
-            sub = _submit_with_backoff(self.client, params, tier, f"batch:{ident}:{n}", self.stop)
+            sub = submit_with_backoff(self.client, params, tier, f"batch:{ident}:{n}", self.stop)
         except ValueError as exc:
             self._write(out, refused_line(n, custom_id, f"invalid request: {exc}"), summary, bar)
             return

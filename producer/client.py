@@ -8,16 +8,17 @@ from typing import Any, Iterator, Optional
 
 from redis.exceptions import NoPermissionError
 
-from ..shared import apikeys, codec
-from ..shared.connection import LINK_ERRORS, LinkWatch, connect as shared_connect, is_cluster, nodes_tried, \
-    refresh_topology
+from ..shared import apikeys
+from ..shared.connection import LinkWatch, connect as shared_connect, is_cluster, nodes_tried, refresh_topology
 from ..shared.keys import GlobalKeys, ModelKeys
 from ..shared.protocol import Enqueued, Queue
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
-from .common import (JobTimeout, StreamState, build_request, check_fits, decode_registry, entry_delta,
-                     known_model, pick_model, registry_unreadable, result_from_hash, status_text)
-from .subscriber import SYNC, Subscriber, get, new_inbox
+from .bulkmap import map_results
+from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
+from .core import (SYNC, WAIT_S, Backoff, Emit, JobCore, Steps, WaitDone, decode_status, prepare, retryable,
+                   submit_kwargs)
+from .subscriber import Subscriber, get, new_inbox
 
 
 def connect(url: Optional[str], wait_s: Optional[float] = None):
@@ -28,17 +29,19 @@ def connect(url: Optional[str], wait_s: Optional[float] = None):
 
 
 class Job:
-    """A submitted job. ``stream()`` yields deltas; ``result()`` waits for the final result."""
+    """A submitted job. ``stream()`` yields deltas; ``result()`` waits for the final result.
 
-    def __init__(self, client: "Client", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued):
+    What to read when, and what a lost link or a timeout means, is decided by the client core
+    (``mlxq.producer.core.JobCore``); this class does the reads it asks for."""
+
+    def __init__(self, client: "Client", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued,
+                 schema=None):
         self.id = job_id
         self._client = client
         self._keys = keys
         self._pubsub = pubsub  # this job's inbox on the client's shared subscriber, or None
         self.enqueued = enqueued
-        self._state = StreamState()
-        self._last_id = "0-0"
-        self._result: Optional[Result] = None
+        self._core = JobCore(job_id, keys, client.watch, schema)
         self._streaming = False  # a stream() is reading the subscription
 
     def __repr__(self) -> str:
@@ -49,85 +52,66 @@ class Job:
         """True when an idempotency key matched an earlier submission (same job returned)."""
         return self.enqueued.status == "duplicate"
 
-    def _replay(self) -> list[Delta]:
-        r = self._client.redis
-        out: list[Delta] = []
-        entries = r.xrange(self._keys.events(self.id), min=f"({self._last_id}" if self._last_id != "0-0" else "-")
-        for entry_id, fields in entries:
-            self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            out.extend(self._state.feed(entry_delta(fields)))
-        return out
-
     def stream(self, timeout: Optional[float] = None) -> Iterator[Delta]:
         """Deltas in order, each once; a late subscriber still gets the whole text.
 
         A lost link (a Redis restart, a failover) is a pause: the job resubscribes and reads
         what it missed from its durable record.  Past ``timeout``: ``JobTimeout``, or
         ``RedisUnreachable`` (a ``ConnectionError``) while no Redis node answers."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.05
         self._streaming = True
         try:
-            while not self._state.done:
-                self._client._check_deadline(deadline, f"job {self.id} did not finish within {timeout}s")
-                try:
-                    batch = self._next_batch()
-                except _LINK_ERRORS as exc:
-                    delay = self._client.watch.backoff(exc, deadline, delay)
-                    continue
-                delay = 0.05
-                self._client.watch.ok()
-                yield from batch
+            yield from self._drive(Steps(self._core.stream(timeout)))
         finally:
             self._streaming = False
-            if self._state.done:
+            if self._core.state.done:
                 self._close_pubsub()
-
-    def _next_batch(self) -> list[Delta]:
-        """The next deltas: the durable record when (re)subscribed, quiet, told to (``SYNC``: the
-        link was lost meanwhile) or a gap shows; else the live message."""
-        if self._pubsub is None:
-            self._ensure_pubsub()
-            return self._replay()
-        data = get(self._pubsub, timeout=1.0)
-        if data is None or data == SYNC:
-            return self._replay()
-        out = feed_message(self._state, data)
-        return out + self._replay() if self._state.gap else out
 
     def result(self, timeout: Optional[float] = None) -> Result:
         """Wait for the final result (kept in Redis: it survives disconnects).
 
         It waits on the job's done list (one entry when the job ends), not on its
         token channel, so a result-only caller costs nothing per generated token.
-        Links are retried as in ``stream``, within ``timeout``.
+        Links are retried as in ``stream``, within ``timeout``.  A job submitted with
+        ``response_format=`` a pydantic class gives a result with ``parsed``/``parse_error``.
         """
-        if self._result is not None:
-            return self._result
+        if self._core.result is not None:
+            return self._core.result
         if not self._streaming:  # a result-only caller needs no token stream
             self._close_pubsub()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.05
-        while self._result is None:
-            self._client._check_deadline(deadline, f"job {self.id} did not finish within {timeout}s")
-            try:
-                self._result = self._poll_result(deadline)
-            except _LINK_ERRORS as exc:
-                delay = self._client.watch.backoff(exc, deadline, delay)
-                continue
-            delay = 0.05
-            self._client.watch.ok()
-        return self._result
+        steps = Steps(self._core.wait_result(timeout))
+        for _ in self._drive(steps):
+            pass
+        return steps.value
 
-    def _poll_result(self, deadline: Optional[float]) -> Optional[Result]:
-        """The result if the job ended, else None after waiting up to a second for it to end."""
-        r = self._client.redis
-        res = result_from_hash(self.id, r.hgetall(self._keys.job(self.id)))
-        if res is None:
-            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-            if wait > 0:
-                r.blpop([self._keys.done(self.id)], timeout=max(0.01, wait))
-        return res
+    def _drive(self, steps: Steps) -> Iterator[Delta]:
+        """Do each read the core asks for; yield the deltas it emits."""
+        for op in steps:
+            if isinstance(op, Emit):
+                yield from op.deltas
+                continue
+            try:
+                steps.reply(getattr(self, f"_io_{op.name}")(op))
+            except Exception as exc:
+                steps.fail(exc)
+
+    # -- the reads of the core's requests ---------------------------------------------------------
+    def _io_receive(self, op) -> Optional[bytes]:
+        if self._pubsub is None:
+            self._ensure_pubsub()
+            return SYNC
+        return get(self._pubsub, timeout=WAIT_S)
+
+    def _io_read_events(self, op) -> list:
+        return self._client.redis.xrange(self._keys.events(self.id), min=self._core.replay_from())
+
+    def _io_read_record(self, op) -> dict:
+        return self._client.redis.hgetall(self._keys.job(self.id))
+
+    def _io_wait_done(self, op: WaitDone) -> None:
+        self._client.redis.blpop([self._keys.done(self.id)], timeout=op.seconds)
+
+    def _io_backoff(self, op: Backoff) -> float:
+        return self._client.watch.backoff(op.error, op.deadline, op.delay, retryable)
 
     def cancel(self) -> str:
         """'cancelled' (was queued), 'cancelling' (leaves the batch at the next step) or the final status."""
@@ -137,8 +121,7 @@ class Job:
     def status(self) -> Optional[str]:
         """The job's status: queued, running, done, failed, cancelled, dead; a queued job that no
         live worker can take now reads "queued, no live worker for MODEL"."""
-        s = self._client._retry(lambda: self._client.redis.hget(self._keys.job(self.id), "status"))
-        s = s.decode() if s else None
+        s = decode_status(self._client._retry(lambda: self._client.redis.hget(self._keys.job(self.id), "status")))
         if s != "queued":
             return s
         return status_text(s, self._keys.model, self._client._registry_entry(self._keys.model),
@@ -162,27 +145,6 @@ class Job:
             self._close_pubsub()
         except Exception:
             pass
-
-
-_LINK_ERRORS = LINK_ERRORS
-
-
-def feed_message(state: StreamState, data: bytes) -> list[Delta]:
-    """The deltas a live pub/sub message adds to ``state`` (none for a malformed one)."""
-    try:
-        delta = Delta.from_wire(codec.unpack(data))
-    except (codec.CodecError, ValueError, TypeError):
-        return []
-    return state.feed(delta)
-
-
-def check_deadline(watch: LinkWatch, deadline: Optional[float], message: str) -> None:
-    """Past ``deadline``: ``RedisUnreachable`` naming the nodes while the links are down, else
-    ``JobTimeout(message)``."""
-    if deadline is not None and time.monotonic() > deadline:
-        if watch.down:
-            raise watch.unreachable()
-        raise JobTimeout(message)
 
 
 class Client:
@@ -212,10 +174,7 @@ class Client:
         """``fn()``, retried through a lost link for up to ``settings.redis_outage_s``."""
         if deadline is None:
             deadline = time.monotonic() + self.settings.redis_outage_s
-        return self.watch.call(fn, deadline)
-
-    def _check_deadline(self, deadline: Optional[float], message: str) -> None:
-        check_deadline(self.watch, deadline, message)
+        return self.watch.call(fn, deadline, is_link=retryable)
 
     # -- model and tier ---------------------------------------------------------
     def models(self) -> dict[str, dict]:
@@ -268,31 +227,29 @@ class Client:
         ``subscribe=False`` (bulk paths) holds no pub/sub connection per pending job:
         ``stream()``/``result()`` subscribe when called and replay the durable record.
 
-        Sampling params: max_tokens, temperature, top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs.
+        Sampling params: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
+        presence_penalty, frequency_penalty, logit_bias, seed, stop, logprobs.  Output: tools,
+        tool_choice, parallel_tool_calls, response_format (a dict, or a pydantic model class: the
+        result then carries ``parsed``, the validated instance, or ``parse_error``).
         """
         model = model or self.model
-        req = build_request(model, dict(prompt=prompt, messages=messages, prompt_tokens=prompt_tokens,
-                                        session_id=session_id, source=_source, submitted_at=time.time(), **params))
-        check_fits(req, known_model(model, self._registry()))  # NoModelError at once for an unknown model
-        payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
-        if len(payload) > self.settings.max_prompt_bytes:
-            raise ValueError(f"request of {len(payload)} bytes exceeds the {self.settings.max_prompt_bytes}-byte limit")
+        prep = prepare(model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
+                       known_model(model, self._registry()), self.settings.max_prompt_bytes)
         q = self.queue_for(model)
-        job = Job(self, req.id, q.keys, None, None)
+        job = Job(self, prep.request.id, q.keys, None, None, prep.schema)
         deadline = time.monotonic() + self.settings.redis_outage_s
         if subscribe:
             self._retry(job._ensure_pubsub, deadline)  # subscribed (and confirmed) before the job exists
         try:
             # the same request under the same id: a retry after a lost reply is the same job
-            enq = self._retry(lambda: q.enqueue(req.id, payload, self.key_hash, _floor, idempotency_key,
-                                                global_redis=self.redis), deadline)
+            enq = self._retry(lambda: q.enqueue(prep.request.id, prep.payload, self.key_hash, _floor,
+                                                idempotency_key, global_redis=self.redis), deadline)
         except Exception:
             job._close_pubsub()
             raise
         if enq.status == "duplicate":
             job._close_pubsub()
-            return Job(self, enq.job_id, q.keys, None, enq)
+            return Job(self, enq.job_id, q.keys, None, enq, prep.schema)
         job.enqueued = enq
         return job
 
@@ -314,7 +271,5 @@ class Client:
     def map(self, items, **params: Any) -> Iterator[Result]:
         """Submit many prompts (strings or dicts of submit arguments) at the low tier; yield their
         Results in input order.  Options: window= (jobs kept queued, default 64), timeout=,
-        idempotency_prefix=; other params are defaults for every item.  See ``mlxq.producer.bulk``."""
-        from .bulk import map_results
-
+        idempotency_prefix=; other params are defaults for every item.  See ``mlxq.producer.bulkmap``."""
         return map_results(self, items, **params)

@@ -91,7 +91,7 @@ def enqueue_generation(client, kwargs: dict, tier: str, idempotency_key: Optiona
     """Validate an rq job's kwargs as a generation request and put it on the mlxq queue.
 
     ValueError: the request is invalid; OverloadError: the tier's queue is full."""
-    from .bulk import enqueue_request
+    from .bulkmap import enqueue_request
 
     return enqueue_request(client, kwargs, tier, idempotency_key, source="rq")
 

@@ -21,11 +21,9 @@ from typing import Optional
 import redis
 
 from ..shared.connection import LINK_ERRORS, LinkWatch, SlotRedis, is_cluster, nodes_tried, refresh_topology
+from .core import SYNC
 
 log = logging.getLogger(__name__)
-
-SYNC = b"sync"  # what a job's inbox gets when it must read its durable record
-_LINK_ERRORS = LINK_ERRORS
 
 
 class _NodeReader(threading.Thread):
@@ -59,7 +57,7 @@ class _NodeReader(threading.Thread):
                     self.pubsub.ssubscribe(channel)
                 else:
                     self.pubsub.subscribe(channel)
-            except _LINK_ERRORS as exc:
+            except LINK_ERRORS as exc:
                 self.fail(exc)
                 raise
             if not self.started:  # many threads subscribe at once: one of them starts the reader
@@ -97,7 +95,7 @@ class _NodeReader(threading.Thread):
                     self.pubsub.sunsubscribe(channel)
                 else:
                     self.pubsub.unsubscribe(channel)
-            except _LINK_ERRORS:
+            except LINK_ERRORS:
                 pass  # the link is gone; nothing is subscribed there any more
 
     def run(self) -> None:
@@ -108,7 +106,7 @@ class _NodeReader(threading.Thread):
                     self.wakeup.clear()
                     continue
                 msg = self.pubsub.get_message(timeout=1.0)
-            except _LINK_ERRORS as exc:
+            except LINK_ERRORS as exc:
                 self.fail(exc)
                 break
             except Exception:

@@ -69,6 +69,14 @@ class FunctionsNotLoaded(RuntimeError):
     """This Redis user may only FCALL mlxq's functions, and they are not loaded yet."""
 
 
+def fcall_failed(exc: ResponseError) -> None:
+    """A failed FCALL: ``FunctionsNotLoaded`` when mlxq's library is not loaded (no worker has started
+    on this Redis yet); else it returns and the caller re-raises (the sync and async clients alike)."""
+    if "function not found" in str(exc).lower():
+        raise FunctionsNotLoaded("mlxq's Redis Functions are not loaded: start a worker (it loads them) "
+                                 "first") from exc
+
+
 class PolicyNotCopied(RuntimeError):
     """The model's slot has no copy of the key registry and tier policy yet (no worker has run)."""
 
@@ -296,9 +304,7 @@ class Queue:
             try:
                 return fcall(function_name(name), len(keys), *keys, *args)
             except ResponseError as exc:
-                if "function not found" in str(exc).lower():
-                    raise FunctionsNotLoaded("mlxq's Redis Functions are not loaded: start a worker "
-                                             "(it loads them) first") from exc
+                fcall_failed(exc)
                 raise
         return self._scripts[name](keys=keys, args=args, client=c)
 

@@ -1,0 +1,95 @@
+"""``Client.map`` and what ``mlxq batch`` shares with it: submitting at the low tier with no
+subscription per job (bulk callers wait by polling job records), backing off while the queue is full."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
+
+from ..shared.protocol import OverloadError
+from ..shared.schemas import Result
+from .core import prepare, with_parsed
+
+log = logging.getLogger(__name__)
+
+BULK_TIER_FLOOR = "low"
+OVERLOAD_BACKOFF_S = 0.5
+
+
+@dataclass
+class Submitted:
+    model: str
+    job_id: str
+    duplicate: bool
+    schema: Any = None  # the pydantic class of ``response_format=``, if one was given
+
+
+def enqueue_request(client, params: dict, tier: str, idempotency_key: Optional[str] = None,
+                    source: str = "bulk") -> Submitted:
+    """Validate and enqueue one request without holding a channel subscription per job
+    (bulk callers wait by polling job records).  ValueError: invalid; OverloadError: queue full."""
+    params = dict(params)
+    model = params.pop("model", None) or client.model
+    prep = prepare(model, {**params, "source": source, "submitted_at": time.time()}, client.models().get(model),
+                   client.settings.max_prompt_bytes)
+    # ``tier`` is a floor: the tier itself is decided in Redis from the client's key
+    enq = client.queue_for(model).enqueue(prep.request.id, prep.payload, client.key_hash, tier, idempotency_key,
+                                          global_redis=client.redis)
+    return Submitted(model, enq.job_id, enq.status == "duplicate", prep.schema)
+
+
+def as_params(item: Any) -> dict:
+    if isinstance(item, str):
+        return {"prompt": item}
+    if isinstance(item, dict):
+        return dict(item)
+    raise ValueError(f"expected a prompt string or an object of submit arguments, got {type(item).__name__}")
+
+
+def submit_with_backoff(client, params: dict, tier: str, key: Optional[str],
+                        stop: Optional[threading.Event]) -> Optional[Submitted]:
+    """``enqueue_request``, again every ``OVERLOAD_BACKOFF_S`` while the queue is full; None once
+    ``stop`` is set."""
+    while True:
+        try:
+            return enqueue_request(client, params, tier, key)
+        except OverloadError as exc:
+            log.info("queue full, retrying in %.1fs: %s", OVERLOAD_BACKOFF_S, exc)
+            if stop is not None and stop.wait(OVERLOAD_BACKOFF_S):
+                return None
+            if stop is None:
+                time.sleep(OVERLOAD_BACKOFF_S)
+
+
+def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Optional[float] = None,
+                idempotency_prefix: Optional[str] = None, **params: Any) -> Iterator[Result]:
+    """Submit each item (a prompt or a dict of submit arguments; ``params`` are defaults) at the
+    low tier, keeping up to ``window`` jobs queued; yield Results in input order.  An invalid item
+    yields a Result with ``finish_reason="error"`` rather than stopping the iteration."""
+    tier = client.tier(BULK_TIER_FLOOR)
+    it = enumerate(items)
+    inflight: deque = deque()  # (index, Submitted | Result)
+    exhausted = False
+    while True:
+        while not exhausted and len(inflight) < window:
+            try:
+                i, item = next(it)
+            except StopIteration:
+                exhausted = True
+                break
+            key = f"{idempotency_prefix}:{i}" if idempotency_prefix else None
+            try:
+                inflight.append((i, submit_with_backoff(client, {**params, **as_params(item)}, tier, key, None)))
+            except ValueError as exc:
+                inflight.append((i, Result(id="", finish_reason="error", error=f"invalid request: {exc}")))
+        if not inflight:
+            return
+        _, sub = inflight.popleft()
+        if isinstance(sub, Result):
+            yield sub
+        else:
+            yield with_parsed(client.job(sub.job_id, sub.model).result(timeout=timeout), sub.schema)

@@ -1,0 +1,295 @@
+"""The client core: what ``Client`` and ``AsyncClient`` decide, written once.
+
+The two clients only do I/O.  Everything they must agree on lives here, with no socket in sight:
+
+- **requests**: ``prepare`` validates a submission, turns a pydantic ``response_format`` class into
+  its JSON schema and packs the payload (the size limit included);
+- **a job's two waits** (``JobCore.stream`` and ``JobCore.result``) are generators that say which
+  Redis read they need next (``READ_EVENTS``, ``RECEIVE``, ``READ_RECORD``, ``WaitDone``), what to
+  hand the caller (``Emit``) and when to back off (``Backoff``).  Each client runs them with a loop
+  of four lines that does the read it is told, with its own socket and its own way of waiting
+  (``Steps``), and sends back the reply or throws in the error;
+- **retries**: which errors are a pause (``retryable``), the deadline and what is raised past it
+  (``JobTimeout``, or ``RedisUnreachable`` while the links are down);
+- **stream state**: what a live message or a record entry adds (``StreamState``), when to re-read
+  the durable record (quiet, ``SYNC`` after a lost link, a gap);
+- **structured results**: ``parsed`` and ``parse_error`` of a job submitted with a pydantic class.
+
+So both clients behave the same and raise the same errors; ``tests/test_client_core.py`` runs one
+set of assertions against both.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Generator, Optional
+
+from pydantic import BaseModel, PrivateAttr, ValidationError
+from redis.exceptions import NoScriptError
+
+from ..shared import codec
+from ..shared.connection import LinkWatch, is_link_error
+from ..shared.keys import ModelKeys
+from ..shared.schemas import Delta, GenerateRequest, Result
+from .common import JobTimeout, StreamState, build_request, check_fits, entry_delta, result_from_hash
+
+SYNC = b"sync"  # what a job's inbox gets when it must read its durable record (the link was lost)
+FIRST_DELAY_S = 0.05  # the first backoff after a lost link (it doubles, see LinkWatch)
+WAIT_S = 1.0  # the longest single wait on a job's inbox or done list
+
+
+def retryable(exc: BaseException) -> bool:
+    """A pause, not a failure: a lost link, or a script the slot's new master has not cached yet
+    (after a failover the cluster client may load it on the old set of masters first)."""
+    return is_link_error(exc) or isinstance(exc, NoScriptError)
+
+
+def deadline_of(timeout: Optional[float]) -> Optional[float]:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def check_deadline(watch: LinkWatch, deadline: Optional[float], message: str) -> None:
+    """Past ``deadline``: ``RedisUnreachable`` naming the nodes while the links are down, else
+    ``JobTimeout(message)``."""
+    if deadline is not None and time.monotonic() > deadline:
+        if watch.down:
+            raise watch.unreachable()
+        raise JobTimeout(message)
+
+
+# -- requests --------------------------------------------------------------------------------------
+
+@dataclass
+class Prepared:
+    """A validated submission: the request, its wire payload, and the pydantic class its text must
+    validate against (``response_format=`` a class), if any."""
+
+    request: GenerateRequest
+    payload: bytes
+    schema: Optional[type[BaseModel]] = None
+
+
+def schema_format(cls: type[BaseModel]) -> dict:
+    """The ``response_format`` of a pydantic class: its JSON schema, strict."""
+    return {"type": "json_schema",
+            "json_schema": {"name": cls.__name__, "schema": cls.model_json_schema(), "strict": True}}
+
+
+def is_model_class(x: Any) -> bool:
+    return isinstance(x, type) and issubclass(x, BaseModel)
+
+
+def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes: int,
+            count_tokens=None) -> Prepared:
+    """Validate a submission before anything reaches Redis: ValueError (pydantic's included) for a
+    bad request, ``ContextLengthError`` for a prompt that can never fit, ``ValueError`` past
+    ``max_bytes``.  ``info``: the model's registry entry (None: unchecked)."""
+    kwargs = dict(kwargs)
+    schema = kwargs.get("response_format")
+    if is_model_class(schema):
+        kwargs["response_format"] = schema_format(schema)
+    else:
+        schema = None
+    req = build_request(model, kwargs)
+    check_fits(req, info, count_tokens)
+    payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
+    if len(payload) > max_bytes:
+        raise ValueError(f"request of {len(payload)} bytes exceeds the {max_bytes}-byte limit")
+    return Prepared(req, payload, schema)
+
+
+# -- structured results ----------------------------------------------------------------------------
+
+class ParsedResult(Result):
+    """A ``Result`` of a job submitted with ``response_format=`` a pydantic class: ``parsed`` is the
+    validated instance, or None with ``parse_error`` saying why (neither is serialized)."""
+
+    _parsed: Any = PrivateAttr(default=None)
+    _parse_error: Optional[str] = PrivateAttr(default=None)
+
+    @property
+    def parsed(self) -> Any:
+        return self._parsed
+
+    @property
+    def parse_error(self) -> Optional[str]:
+        return self._parse_error
+
+
+def with_parsed(res: Result, schema: Optional[type[BaseModel]]) -> Result:
+    """``res`` as a ``ParsedResult`` when the job asked for ``schema`` (else ``res`` itself)."""
+    if schema is None:
+        return res
+    out = ParsedResult.model_validate(res.model_dump())
+    if res.finish_reason == "error":
+        out._parse_error = f"the job failed: {res.error}"
+        return out
+    try:
+        out._parsed = schema.model_validate_json(res.text)
+    except ValidationError as exc:
+        out._parse_error = f"the text does not validate as {schema.__name__}: {exc}"
+    return out
+
+
+# -- a job's waits, as requests for I/O ---------------------------------------------------------------
+# Each request names the client method that does it: ``Job._io_<name>`` / ``AsyncJob._io_<name>``.
+
+@dataclass(frozen=True)
+class Op:
+    """A read with no argument: ``receive`` (reply: the next live message, None after ``WAIT_S``
+    quiet, ``SYNC`` to re-read the record; subscribes first when not subscribed), ``read_events``
+    (reply: the event-stream entries after ``JobCore.last_id``), ``read_record`` (the job's hash)."""
+    name: str
+
+
+RECEIVE, READ_EVENTS, READ_RECORD = Op("receive"), Op("read_events"), Op("read_record")
+
+
+@dataclass(frozen=True)
+class WaitDone:
+    """Wait up to ``seconds`` on the job's done list (reply ignored)."""
+    seconds: float
+    name = "wait_done"
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """A failed read: ``LinkWatch.backoff`` with ``retryable`` (re-raises what is not a pause, gives
+    up past ``deadline``, sleeps); reply: the next delay."""
+    error: Exception
+    deadline: Optional[float]
+    delay: float
+    name = "backoff"
+
+
+@dataclass(frozen=True)
+class Emit:
+    """Deltas for the caller of ``stream()`` (the drivers yield them; no I/O)."""
+    deltas: list
+
+
+Step = Generator[Any, Any, Any]
+
+
+class JobCore:
+    """One job's reading state and the decisions of its waits (see the module's docstring)."""
+
+    def __init__(self, job_id: str, keys: ModelKeys, watch: LinkWatch,
+                 schema: Optional[type[BaseModel]] = None):
+        self.id = job_id
+        self.keys = keys
+        self.watch = watch
+        self.schema = schema
+        self.state = StreamState()
+        self.last_id = "0-0"
+        self.result: Optional[Result] = None
+
+    def replay_from(self) -> str:
+        """XRANGE's ``min`` for the entries not read yet."""
+        return f"({self.last_id}" if self.last_id != "0-0" else "-"
+
+    def feed_record(self, entries) -> list[Delta]:
+        """The deltas the durable record's ``entries`` (XRANGE's reply) add."""
+        out: list[Delta] = []
+        for entry_id, fields in entries:
+            self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            out.extend(self.state.feed(entry_delta(fields)))
+        return out
+
+    def stream(self, timeout: Optional[float]) -> Step:
+        """Deltas in order, each once (emitted), until the job ends."""
+        yield from self._until(self._next_batch, lambda: self.state.done, timeout)
+
+    def wait_result(self, timeout: Optional[float]) -> Step:
+        """The final result, read from the job's hash; waits on its done list in between."""
+        yield from self._until(self._poll_result, lambda: self.result is not None, timeout)
+        return self.result
+
+    def _until(self, attempt, finished, timeout: Optional[float]) -> Step:
+        """``attempt`` until ``finished()``: a lost link is a pause (backoff), within ``timeout``."""
+        deadline = deadline_of(timeout)
+        delay = FIRST_DELAY_S
+        while not finished():
+            check_deadline(self.watch, deadline, f"job {self.id} did not finish within {timeout}s")
+            try:
+                out = yield from attempt(deadline)
+            except Exception as exc:
+                delay = yield Backoff(exc, deadline, delay)
+                continue
+            delay = FIRST_DELAY_S
+            self.watch.ok()
+            if out:
+                yield Emit(out)
+
+    def _next_batch(self, deadline: Optional[float]) -> Step:
+        """The next deltas: the durable record when (re)subscribed, quiet, told to (``SYNC``) or a
+        gap shows; else the live message."""
+        data = yield RECEIVE
+        if data is None or data == SYNC:
+            return self.feed_record((yield READ_EVENTS))
+        out = feed_message(self.state, data)
+        return out + self.feed_record((yield READ_EVENTS)) if self.state.gap else out
+
+    def _poll_result(self, deadline: Optional[float]) -> Step:
+        res = result_from_hash(self.id, (yield READ_RECORD))
+        if res is not None:
+            self.result = with_parsed(res, self.schema)
+            return []
+        wait = WAIT_S if deadline is None else min(WAIT_S, deadline - time.monotonic())
+        if wait > 0:
+            yield WaitDone(max(0.01, wait))
+        return []
+
+
+class Steps:
+    """Runs one of ``JobCore``'s generators for a client: iterate to get each request, answer it
+    with ``reply`` (or ``fail`` with the error the I/O raised); ``value`` is what it returned.
+
+        for op in steps:
+            try:
+                steps.reply(do(op))      # or: await do(op)
+            except Exception as exc:
+                steps.fail(exc)
+    """
+
+    def __init__(self, gen: Step):
+        self._gen = gen
+        self._reply: Any = None
+        self._error: Optional[BaseException] = None
+        self.value: Any = None
+
+    def __iter__(self):
+        while True:
+            reply, error, self._reply, self._error = self._reply, self._error, None, None
+            try:
+                op = self._gen.throw(error) if error is not None else self._gen.send(reply)
+            except StopIteration as stop:
+                self.value = stop.value
+                return
+            yield op
+
+    def reply(self, value: Any) -> None:
+        self._reply = value
+
+    def fail(self, exc: BaseException) -> None:
+        self._error = exc
+
+
+def feed_message(state: StreamState, data: bytes) -> list[Delta]:
+    """The deltas a live pub/sub message adds to ``state`` (none for a malformed one)."""
+    try:
+        delta = Delta.from_wire(codec.unpack(data))
+    except (codec.CodecError, ValueError, TypeError):
+        return []
+    return state.feed(delta)
+
+
+def decode_status(raw: Optional[bytes]) -> Optional[str]:
+    return raw.decode() if raw else None
+
+
+def submit_kwargs(prompt, messages, prompt_tokens, session_id, source: str, params: dict) -> dict:
+    """``submit``'s arguments as the request's fields (``submitted_at`` now)."""
+    return dict(prompt=prompt, messages=messages, prompt_tokens=prompt_tokens, session_id=session_id,
+                source=source, submitted_at=time.time(), **params)

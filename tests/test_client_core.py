@@ -1,0 +1,250 @@
+"""One client core, tested once for both clients: every test here runs against ``Client`` and
+``AsyncClient`` (the ``side`` fixture) with the same assertions, and the error tests compare the two
+directly (same types, same messages).  Real Valkey, the real worker."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import pydantic
+import pytest
+import redis
+
+from mlxq import AsyncClient, Client, JobTimeout, NoModelError
+from mlxq.producer.core import ParsedResult, prepare, schema_format, with_parsed
+from mlxq.shared import codec
+from mlxq.shared.keys import GlobalKeys
+from mlxq.shared.schemas import Result
+
+from tests.conftest import fast_settings, running_worker, wait_for
+
+
+class SyncSide:
+    """A ``Client``; each call returns a concurrent Future (run on a thread)."""
+
+    kind = "sync"
+
+    def __init__(self, url: str, **kw):
+        self.client = Client(url, **kw)
+        self._pool = concurrent.futures.ThreadPoolExecutor(4)
+
+    def start(self, fn, *args, **kw) -> concurrent.futures.Future:
+        return self._pool.submit(fn, *args, **kw)
+
+    def call(self, name: str, *args, **kw):
+        return self.start(getattr(self.client, name), *args, **kw).result(timeout=120)
+
+    def result(self, job, timeout=None) -> concurrent.futures.Future:
+        return self.start(job.result, timeout=timeout)
+
+    def stream(self, job, timeout=None) -> concurrent.futures.Future:
+        return self.start(lambda: list(job.stream(timeout=timeout)))
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        self.client.close()
+
+
+class AsyncSide(SyncSide):
+    """An ``AsyncClient`` on an event loop of its own thread; each call returns a concurrent Future."""
+
+    kind = "async"
+
+    def __init__(self, url: str, **kw):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.client = asyncio.run_coroutine_threadsafe(self._make(url, kw), self.loop).result(timeout=60)
+
+    @staticmethod
+    async def _make(url, kw) -> AsyncClient:
+        return AsyncClient(url, **kw)
+
+    def start(self, fn, *args, **kw) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(fn(*args, **kw), self.loop)
+
+    def stream(self, job, timeout=None) -> concurrent.futures.Future:
+        async def collect():
+            return [d async for d in job.stream(timeout=timeout)]
+        return self.start(collect)
+
+    def close(self) -> None:
+        self.start(self.client.aclose).result(timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+        self.loop.close()
+
+
+SIDES = {"sync": SyncSide, "async": AsyncSide}
+
+
+@pytest.fixture(params=sorted(SIDES))
+def side(request, redis_url):
+    s = SIDES[request.param](redis_url, model="tiny", settings=fast_settings(redis_url))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def both(redis_url):
+    sides = [SIDES[k](redis_url, model="tiny", settings=fast_settings(redis_url)) for k in sorted(SIDES)]
+    yield sides
+    for s in sides:
+        s.close()
+
+
+def raised(fn) -> BaseException:
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    raise AssertionError("no exception raised")
+
+
+def register_model(url: str, name: str, **info) -> None:
+    r = redis.Redis.from_url(url)
+    r.hset(GlobalKeys().models, name, codec.pack({"vocab_size": 64, "context_length": 64, **info}))
+    r.close()
+
+
+def stored_request(url: str, job) -> dict:
+    r = redis.Redis.from_url(url)
+    try:
+        return codec.unpack(r.hget(GlobalKeys().model_keys("tiny").job(job.id), "req"))
+    finally:
+        r.close()
+
+
+# -- the same errors, from both ---------------------------------------------------------------------
+
+BAD_SUBMISSIONS = {
+    "no input": dict(),
+    "two inputs": dict(prompt="a", prompt_tokens=[1]),
+    "empty prompt": dict(prompt=""),
+    "our id": dict(prompt="a", id="0" * 32),
+    "bad temperature": dict(prompt="a", temperature=-1),
+    "bad logit_bias": dict(prompt="a", logit_bias={"-3": 1.0}),
+    "unknown model": dict(prompt="a", model="nope"),
+    "too long for the context": dict(prompt_tokens=[1] * 100),
+    "an id outside the vocabulary": dict(prompt_tokens=[1000]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SUBMISSIONS))
+def test_bad_request_same_error_from_both(both, redis_url, case):
+    register_model(redis_url, "tiny")
+    errors = [raised(lambda s=s: s.call("submit", **BAD_SUBMISSIONS[case])) for s in both]
+    assert isinstance(errors[0], (ValueError, NoModelError)), errors[0]
+    assert type(errors[0]) is type(errors[1])
+    assert what(errors[0]) == what(errors[1])
+
+
+def what(exc: BaseException):
+    """An error's message; a pydantic error's items without their input (it holds submitted_at)."""
+    if isinstance(exc, pydantic.ValidationError):
+        return [(e["type"], e["loc"], e["msg"]) for e in exc.errors()]
+    return str(exc)
+
+
+def test_timeout_same_error_from_both(both):
+    """No worker: the job stays queued; result() and stream() end at their timeout with JobTimeout."""
+    for wait in ("result", "stream"):
+        errors = []
+        for s in both:
+            job = s.call("submit", prompt="hello", max_tokens=4)
+            exc = raised(lambda: getattr(s, wait)(job, timeout=0.3).result(timeout=60))
+            errors.append((type(exc), str(exc).replace(job.id, "<id>")))
+        assert errors[0][0] is JobTimeout, errors
+        assert errors[0] == errors[1], errors
+
+
+# -- the same behaviour ----------------------------------------------------------------------------
+
+def test_params_pass_through_to_the_request(side, redis_url):
+    """tools, tool_choice, parallel_tool_calls, the penalties and logit_bias reach the stored request."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    job = side.call("submit", prompt="hi", tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                    presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={3: 2.0}, max_tokens=2)
+    req = stored_request(redis_url, job)
+    assert req["tools"][0]["function"]["name"] == "get_weather"
+    assert req["tool_choice"] == "required"
+    assert req["parallel_tool_calls"] is False
+    assert (req["presence_penalty"], req["frequency_penalty"]) == (0.5, -0.25)
+    assert {int(k): v for k, v in req["logit_bias"].items()} == {3: 2.0}
+
+
+class Weather(pydantic.BaseModel):
+    city: str
+    degrees: int
+
+
+def test_response_format_class_becomes_its_schema(side, redis_url):
+    job = side.call("submit", prompt="hi", response_format=Weather, max_tokens=2)
+    assert stored_request(redis_url, job)["response_format"] == schema_format(Weather)
+    assert schema_format(Weather)["json_schema"]["schema"]["required"] == ["city", "degrees"]
+    raw = {"type": "json_object"}
+    job = side.call("submit", prompt="hi", response_format=raw, max_tokens=2)
+    assert stored_request(redis_url, job)["response_format"] == raw
+
+
+def test_result_survives_a_reconnect(side, redis_url, tiny_model):
+    """The client's connection is killed while result() waits on the done list (no worker yet);
+    result() reconnects, and the job's result arrives once a worker runs it."""
+    job = side.call("submit", prompt="once upon a time", max_tokens=8, ignore_eos=True)
+    fut = side.result(job, timeout=120)
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        assert wait_for(lambda: any(c.get("cmd") == "blpop" for c in admin.client_list()), timeout=60)
+        assert admin.client_kill_filter(_type="normal", skipme=True) >= 1
+        assert not fut.done()
+        with running_worker(tiny_model, redis_url):
+            res = fut.result(timeout=120)
+    finally:
+        admin.close()
+    assert res.finish_reason == "length" and len(res.token_ids) == 8 and res.error is None
+
+
+def test_stream_then_result_agree(side, redis_url, tiny_model):
+    with running_worker(tiny_model, redis_url):
+        job = side.call("submit", prompt="once upon a time", max_tokens=12, ignore_eos=True)
+        deltas = side.stream(job, timeout=120).result(timeout=150)
+        res = side.result(job, timeout=120).result(timeout=150)
+    assert [t for d in deltas for t in d.token_ids] == res.token_ids
+    assert "".join(d.text for d in deltas) == res.text
+    assert deltas[-1].finish_reason == res.finish_reason == "length"
+
+
+def test_structured_result_is_parsed_or_says_why(side, redis_url, tiny_model):
+    """For any weights: a job submitted with a pydantic class has exactly one of parsed / parse_error."""
+    with running_worker(tiny_model, redis_url):
+        job = side.call("submit", prompt="weather:", response_format=Weather, max_tokens=16)
+        res = side.result(job, timeout=120).result(timeout=150)
+    assert isinstance(res, ParsedResult)
+    assert (res.parsed is None) != (res.parse_error is None)
+    if res.parsed is not None:
+        assert res.parsed == Weather.model_validate_json(res.text)
+
+
+# -- the core's pure parts ---------------------------------------------------------------------------
+
+def test_with_parsed():
+    ok = with_parsed(Result(id="x", text='{"city": "Oslo", "degrees": 3}', finish_reason="stop"), Weather)
+    assert ok.parsed == Weather(city="Oslo", degrees=3) and ok.parse_error is None
+    bad = with_parsed(Result(id="x", text='{"city": "Oslo"', finish_reason="length"), Weather)
+    assert bad.parsed is None and "Weather" in bad.parse_error
+    failed = with_parsed(Result(id="x", finish_reason="error", error="boom"), Weather)
+    assert failed.parsed is None and "boom" in failed.parse_error
+    assert "parsed" not in ok.model_dump() and "_parsed" not in ok.model_dump_json()
+    plain = Result(id="x", text="hi", finish_reason="stop")
+    assert with_parsed(plain, None) is plain
+
+
+def test_prepare_leaves_dict_formats_alone():
+    prep = prepare("tiny", {"prompt": "a", "response_format": {"type": "json_object"}}, None, 1 << 20)
+    assert prep.schema is None and prep.request.response_format == {"type": "json_object"}
+    prep = prepare("tiny", {"prompt": "a", "response_format": Weather}, None, 1 << 20)
+    assert prep.schema is Weather and prep.request.response_format == schema_format(Weather)
+    with pytest.raises(ValueError, match="byte limit"):
+        prepare("tiny", {"prompt": "a" * 100}, None, 50)
