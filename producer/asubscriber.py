@@ -12,7 +12,7 @@ import redis
 from ..shared.connection import LINK_ERRORS, LinkWatch, is_cluster, is_link_error, node_client_async, \
     nodes_tried, refresh_topology_async
 
-from .core import SYNC
+from .core import Inboxes, channel_bytes
 
 log = logging.getLogger(__name__)
 
@@ -98,17 +98,13 @@ class _NodeReader:
                 log.exception("pub/sub reader error")
                 await asyncio.sleep(0.1)
                 continue
-            if msg is None:
-                continue
-            kind, channel = msg["type"], msg["channel"]
-            if kind in ("subscribe", "ssubscribe"):
-                fut = self.confirm.get(channel)
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
-            elif kind in ("message", "smessage"):
-                inbox = self.owner._inboxes.get(channel)
-                if inbox is not None:
-                    inbox.put_nowait(msg["data"])
+            if msg is not None:
+                self.owner.route(self, msg)
+
+    def confirmed(self, channel: bytes) -> None:
+        fut = self.confirm.get(channel)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     async def close(self) -> None:
         if self.task is not None and self.task is not asyncio.current_task():
@@ -128,19 +124,14 @@ class _NodeReader:
                 pass
 
 
-class AsyncSubscriber:
+class AsyncSubscriber(Inboxes):
     def __init__(self, client, confirm_timeout: float = 10.0):
-        self.client = client
-        self.sharded = is_cluster(client)
-        self.confirm_timeout = confirm_timeout
+        super().__init__(client, confirm_timeout)
         self.watch = link_watch("pub/sub", client)
-        self._readers: dict[str, _NodeReader] = {}
-        self._inboxes: dict[bytes, asyncio.Queue] = {}
         self._lock = asyncio.Lock()
-        self._closed = False
 
     async def subscribe(self, channel: str | bytes, inbox: asyncio.Queue) -> None:
-        ch = channel.encode() if isinstance(channel, str) else channel
+        ch = channel_bytes(channel)
         self._inboxes[ch] = inbox
         try:
             reader = await self._reader_for(ch)
@@ -150,13 +141,10 @@ class AsyncSubscriber:
             raise
 
     async def unsubscribe(self, channel: str | bytes) -> None:
-        ch = channel.encode() if isinstance(channel, str) else channel
+        ch = channel_bytes(channel)
         self._inboxes.pop(ch, None)
         for r in list(self._readers.values()):
             await r.remove(ch)
-
-    def connections(self) -> int:
-        return len(self._readers)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -185,19 +173,13 @@ class AsyncSubscriber:
     async def _node_lost(self, reader: _NodeReader, exc: Exception) -> None:
         """A reader's link dropped: move its channels to a fresh link (the slot's master now), then
         tell each job to read its durable record.  Runs in the failed reader's task, once."""
-        log.warning("pub/sub link to %s lost (%s); resubscribing %d channels", reader.node, exc,
-                    len(reader.channels))
-        if self._readers.get(reader.node) is reader:
-            del self._readers[reader.node]
+        self.forget(reader, exc)
         await reader.close()
         moved = list(reader.channels)
         # all at once: a link's confirmations come in one by one, and each job waits for its own
         await asyncio.gather(*(self.watch.acall(lambda ch=ch: self._resubscribe(ch), None, is_link=_resubscribe_again)
                                for ch in moved))
-        for ch in moved:
-            inbox = self._inboxes.get(ch)
-            if inbox is not None:
-                inbox.put_nowait(SYNC)
+        self.resync(moved)
 
     async def _resubscribe(self, ch: bytes) -> None:
         """Subscribe ``ch`` on the link serving it now, unless its job stopped waiting for it (or

@@ -21,6 +21,7 @@ set of assertions against both.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Generator, Optional
@@ -29,10 +30,12 @@ from pydantic import BaseModel, PrivateAttr, ValidationError
 from redis.exceptions import NoScriptError
 
 from ..shared import codec
-from ..shared.connection import LinkWatch, is_link_error
+from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Result
 from .common import JobTimeout, StreamState, build_request, check_fits, entry_delta, result_from_hash
+
+log = logging.getLogger("mlxq.producer")
 
 SYNC = b"sync"  # what a job's inbox gets when it must read its durable record (the link was lost)
 FIRST_DELAY_S = 0.05  # the first backoff after a lost link (it doubles, see LinkWatch)
@@ -293,3 +296,52 @@ def submit_kwargs(prompt, messages, prompt_tokens, session_id, source: str, para
     """``submit``'s arguments as the request's fields (``submitted_at`` now)."""
     return dict(prompt=prompt, messages=messages, prompt_tokens=prompt_tokens, session_id=session_id,
                 source=source, submitted_at=time.time(), **params)
+
+
+# -- the subscribers' shared part --------------------------------------------------------------------
+
+def channel_bytes(channel: str | bytes) -> bytes:
+    return channel.encode() if isinstance(channel, str) else channel
+
+
+class Inboxes:
+    """What ``Subscriber`` and ``AsyncSubscriber`` share (they differ only in threads vs tasks): the
+    inbox of each job's channel, the node readers, what a pub/sub message means (``route``), and the
+    ``SYNC`` each job of a lost link gets once its channel is subscribed again (``resync``)."""
+
+    def __init__(self, client, confirm_timeout: float):
+        self.client = client
+        self.sharded = is_cluster(client)
+        self.confirm_timeout = confirm_timeout
+        self._readers: dict = {}  # node name -> its reader
+        self._inboxes: dict[bytes, Any] = {}  # channel -> a queue.Queue or asyncio.Queue
+        self._closed = False
+
+    def connections(self) -> int:
+        """Pub/sub connections held now (one per node with subscribed channels)."""
+        return len(self._readers)
+
+    def route(self, reader, msg: dict) -> None:
+        """One message read on ``reader``'s link: a confirmed subscription, or a job's delta."""
+        kind, channel = msg["type"], msg["channel"]
+        if kind in ("subscribe", "ssubscribe"):
+            reader.confirmed(channel)
+        elif kind in ("message", "smessage"):
+            self.deliver(channel, msg["data"])
+
+    def deliver(self, channel: bytes, data: bytes) -> None:
+        inbox = self._inboxes.get(channel)
+        if inbox is not None:
+            inbox.put_nowait(data)
+
+    def forget(self, reader, exc: Optional[BaseException]) -> None:
+        """A reader's link dropped: it serves no new subscription (its channels move to a fresh one)."""
+        log.warning("pub/sub link to %s lost (%s); resubscribing %d channels", reader.node, exc,
+                    len(reader.channels))
+        if self._readers.get(reader.node) is reader:
+            del self._readers[reader.node]
+
+    def resync(self, channels) -> None:
+        """Tell each job of ``channels`` to read its durable record (messages sent meanwhile are there)."""
+        for ch in channels:
+            self.deliver(ch, SYNC)

@@ -20,8 +20,8 @@ from typing import Optional
 
 import redis
 
-from ..shared.connection import LINK_ERRORS, LinkWatch, SlotRedis, is_cluster, nodes_tried, refresh_topology
-from .core import SYNC
+from ..shared.connection import LINK_ERRORS, LinkWatch, SlotRedis, nodes_tried, refresh_topology
+from .core import Inboxes, channel_bytes
 
 log = logging.getLogger(__name__)
 
@@ -115,18 +115,14 @@ class _NodeReader(threading.Thread):
                 log.exception("pub/sub reader error")
                 continue
             if msg is not None:
-                self._handle(msg)
+                self.owner.route(self, msg)
         if not self.stopped:
             self.owner._node_lost(self, self.error)
 
-    def _handle(self, msg: dict) -> None:
-        kind, channel = msg["type"], msg["channel"]
-        if kind in ("subscribe", "ssubscribe"):
-            ev = self.confirm.get(channel)
-            if ev is not None:
-                ev.set()
-        elif kind in ("message", "smessage"):
-            self.owner._dispatch(channel, msg["data"])
+    def confirmed(self, channel: bytes) -> None:
+        ev = self.confirm.get(channel)
+        if ev is not None:
+            ev.set()
 
     def close(self) -> None:
         self.stopped = True
@@ -137,24 +133,19 @@ class _NodeReader(threading.Thread):
             pass
 
 
-class Subscriber:
+class Subscriber(Inboxes):
     """Multiplexes every job's channel of one client over one connection per node."""
 
     def __init__(self, client, confirm_timeout: float = 10.0, watch: Optional[LinkWatch] = None):
-        self.client = client
-        self.sharded = is_cluster(client)
-        self.confirm_timeout = confirm_timeout
+        super().__init__(client, confirm_timeout)
         self.watch = watch or LinkWatch("pub/sub", lambda: nodes_tried(client),
                                         (lambda: refresh_topology(client)) if self.sharded else None)
         self._lock = threading.RLock()
-        self._readers: dict[str, _NodeReader] = {}
-        self._inboxes: dict[bytes, "queue.Queue[bytes]"] = {}
-        self._closed = False
 
     # -- the jobs' side -----------------------------------------------------
     def subscribe(self, channel: str | bytes, inbox: "queue.Queue[bytes]") -> None:
         """Route ``channel``'s messages to ``inbox``; returns once the server confirmed it."""
-        ch = channel.encode() if isinstance(channel, str) else channel
+        ch = channel_bytes(channel)
         with self._lock:
             self._inboxes[ch] = inbox
         try:
@@ -164,17 +155,12 @@ class Subscriber:
             raise
 
     def unsubscribe(self, channel: str | bytes) -> None:
-        ch = channel.encode() if isinstance(channel, str) else channel
+        ch = channel_bytes(channel)
         with self._lock:
             self._inboxes.pop(ch, None)
             readers = list(self._readers.values())
         for r in readers:
             r.remove(ch)
-
-    def connections(self) -> int:
-        """Pub/sub connections held now (one per node with subscribed channels)."""
-        with self._lock:
-            return len(self._readers)
 
     def close(self) -> None:
         with self._lock:
@@ -205,20 +191,12 @@ class Subscriber:
                 reader = self._readers[name] = _NodeReader(self, name, node)
             return reader
 
-    def _dispatch(self, channel: bytes, data: bytes) -> None:
-        inbox = self._inboxes.get(channel)
-        if inbox is not None:
-            inbox.put(data)
-
     def _node_lost(self, reader: _NodeReader, exc: Optional[BaseException]) -> None:
         """A reader's link dropped: move its channels to a fresh link (the slot's master now),
         then tell each job to read its durable record (messages sent meanwhile are in it).
         Runs on the failed reader's own thread, once per failed link."""
-        log.warning("pub/sub link to %s lost (%s); resubscribing %d channels", reader.node, exc,
-                    len(reader.channels))
         with self._lock:
-            if self._readers.get(reader.node) is reader:
-                del self._readers[reader.node]
+            self.forget(reader, exc)
         reader.close()
         with reader.lock:
             moved = list(reader.channels)
@@ -226,10 +204,7 @@ class Subscriber:
             if self._closed:
                 return
             self._move(ch)
-        for ch in moved:
-            inbox = self._inboxes.get(ch)
-            if inbox is not None:
-                inbox.put(SYNC)
+        self.resync(moved)
 
     def _move(self, ch: bytes) -> None:
         """Subscribe ``ch`` on the link that serves it now, retrying (with backoff, a topology
