@@ -24,9 +24,6 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlxq.worker import blas  # noqa: E402
 

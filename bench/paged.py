@@ -15,12 +15,7 @@ fighting other processes made every matmul ~20x slower in our runs.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mlxq.worker import blas  # noqa: E402
+from mlxq.worker import blas
 
 blas.setup()  # optimized BLAS before mlx
 

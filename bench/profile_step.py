@@ -21,9 +21,6 @@ import pstats
 import random
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlxq.worker import blas  # noqa: E402
 

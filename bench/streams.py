@@ -135,7 +135,7 @@ def _run(api: str, url: str, n: int, tokens: int, path_first: str | None) -> dic
     env = dict(os.environ)
     if path_first:
         env["PYTHONPATH"] = path_first + os.pathsep + env.get("PYTHONPATH", "")
-    worker = subprocess.Popen([sys.executable, "-c", FAKE_WORKER, url, str(n), str(tokens)], cwd=str(ROOT))
+    worker = subprocess.Popen([sys.executable, "-c", FAKE_WORKER, url, str(n), str(tokens)], cwd="/")
     try:
         out = subprocess.run([sys.executable, "-c", CLIENT, api, url, str(n), str(tokens)], env=env,
                              capture_output=True, text=True, timeout=600, cwd="/")

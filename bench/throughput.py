@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+NEUTRAL_CWD = "/"  # `python -m mlxq` from the checkout's root would import its bare mlxq/, not the install
 
 from mlxq import Client  # noqa: E402  (the producer side imports no MLX)
 from mlxq.shared.embedded import EmbeddedRedis  # noqa: E402
@@ -145,7 +145,7 @@ def start_worker(url: str, model_dir: str, blas_threads: str | None, extra_env=(
         env["MLXQ_BLAS_THREADS"] = blas_threads
     env.update(kv.split("=", 1) for kv in extra_env)
     cmd = [sys.executable, "-m", "mlxq", "worker", "--redis-url", url, "--model", model_dir, "--name", "bench"]
-    return subprocess.Popen(cmd, env=env, cwd=str(ROOT))
+    return subprocess.Popen(cmd, env=env, cwd=NEUTRAL_CWD)
 
 
 def memory_ratio() -> str:

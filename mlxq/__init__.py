@@ -2,8 +2,9 @@
 
 One import name. The repository keeps the design's folders at its top level (``producer/``,
 ``worker/``, ``shared/``); ``pyproject.toml`` maps them to ``mlxq.producer``, ``mlxq.worker``
-and ``mlxq.shared`` when installed. In a source checkout they sit beside this folder rather than
-inside it, so the package's search path also covers the checkout's root.
+and ``mlxq.shared`` when installed (an editable install maps them too). So a checkout's root must
+not come first on ``sys.path``: its ``mlxq/`` lacks them (run the tests with ``.venv/bin/pytest``,
+not ``python -m pytest``).
 
     from mlxq import Client, AsyncClient
 
@@ -11,13 +12,7 @@ Importing ``mlxq`` does not import MLX: producers need only Redis. The worker's 
 ``mlxq.worker.blas.setup()``, which puts an optimized BLAS under MLX before MLX loads.
 """
 
-import os as _os
-
-_here = _os.path.dirname(_os.path.abspath(__file__))
-if not _os.path.isdir(_os.path.join(_here, "producer")):  # a source checkout, not an install
-    __path__.append(_os.path.dirname(_here))  # noqa: F821  (a package's own __path__)
-
-from .producer import (  # noqa: E402
+from .producer import (
     AsyncClient,
     AsyncJob,
     AuthError,

@@ -1,12 +1,12 @@
-"""Shared fixtures: a real Valkey server the tests start themselves, the tiny local model,
-and a worker run on its own thread (every MLX call of the worker on that thread)."""
+"""Shared fixtures: a real Valkey server the tests start themselves and the tiny local model.
+The helpers the tests import (a worker on a thread, fast settings, waiting) are in ``workerkit``.
+
+The tests import the installed ``mlxq`` only; their own kits (``workerkit``, ``faultkit``, ...) are
+top-level modules of this folder (``pythonpath = ["tests"]`` in pyproject.toml)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-import time
 
 # The suite runs its own process, worker subprocesses and Valkey on the same cores at once: the
 # case where OpenBLAS's spinning idle threads hurt (see mlxq.worker.blas.default_threads), so the
@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from mlxq.shared.embedded import EmbeddedRedis
-from mlxq.shared.settings import Settings, cache_dir
+from mlxq.shared.settings import cache_dir
 
 
 @pytest.fixture(scope="session")
@@ -67,51 +67,3 @@ def tiny_model(tiny_model_dir):
     from mlxq.worker.model import load_model
 
     return load_model(str(tiny_model_dir), name="tiny")
-
-
-def fast_settings(url: str, **kw) -> Settings:
-    base = dict(redis_url=url, gather_ms=2.0, idle_block_s=0.2, heartbeat_s=0.5, lease_s=5.0, stats_interval_s=0.2)
-    base.update(kw)
-    return Settings(**base)
-
-
-@contextlib.contextmanager
-def running_worker(loaded, url: str, settings: Settings | None = None, **kw):
-    """A Worker serving on its own thread until the block ends (then a warm stop)."""
-    from mlxq.worker.runner import Worker
-
-    settings = settings or fast_settings(url)
-    w = Worker(redis.Redis.from_url(url), loaded, settings, **kw)
-    t = threading.Thread(target=w.run, name="test-worker", daemon=True)
-    t.start()
-    try:
-        yield w
-    finally:
-        w.request_stop(grace_s=0)
-        t.join(timeout=30)
-        assert not t.is_alive(), "worker did not stop"
-
-
-def tier_clients(url: str, settings: Settings, tag: str):
-    """(admin, low, high): a key-less client and clients whose registered API keys (suffix ``tag``)
-    put their jobs in the low and high tiers."""
-    from mlxq import Client
-    from mlxq.shared import apikeys
-    from mlxq.shared.keys import GlobalKeys
-
-    admin = Client(url, model="tiny", settings=settings)
-    reg = GlobalKeys().api_keys
-    apikeys.add_key(admin.redis, reg, f"key-high-{tag}", "high")
-    apikeys.add_key(admin.redis, reg, f"key-low-0{tag}", "low")
-    low = Client(url, api_key=f"key-low-0{tag}", model="tiny", settings=settings)
-    high = Client(url, api_key=f"key-high-{tag}", model="tiny", settings=settings)
-    return admin, low, high
-
-
-def wait_for(pred, timeout=10.0, interval=0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(interval)
-    return False

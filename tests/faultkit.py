@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 import redis
+from workerkit import neutral_cwd
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES: list[dict] = []  # one row per fault test, printed at the end of each test
@@ -22,8 +23,6 @@ FIGURES: list[dict] = []  # one row per fault test, printed at the end of each t
 
 def worker_env(**settings) -> dict:
     env = dict(os.environ)
-    env.setdefault("PYTHONPATH", str(ROOT))
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     base = dict(gather_ms=2, idle_block_s=0.2, stats_interval_s=0.2, heartbeat_s=0.5, lease_s=5)
     base.update(settings)
     for k, v in base.items():
@@ -51,7 +50,7 @@ class WorkerProc:
                "--model", str(model_dir), "--name", name, "--max-batch", str(max_batch), "--grace", str(grace)]
         cmd += extra or []
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=str(ROOT), env=worker_env(**settings), stdout=self._log,
+        self.proc = subprocess.Popen(cmd, cwd=neutral_cwd(), env=worker_env(**settings), stdout=self._log,
                                      stderr=subprocess.STDOUT)
         _LIVE.append(self.proc)  # never left behind: an orphan would reconnect to a reused port
 

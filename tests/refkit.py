@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import pytest
 
-from tests.faultkit import reference_tokens
+from faultkit import reference_tokens
 
 
 def greedy(loaded, prompt: str, max_tokens: int) -> tuple[list[int], str]:

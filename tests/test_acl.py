@@ -15,8 +15,8 @@ from mlxq.shared.acl import producer_rules
 from mlxq.shared.connection import connect
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.protocol import Queue, function_name, load_functions
-from tests.conftest import fast_settings, running_worker, wait_for
-from tests.faultkit import record
+from workerkit import fast_settings, running_worker, wait_for
+from faultkit import record
 
 GK = GlobalKeys()
 K = ModelKeys("tiny")

@@ -11,8 +11,8 @@ from mlxq import Client
 from mlxq.producer.bulk import BatchRun
 from mlxq.cli import main as mlxq_main
 from mlxq.shared.keys import GlobalKeys
-from tests.conftest import fast_settings, running_worker, wait_for
-from tests.refkit import greedy
+from workerkit import fast_settings, running_worker, wait_for
+from refkit import greedy
 
 KEYS = GlobalKeys().model_keys("tiny")
 CMPL_PROMPT = "A recipe for bread starts with"

@@ -18,7 +18,7 @@ from mlxq.shared import codec
 from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.schemas import Result
 
-from tests.conftest import fast_settings, running_worker, wait_for
+from workerkit import fast_settings, running_worker, wait_for
 
 
 class SyncSide:

@@ -8,8 +8,8 @@ import asyncio
 import threading
 
 from mlxq import AsyncClient, Client
-from tests.conftest import fast_settings, running_worker
-from tests.faultkit import reference_tokens, wait_registered
+from workerkit import fast_settings, running_worker
+from faultkit import reference_tokens, wait_registered
 
 THREADS, ROUNDS, TASKS, MAX_TOKENS = 16, 20, 64, 3
 

@@ -14,10 +14,10 @@ import pytest
 
 from mlxq import Client
 from mlxq.shared.connection import connect
-from tests.clusterkit import EmbeddedCluster
+from clusterkit import EmbeddedCluster
 from mlxq.shared.keys import ModelKeys
-from tests.conftest import wait_for
-from tests.faultkit import WorkerProc, detok_text, executions_by_job, record, reference_tokens, wait_registered
+from workerkit import wait_for
+from faultkit import WorkerProc, detok_text, executions_by_job, record, reference_tokens, wait_registered
 
 MODELS = ("tiny", "tiny-b")  # slots 11596 and 1452: the third and the first master
 PROMPTS = [[4 + i, 20 + 3 * i, 7, 99 - i] for i in range(10)]

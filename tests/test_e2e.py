@@ -10,8 +10,8 @@ import pytest
 from mlxq import AuthError, Client
 from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys, ModelKeys
-from tests.conftest import fast_settings, running_worker, tier_clients, wait_for
-from tests.faultkit import reference_tokens
+from workerkit import fast_settings, running_worker, tier_clients, wait_for
+from faultkit import reference_tokens
 
 K = ModelKeys("tiny")
 

@@ -13,7 +13,7 @@ from mlxq.shared.schemas import SamplingParams
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine_api import SeqSpec
 from mlxq.worker.sampling import make_processors, make_sampler
-from tests.test_paged_engine import _gemma3
+from test_paged_engine import _gemma3
 
 
 def tiny_llama():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from tests.conftest import fast_settings, running_worker, tier_clients, wait_for
-from tests.faultkit import reference_tokens
+from workerkit import fast_settings, running_worker, tier_clients, wait_for
+from faultkit import reference_tokens
 
 
 def test_urgent_job_is_pulled_while_full_and_preempts(tiny_model, redis_url):

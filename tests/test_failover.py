@@ -20,10 +20,10 @@ import pytest
 
 from mlxq import AsyncClient, Client
 from mlxq.shared.embedded import EmbeddedRedis
-from tests.clusterkit import EmbeddedCluster
+from clusterkit import EmbeddedCluster
 from mlxq.shared.keys import ModelKeys
-from tests.conftest import fast_settings, wait_for
-from tests.faultkit import WorkerProc, detok_text, record, reference_tokens, wait_registered
+from workerkit import fast_settings, wait_for
+from faultkit import WorkerProc, detok_text, record, reference_tokens, wait_registered
 
 N_JOBS, MAX_TOKENS, STARTED, STARTED_TOKENS = 24, 48, 8, 5
 QUEUE_KEY = ModelKeys("tiny").queue
@@ -376,7 +376,7 @@ def test_gateway_429_carries_retry_after(tiny_model, redis_url):
     from mlxq.producer.gateway import ServerThread, create_app
     from mlxq.shared import apikeys
     from mlxq.shared.keys import GlobalKeys
-    from tests.conftest import running_worker
+    from workerkit import running_worker
 
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)

@@ -17,9 +17,9 @@ from mlxq import Client, OverloadError
 from mlxq.shared import apikeys
 from mlxq.shared.embedded import EmbeddedRedis
 from mlxq.shared.keys import GlobalKeys, ModelKeys
-from tests.conftest import fast_settings, running_worker, wait_for
-from tests.faultkit import (ROOT, StepGate, WorkerProc, detok_text, record, reference_tokens,
-                            submit_and_follow, wait_registered, worker_env)
+from workerkit import fast_settings, neutral_cwd, running_worker, wait_for
+from faultkit import (StepGate, WorkerProc, detok_text, record, reference_tokens, submit_and_follow,
+                      wait_registered, worker_env)
 
 K = ModelKeys("tiny")
 
@@ -177,7 +177,7 @@ def test_producer_dies_after_enqueue_and_the_job_still_runs(tiny_model, redis_ur
             f"j = Client({redis_url!r}, model='tiny').submit(prompt_tokens={prompt!r}, max_tokens=12)\n"
             "print(j.id, flush=True)\n"
             "os._exit(0)  # gone at once: no cleanup, no waiting\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=worker_env(), capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=neutral_cwd(), env=worker_env(), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.strip()

@@ -19,8 +19,8 @@ from mlxq.shared import codec
 from mlxq.shared.keys import ModelKeys
 from mlxq.shared.protocol import Pulled, Queue
 from mlxq.shared.settings import Settings
-from tests.conftest import fast_settings, running_worker, wait_for
-from tests.faultkit import record, reference_tokens
+from workerkit import fast_settings, running_worker, wait_for
+from faultkit import record, reference_tokens
 
 K = ModelKeys("tiny")
 N_BAD = 10_000

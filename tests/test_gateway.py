@@ -14,7 +14,7 @@ import redis
 
 from mlxq.shared import apikeys, codec
 from mlxq.shared.keys import GlobalKeys
-from tests.conftest import fast_settings, running_worker, wait_for
+from workerkit import fast_settings, running_worker, wait_for
 
 from mlxq import Client
 from mlxq.producer.gateway import ServerThread, create_app

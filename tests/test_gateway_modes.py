@@ -22,8 +22,8 @@ import redis
 from mlxq import Client
 from mlxq.shared import apikeys, codec
 from mlxq.shared.keys import GlobalKeys
-from tests.conftest import fast_settings, running_worker, wait_for
-from tests.refkit import pick_prompt
+from workerkit import fast_settings, running_worker, wait_for
+from refkit import pick_prompt
 
 from mlxq.producer.gateway import ServerThread, create_app
 

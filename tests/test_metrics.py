@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlxq import Client
 from mlxq.shared.keys import GlobalKeys
-from tests.conftest import fast_settings, running_worker, wait_for
+from workerkit import fast_settings, running_worker, wait_for
 from mlxq.worker.metrics import WorkerMetrics
 
 

@@ -15,8 +15,8 @@ import redis
 
 from mlxq import Client
 from mlxq.shared.keys import GlobalKeys
-from tests.conftest import fast_settings, running_worker, wait_for
-from tests.refkit import greedy, pick_prompt
+from workerkit import fast_settings, running_worker, wait_for
+from refkit import greedy, pick_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "node" / "producer.mjs"

@@ -2,11 +2,11 @@
 ``shared``/``worker``/``producer`` packages."""
 
 import importlib.metadata
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from workerkit import neutral_cwd
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,9 +25,8 @@ def test_user_packages_named_like_ours_do_not_clash(tmp_path):
         import mlxq
         print("ok", Client.__module__, mlxq.generate.__module__)
     """)
-    # cwd first on sys.path (as for any application); the checkout last, for runs without an install
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
+    # cwd first on sys.path (as for any application); mlxq from the install
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok", "mlxq.producer.client", "mlxq.producer.rq_bridge"]
@@ -49,6 +48,18 @@ def test_installed_distribution_has_one_top_level_name():
 
 def test_python_dash_m_mlxq_is_the_cli():
     out = subprocess.run([sys.executable, "-m", "mlxq", "--help"], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+                         timeout=120, cwd=neutral_cwd())
     assert out.returncode == 0, out.stderr
     assert "worker" in out.stdout and "submit" in out.stdout
+
+
+def test_the_tests_see_only_the_installed_package():
+    """No bare ``producer``/``worker``/``shared`` and no ``mlxq.tests``: the checkout's folders are
+    reached only as the installed ``mlxq.producer``, ``mlxq.worker`` and ``mlxq.shared``."""
+    import importlib.util
+
+    import mlxq
+
+    for name in ("producer", "worker", "shared", "tests", "mlxq.tests", "mlxq.mlxq"):
+        assert importlib.util.find_spec(name) is None, name
+    assert len(mlxq.__path__) == 1, mlxq.__path__

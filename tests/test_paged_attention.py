@@ -22,6 +22,7 @@ from mlxq.worker.engine import PagedEngine, attention
 from mlxq.worker.engine.kernels import extbuild
 from mlxq.worker.engine.attention import gather_attention
 from mlxq.worker.engine.kernels.extbuild import ExtensionUnavailable
+from workerkit import neutral_cwd
 
 BS = 32
 
@@ -304,7 +305,7 @@ def test_generic_inner_loop_equals_reference(ext):
     """The baseline-ISA loop (what CPUs without AVX2/FMA run), forced in a fresh process."""
     script = (
         "from mlxq.worker import blas; blas.setup()\n"
-        "import sys; sys.path.insert(0, 'tests')\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})  # this folder's helpers\n"
         "from test_paged_attention import _case, _rel_err\n"
         "from mlxq.worker.engine import attention\n"
         "ext = attention.cpu_extension()\n"
@@ -319,6 +320,6 @@ def test_generic_inner_loop_equals_reference(ext):
         "print('generic ok')\n")
     env = dict(os.environ, MLXQ_ATTN_ISA="generic")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env=env, cwd=Path(__file__).resolve().parents[1])
+                         env=env, cwd=neutral_cwd())
     assert out.returncode == 0, out.stderr[-3000:]
     assert "generic ok" in out.stdout

@@ -18,7 +18,7 @@ import redis
 
 from mlxq.producer.gateway import ServerThread, create_app
 from mlxq.shared.keys import GlobalKeys
-from tests.conftest import fast_settings, running_worker, wait_for
+from workerkit import fast_settings, running_worker, wait_for
 from mlxq.producer.rq_bridge import RqBridge
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +65,7 @@ def localize(code: str, url: str, redis_url: str) -> str:
 
 def run_bash(code: str, cwd: Path, redis_url: str) -> str:
     preamble = f'mlxq() {{ "{sys.executable}" -m mlxq "$@"; }}\n'
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLXQ_REDIS_URL": redis_url}
+    env = {**os.environ, "MLXQ_REDIS_URL": redis_url}
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", preamble + code], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, f"{code}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"

@@ -13,8 +13,8 @@ from mlxq.shared import codec
 from mlxq.shared.keys import ModelKeys
 from mlxq.shared.schemas import Delta
 from mlxq.worker.jobs import read_published
-from tests.conftest import fast_settings
-from tests.faultkit import StreamCollector, WorkerProc, reference_tokens, wait_registered
+from workerkit import fast_settings
+from faultkit import StreamCollector, WorkerProc, reference_tokens, wait_registered
 
 K = ModelKeys("tiny")
 

@@ -19,7 +19,7 @@ from rq.results import Result as RqResult
 from mlxq.shared import codec
 from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys
-from tests.conftest import fast_settings, running_worker, wait_for
+from workerkit import fast_settings, running_worker, wait_for
 from mlxq.producer.rq_bridge import FUNC_PATH, RqBridge, SafePickle, tier_for_queue
 
 GK = GlobalKeys()

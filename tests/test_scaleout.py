@@ -12,8 +12,8 @@ import redis
 from mlxq import Client
 from mlxq.shared import codec
 from mlxq.shared.keys import ModelKeys
-from tests.conftest import fast_settings, running_worker, wait_for
-from tests.faultkit import WorkerProc, executions_by_job, record, wait_registered
+from workerkit import fast_settings, running_worker, wait_for
+from faultkit import WorkerProc, executions_by_job, record, wait_registered
 
 K = ModelKeys("tiny")
 

@@ -23,8 +23,8 @@ from mlxq.shared import apikeys
 from mlxq.shared.embedded import EmbeddedRedis
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.schemas import new_job_id
-from tests.conftest import fast_settings, running_worker
-from tests.faultkit import ROOT
+from workerkit import fast_settings, running_worker
+from faultkit import ROOT
 
 REG = GlobalKeys().api_keys
 K = ModelKeys("tiny")

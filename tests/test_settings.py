@@ -16,6 +16,7 @@ import pytest
 from mlxq.cli import build_parser
 from mlxq.shared.settings import Settings, cache_dir, env_var, mask_url, worker_flags
 from mlxq.worker_cli import settings_from_args
+from workerkit import neutral_cwd
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +116,7 @@ def _worker(env_extra: dict, *argv: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_") or k == "MLXQ_CACHE_DIR"}
     env.update(env_extra)
     cmd = [sys.executable, "-m", "mlxq", "--log-level", "INFO", "worker", "--model", "/no/such/model", *argv]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, cwd=neutral_cwd(), env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_the_worker_refuses_a_bad_setting_before_it_loads_anything():
@@ -169,5 +170,5 @@ def test_importing_the_worker_loads_no_blas_and_no_mlx():
     script = ("import sys\nimport mlxq.worker, mlxq.worker_cli, mlxq.cli\n"
               "from mlxq.worker import blas\nmlxq.cli.build_parser()\n"
               "assert blas.status() is None and 'mlx.core' not in sys.modules\nprint('ok')\n")
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], cwd=neutral_cwd(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -31,7 +31,7 @@ from mlxq.shared import apikeys, codec
 from mlxq.shared.acl import producer_rules
 from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.protocol import load_functions
-from tests.conftest import fast_settings, running_worker, wait_for
+from workerkit import fast_settings, neutral_cwd, running_worker, wait_for
 
 GK = GlobalKeys()
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +130,7 @@ def test_cli_submit_says_no_live_worker_and_waits(redis_url, rr):
     register(rr, "ghost")
     env = {**os.environ, "MLXQ_REDIS_URL": redis_url}
     proc = subprocess.Popen([sys.executable, "-m", "mlxq", "submit", "hi", "--model", "ghost", "--max-tokens", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=neutral_cwd(), text=True)
     guard = threading.Timer(120, proc.kill)  # a hang guard, not a timing assertion
     guard.start()
     try:
@@ -282,7 +282,7 @@ def test_metrics_bind_loopback_unless_told(fake_redis):
 
 
 def test_compose_exposes_the_metrics_port_to_prometheus():
-    from tests.test_compose import compose, mlxq_invocations
+    from test_compose import compose, mlxq_invocations
 
     (_, worker) = mlxq_invocations(compose()["services"]["worker"]["command"])
     assert _worker_settings(worker[1:]).metrics_host == "0.0.0.0"  # Prometheus is another container
@@ -297,7 +297,7 @@ def _free_port() -> int:
 def test_mlxq_redis_runs_valkey_in_the_foreground_with_a_data_dir(tmp_path):
     port, data = _free_port(), tmp_path / "data"
     proc = subprocess.Popen([sys.executable, "-m", "mlxq", "redis", "--port", str(port), "--data-dir", str(data)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=neutral_cwd())
     try:
         r = redis.Redis(port=port, socket_timeout=5)
 

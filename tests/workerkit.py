@@ -1,0 +1,76 @@
+"""The helpers most tests import: a worker run on its own thread (every MLX call of the worker on
+that thread), settings that make a worker react fast, waiting on a condition, tier clients, and the
+neutral working directory of every subprocess the tests start."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import shutil
+import tempfile
+import threading
+import time
+
+import redis
+
+from mlxq.shared.settings import Settings
+
+_NEUTRAL: list[str] = []
+
+
+def neutral_cwd() -> str:
+    """An empty working directory for subprocesses (``python -m mlxq ...``): Python puts the cwd first
+    on ``sys.path``, and a checkout's root would shadow the installed ``mlxq`` with its own ``mlxq/``
+    (which lacks the mapped ``producer``/``worker``/``shared``).  Made once, removed at exit."""
+    if not _NEUTRAL:
+        _NEUTRAL.append(tempfile.mkdtemp(prefix="mlxq-tests-cwd-"))
+        atexit.register(shutil.rmtree, _NEUTRAL[0], True)
+    return _NEUTRAL[0]
+
+
+def fast_settings(url: str, **kw) -> Settings:
+    base = dict(redis_url=url, gather_ms=2.0, idle_block_s=0.2, heartbeat_s=0.5, lease_s=5.0, stats_interval_s=0.2)
+    base.update(kw)
+    return Settings(**base)
+
+
+@contextlib.contextmanager
+def running_worker(loaded, url: str, settings: Settings | None = None, **kw):
+    """A Worker serving on its own thread until the block ends (then a warm stop)."""
+    from mlxq.worker.runner import Worker
+
+    settings = settings or fast_settings(url)
+    w = Worker(redis.Redis.from_url(url), loaded, settings, **kw)
+    t = threading.Thread(target=w.run, name="test-worker", daemon=True)
+    t.start()
+    try:
+        yield w
+    finally:
+        w.request_stop(grace_s=0)
+        t.join(timeout=30)
+        assert not t.is_alive(), "worker did not stop"
+
+
+def tier_clients(url: str, settings: Settings, tag: str):
+    """(admin, low, high): a key-less client and clients whose registered API keys (suffix ``tag``)
+    put their jobs in the low and high tiers."""
+    from mlxq import Client
+    from mlxq.shared import apikeys
+    from mlxq.shared.keys import GlobalKeys
+
+    admin = Client(url, model="tiny", settings=settings)
+    reg = GlobalKeys().api_keys
+    apikeys.add_key(admin.redis, reg, f"key-high-{tag}", "high")
+    apikeys.add_key(admin.redis, reg, f"key-low-0{tag}", "low")
+    low = Client(url, api_key=f"key-low-0{tag}", model="tiny", settings=settings)
+    high = Client(url, api_key=f"key-high-{tag}", model="tiny", settings=settings)
+    return admin, low, high
+
+
+def wait_for(pred, timeout=10.0, interval=0.02):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(interval)
+    return False
