@@ -20,7 +20,7 @@ from ..shared.settings import Settings
 from .asubscriber import AsyncSubscriber, link_watch
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
 from .core import (SYNC, WAIT_S, Backoff, Emit, JobCore, Steps, WaitDone, decode_status, prepare, retryable,
-                   submit_kwargs)
+                   schema_of, submit_kwargs)
 
 log = logging.getLogger(__name__)
 
@@ -284,9 +284,10 @@ class AsyncClient:
         job.enqueued = enq
         return job
 
-    async def job(self, job_id: str, model: Optional[str] = None) -> AsyncJob:
+    async def job(self, job_id: str, model: Optional[str] = None, response_format=None) -> AsyncJob:
+        """As ``Client.job``."""
         keys = self.gkeys.model_keys(model or await self.model())
-        return AsyncJob(self, job_id, keys, None, Enqueued("existing", job_id, None, None))
+        return AsyncJob(self, job_id, keys, None, Enqueued("existing", job_id, None, None), schema_of(response_format))
 
     async def aclose(self) -> None:
         if self._own_subscriber:

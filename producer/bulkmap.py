@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from ..shared.protocol import OverloadError
 from ..shared.schemas import Result
-from .core import prepare, with_parsed
+from .core import prepare
 
 log = logging.getLogger(__name__)
 
@@ -92,4 +92,4 @@ def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Opti
         if isinstance(sub, Result):
             yield sub
         else:
-            yield with_parsed(client.job(sub.job_id, sub.model).result(timeout=timeout), sub.schema)
+            yield client.job(sub.job_id, sub.model, sub.schema).result(timeout=timeout)

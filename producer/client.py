@@ -17,7 +17,7 @@ from ..shared.settings import Settings
 from .bulkmap import map_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
 from .core import (SYNC, WAIT_S, Backoff, Emit, JobCore, Steps, WaitDone, decode_status, prepare, retryable,
-                   submit_kwargs)
+                   schema_of, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
 
@@ -253,10 +253,11 @@ class Client:
         job.enqueued = enq
         return job
 
-    def job(self, job_id: str, model: Optional[str] = None) -> Job:
-        """A handle on an existing job (e.g. from another process)."""
+    def job(self, job_id: str, model: Optional[str] = None, response_format=None) -> Job:
+        """A handle on an existing job (e.g. from another process); ``response_format`` its pydantic
+        class, for ``parsed`` on its result."""
         keys = self.gkeys.model_keys(model or self.model)
-        return Job(self, job_id, keys, None, Enqueued("existing", job_id, None, None))
+        return Job(self, job_id, keys, None, Enqueued("existing", job_id, None, None), schema_of(response_format))
 
     def close(self) -> None:
         self.subscriber.close()

@@ -79,8 +79,9 @@ def schema_format(cls: type[BaseModel]) -> dict:
             "json_schema": {"name": cls.__name__, "schema": cls.model_json_schema(), "strict": True}}
 
 
-def is_model_class(x: Any) -> bool:
-    return isinstance(x, type) and issubclass(x, BaseModel)
+def schema_of(response_format: Any) -> Optional[type[BaseModel]]:
+    """The pydantic class of a ``response_format=`` argument (None for a dict or None)."""
+    return response_format if isinstance(response_format, type) and issubclass(response_format, BaseModel) else None
 
 
 def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes: int,
@@ -89,11 +90,9 @@ def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes:
     bad request, ``ContextLengthError`` for a prompt that can never fit, ``ValueError`` past
     ``max_bytes``.  ``info``: the model's registry entry (None: unchecked)."""
     kwargs = dict(kwargs)
-    schema = kwargs.get("response_format")
-    if is_model_class(schema):
+    schema = schema_of(kwargs.get("response_format"))
+    if schema is not None:
         kwargs["response_format"] = schema_format(schema)
-    else:
-        schema = None
     req = build_request(model, kwargs)
     check_fits(req, info, count_tokens)
     payload = codec.pack(req.model_dump(mode="json", exclude_none=True))

@@ -14,8 +14,10 @@ import redis
 
 from mlxq import AsyncClient, Client, JobTimeout, NoModelError
 from mlxq.producer.core import ParsedResult, prepare, schema_format, with_parsed
-from mlxq.shared import codec
+from mlxq.shared import apikeys, codec
+from mlxq.shared.acl import producer_rules
 from mlxq.shared.keys import GlobalKeys
+from mlxq.shared.protocol import FunctionsNotLoaded
 from mlxq.shared.schemas import Result
 
 from workerkit import fast_settings, running_worker, wait_for
@@ -148,6 +150,25 @@ def what(exc: BaseException):
     return str(exc)
 
 
+def test_functions_not_loaded_same_error_from_both(redis_url):
+    """A producer under the ACL recipe (FCALL only) before any worker loaded mlxq's functions."""
+    admin = redis.Redis.from_url(redis_url)
+    admin.hset(GlobalKeys().models, "tiny", b"")
+    apikeys.sync_model(admin, admin, GlobalKeys(), "tiny")
+    admin.execute_command("ACL", "SETUSER", "producer", *producer_rules("producer-pw"))
+    purl = redis_url.replace("redis://", "redis://producer:producer-pw@", 1)
+    sides = [SIDES[k](purl, model="tiny", settings=fast_settings(purl)) for k in sorted(SIDES)]
+    try:
+        errors = [raised(lambda s=s: s.call("submit", prompt="hi", max_tokens=2)) for s in sides]
+    finally:
+        for s in sides:
+            s.close()
+        admin.execute_command("ACL", "DELUSER", "producer")
+        admin.close()
+    assert isinstance(errors[0], FunctionsNotLoaded), errors
+    assert [(type(e), str(e)) for e in errors[0:1]] == [(type(e), str(e)) for e in errors[1:]]
+
+
 def test_timeout_same_error_from_both(both):
     """No worker: the job stays queued; result() and stream() end at their timeout with JobTimeout."""
     for wait in ("result", "stream"):
@@ -225,6 +246,8 @@ def test_structured_result_is_parsed_or_says_why(side, redis_url, tiny_model):
     assert (res.parsed is None) != (res.parse_error is None)
     if res.parsed is not None:
         assert res.parsed == Weather.model_validate_json(res.text)
+    again = side.result(side.call("job", job.id, response_format=Weather), timeout=60).result(timeout=90)
+    assert (again.text, again.parsed, again.parse_error) == (res.text, res.parsed, res.parse_error)
 
 
 # -- the core's pure parts ---------------------------------------------------------------------------
