@@ -4,11 +4,12 @@ The two clients only do I/O.  Everything they must agree on lives here, with no 
 
 - **requests**: ``prepare`` validates a submission, turns a pydantic ``response_format`` class into
   its JSON schema and packs the payload (the size limit included);
-- **a job's two waits** (``JobCore.stream`` and ``JobCore.result``) are generators that say which
-  Redis read they need next (``READ_EVENTS``, ``RECEIVE``, ``READ_RECORD``, ``WaitDone``), what to
-  hand the caller (``Emit``) and when to back off (``Backoff``).  Each client runs them with a loop
-  of four lines that does the read it is told, with its own socket and its own way of waiting
-  (``Steps``), and sends back the reply or throws in the error;
+- **a job's two waits** (``JobCore.stream`` and ``JobCore.wait_result``) are generators that say
+  which Redis read they need next (``RECEIVE``, ``READ_EVENTS``, ``READ_RECORD``, ``WaitDone``), what
+  to hand the caller (``Emit``) and when to back off (``Backoff``).  Each job class runs them with
+  one short loop (``Job._drive`` / ``AsyncJob._drive`` over ``Steps``) that does the read it is told
+  (its method ``_io_<name>``), with its own socket and its own way of waiting, and sends back the
+  reply or throws in the error;
 - **retries**: which errors are a pause (``retryable``), the deadline and what is raised past it
   (``JobTimeout``, or ``RedisUnreachable`` while the links are down);
 - **stream state**: what a live message or a record entry adds (``StreamState``), when to re-read

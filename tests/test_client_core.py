@@ -17,7 +17,7 @@ from mlxq.producer.core import ParsedResult, prepare, schema_format, with_parsed
 from mlxq.shared import apikeys, codec
 from mlxq.shared.acl import producer_rules
 from mlxq.shared.keys import GlobalKeys
-from mlxq.shared.protocol import FunctionsNotLoaded
+from mlxq.shared.protocol import FunctionsNotLoaded, load_functions
 from mlxq.shared.schemas import Result
 
 from workerkit import fast_settings, running_worker, wait_for
@@ -153,6 +153,8 @@ def what(exc: BaseException):
 def test_functions_not_loaded_same_error_from_both(redis_url):
     """A producer under the ACL recipe (FCALL only) before any worker loaded mlxq's functions."""
     admin = redis.Redis.from_url(redis_url)
+    loaded = bool(admin.function_list())  # (FLUSHALL keeps them: an earlier test's worker loaded them)
+    admin.function_flush()
     admin.hset(GlobalKeys().models, "tiny", b"")
     apikeys.sync_model(admin, admin, GlobalKeys(), "tiny")
     admin.execute_command("ACL", "SETUSER", "producer", *producer_rules("producer-pw"))
@@ -164,6 +166,8 @@ def test_functions_not_loaded_same_error_from_both(redis_url):
         for s in sides:
             s.close()
         admin.execute_command("ACL", "DELUSER", "producer")
+        if loaded:
+            load_functions(admin)  # as the test found them
         admin.close()
     assert isinstance(errors[0], FunctionsNotLoaded), errors
     assert [(type(e), str(e)) for e in errors[0:1]] == [(type(e), str(e)) for e in errors[1:]]

@@ -148,7 +148,7 @@ def test_extension_is_built_in_the_cache_dir(ext):
     assert ext.isa() in ("avx2", "generic") and ext.num_threads() >= 1
     # `mlxq build-ext` finds it and says so (no rebuild)
     out = subprocess.run([sys.executable, "-m", "mlxq", "build-ext"], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, cwd=neutral_cwd())
     assert out.returncode == 0, out.stderr
     assert "extension ready" in out.stdout and str(lib) in out.stdout
 

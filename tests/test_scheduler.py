@@ -17,6 +17,7 @@ from mlxq.worker.engine.block_manager import BlockManager
 from mlxq.worker.engine.scheduler import HotSession, PrefillPlan, Scheduler, SchedulerConfig
 from mlxq.worker.engine.sequence import Sampled
 from mlxq.worker.engine_api import Engine, SeqSpec
+from workerkit import neutral_cwd
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 4
@@ -40,7 +41,8 @@ def test_scheduler_runs_without_mlx():
         "loaded = sorted(m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_lm')))\n"
         "assert not loaded, loaded\n"
         "print('no mlx')\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=neutral_cwd())
     assert out.returncode == 0, out.stderr
     assert "no mlx" in out.stdout
 
