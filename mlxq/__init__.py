@@ -12,17 +12,26 @@ Importing ``mlxq`` does not import MLX: producers need only Redis. The worker's 
 ``mlxq.worker.blas.setup()``, which puts an optimized BLAS under MLX before MLX loads.
 """
 
-from .producer import (
-    AsyncClient,
-    AsyncJob,
-    AuthError,
-    Client,
-    Job,
-    JobRefused,
-    JobTimeout,
-    NoModelError,
-    OverloadError,
-)
+try:
+    from .producer import (
+        AsyncClient,
+        AsyncJob,
+        AuthError,
+        Client,
+        Job,
+        JobRefused,
+        JobTimeout,
+        NoModelError,
+        OverloadError,
+    )
+except ModuleNotFoundError as _exc:
+    if _exc.name != f"{__name__}.producer":
+        raise
+    raise ImportError(
+        f"mlxq was imported from a source checkout's {__path__[0]!r}, which lacks producer/, worker/ and "  # noqa: F821
+        "shared/ (they are mapped in when installed): the checkout's root is first on sys.path. Install mlxq "
+        "(pip install -e .) and run from another folder; for the tests, .venv/bin/pytest (not python -m pytest)"
+    ) from None
 
 __all__ = ["Client", "AsyncClient", "Job", "AsyncJob", "OverloadError", "AuthError", "JobRefused",
            "JobTimeout", "NoModelError", "generate"]

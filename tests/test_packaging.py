@@ -63,3 +63,16 @@ def test_the_tests_see_only_the_installed_package():
     for name in ("producer", "worker", "shared", "tests", "mlxq.tests", "mlxq.mlxq"):
         assert importlib.util.find_spec(name) is None, name
     assert len(mlxq.__path__) == 1, mlxq.__path__
+
+
+def test_importing_from_the_checkouts_root_says_what_to_do():
+    """With mlxq installed from a wheel, the checkout's root first on sys.path shadows it."""
+    import mlxq
+
+    if Path(mlxq.__file__).resolve().parent == ROOT / "mlxq":
+        import pytest
+        pytest.skip("an editable install: its finder maps producer/, worker/, shared/ into the checkout's mlxq too")
+    out = subprocess.run([sys.executable, "-c", "import mlxq"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 1
+    assert "lacks producer/, worker/ and shared/" in out.stderr and ".venv/bin/pytest" in out.stderr, out.stderr
