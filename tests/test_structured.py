@@ -377,3 +377,26 @@ def test_constrained_job_resumes_exactly_after_a_worker_crash(served, tiny_model
         if b:
             b.stop()
         crash_client.close()
+
+
+# ================================================================ reasoning: the constraint after the thinking
+def test_constraint_applies_after_the_reasoning_block(tiny_model):
+    from mlxq.shared.constraints import ModelFormat, after_thinking
+    from mlxq.worker.engine.constrain import GrammarBook
+
+    hf = tiny_model.tokenizer._tokenizer
+    # two of the tiny model's special tokens stand in for a reasoning model's <think> and </think>
+    start, end = hf.convert_tokens_to_ids("<|system|>"), hf.convert_tokens_to_ids("<|user|>")
+    fmt = ModelFormat(think_start="<|system|>", think_end="<|user|>", think_start_ids=(start,), think_end_ids=(end,))
+    grammar = compile_format(JSON_FORMAT)
+    book = GrammarBook(tiny_model.tokenizer, tiny_model.eos_token_ids)
+    answer = hf.encode('{"label":"ham","score":7,"meta":{"lang":"en","urgent":true},"tags":[],"points":[1]}',
+                       add_special_tokens=False)
+    thought = hf.encode('free text } { "not json', add_special_tokens=False)
+    cases = [(fmt, [start] + thought + [end] + answer, True), (fmt, answer, True),
+             (ModelFormat(**{**fmt.__dict__, "in_thinking": True}), thought + [end] + answer, True),
+             (fmt, thought, False)]  # free text outside a reasoning block is refused
+    for f, tokens, ok in cases:
+        row = book.start(after_thinking(grammar, f), [])
+        assert row.matcher.consume_tokens(tokens) == ok
+        assert row.matcher.is_accepting() == ok

@@ -15,7 +15,7 @@ from ..shared.protocol import Pulled, owner_token
 from ..shared.constraints import ConstraintError, ModelFormat, grammar_for
 from ..shared.schemas import Delta, GenerateRequest, JobStats, Result
 from .engine_api import SeqSpec
-from .sampling import make_processors, make_sampler, resolve_seed
+from .sampling import make_sampler, repetition_penalty, resolve_seed
 from .textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class ActiveJob:
             prompt=self.prompt,
             max_tokens=params.max_tokens - done,
             sampler=make_sampler(params, self.seed, start_step=done),
-            logits_processors=make_processors(params),
+            repetition_penalty=repetition_penalty(params),
             stop_token_ids=() if params.ignore_eos else tuple(eos_token_ids),
             resume_tokens=list(self.tokens),
             priority=self.score,
