@@ -400,3 +400,9 @@ def test_constraint_applies_after_the_reasoning_block(tiny_model):
         row = book.start(after_thinking(grammar, f), [])
         assert row.matcher.consume_tokens(tokens) == ok
         assert row.matcher.is_accepting() == ok
+
+
+def test_output_follows_the_schema_property_order(served):
+    client, _ = served
+    res = client.submit("x", max_tokens=SCHEMA_MAX_TOKENS, response_format=JSON_FORMAT).result(timeout=60)
+    assert list(json.loads(res.text)) == list(SCHEMA["properties"])
