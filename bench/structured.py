@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.grammar_engines import SCHEMA as BASE_SCHEMA  # noqa: E402
-from bench.throughput import bench_model_dir, prompts_for, read_stream, start_worker  # noqa: E402
+from bench.throughput import bench_model_dir, prompts_for, read_stream, start_worker, wait_worker  # noqa: E402
 from mlxq import Client  # noqa: E402
 from mlxq.shared.embedded import EmbeddedRedis  # noqa: E402
 from mlxq.shared.settings import Settings  # noqa: E402
@@ -78,11 +78,7 @@ def main() -> int:
     client = Client(server.url, model="bench", settings=Settings(redis_url=server.url))
     free, cons = [], []
     try:
-        deadline = time.time() + 180
-        while "bench" not in client.models():
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("the worker did not start")
-            time.sleep(0.2)
+        wait_worker(client, proc)
         warm = prompts_for(4, 64, vocab, seed=99)
         run_batch(client, warm, 8, False)
         run_batch(client, warm, 8, True)
