@@ -7,6 +7,13 @@ prefill pass, then a decode launch)::
     scheduler.postprocess_prefill(plan, runner.prefill(plan))
     rows = scheduler.schedule_decode(...)      # a slot for each decoding row's token
     scheduler.postprocess_decode(rows, runner.decode(rows))  # launch n+1, read n
+    runner.sample_deferred(...)                # rows with a grammar or penalties: sample n+1 now
+
+A row whose logits depend on its previous token as the host sees it (a grammar mask, a
+penalty: ``constrain.py``) makes the launch run its forward pass only; once token n is
+read and the scheduler has fed it to the row's matcher, the masks are computed (llguidance's
+threads, GIL released) while that forward pass runs, and the batch is sampled with them.
+A batch without such rows keeps the one-graph launch.
 
 ``scheduler.py`` decides (plain Python, no MLX); ``model_runner.py`` turns its
 plans into arrays and runs them (every ``mx.eval``); ``block_manager.py`` keeps

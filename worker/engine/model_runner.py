@@ -125,8 +125,8 @@ class ModelRunner:
     def decode(self, rows: list[Sequence]) -> list[Sampled]:
         """Launch one decode step over ``rows`` (not waited for), then read the previous launch.
 
-        When a row needs its previous token on the host (a grammar, presence/frequency
-        penalties), the launch runs the forward pass only; ``sample_deferred`` samples it
+        When a row needs its previous token on the host (a grammar, a penalty), the launch
+        runs the forward pass only; ``sample_deferred`` samples it
         once the scheduler has consumed the tokens read here."""
         prev = self._inflight
         self._inflight = self._launch(rows, prev) if rows else None
