@@ -406,3 +406,18 @@ def test_output_follows_the_schema_property_order(served):
     client, _ = served
     res = client.submit("x", max_tokens=SCHEMA_MAX_TOKENS, response_format=JSON_FORMAT).result(timeout=60)
     assert list(json.loads(res.text)) == list(SCHEMA["properties"])
+
+
+def test_seeds_and_the_prefix_cache_keep_working_for_constrained_jobs(served):
+    client, _ = served
+    long_prompt = " ".join(PROMPTS * 3)  # several KV blocks: a second run finds them cached
+    seeded = dict(max_tokens=SCHEMA_MAX_TOKENS, response_format=JSON_FORMAT, temperature=1.0, seed=77)
+    alone = client.submit(long_prompt, **seeded).result(timeout=60)
+    crowd = [client.submit(p, max_tokens=SCHEMA_MAX_TOKENS, response_format=JSON_FORMAT, temperature=1.0, seed=i)
+             for i, p in enumerate(PROMPTS)]
+    again = client.submit(long_prompt, **seeded)
+    for j in crowd:
+        jsonschema.validate(json.loads(j.result(timeout=60).text), SCHEMA)
+    again = again.result(timeout=60)
+    assert again.token_ids == alone.token_ids and again.finish_reason == "stop"
+    assert again.usage.cached_tokens > 0
