@@ -194,6 +194,17 @@ def test_a_grammar_the_model_cannot_start_fails_at_add(tiny_model):
     assert out["y"][1] in ("stop", "length")
 
 
+def test_an_engine_without_a_usable_tokenizer_fails_constrained_jobs_only(tiny_model):
+    grammar = compile_format({"type": "regex", "pattern": "[a-z]{4}"})
+    prompt = _encode(tiny_model, "hi")
+    for tokenizer in (None, object()):  # none, and one llguidance cannot read
+        engine = PagedEngine(tiny_model.model, num_blocks=16, eos_token_ids=tiny_model.eos_token_ids,
+                             tokenizer=tokenizer)
+        out = _drive(engine, [SeqSpec("x", prompt, 4, grammar=grammar), SeqSpec("y", prompt, 4)])
+        assert out["x"][1] == "error" and "unavailable" in out["x"][2]
+        assert out["y"][1] in ("stop", "length")
+
+
 def test_preempted_constrained_job_resumes_exactly(tiny_model):
     loaded = tiny_model
     eos = tuple(loaded.eos_token_ids)
@@ -421,3 +432,4 @@ def test_seeds_and_the_prefix_cache_keep_working_for_constrained_jobs(served):
     again = again.result(timeout=60)
     assert again.token_ids == alone.token_ids and again.finish_reason == "stop"
     assert again.usage.cached_tokens > 0
+

@@ -84,6 +84,7 @@ class PagedEngine:
         self.model = model
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper: constrained output needs it
         self.eos_token_ids = tuple(eos_token_ids)
+        self._book_error: Optional[str] = None  # why constrained output is unavailable, once known
         self.block_size = block_size
         self.kv_shape = probe_kv_shape(model)
         per_block = self.kv_shape.bytes_per_block(block_size)
@@ -130,9 +131,16 @@ class PagedEngine:
         """The scheduler's hook for a constrained sequence: its matcher, at its resume point (the
         model's llguidance tokenizer is built on the first one)."""
         if self.runner.book is None:
-            if self.tokenizer is None:
-                raise GrammarError("this engine has no tokenizer: constrained output is unavailable")
-            self.runner.book = GrammarBook(self.tokenizer, self.eos_token_ids)
+            if self._book_error is None:
+                self._book_error = "this engine has no tokenizer" if self.tokenizer is None else ""
+            if self._book_error:
+                raise GrammarError(f"constrained output is unavailable: {self._book_error}")
+            try:
+                self.runner.book = GrammarBook(self.tokenizer, self.eos_token_ids)
+            except Exception as exc:  # e.g. a slow (non-Rust) tokenizer llguidance cannot read
+                self._book_error = f"llguidance cannot read this model's tokenizer ({exc})"
+                log.warning("%s", self._book_error)
+                raise GrammarError(f"constrained output is unavailable: {self._book_error}") from None
         return self.runner.book.start(grammar, resume_tokens)
 
     def _settle(self) -> None:
