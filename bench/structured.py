@@ -32,10 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.grammar_engines import SCHEMA as BASE_SCHEMA  # noqa: E402
-from bench.throughput import bench_model_dir, prompts_for, read_stream, start_worker, wait_worker  # noqa: E402
+from grammar_engines import SCHEMA as BASE_SCHEMA  # noqa: E402
+from throughput import bench_model_dir, prompts_for, read_stream, start_worker, wait_worker  # noqa: E402
 from mlxq import Client  # noqa: E402
 from mlxq.shared.embedded import EmbeddedRedis  # noqa: E402
 from mlxq.shared.settings import Settings  # noqa: E402

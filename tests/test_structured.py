@@ -29,8 +29,8 @@ from mlxq.shared.schemas import GenerateRequest
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.constrain import RowGrammar
 from mlxq.worker.engine_api import SeqSpec
-from tests.conftest import fast_settings, running_worker
-from tests.faultkit import WorkerProc, reference_tokens, wait_registered
+from workerkit import fast_settings, running_worker
+from faultkit import WorkerProc, reference_tokens, wait_registered
 
 SCHEMA = {
     "type": "object",
