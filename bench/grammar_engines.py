@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 
 import numpy as np  # noqa: E402
 

@@ -31,7 +31,6 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 
 from grammar_engines import SCHEMA as BASE_SCHEMA  # noqa: E402
 from throughput import bench_model_dir, prompts_for, read_stream, start_worker, wait_worker  # noqa: E402
