@@ -59,6 +59,9 @@ class ModelFormat:
     tool_call_start: Optional[str] = None
     tool_call_end: Optional[str] = None
     tool_parser: Optional[str] = None
+    tool_call_start_ids: tuple[int, ...] = ()
+    tool_call_end_ids: tuple[int, ...] = ()
+    tool_markers_special: bool = False  # the tool-call markers are special tokens (never plain text)
 
     @classmethod
     def from_tokenizer(cls, tok) -> "ModelFormat":
@@ -72,7 +75,16 @@ class ModelFormat:
             tool_call_start=getattr(tok, "tool_call_start", None),
             tool_call_end=getattr(tok, "tool_call_end", None),
             tool_parser=_parser_name(getattr(tok, "tool_parser", None)),
+            tool_call_start_ids=tuple(getattr(tok, "tool_call_start_tokens", None) or ()),
+            tool_call_end_ids=tuple(getattr(tok, "tool_call_end_tokens", None) or ()),
+            tool_markers_special=_special(tok, getattr(tok, "tool_call_start_tokens", None)),
         )
+
+
+def _special(tok, ids) -> bool:
+    """``ids`` is one token, and a special one."""
+    hf = getattr(tok, "_tokenizer", tok)
+    return bool(ids) and len(ids) == 1 and ids[0] in set(getattr(hf, "all_special_ids", None) or ())
 
 
 def _parser_name(parser) -> Optional[str]:

@@ -1,9 +1,9 @@
 """Tool calling and reasoning: a model's chat format, the tool-call grammar, request checks.
 
-A model's :class:`ChatFormat` says how its chat template marks thinking and tool calls (the markers
-mlx-lm infers when it loads the tokenizer, and the name of mlx-lm's tool parser for the family).  The
-worker publishes it with the model's info, so a producer can refuse what the model cannot do before
-anything is queued.
+A model's format (:class:`mlxq.shared.constraints.ModelFormat`) says how its chat template marks
+thinking and tool calls: the markers mlx-lm infers when it loads the tokenizer, and the name of
+mlx-lm's tool parser for the family.  The worker publishes it with the model's info
+(:func:`format_info`), so a producer can refuse what the model cannot do before anything is queued.
 
 :func:`tool_grammar` is the llguidance grammar (Lark) of an answer under ``tools`` and
 ``tool_choice``, for the families whose call format it knows (:data:`CONSTRAINABLE`):
@@ -16,19 +16,23 @@ anything is queued.
 * ``"none"``: no grammar (tools are neither rendered nor parsed).
 
 Where the format has thinking markers, an optional thinking block may come first and is free text: a
-constraint applies to the answer, not to the thinking.
+constraint applies to the answer, not to the thinking (``constraints.after_thinking``).  With "auto"
+and a ``response_format``, the answer is either that format or calls.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields, replace
 from typing import Any, Optional
 
-# families whose tool-call format tool_grammar writes: mlx-lm's parser name -> call body layout
-# json_tools (Hermes, Qwen2.5): <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
+from .constraints import ModelFormat, _marker, after_thinking, canonical, compile_format
+
+# families whose tool-call format tool_grammar writes (mlx-lm's parser names); json_tools (Hermes,
+# Qwen2.5): <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
 CONSTRAINABLE = ("json_tools",)
-# JSON as the templates render it (json.dumps's separators), with no free whitespace to wander in
+# arguments as chat templates render them (json.dumps's separators), with no free whitespace
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TEXT_RULE = r"/(.|\n)+/"  # free text: llguidance never lets a special token match a text lexeme
 TAIL_RULE = r"/(.|\n)*/"
@@ -38,49 +42,26 @@ class ToolError(ValueError):
     """A request's tools or tool_choice cannot be served (before anything is queued: HTTP 400)."""
 
 
-@dataclass(frozen=True)
-class ChatFormat:
-    """How a model's chat template marks thinking and tool calls (``None``: it does not).
+# -- the model's format --------------------------------------------------------------------------
 
-    ``*_id`` is the marker's token id when the marker is one token (then grammars name the token
-    itself, ``<[id]>``, so the model cannot spell the marker out of smaller pieces).
-    """
+def can_constrain(fmt: ModelFormat) -> bool:
+    """``tool_choice`` "required" and named functions can be enforced for this model's family."""
+    return fmt.tool_parser in CONSTRAINABLE and bool(fmt.tool_call_start and fmt.tool_call_end)
 
-    parser: Optional[str] = None  # mlx-lm's tool parser module for the family ("json_tools", ...)
-    tool_call_start: Optional[str] = None
-    tool_call_end: Optional[str] = None
-    think_start: Optional[str] = None
-    think_end: Optional[str] = None
-    tool_call_start_id: Optional[int] = None
-    tool_call_end_id: Optional[int] = None
-    think_start_id: Optional[int] = None
-    think_end_id: Optional[int] = None
-    special_tool_markers: bool = False  # tool-call markers are special tokens (never plain text)
 
-    @property
-    def has_tools(self) -> bool:
-        return bool(self.parser and self.tool_call_start)
+def format_info(fmt: ModelFormat) -> dict:
+    """What a worker publishes of its model's format (``info["chat_format"]``)."""
+    return {k: v for k, v in asdict(fmt).items() if k != "in_thinking" and v not in (None, False, ())}
 
-    @property
-    def has_thinking(self) -> bool:
-        return bool(self.think_start and self.think_end)
 
-    @property
-    def can_constrain_tools(self) -> bool:
-        """``tool_choice`` "required" and named functions can be enforced for this family."""
-        return self.parser in CONSTRAINABLE and bool(self.tool_call_start and self.tool_call_end)
-
-    def to_info(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v not in (None, False)}
-
-    @classmethod
-    def from_info(cls, info: Optional[dict]) -> "ChatFormat":
-        """The format a worker published (``info["chat_format"]``); unknown keys are ignored."""
-        raw = (info or {}).get("chat_format") if isinstance(info, dict) else None
-        if not isinstance(raw, dict):
-            return cls()
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in names})
+def format_from_info(info: Optional[dict]) -> Optional[ModelFormat]:
+    """The format a worker published; None when it published none (an older worker)."""
+    raw = info.get("chat_format") if isinstance(info, dict) else None
+    if not isinstance(raw, dict):
+        return None
+    kinds = {f.name: f for f in fields(ModelFormat)}
+    out = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in kinds}
+    return replace(ModelFormat(), **out)
 
 
 # -- request checks ------------------------------------------------------------------------------
@@ -126,7 +107,7 @@ def _choice_text(choice) -> str:
     return repr(choice) if isinstance(choice, str) else repr(choice.function.get("name"))
 
 
-def check_tools(req, fmt: Optional[ChatFormat] = None) -> None:
+def check_tools(req, fmt: Optional[ModelFormat] = None) -> None:
     """Everything about ``req``'s tools that can be known before queueing: the choice's structure,
     each parameter schema compiles (llguidance), and, when the model's format is known, that a
     required or named choice can be enforced for its family.  Raises :class:`ToolError`."""
@@ -134,22 +115,24 @@ def check_tools(req, fmt: Optional[ChatFormat] = None) -> None:
     if not uses_tools(req):
         return
     for tool in req.tools:
-        _check_parameters(tool.function.name, tool.function.parameters)
+        error = _parameters_error(canonical(parameters_schema(tool.function.parameters)))
+        if error:
+            raise ToolError(f"tools: function {tool.function.name!r}: {error}")
     if fmt is not None:
         check_format(req, fmt)
 
 
-def check_format(req, fmt: ChatFormat) -> None:
+def check_format(req, fmt: ModelFormat) -> None:
     """A required or named tool choice on a model whose call format cannot be enforced: refused."""
     choice = effective_choice(req)
     if choice in ("none", "auto"):
         return
-    if not fmt.has_tools:
+    if not fmt.tool_parser:
         raise ToolError(f"tool_choice {_choice_text(choice)}: this model's chat template has no tool-call "
                         "format mlx-lm knows, so calls can be neither enforced nor parsed")
-    if not fmt.can_constrain_tools:
+    if not can_constrain(fmt):
         raise ToolError(f"tool_choice {_choice_text(choice)} cannot be enforced for this model's tool-call "
-                        f"format ({fmt.parser!r}; enforced: {', '.join(CONSTRAINABLE)}); use tool_choice "
+                        f"format ({fmt.tool_parser!r}; enforced: {', '.join(CONSTRAINABLE)}); use tool_choice "
                         '"auto" (calls are still parsed)')
 
 
@@ -158,20 +141,21 @@ def parameters_schema(parameters: Optional[dict]) -> dict:
     return dict(parameters) if parameters else {"type": "object"}
 
 
-def _check_parameters(name: str, parameters: Optional[dict]) -> None:
-    schema = parameters_schema(parameters)
-    if schema.get("type", "object") != "object":
-        raise ToolError(f"tools: function {name!r}: parameters must be a JSON schema of an object "
-                        f"(got type {schema.get('type')!r})")
+@functools.lru_cache(maxsize=512)
+def _parameters_error(schema_json: str) -> Optional[str]:
+    """Why a parameter schema (canonical JSON) cannot constrain arguments, or None."""
     from llguidance import LLMatcher
 
+    schema = json.loads(schema_json)
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        got = schema.get("type") if isinstance(schema, dict) else type(schema).__name__
+        return f"parameters must be a JSON schema of an object (got type {got!r})"
     try:
         grammar = LLMatcher.grammar_from_json_schema(_styled(schema))
     except (ValueError, TypeError) as exc:
-        raise ToolError(f"tools: function {name!r}: parameters are not a JSON schema: {exc}") from None
+        return f"parameters are not a JSON schema: {_first_line(str(exc))}"
     err = LLMatcher.validate_grammar(grammar)
-    if err:
-        raise ToolError(f"tools: function {name!r}: parameter schema not supported: {_first_line(err)}")
+    return f"parameter schema not supported: {_first_line(err)}" if err else None
 
 
 def _first_line(text: str) -> str:
@@ -185,19 +169,15 @@ def _styled(schema: dict) -> dict:
 
 # -- the grammar ---------------------------------------------------------------------------------
 
-def tool_grammar(req, fmt: ChatFormat, *, answer: Optional[str] = None, in_thinking: bool = False) -> Optional[str]:
-    """The Lark grammar (llguidance) of ``req``'s answer under its tools, or None when tools do not
-    constrain it (no tools, ``tool_choice`` "none", or "auto" on a family whose calls cannot be
-    constrained: those are parsed only).
-
-    ``answer``: a Lark expression for a text answer other than free text (a response_format's
-    grammar, e.g. ``%json {...}``), used by "auto" in place of free text.  ``in_thinking``: the prompt
-    ends inside an open thinking block (the template opened it), so the output starts as thinking.
-    Raises :class:`ToolError` for a choice the format cannot enforce."""
+def tool_grammar(req, fmt: ModelFormat) -> Optional[str]:
+    """The llguidance grammar (its JSON form) of ``req``'s answer under its tools, or None when tools
+    do not constrain it: no tools, ``tool_choice`` "none", or "auto" on a family whose calls cannot
+    be constrained (they are parsed only).  Raises :class:`ToolError` for a required or named choice
+    the format cannot enforce.  ``fmt.in_thinking``: the prompt ends inside an open thinking block."""
     choice = effective_choice(req)
     if choice == "none":
         return None
-    if not fmt.can_constrain_tools:
+    if not can_constrain(fmt):
         check_format(req, fmt)  # required/named: refused; auto: parsed only
         return None
     tools = {t.function.name: t.function.parameters for t in req.tools}
@@ -205,26 +185,31 @@ def tool_grammar(req, fmt: ChatFormat, *, answer: Optional[str] = None, in_think
     if named is not None:
         tools = {named: tools[named]}
     many = req.parallel_tool_calls and named is None
-    rules = [f'call_body: "\\n" ({" | ".join(f"tool_{i}" for i in range(len(tools)))}) "\\n" '
-             + _marker(fmt.tool_call_end, fmt.tool_call_end_id)]
+    end = _marker(fmt.tool_call_end, fmt.tool_call_end_ids)
+    rules = [f'call_body: "\\n" ({" | ".join(f"tool_{i}" for i in range(len(tools)))}) "\\n" {end}']
     rules += [_tool_rule(i, name, params) for i, (name, params) in enumerate(tools.items())]
+    answer = compile_format(req.response_format) if choice == "auto" else None
     if choice == "auto" and answer is None:
         body = _free_text_with_calls(fmt, many, rules)
     else:
-        rules.append("call: " + _marker(fmt.tool_call_start, fmt.tool_call_start_id) + " call_body")
-        calls = 'call ("\\n" call)*' if many else "call"
-        if choice == "auto":  # a structured answer, or calls
-            rules.append(f"answer: {answer}")
-            calls = f"answer | {calls}"
-        body = calls
-    return _with_thinking(body, fmt, in_thinking, rules)
+        rules.append(f"call: {_marker(fmt.tool_call_start, fmt.tool_call_start_ids)} call_body")
+        body = 'call ("\\n" call)*' if many else "call"
+        if answer is not None:  # the response_format's answer, or calls
+            body = f"@format | {body}"
+    lark = "%llguidance {}\nstart: " + body + "\n" + "\n".join(rules) + "\n"
+    grammars = [{"name": "tools", "lark_grammar": lark}]
+    if answer is not None:
+        sub = json.loads(answer)["grammars"]
+        grammars += [dict(sub[0], name="format")] + sub[1:]
+    grammar = json.dumps({"grammars": grammars})
+    return after_thinking(grammar, fmt) if fmt.think_start else grammar
 
 
-def _free_text_with_calls(fmt: ChatFormat, many: bool, rules: list[str]) -> str:
+def _free_text_with_calls(fmt: ModelFormat, many: bool, rules: list[str]) -> str:
     """``tool_choice`` "auto": free text, and a call wherever the model starts one."""
-    if fmt.tool_call_start_id is not None and fmt.special_tool_markers:
+    if len(fmt.tool_call_start_ids) == 1 and fmt.tool_markers_special:
         # the start marker is a special token, which free text never matches
-        rules += [f"call: <[{fmt.tool_call_start_id}]> call_body", f"TEXT: {TEXT_RULE}"]
+        rules += [f"call: <[{fmt.tool_call_start_ids[0]}]> call_body", f"TEXT: {TEXT_RULE}"]
         return "TEXT? (call TEXT?)*" if many else "TEXT? (call TEXT?)?"
     # a marker that plain text can spell: a call starts where the text first holds it (a lazy lexeme)
     rules += [f"call_open[lazy]: TAIL {json.dumps(fmt.tool_call_start)}", "call: call_open call_body",
@@ -236,20 +221,3 @@ def _tool_rule(i: int, name: str, parameters: Optional[dict]) -> str:
     head = json.dumps('{"name": ' + json.dumps(name) + ', "arguments": ')
     return f'tool_{i}: {head} %json {json.dumps(_styled(parameters_schema(parameters)))} "}}"'
 
-
-def _marker(text: Optional[str], token_id: Optional[int]) -> str:
-    return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
-
-
-def _with_thinking(body: str, fmt: ChatFormat, in_thinking: bool, rules: list[str]) -> str:
-    """The whole grammar: an optional (or already open) free thinking block, then ``body``."""
-    head = "start: " + body
-    if fmt.has_thinking:
-        end = _marker(fmt.think_end, fmt.think_end_id)
-        if in_thinking:
-            head = f"start: THOUGHT? {end} GAP? answer_body"
-        else:
-            head = "start: think? answer_body"
-            rules.append(f"think: {_marker(fmt.think_start, fmt.think_start_id)} THOUGHT? {end} GAP?")
-        rules += [f"answer_body: {body}", f"THOUGHT: {TEXT_RULE}", r"GAP: /[ \t\n]+/"]
-    return "%llguidance {}\n" + head + "\n" + "\n".join(rules) + "\n"

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from ..shared import codec
 from ..shared.protocol import Pulled, owner_token
 from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, ToolCall
+from ..shared.constraints import ModelFormat
 from ..shared.tools import ToolError, check_tools, uses_tools
 from .engine_api import SeqSpec
 from .sampling import make_processors, make_sampler, resolve_seed
@@ -338,7 +339,7 @@ def chat_stream(tokenizer, req: GenerateRequest, prompt: list[int]) -> ChatStrea
     text = TextStream.for_tokenizer(tokenizer, req.stop)
     fmt = chat_format(tokenizer)
     if req.messages is None:
-        return ChatStream(text, type(fmt)())
+        return ChatStream(text, ModelFormat())
     tools = uses_tools(req)
     return ChatStream(text, fmt, tools=tools, parse=getattr(tokenizer, "tool_parser", None),
                       tool_defs=[t.model_dump(exclude_none=True) for t in req.tools] if tools else None,

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 from mlx_lm.generate import TextStateMachine
 
-from ..shared.tools import ChatFormat
+from ..shared.constraints import ModelFormat
 
 log = logging.getLogger(__name__)
 
@@ -132,55 +132,34 @@ CONTENT, REASONING, TOOL = "normal", "reasoning", "tool"  # mlx-lm's TextStateMa
 _formats: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def chat_format(tokenizer) -> ChatFormat:
+def chat_format(tokenizer) -> ModelFormat:
     """The markers mlx-lm inferred for this tokenizer (thinking, tool calls, the family's parser)."""
     try:
         return _formats[tokenizer]
     except (KeyError, TypeError):
         pass
-    fmt = _infer_format(tokenizer)
+    fmt = ModelFormat.from_tokenizer(tokenizer)
     try:
         _formats[tokenizer] = fmt
-    except TypeError:  # not weak-referenceable: computed each time (cheap)
+    except TypeError:  # not weak-referenceable: read each time (cheap)
         pass
     return fmt
 
 
-def _infer_format(tokenizer) -> ChatFormat:
-    def one(tokens) -> Optional[int]:
-        return tokens[0] if tokens is not None and len(tokens) == 1 else None
-
-    parse = getattr(tokenizer, "tool_parser", None)
-    start, end = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_call_end", None)
-    think = getattr(tokenizer, "has_thinking", False)
-    start_id = one(getattr(tokenizer, "tool_call_start_tokens", None)) if start else None
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    special = set(getattr(hf, "all_special_ids", ()) or ())
-    family = (getattr(parse, "__module__", None) or "").rsplit(".", 1)[-1] if parse else ""
-    return ChatFormat(
-        parser=family or None,
-        tool_call_start=start if parse else None,
-        tool_call_end=end if parse else None,
-        think_start=tokenizer.think_start if think else None,
-        think_end=tokenizer.think_end if think else None,
-        tool_call_start_id=start_id,
-        tool_call_end_id=one(getattr(tokenizer, "tool_call_end_tokens", None)) if start else None,
-        think_start_id=one(tokenizer.think_start_tokens) if think else None,
-        think_end_id=one(tokenizer.think_end_tokens) if think else None,
-        special_tool_markers=start_id is not None and start_id in special,
-    )
-
-
-def opens_in_thinking(fmt: ChatFormat, prompt: list[int]) -> bool:
+def opens_in_thinking(fmt: ModelFormat, prompt: list[int]) -> bool:
     """The prompt ends inside a thinking block the template opened (its last think start comes after
     its last think end), so the output starts as reasoning, as mlx-lm's server decides."""
-    if fmt.think_start_id is None or fmt.think_end_id is None:
+    if not (fmt.think_start_ids and fmt.think_end_ids):
         return False
-    last = {fmt.think_start_id: -1, fmt.think_end_id: -1}
-    for i, t in enumerate(prompt):
-        if t in last:
-            last[t] = i
-    return last[fmt.think_start_id] > last[fmt.think_end_id]
+    return _rfind(prompt, fmt.think_start_ids) > _rfind(prompt, fmt.think_end_ids)
+
+
+def _rfind(ids: list[int], seq: tuple[int, ...]) -> int:
+    n = len(seq)
+    for i in range(len(ids) - n, -1, -1):
+        if tuple(ids[i:i + n]) == seq:
+            return i
+    return -1
 
 
 class ChatStream:
@@ -192,19 +171,19 @@ class ChatStream:
     With neither thinking nor tools it is the :class:`TextStream` itself, piece for piece.
     """
 
-    def __init__(self, text: TextStream, fmt: ChatFormat, *, tools: bool = False, parse=None,
+    def __init__(self, text: TextStream, fmt: ModelFormat, *, tools: bool = False, parse=None,
                  tool_defs: Optional[list] = None, in_thinking: bool = False):
         self._text = text
         self._fmt = fmt
         self._parse = parse
         self._tool_defs = tool_defs
         transitions = {}
-        if fmt.has_thinking:
+        if fmt.think_start and fmt.think_end:
             transitions[CONTENT] = [(fmt.think_start, REASONING)]
             transitions[REASONING] = [(fmt.think_end, CONTENT)]
         if tools and parse is not None and fmt.tool_call_start:
             transitions.setdefault(CONTENT, []).append((fmt.tool_call_start, TOOL))
-            if fmt.has_thinking:
+            if REASONING in transitions:
                 transitions[REASONING].append((fmt.tool_call_start, TOOL))
             transitions[TOOL] = [(fmt.tool_call_end, CONTENT)] if fmt.tool_call_end else []
         self._machine = TextStateMachine(transitions) if transitions else None
