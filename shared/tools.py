@@ -27,7 +27,7 @@ import json
 from dataclasses import asdict, fields, replace
 from typing import Any, Optional
 
-from .constraints import ModelFormat, _marker, after_thinking, canonical, compile_format
+from .constraints import ConstraintError, ModelFormat, _marker, after_thinking, canonical, compile_format
 
 # families whose tool-call format tool_grammar writes (mlx-lm's parser names); json_tools (Hermes,
 # Qwen2.5): <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
@@ -38,7 +38,7 @@ TEXT_RULE = r"/(.|\n)+/"  # free text: llguidance never lets a special token mat
 TAIL_RULE = r"/(.|\n)*/"
 
 
-class ToolError(ValueError):
+class ToolError(ConstraintError):
     """A request's tools or tool_choice cannot be served (before anything is queued: HTTP 400)."""
 
 

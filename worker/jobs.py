@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -13,12 +14,12 @@ from pydantic import ValidationError
 
 from ..shared import codec
 from ..shared.protocol import Pulled, owner_token
+from ..shared.constraints import ConstraintError, ModelFormat, grammar_for
 from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, ToolCall
-from ..shared.constraints import ModelFormat
-from ..shared.tools import ToolError, check_tools, uses_tools
+from ..shared.tools import check_tools, uses_tools
 from .engine_api import SeqSpec
 from .sampling import make_processors, make_sampler, resolve_seed
-from .textstream import ChatStream, TextStream, chat_format, opens_in_thinking
+from .textstream import ChatStream, TextStream, chat_format
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class ActiveJob:
     logprobs: list = field(default_factory=list)
     cached_tokens: int = 0
     resumed: bool = False
+    grammar: Optional[str] = None  # the llguidance grammar its output follows (None: free text)
 
     def now(self) -> float:
         return time.time() + self.clock_offset
@@ -73,6 +75,10 @@ class ActiveJob:
             resume_tokens=list(self.tokens),
             priority=self.score,
             session_id=self.request.session_id,
+            grammar=self.grammar,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            logit_bias=params.logit_bias,
         )
 
     def emit(self, new_text: str, ids: list[int], finish: Optional[str] = None, error: Optional[str] = None,
@@ -114,7 +120,7 @@ class ActiveJob:
         return codec.pack({"seed": self.seed, "first_token_at": self.first_token_at, "attempt": self.attempt,
                            "started_at": self.started_at})
 
-    def result(self, finish: str, error: Optional[str] = None) -> Result:
+    def result(self, finish: str, error: Optional[str] = None, error_code: Optional[str] = None) -> Result:
         finished = self.now()
         gen = len(self.tokens)
         stats = JobStats(
@@ -137,7 +143,8 @@ class ActiveJob:
             seed=self.seed,
         )
         return Result(id=self.id, text=self.full_text, token_ids=list(self.tokens),
-                      finish_reason=self.final_reason(finish), error=error, logprobs=self.logprobs or None,
+                      finish_reason=self.final_reason(finish), error=error, error_code=error_code,
+                      logprobs=self.logprobs or None,
                       tool_calls=self.tool_calls() or None, reasoning=self.text.reasoning or None, stats=stats)
 
 
@@ -219,12 +226,42 @@ def _template_tools(req: GenerateRequest, tokenizer) -> Optional[list[dict]]:
         return None
     try:
         check_tools(req, chat_format(tokenizer))
-    except ToolError as exc:
+    except ConstraintError as exc:  # a ToolError
         raise JobError(str(exc)) from None
     if not getattr(tokenizer, "has_tool_calling", False):
         log.warning("job=%s: tools given, but mlx-lm knows no tool-call format for this model's chat "
                     "template: they are rendered, calls are not parsed", req.id)
     return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def check_token_ids(req: GenerateRequest, tokenizer) -> None:
+    """logit_bias names token ids of this model's vocabulary."""
+    vocab = len(getattr(tokenizer, "_tokenizer", tokenizer))
+    bad = sorted(t for t in (req.logit_bias or {}) if t >= vocab)
+    if bad:
+        raise JobError(f"logit_bias names token ids outside the vocabulary (size {vocab}): {bad[:5]}")
+
+
+def job_grammar(req: GenerateRequest, prompt: list[int], fmt: ModelFormat) -> Optional[str]:
+    """The grammar the job's output follows (None: free text); a reasoning block the prompt
+    opened (a chat template that starts the answer thinking) comes first."""
+    if fmt.think_start and prompt_in_thinking(prompt, fmt):
+        fmt = dataclasses.replace(fmt, in_thinking=True)
+    try:
+        return grammar_for(req, fmt)
+    except ConstraintError as exc:
+        raise JobError(str(exc)) from None
+
+
+def prompt_in_thinking(prompt: list[int], fmt: ModelFormat) -> bool:
+    """The prompt's last reasoning marker opens a block (one-token markers only)."""
+    if len(fmt.think_start_ids) != 1 or len(fmt.think_end_ids) != 1:
+        return False
+    start, end = fmt.think_start_ids[0], fmt.think_end_ids[0]
+    for tok in reversed(prompt):
+        if tok in (start, end):
+            return tok == start
+    return False
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -288,7 +325,8 @@ def read_published(entries: list) -> Published:
 
 
 def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer, worker_id: str,
-              clock_offset: float, published: Optional[Published] = None) -> ActiveJob:
+              clock_offset: float, published: Optional[Published] = None,
+              grammar: Optional[str] = None) -> ActiveJob:
     """A pulled job, resumed from ``published`` (its durable record) when an earlier attempt streamed
     part of it: the new attempt continues after the last published token, and never sends again
     what was sent."""
@@ -313,7 +351,7 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
         id=pulled.job_id, request=req, attempt=pulled.attempt,
         owner=owner_token(worker_id, pulled.attempt), tier=pulled.tier, score=pulled.score,
         queued_at=pulled.queued_at, started_at=pulled.now, prompt=prompt, seed=seed,
-        text=chat_stream(tokenizer, req, prompt), clock_offset=clock_offset,
+        text=chat_stream(tokenizer, req, prompt), clock_offset=clock_offset, grammar=grammar,
     )
     if published.seq:
         # Rebuild the text state silently; only text beyond what was published goes out.
@@ -343,4 +381,4 @@ def chat_stream(tokenizer, req: GenerateRequest, prompt: list[int]) -> ChatStrea
     tools = uses_tools(req)
     return ChatStream(text, fmt, tools=tools, parse=getattr(tokenizer, "tool_parser", None),
                       tool_defs=[t.model_dump(exclude_none=True) for t in req.tools] if tools else None,
-                      in_thinking=opens_in_thinking(fmt, prompt))
+                      in_thinking=prompt_in_thinking(prompt, fmt))

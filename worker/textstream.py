@@ -146,22 +146,6 @@ def chat_format(tokenizer) -> ModelFormat:
     return fmt
 
 
-def opens_in_thinking(fmt: ModelFormat, prompt: list[int]) -> bool:
-    """The prompt ends inside a thinking block the template opened (its last think start comes after
-    its last think end), so the output starts as reasoning, as mlx-lm's server decides."""
-    if not (fmt.think_start_ids and fmt.think_end_ids):
-        return False
-    return _rfind(prompt, fmt.think_start_ids) > _rfind(prompt, fmt.think_end_ids)
-
-
-def _rfind(ids: list[int], seq: tuple[int, ...]) -> int:
-    n = len(seq)
-    for i in range(len(ids) - n, -1, -1):
-        if tuple(ids[i:i + n]) == seq:
-            return i
-    return -1
-
-
 class ChatStream:
     """A job's text split into its answer (``add``/``finish`` return it, as :class:`TextStream` does),
     its ``reasoning`` (between the think markers) and its ``calls`` (tool-call blocks, parsed by
