@@ -12,7 +12,7 @@ mlx-lm's tool parser for the family.  The worker publishes it with the model's i
   of the tools, its ``arguments`` valid for that tool's parameter schema;
 * a named function: exactly one call of that function;
 * ``"auto"``: free text; once the model starts a call (its start marker), the call is constrained as
-  above, then free text, more calls (when parallel) or the end;
+  above, then more calls (when parallel) or the end;
 * ``"none"``: no grammar (tools are neither rendered nor parsed).
 
 Where the format has thinking markers, an optional thinking block may come first and is free text: a
@@ -36,6 +36,7 @@ CONSTRAINABLE = ("json_tools",)
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TEXT_RULE = r"/(.|\n)+/"  # free text: llguidance never lets a special token match a text lexeme
 TAIL_RULE = r"/(.|\n)*/"
+CALLS = 'call ("\\n"? call)*'  # parallel calls, one after another or a line apart
 
 
 class ToolError(ConstraintError):
@@ -193,7 +194,7 @@ def tool_grammar(req, fmt: ModelFormat) -> Optional[str]:
         body = _free_text_with_calls(fmt, many, rules)
     else:
         rules.append(f"call: {_marker(fmt.tool_call_start, fmt.tool_call_start_ids)} call_body")
-        body = 'call ("\\n" call)*' if many else "call"
+        body = CALLS if many else "call"
         if answer is not None:  # the response_format's answer, or calls
             body = f"@format | {body}"
     lark = "%llguidance {}\nstart: " + body + "\n" + "\n".join(rules) + "\n"
@@ -208,10 +209,12 @@ def tool_grammar(req, fmt: ModelFormat) -> Optional[str]:
 def _free_text_with_calls(fmt: ModelFormat, many: bool, rules: list[str]) -> str:
     """``tool_choice`` "auto": free text, and a call wherever the model starts one."""
     if len(fmt.tool_call_start_ids) == 1 and fmt.tool_markers_special:
-        # the start marker is a special token, which free text never matches
+        # the start marker is a special token, which free text never matches; after a call, only
+        # more calls (when parallel) or the end
         rules += [f"call: <[{fmt.tool_call_start_ids[0]}]> call_body", f"TEXT: {TEXT_RULE}"]
-        return "TEXT? (call TEXT?)*" if many else "TEXT? (call TEXT?)?"
-    # a marker that plain text can spell: a call starts where the text first holds it (a lazy lexeme)
+        return f"TEXT? ({CALLS})?" if many else "TEXT? call?"
+    # a marker that plain text can spell: a call starts where the text first holds it (a lazy lexeme,
+    # as llguidance's StructTag writes it); text may follow the calls
     rules += [f"call_open[lazy]: TAIL {json.dumps(fmt.tool_call_start)}", "call: call_open call_body",
               f"TAIL: {TAIL_RULE}"]
     return "call* TAIL" if many else "call? TAIL"
