@@ -320,6 +320,10 @@ class Gateway:
                                              code="job_failed").body())
                     break
                 delta = chat.delta(d) if meta.chat else d.text
+                if meta.chat and delta and d.finish_reason:  # as OpenAI: the finish in a chunk of its own
+                    yield _event(self._delta_chunk(meta, d.model_copy(update={"finish_reason": None}), delta,
+                                                   fmt, offset))
+                    d, delta = d.model_copy(update={"logprobs": None}), {}
                 if delta or d.logprobs or d.finish_reason:
                     yield _event(self._delta_chunk(meta, d, delta, fmt, offset))
                 offset += len(d.text)
