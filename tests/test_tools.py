@@ -216,16 +216,16 @@ def ll_tokenizer(tiny_model):
     return llguidance.hf.from_tokenizer(tiny_model.tokenizer._tokenizer)
 
 
-def sample(ll_tok, grammar: str, seed: int, prefer=(), eos: int = 2, max_tokens: int = 400) -> tuple[list[int], bool]:
+def sample(ll_tok, grammar: str, seed: int, prefer=(), eos: int = 2, max_tokens: int = 2000) -> tuple[list[int], bool]:
     """Tokens drawn at random among those the grammar allows (``prefer``: taken half the time when
-    allowed; EOS a tenth of the time when allowed): a stand-in for any model's choices."""
+    allowed; EOS a quarter of the time when allowed): a stand-in for any model's choices."""
     m = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
     assert not m.is_error(), m.get_error()
     rng, out = random.Random(seed), []
     for _ in range(max_tokens):
         allowed = np.nonzero(np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)[:ll_tok.vocab_size])[0].tolist()
         pref = [t for t in prefer if t in allowed]
-        if eos in allowed and (rng.random() < 0.1 or allowed == [eos]):
+        if eos in allowed and (rng.random() < 0.25 or allowed == [eos]):
             return out, True
         t = rng.choice(pref if pref and rng.random() < 0.5 else allowed)
         if t == eos:
@@ -340,6 +340,8 @@ def test_tool_jobs_end_to_end_and_the_worker_keeps_serving(tiny_model, redis_url
             "free": client.submit(messages=MESSAGES, max_tokens=12),
         }
         results = {k: j.result(timeout=300) for k, j in jobs.items()}
+        # a Client's stream carries the calls too (here replayed from the durable record)
+        streamed = [d for d in jobs["named"].stream(timeout=120)]
         # what a buggy or hostile producer could queue: refused by the worker with a clear error
         bad = {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}
         bad_ids = [push_raw(client, {"messages": MESSAGES, **bad}),
@@ -353,6 +355,9 @@ def test_tool_jobs_end_to_end_and_the_worker_keeps_serving(tiny_model, redis_url
         check_calls([c.model_dump() for c in res.tool_calls], ("get_weather",) if key == "named" else tuple(SCHEMAS))
         assert TOOL_CALL_START not in res.text
     assert len(results["auto"].tool_calls) == 1 and results["auto"].token_ids[0] == start
+    assert [c for d in streamed for c in d.tool_calls or ()] == results["named"].tool_calls
+    assert [i for d in streamed for i in d.token_ids] == results["named"].token_ids
+    assert streamed[-1].finish_reason == "tool_calls"
     assert results["free"].tool_calls is None and results["free"].finish_reason in ("stop", "length")
     assert [r.finish_reason for r in refused] == ["error", "error"]
     assert "'nope'" in refused[0].error and "'f'" in refused[1].error
