@@ -139,6 +139,15 @@ def mlxq_ttft(client: Client, prompt) -> float:
     return sink[0][1]
 
 
+def wait_worker(client: Client, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Until the worker serves the bench model (RuntimeError when it exits or takes too long)."""
+    deadline = time.time() + timeout
+    while "bench" not in client.models():
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError("the worker did not start")
+        time.sleep(0.2)
+
+
 def start_worker(url: str, model_dir: str, blas_threads: str | None, extra_env=()) -> subprocess.Popen:
     env = dict(os.environ, MLXQ_LOG_LEVEL="WARNING")
     if blas_threads:
@@ -194,11 +203,7 @@ def main() -> int:
         print(f"mlx-lm process (threads={side.threads}) BLAS: {side.info['blas']}")
     rows = []
     try:
-        deadline = time.time() + 180
-        while "bench" not in client.models():
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("the worker did not start")
-            time.sleep(0.2)
+        wait_worker(client, proc)
         warm = prompts_for(4, 64, vocab, seed=99)
         for side in sides:
             side.run("batch", warm, 8)

@@ -15,7 +15,7 @@
 
 :func:`check_request` (run by ``GenerateRequest``'s validation, so every producer
 surface refuses a bad constraint before queueing) compiles and validates the grammar
-without a tokenizer; results are cached by the response_format's canonical JSON, so
+without a tokenizer; results are cached by the response_format's compact JSON, so
 10,000 identical bulk jobs cost one compile.  The worker turns a request into its
 grammar with :func:`grammar_for`, given the model's output format (:class:`ModelFormat`).
 """
@@ -186,8 +186,10 @@ def _compiled(canonical: str) -> tuple[Optional[str], Optional[str]]:
 
 
 def canonical(fmt: Any) -> str:
+    """The cache key of a response_format: compact JSON, keys in their order (a schema's property
+    order is its output's order, so it is part of the constraint)."""
     try:
-        return json.dumps(fmt, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(fmt, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise ConstraintError(f"response_format must be JSON: {exc}") from None
 

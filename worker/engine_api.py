@@ -46,6 +46,9 @@ class SeqSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[int, float]] = None
+    # mlx-lm's repetition penalty over the last 20 context tokens, applied to all such rows of
+    # a batch at once (None: off); the same logits as mlx-lm's logits processor
+    repetition_penalty: Optional[float] = None
 
 
 @dataclass

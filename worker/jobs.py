@@ -18,7 +18,7 @@ from ..shared.constraints import ConstraintError, ModelFormat, grammar_for
 from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, ToolCall
 from ..shared.tools import check_tools, uses_tools
 from .engine_api import SeqSpec
-from .sampling import make_processors, make_sampler, resolve_seed
+from .sampling import make_sampler, repetition_penalty, resolve_seed
 from .textstream import ChatStream, TextStream, chat_format
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class ActiveJob:
             prompt=self.prompt,
             max_tokens=params.max_tokens - done,
             sampler=make_sampler(params, self.seed, start_step=done),
-            logits_processors=make_processors(params),
+            repetition_penalty=repetition_penalty(params),
             stop_token_ids=() if params.ignore_eos else tuple(eos_token_ids),
             resume_tokens=list(self.tokens),
             priority=self.score,

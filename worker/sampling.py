@@ -24,7 +24,16 @@ def make_sampler(params: SamplingParams, seed: int, start_step: int = 0) -> Opti
     return RowSampler(params, seed, start_step)
 
 
-def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
+def repetition_penalty(params: SamplingParams) -> Optional[float]:
+    """The job's repetition penalty (None: off); the engine applies it to all such rows at once."""
     if params.repetition_penalty is None or params.repetition_penalty == 1.0:
+        return None
+    return params.repetition_penalty
+
+
+def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
+    """mlx-lm's logits processors for these params (references, and engines driven without specs'
+    batched penalties)."""
+    if repetition_penalty(params) is None:
         return []
     return make_logits_processors(repetition_penalty=params.repetition_penalty)

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from .kv_cache import BatchRow, BatchView, KVPool, make_layer_caches
 from .constrain import GrammarBook, Shaped, shape
-from .sampler import SampleRow, sample
+from .sampler import REPETITION_CONTEXT, SampleRow, sample
 from .scheduler import PrefillPlan
 from .sequence import Sampled, Sequence
 
@@ -191,4 +191,7 @@ class ModelRunner:
             ctx = mx.array(seq.tokens)
             if pending_tok is not None:
                 ctx = mx.concatenate([ctx, pending_tok])
-        return SampleRow(spec.sampler, spec.logits_processors, ctx, spec.want_logprobs)
+        repetition = None
+        if spec.repetition_penalty is not None:  # a deferred row: its context is all on the host
+            repetition = (spec.repetition_penalty, seq.tokens[-REPETITION_CONTEXT:])
+        return SampleRow(spec.sampler, spec.logits_processors, ctx, spec.want_logprobs, repetition)

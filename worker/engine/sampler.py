@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from ...shared.schemas import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+REPETITION_CONTEXT = 20  # mlx-lm's repetition_context_size default
 
 
 def _splitmix64(x: int) -> int:
@@ -81,6 +82,7 @@ class SampleRow:
     processors: Sequence  # logits processors (ctx, logits) -> logits
     context: Optional[mx.array]  # token context for processors (built only when there are some)
     want_logprobs: bool
+    repetition: Optional[tuple[float, Sequence]] = None  # (penalty, the last context tokens)
 
 
 def sample(logits: mx.array, rows: list[SampleRow], bias: Optional[mx.array] = None):
@@ -102,6 +104,8 @@ def sample(logits: mx.array, rows: list[SampleRow], bias: Optional[mx.array] = N
                 x = proc(r.context, x)
             parts.append(x)
         logits = mx.concatenate(parts, axis=0)
+    if any(r.repetition for r in rows):
+        logits = _repetition_penalty(logits, rows)
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)
     need_lp = [r.want_logprobs or r.sampler is not None for r in rows]
@@ -114,6 +118,23 @@ def sample(logits: mx.array, rows: list[SampleRow], bias: Optional[mx.array] = N
         toks = _sample_mixed(logits, logprobs, rows)
     lps = [logprobs[i] if rows[i].want_logprobs else None for i in range(B)]
     return toks, lps
+
+
+def _repetition_penalty(logits: mx.array, rows: list[SampleRow]) -> mx.array:
+    """mlx-lm's repetition penalty for every row that has one, in one gather and one scatter over
+    the batch: each of a row's last ``REPETITION_CONTEXT`` context tokens' logit is multiplied
+    (negative) or divided (positive) by its penalty.  A short context repeats its first token (a
+    duplicate index writes the same value); a row without a penalty has penalty 1 (unchanged)."""
+    ctx, pen = [], []
+    for r in rows:
+        toks = list(r.repetition[1])[-REPETITION_CONTEXT:] if r.repetition else [0]
+        ctx.append([toks[0]] * (REPETITION_CONTEXT - len(toks)) + toks)
+        pen.append(r.repetition[0] if r.repetition else 1.0)
+    ctx_a = mx.array(ctx, dtype=mx.int32)
+    pen_a = mx.array(pen, dtype=logits.dtype)[:, None]
+    sel = mx.take_along_axis(logits, ctx_a, axis=1)
+    sel = mx.where(sel < 0, sel * pen_a, sel / pen_a)
+    return mx.put_along_axis(logits, ctx_a, sel, axis=1)
 
 
 def _sample_mixed(logits, logprobs, rows: list[SampleRow]) -> mx.array:

@@ -35,8 +35,10 @@ class Sequence:
     @property
     def needs_host_tokens(self) -> bool:
         """Its next token's logits depend on the token before it as read back (a grammar mask,
-        presence/frequency penalties): a decode samples it after reading that token."""
-        return self.grammar is not None or bool(self.spec.presence_penalty or self.spec.frequency_penalty)
+        penalties): a decode samples it after reading that token."""
+        spec = self.spec
+        return (self.grammar is not None or spec.repetition_penalty is not None
+                or bool(spec.presence_penalty or spec.frequency_penalty))
 
     def row_shape(self) -> Optional[RowShape]:
         """What shaping its logits need (None: none)."""
