@@ -250,10 +250,18 @@ def _marker(text: Optional[str], ids: tuple[int, ...]) -> str:
     return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
 
 
+def grammar_list(grammar: str) -> list[dict]:
+    """A grammar as llguidance's list of grammars: its JSON form's, or one Lark grammar (what
+    ``LLMatcher.grammar_from_lark`` returns is the Lark text itself)."""
+    if grammar.lstrip().startswith("{"):
+        return json.loads(grammar)["grammars"]
+    return [{"lark_grammar": grammar}]
+
+
 def after_thinking(grammar: str, fmt: ModelFormat) -> str:
     """``grammar`` placed after an optional reasoning block (already open when ``fmt.in_thinking``):
     the constraint applies to the answer, not to the thinking."""
-    answer = json.loads(grammar)["grammars"]
+    answer = grammar_list(grammar)
     start = _marker(fmt.think_start, fmt.think_start_ids)
     end = _marker(fmt.think_end, fmt.think_end_ids)
     head = f"think_body {end}" if fmt.in_thinking else f"({start} think_body {end})?"

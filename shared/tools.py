@@ -27,7 +27,8 @@ import json
 from dataclasses import asdict, fields, replace
 from typing import Any, Optional
 
-from .constraints import ConstraintError, ModelFormat, _marker, after_thinking, canonical, compile_format
+from .constraints import (ConstraintError, ModelFormat, _marker, after_thinking, canonical, compile_format,
+                          grammar_list)
 
 # families whose tool-call format tool_grammar writes (mlx-lm's parser names); json_tools (Hermes,
 # Qwen2.5): <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
@@ -200,7 +201,7 @@ def tool_grammar(req, fmt: ModelFormat) -> Optional[str]:
     lark = "%llguidance {}\nstart: " + body + "\n" + "\n".join(rules) + "\n"
     grammars = [{"name": "tools", "lark_grammar": lark}]
     if answer is not None:
-        sub = json.loads(answer)["grammars"]
+        sub = grammar_list(answer)
         grammars += [dict(sub[0], name="format")] + sub[1:]
     grammar = json.dumps({"grammars": grammars})
     return after_thinking(grammar, fmt) if fmt.think_start else grammar
