@@ -240,7 +240,7 @@ def grammar_for(req, fmt: Optional[ModelFormat] = None) -> Optional[str]:
         if tools is not None:
             return tools.tool_grammar(req, fmt)
     grammar = compile_format(req.response_format)
-    if grammar is None or not fmt.think_start:
+    if grammar is None or not fmt.think_start or req.messages is None:  # a raw prompt's output is all answer
         return grammar
     return after_thinking(grammar, fmt)
 

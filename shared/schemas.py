@@ -155,6 +155,8 @@ class GenerateRequest(SamplingParams):
             raise ValueError("prompt must not be empty")
         if self.prompt_tokens is not None and any(t < 0 for t in self.prompt_tokens):
             raise ValueError("prompt_tokens must be non-negative token ids")
+        if self.tools and self.messages is None:
+            raise ValueError("tools need messages= (the model's chat template renders them)")
         from .tools import check_tool_choice  # tools.py types its arguments by duck typing
 
         check_tool_choice(self.tools, self.tool_choice)
