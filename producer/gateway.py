@@ -41,13 +41,14 @@ from ..shared.connection import LINK_ERRORS, RedisUnreachable, close_pins, conne
 from ..shared.apikeys import AuthError
 from ..shared.keys import GlobalKeys
 from ..shared.protocol import JobRefused, OverloadError
-from ..shared.schemas import INVALID_REQUEST, Delta, Result
+from ..shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result
 from ..shared.settings import TIERS, Settings
 from .aclient import AsyncClient, AsyncJob
 from ..shared.cliopts import add_shared
 from .common import ContextLengthError, NoModelError, has_live_worker
-from .openai_api import (ChatCompletionRequest, CompletionRequest, LogprobFormatter, OpenAIError, TokenNames,
-                         finish_reason, now_s, usage, validation_error)
+from ..shared.tools import check_format, format_from_info, uses_tools
+from .openai_api import (ChatCompletionRequest, ChatDeltas, CompletionRequest, LogprobFormatter, OpenAIError,
+                         TokenNames, chat_message, check_bias_vocab, finish_reason, now_s, usage, validation_error)
 
 log = logging.getLogger("mlxq.gateway")
 
@@ -212,6 +213,7 @@ class Gateway:
             model = req.model or await client.model()
             if floor is None:  # interactive: a model no worker serves now is a 503, nothing queued
                 models = await self._wait_for_worker(client, model, models)
+            tools = _check_for_model(model, kwargs, models.get(model))
             try:
                 job = await client.submit(model=model, _floor=floor, _source="gateway",
                                           _count_tokens=self.token_names.counter(models.get(model)), **kwargs)
@@ -236,7 +238,7 @@ class Gateway:
         jlog(logging.INFO, job.id, 0, "submitted by %s at tier %s (%s, stream=%s)", endpoint, tier, model, req.stream)
         fmt = LogprobFormatter(self.token_names.for_model(models.get(model)), req.top_n)
         meta = _Meta(id=("chatcmpl-" if chat else "cmpl-") + job.id, model=model, created=now_s(), chat=chat,
-                     endpoint=endpoint, started=started, include_usage=req.include_usage)
+                     endpoint=endpoint, started=started, include_usage=req.include_usage, tools=tools)
         if req.stream:
             return await self._stream(request, job, meta, fmt)
         return await self._complete(request, job, meta, fmt)
@@ -288,7 +290,7 @@ class Gateway:
         self.metrics.latency.labels(meta.endpoint).observe(time.monotonic() - meta.started)
         self.metrics.requests.labels(meta.endpoint, "200").inc()
         if meta.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
+            choice = {"index": 0, "message": chat_message(res),
                       "logprobs": fmt.chat(res.logprobs) if fmt.top_n or res.logprobs else None,
                       "finish_reason": finish_reason(res.finish_reason)}
             obj = "chat.completion"
@@ -304,9 +306,10 @@ class Gateway:
                    deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
         self.metrics.inflight.inc()
         finished, attempt, offset = False, 0, 0
+        chat = ChatDeltas()
         try:
-            if meta.chat:
-                yield _event(meta.chunk({"role": "assistant", "content": ""}, None))
+            if meta.chat:  # content null first when the answer may be calls only, as OpenAI streams them
+                yield _event(meta.chunk({"role": "assistant", "content": None if meta.tools else ""}, None))
             async for d in deltas:
                 attempt = max(attempt, d.attempt)
                 if offset == 0 and d.text:
@@ -316,8 +319,13 @@ class Gateway:
                     yield _event(OpenAIError(500, d.error or "generation failed", "server_error",
                                              code="job_failed").body())
                     break
-                if d.text or d.logprobs or d.finish_reason:
-                    yield _event(self._delta_chunk(meta, d, fmt, offset))
+                delta = chat.delta(d) if meta.chat else d.text
+                if meta.chat and delta and d.finish_reason:  # as OpenAI: the finish in a chunk of its own
+                    yield _event(self._delta_chunk(meta, d.model_copy(update={"finish_reason": None}), delta,
+                                                   fmt, offset))
+                    d, delta = d.model_copy(update={"logprobs": None}), {}
+                if delta or d.logprobs or d.finish_reason:
+                    yield _event(self._delta_chunk(meta, d, delta, fmt, offset))
                 offset += len(d.text)
                 if d.finish_reason:
                     finished = True
@@ -337,13 +345,13 @@ class Gateway:
             if not finished:  # the client went away (the request task is being cancelled)
                 self.spawn(self._cancel(job, "client disconnected from the stream", attempt))
 
-    def _delta_chunk(self, meta: "_Meta", d: Delta, fmt: LogprobFormatter, offset: int) -> dict:
+    def _delta_chunk(self, meta: "_Meta", d: Delta, delta, fmt: LogprobFormatter, offset: int) -> dict:
+        """``delta``: the chunk's chat delta (``ChatDeltas``), or a completion's text."""
         reason = finish_reason(d.finish_reason)
         if meta.chat:
-            delta = {"content": d.text} if d.text else {}
             lp = fmt.chat(d.logprobs) if d.logprobs else None
             return meta.chunk(delta, reason, lp)
-        return meta.chunk(d.text, reason, fmt.completion(d.logprobs, offset) if d.logprobs else None)
+        return meta.chunk(delta, reason, fmt.completion(d.logprobs, offset) if d.logprobs else None)
 
     async def _cancel(self, job: AsyncJob, why: str, attempt: int = 0) -> None:
         try:
@@ -398,9 +406,10 @@ class NoLiveWorker(OpenAIError):
 
 class _Meta:
     def __init__(self, *, id: str, model: str, created: int, chat: bool, endpoint: str, started: float,
-                 include_usage: bool):
+                 include_usage: bool, tools: bool = False):
         self.id, self.model, self.created, self.chat = id, model, created, chat
         self.endpoint, self.started, self.include_usage = endpoint, started, include_usage
+        self.tools = tools  # the job may answer with tool calls
 
     def chunk(self, delta, reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
         if self.chat:
@@ -446,6 +455,20 @@ class DrainRate:
             return None
         rate = (processed - n0) / span
         return min(60.0, max(1.0, queued / rate))
+
+
+def _check_for_model(model: str, kwargs: dict, info: Optional[dict]) -> bool:
+    """What only the model's own info can refuse before queueing: ``logit_bias`` ids outside its
+    vocabulary, a required or named ``tool_choice`` its tool-call format cannot enforce.  True when
+    the job may answer with tool calls."""
+    check_bias_vocab(kwargs, info)
+    if not kwargs.get("tools"):
+        return False
+    req = GenerateRequest.model_validate({"model": model, **kwargs})  # a ValidationError is a 400
+    fmt = format_from_info(info)
+    if fmt is not None:
+        check_format(req, fmt)  # a ToolError (ValueError) is a 400
+    return uses_tools(req)
 
 
 def job_error(res: Result) -> OpenAIError:

@@ -1,22 +1,31 @@
 """OpenAI's chat/completions request and response shapes, mapped to and from mlxq's.
 
-Requests accept unknown fields (clients send many) and ignore them; fields mlxq cannot honour
-(``n`` > 1, ``echo``, ``suffix``, non-text content parts) are refused with a 400 naming the field.
+Every parameter that would change the output is honoured or refused with a 400 that names it:
+``response_format``, ``tools``/``tool_choice``/``parallel_tool_calls``, ``presence_penalty``,
+``frequency_penalty`` and ``logit_bias`` go to the job; ``n`` > 1, ``echo``, ``suffix``, non-text
+content parts and any field mlxq does not know are refused.  Harmless metadata (:data:`HARMLESS`:
+``user``, ``metadata``, ``store``...) passes, logged once per field.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from ..shared.schemas import Result
+from ..shared.schemas import Delta, Result
 
 log = logging.getLogger(__name__)
+
+# fields that do not change what the model generates: accepted and not used (logged once each)
+HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+_logged_harmless: set[str] = set()
+_harmless_lock = threading.Lock()
 
 
 class OpenAIError(Exception):
@@ -37,10 +46,25 @@ def validation_error(exc) -> OpenAIError:
     if callable(errors):
         first = exc.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-        param = ".".join(loc) or None
-        msg = first.get("msg", str(exc))
-        return OpenAIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
-    return OpenAIError(400, str(exc), code="invalid_value")
+        param = ".".join(loc) or _param_of(first.get("ctx", {}).get("error"))
+        msg = first.get("msg", str(exc)).removeprefix("Value error, ")
+        return OpenAIError(400, f"{param}: {msg}" if loc else msg, param=param, code="invalid_value")
+    return OpenAIError(400, str(exc), param=_param_of(exc), code="invalid_value")
+
+
+def _param_of(exc) -> Optional[str]:
+    """The request field a request-level error is about, when its message starts with it
+    ("tool_choice names...", "tools: ...", "response_format...")."""
+    text = str(exc or "")
+    for name in ("tool_choice", "tools", "response_format", "logit_bias"):
+        if text.startswith(name):
+            return name
+    return None
+
+
+def unsupported(param: str, why: str = "") -> OpenAIError:
+    return OpenAIError(400, f"{param} is not supported{': ' + why if why else ''}", param=param,
+                       code="unsupported_parameter")
 
 
 class _Params(BaseModel):
@@ -61,10 +85,20 @@ class _Params(BaseModel):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     ignore_eos: Optional[bool] = None
+    # OpenAI's penalties and bias, and an output constraint (mlxq.shared.constraints)
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None
 
     def check_common(self) -> None:
         if self.n is not None and self.n != 1:
             raise OpenAIError(400, "only n=1 is supported", param="n", code="unsupported_value")
+        for name, value in (self.model_extra or {}).items():
+            if name in HARMLESS:
+                _log_harmless(name)
+            elif value is not None:
+                raise unsupported(name, "mlxq does not implement it, and it would change the output")
 
     @property
     def include_usage(self) -> bool:
@@ -74,16 +108,53 @@ class _Params(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         out = dict(temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop or None,
                    top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                   ignore_eos=self.ignore_eos)
+                   ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                   frequency_penalty=self.frequency_penalty, logit_bias=_token_bias(self.logit_bias),
+                   response_format=self.response_format)
         return {k: v for k, v in out.items() if v is not None}
+
+
+def _token_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+    """OpenAI's ``logit_bias`` (token id strings -> bias) with int keys."""
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise OpenAIError(400, "logit_bias: keys must be token ids", param="logit_bias",
+                          code="invalid_value") from None
+
+
+def check_bias_vocab(kwargs: dict, info: Optional[dict]) -> None:
+    """A ``logit_bias`` id outside the model's vocabulary (when its size is known): a 400."""
+    vocab = int((info or {}).get("vocab_size") or 0)
+    bad = [t for t in kwargs.get("logit_bias") or () if vocab and t >= vocab]
+    if bad:
+        raise OpenAIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary (size {vocab})",
+                          param="logit_bias", code="invalid_value")
+
+
+def _log_harmless(name: str) -> None:
+    with _harmless_lock:
+        if name in _logged_harmless:
+            return
+        _logged_harmless.add(name)
+    log.info("request field %r is accepted and not used (it does not change the output); logged once", name)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Optional[Union[StrictStr, list[dict]]] = None
+    name: Optional[StrictStr] = None
+    tool_calls: Optional[list[dict]] = None  # an assistant's calls, as the API returned them
+    tool_call_id: Optional[StrictStr] = None  # a tool message: the call it answers
+    refusal: Optional[StrictStr] = None  # an assistant message as returned: dropped
 
     def to_mlxq(self, index: int) -> dict:
+        for name, value in (self.model_extra or {}).items():
+            if value is not None:
+                raise unsupported(f"messages.{index}.{name}")
         role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
         content = self.content
         if isinstance(content, list):
@@ -94,7 +165,9 @@ class ChatMessage(BaseModel):
                                       param=f"messages.{index}.content", code="unsupported_value")
                 parts.append(part["text"])
             content = "".join(parts)
-        return {"role": role, "content": content or ""}
+        out = {"role": role, "content": content or "", "name": self.name, "tool_call_id": self.tool_call_id,
+               "tool_calls": self.tool_calls}
+        return {k: v for k, v in out.items() if v is not None}
 
 
 class ChatCompletionRequest(_Params):
@@ -102,10 +175,20 @@ class ChatCompletionRequest(_Params):
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[StrictStr, dict]] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list[dict]] = None  # OpenAI's deprecated forms of tools: refused
+    function_call: Optional[Union[StrictStr, dict]] = None
 
     def submit_kwargs(self) -> dict[str, Any]:
         self.check_common()
+        for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, old) is not None:
+                raise unsupported(old, f"the deprecated form; send {new}")
         kw = self.sampling()
+        kw.update({k: v for k, v in (("tools", self.tools), ("tool_choice", self.tool_choice),
+                                     ("parallel_tool_calls", self.parallel_tool_calls)) if v is not None})
         max_tokens = self.max_completion_tokens or self.max_tokens
         if max_tokens is not None:
             kw["max_tokens"] = max_tokens
@@ -125,9 +208,12 @@ class CompletionRequest(_Params):
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
     echo: Optional[bool] = None
     suffix: Optional[StrictStr] = None
+    best_of: Optional[StrictInt] = None
 
     def submit_kwargs(self) -> dict[str, Any]:
         self.check_common()
+        if self.best_of is not None and self.best_of != 1:
+            raise OpenAIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_value")
         if self.echo:
             raise OpenAIError(400, "echo is not supported", param="echo", code="unsupported_value")
         if self.suffix:
@@ -165,7 +251,44 @@ def usage(res: Result) -> dict:
 
 
 def finish_reason(reason: Optional[str]) -> Optional[str]:
-    return reason  # stop | length | cancelled (mlxq's own; OpenAI has no word for it)
+    return reason  # stop | length | tool_calls | cancelled (mlxq's own; OpenAI has no word for it)
+
+
+def chat_message(res: Result) -> dict:
+    """The assistant message of a finished chat job: its answer (None when it only made calls), its
+    calls and its reasoning, as vLLM and mlx-lm's server return them."""
+    msg: dict[str, Any] = {"role": "assistant", "content": res.text or (None if res.tool_calls else "")}
+    if res.tool_calls:
+        msg["tool_calls"] = [c.model_dump() for c in res.tool_calls]
+    if res.reasoning:
+        msg["reasoning_content"] = res.reasoning
+    return msg
+
+
+@dataclass
+class ChatDeltas:
+    """A chat stream's deltas in OpenAI's chunk shape: the answer as ``content``, the reasoning as
+    ``reasoning_content``, each completed call as one ``tool_calls`` entry (index, id, type, name and
+    the whole arguments), which the openai library's stream helpers reassemble.  Reasoning and calls
+    are kept once each by their absolute positions, as ``StreamState`` keeps tokens and text."""
+
+    reasoning: int = 0  # reasoning characters sent
+    calls: int = 0  # calls sent
+
+    def delta(self, d: Delta) -> dict:
+        out: dict[str, Any] = {}
+        reasoning = d.reasoning[max(0, self.reasoning - d.reasoning_offset):]
+        if reasoning:
+            out["reasoning_content"] = reasoning
+            self.reasoning = d.reasoning_offset + len(d.reasoning)
+        if d.text:
+            out["content"] = d.text
+        calls = [{"index": d.tool_call_index + i, **c.model_dump()} for i, c in enumerate(d.tool_calls or ())]
+        calls = [c for c in calls if c["index"] >= self.calls]
+        if calls:
+            out["tool_calls"] = calls
+            self.calls = calls[-1]["index"] + 1
+        return out
 
 
 class TokenNames:

@@ -59,6 +59,9 @@ class ModelFormat:
     tool_call_start: Optional[str] = None
     tool_call_end: Optional[str] = None
     tool_parser: Optional[str] = None
+    tool_call_start_ids: tuple[int, ...] = ()
+    tool_call_end_ids: tuple[int, ...] = ()
+    tool_markers_special: bool = False  # the tool-call markers are special tokens (never plain text)
 
     @classmethod
     def from_tokenizer(cls, tok) -> "ModelFormat":
@@ -72,7 +75,16 @@ class ModelFormat:
             tool_call_start=getattr(tok, "tool_call_start", None),
             tool_call_end=getattr(tok, "tool_call_end", None),
             tool_parser=_parser_name(getattr(tok, "tool_parser", None)),
+            tool_call_start_ids=tuple(getattr(tok, "tool_call_start_tokens", None) or ()),
+            tool_call_end_ids=tuple(getattr(tok, "tool_call_end_tokens", None) or ()),
+            tool_markers_special=_special(tok, getattr(tok, "tool_call_start_tokens", None)),
         )
+
+
+def _special(tok, ids) -> bool:
+    """``ids`` is one token, and a special one."""
+    hf = getattr(tok, "_tokenizer", tok)
+    return bool(ids) and len(ids) == 1 and ids[0] in set(getattr(hf, "all_special_ids", None) or ())
 
 
 def _parser_name(parser) -> Optional[str]:
@@ -228,7 +240,7 @@ def grammar_for(req, fmt: Optional[ModelFormat] = None) -> Optional[str]:
         if tools is not None:
             return tools.tool_grammar(req, fmt)
     grammar = compile_format(req.response_format)
-    if grammar is None or not fmt.think_start:
+    if grammar is None or not fmt.think_start or req.messages is None:  # a raw prompt's output is all answer
         return grammar
     return after_thinking(grammar, fmt)
 
@@ -238,10 +250,18 @@ def _marker(text: Optional[str], ids: tuple[int, ...]) -> str:
     return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
 
 
+def grammar_list(grammar: str) -> list[dict]:
+    """A grammar as llguidance's list of grammars: its JSON form's, or one Lark grammar (what
+    ``LLMatcher.grammar_from_lark`` returns is the Lark text itself)."""
+    if grammar.lstrip().startswith("{"):
+        return json.loads(grammar)["grammars"]
+    return [{"lark_grammar": grammar}]
+
+
 def after_thinking(grammar: str, fmt: ModelFormat) -> str:
     """``grammar`` placed after an optional reasoning block (already open when ``fmt.in_thinking``):
     the constraint applies to the answer, not to the thinking."""
-    answer = json.loads(grammar)["grammars"]
+    answer = grammar_list(grammar)
     start = _marker(fmt.think_start, fmt.think_start_ids)
     end = _marker(fmt.think_end, fmt.think_end_ids)
     head = f"think_body {end}" if fmt.in_thinking else f"({start} think_body {end})?"

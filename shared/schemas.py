@@ -19,9 +19,29 @@ def new_job_id() -> str:
 
 
 class Message(BaseModel):
+    """A chat message.  For agent loops, as the OpenAI API sends them: an assistant message may carry
+    ``tool_calls`` (its content then often None, kept as ""), and a tool message the result of one
+    call (``tool_call_id``, and the function's ``name``)."""
+
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
-    content: StrictStr = Field(max_length=4 * 1024 * 1024)
+    content: StrictStr = Field("", max_length=4 * 1024 * 1024)
+    tool_calls: Optional[list["ToolCall"]] = Field(None, max_length=128)
+    tool_call_id: Optional[StrictStr] = Field(None, max_length=256)
+    name: Optional[StrictStr] = Field(None, max_length=256)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _no_content(cls, v):
+        return "" if v is None else v
+
+    @model_validator(mode="after")
+    def _shape(self) -> "Message":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry tool_call_id")
+        return self
 
 
 class SamplingParams(BaseModel):
@@ -103,6 +123,9 @@ class ToolCall(BaseModel):
     function: dict[str, str]  # {"name": ..., "arguments": "<JSON>"}
 
 
+Message.model_rebuild()
+
+
 class GenerateRequest(SamplingParams):
     """One generation job as stored in Redis (``job.req``)."""
 
@@ -132,6 +155,11 @@ class GenerateRequest(SamplingParams):
             raise ValueError("prompt must not be empty")
         if self.prompt_tokens is not None and any(t < 0 for t in self.prompt_tokens):
             raise ValueError("prompt_tokens must be non-negative token ids")
+        if self.tools and self.messages is None:
+            raise ValueError("tools need messages= (the model's chat template renders them)")
+        from .tools import check_tool_choice  # tools.py types its arguments by duck typing
+
+        check_tool_choice(self.tools, self.tool_choice)
         return self
 
     @model_validator(mode="after")
@@ -168,6 +196,13 @@ class Delta(BaseModel):
     finish_reason: Optional[FinishReason] = None
     error: Optional[str] = None
     logprobs: Optional[list] = None
+    # a chat job's reasoning (between the model's think markers; ``text`` is then the answer only),
+    # at its absolute offset in the job's reasoning, and the tool calls completed by this delta's
+    # tokens, the first being the job's call number ``tool_call_index`` (from 0)
+    reasoning: str = ""
+    reasoning_offset: int = 0
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_index: int = 0
 
     def to_wire(self) -> dict:
         d = {"a": self.attempt, "s": self.seq, "n": self.index, "c": self.offset, "t": self.text,
@@ -178,6 +213,10 @@ class Delta(BaseModel):
             d["e"] = self.error
         if self.logprobs is not None:
             d["lp"] = self.logprobs
+        if self.reasoning:
+            d["r"], d["rc"] = self.reasoning, self.reasoning_offset
+        if self.tool_calls:
+            d["tc"], d["k"] = [c.model_dump() for c in self.tool_calls], self.tool_call_index
         return d
 
     @classmethod
@@ -192,6 +231,10 @@ class Delta(BaseModel):
             finish_reason=d.get("f") or None,
             error=d.get("e") or None,
             logprobs=d.get("lp"),
+            reasoning=d.get("r", "") or "",
+            reasoning_offset=int(d.get("rc", 0)),
+            tool_calls=d.get("tc") or None,
+            tool_call_index=int(d.get("k", 0)),
         )
 
 
@@ -238,6 +281,7 @@ class Result(BaseModel):
     error_code: Optional[str] = None  # INVALID_REQUEST | INTERNAL_ERROR when finish_reason is "error"
     logprobs: Optional[list] = None
     tool_calls: Optional[list[ToolCall]] = None
+    reasoning: Optional[str] = None  # a chat job's thinking (``text`` is then the answer only)
     stats: JobStats = Field(default_factory=JobStats)
 
     @property

@@ -276,9 +276,12 @@ def test_stats_counts_are_exact(tiny_model, redis_url):
     c.cancel()
     with running_worker(tiny_model, redis_url, settings) as w:
         done = [client.submit(f"job {i}", max_tokens=4) for i in range(5)]
-        # a job only the worker can refuse: the tiny model's chat template raises on the "tool" role
-        # (ids outside the vocabulary are refused at submit once the worker has registered the model)
-        bad = client.submit(messages=[{"role": "tool", "content": "x"}], max_tokens=4)
+        # a job only the worker can refuse: longer than the context, though not by the producer's lower
+        # bound (bytes / the longest token's bytes); ids outside the vocabulary are refused at submit
+        ctx = tiny_model.context_length
+        too_long = " ".join(str(i % 10) for i in range(ctx + 8))
+        assert len(tiny_model.tokenizer.encode(too_long)) > ctx
+        bad = client.submit(too_long, max_tokens=4)
         for j in done + [bad]:
             j.result(timeout=60)
         assert wait_for(lambda: w._snap.get("processed", {}).get("done") == 5, timeout=60)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -13,10 +15,11 @@ from pydantic import ValidationError
 from ..shared import codec
 from ..shared.protocol import Pulled, owner_token
 from ..shared.constraints import ConstraintError, ModelFormat, grammar_for
-from ..shared.schemas import Delta, GenerateRequest, JobStats, Result
+from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, ToolCall
+from ..shared.tools import check_tools, uses_tools
 from .engine_api import SeqSpec
 from .sampling import make_sampler, repetition_penalty, resolve_seed
-from .textstream import TextStream
+from .textstream import ChatStream, TextStream, chat_format
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +45,13 @@ class ActiveJob:
     started_at: float
     prompt: list[int]
     seed: int
-    text: TextStream
+    text: ChatStream  # the answer, and a chat job's reasoning and tool calls
     clock_offset: float  # Redis server time minus local time, to report server-clock stamps
     tokens: list[int] = field(default_factory=list)  # generated ids (no EOS)
     full_text: str = ""  # all text produced so far (across a resume)
     sent_chars: int = 0  # how much of full_text has been published
+    sent_reasoning: int = 0  # how much of text.reasoning has been published
+    sent_calls: int = 0  # how many of text.calls have been published
     seq: int = 0  # the last published delta's sequence number
     first_token_at: Optional[float] = None
     logprobs: list = field(default_factory=list)
@@ -84,9 +89,23 @@ class ActiveJob:
         offset = self.sent_chars
         text = self.full_text[offset:]
         self.sent_chars = max(offset, len(self.full_text))
+        r_offset, k = self.sent_reasoning, self.sent_calls
+        reasoning, calls = self.text.reasoning[r_offset:], self.tool_calls()[k:]
+        self.sent_reasoning, self.sent_calls = r_offset + len(reasoning), k + len(calls)
         self.seq += 1
         return Delta(attempt=self.attempt, seq=self.seq, index=len(self.tokens) - len(ids), offset=offset,
-                     text=text, token_ids=list(ids), finish_reason=finish, error=error, logprobs=logprobs)
+                     text=text, token_ids=list(ids), finish_reason=self.final_reason(finish), error=error,
+                     logprobs=logprobs, reasoning=reasoning, reasoning_offset=r_offset,
+                     tool_calls=calls or None, tool_call_index=k)
+
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls parsed so far, OpenAI's shape; an id is a hash of the job id and the call's
+        number, so an attempt that takes the job over names each call as the first one did."""
+        return [ToolCall(id=call_id(self.id, k), function=call) for k, call in enumerate(self.text.calls)]
+
+    def final_reason(self, finish: Optional[str]) -> Optional[str]:
+        """OpenAI's "tool_calls" for a job that stopped (EOS, a stop string) after making calls."""
+        return "tool_calls" if finish == "stop" and self.text.calls else finish
 
     def wire(self, delta: Delta) -> bytes:
         """A delta as published; a job's first delta also records its seed, so a run that takes the
@@ -123,8 +142,15 @@ class ActiveJob:
             worker=self.owner.rsplit(":", 1)[0],  # the owner token is worker_id:attempt
             seed=self.seed,
         )
-        return Result(id=self.id, text=self.full_text, token_ids=list(self.tokens), finish_reason=finish,
-                      error=error, error_code=error_code, logprobs=self.logprobs or None, stats=stats)
+        return Result(id=self.id, text=self.full_text, token_ids=list(self.tokens),
+                      finish_reason=self.final_reason(finish), error=error, error_code=error_code,
+                      logprobs=self.logprobs or None,
+                      tool_calls=self.tool_calls() or None, reasoning=self.text.reasoning or None, stats=stats)
+
+
+def call_id(job_id: str, k: int) -> str:
+    """``call_`` and 24 hex digits: as random as the job id, and the same in every attempt."""
+    return "call_" + hashlib.sha256(f"{job_id}:{k}".encode()).hexdigest()[:24]
 
 
 def decode_request(pulled: Pulled, model_name: str, settings_max_new: int) -> GenerateRequest:
@@ -163,19 +189,49 @@ def tokenize(req: GenerateRequest, tokenizer) -> list[int]:
             raise JobError(f"prompt_tokens contains ids outside the vocabulary (size {vocab})")
         return list(req.prompt_tokens)
     if req.messages is not None:
-        msgs = [m.model_dump() for m in req.messages]
+        msgs = [template_message(m) for m in req.messages]
         if not getattr(tokenizer, "chat_template", None):
             if id(tokenizer) not in _warned_no_template:
                 _warned_no_template.add(id(tokenizer))
                 log.warning("this model has no chat template: chat messages are sent as role-prefixed plain "
                             "text (USER: ... ASSISTANT:), as mlx-lm's server does")
             return _encode(tokenizer, plain_chat_prompt(msgs))
+        tools = _template_tools(req, tokenizer)
         try:
-            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # templates are user code
             raise JobError(f"chat template failed: {exc}") from None
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return _encode(tokenizer, req.prompt)
+
+
+def template_message(m) -> dict:
+    """A message as chat templates read it: a tool call's ``arguments`` as a mapping (mlx-lm's server
+    does the same: templates render them with ``tojson``), absent fields left out."""
+    d = m.model_dump(exclude_none=True)
+    for call in d.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass  # not JSON: the template renders the string as given
+    return d
+
+
+def _template_tools(req: GenerateRequest, tokenizer) -> Optional[list[dict]]:
+    """The tools rendered into the prompt: none for tool_choice "none"; a family whose required or
+    named choice cannot be enforced refuses the job (the gateway and clients refuse it first)."""
+    if not uses_tools(req):
+        return None
+    try:
+        check_tools(req, chat_format(tokenizer))
+    except ConstraintError as exc:  # a ToolError
+        raise JobError(str(exc)) from None
+    if not getattr(tokenizer, "has_tool_calling", False):
+        log.warning("job=%s: tools given, but mlx-lm knows no tool-call format for this model's chat "
+                    "template: they are rendered, calls are not parsed", req.id)
+    return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
 def check_token_ids(req: GenerateRequest, tokenizer) -> None:
@@ -228,6 +284,8 @@ class Published:
     tokens: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     chars: int = 0  # characters of text published
+    reasoning_chars: int = 0  # characters of reasoning published
+    calls: int = 0  # tool calls published
     seq: int = 0  # the last delta's sequence number
     seed: Optional[int] = None
     first_token_at: Optional[float] = None  # server time of the first delta with a token
@@ -258,6 +316,8 @@ def read_published(entries: list) -> Published:
         if d.logprobs:
             p.logprobs += d.logprobs[skip:]
         p.chars = max(p.chars, d.offset + len(d.text))
+        p.reasoning_chars = max(p.reasoning_chars, d.reasoning_offset + len(d.reasoning))
+        p.calls = max(p.calls, d.tool_call_index + len(d.tool_calls or ()))
         p.seq = max(p.seq, d.seq)
         if p.seed is None and isinstance(wire.get("sd"), int):
             p.seed = wire["sd"]
@@ -291,7 +351,7 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
         id=pulled.job_id, request=req, attempt=pulled.attempt,
         owner=owner_token(worker_id, pulled.attempt), tier=pulled.tier, score=pulled.score,
         queued_at=pulled.queued_at, started_at=pulled.now, prompt=prompt, seed=seed,
-        text=TextStream.for_tokenizer(tokenizer, req.stop), clock_offset=clock_offset, grammar=grammar,
+        text=chat_stream(tokenizer, req, prompt), clock_offset=clock_offset, grammar=grammar,
     )
     if published.seq:
         # Rebuild the text state silently; only text beyond what was published goes out.
@@ -301,9 +361,24 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
         for t in job.tokens:
             job.full_text += job.text.add(t)
         job.sent_chars = published.chars
+        job.sent_reasoning = published.reasoning_chars
+        job.sent_calls = published.calls
         job.seq = published.seq
         job.first_token_at = resume.get("first_token_at") or published.first_token_at
         log.info("job=%s attempt=%d resumes after %d published tokens", job.id, job.attempt, len(job.tokens))
     if isinstance(resume.get("started_at"), (int, float)):  # queue_wait_s: until the job first started
         job.started_at = resume["started_at"]
     return job
+
+
+def chat_stream(tokenizer, req: GenerateRequest, prompt: list[int]) -> ChatStream:
+    """The job's output stream: a chat job's answer split from its reasoning (where the model's
+    template marks thinking) and from its tool calls (when it has tools); other jobs' text as is."""
+    text = TextStream.for_tokenizer(tokenizer, req.stop)
+    fmt = chat_format(tokenizer)
+    if req.messages is None:
+        return ChatStream(text, ModelFormat())
+    tools = uses_tools(req)
+    return ChatStream(text, fmt, tools=tools, parse=getattr(tokenizer, "tool_parser", None),
+                      tool_defs=[t.model_dump(exclude_none=True) for t in req.tools] if tools else None,
+                      in_thinking=prompt_in_thinking(prompt, fmt))

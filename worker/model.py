@@ -16,6 +16,8 @@ from mlx_lm import load as mlx_load
 from mlx_lm.utils import dequantize_model
 
 from ..shared.keys import model_name
+from ..shared.tools import format_info
+from .textstream import chat_format
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ class LoadedModel:
             "num_params": self.num_params,
             "has_chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
             "vocab_size": len(getattr(self.tokenizer, "_tokenizer", self.tokenizer)),
+            # thinking and tool-call markers, the tool parser's family (mlxq.shared.tools.format_info)
+            "chat_format": format_info(chat_format(self.tokenizer)),
         }
 
 

@@ -11,11 +11,25 @@ and emits the part past the window's already-emitted prefix.  Text that ends
 in an incomplete UTF-8 sequence is held back, so a multi-byte character is
 never split across deltas.  Stop strings are cut from the text; text that
 might be the start of a stop string is held back until it is known not to be.
+
+A chat job's text then goes through :class:`ChatStream`, which splits it into the answer, the
+reasoning (``<think>``...``</think>``) and the tool calls, with mlx-lm's ``TextStateMachine`` (the
+markers are matched in the text, as mlx-lm's server does) and mlx-lm's tool parser for the model's
+family.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import json
+import logging
+import weakref
+from typing import Callable, Optional
+
+from mlx_lm.generate import TextStateMachine
+
+from ..shared.constraints import ModelFormat
+
+log = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"
 
@@ -110,3 +124,121 @@ class TextStream:
     def _emit(self, text: str) -> str:
         self.emitted_chars += len(text)
         return text
+
+
+# -- chat output: content, reasoning and tool calls ----------------------------------------------
+
+CONTENT, REASONING, TOOL = "normal", "reasoning", "tool"  # mlx-lm's TextStateMachine state names
+_formats: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def chat_format(tokenizer) -> ModelFormat:
+    """The markers mlx-lm inferred for this tokenizer (thinking, tool calls, the family's parser)."""
+    try:
+        return _formats[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    fmt = ModelFormat.from_tokenizer(tokenizer)
+    try:
+        _formats[tokenizer] = fmt
+    except TypeError:  # not weak-referenceable: read each time (cheap)
+        pass
+    return fmt
+
+
+class ChatStream:
+    """A job's text split into its answer (``add``/``finish`` return it, as :class:`TextStream` does),
+    its ``reasoning`` (between the think markers) and its ``calls`` (tool-call blocks, parsed by
+    mlx-lm's parser for the model's family).  Markers never reach the answer.  A call that does not
+    parse goes to the answer as the model wrote it, markers and all, so nothing is lost.
+
+    With neither thinking nor tools it is the :class:`TextStream` itself, piece for piece.
+    """
+
+    def __init__(self, text: TextStream, fmt: ModelFormat, *, tools: bool = False, parse=None,
+                 tool_defs: Optional[list] = None, in_thinking: bool = False):
+        self._text = text
+        self._fmt = fmt
+        self._parse = parse
+        self._tool_defs = tool_defs
+        transitions = {}
+        if fmt.think_start and fmt.think_end:
+            transitions[CONTENT] = [(fmt.think_start, REASONING)]
+            transitions[REASONING] = [(fmt.think_end, CONTENT)]
+        if tools and parse is not None and fmt.tool_call_start:
+            transitions.setdefault(CONTENT, []).append((fmt.tool_call_start, TOOL))
+            if REASONING in transitions:
+                transitions[REASONING].append((fmt.tool_call_start, TOOL))
+            transitions[TOOL] = [(fmt.tool_call_end, CONTENT)] if fmt.tool_call_end else []
+        self._machine = TextStateMachine(transitions) if transitions else None
+        self._state = self._machine.make_state(REASONING if in_thinking else CONTENT) if self._machine else None
+        self._where = REASONING if in_thinking else CONTENT
+        self._call_text = ""
+        self.reasoning = ""
+        self.calls: list[dict] = []  # {"name": ..., "arguments": "<JSON>"}
+
+    @property
+    def stopped(self) -> bool:
+        return self._text.stopped
+
+    def add(self, token: int) -> str:
+        """Feed one token; return the answer text that is now safe to emit."""
+        piece = self._text.add(token)
+        if self._machine is None:
+            return piece
+        self._state, segments = TextStateMachine.split(self._state, piece)
+        return self._route(segments)
+
+    def finish(self) -> str:
+        """The sequence ended: flush what is held; a call left open is parsed (or kept as text)."""
+        piece = self._text.finish()
+        if self._machine is None:
+            return piece
+        self._state, segments = TextStateMachine.split(self._state, piece)
+        self._state, held, where = TextStateMachine.flush(self._state)
+        segments.append((where, held))
+        answer = self._route(segments)
+        if self._where == TOOL:
+            answer += self._close_call(complete=False)
+        return answer
+
+    def _route(self, segments) -> str:
+        answer = []
+        for where, text in segments:
+            if self._where == TOOL and where != TOOL:
+                answer.append(self._close_call(complete=True))
+            self._where = where
+            if where == REASONING:
+                self.reasoning += text
+            elif where == TOOL:
+                self._call_text += text
+            else:
+                answer.append(text)
+        return "".join(answer)
+
+    def _close_call(self, complete: bool) -> str:
+        """A call block ended: its calls, or (when it does not parse) its text back in the answer."""
+        text, self._call_text = self._call_text, ""
+        calls = parse_calls(self._parse, text, self._tool_defs)
+        if calls is not None:
+            self.calls.extend(calls)
+            return ""
+        log.warning("a tool call that does not parse was kept as text: %.200r", text)
+        end = (self._fmt.tool_call_end or "") if complete else ""
+        return self._fmt.tool_call_start + text + end
+
+
+def parse_calls(parse, text: str, tool_defs: Optional[list]) -> Optional[list[dict]]:
+    """``text`` (a call block's inside) as calls ``{"name", "arguments": "<JSON>"}``, or None."""
+    try:
+        parsed = parse(text, tool_defs)
+    except Exception:  # a parser is model-family code: whatever it raises, the text stays text
+        return None
+    calls = []
+    for call in parsed if isinstance(parsed, list) else [parsed]:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        args = call.get("arguments", {})
+        calls.append({"name": call["name"],
+                      "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)})
+    return calls

@@ -4,7 +4,10 @@ The directory is an ordinary Hugging Face style checkpoint that ``mlx_lm.load``
 reads through its normal path: ``config.json`` (``model_type: llama``),
 ``model.safetensors`` (fp32), and a byte-level BPE tokenizer trained here with
 the ``tokenizers`` library (``tokenizer.json``, ``tokenizer_config.json`` with a
-Jinja chat template, ``special_tokens_map.json``).  The model is trained for a
+Jinja chat template, ``special_tokens_map.json``).  The template is Hermes / Qwen2.5 style: it renders
+``tools`` and tool calls with ``<tool_call>`` markers, so mlx-lm infers its ``json_tools`` parser,
+and ``<think>``/``</think>`` are special tokens, so mlx-lm infers thinking markers; the four markers
+are single tokens (the model is not trained on them: tests reach them by ``logit_bias``).  The model is trained for a
 few hundred steps of next-token prediction on the generated corpus of
 :mod:`mlxq.devkit.corpus`, so greedy output is short English-like sentences that
 end with ``<|end|>`` (the EOS token); they follow the prompt's topic only weakly.  A build is
@@ -75,24 +78,94 @@ FILES = (
 
 PAD, BOS, END = "<|pad|>", "<|bos|>", "<|end|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
-SPECIAL_TOKENS = (PAD, BOS, END, *ROLE_TOKENS)  # ids 0..5
+# Hermes / Qwen2.5 style markers, each one token: mlx-lm infers its "json_tools" tool parser from the
+# template (``<tool_call>`` and ``tool_call.name``) and its thinking markers from the vocabulary
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+MARKER_TOKENS = (THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END)
+SPECIAL_TOKENS = (PAD, BOS, END, *ROLE_TOKENS, *MARKER_TOKENS)  # ids 0..9
+# Part of the cached model's directory name (seeded_dir): a change of tokenizer or template gets a
+# new directory, so a cache built by older code is never read as this one
+FORMAT_VERSION = 2
 
+TOOLS_INTRO = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_OUTRO = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def _jinja_str(text: str) -> str:
+    """``text`` as a Jinja string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("\n", "\\n").replace("'", "\\'") + "'"
+
+
+# Roles as role tokens.  With tools, a system block lists them (the first system message's text, then
+# each tool's JSON on a line); an assistant turn's tool calls follow its text, one <tool_call> block
+# each; a tool result is a user turn holding <tool_response>...</tool_response>.  format_chat renders
+# the same without Jinja.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% set ns = namespace(start=0) %}"
+    "{% if tools %}"
+    "{{ '<|system|>\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}{% set ns.start = 1 %}"
+    "{% endif %}"
+    "{{ " + _jinja_str(TOOLS_INTRO) + " }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ " + _jinja_str(TOOLS_OUTRO + END + "\n") + " }}"
+    "{% endif %}"
+    "{% for message in messages[ns.start:] %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('Unsupported role: ' + message['role']) }}"
     "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}"
+    "{% for tool_call in message.get('tool_calls') or [] %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{% if tool_call.arguments is string %}{{ tool_call.arguments }}"
+    "{% else %}{{ tool_call.arguments | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
 
-def format_chat(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+def format_chat(messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
     """What :data:`CHAT_TEMPLATE` renders, without Jinja (used to build training text)."""
-    text = BOS + "".join("<|%s|>\n%s%s\n" % (m["role"], m["content"], END) for m in messages)
+    text, rest = BOS, list(messages)
+    if tools:
+        text += "<|system|>\n"
+        if rest and rest[0]["role"] == "system":
+            text += rest.pop(0)["content"] + "\n\n"
+        text += TOOLS_INTRO + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        text += TOOLS_OUTRO + END + "\n"
+    text += "".join(_format_message(m) for m in rest)
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def _format_message(m: dict) -> str:
+    if m["role"] == "tool":
+        return "<|user|>\n<tool_response>\n%s\n</tool_response>%s\n" % (m["content"], END)
+    calls = "".join(_format_call(c.get("function", c)) for c in m.get("tool_calls") or [])
+    return "<|%s|>\n%s%s%s\n" % (m["role"], m.get("content") or "", calls, END)
+
+
+def _format_call(fn: dict) -> str:
+    args = fn["arguments"]
+    args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return '\n%s\n{"name": "%s", "arguments": %s}\n%s' % (TOOL_CALL_START, fn["name"], args, TOOL_CALL_END)
 
 
 @dataclass(frozen=True)
@@ -183,9 +256,10 @@ def seed_from_env() -> int:
 
 
 def seeded_dir(cache_dir, preset: str, seed: int) -> Path:
-    """Where a cached ``preset`` model trained from ``seed`` lives: the seed is part of
-    the name, so a build from another seed is never picked up by mistake."""
-    return Path(cache_dir) / f"{preset}-model-seed{seed}"
+    """Where a cached ``preset`` model trained from ``seed`` lives: the seed and the
+    :data:`FORMAT_VERSION` are part of the name, so a build from another seed, or with
+    another tokenizer or chat template, is never picked up by mistake."""
+    return Path(cache_dir) / f"{preset}-model-v{FORMAT_VERSION}-seed{seed}"
 
 
 @contextlib.contextmanager
@@ -399,7 +473,7 @@ def _save_tokenizer(out: Path, tokenizer: Tokenizer, cfg: Preset) -> None:
             "eos_token": END,
             "pad_token": PAD,
             "unk_token": None,
-            "additional_special_tokens": list(ROLE_TOKENS),
+            "additional_special_tokens": [*ROLE_TOKENS, *MARKER_TOKENS],
             "added_tokens_decoder": added,
             "add_prefix_space": False,
             "clean_up_tokenization_spaces": False,
@@ -413,7 +487,7 @@ def _save_tokenizer(out: Path, tokenizer: Tokenizer, cfg: Preset) -> None:
             "bos_token": BOS,
             "eos_token": END,
             "pad_token": PAD,
-            "additional_special_tokens": list(ROLE_TOKENS),
+            "additional_special_tokens": [*ROLE_TOKENS, *MARKER_TOKENS],
         },
     )
 

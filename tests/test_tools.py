@@ -1,0 +1,378 @@
+"""Tool calling and reasoning, worker side: the test model's template and markers, the split of a chat
+job's output into answer, reasoning and tool calls (and its resume), the tool-call grammar under
+llguidance, and tool jobs end to end through a real worker on a real Valkey."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+
+from mlxq import Client
+from mlxq.devkit.make_model import TOOL_CALL_END, TOOL_CALL_START, THINK_END, THINK_START, format_chat
+from mlxq.shared.constraints import ModelFormat
+from mlxq.shared.schemas import GenerateRequest
+from mlxq.shared.tools import ToolError, check_tools, format_from_info, format_info, tool_grammar
+from mlxq.worker.jobs import ActiveJob, Published, chat_stream, read_published, tokenize
+from mlxq.worker.textstream import chat_format
+from tests.conftest import fast_settings, running_worker
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Zürich"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 5},
+        "units": {"type": "string", "enum": ["C", "F"]},
+    },
+    "required": ["city", "days", "units"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "maxLength": 8}, "utc": {"type": "boolean"}},
+    "required": ["zone", "utc"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def request(**kw) -> GenerateRequest:
+    return GenerateRequest.model_validate({"model": "tiny", "messages": MESSAGES, "tools": TOOLS, **kw})
+
+
+def check_calls(calls, names=tuple(SCHEMAS)) -> None:
+    """Every call names one of ``names`` and its arguments are valid JSON for that tool's schema."""
+    assert calls
+    for call in calls:
+        fn = call["function"] if "function" in call else call
+        assert fn["name"] in names
+        jsonschema.validate(json.loads(fn["arguments"]), SCHEMAS[fn["name"]])
+
+
+# -- the test model's template ----------------------------------------------------------------------
+
+def test_template_renders_tools_calls_and_results_and_mlx_lm_infers_the_format(tiny_model):
+    tok = tiny_model.tokenizer
+    vocab = tok.get_vocab()
+    for marker in (THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END):  # one token each
+        assert tok.encode(marker, add_special_tokens=False) == [vocab[marker]]
+    assert tok.tool_parser is not None and tok.tool_call_start == TOOL_CALL_START
+    assert tok.has_thinking and tok.think_start == THINK_START
+    fmt = chat_format(tok)
+    assert fmt.tool_parser == "json_tools" and fmt.tool_markers_special
+    assert fmt.tool_call_start_ids == (vocab[TOOL_CALL_START],) and fmt.think_end_ids == (vocab[THINK_END],)
+    agent_loop = [
+        {"role": "system", "content": "Be brief."},
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny, 21 C"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "And 'Rome'?"},
+    ]
+    for tools in (None, TOOLS):
+        for msgs in (agent_loop, MESSAGES):
+            text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+            assert text == format_chat(msgs, add_generation_prompt=True, tools=tools)
+    assert json.dumps(TOOLS[0], ensure_ascii=False) in text and text.endswith("<|assistant|>\n")
+    # no tools: the prompt is what it always was
+    plain = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert plain == format_chat(MESSAGES, add_generation_prompt=True) and TOOL_CALL_START not in plain
+
+
+def test_worker_renders_tools_and_an_agent_loop_from_openai_messages(tiny_model):
+    tok = tiny_model.tokenizer
+    loop = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1, "units": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+    ]
+    ids = tokenize(request(messages=loop), tok)
+    text = tok.decode(ids)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1, "units": "C"}}' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text and '"name": "get_time"' in text
+    # tool_choice "none": the tools are not rendered
+    assert TOOL_CALL_START not in tok.decode(tokenize(request(tool_choice="none"), tok))
+    with pytest.raises(ValueError, match="only assistant messages carry tool_calls"):
+        request(messages=[{"role": "user", "content": "x", "tool_calls": []}])
+
+
+# -- the output split ---------------------------------------------------------------------------------
+
+def split(tok, req, text: str):
+    """Feed ``text``'s tokens through the job's output stream: (answer, reasoning, calls)."""
+    stream = chat_stream(tok, req, [])
+    answer = "".join(stream.add(t) for t in tok.encode(text, add_special_tokens=False)) + stream.finish()
+    return answer, stream.reasoning, stream.calls
+
+
+def test_chat_output_splits_answer_reasoning_and_calls(tiny_model):
+    tok = tiny_model.tokenizer
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "utc": false}}\n</tool_call>'
+    text = f"<think>Let me see.</think>\n\nSure. {call} and <tool_call>\nnot json\n</tool_call> done"
+    answer, reasoning, calls = split(tok, request(), text)
+    assert reasoning == "Let me see."
+    assert calls == [{"name": "get_time", "arguments": '{"zone": "CET", "utc": false}'}]
+    # a call that does not parse stays in the answer as written: nothing is lost
+    assert answer == "\n\nSure.  and <tool_call>\nnot json\n</tool_call> done"
+    # no tools (or tool_choice "none"): tool-call markup is text; thinking is still split
+    for req in (request(tools=None), request(tool_choice="none")):
+        answer, reasoning, calls = split(tok, req, text)
+        assert calls == [] and call in answer and reasoning == "Let me see."
+    # a raw prompt job: its text exactly as decoded
+    raw = GenerateRequest(model="tiny", prompt="x")
+    assert split(tok, raw, text) == (text, "", [])
+    # an unterminated call at the end: parsed when whole, else kept as text
+    assert split(tok, request(), call[: -len(TOOL_CALL_END)])[2] == calls_of(call)
+    assert split(tok, request(), "<tool_call>\n{\"name\": \"get_ti")[0] == "<tool_call>\n{\"name\": \"get_ti"
+
+
+def calls_of(call_text: str) -> list[dict]:
+    inner = json.loads(call_text.split("\n")[1])
+    return [{"name": inner["name"], "arguments": json.dumps(inner["arguments"])}]
+
+
+def test_deltas_resume_exactly_after_a_crash_at_any_token(tiny_model):
+    """A job streamed in one run, and the same job cut after every k tokens and taken over from its
+    durable record (read_published): the subscriber's copy of answer, reasoning and calls is the same."""
+    tok = tiny_model.tokenizer
+    text = ("<think>Plan: call it.</think>Here. <tool_call>\n{\"name\": \"get_time\", \"arguments\": "
+            "{\"zone\": \"UTC\", \"utc\": true}}\n</tool_call> then <tool_call>\n{\"name\": \"get_weather\", "
+            "\"arguments\": {\"city\": \"Rome\", \"days\": 2, \"units\": \"C\"}}\n</tool_call> bye")
+    ids = tok.encode(text, add_special_tokens=False)
+    req = request()
+    whole = run_job(tok, req, ids, [])
+    assert whole[2] and whole[1] == "Plan: call it." and len(whole[3]) == 2
+    for cut in range(1, len(ids)):
+        first = run_job(tok, req, ids[:cut], [], finish=False)
+        again = run_job(tok, req, ids, first[4])
+        merged = (first[0] + again[0], first[1] + again[1], None, first[3] + again[3])
+        assert merged[0] == whole[0] and merged[1] == whole[1] and merged[3] == whole[3], cut
+
+
+def run_job(tok, req, ids, record, finish=True):
+    """Stream ``ids`` as the worker does (resuming from ``record``, the wire deltas so far): (answer,
+    reasoning, finish, calls, record) of the deltas this run published."""
+    published = read_published([(f"{i + 1}-0".encode(), {b"d": w}) for i, w in enumerate(record)])
+    job = ActiveJob(id="ab" * 16, request=req, attempt=2 if record else 1, owner="w:1", tier="normal", score=0,
+                    queued_at=0, started_at=0, prompt=[], seed=1, text=chat_stream(tok, req, []), clock_offset=0)
+    resume_from(job, published)
+    from mlxq.shared.schemas import Delta
+
+    out, wire = [], list(record)
+    for t in ids[len(job.tokens):]:
+        job.tokens.append(t)
+        out.append(job.emit(job.text.add(t), [t]))
+    if finish:
+        out.append(job.emit(job.text.finish(), [], "stop"))
+    wire += [job.wire(d) for d in out]
+    calls = [c.model_dump() for d in out for c in d.tool_calls or ()]
+    reason = out[-1].finish_reason if out else None
+    assert all(isinstance(Delta.from_wire(json_round(d.to_wire())), Delta) for d in out)
+    return "".join(d.text for d in out), "".join(d.reasoning for d in out), reason, calls, wire
+
+
+def resume_from(job, published: Published) -> None:
+    """What start_job does with a durable record."""
+    if not published.seq:
+        return
+    job.tokens = list(published.tokens)
+    for t in job.tokens:
+        job.full_text += job.text.add(t)
+    job.sent_chars, job.seq = published.chars, published.seq
+    job.sent_reasoning, job.sent_calls = published.reasoning_chars, published.calls
+
+
+def json_round(d: dict) -> dict:
+    return json.loads(json.dumps(d))
+
+
+def test_finish_reason_is_tool_calls_and_ids_are_stable(tiny_model):
+    tok = tiny_model.tokenizer
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC", "utc": true}}\n</tool_call>'
+    ids = tok.encode(text, add_special_tokens=False)
+    runs = [run_job(tok, request(), ids, []) for _ in range(2)]
+    assert runs[0][2] == "tool_calls" and runs[0][0] == ""
+    assert runs[0][3] == runs[1][3] and runs[0][3][0]["id"].startswith("call_")
+    check_calls(runs[0][3])
+
+
+# -- the grammar ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ll_tokenizer(tiny_model):
+    return llguidance.hf.from_tokenizer(tiny_model.tokenizer._tokenizer)
+
+
+def sample(ll_tok, grammar: str, seed: int, prefer=(), eos: int = 2, max_tokens: int = 2000) -> tuple[list[int], bool]:
+    """Tokens drawn at random among those the grammar allows (``prefer``: taken half the time when
+    allowed; EOS a quarter of the time when allowed): a stand-in for any model's choices."""
+    m = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
+    assert not m.is_error(), m.get_error()
+    rng, out = random.Random(seed), []
+    for _ in range(max_tokens):
+        allowed = np.nonzero(np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)[:ll_tok.vocab_size])[0].tolist()
+        pref = [t for t in prefer if t in allowed]
+        if eos in allowed and (rng.random() < 0.25 or allowed == [eos]):
+            return out, True
+        t = rng.choice(pref if pref and rng.random() < 0.5 else allowed)
+        if t == eos:
+            return out, True
+        assert m.consume_token(t), m.get_error()
+        out.append(t)
+    return out, False
+
+
+@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False),
+                                             ({"type": "function", "function": {"name": "get_time"}}, True)])
+def test_required_and_named_calls_follow_the_schemas_whatever_the_model_picks(tiny_model, ll_tokenizer, choice, parallel):
+    tok = tiny_model.tokenizer
+    req = request(tool_choice=choice, parallel_tool_calls=parallel)
+    grammar = tool_grammar(req, chat_format(tok))
+    names = ("get_time",) if isinstance(choice, dict) else tuple(SCHEMAS)
+    think_end = chat_format(tok).think_end_ids[0]  # a thought may come first: let it end
+    for seed in range(6):
+        ids, ended = sample(ll_tokenizer, grammar, seed, prefer=[think_end])
+        assert ended
+        answer, _, calls = split(tok, req, tok.decode(ids))
+        assert answer.strip() == ""
+        check_calls(calls, names)
+        assert len(calls) == 1 or parallel and not isinstance(choice, dict)
+
+
+def test_auto_is_free_text_until_a_call_starts_then_the_call_is_constrained(tiny_model, ll_tokenizer):
+    tok = tiny_model.tokenizer
+    fmt = chat_format(tok)
+    start = fmt.tool_call_start_ids[0]
+    for parallel in (True, False):
+        req = request(parallel_tool_calls=parallel)
+        grammar = tool_grammar(req, fmt)
+        n_calls = 0
+        for seed in range(10):
+            ids, _ = sample(ll_tokenizer, grammar, seed, prefer=[start], max_tokens=250)
+            answer, _, calls = split(tok, req, tok.decode(ids))  # a call cut by the budget stays text
+            if calls:
+                check_calls(calls)
+            assert len(calls) <= 1 or parallel
+            n_calls += len(calls)
+        assert n_calls  # the preferred start token opened calls, and they parsed
+
+
+def test_thinking_comes_first_and_is_free(tiny_model, ll_tokenizer):
+    tok = tiny_model.tokenizer
+    fmt = chat_format(tok)
+    req = request(tool_choice="required", parallel_tool_calls=False)
+    grammar = tool_grammar(req, fmt)
+    think_start, think_end = fmt.think_start_ids[0], fmt.think_end_ids[0]
+    seen_thought = False
+    for seed in range(12):
+        ids, ended = sample(ll_tokenizer, grammar, seed, prefer=[think_start, think_end] if seed % 2 else [])
+        if not ended:
+            continue  # a thought that never ended within the budget
+        answer, reasoning, calls = split(tok, req, tok.decode(ids))
+        check_calls(calls)
+        seen_thought |= bool(reasoning)
+    assert seen_thought
+    # a prompt that opened the thinking block: the output starts as thought
+    open_fmt = dataclasses.replace(fmt, in_thinking=True)
+    ids, ended = sample(ll_tokenizer, tool_grammar(req, open_fmt), 3, prefer=[think_end])
+    assert ended and ids[0] != think_start and think_end in ids
+
+
+def test_bad_tools_are_refused_before_queueing(tiny_model):
+    with pytest.raises(ValueError, match="'nope', which is not in tools"):
+        request(tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="needs tools"):
+        request(tools=None, tool_choice="required")
+    with pytest.raises(ValueError, match="duplicate function name"):
+        request(tools=TOOLS + TOOLS[:1])
+    with pytest.raises(ValueError, match="'f'.*object"):
+        request(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
+    with pytest.raises(ValueError, match="'f'.*not supported"):
+        request(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "strin"}}}}}])
+    # a family whose calls cannot be enforced: required and named refused naming it, auto parses only
+    fmt = dataclasses.replace(chat_format(tiny_model.tokenizer), tool_parser="pythonic")
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        with pytest.raises(ToolError, match="pythonic"):
+            check_tools(request(tool_choice=choice), fmt)
+    assert tool_grammar(request(), fmt) is None
+    assert tool_grammar(request(tool_choice="none"), chat_format(tiny_model.tokenizer)) is None
+    # the format a worker publishes reads back the same (msgpack turns tuples into lists)
+    info = {"chat_format": json.loads(json.dumps(format_info(chat_format(tiny_model.tokenizer))))}
+    assert format_from_info(info) == chat_format(tiny_model.tokenizer)
+    assert format_from_info({}) is None and format_from_info({"chat_format": {}}) == ModelFormat()
+
+
+# -- end to end through a worker ------------------------------------------------------------------------
+
+def test_tool_jobs_end_to_end_and_the_worker_keeps_serving(tiny_model, redis_url):
+    tok = tiny_model.tokenizer
+    start = tok.get_vocab()[TOOL_CALL_START]
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    # a constrained answer may begin with a free thought; the untrained <think> is kept out by a bias
+    # (whether it outranks a call's first token is up to the tiny model's random weights)
+    no_thought = {tok.get_vocab()[THINK_START]: -100.0}
+    with running_worker(tiny_model, redis_url, settings, max_batch=8):
+        jobs = {
+            # one call (parallel calls: how many is the model's choice, and a random-ish one may not stop)
+            "required": client.submit(messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200,
+                                      parallel_tool_calls=False, logit_bias=no_thought),
+            "named": client.submit(messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0.8, seed=5,
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                   logit_bias=no_thought),
+            # auto: the bias makes the model start a call, which the lazy grammar then constrains
+            "auto": client.submit(messages=MESSAGES, tools=TOOLS, parallel_tool_calls=False, max_tokens=200,
+                                  logit_bias={**no_thought, start: 100.0}),
+            "free": client.submit(messages=MESSAGES, max_tokens=12),
+        }
+        results = {k: j.result(timeout=300) for k, j in jobs.items()}
+        # a Client's stream carries the calls too (here replayed from the durable record)
+        streamed = [d for d in jobs["named"].stream(timeout=120)]
+        # what a buggy or hostile producer could queue: refused by the worker with a clear error
+        bad = {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}
+        bad_ids = [push_raw(client, {"messages": MESSAGES, **bad}),
+                   push_raw(client, {"messages": MESSAGES, "tools": [{"type": "function", "function": {
+                       "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]})]
+        refused = [client.job(i).result(timeout=120) for i in bad_ids]
+        after = client.submit(messages=MESSAGES, max_tokens=4).result(timeout=120)
+    for key in ("required", "named", "auto"):
+        res = results[key]
+        assert res.finish_reason == "tool_calls", (key, res)
+        check_calls([c.model_dump() for c in res.tool_calls], ("get_weather",) if key == "named" else tuple(SCHEMAS))
+        assert TOOL_CALL_START not in res.text
+    assert len(results["auto"].tool_calls) == 1 and results["auto"].token_ids[0] == start
+    assert [c for d in streamed for c in d.tool_calls or ()] == results["named"].tool_calls
+    assert [i for d in streamed for i in d.token_ids] == results["named"].token_ids
+    assert streamed[-1].finish_reason == "tool_calls"
+    assert results["free"].tool_calls is None and results["free"].finish_reason in ("stop", "length")
+    assert [r.finish_reason for r in refused] == ["error", "error"]
+    assert "'nope'" in refused[0].error and "'f'" in refused[1].error
+    assert all(r.error_code == "invalid_request" for r in refused)
+    assert after.finish_reason in ("stop", "length")  # the worker kept serving
+
+
+def push_raw(client, fields: dict) -> str:
+    """Queue a request as a producer that skips validation would (straight into Redis)."""
+    from mlxq.shared import codec
+    from mlxq.shared.keys import ModelKeys
+    from mlxq.shared.protocol import Queue
+    from mlxq.shared.schemas import new_job_id
+
+    job_id = new_job_id()
+    raw = {"id": job_id, "model": "tiny", "max_tokens": 8, "source": "client", **fields}
+    Queue(client.redis, ModelKeys("tiny"), client.settings).enqueue(job_id, codec.pack(raw), global_redis=client.redis)
+    return job_id
