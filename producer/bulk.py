@@ -18,6 +18,15 @@ A job that failed has ``status_code`` 400 (the request can never run) or 500 and
 ``body``; a line that could not be submitted at all has ``"response": null`` and
 ``"error": {"code", "message"}``.
 
+Structured output: run-wide options (``mlxq batch --json-schema FILE``, ``--regex``, ``--tools``...,
+or ``Client.map(items, response_format=...)``) are defaults that a line overrides with its own
+``response_format`` / ``tools`` / ``tool_choice`` / penalties (``"response_format": {"type": "text"}``
+or ``null``: no constraint for that line).  The run-wide options are checked once, before anything
+is queued: a bad one refuses the whole run.  A line whose own constraint is bad is reported on that
+line (a ``refused_line``, like any line that cannot run) and the other lines run: one bad line of
+10,000 does not hold up the rest, and its line number says which to fix.  Identical constraints cost
+one grammar compile (the grammar engine caches them).
+
 Resuming: a line's idempotency key is ``batch:<sha256 of the input file>:<line>``.  A rerun skips
 lines already in the output and re-submits the rest with the same keys, so a job submitted
 before the interruption is waited for, not run again (within the idempotency TTL, 24 h by default).
@@ -39,6 +48,7 @@ from ..shared import codec
 from ..shared.protocol import OverloadError
 from ..shared.schemas import INVALID_REQUEST, Result
 from ..shared.cliopts import add_shared
+from ..shared.genopts import add_output_options, output_params
 from .common import build_request, check_fits, result_from_hash
 
 log = logging.getLogger(__name__)
@@ -116,8 +126,7 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
     else:
         status = 200
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None,
-                      "finish_reason": res.finish_reason}
+            choice = {"index": 0, "message": chat_message(res), "logprobs": None, "finish_reason": res.finish_reason}
         else:
             choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
         body = {"id": ("chatcmpl-" if chat else "cmpl-") + job_id,
@@ -126,6 +135,15 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
                 "usage": usage(res), "stats": res.stats.model_dump()}
     return {"id": job_id, "custom_id": custom_id, "line": n,
             "response": {"status_code": status, "request_id": job_id, "body": body}, "error": None}
+
+
+def chat_message(res: Result) -> dict:
+    """The assistant message of a chat line: its text, and its tool calls when the model made some
+    (then ``content`` is null when there is no text, as OpenAI sends it)."""
+    if not res.tool_calls:
+        return {"role": "assistant", "content": res.text}
+    return {"role": "assistant", "content": res.text or None,
+            "tool_calls": [c.model_dump() for c in res.tool_calls]}
 
 
 def refused_line(n: int, custom_id: Optional[str], message: str) -> dict:
@@ -145,13 +163,28 @@ def _submit_with_backoff(client, params: dict, tier: str, key: Optional[str], st
                 time.sleep(OVERLOAD_BACKOFF_S)
 
 
+def check_defaults(defaults: dict) -> None:
+    """Validate a run's defaults (its constraint, tools, penalties, sampling params) once, before
+    anything is queued: ValueError saying that nothing was queued.  A pydantic class given as
+    ``response_format`` is the client's to convert; it is checked with the first item."""
+    fields = {k: v for k, v in defaults.items() if not isinstance(v, type)}
+    if not any(k in fields for k in ("prompt", "messages", "prompt_tokens")):
+        fields["messages"] = [{"role": "user", "content": "-"}]  # a stand-in input: only the options are checked
+    try:
+        build_request(fields.pop("model", None) or "-", fields)
+    except ValueError as exc:
+        raise ValueError(f"the options for every item are invalid (nothing was queued): {exc}") from None
+
+
 # -- Client.map ----------------------------------------------------------------------------------
 
 def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Optional[float] = None,
                 idempotency_prefix: Optional[str] = None, **params: Any) -> Iterator[Result]:
     """Submit each item (a prompt or a dict of submit arguments; ``params`` are defaults) at the
     low tier, keeping up to ``window`` jobs queued; yield Results in input order.  An invalid item
-    yields a Result with ``finish_reason="error"`` rather than stopping the iteration."""
+    yields a Result with ``finish_reason="error"`` rather than stopping the iteration; invalid
+    ``params`` raise ValueError before anything is queued."""
+    check_defaults(params)
     tier = client.tier(BULK_TIER_FLOOR)
     it = enumerate(items)
     inflight: deque = deque()  # (index, Submitted | Result)
@@ -237,6 +270,7 @@ class BatchRun:
     def run(self) -> BatchSummary:
         from tqdm import tqdm
 
+        check_defaults(self.defaults)
         ident = file_identity(self.input_path)
         done = finished_lines(self.output_path)
         with open(self.input_path, encoding="utf-8") as f:
@@ -314,8 +348,9 @@ class BatchRun:
 def cmd_batch(args) -> int:
     from .client import Client
 
-    client = Client(args.redis_url, api_key=args.api_key, model=args.model)
     defaults = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
+    defaults.update(output_params(args))  # files read (and refused) before connecting
+    client = Client(args.redis_url, api_key=args.api_key, model=args.model)
     summary = BatchRun(client, args.input, args.output, window=args.window, progress=not args.quiet,
                        **defaults).run()
     print(json.dumps(summary.__dict__))
@@ -331,6 +366,8 @@ def add_command(sub) -> None:
                    help="max_tokens of lines that do not set it (default: the request's default, 256)")
     p.add_argument("--temperature", type=float,
                    help="temperature of lines that do not set it (default: the request's default, 0: greedy)")
+    add_output_options(p, "Defaults for every line (these and the penalties): a line's own response_format, tools, "
+                          "tool_choice, presence_penalty, frequency_penalty or logit_bias wins.")
     p.add_argument("--window", type=int, default=256, help="most jobs in flight (default 256)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_batch)
