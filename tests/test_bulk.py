@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 
+import jsonschema
+import pytest
 import redis
 
 from mlxq import Client
@@ -122,3 +125,78 @@ def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_p
     tool = recs["tool-1"]["response"]
     assert tool["status_code"] == 400 and "chat template" in tool["body"]["error"]["message"]
     assert recs["tool-1"]["error"] is None
+
+
+# -- structured output in bulk ----------------------------------------------------------------------
+
+def test_map_with_a_run_wide_schema_and_per_item_overrides(tiny_model, redis_url):
+    """Every item runs under the run-wide schema unless it sets its own response_format; sampled, so only
+    the constraint makes the outputs valid.  A bad run-wide constraint raises before anything is queued."""
+    from tests.test_cli_structured import CHOICES, MAX_TOKENS, SCHEMA, SCHEMA_FORMAT, bad_formats
+
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    items = [{"prompt": f"Ticket {i}:", "seed": i} for i in range(8)]
+    items.append({"prompt": "Colour:", "seed": 8, "response_format": {"type": "choice", "choices": list(CHOICES)}})
+    items.append({"prompt": "Free:", "max_tokens": 3, "ignore_eos": True, "response_format": {"type": "text"}})
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        results = list(client.map(items, response_format=SCHEMA_FORMAT, temperature=1.0, max_tokens=MAX_TOKENS,
+                                  timeout=120))
+        for fmt in bad_formats():
+            with pytest.raises(ValueError, match="nothing was queued"):
+                next(client.map(["a", "b"], response_format=fmt))
+    assert [r.finish_reason for r in results[:9]] == ["stop"] * 9, [(r.finish_reason, r.error) for r in results]
+    for res in results[:8]:
+        jsonschema.validate(json.loads(res.text), SCHEMA)
+    assert results[8].text in CHOICES
+    assert results[9].stats.generated_tokens == 3  # free: no constraint
+    assert int(client.redis.hget(KEYS.counts, "submitted")) == len(items)
+
+
+def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_line(
+        tiny_model, redis_url, tmp_path, capsys):
+    """``mlxq batch --json-schema FILE``: lines run under it unless they set their own response_format (a
+    plain line or an OpenAI Batch line); a line whose own constraint is bad is reported on that line while
+    the others run.  A bad run-wide schema refuses the whole run: nothing queued, no output written."""
+    from tests.test_cli_structured import MAX_TOKENS, REGEX, SCHEMA, bad_formats
+
+    schema_file, src, out = tmp_path / "triage.json", tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    schema_file.write_text(json.dumps(SCHEMA))
+    bad = bad_formats()
+    lines = [{"custom_id": f"doc-{i}", "prompt": f"Document {i}:", "seed": i} for i in range(6)]
+    lines.insert(2, {"custom_id": "own-regex", "prompt": "Code:", "seed": 9,
+                     "response_format": {"type": "regex", "pattern": REGEX}})
+    lines.insert(4, {"custom_id": "bad-regex", "prompt": "Code:", "response_format": bad[1]})
+    lines.append({"custom_id": "openai-line", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "tiny", "messages": [{"role": "user", "content": "Triage:"}], "seed": 7,
+                           "temperature": 1.0, "max_tokens": MAX_TOKENS,
+                           "response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "triage", "schema": SCHEMA}}}})
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    settings = fast_settings(redis_url)
+    r = redis.Redis.from_url(redis_url)
+    argv = ["batch", str(src), "--redis-url", redis_url, "--model", "tiny", "-q", "--temperature", "1.0",
+            "--max-tokens", str(MAX_TOKENS)]
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        assert mlxq_main([*argv, "-o", str(out), "--json-schema", str(schema_file)]) == 0
+        capsys.readouterr()
+        submitted = int(r.hget(KEYS.counts, "submitted"))
+        schema_file.write_text(json.dumps(bad[0]["json_schema"]["schema"]))
+        refused = tmp_path / "refused.jsonl"
+        assert mlxq_main([*argv, "-o", str(refused), "--json-schema", str(schema_file)]) == 2
+        err = capsys.readouterr().err
+        assert "nothing was queued" in err and not refused.exists(), err
+        assert int(r.hget(KEYS.counts, "submitted")) == submitted
+    recs = {rec["custom_id"]: rec for rec in _records(out)}
+    assert len(recs) == len(lines) and submitted == len(lines) - 1
+    bad_rec = recs.pop("bad-regex")
+    assert bad_rec["line"] == 5 and bad_rec["response"] is None and bad_rec["error"]["code"] == "invalid_request"
+    for cid, rec in recs.items():
+        body = rec["response"]["body"]
+        assert rec["response"]["status_code"] == 200 and body["choices"][0]["finish_reason"] == "stop", (cid, body)
+        choice = body["choices"][0]
+        text = choice["message"]["content"] if cid == "openai-line" else choice["text"]
+        if cid == "own-regex":
+            assert re.fullmatch(REGEX, text), text
+        else:
+            jsonschema.validate(json.loads(text), SCHEMA)

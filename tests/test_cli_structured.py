@@ -37,6 +37,13 @@ MAX_TOKENS = 400
 REGEX = r"[a-z]{2,6}-[0-9]{2}"
 CHOICES = ("red", "green", "blue")
 BAD_SCHEMA = {"type": "nonsense"}  # valid JSON, not a JSON Schema
+BAD_REGEX = "([a-z"  # does not compile
+
+
+def bad_formats() -> list[dict]:
+    """Constraints the request's validation refuses: a bad schema, a regex that does not compile."""
+    return [{"type": "json_schema", "json_schema": {"name": "bad", "schema": BAD_SCHEMA}},
+            {"type": "regex", "pattern": BAD_REGEX}]
 
 
 def submitted(r) -> int:
@@ -133,7 +140,7 @@ def test_submit_with_a_constraint_prints_output_that_validates(tiny_model, redis
         assert done == 16
         # a schema or regex the grammar engine refuses: a clear error, and nothing queued
         schema_file.write_text(json.dumps(BAD_SCHEMA))
-        for flags in (["--json-schema", str(schema_file)], ["--regex", "([a-z"]):
+        for flags in (["--json-schema", str(schema_file)], ["--regex", BAD_REGEX]):
             rc, out, err = run_cli(capsys, "submit", "hello", *base, *flags)
             assert rc == 2 and out == "" and err.startswith("mlxq submit: "), (flags, err)
             assert "response_format" in err or "schema" in err.lower() or "regex" in err.lower(), err
