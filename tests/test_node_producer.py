@@ -44,13 +44,14 @@ def test_the_example_in_the_protocol_doc_is_the_tested_file():
     assert EXAMPLE.read_text() in (ROOT / "docs" / "PROTOCOL.md").read_text()
 
 
-def run_node(node_dir: Path, url: str, prompt: str, max_tokens: int, api_key: str | None = None) -> dict:
+def run_node(node_dir: Path, url: str, prompt: str, max_tokens: int, api_key: str | None = None,
+             schema: dict | None = None) -> dict:
     env = {**os.environ, "MLXQ_REDIS_URL": url, "MLXQ_MODEL": "tiny"}
     env.pop("MLXQ_API_KEY", None)
     if api_key:
         env["MLXQ_API_KEY"] = api_key
-    proc = subprocess.run([shutil.which("node"), "producer.mjs", prompt, str(max_tokens)], cwd=node_dir, env=env,
-                          capture_output=True, text=True, timeout=120)
+    argv = [shutil.which("node"), "producer.mjs", prompt, str(max_tokens)] + ([json.dumps(schema)] if schema else [])
+    proc = subprocess.run(argv, cwd=node_dir, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -81,3 +82,22 @@ def test_node_producer_streams_the_same_text_as_the_python_client(node_dir, tiny
         assert out["tier"] == "high" and out["finish_reason"] in ("stop", "length")
         assert wait_for(lambda: r.hget(GlobalKeys().model_keys("tiny").job(out["id"]), "status") == b"done")
     r.close()
+
+
+def test_node_producer_submits_a_json_schema_job(node_dir, tiny_model, redis_url):
+    """The example's third argument, a JSON Schema, goes in the request as ``response_format``: the result
+    parses (the example's own JSON.parse), validates, and equals the Python client's for the same request."""
+    import jsonschema
+
+    from tests.test_cli_structured import MAX_TOKENS, SCHEMA
+
+    settings = fast_settings(redis_url)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}  # as the example sends it
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        client = Client(redis_url, model="tiny", settings=settings)
+        prompt = "Triage: the printer is on fire"
+        py = client.submit(prompt, max_tokens=MAX_TOKENS, temperature=0.0, response_format=fmt).result(timeout=120)
+        out = run_node(node_dir, redis_url, prompt, MAX_TOKENS, schema=SCHEMA)
+    assert out["finish_reason"] == py.finish_reason == "stop", (out, py)
+    jsonschema.validate(out["parsed"], SCHEMA)
+    assert out["streamed"] == out["text"] == py.text and out["parsed"] == json.loads(py.text)
