@@ -134,6 +134,16 @@ class GenerateRequest(SamplingParams):
             raise ValueError("prompt_tokens must be non-negative token ids")
         return self
 
+    @model_validator(mode="after")
+    def _constraint(self) -> "GenerateRequest":
+        # a bad schema, regex or grammar is refused here, before anything is queued (compiled once per
+        # distinct response_format)
+        if self.response_format is not None or self.tools:
+            from . import constraints
+
+            constraints.check_request(self)
+        return self
+
     def params(self) -> SamplingParams:
         return SamplingParams.model_validate(self.model_dump(include=set(SamplingParams.model_fields)))
 

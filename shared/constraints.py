@@ -1,0 +1,248 @@
+"""A request's output constraint as an llguidance grammar, checked before anything is queued.
+
+``response_format`` (OpenAI's shapes plus mlxq's) becomes one llguidance grammar
+(a JSON string any ``llguidance.LLMatcher`` takes):
+
+* ``{"type": "text"}`` (or none): no constraint;
+* ``{"type": "json_object"}``: any JSON object;
+* ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``:
+  llguidance's JSON-schema compiler, compact separators and no free whitespace (an
+  output is one line, and every byte the model spends is content);
+* ``{"type": "regex", "pattern": ...}``: the whole output matches the pattern;
+* ``{"type": "choice", "choices": [...]}``: exactly one of the strings;
+* ``{"type": "grammar", "grammar": ...}``: a Lark grammar (llguidance's dialect) or a
+  GBNF one (llama.cpp's), converted with ``llguidance.gbnf_to_lark``.
+
+:func:`check_request` (run by ``GenerateRequest``'s validation, so every producer
+surface refuses a bad constraint before queueing) compiles and validates the grammar
+without a tokenizer; results are cached by the response_format's canonical JSON, so
+10,000 identical bulk jobs cost one compile.  The worker turns a request into its
+grammar with :func:`grammar_for`, given the model's output format (:class:`ModelFormat`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
+# llguidance's JSON compiler options: compact separators, no whitespace between tokens
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+MAX_CHOICES = 1024
+MAX_MESSAGE = 300
+_LOCATION = re.compile(r"^at \d+\(\d+\): ")  # where in the Lark wrapper mlxq wrote: no use to the user
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be compiled; the message is one line, fit for a 400."""
+
+
+@dataclass(frozen=True)
+class ModelFormat:
+    """What the worker knows of a model's output format (from mlx-lm's ``TokenizerWrapper``).
+
+    ``think_*``: the reasoning markers (a constraint applies to the answer after them);
+    ``*_ids``: their token ids when each is one token; ``in_thinking``: the prompt ends
+    inside a reasoning block (the template opened it); ``tool_*``: the model's tool-call
+    markers and mlx-lm's parser name for them.
+    """
+
+    think_start: Optional[str] = None
+    think_end: Optional[str] = None
+    think_start_ids: tuple[int, ...] = ()
+    think_end_ids: tuple[int, ...] = ()
+    in_thinking: bool = False
+    tool_call_start: Optional[str] = None
+    tool_call_end: Optional[str] = None
+    tool_parser: Optional[str] = None
+
+    @classmethod
+    def from_tokenizer(cls, tok) -> "ModelFormat":
+        """Read an mlx-lm ``TokenizerWrapper``'s markers (missing attributes: none)."""
+        start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
+        return cls(
+            think_start=start,
+            think_end=getattr(tok, "think_end", None) if start else None,
+            think_start_ids=tuple(getattr(tok, "think_start_tokens", None) or ()) if start else (),
+            think_end_ids=tuple(getattr(tok, "think_end_tokens", None) or ()) if start else (),
+            tool_call_start=getattr(tok, "tool_call_start", None),
+            tool_call_end=getattr(tok, "tool_call_end", None),
+            tool_parser=_parser_name(getattr(tok, "tool_parser", None)),
+        )
+
+
+def _parser_name(parser) -> Optional[str]:
+    if parser is None or isinstance(parser, str):
+        return parser
+    return getattr(parser, "__module__", "").rsplit(".", 1)[-1] or None
+
+
+# ================================================================ response_format -> grammar
+def _one_line(msg: str) -> str:
+    """llguidance's messages span lines (a caret under the spot); keep the words, on one line."""
+    keep = []
+    for line in _LOCATION.sub("", str(msg)).splitlines():
+        s = line.strip()
+        if not s or set(s) <= {"^", " "} or (s[:1].isdigit() and " | " in s):
+            continue
+        keep.append(s)
+    text = "; ".join(keep)
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 3] + "..."
+
+
+def _field(fmt: dict, name: str, kind: type, what: str):
+    value = fmt.get(name)
+    if not isinstance(value, kind) or (kind is str and not value):
+        raise ConstraintError(f"response_format type {fmt['type']!r} needs {name!r}: {what}")
+    return value
+
+
+def _lark_json(schema: dict) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+
+
+def _schema_of(fmt: dict) -> dict:
+    if fmt["type"] == "json_object":
+        return {"type": "object"}
+    spec = _field(fmt, "json_schema", dict, 'an object {"name": ..., "schema": {...}}')
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise ConstraintError("response_format.json_schema.schema must be a JSON schema (an object)")
+    return schema
+
+
+def _grammar_text(fmt: dict) -> str:
+    """The raw llguidance grammar of a (shape-checked) response_format; may still be invalid."""
+    from llguidance import LLMatcher, regex_to_lark
+
+    kind = fmt["type"]
+    if kind in ("json_object", "json_schema"):
+        return _lark_json(_schema_of(fmt))
+    if kind == "regex":
+        pattern = _field(fmt, "pattern", str, "a regular expression")
+        return LLMatcher.grammar_from_lark(f"start: /{regex_to_lark(pattern)}/")
+    if kind == "choice":
+        choices = _field(fmt, "choices", list, "a list of strings")
+        if not 1 <= len(choices) <= MAX_CHOICES or not all(isinstance(c, str) and c for c in choices):
+            raise ConstraintError(f"response_format.choices must be 1..{MAX_CHOICES} non-empty strings")
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    return LLMatcher.grammar_from_lark(_lark_of(_field(fmt, "grammar", str, "Lark or GBNF text")))
+
+
+def _lark_of(text: str) -> str:
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(text)
+    except Exception as exc:  # GbnfToLarkError and friends: the user's grammar text
+        raise ConstraintError(f"response_format.grammar: GBNF does not convert to Lark: {_one_line(exc)}") from None
+
+
+def _kind(fmt: Any) -> str:
+    if not isinstance(fmt, dict):
+        raise ConstraintError("response_format must be an object with a 'type'")
+    kind = fmt.get("type")
+    if kind not in FORMAT_TYPES:
+        raise ConstraintError(f"response_format.type must be one of {', '.join(FORMAT_TYPES)} (got {kind!r})")
+    return kind
+
+
+@functools.lru_cache(maxsize=512)
+def _compiled(canonical: str) -> tuple[Optional[str], Optional[str]]:
+    """(grammar, None) or (None, error message) for a canonical response_format JSON."""
+    from llguidance import LLMatcher
+
+    fmt = json.loads(canonical)
+    try:
+        if _kind(fmt) == "text":
+            return None, None
+        grammar = _grammar_text(fmt)
+    except ConstraintError as exc:
+        return None, str(exc)
+    except (ValueError, TypeError) as exc:  # llguidance refusing its input outright
+        return None, f"response_format ({fmt['type']}): {_one_line(exc)}"
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        return None, f"response_format ({fmt['type']}): {_one_line(messages[0] if messages else 'invalid')}"
+    return grammar, None
+
+
+def canonical(fmt: Any) -> str:
+    try:
+        return json.dumps(fmt, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ConstraintError(f"response_format must be JSON: {exc}") from None
+
+
+def compile_format(fmt: Optional[dict]) -> Optional[str]:
+    """The llguidance grammar of a response_format (None: no constraint); ConstraintError otherwise."""
+    if fmt is None:
+        return None
+    grammar, error = _compiled(canonical(fmt))
+    if error:
+        raise ConstraintError(error)
+    return grammar
+
+
+# ================================================================ requests
+def wants_tools(req) -> bool:
+    return bool(req.tools) and req.tool_choice != "none"
+
+
+def _tools_module():
+    """``mlxq.shared.tools`` (tool calling, built on this module), or None while it does not exist."""
+    try:
+        return importlib.import_module(".tools", __package__)
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.tools":
+            raise
+        return None
+
+
+def check_request(req) -> None:
+    """Refuse (ConstraintError, one line) a request whose constraint cannot compile."""
+    compile_format(req.response_format)
+    tools = _tools_module() if req.tools else None
+    if tools is not None and hasattr(tools, "check_tools"):
+        tools.check_tools(req)
+
+
+def grammar_for(req, fmt: Optional[ModelFormat] = None) -> Optional[str]:
+    """The grammar a job's output follows (None: free text), for a model whose format is ``fmt``.
+
+    Tool calls (``tools`` given, ``tool_choice`` not "none") are ``mlxq.shared.tools``'s
+    (``tool_grammar(req, fmt)``); otherwise the response_format's, after the model's
+    reasoning block when it has one.
+    """
+    fmt = fmt or ModelFormat()
+    if wants_tools(req):
+        tools = _tools_module()
+        if tools is not None:
+            return tools.tool_grammar(req, fmt)
+    grammar = compile_format(req.response_format)
+    if grammar is None or not fmt.think_start:
+        return grammar
+    return after_thinking(grammar, fmt)
+
+
+def _marker(text: Optional[str], ids: tuple[int, ...]) -> str:
+    """A Lark item for a reasoning marker: its token by id when it is one token, else its text."""
+    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
+
+
+def after_thinking(grammar: str, fmt: ModelFormat) -> str:
+    """``grammar`` placed after an optional reasoning block (already open when ``fmt.in_thinking``):
+    the constraint applies to the answer, not to the thinking."""
+    answer = json.loads(grammar)["grammars"]
+    start = _marker(fmt.think_start, fmt.think_start_ids)
+    end = _marker(fmt.think_end, fmt.think_end_ids)
+    head = f"think_body {end}" if fmt.in_thinking else f"({start} think_body {end})?"
+    top = {"lark_grammar": f"start: {head} @answer\nthink_body: /(?s:.*)/\n", "name": "start"}
+    answer[0] = dict(answer[0], name="answer")
+    return json.dumps({"grammars": [top] + answer})
