@@ -10,19 +10,22 @@ import sys
 from .shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
 from .shared.settings import TIERS
 from .shared.cliopts import Parser, add_shared
-from .shared.genopts import add_output_options, output_params
+from .shared.genopts import add_output_options, error_text, output_params
 
 
 def cmd_submit(args) -> int:
     from .producer.client import Client
+    from .producer.common import build_request
 
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                  stop=args.stop or None, **output_params(args))  # files read (and refused) before connecting
-    client = Client(args.redis_url, api_key=args.api_key, model=args.model)
+                  stop=args.stop or None, **output_params(args))
     if args.chat or "tools" in params:  # tools are rendered by the chat template
-        job = client.submit(messages=[{"role": "user", "content": args.text}], **params)
+        params["messages"] = [{"role": "user", "content": args.text}]
     else:
-        job = client.submit(args.text, **params)
+        params["prompt"] = args.text
+    build_request(args.model or "-", params)  # a bad file, schema, regex...: refused before connecting
+    client = Client(args.redis_url, api_key=args.api_key, model=args.model)
+    job = client.submit(**params)
     _say_if_no_worker(job)
     for delta in job.stream():
         sys.stdout.write(delta.text)
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except user_errors as exc:  # a clear message, not a traceback
-        print(f"mlxq {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"mlxq {args.command}: {type(exc).__name__}: {error_text(exc)}", file=sys.stderr)
         return 2
 
 

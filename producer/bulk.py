@@ -48,7 +48,7 @@ from ..shared import codec
 from ..shared.protocol import OverloadError
 from ..shared.schemas import INVALID_REQUEST, Result
 from ..shared.cliopts import add_shared
-from ..shared.genopts import add_output_options, output_params
+from ..shared.genopts import add_output_options, error_text, output_params
 from .common import build_request, check_fits, result_from_hash
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def check_defaults(defaults: dict) -> None:
     try:
         build_request(fields.pop("model", None) or "-", fields)
     except ValueError as exc:
-        raise ValueError(f"the options for every item are invalid (nothing was queued): {exc}") from None
+        raise ValueError(f"the options for every item are invalid (nothing was queued): {error_text(exc)}") from None
 
 
 # -- Client.map ----------------------------------------------------------------------------------

@@ -144,3 +144,17 @@ def read_json(path: str, flag: str) -> Any:
         return json.loads(text)
     except ValueError as exc:
         raise ValueError(f"{flag} {path}: not valid JSON: {exc}") from None
+
+
+def error_text(exc: BaseException) -> str:
+    """A ValueError in one line for a person: a pydantic ValidationError as ``field: why`` (without the
+    input echoed back, which may be a whole prompt), any other error as it is."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    parts = []
+    for err in exc.errors(include_url=False, include_input=False)[:5]:
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts) or str(exc)

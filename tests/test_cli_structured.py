@@ -69,8 +69,9 @@ def test_two_constraints_at_once_are_a_usage_error(flags, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def test_bad_option_files_are_clear_errors_before_connecting(tmp_path, capsys):
-    """Each error names its flag; the Redis URL points nowhere, so none of them got as far as connecting."""
+def test_bad_options_are_clear_errors_before_connecting(tmp_path, capsys):
+    """Each error names its flag (or the field); the Redis URL points nowhere, so none of them got as far as
+    connecting."""
     not_json, a_list, a_string = tmp_path / "bad.json", tmp_path / "list.json", tmp_path / "str.json"
     not_json.write_text("{not json")
     a_list.write_text("[1, 2]")
@@ -84,11 +85,12 @@ def test_bad_option_files_are_clear_errors_before_connecting(tmp_path, capsys):
         (["--tools", str(not_json)], "--tools", "not valid JSON"),
         (["--json-schema", "-", "--tools", "-"], "stdin", "only one"),
         (["--tool-choice", "required"], "--tool-choice", "needs --tools"),
+        (["--regex", BAD_REGEX], "response_format (regex)", "invalid regex"),
     ]
     for flags, names, says in cases:
         rc, out, err = run_cli(capsys, "submit", "hello", "--redis-url", NOWHERE, *flags)
         assert rc == 2 and out == "", flags
-        assert err.startswith("mlxq submit: ValueError:") and names in err and says in err, (flags, err)
+        assert err.startswith("mlxq submit: ") and "Error: " in err and names in err and says in err, (flags, err)
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["submit", "hello", "--logit-bias", "12"])
     assert exc.value.code == 2 and "TOKEN_ID=BIAS" in capsys.readouterr().err
