@@ -48,7 +48,7 @@ from ..shared import codec
 from ..shared.protocol import OverloadError
 from ..shared.schemas import INVALID_REQUEST, Result
 from ..shared.cliopts import add_shared
-from ..shared.genopts import add_output_options, error_text, output_params
+from ..shared.genopts import add_output_options, check_defaults, error_text, output_params
 from .common import build_request, check_fits, result_from_hash
 
 log = logging.getLogger(__name__)
@@ -163,19 +163,6 @@ def _submit_with_backoff(client, params: dict, tier: str, key: Optional[str], st
                 time.sleep(OVERLOAD_BACKOFF_S)
 
 
-def check_defaults(defaults: dict) -> None:
-    """Validate a run's defaults (its constraint, tools, penalties, sampling params) once, before
-    anything is queued: ValueError saying that nothing was queued.  A pydantic class given as
-    ``response_format`` is the client's to convert; it is checked with the first item."""
-    fields = {k: v for k, v in defaults.items() if not isinstance(v, type)}
-    if not any(k in fields for k in ("prompt", "messages", "prompt_tokens")):
-        fields["messages"] = [{"role": "user", "content": "-"}]  # a stand-in input: only the options are checked
-    try:
-        build_request(fields.pop("model", None) or "-", fields)
-    except ValueError as exc:
-        raise ValueError(f"the options for every item are invalid (nothing was queued): {error_text(exc)}") from None
-
-
 # -- Client.map ----------------------------------------------------------------------------------
 
 def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Optional[float] = None,
@@ -200,7 +187,7 @@ def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Opti
             try:
                 inflight.append((i, _submit_with_backoff(client, {**params, **_as_params(item)}, tier, key, None)))
             except ValueError as exc:
-                inflight.append((i, Result(id="", finish_reason="error", error=f"invalid request: {exc}")))
+                inflight.append((i, Result(id="", finish_reason="error", error=f"invalid request: {error_text(exc)}")))
         if not inflight:
             return
         _, sub = inflight.popleft()
@@ -311,7 +298,7 @@ class BatchRun:
             params = {**self.defaults, **params}
             sub = _submit_with_backoff(self.client, params, tier, f"batch:{ident}:{n}", self.stop)
         except ValueError as exc:
-            self._write(out, refused_line(n, custom_id, f"invalid request: {exc}"), summary, bar)
+            self._write(out, refused_line(n, custom_id, f"invalid request: {error_text(exc)}"), summary, bar)
             return
         if sub is None:  # stopped while the queue was full
             return

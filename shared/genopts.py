@@ -158,3 +158,20 @@ def error_text(exc: BaseException) -> str:
         loc = ".".join(str(x) for x in err.get("loc", ()))
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts) or str(exc)
+
+
+def check_defaults(defaults: dict[str, Any]) -> None:
+    """Validate the options a bulk run gives every item (``mlxq batch``'s flags, ``Client.map``'s
+    keyword arguments: constraint, tools, penalties, sampling) once, before anything is queued:
+    ValueError saying that nothing was queued.  A pydantic class given as ``response_format`` is the
+    client's to convert; it is checked with the first item."""
+    from .schemas import GenerateRequest
+
+    fields = {k: v for k, v in defaults.items() if not isinstance(v, type)}
+    if not any(k in fields for k in ("prompt", "messages", "prompt_tokens")):
+        fields["messages"] = [{"role": "user", "content": "-"}]  # a stand-in input: only the options are checked
+    fields["model"] = fields.get("model") or "-"
+    try:
+        GenerateRequest.model_validate(fields)
+    except ValueError as exc:
+        raise ValueError(f"the options for every item are invalid (nothing was queued): {error_text(exc)}") from None

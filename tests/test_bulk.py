@@ -191,6 +191,7 @@ def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_
     assert len(recs) == len(lines) and submitted == len(lines) - 1
     bad_rec = recs.pop("bad-regex")
     assert bad_rec["line"] == 5 and bad_rec["response"] is None and bad_rec["error"]["code"] == "invalid_request"
+    assert "regex" in bad_rec["error"]["message"], bad_rec
     for cid, rec in recs.items():
         body = rec["response"]["body"]
         assert rec["response"]["status_code"] == 200 and body["choices"][0]["finish_reason"] == "stop", (cid, body)
