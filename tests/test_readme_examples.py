@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -100,3 +101,8 @@ def test_readme_examples_run(live, tmp_path):
     assert "mlxq_gateway_requests_total" in text  # the gateway's /metrics
     results = [ln for ln in (tmp_path / "results.jsonl").read_text().splitlines() if ln]
     assert len(results) == 2  # mlxq batch, run twice: each line once
+    # structured output and tool calls: a parsed Ticket, a batch under a schema, a named tool call
+    assert "ticket: " in text and "bulk: label=" in text and "json: {'label': " in text
+    assert "tool call: get_weather {'city': " in text and "tool_calls" in text
+    triaged = [json.loads(ln) for ln in (tmp_path / "triaged.jsonl").read_text().splitlines() if ln]
+    assert [t["response"]["status_code"] for t in triaged] == [200, 200], triaged
