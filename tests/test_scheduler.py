@@ -73,6 +73,9 @@ class FakeRunner:
         prev, self.inflight = self.inflight, []
         return prev
 
+    def sample_deferred(self, alive) -> list:
+        return []  # no grammar or penalties here: every launch is sampled at once
+
 
 class Harness(PagedEngine):
     """The real engine (its step(), its settle hook) over a FakeRunner instead of a model."""

@@ -36,6 +36,16 @@ class SeqSpec:
     # compute log-probabilities for this job's tokens (TokenEvent.logprobs); off, no
     # logsumexp over the vocabulary runs for it
     want_logprobs: bool = False
+    # An llguidance grammar (mlxq.shared.constraints) every token must follow: the engine
+    # masks the row's logits to the tokens it allows; its state is rebuilt from
+    # resume_tokens.  A complete grammar allows only EOS; one that stops ends the job
+    # ("stop"); a dead end ends it with finish_reason "error" (TokenEvent.error).
+    grammar: Optional[str] = None
+    # OpenAI's penalties over the tokens this job generated (resume tokens included)
+    # and a static bias per token id; zeros / None: the row keeps the fast path
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
 
 
 @dataclass
@@ -43,11 +53,12 @@ class TokenEvent:
     """One generated token, or the end of a sequence."""
 
     uid: str
-    token: int
-    finish_reason: Optional[str] = None  # None, "stop" or "length"
+    token: Optional[int]  # None: no token (an "error" end: the job's constraint dead-ended)
+    finish_reason: Optional[str] = None  # None, "stop", "length" or "error"
     logprobs: Any = None  # mx.array (vocab,) of log-probabilities (when the spec wants them), or None
     # prompt tokens whose KV came from the prefix cache at the sequence's last admission; None: unknown
     cached_tokens: Optional[int] = None
+    error: Optional[str] = None  # why the sequence ended with "error" (its constraint failed)
 
 
 @dataclass

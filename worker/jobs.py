@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from pydantic import ValidationError
 
 from ..shared import codec
 from ..shared.protocol import Pulled, owner_token
+from ..shared.constraints import ConstraintError, ModelFormat, grammar_for
 from ..shared.schemas import Delta, GenerateRequest, JobStats, Result
 from .engine_api import SeqSpec
 from .sampling import make_processors, make_sampler, resolve_seed
@@ -50,6 +52,7 @@ class ActiveJob:
     logprobs: list = field(default_factory=list)
     cached_tokens: int = 0
     resumed: bool = False
+    grammar: Optional[str] = None  # the llguidance grammar its output follows (None: free text)
 
     def now(self) -> float:
         return time.time() + self.clock_offset
@@ -67,6 +70,10 @@ class ActiveJob:
             resume_tokens=list(self.tokens),
             priority=self.score,
             session_id=self.request.session_id,
+            grammar=self.grammar,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            logit_bias=params.logit_bias,
         )
 
     def emit(self, new_text: str, ids: list[int], finish: Optional[str] = None, error: Optional[str] = None,
@@ -94,7 +101,7 @@ class ActiveJob:
         return codec.pack({"seed": self.seed, "first_token_at": self.first_token_at, "attempt": self.attempt,
                            "started_at": self.started_at})
 
-    def result(self, finish: str, error: Optional[str] = None) -> Result:
+    def result(self, finish: str, error: Optional[str] = None, error_code: Optional[str] = None) -> Result:
         finished = self.now()
         gen = len(self.tokens)
         stats = JobStats(
@@ -117,7 +124,7 @@ class ActiveJob:
             seed=self.seed,
         )
         return Result(id=self.id, text=self.full_text, token_ids=list(self.tokens), finish_reason=finish,
-                      error=error, logprobs=self.logprobs or None, stats=stats)
+                      error=error, error_code=error_code, logprobs=self.logprobs or None, stats=stats)
 
 
 def decode_request(pulled: Pulled, model_name: str, settings_max_new: int) -> GenerateRequest:
@@ -169,6 +176,36 @@ def tokenize(req: GenerateRequest, tokenizer) -> list[int]:
             raise JobError(f"chat template failed: {exc}") from None
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return _encode(tokenizer, req.prompt)
+
+
+def check_token_ids(req: GenerateRequest, tokenizer) -> None:
+    """logit_bias names token ids of this model's vocabulary."""
+    vocab = len(getattr(tokenizer, "_tokenizer", tokenizer))
+    bad = sorted(t for t in (req.logit_bias or {}) if t >= vocab)
+    if bad:
+        raise JobError(f"logit_bias names token ids outside the vocabulary (size {vocab}): {bad[:5]}")
+
+
+def job_grammar(req: GenerateRequest, prompt: list[int], fmt: ModelFormat) -> Optional[str]:
+    """The grammar the job's output follows (None: free text); a reasoning block the prompt
+    opened (a chat template that starts the answer thinking) comes first."""
+    if fmt.think_start and prompt_in_thinking(prompt, fmt):
+        fmt = dataclasses.replace(fmt, in_thinking=True)
+    try:
+        return grammar_for(req, fmt)
+    except ConstraintError as exc:
+        raise JobError(str(exc)) from None
+
+
+def prompt_in_thinking(prompt: list[int], fmt: ModelFormat) -> bool:
+    """The prompt's last reasoning marker opens a block (one-token markers only)."""
+    if len(fmt.think_start_ids) != 1 or len(fmt.think_end_ids) != 1:
+        return False
+    start, end = fmt.think_start_ids[0], fmt.think_end_ids[0]
+    for tok in reversed(prompt):
+        if tok in (start, end):
+            return tok == start
+    return False
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -228,7 +265,8 @@ def read_published(entries: list) -> Published:
 
 
 def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer, worker_id: str,
-              clock_offset: float, published: Optional[Published] = None) -> ActiveJob:
+              clock_offset: float, published: Optional[Published] = None,
+              grammar: Optional[str] = None) -> ActiveJob:
     """A pulled job, resumed from ``published`` (its durable record) when an earlier attempt streamed
     part of it: the new attempt continues after the last published token, and never sends again
     what was sent."""
@@ -253,7 +291,7 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
         id=pulled.job_id, request=req, attempt=pulled.attempt,
         owner=owner_token(worker_id, pulled.attempt), tier=pulled.tier, score=pulled.score,
         queued_at=pulled.queued_at, started_at=pulled.now, prompt=prompt, seed=seed,
-        text=TextStream.for_tokenizer(tokenizer, req.stop), clock_offset=clock_offset,
+        text=TextStream.for_tokenizer(tokenizer, req.stop), clock_offset=clock_offset, grammar=grammar,
     )
     if published.seq:
         # Rebuild the text state silently; only text beyond what was published goes out.

@@ -20,12 +20,14 @@ from typing import Optional
 import mlx.core as mx
 
 from ..shared import codec
+from ..shared.constraints import ModelFormat
 from ..shared.keys import GlobalKeys
 from ..shared.protocol import Pulled, Queue
 from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
 from ..shared.settings import TIERS, Settings
 from . import blas
-from .jobs import ActiveJob, JobError, Published, decode_request, read_published, start_job, tokenize
+from .jobs import (ActiveJob, JobError, Published, check_token_ids, decode_request, job_grammar, read_published,
+                   start_job, tokenize)
 from .model import LoadedModel
 from .engine.engine import make_engine
 from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQueue, StepOutput
@@ -54,6 +56,7 @@ class Worker:
         self.engine = engine
         self.grace_s = self.settings.grace_s if grace_s is None else grace_s
         self.eos = set(loaded.eos_token_ids)
+        self.model_format = ModelFormat.from_tokenizer(loaded.tokenizer)  # reasoning / tool-call markers
         # Observers (metrics, rq mirroring) get on_token(job, n_tokens, now_monotonic),
         # on_finish(job, result) and on_snapshot(snapshot); all are called on the MLX thread
         # and must be cheap and must not call MLX. Missing methods are skipped.
@@ -118,12 +121,15 @@ class Worker:
         try:
             req = decode_request(entry, self.loaded.name, self.settings.max_new_tokens)
             prompt = tokenize(req, self.loaded.tokenizer)
+            check_token_ids(req, self.loaded.tokenizer)
+            grammar = job_grammar(req, prompt, self.model_format)
             ctx = self.loaded.context_length
             if len(prompt) >= ctx:
                 raise JobError(f"prompt of {len(prompt)} tokens exceeds the model's context of {ctx} tokens")
             if not self.engine.can_admit(len(prompt), req.max_tokens):
                 raise JobError(f"prompt of {len(prompt)} tokens can never fit this worker's KV memory")
-            job = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset, published)
+            job = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset, published,
+                            grammar=grammar)
         except JobError as exc:
             log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
             self.publisher.submit(self._failure(entry, str(exc), INVALID_REQUEST))
@@ -245,6 +251,10 @@ class Worker:
             ids: list[int] = []
             text = ""
             lp = None
+            if ev.token is None:  # the engine ended the job with no token: its constraint failed
+                self._finish(job, finish or "error", out, job.text.finish(), error=ev.error,
+                             error_code=INVALID_REQUEST)
+                continue
             if not (finish == "stop" and ev.token in self.eos):
                 self._notify("on_token", job, 1, time.monotonic())
                 ids = [ev.token]
@@ -276,9 +286,9 @@ class Worker:
         self._window.append((now, len(events)))
 
     def _finish(self, job: ActiveJob, finish: str, out: StepOutput, text: str = "", ids=(), lp=None,
-                error: Optional[str] = None) -> None:
+                error: Optional[str] = None, error_code: Optional[str] = None) -> None:
         delta = job.emit(text, list(ids), finish, error, lp)
-        result = job.result(finish, error)
+        result = job.result(finish, error, error_code)
         status = {"cancelled": "cancelled", "error": "failed"}.get(finish, "done")
         out.completions.append((job.id, job.owner, status, codec.pack(result.model_dump()), job.wire(delta)))
         self.active.pop(job.id, None)

@@ -24,6 +24,7 @@ from ...shared.settings import Settings
 from ..engine_api import Preempted, SeqSpec, TokenEvent
 from .attention import use_attention
 from .block_manager import BLOCK_SIZE, BlockManager
+from .constrain import GrammarBook, GrammarError, RowGrammar
 from .kv_cache import KVPool, probe_kv_shape
 from .model_runner import ModelRunner
 from .scheduler import DEFAULT_CHUNK_SCHEDULE, Scheduler, SchedulerConfig
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
 # PagedEngine's parameters that come from the model, not from Settings (every other one is a setting)
-FROM_MODEL = ("model", "eos_token_ids", "model_id", "context_length")
+FROM_MODEL = ("model", "eos_token_ids", "model_id", "context_length", "tokenizer")
 
 
 def make_engine(loaded, settings: Optional[Settings] = None) -> "PagedEngine":
@@ -42,7 +43,8 @@ def make_engine(loaded, settings: Optional[Settings] = None) -> "PagedEngine":
     (default: ``Settings.from_env()``)."""
     settings = settings or Settings.from_env()
     return PagedEngine(loaded.model, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name,
-                       context_length=loaded.context_length, **settings.engine_options())
+                       context_length=loaded.context_length, tokenizer=loaded.tokenizer,
+                       **settings.engine_options())
 
 
 class PagedEngine:
@@ -70,8 +72,11 @@ class PagedEngine:
         block_size: int = BLOCK_SIZE,
         context_length: Optional[int] = None,
         attention: str = "auto",
+        tokenizer=None,
     ):
         self.model = model
+        self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper: constrained output needs it
+        self.eos_token_ids = tuple(eos_token_ids)
         self.block_size = block_size
         self.kv_shape = probe_kv_shape(model)
         per_block = self.kv_shape.bytes_per_block(block_size)
@@ -94,7 +99,8 @@ class PagedEngine:
             prefix_cache=prefix_cache, chunked_prefill=chunked_prefill, chunk_schedule=tuple(chunk_schedule),
             step_token_budget=step_token_budget, decode_reserve_blocks=decode_reserve_blocks,
             priority_gap=priority_gap, max_sequences=max_sequences, max_waiting=max_waiting)
-        self.scheduler = Scheduler(self.bm, config, settle=self._settle, session_files=self.sessions)
+        self.scheduler = Scheduler(self.bm, config, settle=self._settle, session_files=self.sessions,
+                                   start_grammar=self._start_grammar)
         log.info("paged engine: %d blocks of %d tokens, %.1f MiB %s pool",
                  num_blocks, block_size, self.pool.nbytes / 2**20, self.pool.dtype)
 
@@ -108,7 +114,19 @@ class PagedEngine:
             just_prefilled = plan.ending_seqs()
         rows = sched.schedule_decode(skip=just_prefilled)
         sched.postprocess_decode(rows, self.runner.decode(rows))
+        # rows with a grammar or penalties are sampled now, their previous token consumed
+        for seq, why in self.runner.sample_deferred(sched.is_running):
+            sched.fail(seq, why)
         return sched.take_output()
+
+    def _start_grammar(self, grammar: str, resume_tokens: list[int]) -> RowGrammar:
+        """The scheduler's hook for a constrained sequence: its matcher, at its resume point (the
+        model's llguidance tokenizer is built on the first one)."""
+        if self.runner.book is None:
+            if self.tokenizer is None:
+                raise GrammarError("this engine has no tokenizer: constrained output is unavailable")
+            self.runner.book = GrammarBook(self.tokenizer, self.eos_token_ids)
+        return self.runner.book.start(grammar, resume_tokens)
 
     def _settle(self) -> None:
         """Read the decode still in flight now (the scheduler's hook: before a preemption, or when

@@ -22,6 +22,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .kv_cache import BatchRow, BatchView, KVPool, make_layer_caches
+from .constrain import GrammarBook, Shaped, shape
 from .sampler import SampleRow, sample
 from .scheduler import PrefillPlan
 from .sequence import Sampled, Sequence
@@ -32,8 +33,9 @@ class _InFlight:
     """A launched decode whose tokens have not been read yet."""
 
     seqs: list[Sequence]
-    toks: mx.array  # (B,) lazy
+    toks: Optional[mx.array]  # (B,) lazy; None while the launch waits to be sampled
     logprobs: list  # per row: lazy (vocab,) or None
+    logits: Optional[mx.array] = None  # a deferred launch's logits (B, vocab), sampled later
 
 
 # Model files whose ``__call__`` is exactly ``self.model(...)`` then the tied
@@ -47,6 +49,7 @@ class ModelRunner:
     def __init__(self, model, pool: KVPool):
         self.model = model
         self.pool = pool
+        self.book: Optional[GrammarBook] = None  # the engine's, once a constrained sequence came
         self.split_head = (type(model).__module__ in _SPLIT_HEAD_MODULES and hasattr(model, "model")
                            and hasattr(model, "args"))
         self._inflight: Optional[_InFlight] = None
@@ -84,7 +87,8 @@ class ModelRunner:
 
     # ================================================================ prefill
     def prefill(self, plan: PrefillPlan) -> list[Sampled]:
-        """Run one ragged prefill pass (evaluated); the first token of each ending row."""
+        """Run one ragged prefill pass (evaluated); the first token of each ending row (a row whose
+        grammar allows no first token comes back with ``token`` None and its ``error``)."""
         width = max(n for _, n in plan.rows)
         rows = [BatchRow(seq.block_table, seq.num_computed, n) for seq, n in plan.rows]
         inputs = mx.array([seq.tokens[seq.num_computed:seq.num_computed + n] + [0] * (width - n)
@@ -96,16 +100,50 @@ class ModelRunner:
             mx.eval(self.pool.arrays())
             return []
         seqs = plan.ending_seqs()
-        toks, lps = sample(logits, [self._sample_row(seq) for seq in seqs])
+        shaped = None
+        if any(s.row_shape() is not None for s in seqs):
+            mx.async_eval(logits, self.pool.arrays())  # the forward runs while the host shapes
+            shaped = self._shape(seqs, logits.shape[-1])
+        toks, lps = sample(logits, [self._sample_row(seq) for seq in seqs], self._bias(shaped))
         mx.eval(toks, [x for x in lps if x is not None], self.pool.arrays())
-        return [Sampled(seq, tok, lp) for seq, tok, lp in zip(seqs, toks.tolist(), lps)]
+        out = [Sampled(seq, tok, lp) for seq, tok, lp in zip(seqs, toks.tolist(), lps)]
+        for i, why in (shaped.dead if shaped else ()):
+            out[i] = Sampled(seqs[i], None, error=why)
+        return out
+
+    # ================================================================ shaping (grammar, penalties)
+    def _shape(self, seqs: list[Sequence], width: int, alive=None) -> Shaped:
+        """Host-side shaping of these rows (rows not ``alive`` are left alone: wasted rows)."""
+        rows = [s.row_shape() if alive is None or alive(s) else None for s in seqs]
+        return shape(rows, width, self.book)
+
+    @staticmethod
+    def _bias(shaped: Optional[Shaped]) -> Optional[mx.array]:
+        return None if shaped is None or shaped.bias is None else mx.array(shaped.bias)
 
     # ================================================================ decode
     def decode(self, rows: list[Sequence]) -> list[Sampled]:
-        """Launch one decode step over ``rows`` (not waited for), then read the previous launch."""
+        """Launch one decode step over ``rows`` (not waited for), then read the previous launch.
+
+        When a row needs its previous token on the host (a grammar, presence/frequency
+        penalties), the launch runs the forward pass only; ``sample_deferred`` samples it
+        once the scheduler has consumed the tokens read here."""
         prev = self._inflight
         self._inflight = self._launch(rows, prev) if rows else None
         return self._read(prev)
+
+    def sample_deferred(self, alive) -> list[tuple[Sequence, str]]:
+        """Sample a deferred launch now (its rows' grammars have consumed the previous tokens):
+        masks and penalties are computed while its forward pass runs.  Returns the rows whose
+        grammar allows no token (dead ends); ``alive(seq)``: the row still runs."""
+        fl = self._inflight
+        if fl is None or fl.toks is not None:
+            return []
+        shaped = self._shape(fl.seqs, fl.logits.shape[-1], alive)
+        fl.toks, fl.logprobs = sample(fl.logits, [self._sample_row(s) for s in fl.seqs], self._bias(shaped))
+        fl.logits = None
+        mx.async_eval(fl.toks, [x for x in fl.logprobs if x is not None])
+        return [(fl.seqs[i], why) for i, why in shaped.dead]
 
     def take_inflight(self) -> list[Sampled]:
         """Read the launched decode's tokens now (nothing stays in flight)."""
@@ -126,11 +164,15 @@ class ModelRunner:
             parts.append(mx.array([s.tokens[-1] for s in rows[n_pending:]], dtype=mx.int32))
         inputs = (parts[0] if len(parts) == 1 else mx.concatenate(parts))[:, None]
         logits = self.forward([BatchRow(s.block_table, s.num_computed, 1) for s in rows], inputs)
+        if any(s.needs_host_tokens for s in rows):
+            mx.async_eval(logits)
+            return _InFlight(rows, None, [], logits)
         sample_rows = []
         for s in rows:
             i = where[id(s)] if s.pending and s.spec.logits_processors else None
             sample_rows.append(self._sample_row(s, None if i is None else prev_toks[i:i + 1]))
-        toks, lps = sample(logits, sample_rows)
+        shaped = self._shape(rows, logits.shape[-1]) if any(s.spec.logit_bias for s in rows) else None
+        toks, lps = sample(logits, sample_rows, self._bias(shaped))
         mx.async_eval(toks, [x for x in lps if x is not None])
         return _InFlight(rows, toks, lps)
 
@@ -138,6 +180,7 @@ class ModelRunner:
     def _read(fl: Optional[_InFlight]) -> list[Sampled]:
         if fl is None:
             return []
+        assert fl.toks is not None, "a deferred launch is read before it was sampled"
         return [Sampled(seq, tok, lp) for seq, tok, lp in zip(fl.seqs, fl.toks.tolist(), fl.logprobs)]
 
     @staticmethod

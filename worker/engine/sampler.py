@@ -83,13 +83,15 @@ class SampleRow:
     want_logprobs: bool
 
 
-def sample(logits: mx.array, rows: list[SampleRow]):
+def sample(logits: mx.array, rows: list[SampleRow], bias: Optional[mx.array] = None):
     """Tokens (B,) for each row, and per-row log-probabilities (None where not asked).
 
     Greedy rows share one argmax; sampled rows that share a configuration
     are sampled in one call (each row from its own key); log-probabilities
     (a logsumexp over the vocabulary) only for rows that ask for them or
-    whose sampler needs them.  Everything returned is lazy.
+    whose sampler needs them.  ``bias`` (B, vocab), added after the logits
+    processors: grammar masks (-inf), penalties and logit_bias (0 in rows
+    without any).  Everything returned is lazy.
     """
     B = logits.shape[0]
     if any(r.processors for r in rows):
@@ -100,6 +102,8 @@ def sample(logits: mx.array, rows: list[SampleRow]):
                 x = proc(r.context, x)
             parts.append(x)
         logits = mx.concatenate(parts, axis=0)
+    if bias is not None:
+        logits = logits + bias.astype(logits.dtype)
     need_lp = [r.want_logprobs or r.sampler is not None for r in rows]
     logprobs = None
     if any(need_lp):

@@ -33,6 +33,7 @@ from ...shared.settings import DEFAULT_CHUNK_SCHEDULE
 
 from ..engine_api import Preempted, SeqSpec, TokenEvent
 from .block_manager import BlockManager, PrefixHit
+from .constrain import GrammarError, RowGrammar
 from .sequence import Sampled, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,10 @@ class StepCounters:
 
 class Scheduler:
     def __init__(self, bm: BlockManager, config: SchedulerConfig = SchedulerConfig(), *,
-                 settle: Callable[[], None] = lambda: None, session_files=None):
+                 settle: Callable[[], None] = lambda: None, session_files=None,
+                 start_grammar: Optional[Callable[[str, list[int]], RowGrammar]] = None):
         self.bm = bm
+        self.start_grammar = start_grammar
         self.block_size = bm.block_size
         self.config = config
         self.settle = settle
@@ -123,8 +126,24 @@ class Scheduler:
                 log.warning("%s: %d + %d tokens exceed the pool; max_tokens capped",
                             spec.uid, len(ctx), spec.max_tokens)
                 spec = replace(spec, max_tokens=max(1, fits - len(ctx)))
-            self.waiting.append(Sequence(spec, next(self._arrivals), ctx, len(ctx)))
+            seq = Sequence(spec, next(self._arrivals), ctx, len(ctx))
+            if spec.grammar is not None and not self._attach_grammar(seq):
+                continue
+            self.waiting.append(seq)
         self.waiting.sort(key=Sequence.rank)
+
+    def _attach_grammar(self, seq: Sequence) -> bool:
+        """Build the sequence's matcher (at its resume point); a constraint that cannot start ends
+        the job at once with "error"."""
+        try:
+            if self.start_grammar is None:
+                raise GrammarError("this engine has no tokenizer: constrained output is unavailable")
+            seq.grammar = self.start_grammar(seq.spec.grammar, list(seq.spec.resume_tokens))
+            return True
+        except GrammarError as exc:
+            log.warning("%s: %s", seq.uid, exc)
+            self._events.append(TokenEvent(seq.uid, None, "error", error=str(exc)))
+            return False
 
     def remove(self, uids: list[str]) -> None:
         gone = set(uids)
@@ -135,8 +154,9 @@ class Scheduler:
                 self._release(seq)
 
     def has_work(self) -> bool:
-        # a launched decode matters only for sequences still running
-        return bool(self.waiting or self.running)
+        # a launched decode matters only for sequences still running; events not taken yet (a
+        # sequence refused at add) go out with the next step
+        return bool(self.waiting or self.running or self._events)
 
     def free_slots(self) -> int:
         """Keep pulling while up to ``max_waiting`` jobs wait here for memory.
@@ -322,7 +342,10 @@ class Scheduler:
             self._commit_full_blocks(seq)
         for s in sampled:
             s.seq.status = SequenceStatus.DECODE
-            self._emit(s)
+            if s.error is not None:
+                self.fail(s.seq, s.error)
+            else:
+                self._emit(s)
 
     # ================================================================ decode
     def schedule_decode(self, skip: Seq[Sequence] = ()) -> list[Sequence]:
@@ -401,18 +424,33 @@ class Scheduler:
 
     def _emit(self, s: Sampled) -> None:
         seq, tok = s.seq, s.token
+        refused = seq.grammar.advance(tok) if seq.grammar is not None else None
+        if refused:
+            self.fail(seq, refused)
+            return
         seq.tokens.append(tok)
         seq.emitted += 1
         self._commit_full_blocks(seq)
         reason = None
         stops = self.config.eos_token_ids if seq.spec.stop_token_ids is None else seq.spec.stop_token_ids
-        if tok in stops:
+        if tok in stops or (seq.grammar is not None and seq.grammar.stopped):
             reason = "stop"
         elif seq.emitted >= seq.spec.max_tokens:
             reason = "length"
         self._events.append(TokenEvent(seq.uid, tok, reason, s.logprobs, cached_tokens=seq.prefix_hit))
         if reason is not None:
             self._finish(seq)
+
+    def fail(self, seq: Sequence, error: str) -> None:
+        """End a running sequence with "error" (its constraint dead-ended), no token emitted."""
+        if self.running.get(seq.uid) is not seq:
+            return
+        log.warning("%s: %s", seq.uid, error)
+        self._events.append(TokenEvent(seq.uid, None, "error", cached_tokens=seq.prefix_hit, error=error))
+        self._finish(seq)
+
+    def is_running(self, seq: Sequence) -> bool:
+        return self.running.get(seq.uid) is seq
 
     def _finish(self, seq: Sequence) -> None:
         self.running.pop(seq.uid, None)

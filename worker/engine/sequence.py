@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ..engine_api import SeqSpec
+from .constrain import RowGrammar, RowShape
 
 
 class SequenceStatus(enum.Enum):
@@ -28,6 +30,21 @@ class Sequence:
     session_checked: bool = False  # warm session file looked at already
     prefix_hit: int = 0  # prompt tokens found in the prefix cache at the last admission (reported per job)
     pending: int = 0  # tokens sampled by a launched decode, not yet read (0 or 1)
+    grammar: Optional[RowGrammar] = None  # the spec's grammar, fed every emitted token
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its next token's logits depend on the token before it as read back (a grammar mask,
+        presence/frequency penalties): a decode samples it after reading that token."""
+        return self.grammar is not None or bool(self.spec.presence_penalty or self.spec.frequency_penalty)
+
+    def row_shape(self) -> Optional[RowShape]:
+        """What shaping its logits need (None: none)."""
+        spec = self.spec
+        if not (self.needs_host_tokens or spec.logit_bias):
+            return None
+        return RowShape(self.grammar, self.generated, spec.presence_penalty, spec.frequency_penalty,
+                        spec.logit_bias)
 
     @property
     def uid(self) -> str:
@@ -53,5 +70,6 @@ class Sampled:
     """A token the model runner sampled for a sequence (read back to the host)."""
 
     seq: Sequence
-    token: int
+    token: Optional[int]  # None: no token could be sampled (``error`` says why)
     logprobs: object = None  # the runner's (vocab,) log-probabilities when the spec wants them, else None
+    error: Optional[str] = None  # the row's constraint dead-ended
