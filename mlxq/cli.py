@@ -36,9 +36,14 @@ def cmd_submit(args) -> int:
         print(json.dumps({"tool_calls": [c.model_dump() for c in result.tool_calls]}, ensure_ascii=False))
     if result.error:
         print(f"error: {result.error}", file=sys.stderr)
+    if result.finish_reason == "length" and "response_format" in params:
+        print(f"mlxq submit: {CUT_SHORT} (--max-tokens {args.max_tokens})", file=sys.stderr)
     if args.verbose:
         print(json.dumps(result.stats.model_dump(), indent=2), file=sys.stderr)
     return 0 if result.finish_reason != "error" else 1
+
+
+CUT_SHORT = "the output is cut short: it reached max_tokens before its constraint was complete"
 
 
 def _say_if_no_worker(job) -> None:

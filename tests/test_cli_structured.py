@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import redis
 
-from mlxq.cli import build_parser, main
+from mlxq.cli import CUT_SHORT, build_parser, main
 from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
 
@@ -131,8 +131,12 @@ def test_submit_with_a_constraint_prints_output_that_validates(tiny_model, redis
                                    "--json-schema", str(schema_file))
             assert rc == 0, err
             jsonschema.validate(json.loads(out), SCHEMA)
+            assert CUT_SHORT not in err  # the schema's lengths are bounded: it always completes
+            # any JSON object: unbounded, so a random-ish model may run out of tokens (and the CLI says so)
             rc, out, err = run_cli(capsys, "submit", "Any JSON:", *base, *sampled, "--json")
-            assert rc == 0 and isinstance(json.loads(out), dict), (out, err)
+            assert rc == 0 and out.startswith("{"), (out, err)
+            if CUT_SHORT not in err:
+                assert isinstance(json.loads(out), dict), (out, err)
             rc, out, err = run_cli(capsys, "submit", "A code:", *base, *sampled, "--regex", REGEX)
             assert rc == 0 and re.fullmatch(REGEX, out.rstrip("\n")), (out, err)
             rc, out, err = run_cli(capsys, "submit", "A colour:", *base, *sampled,
