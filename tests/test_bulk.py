@@ -153,6 +153,10 @@ def test_map_with_a_run_wide_schema_and_per_item_overrides(tiny_model, redis_url
     assert int(client.redis.hget(KEYS.counts, "submitted")) == len(items)
 
 
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+           "additionalProperties": False}
+
+
 def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_line(
         tiny_model, redis_url, tmp_path, capsys):
     """``mlxq batch --json-schema FILE``: lines run under it unless they set their own response_format (a
@@ -171,7 +175,7 @@ def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_
                   "body": {"model": "tiny", "messages": [{"role": "user", "content": "Triage:"}], "seed": 7,
                            "temperature": 1.0, "max_tokens": MAX_TOKENS,
                            "response_format": {"type": "json_schema",
-                                               "json_schema": {"name": "triage", "schema": SCHEMA}}}})
+                                               "json_schema": {"name": "verdict", "schema": VERDICT}}}})
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     settings = fast_settings(redis_url)
     r = redis.Redis.from_url(redis_url)
@@ -199,5 +203,7 @@ def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_
         text = choice["message"]["content"] if cid == "openai-line" else choice["text"]
         if cid == "own-regex":
             assert re.fullmatch(REGEX, text), text
+        elif cid == "openai-line":  # the body's own response_format (the gateway's request model reads it)
+            jsonschema.validate(json.loads(text), VERDICT)
         else:
             jsonschema.validate(json.loads(text), SCHEMA)
