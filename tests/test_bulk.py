@@ -128,33 +128,45 @@ def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_p
 
 
 # -- structured output in bulk ----------------------------------------------------------------------
+# an extraction schema (an enum, integer bounds, a nested object, an array), with lengths bounded so
+# that every valid output ends well within BULK_MAX_TOKENS whatever the weights say
+DOC = {"type": "object", "additionalProperties": False, "required": ["kind", "pages", "meta"],
+       "properties": {"kind": {"enum": ["invoice", "letter", "report"]},
+                      "pages": {"type": "integer", "minimum": 1, "maximum": 500},
+                      "meta": {"type": "object", "additionalProperties": False, "required": ["lang"],
+                               "properties": {"lang": {"enum": ["en", "fr", "de"]},
+                                              "keywords": {"type": "array", "maxItems": 2,
+                                                           "items": {"type": "string", "maxLength": 5}}}}}}
+DOC_FORMAT = {"type": "json_schema", "json_schema": {"name": "doc", "schema": DOC}}
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+           "additionalProperties": False}
+CODE = r"[A-Z]{2}[0-9]{3}"
+BULK_MAX_TOKENS = 300
+NOT_A_SCHEMA = {"type": "object", "properties": {"pages": {"type": "integr"}}}
+BAD_FORMATS = ({"type": "json_schema", "json_schema": {"name": "doc", "schema": NOT_A_SCHEMA}},
+               {"type": "regex", "pattern": "[0-9"},
+               {"type": "choice", "choices": []})
 
 def test_map_with_a_run_wide_schema_and_per_item_overrides(tiny_model, redis_url):
     """Every item runs under the run-wide schema unless it sets its own response_format; sampled, so only
     the constraint makes the outputs valid.  A bad run-wide constraint raises before anything is queued."""
-    from tests.test_cli_structured import CHOICES, MAX_TOKENS, SCHEMA, SCHEMA_FORMAT, bad_formats
-
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
     items = [{"prompt": f"Ticket {i}:", "seed": i} for i in range(8)]
-    items.append({"prompt": "Colour:", "seed": 8, "response_format": {"type": "choice", "choices": list(CHOICES)}})
+    items.append({"prompt": "Language:", "seed": 8, "response_format": {"type": "choice", "choices": ["en", "fr"]}})
     items.append({"prompt": "Free:", "max_tokens": 3, "ignore_eos": True, "response_format": {"type": "text"}})
     with running_worker(tiny_model, redis_url, settings, max_batch=4):
-        results = list(client.map(items, response_format=SCHEMA_FORMAT, temperature=1.0, max_tokens=MAX_TOKENS,
+        results = list(client.map(items, response_format=DOC_FORMAT, temperature=1.0, max_tokens=BULK_MAX_TOKENS,
                                   timeout=120))
-        for fmt in bad_formats():
+        for fmt in BAD_FORMATS:
             with pytest.raises(ValueError, match="nothing was queued"):
                 next(client.map(["a", "b"], response_format=fmt))
     assert [r.finish_reason for r in results[:9]] == ["stop"] * 9, [(r.finish_reason, r.error) for r in results]
     for res in results[:8]:
-        jsonschema.validate(json.loads(res.text), SCHEMA)
-    assert results[8].text in CHOICES
+        jsonschema.validate(json.loads(res.text), DOC)
+    assert results[8].text in ("en", "fr")
     assert results[9].stats.generated_tokens == 3  # free: no constraint
     assert int(client.redis.hget(KEYS.counts, "submitted")) == len(items)
-
-
-VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-           "additionalProperties": False}
 
 
 def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_line(
@@ -162,30 +174,27 @@ def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_
     """``mlxq batch --json-schema FILE``: lines run under it unless they set their own response_format (a
     plain line or an OpenAI Batch line); a line whose own constraint is bad is reported on that line while
     the others run.  A bad run-wide schema refuses the whole run: nothing queued, no output written."""
-    from tests.test_cli_structured import MAX_TOKENS, REGEX, SCHEMA, bad_formats
-
-    schema_file, src, out = tmp_path / "triage.json", tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    schema_file.write_text(json.dumps(SCHEMA))
-    bad = bad_formats()
+    schema_file, src, out = tmp_path / "doc.json", tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    schema_file.write_text(json.dumps(DOC))
     lines = [{"custom_id": f"doc-{i}", "prompt": f"Document {i}:", "seed": i} for i in range(6)]
     lines.insert(2, {"custom_id": "own-regex", "prompt": "Code:", "seed": 9,
-                     "response_format": {"type": "regex", "pattern": REGEX}})
-    lines.insert(4, {"custom_id": "bad-regex", "prompt": "Code:", "response_format": bad[1]})
+                     "response_format": {"type": "regex", "pattern": CODE}})
+    lines.insert(4, {"custom_id": "bad-regex", "prompt": "Code:", "response_format": BAD_FORMATS[1]})
     lines.append({"custom_id": "openai-line", "method": "POST", "url": "/v1/chat/completions",
                   "body": {"model": "tiny", "messages": [{"role": "user", "content": "Triage:"}], "seed": 7,
-                           "temperature": 1.0, "max_tokens": MAX_TOKENS,
+                           "temperature": 1.0, "max_tokens": BULK_MAX_TOKENS,
                            "response_format": {"type": "json_schema",
                                                "json_schema": {"name": "verdict", "schema": VERDICT}}}})
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     settings = fast_settings(redis_url)
     r = redis.Redis.from_url(redis_url)
     argv = ["batch", str(src), "--redis-url", redis_url, "--model", "tiny", "-q", "--temperature", "1.0",
-            "--max-tokens", str(MAX_TOKENS)]
+            "--max-tokens", str(BULK_MAX_TOKENS)]
     with running_worker(tiny_model, redis_url, settings, max_batch=4):
         assert mlxq_main([*argv, "-o", str(out), "--json-schema", str(schema_file)]) == 0
         capsys.readouterr()
         submitted = int(r.hget(KEYS.counts, "submitted"))
-        schema_file.write_text(json.dumps(bad[0]["json_schema"]["schema"]))
+        schema_file.write_text(json.dumps(NOT_A_SCHEMA))
         refused = tmp_path / "refused.jsonl"
         assert mlxq_main([*argv, "-o", str(refused), "--json-schema", str(schema_file)]) == 2
         err = capsys.readouterr().err
@@ -202,8 +211,8 @@ def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_
         choice = body["choices"][0]
         text = choice["message"]["content"] if cid == "openai-line" else choice["text"]
         if cid == "own-regex":
-            assert re.fullmatch(REGEX, text), text
+            assert re.fullmatch(CODE, text), text
         elif cid == "openai-line":  # the body's own response_format (the gateway's request model reads it)
             jsonschema.validate(json.loads(text), VERDICT)
         else:
-            jsonschema.validate(json.loads(text), SCHEMA)
+            jsonschema.validate(json.loads(text), DOC)

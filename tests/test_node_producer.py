@@ -84,20 +84,23 @@ def test_node_producer_streams_the_same_text_as_the_python_client(node_dir, tiny
     r.close()
 
 
+SEA = {"type": "object", "properties": {"mood": {"enum": ["calm", "stormy"]},
+                                        "waves": {"type": "integer", "minimum": 0, "maximum": 9}},
+       "required": ["mood", "waves"], "additionalProperties": False}
+
+
 def test_node_producer_submits_a_json_schema_job(node_dir, tiny_model, redis_url):
     """The example's third argument, a JSON Schema, goes in the request as ``response_format``: the result
     parses (the example's own JSON.parse), validates, and equals the Python client's for the same request."""
     import jsonschema
 
-    from tests.test_cli_structured import MAX_TOKENS, SCHEMA
-
     settings = fast_settings(redis_url)
-    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}  # as the example sends it
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SEA}}  # as the example sends it
     with running_worker(tiny_model, redis_url, settings, max_batch=4):
         client = Client(redis_url, model="tiny", settings=settings)
-        prompt = "Triage: the printer is on fire"
-        py = client.submit(prompt, max_tokens=MAX_TOKENS, temperature=0.0, response_format=fmt).result(timeout=120)
-        out = run_node(node_dir, redis_url, prompt, MAX_TOKENS, schema=SCHEMA)
+        prompt = "The sea today:"
+        py = client.submit(prompt, max_tokens=64, temperature=0.0, response_format=fmt).result(timeout=120)
+        out = run_node(node_dir, redis_url, prompt, 64, schema=SEA)
     assert out["finish_reason"] == py.finish_reason == "stop", (out, py)
-    jsonschema.validate(out["parsed"], SCHEMA)
+    jsonschema.validate(out["parsed"], SEA)
     assert out["streamed"] == out["text"] == py.text and out["parsed"] == json.loads(py.text)
