@@ -13,6 +13,7 @@ import redis
 from mlxq import Client
 from mlxq.producer.bulk import BatchRun
 from mlxq.cli import main as mlxq_main
+from mlxq.shared.constraints import ModelFormat
 from mlxq.shared.keys import GlobalKeys
 from tests.conftest import fast_settings, running_worker, wait_for
 from tests.refkit import greedy
@@ -142,6 +143,12 @@ VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "require
            "additionalProperties": False}
 CODE = r"[A-Z]{2}[0-9]{3}"
 BULK_MAX_TOKENS = 300
+
+
+def no_thinking(loaded) -> dict[int, float]:
+    """Keep a model with a reasoning block from opening it (see test_cli_structured.no_thinking)."""
+    return {i: -100.0 for i in ModelFormat.from_tokenizer(loaded.tokenizer).think_start_ids[:1]}
+
 NOT_A_SCHEMA = {"type": "object", "properties": {"pages": {"type": "integr"}}}
 BAD_FORMATS = ({"type": "json_schema", "json_schema": {"name": "doc", "schema": NOT_A_SCHEMA}},
                {"type": "regex", "pattern": "[0-9"},
@@ -157,6 +164,7 @@ def test_map_with_a_run_wide_schema_and_per_item_overrides(tiny_model, redis_url
     items.append({"prompt": "Free:", "max_tokens": 3, "ignore_eos": True, "response_format": {"type": "text"}})
     with running_worker(tiny_model, redis_url, settings, max_batch=4):
         results = list(client.map(items, response_format=DOC_FORMAT, temperature=1.0, max_tokens=BULK_MAX_TOKENS,
+                                  logit_bias=no_thinking(tiny_model),
                                   timeout=120))
         for fmt in BAD_FORMATS:
             with pytest.raises(ValueError, match="nothing was queued"):
@@ -182,6 +190,7 @@ def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_
     lines.insert(4, {"custom_id": "bad-regex", "prompt": "Code:", "response_format": BAD_FORMATS[1]})
     lines.append({"custom_id": "openai-line", "method": "POST", "url": "/v1/chat/completions",
                   "body": {"model": "tiny", "messages": [{"role": "user", "content": "Triage:"}], "seed": 7,
+                           "logit_bias": {str(i): b for i, b in no_thinking(tiny_model).items()},  # OpenAI's str keys
                            "temperature": 1.0, "max_tokens": BULK_MAX_TOKENS,
                            "response_format": {"type": "json_schema",
                                                "json_schema": {"name": "verdict", "schema": VERDICT}}}})
@@ -189,7 +198,7 @@ def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_
     settings = fast_settings(redis_url)
     r = redis.Redis.from_url(redis_url)
     argv = ["batch", str(src), "--redis-url", redis_url, "--model", "tiny", "-q", "--temperature", "1.0",
-            "--max-tokens", str(BULK_MAX_TOKENS)]
+            "--max-tokens", str(BULK_MAX_TOKENS)] + [a for i in no_thinking(tiny_model) for a in ("--logit-bias", f"{i}=-100")]
     with running_worker(tiny_model, redis_url, settings, max_batch=4):
         assert mlxq_main([*argv, "-o", str(out), "--json-schema", str(schema_file)]) == 0
         capsys.readouterr()

@@ -46,6 +46,15 @@ def bad_formats() -> list[dict]:
             {"type": "regex", "pattern": BAD_REGEX}]
 
 
+def no_thinking(loaded) -> dict[int, float]:
+    """A logit bias that keeps a model with a reasoning block (the tiny model's chat template has one)
+    from opening it: the constraint allows thinking first, and a random-ish model may think until
+    max_tokens.  Nothing for a model without one."""
+    from mlxq.shared.constraints import ModelFormat
+
+    return {i: -100.0 for i in ModelFormat.from_tokenizer(loaded.tokenizer).think_start_ids[:1]}
+
+
 def submitted(r) -> int:
     return int(r.hget(KEYS.counts, "submitted") or 0)
 
@@ -123,6 +132,7 @@ def test_submit_with_a_constraint_prints_output_that_validates(tiny_model, redis
     settings = fast_settings(redis_url)
     r = redis.Redis.from_url(redis_url)
     base = ["--redis-url", redis_url, "--model", "tiny", "--max-tokens", str(MAX_TOKENS)]
+    base += [a for i in no_thinking(tiny_model) for a in ("--logit-bias", f"{i}=-100")]
     with running_worker(tiny_model, redis_url, settings, max_batch=4):
         assert wait_for(lambda: r.hexists(GlobalKeys().models, "tiny"), timeout=30)
         for seed in range(4):  # sampled: the constraint, not the weights, makes the output valid
