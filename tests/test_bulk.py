@@ -83,6 +83,15 @@ def test_batch_resumes_after_interruption_without_duplicates(tiny_model, redis_u
     r.close()
 
 
+def worker_only_too_long(loaded) -> str:
+    """A prompt with more tokens than the model's context (counted here with its own tokenizer) that the
+    producer's lower bound (bytes / the longest token's bytes) lets through."""
+    ctx = loaded.context_length
+    prompt = " ".join(str(i % 10) for i in range(ctx + 8))
+    assert len(loaded.tokenizer.encode(prompt)) > ctx and len(prompt.encode()) // loaded.max_token_bytes < ctx
+    return prompt
+
+
 def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_path):
     """OpenAI Batch request lines are accepted as they are; every output line is an OpenAI Batch output
     line ({"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}) plus ``line``."""
@@ -97,8 +106,8 @@ def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_p
         {"custom_id": "bad-1", "prompt": "hello", "max_tokens": 0},
         {"custom_id": "bad-2", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
         {"custom_id": "long-1", "prompt_tokens": [5] * (tiny_model.context_length + 1), "max_tokens": 2},
-        # the tiny model's chat template refuses the "tool" role: only the worker finds out
-        {"custom_id": "tool-1", "messages": [{"role": "tool", "content": "x"}], "max_tokens": 2},
+        # longer than the context, though not by the producer's lower bound: only the worker finds out
+        {"custom_id": "long-2", "prompt": worker_only_too_long(tiny_model), "max_tokens": 2},
     ]
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     settings = fast_settings(redis_url)
@@ -123,9 +132,9 @@ def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_p
     for bad in ("bad-1", "bad-2", "long-1"):  # never submitted: refused up front
         assert recs[bad]["response"] is None and recs[bad]["error"]["code"] == "invalid_request", bad
     assert recs["bad-1"]["line"] == 4
-    tool = recs["tool-1"]["response"]
-    assert tool["status_code"] == 400 and "chat template" in tool["body"]["error"]["message"]
-    assert recs["tool-1"]["error"] is None
+    long2 = recs["long-2"]["response"]
+    assert long2["status_code"] == 400 and "context" in long2["body"]["error"]["message"]
+    assert recs["long-2"]["error"] is None
 
 
 # -- structured output in bulk ----------------------------------------------------------------------

@@ -162,3 +162,27 @@ def test_submit_with_a_constraint_prints_output_that_validates(tiny_model, redis
             assert "response_format" in err or "schema" in err.lower() or "regex" in err.lower(), err
         assert submitted(r) == done
     r.close()
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+
+
+def test_submit_with_a_named_tool_prints_the_call(tiny_model, redis_url, tmp_path, capsys):
+    """``--tools FILE --tool-choice NAME``: the call is constrained by the tool's parameter schema, and the
+    CLI prints it as a last JSON line ``{"tool_calls": [...]}`` whose arguments validate."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {
+        "name": "get_weather", "description": "The forecast for a city", "parameters": WEATHER}}]))
+    settings = fast_settings(redis_url)
+    argv = ["submit", "Weather in Paris this week?", "--redis-url", redis_url, "--model", "tiny", "--max-tokens",
+            "200", "--tools", str(tools), "--tool-choice", "get_weather", "--temperature", "1.0"]
+    argv += [a for i in no_thinking(tiny_model) for a in ("--logit-bias", f"{i}=-100")]
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        for seed in range(3):
+            rc, out, err = run_cli(capsys, *argv, "--seed", str(seed))
+            assert rc == 0, err
+            calls = json.loads(out.rstrip("\n").splitlines()[-1])["tool_calls"]
+            assert [c["function"]["name"] for c in calls] == ["get_weather"], calls
+            jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER)
