@@ -28,6 +28,11 @@ class GrammarError(ValueError):
     """A sequence's constraint cannot go on; the job ends with "error" and this message."""
 
 
+def _first_line(error: str) -> str:
+    """llguidance's matcher errors carry a state dump after the first line: keep the line."""
+    return (error or "").strip().splitlines()[0] if (error or "").strip() else ""
+
+
 class RowGrammar:
     """One sequence's matcher: fed each token the sequence emits, asked for the next mask."""
 
@@ -38,7 +43,7 @@ class RowGrammar:
         """Consume ``token``; the reason when the grammar refuses it (None: accepted)."""
         if self.matcher.consume_token(token):
             return None
-        return f"the constraint refused token {token}: {self.matcher.get_error() or 'not allowed here'}"
+        return f"the constraint refused token {token}: {_first_line(self.matcher.get_error()) or 'not allowed here'}"
 
     @property
     def stopped(self) -> bool:
@@ -46,7 +51,10 @@ class RowGrammar:
         return self.matcher.is_stopped() and not self.matcher.is_error()
 
     def error(self) -> Optional[str]:
-        return self.matcher.get_error() or None if self.matcher.is_error() else None
+        """Why the matcher is in its error state (one line), or None."""
+        if not self.matcher.is_error():
+            return None
+        return f"the constraint failed: {_first_line(self.matcher.get_error()) or 'matcher error'}"
 
 
 @dataclass
@@ -76,7 +84,7 @@ class GrammarBook:
         if m is None:
             m = self._llg.LLMatcher(self.lltok, grammar, log_level=0)
             if m.is_error():
-                raise GrammarError(f"the constraint does not compile for this model: {m.get_error()}")
+                raise GrammarError(f"the constraint does not compile for this model: {_first_line(m.get_error())}")
             self._templates[grammar] = m
             if len(self._templates) > _TEMPLATES:
                 self._templates.popitem(last=False)
@@ -88,7 +96,7 @@ class GrammarBook:
         crashed job resumes exactly where its grammar was)."""
         row = RowGrammar(self._template(grammar).deep_copy())
         if resume_tokens and not row.matcher.consume_tokens(list(resume_tokens)):
-            raise GrammarError(f"the constraint refuses the job's earlier tokens: {row.matcher.get_error()}")
+            raise GrammarError(f"the constraint refuses the job's earlier tokens: {_first_line(row.matcher.get_error())}")
         return row
 
     def fill_masks(self, rows: list[tuple[int, RowGrammar]], batch: int) -> np.ndarray:
