@@ -234,3 +234,31 @@ def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_
             jsonschema.validate(json.loads(text), VERDICT)
         else:
             jsonschema.validate(json.loads(text), DOC)
+
+
+def test_the_gateways_batch_endpoint_takes_a_response_format(tiny_model, redis_url):
+    """``/v1/batch/chat/completions`` (the low tier) takes the same fields as a batch line: the official
+    ``openai`` client's ``response_format`` gives JSON valid for the schema, at the low tier; a bad schema
+    is a 400 and nothing is queued."""
+    import openai
+
+    from mlxq.producer.gateway import ServerThread, create_app
+
+    settings = fast_settings(redis_url)
+    r = redis.Redis.from_url(redis_url)
+    bias = {str(i): b for i, b in no_thinking(tiny_model).items()}
+    with running_worker(tiny_model, redis_url, settings, max_batch=4), \
+            ServerThread(create_app(redis_url, settings)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1/batch", api_key="EMPTY")
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Document:"}], max_tokens=BULK_MAX_TOKENS,
+            temperature=1.0, seed=3, logit_bias=bias, response_format=DOC_FORMAT)
+        assert reply.choices[0].finish_reason == "stop", reply
+        jsonschema.validate(json.loads(reply.choices[0].message.content), DOC)
+        assert reply.model_extra["stats"]["tier"] == "low"
+        queued = int(r.hget(KEYS.counts, "submitted"))
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                           response_format=BAD_FORMATS[0])
+        assert int(r.hget(KEYS.counts, "submitted")) == queued
+    r.close()
