@@ -38,6 +38,8 @@ REGEX = r"[a-z]{2,6}-[0-9]{2}"
 CHOICES = ("red", "green", "blue")
 BAD_SCHEMA = {"type": "nonsense"}  # valid JSON, not a JSON Schema
 BAD_REGEX = "([a-z"  # does not compile
+GRAMMARS = (('start: ("yes" | "no") " " /[0-9]{2}/\n', r"(yes|no) [0-9]{2}"),  # Lark
+            ('root ::= ("up" | "down") "-" [a-c] [a-c]\n', r"(up|down)-[a-c]{2}"))  # GBNF
 
 
 def bad_formats() -> list[dict]:
@@ -105,7 +107,9 @@ def test_bad_options_are_clear_errors_before_connecting(tmp_path, capsys):
     assert exc.value.code == 2 and "TOKEN_ID=BIAS" in capsys.readouterr().err
 
 
-def test_output_options_become_request_fields(tmp_path):
+def test_output_options_become_request_fields(tmp_path, monkeypatch):
+    import io
+
     from mlxq.shared.genopts import output_params
 
     schema, tools = tmp_path / "Ticket triage.json", tmp_path / "tools.json"
@@ -124,6 +128,9 @@ def test_output_options_become_request_fields(tmp_path):
                    "presence_penalty": 0.5, "frequency_penalty": -1.0, "logit_bias": {7: -100.0, 9: 2.5}}
     assert output_params(parse(["submit", "x", "--tools", str(tools), "--tool-choice", "required"]))["tool_choice"] \
         == "required"
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"title": "From stdin", **SCHEMA})))
+    fmt = output_params(parse(["submit", "x", "--json-schema", "-"]))["response_format"]
+    assert fmt["json_schema"]["name"] == "From_stdin" and fmt["json_schema"]["schema"]["required"] == SCHEMA["required"]
 
 
 def test_submit_with_a_constraint_prints_output_that_validates(tiny_model, redis_url, tmp_path, capsys):
@@ -152,14 +159,22 @@ def test_submit_with_a_constraint_prints_output_that_validates(tiny_model, redis
             rc, out, err = run_cli(capsys, "submit", "A colour:", *base, *sampled,
                                    *[a for c in CHOICES for a in ("--choice", c)])
             assert rc == 0 and out.rstrip("\n") in CHOICES, (out, err)
+        # a grammar file, Lark or GBNF
+        for text, pattern in GRAMMARS:
+            grammar = tmp_path / "g.txt"
+            grammar.write_text(text)
+            rc, out, err = run_cli(capsys, "submit", "Say:", *base, "--grammar", str(grammar))
+            assert rc == 0 and re.fullmatch(pattern, out.rstrip("\n")), (text, out, err)
         done = submitted(r)
-        assert done == 16
-        # a schema or regex the grammar engine refuses: a clear error, and nothing queued
+        assert done == 16 + len(GRAMMARS)
+        # a schema, regex or grammar the grammar engine refuses: a clear error, and nothing queued
         schema_file.write_text(json.dumps(BAD_SCHEMA))
-        for flags in (["--json-schema", str(schema_file)], ["--regex", BAD_REGEX]):
+        (tmp_path / "bad.lark").write_text("start: undefined_rule\n")
+        for flags in (["--json-schema", str(schema_file)], ["--regex", BAD_REGEX],
+                      ["--grammar", str(tmp_path / "bad.lark")]):
             rc, out, err = run_cli(capsys, "submit", "hello", *base, *flags)
             assert rc == 2 and out == "" and err.startswith("mlxq submit: "), (flags, err)
-            assert "response_format" in err or "schema" in err.lower() or "regex" in err.lower(), err
+            assert "response_format" in err, err
         assert submitted(r) == done
     r.close()
 
