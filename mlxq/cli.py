@@ -10,29 +10,40 @@ import sys
 from .shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
 from .shared.settings import TIERS
 from .shared.cliopts import Parser, add_shared
+from .shared.genopts import add_output_options, error_text, output_params
 
 
 def cmd_submit(args) -> int:
     from .producer.client import Client
+    from .producer.common import build_request
 
-    client = Client(args.redis_url, api_key=args.api_key, model=args.model)
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                  stop=args.stop or None)
-    if args.chat:
-        job = client.submit(messages=[{"role": "user", "content": args.text}], **params)
+                  stop=args.stop or None, **output_params(args))
+    if args.chat or "tools" in params:  # tools are rendered by the chat template
+        params["messages"] = [{"role": "user", "content": args.text}]
     else:
-        job = client.submit(args.text, **params)
+        params["prompt"] = args.text
+    build_request(args.model or "-", params)  # a bad file, schema, regex...: refused before connecting
+    client = Client(args.redis_url, api_key=args.api_key, model=args.model)
+    job = client.submit(**params)
     _say_if_no_worker(job)
     for delta in job.stream():
         sys.stdout.write(delta.text)
         sys.stdout.flush()
     result = job.result(timeout=60)
     sys.stdout.write("\n")
+    if result.tool_calls:  # one JSON line: [{"id", "type": "function", "function": {"name", "arguments"}}]
+        print(json.dumps({"tool_calls": [c.model_dump() for c in result.tool_calls]}, ensure_ascii=False))
     if result.error:
         print(f"error: {result.error}", file=sys.stderr)
+    if result.finish_reason == "length" and "response_format" in params:
+        print(f"mlxq submit: {CUT_SHORT} (--max-tokens {args.max_tokens})", file=sys.stderr)
     if args.verbose:
         print(json.dumps(result.stats.model_dump(), indent=2), file=sys.stderr)
     return 0 if result.finish_reason != "error" else 1
+
+
+CUT_SHORT = "the output is cut short: it reached max_tokens before its constraint was complete"
 
 
 def _say_if_no_worker(job) -> None:
@@ -144,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("submit", help="submit a prompt and stream the answer")
+    p = sub.add_parser("submit", help="submit a prompt and stream the answer",
+                       description="Submit a prompt and stream the answer to stdout. With --tools, the calls the "
+                                   "model made follow as one JSON line: {\"tool_calls\": [...]}.")
     add_shared(p, "redis_url", "model", "api_key")
     p.add_argument("text", help="the prompt")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
@@ -152,8 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this mass")
     p.add_argument("--seed", type=int, help="sampling seed, for reproducible sampled output (default: none)")
     p.add_argument("--stop", action="append", help="a stop string; repeat for several (default: none)")
-    p.add_argument("--chat", action="store_true", help="send as a user message (applies the chat template)")
+    p.add_argument("--chat", action="store_true",
+                   help="send as a user message (applies the chat template; implied by --tools)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the job's stats")
+    add_output_options(p)
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("stats", help="queue and worker stats")
@@ -290,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except user_errors as exc:  # a clear message, not a traceback
-        print(f"mlxq {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"mlxq {args.command}: {type(exc).__name__}: {error_text(exc)}", file=sys.stderr)
         return 2
 
 

@@ -18,6 +18,15 @@ A job that failed has ``status_code`` 400 (the request can never run) or 500 and
 ``body``; a line that could not be submitted at all has ``"response": null`` and
 ``"error": {"code", "message"}``.
 
+Structured output: run-wide options (``mlxq batch --json-schema FILE``, ``--regex``, ``--tools``...,
+or ``Client.map(items, response_format=...)``) are defaults that a line overrides with its own
+``response_format`` / ``tools`` / ``tool_choice`` / penalties (``"response_format": {"type": "text"}``
+or ``null``: no constraint for that line).  The run-wide options are checked once, before anything
+is queued: a bad one refuses the whole run.  A line whose own constraint is bad is reported on that
+line (a ``refused_line``, like any line that cannot run) and the other lines run: one bad line of
+10,000 does not hold up the rest, and its line number says which to fix.  Identical constraints cost
+one grammar compile (the grammar engine caches them).
+
 Resuming: a line's idempotency key is ``batch:<sha256 of the input file>:<line>``.  A rerun skips
 lines already in the output and re-submits the rest with the same keys, so a job submitted
 before the interruption is waited for, not run again (within the idempotency TTL, 24 h by default).
@@ -36,6 +45,7 @@ from typing import Any, Iterator, Optional
 
 from ..shared.schemas import INVALID_REQUEST, Result
 from ..shared.cliopts import add_shared
+from ..shared.genopts import add_output_options, check_defaults, error_text, output_params
 from .bulkmap import BULK_TIER_FLOOR, as_params, submit_with_backoff
 from .common import result_from_hash
 
@@ -78,8 +88,7 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
     else:
         status = 200
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None,
-                      "finish_reason": res.finish_reason}
+            choice = {"index": 0, "message": chat_message(res), "logprobs": None, "finish_reason": res.finish_reason}
         else:
             choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
         body = {"id": ("chatcmpl-" if chat else "cmpl-") + job_id,
@@ -88,6 +97,15 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
                 "usage": usage(res), "stats": res.stats.model_dump()}
     return {"id": job_id, "custom_id": custom_id, "line": n,
             "response": {"status_code": status, "request_id": job_id, "body": body}, "error": None}
+
+
+def chat_message(res: Result) -> dict:
+    """The assistant message of a chat line: its text, and its tool calls when the model made some
+    (then ``content`` is null when there is no text, as OpenAI sends it)."""
+    if not res.tool_calls:
+        return {"role": "assistant", "content": res.text}
+    return {"role": "assistant", "content": res.text or None,
+            "tool_calls": [c.model_dump() for c in res.tool_calls]}
 
 
 def refused_line(n: int, custom_id: Optional[str], message: str) -> dict:
@@ -155,6 +173,7 @@ class BatchRun:
     def run(self) -> BatchSummary:
         from tqdm import tqdm
 
+        check_defaults(self.defaults)
         ident = file_identity(self.input_path)
         done = finished_lines(self.output_path)
         with open(self.input_path, encoding="utf-8") as f:
@@ -195,7 +214,7 @@ class BatchRun:
             params = {**self.defaults, **params}
             sub = submit_with_backoff(self.client, params, tier, f"batch:{ident}:{n}", self.stop)
         except ValueError as exc:
-            self._write(out, refused_line(n, custom_id, f"invalid request: {exc}"), summary, bar)
+            self._write(out, refused_line(n, custom_id, f"invalid request: {error_text(exc)}"), summary, bar)
             return
         if sub is None:  # stopped while the queue was full
             return
@@ -232,8 +251,9 @@ class BatchRun:
 def cmd_batch(args) -> int:
     from .client import Client
 
-    client = Client(args.redis_url, api_key=args.api_key, model=args.model)
     defaults = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
+    defaults.update(output_params(args))  # files read (and refused) before connecting
+    client = Client(args.redis_url, api_key=args.api_key, model=args.model)
     summary = BatchRun(client, args.input, args.output, window=args.window, progress=not args.quiet,
                        **defaults).run()
     print(json.dumps(summary.__dict__))
@@ -249,6 +269,8 @@ def add_command(sub) -> None:
                    help="max_tokens of lines that do not set it (default: the request's default, 256)")
     p.add_argument("--temperature", type=float,
                    help="temperature of lines that do not set it (default: the request's default, 0: greedy)")
+    add_output_options(p, "Defaults for every line (these and the penalties): a line's own response_format, tools, "
+                          "tool_choice, presence_penalty, frequency_penalty or logit_bias wins.")
     p.add_argument("--window", type=int, default=256, help="most jobs in flight (default 256)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_batch)

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
+from ..shared.genopts import check_defaults, error_text
 from ..shared.protocol import OverloadError
 from ..shared.schemas import Result
 from .core import prepare
@@ -69,7 +70,9 @@ def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Opti
                 idempotency_prefix: Optional[str] = None, **params: Any) -> Iterator[Result]:
     """Submit each item (a prompt or a dict of submit arguments; ``params`` are defaults) at the
     low tier, keeping up to ``window`` jobs queued; yield Results in input order.  An invalid item
-    yields a Result with ``finish_reason="error"`` rather than stopping the iteration."""
+    yields a Result with ``finish_reason="error"`` rather than stopping the iteration; invalid
+    ``params`` raise ValueError before anything is queued."""
+    check_defaults(params)
     tier = client.tier(BULK_TIER_FLOOR)
     it = enumerate(items)
     inflight: deque = deque()  # (index, Submitted | Result)
@@ -85,7 +88,7 @@ def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Opti
             try:
                 inflight.append((i, submit_with_backoff(client, {**params, **as_params(item)}, tier, key, None)))
             except ValueError as exc:
-                inflight.append((i, Result(id="", finish_reason="error", error=f"invalid request: {exc}")))
+                inflight.append((i, Result(id="", finish_reason="error", error=f"invalid request: {error_text(exc)}")))
         if not inflight:
             return
         _, sub = inflight.popleft()

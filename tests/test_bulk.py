@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 
+import jsonschema
+import pytest
 import redis
 
 from mlxq import Client
 from mlxq.producer.bulk import BatchRun
 from mlxq.cli import main as mlxq_main
+from mlxq.shared.constraints import ModelFormat
 from mlxq.shared.keys import GlobalKeys
 from workerkit import fast_settings, running_worker, wait_for
 from refkit import greedy
@@ -79,6 +83,15 @@ def test_batch_resumes_after_interruption_without_duplicates(tiny_model, redis_u
     r.close()
 
 
+def worker_only_too_long(loaded) -> str:
+    """A prompt with more tokens than the model's context (counted here with its own tokenizer) that the
+    producer's lower bound (bytes / the longest token's bytes) lets through."""
+    ctx = loaded.context_length
+    prompt = " ".join(str(i % 10) for i in range(ctx + 8))
+    assert len(loaded.tokenizer.encode(prompt)) > ctx and len(prompt.encode()) // loaded.max_token_bytes < ctx
+    return prompt
+
+
 def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_path):
     """OpenAI Batch request lines are accepted as they are; every output line is an OpenAI Batch output
     line ({"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}) plus ``line``."""
@@ -93,8 +106,8 @@ def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_p
         {"custom_id": "bad-1", "prompt": "hello", "max_tokens": 0},
         {"custom_id": "bad-2", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
         {"custom_id": "long-1", "prompt_tokens": [5] * (tiny_model.context_length + 1), "max_tokens": 2},
-        # the tiny model's chat template refuses the "tool" role: only the worker finds out
-        {"custom_id": "tool-1", "messages": [{"role": "tool", "content": "x"}], "max_tokens": 2},
+        # longer than the context, though not by the producer's lower bound: only the worker finds out
+        {"custom_id": "long-2", "prompt": worker_only_too_long(tiny_model), "max_tokens": 2},
     ]
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     settings = fast_settings(redis_url)
@@ -119,6 +132,133 @@ def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_p
     for bad in ("bad-1", "bad-2", "long-1"):  # never submitted: refused up front
         assert recs[bad]["response"] is None and recs[bad]["error"]["code"] == "invalid_request", bad
     assert recs["bad-1"]["line"] == 4
-    tool = recs["tool-1"]["response"]
-    assert tool["status_code"] == 400 and "chat template" in tool["body"]["error"]["message"]
-    assert recs["tool-1"]["error"] is None
+    long2 = recs["long-2"]["response"]
+    assert long2["status_code"] == 400 and "context" in long2["body"]["error"]["message"]
+    assert recs["long-2"]["error"] is None
+
+
+# -- structured output in bulk ----------------------------------------------------------------------
+# an extraction schema (an enum, integer bounds, a nested object, an array), with lengths bounded so
+# that every valid output ends well within BULK_MAX_TOKENS whatever the weights say
+DOC = {"type": "object", "additionalProperties": False, "required": ["kind", "pages", "meta"],
+       "properties": {"kind": {"enum": ["invoice", "letter", "report"]},
+                      "pages": {"type": "integer", "minimum": 1, "maximum": 500},
+                      "meta": {"type": "object", "additionalProperties": False, "required": ["lang"],
+                               "properties": {"lang": {"enum": ["en", "fr", "de"]},
+                                              "keywords": {"type": "array", "maxItems": 2,
+                                                           "items": {"type": "string", "maxLength": 5}}}}}}
+DOC_FORMAT = {"type": "json_schema", "json_schema": {"name": "doc", "schema": DOC}}
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+           "additionalProperties": False}
+CODE = r"[A-Z]{2}[0-9]{3}"
+BULK_MAX_TOKENS = 300
+
+
+def no_thinking(loaded) -> dict[int, float]:
+    """Keep a model with a reasoning block from opening it (see test_cli_structured.no_thinking)."""
+    return {i: -100.0 for i in ModelFormat.from_tokenizer(loaded.tokenizer).think_start_ids[:1]}
+
+NOT_A_SCHEMA = {"type": "object", "properties": {"pages": {"type": "integr"}}}
+BAD_FORMATS = ({"type": "json_schema", "json_schema": {"name": "doc", "schema": NOT_A_SCHEMA}},
+               {"type": "regex", "pattern": "[0-9"},
+               {"type": "choice", "choices": []})
+
+def test_map_with_a_run_wide_schema_and_per_item_overrides(tiny_model, redis_url):
+    """Every item runs under the run-wide schema unless it sets its own response_format; sampled, so only
+    the constraint makes the outputs valid.  A bad run-wide constraint raises before anything is queued."""
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    items = [{"prompt": f"Ticket {i}:", "seed": i} for i in range(8)]
+    items.append({"prompt": "Language:", "seed": 8, "response_format": {"type": "choice", "choices": ["en", "fr"]}})
+    items.append({"prompt": "Free:", "max_tokens": 3, "ignore_eos": True, "response_format": {"type": "text"}})
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        results = list(client.map(items, response_format=DOC_FORMAT, temperature=1.0, max_tokens=BULK_MAX_TOKENS,
+                                  logit_bias=no_thinking(tiny_model),
+                                  timeout=120))
+        for fmt in BAD_FORMATS:
+            with pytest.raises(ValueError, match="nothing was queued"):
+                next(client.map(["a", "b"], response_format=fmt))
+    assert [r.finish_reason for r in results[:9]] == ["stop"] * 9, [(r.finish_reason, r.error) for r in results]
+    for res in results[:8]:
+        jsonschema.validate(json.loads(res.text), DOC)
+    assert results[8].text in ("en", "fr")
+    assert results[9].stats.generated_tokens == 3  # free: no constraint
+    assert int(client.redis.hget(KEYS.counts, "submitted")) == len(items)
+
+
+def test_batch_with_a_schema_validates_every_line_and_reports_a_bad_line_on_its_line(
+        tiny_model, redis_url, tmp_path, capsys):
+    """``mlxq batch --json-schema FILE``: lines run under it unless they set their own response_format (a
+    plain line or an OpenAI Batch line); a line whose own constraint is bad is reported on that line while
+    the others run.  A bad run-wide schema refuses the whole run: nothing queued, no output written."""
+    schema_file, src, out = tmp_path / "doc.json", tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    schema_file.write_text(json.dumps(DOC))
+    lines = [{"custom_id": f"doc-{i}", "prompt": f"Document {i}:", "seed": i} for i in range(6)]
+    lines.insert(2, {"custom_id": "own-regex", "prompt": "Code:", "seed": 9,
+                     "response_format": {"type": "regex", "pattern": CODE}})
+    lines.insert(4, {"custom_id": "bad-regex", "prompt": "Code:", "response_format": BAD_FORMATS[1]})
+    lines.append({"custom_id": "openai-line", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "tiny", "messages": [{"role": "user", "content": "Triage:"}], "seed": 7,
+                           "logit_bias": {str(i): b for i, b in no_thinking(tiny_model).items()},  # OpenAI's str keys
+                           "temperature": 1.0, "max_tokens": BULK_MAX_TOKENS,
+                           "response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "verdict", "schema": VERDICT}}}})
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    settings = fast_settings(redis_url)
+    r = redis.Redis.from_url(redis_url)
+    argv = ["batch", str(src), "--redis-url", redis_url, "--model", "tiny", "-q", "--temperature", "1.0",
+            "--max-tokens", str(BULK_MAX_TOKENS)] + [a for i in no_thinking(tiny_model) for a in ("--logit-bias", f"{i}=-100")]
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        assert mlxq_main([*argv, "-o", str(out), "--json-schema", str(schema_file)]) == 0
+        capsys.readouterr()
+        submitted = int(r.hget(KEYS.counts, "submitted"))
+        schema_file.write_text(json.dumps(NOT_A_SCHEMA))
+        refused = tmp_path / "refused.jsonl"
+        assert mlxq_main([*argv, "-o", str(refused), "--json-schema", str(schema_file)]) == 2
+        err = capsys.readouterr().err
+        assert "nothing was queued" in err and not refused.exists(), err
+        assert int(r.hget(KEYS.counts, "submitted")) == submitted
+    recs = {rec["custom_id"]: rec for rec in _records(out)}
+    assert len(recs) == len(lines) and submitted == len(lines) - 1
+    bad_rec = recs.pop("bad-regex")
+    assert bad_rec["line"] == 5 and bad_rec["response"] is None and bad_rec["error"]["code"] == "invalid_request"
+    assert "regex" in bad_rec["error"]["message"], bad_rec
+    for cid, rec in recs.items():
+        body = rec["response"]["body"]
+        assert rec["response"]["status_code"] == 200 and body["choices"][0]["finish_reason"] == "stop", (cid, body)
+        choice = body["choices"][0]
+        text = choice["message"]["content"] if cid == "openai-line" else choice["text"]
+        if cid == "own-regex":
+            assert re.fullmatch(CODE, text), text
+        elif cid == "openai-line":  # the body's own response_format (the gateway's request model reads it)
+            jsonschema.validate(json.loads(text), VERDICT)
+        else:
+            jsonschema.validate(json.loads(text), DOC)
+
+
+def test_the_gateways_batch_endpoint_takes_a_response_format(tiny_model, redis_url):
+    """``/v1/batch/chat/completions`` (the low tier) takes the same fields as a batch line: the official
+    ``openai`` client's ``response_format`` gives JSON valid for the schema, at the low tier; a bad schema
+    is a 400 and nothing is queued."""
+    import openai
+
+    from mlxq.producer.gateway import ServerThread, create_app
+
+    settings = fast_settings(redis_url)
+    r = redis.Redis.from_url(redis_url)
+    bias = {str(i): b for i, b in no_thinking(tiny_model).items()}
+    with running_worker(tiny_model, redis_url, settings, max_batch=4), \
+            ServerThread(create_app(redis_url, settings)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1/batch", api_key="EMPTY")
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Document:"}], max_tokens=BULK_MAX_TOKENS,
+            temperature=1.0, seed=3, logit_bias=bias, response_format=DOC_FORMAT)
+        assert reply.choices[0].finish_reason == "stop", reply
+        jsonschema.validate(json.loads(reply.choices[0].message.content), DOC)
+        assert reply.model_extra["stats"]["tier"] == "low"
+        queued = int(r.hget(KEYS.counts, "submitted"))
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                           response_format=BAD_FORMATS[0])
+        assert int(r.hget(KEYS.counts, "submitted")) == queued
+    r.close()

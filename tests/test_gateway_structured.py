@@ -17,9 +17,9 @@ from mlxq.devkit.make_model import THINK_END, THINK_START, TOOL_CALL_START
 from mlxq.producer.gateway import ServerThread, create_app
 from mlxq.shared import codec
 from mlxq.shared.keys import GlobalKeys
-from tests.conftest import fast_settings, running_worker, wait_for
-from tests.test_gateway import raw_post
-from tests.test_tools import SCHEMAS, TOOLS, WEATHER
+from workerkit import fast_settings, running_worker, wait_for
+from test_gateway import raw_post
+from test_tools import SCHEMAS, TOOLS, WEATHER
 
 GK = GlobalKeys()
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]

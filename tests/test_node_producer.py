@@ -44,13 +44,14 @@ def test_the_example_in_the_protocol_doc_is_the_tested_file():
     assert EXAMPLE.read_text() in (ROOT / "docs" / "PROTOCOL.md").read_text()
 
 
-def run_node(node_dir: Path, url: str, prompt: str, max_tokens: int, api_key: str | None = None) -> dict:
+def run_node(node_dir: Path, url: str, prompt: str, max_tokens: int, api_key: str | None = None,
+             schema: dict | None = None) -> dict:
     env = {**os.environ, "MLXQ_REDIS_URL": url, "MLXQ_MODEL": "tiny"}
     env.pop("MLXQ_API_KEY", None)
     if api_key:
         env["MLXQ_API_KEY"] = api_key
-    proc = subprocess.run([shutil.which("node"), "producer.mjs", prompt, str(max_tokens)], cwd=node_dir, env=env,
-                          capture_output=True, text=True, timeout=120)
+    argv = [shutil.which("node"), "producer.mjs", prompt, str(max_tokens)] + ([json.dumps(schema)] if schema else [])
+    proc = subprocess.run(argv, cwd=node_dir, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -81,3 +82,31 @@ def test_node_producer_streams_the_same_text_as_the_python_client(node_dir, tiny
         assert out["tier"] == "high" and out["finish_reason"] in ("stop", "length")
         assert wait_for(lambda: r.hget(GlobalKeys().model_keys("tiny").job(out["id"]), "status") == b"done")
     r.close()
+
+
+SEA = {"type": "object", "properties": {"mood": {"enum": ["calm", "stormy"]},
+                                        "waves": {"type": "integer", "minimum": 0, "maximum": 9}},
+       "required": ["mood", "waves"], "additionalProperties": False}
+SEA_PROMPTS = ("The sea today:", "Weather report:", "Sea state, as JSON:", "Sailing log.", "Harbour news:",
+               "Today at the coast", "The waves are", "Ship's report:")
+
+
+def test_node_producer_submits_a_json_schema_job(node_dir, tiny_model, redis_url):
+    """The example's third argument, a JSON Schema, goes in the request as ``response_format``: the result
+    parses (the example's own JSON.parse), validates, and equals the Python client's for the same request.
+    (The constraint lets a model with a reasoning block think first, and a random-ish model may think past
+    max_tokens: the prompt is one whose greedy answer, computed here by the Python client, completes.)"""
+    import jsonschema
+
+    settings = fast_settings(redis_url)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SEA}}  # as the example sends it
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        client = Client(redis_url, model="tiny", settings=settings)
+        jobs = {p: client.submit(p, max_tokens=64, temperature=0.0, response_format=fmt) for p in SEA_PROMPTS}
+        done = {p: job.result(timeout=120) for p, job in jobs.items()}
+        prompt, py = next(((p, res) for p, res in done.items() if res.finish_reason == "stop"), (None, None))
+        assert prompt is not None, {p: (res.finish_reason, res.text[:60]) for p, res in done.items()}
+        out = run_node(node_dir, redis_url, prompt, 64, schema=SEA)
+    assert out["finish_reason"] == "stop", out
+    jsonschema.validate(out["parsed"], SEA)
+    assert out["streamed"] == out["text"] == py.text and out["parsed"] == json.loads(py.text)

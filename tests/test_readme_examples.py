@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -78,7 +79,7 @@ def run_python(code: str, cwd: Path) -> str:
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out):
-            exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+            exec(compile(code, "README.md", "exec", dont_inherit=True), {"__name__": "readme_example"})  # no inherited __future__
     finally:
         os.chdir(old)
     return out.getvalue()
@@ -100,3 +101,8 @@ def test_readme_examples_run(live, tmp_path):
     assert "mlxq_gateway_requests_total" in text  # the gateway's /metrics
     results = [ln for ln in (tmp_path / "results.jsonl").read_text().splitlines() if ln]
     assert len(results) == 2  # mlxq batch, run twice: each line once
+    # structured output and tool calls (whether the tiny model's answers complete within max_tokens is up
+    # to its weights: tests/test_cli_structured.py, test_bulk.py and the grammar's tests check validity)
+    assert text.count("ticket: ") == 1 and text.count("bulk: ") == 2 and "json: " in text and "finish: " in text
+    triaged = [json.loads(ln) for ln in (tmp_path / "triaged.jsonl").read_text().splitlines() if ln]
+    assert [t["response"]["status_code"] for t in triaged] == [200, 200], triaged

@@ -21,7 +21,7 @@ from mlxq.shared.schemas import GenerateRequest
 from mlxq.shared.tools import ToolError, check_tools, format_from_info, format_info, tool_grammar
 from mlxq.worker.jobs import ActiveJob, Published, chat_stream, read_published, tokenize
 from mlxq.worker.textstream import chat_format
-from tests.conftest import fast_settings, running_worker
+from workerkit import fast_settings, running_worker
 
 WEATHER = {
     "type": "object",

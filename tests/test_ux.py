@@ -379,5 +379,5 @@ def test_readme_client_snippets_print_their_lines_apart(redis_url, tiny_model):
         r.close()
         out = _run_snippet(_readme_python_block('model="tiny")\njob = client.submit('), redis_url)
         assert out.endswith("\n") and out.splitlines()[-1].startswith("tokens: "), out
-        lines = _run_snippet(_readme_python_block("client.map("), redis_url).splitlines()
+        lines = _run_snippet(_readme_python_block("client.map(items"), redis_url).splitlines()
     assert len(lines) == 2 and all(" tokens: " in ln for ln in lines), lines

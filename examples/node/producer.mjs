@@ -1,6 +1,8 @@
 // mlxq from Node.js: enqueue one job, stream its text from the job's channel, read the result.
 //   npm install redis@4 @msgpack/msgpack
 //   MLXQ_REDIS_URL=redis://localhost:6379/0 MLXQ_MODEL=tiny node producer.mjs "Once upon a time" 16
+// Structured output: a JSON Schema as the third argument constrains the text to JSON valid for it:
+//   node producer.mjs "Triage: the printer is on fire" 200 '{"type": "object", "properties": {...}}'
 // It calls mlxq's Redis Functions (library "mlxq", loaded by every worker at start): no script to ship.
 import { createClient, commandOptions } from "redis";
 import { encode, decode } from "@msgpack/msgpack";
@@ -8,7 +10,7 @@ import { createHash, randomBytes } from "node:crypto";
 
 const env = process.env;
 const model = env.MLXQ_MODEL ?? "tiny";
-const [prompt = "Once upon a time", maxTokens = "16"] = process.argv.slice(2);
+const [prompt = "Once upon a time", maxTokens = "16", schema] = process.argv.slice(2);
 const base = `mlxq:{mlxq:${model}}`; // every key of one model shares this hash tag
 const id = randomBytes(16).toString("hex"); // 32 hex digits, never guessable
 const k = { queue: `${base}:queue`, job: `${base}:job:${id}`, counts: `${base}:counts`, wake: `${base}:wake`,
@@ -46,8 +48,10 @@ await sub.subscribe(k.chan, (msg) => {
 // 2. Enqueue atomically with mlxq's function. It gets the sha256 of the API key, never a tier:
 //    Redis decides the tier and the score (an unknown or revoked key is refused there).
 const keyHash = env.MLXQ_API_KEY ? createHash("sha256").update(env.MLXQ_API_KEY).digest("hex") : "";
-const request = Buffer.from(encode({ id, model, prompt, max_tokens: Number(maxTokens), temperature: 0,
-                                     source: "node", submitted_at: Date.now() / 1000 }));
+const fields = { id, model, prompt, max_tokens: Number(maxTokens), temperature: 0, source: "node",
+                 submitted_at: Date.now() / 1000 };
+if (schema) fields.response_format = { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(schema) } };
+const request = Buffer.from(encode(fields));
 const [status, , why] = (await redis.sendCommand(["FCALL", "mlxq_enqueue", "8", k.job, k.counts, k.wake, k.job,
   k.intake, k.queue, k.keyCopy, k.policy, id, request, keyHash, "", "0", "86400"])).map(String);
 // overload: the tier's queue is full; unauthorized: `why` says which key rule; unsynced: no worker yet
@@ -58,8 +62,9 @@ const tier = String(await redis.hGet(k.job, "tier"));
 const last = await ended;
 const job = await redis.hGetAll(commandOptions({ returnBuffers: true }), k.job);
 const result = job.result ? decode(job.result) : { finish_reason: last.f, error: last.e };
+const parsed = schema && result.finish_reason === "stop" ? JSON.parse(result.text) : undefined; // throws if not JSON
 console.log("\n" + JSON.stringify({ id, tier, streamed: text, text: result.text, token_ids: result.token_ids,
-                                    finish_reason: result.finish_reason, error: result.error,
+                                    finish_reason: result.finish_reason, error: result.error, parsed,
                                     usage: result.stats && { prompt_tokens: result.stats.prompt_tokens,
                                                              completion_tokens: result.stats.generated_tokens } }));
 await sub.quit(); await redis.quit();
