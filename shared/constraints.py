@@ -126,7 +126,23 @@ def _schema_of(fmt: dict) -> dict:
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise ConstraintError("response_format.json_schema.schema must be a JSON schema (an object)")
-    return schema
+    return closed(schema) if spec.get("strict") is True else schema
+
+
+def closed(schema: Any) -> Any:
+    """A copy of ``schema`` where every object that does not say otherwise has
+    ``additionalProperties: false``: what ``strict: true`` means in OpenAI's structured outputs
+    (its SDK closes a pydantic class's objects the same way).  Without it a model may write keys
+    the schema never named, and a pydantic class with its default ``extra="ignore"`` would still
+    validate, but only after the model spent its tokens on them."""
+    if isinstance(schema, list):
+        return [closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _grammar_text(fmt: dict) -> str:

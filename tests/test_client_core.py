@@ -190,7 +190,7 @@ def test_timeout_same_error_from_both(both):
 def test_params_pass_through_to_the_request(side, redis_url):
     """tools, tool_choice, parallel_tool_calls, the penalties and logit_bias reach the stored request."""
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-    job = side.call("submit", prompt="hi", tools=[tool], tool_choice="required", parallel_tool_calls=False,
+    job = side.call("submit", messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice="required", parallel_tool_calls=False,
                     presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={3: 2.0}, max_tokens=2)
     req = stored_request(redis_url, job)
     assert req["tools"][0]["function"]["name"] == "get_weather"
