@@ -436,3 +436,20 @@ def test_seeds_and_the_prefix_cache_keep_working_for_constrained_jobs(served):
     assert again.token_ids == alone.token_ids and again.finish_reason == "stop"
     assert again.usage.cached_tokens > 0
 
+
+
+def test_strict_schema_closes_its_objects(tiny_model):
+    """``strict: true`` (what a pydantic class is sent as) means no keys the schema does not list,
+    as in OpenAI's strict mode; without it a JSON Schema allows them."""
+    from mlxq.worker.engine.constrain import GrammarBook
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "object", "properties": {"c": {"type": "integer"}}}}}
+    hf = tiny_model.tokenizer._tokenizer
+    book = GrammarBook(tiny_model.tokenizer, tiny_model.eos_token_ids)
+    extra_inner = hf.encode('{"a":1,"b":{"c":2,"x":3}}', add_special_tokens=False)
+    for strict, accepted in ((False, True), (True, False)):
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": strict}}
+        row = book.start(compile_format(fmt), [])
+        assert (row.matcher.consume_tokens(extra_inner) and row.matcher.is_accepting()) == accepted
+    assert constraints.closed(schema)["properties"]["b"]["additionalProperties"] is False
