@@ -2,7 +2,7 @@
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
-WORKDIR /app
+WORKDIR /src
 # g++ and make compile the paged-attention CPU extension (cmake and nanobind come from PyPI)
 RUN apt-get update && apt-get install -y --no-install-recommends g++ make \
     && rm -rf /var/lib/apt/lists/*
@@ -11,7 +11,9 @@ COPY shared ./shared
 COPY producer ./producer
 COPY worker ./worker
 COPY mlxq ./mlxq
-RUN pip install .
+RUN pip install . && rm -rf /src/*
+# run from a directory without the sources: `python -m mlxq` there imports the installed package
+WORKDIR /srv
 # Build the paged-attention extension into the image (else the first worker start does, ~30 s;
 # if it cannot, the worker logs why and uses the gather attention path).
 ENV MLXQ_CACHE_DIR=/opt/mlxq-cache
