@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from throughput import NEUTRAL_CWD, bench_model_dir, start_worker, wait_worker
+from throughput import NEUTRAL_CWD, bench_model_dir, start_worker, stop, wait_worker
 
 from mlxq import Client
 from mlxq.shared.embedded import EmbeddedRedis
@@ -89,15 +89,6 @@ def client_round(client: Client, prompts: list[str], gen: int) -> tuple[float, i
     with ThreadPoolExecutor(len(jobs)) as pool:
         toks = sum(pool.map(lambda j: len(j.result(timeout=900).token_ids), jobs))
     return toks / (time.perf_counter() - t0), toks
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def measure(label: str, fn, model_dir: str, conc: list[int], rounds: int, gen: int, out: dict) -> None:

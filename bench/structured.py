@@ -33,7 +33,7 @@ from pathlib import Path
 
 
 from grammar_engines import SCHEMA as BASE_SCHEMA  # noqa: E402
-from throughput import NEUTRAL_CWD, bench_model_dir, prompts_for, read_stream, start_worker, wait_worker  # noqa: E402
+from throughput import NEUTRAL_CWD, bench_model_dir, prompts_for, read_stream, start_worker, stop, wait_worker  # noqa: E402
 from mlxq import Client  # noqa: E402
 from mlxq.shared.embedded import EmbeddedRedis  # noqa: E402
 from mlxq.shared.settings import Settings  # noqa: E402
@@ -150,8 +150,7 @@ def compare_peer(peer: str, redis_url: str, n: int, gen: int, model_dir: str) ->
             lines.append(f"  {name:12s} peer         {http_batch(peer, peer_model, n, gen, rf, extra)}")
         return lines
     finally:
-        gw.terminate()
-        gw.wait(timeout=30)
+        stop(gw)
 
 
 def main() -> int:
@@ -188,11 +187,7 @@ def main() -> int:
                 for name, x in (("free", free[-1]), ("json-schema", cons[-1]))), flush=True)
     finally:
         client.close()
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         server.stop()
     f, c = statistics.median(x[0] for x in free), statistics.median(x[0] for x in cons)
     fc, cc = statistics.median(x[3] for x in free), statistics.median(x[3] for x in cons)

@@ -148,6 +148,16 @@ def wait_worker(client: Client, proc: subprocess.Popen, timeout: float = 180) ->
         time.sleep(0.2)
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate a process the bench started (kill it after 30 s)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def start_worker(url: str, model_dir: str, blas_threads: str | None, extra_env=()) -> subprocess.Popen:
     env = dict(os.environ, MLXQ_LOG_LEVEL="WARNING")
     if blas_threads:
@@ -255,11 +265,7 @@ def main() -> int:
             print(f"  ttft: cold {[round(c * 1e3) for c in cold]} ms   warm {[round(w * 1e3) for w in warm_]} ms",
                   flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         for side in sides:
             side.close()
         if server:
