@@ -18,7 +18,6 @@ import argparse
 import importlib.util
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 

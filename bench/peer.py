@@ -25,24 +25,18 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from throughput import NEUTRAL_CWD, bench_model_dir, start_worker, stop, wait_worker
+from throughput import (NEUTRAL_CWD, bench_model_dir, free_port, start_gateway, start_worker, stop, wait_http,
+                        wait_worker)
 
 from mlxq import Client
 from mlxq.shared.embedded import EmbeddedRedis
 from mlxq.shared.settings import Settings
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def text_prompts(model_dir: str, n: int, length: int, seed: int) -> list[str]:
@@ -53,20 +47,6 @@ def text_prompts(model_dir: str, n: int, length: int, seed: int) -> list[str]:
     special = set(tok.get_added_tokens_decoder())  # ids of the added (special) tokens
     ids = [i for i in range(tok.get_vocab_size()) if i not in special and i > 16]
     return [tok.decode([rng.choice(ids) for _ in range(length)]) for _ in range(n)]
-
-
-def wait_http(base: str, proc: subprocess.Popen, timeout: float = 300) -> str:
-    """Until the server answers /v1/models; its first model id."""
-    from openai import OpenAI
-
-    deadline = time.time() + timeout
-    while True:
-        try:
-            return OpenAI(base_url=base, api_key="bench", max_retries=0, timeout=2).models.list().data[0].id
-        except Exception:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"{base} did not start")
-            time.sleep(0.5)
 
 
 def http_round(base: str, model: str, prompts: list[str], gen: int) -> tuple[float, int]:
@@ -101,13 +81,10 @@ def measure(label: str, fn, model_dir: str, conc: list[int], rounds: int, gen: i
 def mlxq_side(model_dir: str, conc: list[int], rounds: int, gen: int, out: dict) -> None:
     server = EmbeddedRedis().start()
     worker = start_worker(server.url, model_dir, None)
-    port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-m", "mlxq", "gateway", "--redis-url", server.url, "--port", str(port),
-                                "--log-level", "WARNING"], cwd=NEUTRAL_CWD)
+    gateway, base = start_gateway(server.url)
     client = Client(server.url, model="bench", settings=Settings(redis_url=server.url))
     try:
         wait_worker(client, worker)
-        base = f"http://127.0.0.1:{port}/v1"
         model = wait_http(base, gateway)
         http_round(base, model, text_prompts(model_dir, 4, 64, seed=7), 8)  # warm-up
         measure("mlxq gateway", lambda p, g: http_round(base, model, p, g), model_dir, conc, rounds, gen, out)

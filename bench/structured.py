@@ -25,7 +25,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -33,7 +32,8 @@ from pathlib import Path
 
 
 from grammar_engines import SCHEMA as BASE_SCHEMA  # noqa: E402
-from throughput import NEUTRAL_CWD, bench_model_dir, prompts_for, read_stream, start_worker, stop, wait_worker  # noqa: E402
+from throughput import (bench_model_dir, prompts_for, read_stream, start_gateway, start_worker, stop,  # noqa: E402
+                        wait_http, wait_worker)
 from mlxq import Client  # noqa: E402
 from mlxq.shared.embedded import EmbeddedRedis  # noqa: E402
 from mlxq.shared.settings import Settings  # noqa: E402
@@ -120,23 +120,11 @@ def no_thinking(model_dir: str) -> dict:
 
 def compare_peer(peer: str, redis_url: str, n: int, gen: int, model_dir: str) -> list[str]:
     """The same chat requests through mlxq's gateway and through the peer, one server at a time."""
-    import socket
-
     from openai import OpenAI
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    gw = subprocess.Popen([sys.executable, "-m", "mlxq", "gateway", "--redis-url", redis_url, "--port", str(port),
-                           "--log-level", "WARNING"], cwd=NEUTRAL_CWD)
-    ours = f"http://127.0.0.1:{port}/v1"
+    gw, ours = start_gateway(redis_url)
     try:
-        for _ in range(300):
-            try:
-                OpenAI(base_url=ours, api_key="bench", max_retries=0, timeout=2).models.list()
-                break
-            except Exception:
-                time.sleep(0.2)
+        wait_http(ours, gw)
         peer_model = OpenAI(base_url=peer, api_key="bench", max_retries=0).models.list().data[0].id
         # a schema an answer can complete (the record alone), so "parses" is a figure too
         record = {"type": "json_schema", "json_schema": {"name": "record", "schema": BASE_SCHEMA, "strict": True}}

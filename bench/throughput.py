@@ -158,6 +158,38 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def free_port() -> int:
+    """A free loopback TCP port."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_gateway(redis_url: str) -> tuple[subprocess.Popen, str]:
+    """``python -m mlxq gateway`` on a free loopback port: the process and its /v1 base URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlxq", "gateway", "--redis-url", redis_url, "--port", str(port),
+                             "--log-level", "WARNING"], cwd=NEUTRAL_CWD)
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def wait_http(base: str, proc: subprocess.Popen, timeout: float = 300) -> str:
+    """Until an OpenAI-compatible server answers /v1/models: its first model id (RuntimeError when
+    the process exits or takes too long)."""
+    from openai import OpenAI
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            return OpenAI(base_url=base, api_key="bench", max_retries=0, timeout=2).models.list().data[0].id
+        except Exception:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"{base} did not start")
+            time.sleep(0.5)
+
+
 def start_worker(url: str, model_dir: str, blas_threads: str | None, extra_env=()) -> subprocess.Popen:
     env = dict(os.environ, MLXQ_LOG_LEVEL="WARNING")
     if blas_threads:
