@@ -19,7 +19,7 @@ from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, ToolCall
 from ..shared.tools import check_tools, uses_tools
 from .engine_api import SeqSpec
 from .sampling import make_sampler, repetition_penalty, resolve_seed
-from .textstream import ChatStream, TextStream, chat_format
+from .textstream import ChatStream, TextStream, chat_format, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def _short(exc: ValidationError) -> str:
 
 def tokenize(req: GenerateRequest, tokenizer) -> list[int]:
     if req.prompt_tokens is not None:
-        vocab = len(getattr(tokenizer, "_tokenizer", tokenizer))
+        vocab = vocab_size(tokenizer)
         if any(t >= vocab for t in req.prompt_tokens):
             raise JobError(f"prompt_tokens contains ids outside the vocabulary (size {vocab})")
         return list(req.prompt_tokens)
@@ -236,15 +236,17 @@ def _template_tools(req: GenerateRequest, tokenizer) -> Optional[list[dict]]:
 
 def check_token_ids(req: GenerateRequest, tokenizer) -> None:
     """logit_bias names token ids of this model's vocabulary."""
-    vocab = len(getattr(tokenizer, "_tokenizer", tokenizer))
+    vocab = vocab_size(tokenizer)
     bad = sorted(t for t in (req.logit_bias or {}) if t >= vocab)
     if bad:
         raise JobError(f"logit_bias names token ids outside the vocabulary (size {vocab}): {bad[:5]}")
 
 
-def job_grammar(req: GenerateRequest, prompt: list[int], fmt: ModelFormat) -> Optional[str]:
-    """The grammar the job's output follows (None: free text); a reasoning block the prompt
-    opened (a chat template that starts the answer thinking) comes first."""
+def job_grammar(req: GenerateRequest, prompt: list[int], tokenizer) -> Optional[str]:
+    """The grammar the job's output follows (None: free text), in the model's format
+    (``chat_format``); a reasoning block the prompt opened (a chat template that starts the
+    answer thinking) comes first."""
+    fmt = chat_format(tokenizer)
     if fmt.think_start and prompt_in_thinking(prompt, fmt):
         fmt = dataclasses.replace(fmt, in_thinking=True)
     try:

@@ -17,7 +17,7 @@ from mlx_lm.utils import dequantize_model
 
 from ..shared.keys import model_name
 from ..shared.tools import format_info
-from .textstream import chat_format
+from .textstream import chat_format, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class LoadedModel:
             "eos_token_ids": list(self.eos_token_ids),
             "num_params": self.num_params,
             "has_chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
-            "vocab_size": len(getattr(self.tokenizer, "_tokenizer", self.tokenizer)),
+            "vocab_size": vocab_size(self.tokenizer),
             # thinking and tool-call markers, the tool parser's family (mlxq.shared.tools.format_info)
             "chat_format": format_info(chat_format(self.tokenizer)),
         }

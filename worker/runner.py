@@ -20,7 +20,6 @@ from typing import Optional
 import mlx.core as mx
 
 from ..shared import codec
-from ..shared.constraints import ModelFormat
 from ..shared.keys import GlobalKeys
 from ..shared.protocol import Pulled, Queue
 from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
@@ -56,7 +55,6 @@ class Worker:
         self.engine = engine
         self.grace_s = self.settings.grace_s if grace_s is None else grace_s
         self.eos = set(loaded.eos_token_ids)
-        self.model_format = ModelFormat.from_tokenizer(loaded.tokenizer)  # reasoning / tool-call markers
         # Observers (metrics, rq mirroring) get on_token(job, n_tokens, now_monotonic),
         # on_finish(job, result) and on_snapshot(snapshot); all are called on the MLX thread
         # and must be cheap and must not call MLX. Missing methods are skipped.
@@ -122,7 +120,7 @@ class Worker:
             req = decode_request(entry, self.loaded.name, self.settings.max_new_tokens)
             prompt = tokenize(req, self.loaded.tokenizer)
             check_token_ids(req, self.loaded.tokenizer)
-            grammar = job_grammar(req, prompt, self.model_format)
+            grammar = job_grammar(req, prompt, self.loaded.tokenizer)
             ctx = self.loaded.context_length
             if len(prompt) >= ctx:
                 raise JobError(f"prompt of {len(prompt)} tokens exceeds the model's context of {ctx} tokens")

@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 REPLACEMENT = "\ufffd"
 
 
+def vocab_size(tokenizer) -> int:
+    """The tokenizer's vocabulary size, added tokens included (of the HF tokenizer that mlx-lm's
+    TokenizerWrapper wraps)."""
+    return len(getattr(tokenizer, "_tokenizer", tokenizer))
+
+
 def decode_fn(tokenizer) -> Callable[[list[int]], str]:
     """``ids -> text`` with no clean-up of spaces and special tokens kept: the Rust tokenizer's
     own decode when there is one (fast, exact), else the tokenizer's ``decode``."""
