@@ -154,6 +154,8 @@ class Settings:
     keep_dtype: bool = opt(False, "keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
     grace_s: float = opt(30.0, "warm-shutdown grace period in seconds", flag="--grace")
     burst: bool = opt(False, "exit when the queue is empty")
+    host_thread: bool = opt(True, "detokenize and publish each step's tokens on a thread of their own while "
+                            "MLX runs the next step (off: on the MLX thread, between steps)")
     rq_queues: Optional[str] = opt(None, "also take jobs from these rq queues (comma-separated, e.g. "
                                    "mlxq-high,mlxq-normal,mlxq-low; see mlxq.producer.rq_bridge)", shown_default="none")
     # the rq bridge's own API key (its jobs' tier); a secret: no flag (a command line is visible to every

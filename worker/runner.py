@@ -1,8 +1,11 @@
 """The worker: one process, one model, one thread for every MLX call.
 
 Each pass of the loop reads like a sentence: take control messages, admit
-ready jobs, run one engine step, hand the step's output to Redis.  Redis I/O
-runs on other threads (``mlxq.worker.redis_io``) and never stalls a decode step.
+ready jobs, run one engine step, hand the step's tokens over.  What becomes of
+them (detokenizing, stop strings, deltas, results: ``_after_step``) runs on the
+host thread (``mlxq.worker.hostwork``) while the MLX thread launches the next
+step; Redis I/O runs on other threads (``mlxq.worker.redis_io``).  Neither
+stalls a decode step.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
+from functools import partial
 from typing import Optional
 
 import mlx.core as mx
@@ -27,6 +32,7 @@ from ..shared.settings import TIERS, Settings
 from . import blas
 from .jobs import (ActiveJob, JobError, Published, check_token_ids, decode_request, job_grammar, read_published,
                    start_job, tokenize)
+from .hostwork import HostWork
 from .model import LoadedModel
 from .engine.engine import make_engine
 from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQueue, StepOutput
@@ -55,12 +61,16 @@ class Worker:
         self.engine = engine
         self.grace_s = self.settings.grace_s if grace_s is None else grace_s
         self.eos = set(loaded.eos_token_ids)
-        # Observers (metrics, rq mirroring) get on_token(job, n_tokens, now_monotonic),
-        # on_finish(job, result) and on_snapshot(snapshot); all are called on the MLX thread
-        # and must be cheap and must not call MLX. Missing methods are skipped.
+        # Observers (metrics, rq mirroring) get on_token(job, n_tokens, now_monotonic) and
+        # on_finish(job, result) on the host thread, on_snapshot(snapshot) on the MLX thread;
+        # they must be cheap and must not call MLX. Missing methods are skipped.
         self.observers = list(observers or [])
 
+        # Added by the MLX thread (_admit), ended by the host thread (_finish); others take list() copies.
         self.active: dict[str, ActiveJob] = {}
+        # The host thread: what becomes of each step's tokens, in step order (inline: MLXQ_HOST_THREAD=0).
+        self.host = HostWork(inline=not self.settings.host_thread)
+        self._removals: deque[str] = deque()  # host thread -> MLX thread: sequences a stop string ended
         self.ready = ReadyQueue()
         self._engine_free = self.engine.free_slots()
         self._engine_urgent_below = float("-inf")
@@ -181,6 +191,8 @@ class Worker:
         idle_since: Optional[float] = None
         try:
             while True:
+                self.host.check()
+                self._apply_removals()
                 self._handle_control()
                 self._admit()
                 if self.draining.is_set() and (not self.active or time.monotonic() > self._drain_deadline):
@@ -198,7 +210,7 @@ class Worker:
                 idle_since = None
                 t0 = time.perf_counter()
                 events, preempted = self.engine.step()
-                self._after_step(events, preempted)
+                self._hand_over(events, preempted)
                 self.busy_s += time.perf_counter() - t0
                 self._refresh_snapshot()
         finally:
@@ -220,24 +232,55 @@ class Worker:
                     self.active[job.id] = job
                 done = [j for j in jobs if len(j.tokens) >= j.request.max_tokens]
                 if done:  # an earlier attempt published every token, then died before finishing
-                    out = StepOutput()
-                    for job in done:
-                        self._finish(job, "length", out, job.text.finish())
-                    self.publisher.submit(out)
+                    self.host.submit(partial(self._finish_done, done))
                 self.engine.add([self._spec(job) for job in jobs if job.id in self.active])
             self._engine_free = self.engine.free_slots()
             self._engine_urgent_below = self.engine.urgent_below()
         if jobs:
             self.fetcher.kick.set()
 
+    def _finish_done(self, jobs: list[ActiveJob]) -> None:
+        """Host thread: end jobs whose every token an earlier attempt published."""
+        out = StepOutput()
+        for job in jobs:
+            self._finish(job, "length", out, job.text.finish())
+        self.publisher.submit(out)
+
     def _spec(self, job: ActiveJob):
         spec = job.spec(self.loaded.eos_token_ids)
         spec.want_logprobs = bool(job.request.logprobs)
         return spec
 
-    def _after_step(self, events, preempted) -> None:
+    def _hand_over(self, events, preempted) -> None:
+        """MLX thread: read what the step's tokens need from MLX (log-probabilities), then hand them to
+        the host thread."""
+        tops = [None] * len(events)
+        for i, ev in enumerate(events):
+            job = self.active.get(ev.uid)
+            if job is not None and job.request.logprobs and ev.token is not None:
+                tops[i] = self._logprobs(ev, job.request.logprobs)
+        self._window.append((time.monotonic(), len(events)))
+        if events or preempted:
+            self.host.submit(partial(self._after_step, events, preempted, tops))
+
+    def _remove_soon(self, uid: str) -> None:
+        """Host thread: drop a sequence from the engine (on the MLX thread, before its next step)."""
+        if self.host.inline:
+            self.engine.remove([uid])
+        else:
+            self._removals.append(uid)
+
+    def _apply_removals(self) -> None:
+        uids = []
+        while self._removals:
+            uids.append(self._removals.popleft())
+        if uids:
+            self.engine.remove(uids)
+
+    def _after_step(self, events, preempted, tops) -> None:
+        """Host thread: a step's tokens become text, deltas and results, handed to the publisher."""
         out = StepOutput()
-        for ev in events:
+        for ev, top in zip(events, tops):
             job = self.active.get(ev.uid)
             if job is None:
                 continue
@@ -260,11 +303,11 @@ class Worker:
                 self.tokens_generated += 1
                 text = job.text.add(ev.token)
                 if job.request.logprobs:
-                    lp = [self._logprobs(ev, job.request.logprobs)]
+                    lp = [top or {"token": ev.token, "logprob": None, "top": []}]
                     job.logprobs.extend(lp)
             if job.text.stopped:  # a stop string, also on the token that reached max_tokens
                 if finish is None:
-                    self.engine.remove([job.id])
+                    self._remove_soon(job.id)
                 finish = "stop"
             if finish:
                 text += job.text.finish()
@@ -280,8 +323,6 @@ class Worker:
                 out.requeues.append((job.id, job.owner, job.resume_state()))
                 self.processed["requeued"] += 1
         self.publisher.submit(out)
-        now = time.monotonic()
-        self._window.append((now, len(events)))
 
     def _finish(self, job: ActiveJob, finish: str, out: StepOutput, text: str = "", ids=(), lp=None,
                 error: Optional[str] = None, error_code: Optional[str] = None) -> None:
@@ -322,18 +363,30 @@ class Worker:
                 kind, ids = self._control_q.get_nowait()
             except queue.Empty:
                 return
-            out = StepOutput()
+            ended = []
             for job_id in ids:
-                job = self.active.get(job_id) or self._take_ready(job_id)
+                running = self.active.get(job_id)
+                job = running or self._take_ready(job_id)
                 if job is None:
                     continue
                 self.engine.remove([job_id])
-                if kind == "cancel":
-                    self._finish(job, "cancelled", out)
-                else:  # lost lease: another worker owns the job now; write nothing
-                    self.active.pop(job_id, None)
-                    log.warning("job=%s attempt=%d dropped: lease lost", job.id, job.attempt)
-            self.publisher.submit(out)
+                ended.append((job, running is not None))
+            if ended:
+                self.host.submit(partial(self._end_by_control, kind, ended))
+
+    def _end_by_control(self, kind: str, ended: list) -> None:
+        """Host thread: end cancelled jobs, drop jobs whose lease another worker took (after the tokens of
+        every earlier step; a job the host thread finished meanwhile stays finished)."""
+        out = StepOutput()
+        for job, running in ended:
+            if running and self.active.get(job.id) is not job:
+                continue
+            if kind == "cancel":
+                self._finish(job, "cancelled", out)
+            else:  # lost lease: another worker owns the job now; write nothing
+                self.active.pop(job.id, None)
+                log.warning("job=%s attempt=%d dropped: lease lost", job.id, job.attempt)
+        self.publisher.submit(out)
 
     def _take_ready(self, job_id: str) -> Optional[ActiveJob]:
         with self.ready.lock:
@@ -353,14 +406,15 @@ class Worker:
         self._snap_at = now
         self._window = [(t, n) for t, n in self._window if now - t <= 1.0]
         current = sum(n for _, n in self._window) / 1.0
+        active = list(self.active.values())  # the host thread ends jobs meanwhile
         self._snap = {
             "worker_id": self.worker_id,
             "model": self.loaded.name,
             "engine": type(self.engine).__name__,
             "started_at": self.started_at,
             "updated_at": time.time(),
-            "active": len(self.active),
-            "active_by_tier": {t: sum(1 for j in self.active.values() if j.tier == t) for t in TIERS},
+            "active": len(active),
+            "active_by_tier": {t: sum(1 for j in active if j.tier == t) for t in TIERS},
             "ready": len(self.ready),
             "processed": dict(self.processed),
             "tokens_generated": self.tokens_generated,
@@ -404,6 +458,12 @@ class Worker:
 
     def _shutdown(self) -> None:
         self.fetcher.paused.set()
+        try:
+            self.host.drain()  # every step's tokens published before the leftovers are requeued
+        except Exception:
+            log.exception("the host thread failed; requeueing what is left")
+        self.host.close()
+        self._apply_removals()
         out = StepOutput()
         leftovers = list(self.active.values())
         with self.ready.lock:

@@ -1,0 +1,103 @@
+"""The host thread of a worker (mlxq.worker.hostwork): order, back-pressure, errors, inline mode."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from faultkit import reference_tokens
+from mlxq import Client
+from mlxq.worker.hostwork import HostWork
+from workerkit import fast_settings, running_worker
+
+
+def test_runs_in_order_off_the_caller_thread():
+    host = HostWork()
+    seen, threads = [], set()
+
+    def note(i):
+        seen.append(i)
+        threads.add(threading.get_ident())
+
+    for i in range(200):
+        host.submit(lambda i=i: note(i))
+    host.drain()
+    host.close()
+    assert seen == list(range(200))
+    assert threads and threading.get_ident() not in threads
+
+
+def test_the_caller_waits_when_depth_steps_are_pending():
+    host = HostWork(depth=2)
+    gate, started = threading.Event(), threading.Event()
+    host.submit(lambda: (started.set(), gate.wait(30)))
+    assert started.wait(30)
+    host.submit(lambda: None)
+    host.submit(lambda: None)  # the queue holds two: the next submit must wait
+    blocked = threading.Thread(target=host.submit, args=(lambda: None,))
+    blocked.start()
+    blocked.join(0.2)
+    assert blocked.is_alive()
+    gate.set()
+    blocked.join(30)
+    assert not blocked.is_alive()
+    host.drain()
+    host.close()
+
+
+def test_an_error_reaches_the_caller_and_work_goes_on_after_it():
+    host = HostWork()
+    ran = []
+    host.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        host.drain()
+    host.submit(lambda: ran.append(1))  # after the error was raised, work goes on
+    host.drain()
+    host.close()
+    assert ran == [1]
+
+
+def test_inline_runs_at_once_on_the_caller_thread():
+    host = HostWork(inline=True)
+    where = []
+    host.submit(lambda: where.append(threading.get_ident()))
+    assert where == [threading.get_ident()]
+    host.drain()
+    host.close()
+
+
+def _run_jobs(tiny_model, redis_url, host_thread: bool, cases):
+    settings = fast_settings(redis_url, host_thread=host_thread)
+    client = Client(redis_url, model="tiny", settings=settings)
+    with running_worker(tiny_model, redis_url, settings, max_batch=8):
+        jobs = [client.submit(prompt_tokens=p, max_tokens=16, ignore_eos=True, stop=stop, logprobs=2)
+                for p, stop in cases]
+        out = []
+        for job in jobs:
+            streamed = list(job.stream(timeout=120))
+            res = job.result(timeout=120)
+            assert "".join(d.text for d in streamed) == res.text
+            assert [t for d in streamed for t in d.token_ids] == res.token_ids
+            assert len(res.logprobs) == len(res.token_ids)
+            out.append((res.text, res.token_ids, res.finish_reason, [lp["token"] for lp in res.logprobs]))
+    client.close()
+    return out
+
+
+def test_the_host_thread_changes_no_output(tiny_model, redis_url):
+    """Stop strings (the engine is told a step late), log-probabilities and streams: the same with the
+    host thread as inline, and a stop string ends the text where it starts."""
+    tok = tiny_model.tokenizer
+    cases = []
+    for i in range(6):
+        prompt = [4 + i, 30 + 7 * i, 9, 60 + i]
+        text = tok.decode(reference_tokens(tiny_model, prompt, 16, ignore_eos=True))
+        cut = text[len(text) // 2:len(text) // 2 + 2]
+        cases.append((prompt, [cut] if cut.strip() else None))
+    inline = _run_jobs(tiny_model, redis_url, False, cases)
+    threaded = _run_jobs(tiny_model, redis_url, True, cases)
+    assert threaded == inline
+    for (prompt, stop), (text, _, finish, _) in zip(cases, threaded):
+        if stop:
+            assert finish == "stop" and stop[0] not in text
