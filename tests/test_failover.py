@@ -192,9 +192,12 @@ def test_single_redis_restart_mid_stream_client_and_gateway(tiny_model, tiny_mod
     2 s later on the same port and data: every stream is exact, and both work afterwards."""
     from mlxq.producer.gateway import ServerThread, create_app
 
-    n, long = 12, 160  # long by construction: every job is under way at the kill
+    # long by construction: the HTTP streams start first, so they are three times as long as the
+    # Client's jobs; all of them are still under way when the last Client job has started
+    n, long, long_g = 12, 160, 480
     prompts = _prompts(2 * n, salt=3)
-    refs = [reference_tokens(tiny_model, p, long, ignore_eos=True) for p in prompts]
+    refs = [reference_tokens(tiny_model, p, long if i < n else long_g, ignore_eos=True)
+            for i, p in enumerate(prompts)]
     srv = EmbeddedRedis(tmp_path / "data", persist=True).start()
     worker = WorkerProc(srv.url, tiny_model_dir, tmp_path, max_batch=24)
     try:
@@ -203,12 +206,12 @@ def test_single_redis_restart_mid_stream_client_and_gateway(tiny_model, tiny_mod
         with ServerThread(create_app(srv.url, settings)) as gw:
             run_c, run_g = Run(n), Run(n)
             # the HTTP streams first: once they all stream, the Client's jobs join the same batch
-            oai, gthreads = _gateway_jobs(gw, prompts[n:], run_g, long)
+            oai, gthreads = _gateway_jobs(gw, prompts[n:], run_g, long_g)
             assert wait_for(lambda: run_g.started() == n, timeout=120), worker.log()
             client, threads = _sync_jobs(srv.url, prompts[:n], run_c, settings, long)
             assert wait_for(lambda: run_c.started() == n, timeout=120), worker.log()
             under_way = sum(r is None for r in run_c.results + run_g.results)
-            assert under_way >= n  # 160 tokens each: most are far from done when all have started
+            assert under_way >= n  # the 12 HTTP streams at least (480 tokens each)
             srv.kill()
             run_c.killed_at = run_g.killed_at = time.monotonic()
             time.sleep(2)
