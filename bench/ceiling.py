@@ -1,0 +1,181 @@
+"""How close a decode step comes to the machine: the engine against its ceilings, in one run.
+
+    python bench/ceiling.py                          # the bench model: solo, 16 and 64 rows
+    python bench/ceiling.py --shape 0.36b --batch 16 # 0.5B-class layer shapes (random weights)
+    python bench/ceiling.py --e2e                    # also through Redis (a worker process, Client)
+
+Two ceilings, measured in the same process right before the engine runs:
+
+* **weight-matmul-only**: every weight matrix of the model (attention and MLP projections of
+  every layer, the vocabulary head) multiplied by a (batch, in) activation, nothing else, in
+  one evaluated graph per step: the work a decode step cannot avoid. tokens/s = batch / time.
+* **memory bandwidth** (solo): a decode step at batch 1 must read every weight once; the
+  machine's read bandwidth (numpy's sum, or a BLAS vector-matrix product, over an array 4x the
+  weights' size, whichever is faster) over the weights' bytes bounds solo tokens/s.
+
+Against them: the engine's steady decode (``PagedEngine.step`` in this process, rows already
+decoding, every token read back by the host as the worker reads it), and with ``--e2e`` the
+whole path (Client -> Valkey -> a ``python -m mlxq worker`` process -> token streams),
+generated tokens / wall time of a run long enough that prefill is a small part.
+
+``--shape 0.36b``: hidden 896, 24 layers, MLP 4864, 14 heads / 2 KV heads (Qwen2.5-0.5B's
+layer shapes) and a 32000-token vocabulary, 0.36B parameters, random fp32 weights (speed does
+not depend on them), built in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from types import SimpleNamespace
+
+from mlxq.worker import blas
+
+blas.setup()  # fast BLAS before mlx
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mlxq.shared.settings import Settings  # noqa: E402
+from mlxq.worker.engine.engine import make_engine  # noqa: E402
+from mlxq.worker.engine_api import SeqSpec  # noqa: E402
+from mlxq.worker.model import load_model  # noqa: E402
+
+SHAPE_036B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
+                  num_attention_heads=14, num_key_value_heads=2, vocab_size=32000, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=4096)
+
+
+def load(shape: str, model_dir: str | None):
+    """The bench model from disk, or the 0.36B shape built in memory (what make_engine reads)."""
+    if shape == "bench":
+        from throughput import bench_model_dir
+
+        return load_model(model_dir or bench_model_dir())
+    from mlx_lm.models import qwen2
+
+    model = qwen2.Model(qwen2.ModelArgs(**SHAPE_036B))
+    mx.eval(model.parameters())
+    return SimpleNamespace(name="qwen-0.36b-shape", model=model, tokenizer=None, eos_token_ids=(),
+                           context_length=4096)
+
+
+def weights(model) -> list[mx.array]:
+    """Every weight matrix a decode step multiplies by (the tied embedding once, as the head)."""
+    mats = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not any(w.shape[0] == model.args.vocab_size for w in mats):
+        mats.append(model.model.embed_tokens.weight)
+    return mats
+
+
+def best_of(fn, rounds: int = 5, reps: int = 10) -> float:
+    """Best mean seconds per call of ``fn`` over ``rounds`` rounds of ``reps`` calls."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def matmul_ceiling(mats: list[mx.array], batch: int) -> float:
+    """tokens/s of the weight matmuls alone at this batch."""
+    xs = [mx.random.normal((batch, w.shape[1])) for w in mats]
+    mx.eval(xs)
+    return batch / best_of(lambda: mx.eval([x @ w.T for x, w in zip(xs, mats)]))
+
+
+def bandwidth(nbytes: int) -> float:
+    """Read bandwidth in bytes/s over an fp32 array of about ``nbytes``: the best of numpy's sum
+    and a BLAS vector-matrix product (MLX's own reductions run slower than memory here)."""
+    a = np.random.default_rng(0).random(max(nbytes // 4, 1 << 22), dtype=np.float32)
+    m = mx.array(a).reshape(1024, -1)
+    v = mx.ones((1, 1024))
+    mx.eval(m, v)
+    return a.nbytes / min(best_of(lambda: a.sum(), reps=3), best_of(lambda: mx.eval(v @ m), reps=3))
+
+
+def engine_decode(loaded, batch: int, prompt_len: int, steps: int) -> float:
+    """tokens/s of the engine's steady decode with ``batch`` rows (in process, no Redis)."""
+    vocab = loaded.model.args.vocab_size
+    rng = random.Random(0)
+    eng = make_engine(loaded, Settings.from_env(max_batch=max(batch, 1)))
+    eng.add([SeqSpec(f"s{i}", [rng.randrange(10, vocab - 1) for _ in range(prompt_len)], steps * 3 + 50,
+                     stop_token_ids=()) for i in range(batch)])
+    while eng.stats()["running"] < batch or any(
+            s.status.value != "decode" for s in eng.scheduler.running.values()):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    best = 0.0
+    for _ in range(3):
+        n, t0 = 0, time.perf_counter()
+        for _ in range(steps):
+            n += len(eng.step()[0])
+        best = max(best, n / (time.perf_counter() - t0))
+    eng.remove([f"s{i}" for i in range(batch)])
+    return best
+
+
+def e2e(model_dir: str, batch: int, gen: int) -> float:
+    """tokens/s through Redis: ``batch`` jobs of ``gen`` tokens at once (64-token prompts)."""
+    from throughput import mlxq_batch, prompts_for, start_worker, stop, wait_worker
+
+    from mlxq import Client
+    from mlxq.shared.embedded import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        proc = start_worker(server.url, model_dir, None)
+        try:
+            client = Client(server.url, model="bench")
+            wait_worker(client, proc)
+            prompts = prompts_for(batch, 64, 8000, 1)
+            mlxq_batch(client, prompts[:2], 8)  # warm
+            return max(mlxq_batch(client, prompts, gen)[0] for _ in range(2))
+        finally:
+            stop(proc)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=("bench", "0.36b"), default="bench")
+    ap.add_argument("--model", help="a model directory (--shape bench; default: the bench model)")
+    ap.add_argument("--batch", default="1,16,64", help="comma-separated batch sizes")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--e2e", action="store_true", help="also end to end through Redis (bench shape)")
+    ap.add_argument("--e2e-tokens", type=int, default=256)
+    args = ap.parse_args()
+    loaded = load(args.shape, args.model)
+    mats = weights(loaded.model)
+    wbytes = sum(w.nbytes for w in mats)
+    print(f"{loaded.name}: {sum(w.size for w in mats) / 1e6:.1f}M weight-matrix parameters "
+          f"({wbytes / 2**20:.0f} MiB fp32); {blas.status()}")
+    bw = bandwidth(4 * wbytes)
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s -> solo ceiling {bw / wbytes:.0f} tok/s")
+    print(f"{'batch':>5} {'ceiling':>9} {'engine':>8} {'share':>6}" + ("  e2e share" if args.e2e else ""))
+    for b in (int(x) for x in args.batch.split(",")):
+        mm = matmul_ceiling(mats, b)
+        ceiling, what = (bw / wbytes, "bandwidth") if b == 1 else (mm, "matmul")
+        eng = engine_decode(loaded, b, args.prompt_len, args.steps)
+        line = f"{b:>5} {ceiling:>9.0f} {eng:>8.0f} {eng / ceiling:>6.0%}  ({what} ceiling; matmul alone {mm:.0f})"
+        if args.e2e and args.shape == "bench":
+            tps = e2e(args.model or _bench_dir(), b, args.e2e_tokens)
+            line += f"  e2e {tps:.0f} tok/s = {tps / ceiling:.0%}"
+        print(line, flush=True)
+    return 0
+
+
+def _bench_dir() -> str:
+    from throughput import bench_model_dir
+
+    return bench_model_dir()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
