@@ -1,6 +1,6 @@
-"""The CPU extension's decode-step ops besides attention: swiglu, RoPE and the in-place KV write.
+"""The CPU extension's decode-step ops besides attention: swiglu, RoPE, RMSNorm and the in-place KV write.
 
-swiglu and RoPE must be bit-identical to MLX's (greedy equality with mlx-lm rests on it);
+swiglu, RoPE and RMSNorm must be bit-identical to MLX's (greedy equality with mlx-lm rests on it);
 the KV write must equal MLX's scatter and must not copy the pool when it can write
 in place.
 """
@@ -108,6 +108,42 @@ def _scatter(k_pool, v_pool, keys, values, slots):
     return k, v
 
 
+@pytest.mark.parametrize("D", [64, 96, 896, 1187])
+def test_rms_norm_bit_identical_to_mlx(ext, D):
+    k1, k2 = mx.random.split(mx.random.key(D))
+    w = mx.random.normal((D,), key=k1)
+    x = mx.random.normal((4, 3, D), key=k2) * 20
+    for eps in (1e-5, 1e-6):
+        assert mx.array_equal(ext.rms_norm(x, w, eps), mx.fast.rms_norm(x, w, eps)).item()
+    strided = x.transpose(1, 0, 2)[:, ::2]  # rows read through their strides
+    assert mx.array_equal(ext.rms_norm(strided, w, 1e-5), mx.fast.rms_norm(strided, w, 1e-5)).item()
+    assert mx.array_equal(ext.rms_norm(mx.zeros((2, D)), w, 1e-5), mx.fast.rms_norm(mx.zeros((2, D)), w, 1e-5)).item()
+
+
+def test_fast_rms_norm_module(ext, tiny_model):
+    """The model's norms become FastRMSNorm (the engine installs them): same output as nn.RMSNorm."""
+    import mlx.nn as nn
+
+    norm = nn.RMSNorm(64, eps=1e-5)
+    norm.weight = mx.random.normal((64,), key=mx.random.key(3))
+    x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
+    want = norm(x)
+    model_ops.install_rms_norm(norm, ext.rms_norm)
+    assert type(norm) is model_ops.FastRMSNorm and mx.array_equal(norm(x), want).item()
+    assert mx.array_equal(norm(x.astype(mx.float16)), mx.fast.rms_norm(x.astype(mx.float16), norm.weight, 1e-5)).item()
+
+
+def test_ops_read_strided_inputs(ext):
+    """No Contiguous node sits in front of the ops: a strided input is copied inside the op."""
+    k1, k2 = mx.random.split(mx.random.key(21))
+    gate, up = mx.random.normal((40, 6), key=k1).T, mx.random.normal((6, 40), key=k2)
+    assert mx.array_equal(ext.swiglu(gate, up), mlx_swiglu(gate, up)).item()
+    x = mx.random.normal((2, 5, 3, 64), key=k1).transpose(0, 2, 1, 3)
+    off = mx.array([3, 9], dtype=mx.int32)[::-1]
+    want = mx.fast.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=mx.array([9, 3]))
+    assert mx.array_equal(ext.rope(x, 64, False, 10000.0, 1.0, off), want).item()
+
+
 def test_kv_write_equals_scatter_and_keeps_a_referenced_input(ext):
     k_pool, v_pool = _pools(0)
     mx.eval(k_pool, v_pool)
@@ -155,7 +191,7 @@ def test_engine_uses_the_ops_only_with_the_fused_backend(ext, tiny_model):
     model = tiny_model.model
     fused = PagedEngine(model, num_blocks=16, attention="fused")
     assert fused.pool.kv_write is not None
-    assert fused.attention.model_ops == ("swiglu", "rope"), fused.attention.reason
+    assert fused.attention.model_ops == ("swiglu", "rope", "rms_norm"), fused.attention.reason
     gather = PagedEngine(model, num_blocks=16, attention="gather")
     assert gather.pool.kv_write is None
 

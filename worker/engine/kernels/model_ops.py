@@ -1,4 +1,4 @@
-"""Faster, bit-identical stand-ins for two MLX ops inside the stock mlx-lm model files.
+"""Faster, bit-identical stand-ins for MLX ops inside the stock mlx-lm model files.
 
 The x86-64 mlx wheel computes elementwise math one float at a time (its SIMD
 type has width 1 off Apple), and MLX's CPU RoPE is a graph of ~18 such ops
@@ -13,6 +13,9 @@ MLX has one), so greedy equality with mlx-lm holds bit for bit:
   anything but float32 on the CPU.
 * ``rope``: the model's ``nn.RoPE`` instances become :class:`FastRoPE` (same
   attributes); other RoPE classes (llama3, yarn, ...) are left alone.
+* ``rms_norm``: the model's ``nn.RMSNorm`` instances become :class:`FastRMSNorm`: one
+  primitive where MLX's CPU ``mx.fast.rms_norm`` is a graph of ~10 (``csrc/norm_ops.h``);
+  fewer primitives per step is less of MLX's per-op dispatch on the critical path.
 
 Each op is checked bit for bit against MLX when the extension loads
 (:func:`checked_ops`); one that differs is not installed and the worker says so.
@@ -30,7 +33,7 @@ from mlx_lm.models.activations import swiglu as mlx_swiglu
 
 log = logging.getLogger(__name__)
 
-OPS = ("swiglu", "rope")
+OPS = ("swiglu", "rope", "rms_norm")
 
 
 # ============================================================== checks
@@ -76,6 +79,17 @@ def _check_rope(ext) -> None:
             raise OpMismatch(f"rope (dims {dims}, traditional {trad}) is not bit-identical to MLX's")
 
 
+def _check_rms_norm(ext) -> None:
+    rs = mx.random.split(mx.random.key(14), 3)
+    w = mx.random.normal((96,), key=rs[0])
+    for x in (mx.random.normal((3, 2, 96), key=rs[1]) * 40,
+              mx.random.normal((2, 96, 5), key=rs[2]).transpose(0, 2, 1),  # strided rows
+              mx.zeros((1, 96))):
+        for eps in (1e-5, 1e-6):
+            if not mx.array_equal(ext.rms_norm(x, w, eps), mx.fast.rms_norm(x, w, eps)).item():
+                raise OpMismatch("rms_norm is not bit-identical to MLX's")
+
+
 _checked: Optional[tuple] = None
 
 
@@ -84,7 +98,7 @@ def checked_ops(ext) -> tuple:
     global _checked
     if _checked is None:
         ok = []
-        for name, check in (("swiglu", _check_swiglu), ("rope", _check_rope)):
+        for name, check in (("swiglu", _check_swiglu), ("rope", _check_rope), ("rms_norm", _check_rms_norm)):
             try:
                 check(ext)
                 ok.append(name)
@@ -96,7 +110,8 @@ def checked_ops(ext) -> tuple:
 
 def describe(ext, ops: tuple) -> str:
     parts = [f"swiglu {ext.swiglu_isa()}" if "swiglu" in ops else "mlx-lm's swiglu",
-             "rope" if "rope" in ops else "MLX's rope"]
+             "rope" if "rope" in ops else "MLX's rope",
+             "rms_norm" if "rms_norm" in ops else "MLX's rms_norm"]
     return "; ".join(parts)
 
 
@@ -166,8 +181,38 @@ def install_rope(model, op: Callable) -> int:
     return n
 
 
+# ============================================================== rms_norm
+_fast_rms_norm: Optional[Callable] = None
+
+
+class FastRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm with the extension's op for float32 on the CPU."""
+
+    def __call__(self, x):
+        op = _fast_rms_norm
+        w = self["weight"]
+        if op is not None and x.dtype == mx.float32 and w.dtype == mx.float32 and mx.default_device() == mx.cpu:
+            return op(x, w, self.eps)
+        return super().__call__(x)
+
+
+def install_rms_norm(model, op: Callable) -> int:
+    """Make the model's plain nn.RMSNorm instances FastRMSNorm; returns how many."""
+    global _fast_rms_norm
+    _fast_rms_norm = op
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) is nn.RMSNorm:
+            m.__class__ = FastRMSNorm
+        if type(m) is FastRMSNorm:
+            n += 1
+    return n
+
+
 def install(model, ext, ops: tuple) -> None:
     if "swiglu" in ops:
         install_swiglu(model, ext.swiglu)
     if "rope" in ops:
         install_rope(model, ext.rope)
+    if "rms_norm" in ops:
+        install_rms_norm(model, ext.rms_norm)

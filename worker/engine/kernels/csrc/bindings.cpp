@@ -8,13 +8,14 @@
 #include <optional>
 
 #include "cpu_ops.h"
+#include "norm_ops.h"
 #include "paged_attention.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_mlxq_paged_attention, m) {
-  m.doc() = "mlxq CPU primitives: paged attention, the paged KV write, swiglu, rope";
+  m.doc() = "mlxq CPU primitives: paged attention, the paged KV write, swiglu, rope, rms_norm";
   m.def(
       "paged_attention",
       [](const mx::array& queries,
@@ -64,6 +65,13 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "scale"_a,
       "offset"_a,
       "mx.fast.rope for float32 (B, H, T, D), bit-identical to MLX's CPU RoPE.");
+  m.def(
+      "rms_norm",
+      &mlxq::rms_norm,
+      "x"_a,
+      "weight"_a,
+      "eps"_a,
+      "mx.fast.rms_norm for float32, bit-identical to MLX's CPU path, as one primitive.");
   m.def(
       "paged_kv_write",
       &mlxq::paged_kv_write,

@@ -23,6 +23,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/backend/cpu/simd/math.h"
 #include "mlx/backend/cpu/unary_ops.h"
+#include "row_contiguous.h"
 
 namespace mlxq {
 namespace {
@@ -146,7 +147,7 @@ mx::array swiglu(const mx::array& gate, const mx::array& up) {
       gate.shape(),
       mx::float32,
       std::make_shared<SwiGLU>(s),
-      {mx::contiguous(gate, false, s), mx::contiguous(up, false, s)});
+      {gate, up});
 }
 
 mx::array rope(
@@ -171,8 +172,7 @@ mx::array rope(
       x.shape(),
       mx::float32,
       std::make_shared<RoPE>(s, dims, traditional, base, scale),
-      {mx::contiguous(x, false, s),
-       mx::contiguous(mx::astype(mx::reshape(offset, {-1}, s), mx::int32, s), false, s)});
+      {x, mx::astype(mx::reshape(offset, {-1}, s), mx::int32, s)});
 }
 
 std::vector<mx::array> paged_kv_write(
@@ -221,11 +221,11 @@ std::vector<mx::array> paged_kv_write(
 void SwiGLU::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  const auto& g = inputs[0];
-  const auto& u = inputs[1];
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
+  const auto g = row_contiguous(inputs[0], encoder);
+  const auto u = row_contiguous(inputs[1], encoder);
   encoder.set_input_array(g);
   encoder.set_input_array(u);
   encoder.set_output_array(out);
@@ -263,11 +263,11 @@ std::vector<mx::array> SwiGLU::vjp(
 void RoPE::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  const auto& x = inputs[0];
-  const auto& off = inputs[1];
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
+  const auto x = row_contiguous(inputs[0], encoder);
+  const auto off = row_contiguous(inputs[1], encoder);
   for (const auto& a : inputs)
     encoder.set_input_array(a);
   encoder.set_output_array(out);

@@ -1,0 +1,76 @@
+// rms_norm as one CPU primitive; see norm_ops.h.
+#include "norm_ops.h"
+
+#include <cmath>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mlxq {
+
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
+  if (x.dtype() != mx::float32 || weight.dtype() != mx::float32)
+    throw std::invalid_argument("rms_norm: float32 only");
+  if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1))
+    throw std::invalid_argument("rms_norm: weight must be (D,) for x (..., D)");
+  auto s = mx::default_stream(mx::Device(mx::Device::cpu));
+  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNormOp>(s, eps), {x, weight});
+}
+
+namespace {
+
+// Where row r of x starts (x's rows: every index but the last), from its strides.
+int64_t row_offset(const mx::array& x, int64_t r) {
+  int64_t off = 0;
+  for (int d = (int)x.ndim() - 2; d >= 0; --d) {
+    off += (r % x.shape(d)) * x.strides()[d];
+    r /= x.shape(d);
+  }
+  return off;
+}
+
+} // namespace
+
+void RMSNormOp::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_output_array(out);
+  const int64_t D = x.shape(-1);
+  const int64_t rows = D ? (int64_t)x.size() / D : 0;
+  std::vector<int64_t> starts(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    starts[r] = row_offset(x, r);
+  const int64_t xs = x.strides().back(), ws = w.strides()[0];
+  const float* xp = x.data<float>();
+  const float* wp = w.data<float>();
+  float* op = out.data<float>();
+  const float eps = eps_;
+  encoder.dispatch([xp, wp, op, D, rows, xs, ws, eps, starts = std::move(starts)]() {
+    const float inv_n = static_cast<float>(1.0 / (double)D);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = xp + starts[r];
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float sq = xr[d * xs] * xr[d * xs];
+        acc = acc + sq;
+      }
+      const float sum = 0.0f + acc;
+      const float mean = sum * inv_n;
+      const float rs = 1.0f / std::sqrt(mean + eps);
+      float* o = op + r * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float y = xr[d * xs] * rs;
+        o[d] = y * wp[d * ws];
+      }
+    }
+  });
+}
+
+} // namespace mlxq
