@@ -88,7 +88,14 @@ class ModelRunner:
     # ================================================================ prefill
     def prefill(self, plan: PrefillPlan) -> list[Sampled]:
         """Run one ragged prefill pass (evaluated); the first token of each ending row (a row whose
-        grammar allows no first token comes back with ``token`` None and its ``error``)."""
+        grammar allows no first token comes back with ``token`` None and its ``error``).  The plan's
+        block copies (forked samples) are made first."""
+        if plan.copies:
+            src, dst = zip(*plan.copies)
+            self.pool.copy_blocks(src, dst)
+        if not plan.rows:
+            mx.eval(self.pool.arrays())
+            return []
         width = max(n for _, n in plan.rows)
         rows = [BatchRow(seq.block_table, seq.num_computed, n) for seq, n in plan.rows]
         inputs = mx.array([seq.tokens[seq.num_computed:seq.num_computed + n] + [0] * (width - n)
