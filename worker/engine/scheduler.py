@@ -92,7 +92,7 @@ class HotSession:
 class StepCounters:
     prefix_hit_tokens: int = 0
     fork_shared_tokens: int = 0  # prompt tokens a forked sample took from its sibling (not computed again)
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # context tokens of admitted sequences (a fork's: those it did not share)
     preemptions: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -312,10 +312,10 @@ class Scheduler:
         seq.block_hashes = list(hit.hashes)
         seq.num_computed = computed
         seq.status = SequenceStatus.PREFILL
-        self.counters.prompt_tokens += n
         if sibling is None:
             seq.prefix_hit = computed
             self.counters.prefix_hit_tokens += computed
+            self.counters.prompt_tokens += n
         else:
             self._fork(seq, sibling, hit.num_blocks)
         log.debug("admit %s: %d tokens, %d computed, %d new blocks", seq.uid, n, computed, new_blocks)
@@ -362,6 +362,7 @@ class Scheduler:
             seq.status = SequenceStatus.DECODE  # its decode row computes its last prompt token
         seq.prefix_hit = min(sibling.prefix_hit, seq.num_computed)
         self.counters.fork_shared_tokens += seq.num_computed
+        self.counters.prompt_tokens += seq.num_uncomputed
 
     def _victim(self) -> Sequence:
         return max(self.running.values(), key=Sequence.rank)
