@@ -55,7 +55,8 @@ def fork_timings(loaded, n: int = 8, prompt_len: int = 1000, max_tokens: int = 1
     best = {"n1": float("inf"), "forked": float("inf"), "copies": float("inf")}
     for r in range(rounds):
         for kind, k, fork in (("n1", 1, False), ("forked", n, True), ("copies", n, False)):
-            best[kind] = min(best[kind], time_job(engine, job_specs(f"{kind}{r}", prompt(), k, max_tokens, fork)))
+            specs = job_specs(f"{kind}{r}", prompt(), k, max_tokens, fork)
+            best[kind] = min(best[kind], time_job(engine, specs))
     best["fork_shared_tokens"] = engine.stats()["fork_shared_tokens"]
     return best
 
@@ -72,7 +73,8 @@ def main() -> int:
                      args.max_tokens, args.rounds)
     print(f"{args.prompt_len}-token prompt, max_tokens {args.max_tokens}, best of {args.rounds}:")
     print(f"  n=1                   {t['n1']:.3f} s")
-    print(f"  n={args.n} forked (one prefill) {t['forked']:.3f} s  = {t['forked'] / t['n1']:.2f}x n=1 (target <= 1.3x)")
+    print(f"  n={args.n} forked (one prefill) {t['forked']:.3f} s  = {t['forked'] / t['n1']:.2f}x n=1"
+          " (target <= 1.3x)")
     print(f"  n={args.n} unforked copies   {t['copies']:.3f} s  = {t['copies'] / t['n1']:.2f}x n=1")
     return 0
 

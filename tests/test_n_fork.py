@@ -116,6 +116,16 @@ def test_cancelling_the_job_frees_every_sample(model):
         _assert_no_leak(eng)
 
 
+def test_waiting_samples_do_not_fill_the_engines_queue(model):
+    """Samples waiting for their sibling's prefill wait for no memory: the worker keeps pulling."""
+    eng = PagedEngine(model, num_blocks=64, max_waiting=2, chunk_schedule=SMALL_CHUNKS)
+    eng.add(job("w", _prompts(15, 1, 100, 100)[0], 6, 4))
+    eng.step()
+    assert len(eng.scheduler.waiting) == 5 and eng.free_slots() > 0
+    eng.remove(["w"])
+    _assert_no_leak(eng)
+
+
 def test_fork_falls_back_when_the_sibling_is_gone(model):
     prompt = _prompts(14, 1, 70, 70)[0]
     ref = dense(model, prompt, 8)

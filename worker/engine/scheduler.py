@@ -138,7 +138,8 @@ class Scheduler:
                 log.warning("%s: %d + %d tokens exceed the pool; max_tokens capped",
                             spec.uid, len(ctx), spec.max_tokens)
                 spec = replace(spec, max_tokens=max(1, fits - len(ctx)))
-            if spec.fork_of is not None and (spec.fork_of == spec.uid or not 0 < spec.fork_len <= len(spec.prompt)):
+            if spec.fork_of is not None and (spec.fork_of == spec.uid
+                                             or not 0 < spec.fork_len <= len(spec.prompt)):
                 log.warning("%s: fork_of %s with fork_len %d of a %d-token prompt: not forked",
                             spec.uid, spec.fork_of, spec.fork_len, len(spec.prompt))
                 spec = replace(spec, fork_of=None, fork_len=0)
