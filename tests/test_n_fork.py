@@ -73,6 +73,9 @@ def test_forked_greedy_samples_equal_solo_one_prefill_shared_blocks(model):
     assert eng.counters.prefill_tokens == len(prompt)  # computed once; each fork's last token is a decode row
     assert st["fork_shared_tokens"] == 3 * (len(prompt) - 1)
     _assert_no_leak(eng)
+    # the prompt's full blocks stay in the prefix cache for the next job
+    assert drive(eng, [SeqSpec("again", prompt, 4)]) == {"again": ref[:4]}
+    assert eng.stats()["prefix_hit_tokens"] == 64
     # without fork_of the same samples prefill 4 times (and give the same tokens)
     eng2 = PagedEngine(model, num_blocks=64)
     assert drive(eng2, job("j", prompt, 4, 12, fork=False)) == out
