@@ -7,6 +7,9 @@ import pytest
 
 from mlxq.shared.schemas import SamplingParams
 from mlxq.worker.engine import PagedEngine
+from mlxq.worker.engine.block_manager import BlockManager
+from mlxq.worker.engine.scheduler import Scheduler, SchedulerConfig
+from mlxq.worker.engine.sequence import Sampled, SequenceStatus
 from mlxq.worker.engine.sampler import RowSampler
 from mlxq.worker.engine_api import SeqSpec
 
@@ -53,6 +56,26 @@ def drive(engine, specs, arrivals=None, on_step=None, max_steps=2000):
             on_step(step)
     assert not engine.has_work()
     return out
+
+
+def test_scheduler_plans_the_copy_and_pins_its_source_until_then():
+    """The plan, on its own (block size 4): a 10-token prompt is 2 shared full blocks + a copied one."""
+    s = Scheduler(BlockManager(32, 4, "m"), SchedulerConfig())
+    s.add(job("j", list(range(1, 11)), 2, 5, stop_token_ids=()))
+    plan = s.schedule_prefill()
+    assert [q.uid for q, _ in plan.rows] == ["j#0"] and not plan.copies
+    assert [q.uid for q in s.waiting] == ["j#1"]  # waits for its sibling's prefill, holding nothing
+    s.postprocess_prefill(plan, [Sampled(q, 7) for q in plan.ending_seqs()])
+    plan = s.schedule_prefill()
+    j0, j1 = s.running["j#0"], s.running["j#1"]
+    assert plan.rows == [] and plan.copies == [(j0.block_table[2], j1.block_table[2])]
+    assert j1.block_table[:2] == j0.block_table[:2] and j1.block_hashes == j0.block_hashes[:2]
+    assert j1.status is SequenceStatus.DECODE and j1.num_computed == 9  # its decode row computes token 10
+    # shared blocks counted once; the copy's source is no longer pinned once the plan carries it
+    assert [s.bm.blocks[b].ref_count for b in j1.block_table] == [2, 2, 1]
+    assert s.bm.blocks[j0.block_table[2]].ref_count == 1 and s.bm.num_used == 3 + 1
+    s.remove(["j"])
+    assert s.bm.num_used == 0 and not s.running and not s.waiting
 
 
 def test_forked_greedy_samples_equal_solo_one_prefill_shared_blocks(model):
