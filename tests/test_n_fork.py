@@ -78,6 +78,22 @@ def test_scheduler_plans_the_copy_and_pins_its_source_until_then():
     assert s.bm.num_used == 0 and not s.running and not s.waiting
 
 
+def test_a_fork_preempted_as_it_is_admitted_makes_no_copy():
+    """priority_gap 0: a job of the same priority preempts the fork admitted just before it."""
+    s = Scheduler(BlockManager(9, 4, "m"), SchedulerConfig(priority_gap=0.0, pressure=1.0))
+    s.add(job("j", list(range(1, 11)), 2, 5, stop_token_ids=()))
+    plan = s.schedule_prefill()
+    s.postprocess_prefill(plan, [Sampled(q, 7) for q in plan.ending_seqs()])
+    s.add([SeqSpec("x", [3] * 20, 1, stop_token_ids=())])
+    plan = s.schedule_prefill()
+    assert [q.uid for q, _ in plan.rows] == ["x"] and plan.copies == []
+    assert [p.uid for p in s.take_output()[1]] == ["j#1"]
+    j0 = s.running["j#0"]
+    assert [s.bm.blocks[b].ref_count for b in j0.block_table] == [1, 1, 1]  # the pin is gone too
+    assert s.bm.num_used == 3 + 5
+    s.bm.check_invariants()
+
+
 def test_forked_greedy_samples_equal_solo_one_prefill_shared_blocks(model):
     prompt = _prompts(11, 1, 70, 70)[0]  # 2 full blocks + 6 tokens
     eng = PagedEngine(model, num_blocks=64)

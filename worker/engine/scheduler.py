@@ -561,6 +561,8 @@ class Scheduler:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        if self._copies:  # admitted as a fork in this _admit (preempted at once, priority_gap 0): no copy
+            self._drop_copies(set(seq.block_table))
         if seq.block_table:
             self.bm.deallocate(seq.block_table)
         seq.block_table = []
@@ -568,6 +570,11 @@ class Scheduler:
         seq.num_computed = 0
         seq.pending = 0
         seq.status = SequenceStatus.WAITING
+
+    def _drop_copies(self, dst_blocks: set) -> None:
+        dropped = [c for c in self._copies if c[1] in dst_blocks]
+        self._copies = [c for c in self._copies if c[1] not in dst_blocks]
+        self.bm.deallocate([src for src, _ in dropped])
 
     # ================================================================ sessions
     def _keep_session(self, seq: Sequence) -> None:
