@@ -125,6 +125,19 @@ class KVPool:
         mx.eval(self.keys, self.values)
 
 
+    def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Block ``dst_ids[i]`` becomes a copy of block ``src_ids[i]``, in every array of the pool
+        (slot axis 1, whatever the arrays hold): a forked sequence's copy of its sibling's last
+        partial block.  Lazy, like the pass writes: the arrays' data dependencies order it after
+        every write already issued and before every later one (the caller evaluates it)."""
+        if not src_ids:
+            return
+        src = _slots_of_blocks(src_ids, self.block_size)
+        dst = _slots_of_blocks(dst_ids, self.block_size)
+        for a in self.arrays():
+            a[:, dst] = a[:, src]  # updates the pool's own array object (mx.array.__setitem__)
+
+
 def _slots_of_blocks(block_ids: Sequence[int], block_size: int) -> mx.array:
     ids = mx.array(list(block_ids), dtype=mx.int32)
     return (ids[:, None] * block_size + mx.arange(block_size, dtype=mx.int32)[None]).reshape(-1)

@@ -3,8 +3,9 @@
 ``sample`` turns a pass's logits (B, vocab) into tokens; rows that share a
 sampling configuration are sampled in one call.  A sampled (temperature > 0)
 job draws from its own key stream: the key of step ``n`` is a hash of
-``(seed, n)``.  So a seeded job gives the same tokens alone or in any batch,
-and a preempted job resumes its stream at step ``n``.
+``(seed, sample index, n)`` (sample 0's keys are those of a one-sample job).  So a
+seeded job gives the same tokens alone or in any batch, each of its n samples its
+own, and a preempted job resumes its stream at step ``n``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def step_key(seed: int, step: int) -> mx.array:
-    return mx.random.key(_splitmix64(seed ^ _splitmix64(step)) >> 1)
+def step_key(seed: int, step: int, sample: int = 0) -> mx.array:
+    x = seed ^ _splitmix64(step)
+    if sample:  # sample 0 keeps the one-sample keys
+        x ^= _splitmix64(_splitmix64(sample) ^ step)
+    return mx.random.key(_splitmix64(x) >> 1)
 
 
 class RowSampler:
@@ -41,17 +45,18 @@ class RowSampler:
     log-probabilities (1, vocab) does the same for that row alone.
     """
 
-    def __init__(self, params: SamplingParams, seed: int, start_step: int = 0):
+    def __init__(self, params: SamplingParams, seed: int, start_step: int = 0, sample: int = 0):
         self.top_p = params.top_p if 0.0 < params.top_p < 1.0 else None
         self.min_p = params.min_p if params.min_p > 0.0 else None
         self.top_k = params.top_k if params.top_k > 0 else None
         self.inv_temp = 1.0 / params.temperature
         self.config = (self.top_p, self.min_p, self.top_k, self.inv_temp)
         self.seed = seed
+        self.sample = sample  # the sample index of an n > 1 job
         self.step = start_step
 
     def next_key(self) -> mx.array:
-        key = step_key(self.seed, self.step)
+        key = step_key(self.seed, self.step, self.sample)
         self.step += 1
         return key
 

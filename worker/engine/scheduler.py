@@ -9,6 +9,11 @@ runner sampled:
    spilling hot sessions and preempting much-lower-priority sequences when needed,
    then picks the prompt chunks of one ragged prefill pass (a token budget, chunk
    size by cache position);
+   The n samples of one job (``SeqSpec.fork_of``) share one prefill: a sample waits
+   until its sibling computed the shared prompt, then takes the sibling's full blocks
+   (one more reference each) and a copy of its last partial block (the plan's
+   ``copies``, made by the model runner before the pass) and computes only its own
+   last token(s);
 2. ``schedule_decode()`` gives every other decoding sequence a block for its new
    token, preempting the lowest-priority, newest sequence when the pool is full;
 3. ``postprocess_*()`` appends the sampled tokens, commits full blocks to the prefix
@@ -63,6 +68,9 @@ class PrefillPlan:
 
     rows: list[tuple[Sequence, int]]
     ending: list[int] = field(init=False)  # rows whose prompt ends in this pass: their next token is sampled
+    # (source block, destination block) copies to make before the pass (forked samples' last partial
+    # block); a plan may carry copies and no rows
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self):
         self.ending = [i for i, (seq, n) in enumerate(self.rows) if n >= seq.num_uncomputed]
@@ -83,7 +91,8 @@ class HotSession:
 @dataclass
 class StepCounters:
     prefix_hit_tokens: int = 0
-    prompt_tokens: int = 0
+    fork_shared_tokens: int = 0  # prompt tokens a forked sample took from its sibling (not computed again)
+    prompt_tokens: int = 0  # context tokens of admitted sequences (a fork's: those it did not share)
     preemptions: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -107,6 +116,9 @@ class Scheduler:
         self.counters = StepCounters()
         self.waiting: list[Sequence] = []
         self.running: dict[str, Sequence] = {}
+        self._live: dict[str, Sequence] = {}  # every waiting or running sequence by uid
+        self._samples: dict[str, set[str]] = {}  # job id -> the uids of its live samples ("job#i")
+        self._copies: list[tuple[int, int]] = []  # block copies of forks admitted this step (sources pinned)
         self.hot_sessions: "OrderedDict[str, HotSession]" = OrderedDict()
         self._arrivals = itertools.count()
         self._events: list[TokenEvent] = []
@@ -126,11 +138,35 @@ class Scheduler:
                 log.warning("%s: %d + %d tokens exceed the pool; max_tokens capped",
                             spec.uid, len(ctx), spec.max_tokens)
                 spec = replace(spec, max_tokens=max(1, fits - len(ctx)))
+            if spec.fork_of is not None and (spec.fork_of == spec.uid
+                                             or not 0 < spec.fork_len <= len(spec.prompt)):
+                log.warning("%s: fork_of %s with fork_len %d of a %d-token prompt: not forked",
+                            spec.uid, spec.fork_of, spec.fork_len, len(spec.prompt))
+                spec = replace(spec, fork_of=None, fork_len=0)
             seq = Sequence(spec, next(self._arrivals), ctx, len(ctx))
             if spec.grammar is not None and not self._attach_grammar(seq):
                 continue
             self.waiting.append(seq)
+            self._register(seq)
         self.waiting.sort(key=Sequence.rank)
+
+    def _register(self, seq: Sequence) -> None:
+        self._live[seq.uid] = seq
+        job, sep, _ = seq.uid.rpartition("#")
+        if sep:
+            self._samples.setdefault(job, set()).add(seq.uid)
+
+    def _unregister(self, seq: Sequence) -> None:
+        """The sequence left the engine (finished, removed, preempted)."""
+        if self._live.get(seq.uid) is not seq:
+            return
+        del self._live[seq.uid]
+        job, sep, _ = seq.uid.rpartition("#")
+        samples = self._samples.get(job) if sep else None
+        if samples is not None:
+            samples.discard(seq.uid)
+            if not samples:
+                del self._samples[job]
 
     def _attach_grammar(self, seq: Sequence) -> bool:
         """Build the sequence's matcher (at its resume point); a constraint that cannot start ends
@@ -146,9 +182,15 @@ class Scheduler:
             return False
 
     def remove(self, uids: list[str]) -> None:
+        """Drop these sequences; a job id also drops its samples (``job_id#i``)."""
         gone = set(uids)
+        for uid in uids:
+            gone.update(self._samples.get(uid, ()))
         self.waiting = [s for s in self.waiting if s.uid not in gone]
         for uid in gone:
+            seq = self._live.get(uid)
+            if seq is not None:
+                self._unregister(seq)
             seq = self.running.pop(uid, None)
             if seq is not None:
                 self._release(seq)
@@ -169,13 +211,15 @@ class Scheduler:
         n_seqs = len(self.waiting) + len(self.running)
         if cfg.max_batch is not None:
             return max(0, cfg.max_batch - n_seqs)
-        if n_seqs >= cfg.max_sequences or len(self.waiting) >= cfg.max_waiting:
+        # samples waiting for their sibling's prefill do not wait for memory
+        n_waiting = sum(1 for s in self.waiting if not self._held(s))
+        if n_seqs >= cfg.max_sequences or n_waiting >= cfg.max_waiting:
             return 0
         headroom = int(cfg.pressure * self.bm.num_blocks) - self.bm.num_used
         # At least one: a more urgent job may need to reach us to preempt.
         # as many as fit now (about 4 blocks each), plus up to max_waiting that wait here
         return max(1, min(cfg.max_sequences - n_seqs,
-                          max(0, headroom // 4) + cfg.max_waiting - len(self.waiting)))
+                          max(0, headroom // 4) + cfg.max_waiting - n_waiting))
 
     def urgent_below(self) -> float:
         """A queued job with a priority below this would preempt someone here now.
@@ -202,6 +246,7 @@ class Scheduler:
             "blocks_cached": c.cached,
             "blocks_free": c.free,
             "prefix_hit_tokens": k.prefix_hit_tokens,
+            "fork_shared_tokens": k.fork_shared_tokens,
             "prompt_tokens": k.prompt_tokens,
             "preemptions": k.preemptions,
             "evictions": self.bm.evictions,
@@ -228,14 +273,17 @@ class Scheduler:
     # ================================================================ admission
     def _admit(self) -> None:
         cfg = self.config
-        while self.waiting:
+        while True:
+            # most urgent first; a sample waiting for its sibling's prefill lets the next one by
+            seq = next((s for s in self.waiting if not self._held(s)), None)
+            if seq is None:
+                return
             if cfg.max_batch is not None and len(self.running) >= cfg.max_batch:
-                if not self._preempt_for(self.waiting[0]):
+                if not self._preempt_for(seq):
                     return
                 continue
-            seq = self.waiting[0]
             if self._try_allocate(seq):
-                self.waiting.pop(0)
+                self.waiting.remove(seq)
                 self.running[seq.uid] = seq
                 continue
             if self._spill_one_session():
@@ -246,12 +294,15 @@ class Scheduler:
     def _try_allocate(self, seq: Sequence) -> bool:
         bm, cfg = self.bm, self.config
         n = len(seq.tokens)
-        if seq.spec.session_id and not seq.session_checked:
-            seq.session_checked = True
-            self._restore_session(seq)
-        hit = PrefixHit()
-        if cfg.prefix_cache:
-            hit = bm.lookup(seq.tokens, n - 1)
+        sibling = self._fork_source(seq)
+        if sibling is not None:
+            hit, computed = self._fork_hit(seq, sibling)
+        else:
+            if seq.spec.session_id and not seq.session_checked:
+                seq.session_checked = True
+                self._restore_session(seq)
+            hit = bm.lookup(seq.tokens, n - 1) if cfg.prefix_cache else PrefixHit()
+            computed = hit.num_blocks * self.block_size
         new_blocks = bm.blocks_needed(n) - hit.num_blocks
         revived = sum(1 for b in hit.block_ids if bm.blocks[b].ref_count == 0)
         used_after = bm.num_used + revived + new_blocks + cfg.decode_reserve_blocks
@@ -260,14 +311,59 @@ class Scheduler:
             return False
         seq.block_table = bm.allocate(new_blocks, hit)
         seq.block_hashes = list(hit.hashes)
-        seq.num_computed = hit.num_blocks * self.block_size
-        seq.prefix_hit = seq.num_computed
+        seq.num_computed = computed
         seq.status = SequenceStatus.PREFILL
-        self.counters.prefix_hit_tokens += seq.num_computed
-        self.counters.prompt_tokens += n
-        log.debug("admit %s: %d tokens, %d hit, %d new blocks",
-                  seq.uid, n, seq.num_computed, new_blocks)
+        if sibling is None:
+            seq.prefix_hit = computed
+            self.counters.prefix_hit_tokens += computed
+            self.counters.prompt_tokens += n
+        else:
+            self._fork(seq, sibling, hit.num_blocks)
+        log.debug("admit %s: %d tokens, %d computed, %d new blocks", seq.uid, n, computed, new_blocks)
         return True
+
+    # ================================================================ n > 1: forked samples
+    def _fork_len(self, seq: Sequence) -> int:
+        """Tokens a forked sample takes from its sibling: the shared prompt, less the last token when
+        nothing of its own follows (that token's logits must be its own)."""
+        return min(seq.spec.fork_len, len(seq.tokens) - 1)
+
+    def _held(self, seq: Sequence) -> bool:
+        """A sample whose sibling is about to compute the shared prompt: it waits for it."""
+        sibling = self._live.get(seq.spec.fork_of) if seq.spec.fork_of else None
+        if sibling is None or sibling is seq:
+            return False  # no sibling (gone, or never came): an ordinary admission
+        if sibling.status is SequenceStatus.WAITING:
+            return not sibling.spec.fork_of  # its sibling is queued here (a sample of a sample: no)
+        return sibling.status is SequenceStatus.PREFILL and sibling.num_computed < self._fork_len(seq)
+
+    def _fork_source(self, seq: Sequence) -> Optional[Sequence]:
+        """The running sibling whose computed blocks ``seq`` shares (None: none, admit alone)."""
+        sibling = self.running.get(seq.spec.fork_of) if seq.spec.fork_of else None
+        share = self._fork_len(seq)
+        if (sibling is None or sibling is seq or share <= 0 or sibling.num_computed < share
+                or sibling.tokens[:share] != seq.tokens[:share]):
+            return None
+        return sibling
+
+    def _fork_hit(self, seq: Sequence, sibling: Sequence) -> tuple[PrefixHit, int]:
+        """The sibling's full blocks of the shared tokens, taken like prefix-cache hits (one more
+        reference each); the tokens the fork starts with computed."""
+        n_full = self._fork_len(seq) // self.block_size
+        return PrefixHit(sibling.block_table[:n_full], sibling.block_hashes[:n_full]), self._fork_len(seq)
+
+    def _fork(self, seq: Sequence, sibling: Sequence, n_full: int) -> None:
+        """Finish a forked admission: the copy of the sibling's last partial block (its source pinned
+        until the plan carries it), and straight to decode when one token is left to compute."""
+        if seq.num_computed % self.block_size:
+            src = sibling.block_table[n_full]
+            self.bm.ref([src])
+            self._copies.append((src, seq.block_table[n_full]))
+        if seq.num_uncomputed == 1:
+            seq.status = SequenceStatus.DECODE  # its decode row computes its last prompt token
+        seq.prefix_hit = min(sibling.prefix_hit, seq.num_computed)
+        self.counters.fork_shared_tokens += seq.num_computed
+        self.counters.prompt_tokens += seq.num_uncomputed
 
     def _victim(self) -> Sequence:
         return max(self.running.values(), key=Sequence.rank)
@@ -289,6 +385,7 @@ class Scheduler:
         log.info("preempt %s (priority %s) after %d tokens",
                  seq.uid, seq.spec.priority, len(seq.generated))
         del self.running[seq.uid]
+        self._unregister(seq)
         self._release(seq)
         self.counters.preemptions += 1
         self._preempted.append(Preempted(seq.uid, list(seq.generated)))
@@ -298,9 +395,12 @@ class Scheduler:
         """Start a step: admit what fits, then the prefill pass's rows (None: no prefill)."""
         self.counters.steps += 1
         self._admit()
+        copies, self._copies = self._copies, []
+        # the runner copies before anything else writes: the sources need no pin any more
+        self.bm.deallocate([src for src, _ in copies])
         n_decoding = sum(1 for s in self.running.values() if s.status is SequenceStatus.DECODE)
         rows = self._pick_prefill(max(1, self.config.step_token_budget - n_decoding))
-        return PrefillPlan(rows) if rows else None
+        return PrefillPlan(rows, copies) if rows or copies else None
 
     def _chunk_size(self, pos: int) -> int:
         for limit, size in self.config.chunk_schedule:
@@ -335,7 +435,8 @@ class Scheduler:
 
     def postprocess_prefill(self, plan: PrefillPlan, sampled: list[Sampled]) -> None:
         """The pass computed its chunks; ``sampled`` has the first token of each ending row."""
-        self.counters.prefill_passes += 1
+        if plan.rows:
+            self.counters.prefill_passes += 1
         self.counters.prefill_tokens += sum(n for _, n in plan.rows)
         for seq, n in plan.rows:
             seq.num_computed += n
@@ -454,11 +555,14 @@ class Scheduler:
 
     def _finish(self, seq: Sequence) -> None:
         self.running.pop(seq.uid, None)
+        self._unregister(seq)
         if seq.spec.session_id:
             self._keep_session(seq)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        if self._copies:  # admitted as a fork in this _admit (preempted at once, priority_gap 0): no copy
+            self._drop_copies(set(seq.block_table))
         if seq.block_table:
             self.bm.deallocate(seq.block_table)
         seq.block_table = []
@@ -466,6 +570,11 @@ class Scheduler:
         seq.num_computed = 0
         seq.pending = 0
         seq.status = SequenceStatus.WAITING
+
+    def _drop_copies(self, dst_blocks: set) -> None:
+        dropped = [c for c in self._copies if c[1] in dst_blocks]
+        self._copies = [c for c in self._copies if c[1] not in dst_blocks]
+        self.bm.deallocate([src for src, _ in dropped])
 
     # ================================================================ sessions
     def _keep_session(self, seq: Sequence) -> None:

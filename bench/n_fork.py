@@ -1,0 +1,83 @@
+"""n > 1 in the engine, in process (no Redis): n samples forked off one prefill against n = 1.
+
+    python bench/n_fork.py [--n 8] [--prompt-len 1000] [--max-tokens 128] [--rounds 3]
+
+Prints, on the bench model, the wall time of one job to its last token: n = 1, n samples that
+fork off sample 0 (one prefill of the prompt, shared blocks), and n independent copies (each
+prefills the prompt), best of ``--rounds``; the issue's figure is forked n / n = 1 (<= 1.3x).
+``fork_timings`` is the same measurement for other scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from profile_step import bench_model_dir  # noqa: E402  (sets up the fast BLAS before mlx)
+
+from mlxq.shared.settings import Settings  # noqa: E402
+from mlxq.worker.engine.engine import make_engine  # noqa: E402
+from mlxq.worker.engine_api import SeqSpec  # noqa: E402
+from mlxq.worker.model import load_model  # noqa: E402
+
+
+def job_specs(uid: str, prompt: list[int], n: int, max_tokens: int, fork: bool) -> list[SeqSpec]:
+    """One job's sequences as the worker builds them (greedy, no EOS: every sample runs max_tokens)."""
+    if n == 1:
+        return [SeqSpec(uid, prompt, max_tokens, stop_token_ids=())]
+    return [SeqSpec(f"{uid}#{i}", prompt, max_tokens, stop_token_ids=(),
+                    fork_of=f"{uid}#0" if fork and i else None, fork_len=len(prompt) if fork else 0)
+            for i in range(n)]
+
+
+def time_job(engine, specs: list[SeqSpec]) -> float:
+    """Seconds from add to the job's last token."""
+    t0 = time.perf_counter()
+    engine.add(specs)
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def fork_timings(loaded, n: int = 8, prompt_len: int = 1000, max_tokens: int = 128, rounds: int = 3,
+                 settings: Settings | None = None) -> dict:
+    """Best-of-rounds seconds for "n1", "forked" (n samples, one prefill) and "copies" (n unforked),
+    each round on fresh prompts (no prefix-cache hits), after one warm-up job."""
+    engine = make_engine(loaded, settings or Settings.from_env(max_batch=n))
+    vocab = loaded.model.args.vocab_size
+    rng = random.Random(0)
+
+    def prompt():
+        return [rng.randrange(10, vocab - 1) for _ in range(prompt_len)]
+
+    time_job(engine, job_specs("warm", prompt(), n, 8, True))
+    best = {"n1": float("inf"), "forked": float("inf"), "copies": float("inf")}
+    for r in range(rounds):
+        for kind, k, fork in (("n1", 1, False), ("forked", n, True), ("copies", n, False)):
+            specs = job_specs(f"{kind}{r}", prompt(), k, max_tokens, fork)
+            best[kind] = min(best[kind], time_job(engine, specs))
+    best["fork_shared_tokens"] = engine.stats()["fork_shared_tokens"]
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=1000)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    t = fork_timings(load_model(args.model or bench_model_dir()), args.n, args.prompt_len,
+                     args.max_tokens, args.rounds)
+    print(f"{args.prompt_len}-token prompt, max_tokens {args.max_tokens}, best of {args.rounds}:")
+    print(f"  n=1                   {t['n1']:.3f} s")
+    print(f"  n={args.n} forked (one prefill) {t['forked']:.3f} s  = {t['forked'] / t['n1']:.2f}x n=1"
+          " (target <= 1.3x)")
+    print(f"  n={args.n} unforked copies   {t['copies']:.3f} s  = {t['copies'] / t['n1']:.2f}x n=1")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""n > 1 samples of one job on shared blocks: one prefill of the prompt, the sibling's full blocks
+shared, its last partial block copied; each sample's tokens its own and reproducible."""
+
+from dataclasses import replace
+
+import pytest
+
+from mlxq.shared.schemas import SamplingParams
+from mlxq.worker.engine import PagedEngine
+from mlxq.worker.engine.block_manager import BlockManager
+from mlxq.worker.engine.scheduler import Scheduler, SchedulerConfig
+from mlxq.worker.engine.sequence import Sampled, SequenceStatus
+from mlxq.worker.engine.sampler import RowSampler
+from mlxq.worker.engine_api import SeqSpec
+
+from test_paged_engine import SMALL_CHUNKS, _assert_no_leak, _llama, _prompts, dense
+
+PARAMS = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _llama()
+
+
+def job(uid, prompt, n, max_tokens, seeded=False, fork=True, **kw):
+    """The n sequences of one job, as the worker builds them (``uid#i``, forking off sample 0)."""
+    return [SeqSpec(f"{uid}#{i}", list(prompt), max_tokens, sampler=_sampler(i) if seeded else None,
+                    fork_of=f"{uid}#0" if fork and i else None, fork_len=len(prompt) if fork else 0, **kw)
+            for i in range(n)]
+
+
+def _sampler(sample, start_step=0):
+    return RowSampler(PARAMS, PARAMS.seed, start_step, sample=sample) if sample is not None else None
+
+
+def drive(engine, specs, arrivals=None, on_step=None, max_steps=2000):
+    """Run to completion; a preempted sequence comes back with its resume tokens and its sampler at
+    that step (as the worker requeues it).  ``arrivals``: {step: [specs]} added later."""
+    orig = {s.uid: s for s in list(specs) + [s for v in (arrivals or {}).values() for s in v]}
+    out = {uid: [] for uid in orig}
+    engine.add(list(specs))
+    for step in range(max_steps):
+        engine.add((arrivals or {}).get(step, []))
+        if not engine.has_work():
+            break
+        events, preempted = engine.step()
+        for e in events:
+            out[e.uid].append(e.token)
+        for p in preempted:
+            s = orig[p.uid]
+            sample = int(p.uid.rpartition("#")[2]) if s.sampler is not None else None
+            engine.add([replace(s, resume_tokens=list(p.tokens), max_tokens=s.max_tokens - len(p.tokens),
+                                sampler=_sampler(sample, len(p.tokens)))])
+        if on_step:
+            on_step(step)
+    assert not engine.has_work()
+    return out
+
+
+def test_scheduler_plans_the_copy_and_pins_its_source_until_then():
+    """The plan, on its own (block size 4): a 10-token prompt is 2 shared full blocks + a copied one."""
+    s = Scheduler(BlockManager(32, 4, "m"), SchedulerConfig())
+    s.add(job("j", list(range(1, 11)), 2, 5, stop_token_ids=()))
+    plan = s.schedule_prefill()
+    assert [q.uid for q, _ in plan.rows] == ["j#0"] and not plan.copies
+    assert [q.uid for q in s.waiting] == ["j#1"]  # waits for its sibling's prefill, holding nothing
+    s.postprocess_prefill(plan, [Sampled(q, 7) for q in plan.ending_seqs()])
+    plan = s.schedule_prefill()
+    j0, j1 = s.running["j#0"], s.running["j#1"]
+    assert plan.rows == [] and plan.copies == [(j0.block_table[2], j1.block_table[2])]
+    assert j1.block_table[:2] == j0.block_table[:2] and j1.block_hashes == j0.block_hashes[:2]
+    assert j1.status is SequenceStatus.DECODE and j1.num_computed == 9  # its decode row computes token 10
+    # shared blocks counted once; the copy's source is no longer pinned once the plan carries it
+    assert [s.bm.blocks[b].ref_count for b in j1.block_table] == [2, 2, 1]
+    assert s.bm.blocks[j0.block_table[2]].ref_count == 1 and s.bm.num_used == 3 + 1
+    s.remove(["j"])
+    assert s.bm.num_used == 0 and not s.running and not s.waiting
+
+
+def test_a_fork_preempted_as_it_is_admitted_makes_no_copy():
+    """priority_gap 0: a job of the same priority preempts the fork admitted just before it."""
+    s = Scheduler(BlockManager(9, 4, "m"), SchedulerConfig(priority_gap=0.0, pressure=1.0))
+    s.add(job("j", list(range(1, 11)), 2, 5, stop_token_ids=()))
+    plan = s.schedule_prefill()
+    s.postprocess_prefill(plan, [Sampled(q, 7) for q in plan.ending_seqs()])
+    s.add([SeqSpec("x", [3] * 20, 1, stop_token_ids=())])
+    plan = s.schedule_prefill()
+    assert [q.uid for q, _ in plan.rows] == ["x"] and plan.copies == []
+    assert [p.uid for p in s.take_output()[1]] == ["j#1"]
+    j0 = s.running["j#0"]
+    assert [s.bm.blocks[b].ref_count for b in j0.block_table] == [1, 1, 1]  # the pin is gone too
+    assert s.bm.num_used == 3 + 5
+    s.bm.check_invariants()
+
+
+def test_forked_greedy_samples_equal_solo_one_prefill_shared_blocks(model):
+    prompt = _prompts(11, 1, 70, 70)[0]  # 2 full blocks + 6 tokens
+    eng = PagedEngine(model, num_blocks=64)
+    used = []
+
+    def on_step(step):
+        if len(eng.scheduler.running) == 4 and not used:
+            used.append(eng.bm.num_used)
+
+    out = drive(eng, job("j", prompt, 4, 12), on_step=on_step)
+    ref = dense(model, prompt, 12)
+    assert out == {f"j#{i}": ref for i in range(4)}
+    # the prompt's 3 blocks once, plus one copied partial block per forked sample (70 + 12 < 96: no growth)
+    assert used == [3 + 3]
+    st = eng.stats()
+    assert eng.counters.prefill_tokens == len(prompt)  # computed once; each fork's last token is a decode row
+    assert st["fork_shared_tokens"] == 3 * (len(prompt) - 1)
+    _assert_no_leak(eng)
+    # the prompt's full blocks stay in the prefix cache for the next job
+    assert drive(eng, [SeqSpec("again", prompt, 4)]) == {"again": ref[:4]}
+    assert eng.stats()["prefix_hit_tokens"] == 64
+    # without fork_of the same samples prefill 4 times (and give the same tokens)
+    eng2 = PagedEngine(model, num_blocks=64)
+    assert drive(eng2, job("j", prompt, 4, 12, fork=False)) == out
+    assert eng2.counters.prefill_tokens == 4 * len(prompt)
+
+
+def test_seeded_samples_reproducible_alone_batched_and_preempted(model):
+    prompt = _prompts(12, 1, 40, 40)[0]
+    alone = drive(PagedEngine(model, num_blocks=64), job("s", prompt, 4, 30, seeded=True))
+    assert len({tuple(t) for t in alone.values()}) == 4  # each sample draws its own tokens
+    # sample 0 is the one-sample job with the same seed; unforked samples give the same tokens
+    one = SeqSpec("one", list(prompt), 30, sampler=RowSampler(PARAMS, PARAMS.seed))
+    assert drive(PagedEngine(model, num_blocks=64), [one])["one"] == alone["s#0"]
+    assert drive(PagedEngine(model, num_blocks=64), job("s", prompt, 4, 30, seeded=True, fork=False)) == alone
+    # in a batch with other jobs (greedy, another seeded job) arriving before and after
+    others = [SeqSpec("g", [5] * 50, 30)] + job("t", [9, 8, 7], 2, 20, seeded=True)
+    out = drive(PagedEngine(model, num_blocks=64, chunk_schedule=SMALL_CHUNKS), others[:1],
+                arrivals={2: job("s", prompt, 4, 30, seeded=True), 5: others[1:]})
+    assert {u: out[u] for u in alone} == alone
+    # preempted mid-run by an urgent job, resumed from resume_tokens (forking again where it can)
+    eng = PagedEngine(model, num_blocks=9, pressure=1.0)
+    urgent = SeqSpec("u", [1] * 100, 3, priority=0.0)
+    out = drive(eng, job("s", prompt, 4, 30, seeded=True, priority=5.0), arrivals={8: [urgent]})
+    assert eng.stats()["preemptions"] > 0
+    assert {u: out[u] for u in alone} == alone
+    _assert_no_leak(eng)
+
+
+def test_cancelling_the_job_frees_every_sample(model):
+    prompt = _prompts(13, 1, 100, 100)[0]
+    for steps in (1, 6):  # while sample 0 prefills (the others wait), and once all decode
+        eng = PagedEngine(model, num_blocks=64, chunk_schedule=SMALL_CHUNKS)
+        eng.add(job("c", prompt, 4, 200) + [SeqSpec("other", [3] * 20, 200)])
+        for _ in range(steps):
+            eng.step()
+        assert (len(eng.scheduler.running) == 5) == (steps == 6)
+        eng.remove(["c"])  # the bare job id takes its samples along
+        assert set(eng.scheduler.running) == {"other"} and not eng.scheduler.waiting
+        eng.remove(["other"])
+        assert not eng.has_work() and eng.bm.num_used == 0
+        _assert_no_leak(eng)
+
+
+def test_waiting_samples_do_not_fill_the_engines_queue(model):
+    """Samples waiting for their sibling's prefill wait for no memory: the worker keeps pulling."""
+    eng = PagedEngine(model, num_blocks=64, max_waiting=2, chunk_schedule=SMALL_CHUNKS)
+    eng.add(job("w", _prompts(15, 1, 100, 100)[0], 6, 4))
+    eng.step()
+    assert len(eng.scheduler.waiting) == 5 and eng.free_slots() > 0
+    eng.remove(["w"])
+    _assert_no_leak(eng)
+
+
+def test_fork_falls_back_when_the_sibling_is_gone(model):
+    prompt = _prompts(14, 1, 70, 70)[0]
+    ref = dense(model, prompt, 8)
+    # sample 0 ends in its prefill step (max_tokens 1): the others admit on their own (prefix cache)
+    eng = PagedEngine(model, num_blocks=64)
+    specs = job("f", prompt, 3, 8)
+    specs[0] = replace(specs[0], max_tokens=1)
+    out = drive(eng, specs)
+    assert out["f#0"] == ref[:1] and out["f#1"] == out["f#2"] == ref
+    assert eng.stats()["fork_shared_tokens"] == 0
+    # sample 0 cancelled while the others wait for its prefill; a sibling that never comes
+    eng = PagedEngine(model, num_blocks=64, chunk_schedule=SMALL_CHUNKS)
+    eng.add(job("f", prompt, 3, 8) + [replace(job("h", prompt, 2, 8)[1], uid="lonely")])
+    got: dict = {}
+    for step in range(200):
+        if step == 1:
+            assert [s.uid for s in eng.scheduler.waiting] == ["f#1", "f#2"]  # "lonely" did not wait
+            eng.remove(["f#0"])
+        if not eng.has_work():
+            break
+        for e in eng.step()[0]:
+            got.setdefault(e.uid, []).append(e.token)
+    assert got == {"f#1": ref, "f#2": ref, "lonely": ref}
+    _assert_no_leak(eng)
+
+
+def test_bad_fork_fields_are_ignored(model):
+    prompt = [4, 5, 6, 7]
+    specs = [SeqSpec("b#0", prompt, 4), SeqSpec("b#1", prompt, 4, fork_of="b#0", fork_len=9),
+             SeqSpec("b#2", prompt, 4, fork_of="b#2", fork_len=4)]
+    out = drive(PagedEngine(model, num_blocks=16), specs)
+    assert out == {s.uid: dense(model, prompt, 4) for s in specs}
