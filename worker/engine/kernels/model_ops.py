@@ -172,11 +172,17 @@ def install_rope(model, op: Callable) -> int:
     """Make the model's plain nn.RoPE instances FastRoPE; returns how many."""
     global _fast_rope
     _fast_rope = op
+    return _swap_class(model, nn.RoPE, FastRoPE)
+
+
+def _swap_class(model, plain: type, fast: type) -> int:
+    """Instances of exactly ``plain`` in ``model`` become ``fast`` (a subclass with the same
+    attributes); returns how many ``fast`` ones it has."""
     n = 0
     for _, m in model.named_modules():
-        if type(m) is nn.RoPE:
-            m.__class__ = FastRoPE
-        if type(m) is FastRoPE:
+        if type(m) is plain:
+            m.__class__ = fast
+        if type(m) is fast:
             n += 1
     return n
 
@@ -200,13 +206,7 @@ def install_rms_norm(model, op: Callable) -> int:
     """Make the model's plain nn.RMSNorm instances FastRMSNorm; returns how many."""
     global _fast_rms_norm
     _fast_rms_norm = op
-    n = 0
-    for _, m in model.named_modules():
-        if type(m) is nn.RMSNorm:
-            m.__class__ = FastRMSNorm
-        if type(m) is FastRMSNorm:
-            n += 1
-    return n
+    return _swap_class(model, nn.RMSNorm, FastRMSNorm)
 
 
 def install(model, ext, ops: tuple) -> None:
