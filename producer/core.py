@@ -121,18 +121,24 @@ class ParsedResult(Result):
 
 
 def with_parsed(res: Result, schema: Optional[type[BaseModel]]) -> Result:
-    """``res`` as a ``ParsedResult`` when the job asked for ``schema`` (else ``res`` itself)."""
+    """``res`` as a ``ParsedResult`` when the job asked for ``schema`` (else ``res`` itself); each of a
+    job's ``samples`` gets its own ``parsed`` / ``parse_error``."""
     if schema is None:
         return res
     out = ParsedResult.model_validate(res.model_dump())
-    if res.finish_reason == "error":
-        out._parse_error = f"the job failed: {res.error}"
-        return out
-    try:
-        out._parsed = schema.model_validate_json(res.text)
-    except ValidationError as exc:
-        out._parse_error = f"the text does not validate as {schema.__name__}: {exc}"
+    for target in (out, *(out.samples or ())):
+        target._parsed, target._parse_error = parse_text(target, schema)
     return out
+
+
+def parse_text(out, schema: type[BaseModel]) -> tuple[Any, Optional[str]]:
+    """(the instance, None), or (None, why) for an output (a Result or one of its samples)."""
+    if out.finish_reason == "error":
+        return None, f"the job failed: {out.error}"
+    try:
+        return schema.model_validate_json(out.text), None
+    except ValidationError as exc:
+        return None, f"the text does not validate as {schema.__name__}: {exc}"
 
 
 # -- a job's waits, as requests for I/O ---------------------------------------------------------------

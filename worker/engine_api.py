@@ -21,7 +21,7 @@ LogitsProcessor = Callable[[Any, Any], Any]
 class SeqSpec:
     """One sequence handed to an engine."""
 
-    uid: str  # the job id
+    uid: str  # the job id (a job with n > 1: one sequence per sample, ``job#i``)
     prompt: list[int]  # prompt token ids (never empty)
     max_tokens: int  # tokens still to generate
     sampler: Optional[Sampler] = None  # None: greedy
@@ -49,6 +49,11 @@ class SeqSpec:
     # mlx-lm's repetition penalty over the last 20 context tokens, applied to all such rows of
     # a batch at once (None: off); the same logits as mlx-lm's logits processor
     repetition_penalty: Optional[float] = None
+    # n > 1: the uid of the sibling whose prompt KV this sequence may share (sample 0's, for samples
+    # 1..n-1) and how many leading tokens of ``prompt`` are that shared prompt; an engine without
+    # forks ignores them (each sample prefills alone: the same tokens, more work)
+    fork_of: Optional[str] = None
+    fork_len: int = 0
 
 
 @dataclass

@@ -28,8 +28,10 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def step_key(seed: int, step: int) -> mx.array:
-    return mx.random.key(_splitmix64(seed ^ _splitmix64(step)) >> 1)
+def step_key(seed: int, step: int, sample: int = 0) -> mx.array:
+    """The key of (seed, sample index, step); sample 0 keeps the keys of a job with one sample."""
+    salt = _splitmix64(_splitmix64(sample) ^ step) if sample else 0
+    return mx.random.key(_splitmix64(seed ^ _splitmix64(step) ^ salt) >> 1)
 
 
 class RowSampler:
@@ -41,7 +43,7 @@ class RowSampler:
     log-probabilities (1, vocab) does the same for that row alone.
     """
 
-    def __init__(self, params: SamplingParams, seed: int, start_step: int = 0):
+    def __init__(self, params: SamplingParams, seed: int, start_step: int = 0, sample: int = 0):
         self.top_p = params.top_p if 0.0 < params.top_p < 1.0 else None
         self.min_p = params.min_p if params.min_p > 0.0 else None
         self.top_k = params.top_k if params.top_k > 0 else None
@@ -49,9 +51,10 @@ class RowSampler:
         self.config = (self.top_p, self.min_p, self.top_k, self.inv_temp)
         self.seed = seed
         self.step = start_step
+        self.sample = sample  # the job's sample index (n > 1): its own stream of keys
 
     def next_key(self) -> mx.array:
-        key = step_key(self.seed, self.step)
+        key = step_key(self.seed, self.step, self.sample)
         self.step += 1
         return key
 
