@@ -147,7 +147,7 @@ def test_auth_tiers_and_batch_floor(stack):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 3.5}, "temperature"),
     ({"model": "tiny", "messages": []}, "messages"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
