@@ -27,13 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Generator, Optional
 
-from pydantic import BaseModel, PrivateAttr, ValidationError
+from pydantic import BaseModel, ValidationError
 from redis.exceptions import NoScriptError
 
 from ..shared import codec
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
-from ..shared.schemas import Delta, GenerateRequest, Result
+from ..shared.schemas import Delta, GenerateRequest, Parsed, Result
 from .common import JobTimeout, StreamState, build_request, check_fits, entry_delta, result_from_hash
 
 log = logging.getLogger("mlxq.producer")
@@ -104,20 +104,9 @@ def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes:
 
 # -- structured results ----------------------------------------------------------------------------
 
-class ParsedResult(Result):
+class ParsedResult(Parsed, Result):
     """A ``Result`` of a job submitted with ``response_format=`` a pydantic class: ``parsed`` is the
     validated instance, or None with ``parse_error`` saying why (neither is serialized)."""
-
-    _parsed: Any = PrivateAttr(default=None)
-    _parse_error: Optional[str] = PrivateAttr(default=None)
-
-    @property
-    def parsed(self) -> Any:
-        return self._parsed
-
-    @property
-    def parse_error(self) -> Optional[str]:
-        return self._parse_error
 
 
 def with_parsed(res: Result, schema: Optional[type[BaseModel]]) -> Result:

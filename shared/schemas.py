@@ -287,9 +287,24 @@ INVALID_REQUEST = "invalid_request"  # the request can never run (too long, bad 
 INTERNAL_ERROR = "internal_error"  # the worker failed: HTTP 500
 
 
-class SampleOutput(BaseModel):
-    """One sample's output (``Result.samples``): what a Result's top-level fields say of sample 0.
-    ``parsed`` / ``parse_error``: set by the producers for a job submitted with a pydantic class."""
+class Parsed(BaseModel):
+    """``parsed`` (the validated instance) and ``parse_error`` (why not) of an output whose job was
+    submitted with ``response_format=`` a pydantic class; set by the producers, never serialized."""
+
+    _parsed: Any = PrivateAttr(default=None)
+    _parse_error: Optional[str] = PrivateAttr(default=None)
+
+    @property
+    def parsed(self) -> Any:
+        return self._parsed
+
+    @property
+    def parse_error(self) -> Optional[str]:
+        return self._parse_error
+
+
+class SampleOutput(Parsed):
+    """One sample's output (``Result.samples``): what a Result's top-level fields say of sample 0."""
 
     model_config = ConfigDict(extra="ignore")
     index: int = 0
@@ -301,16 +316,6 @@ class SampleOutput(BaseModel):
     logprobs: Optional[list] = None
     tool_calls: Optional[list[ToolCall]] = None
     reasoning: Optional[str] = None
-    _parsed: Any = PrivateAttr(default=None)
-    _parse_error: Optional[str] = PrivateAttr(default=None)
-
-    @property
-    def parsed(self) -> Any:
-        return self._parsed
-
-    @property
-    def parse_error(self) -> Optional[str]:
-        return self._parse_error
 
 
 class Result(BaseModel):

@@ -169,7 +169,7 @@ def test_bad_json_unknown_model_and_openai_client_errors(stack):
     status, out = raw_post(url, "/v1/completions", {"model": "nope", "prompt": "hi"})
     assert status == 404 and out["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
-        oai(url).completions.create(model="tiny", prompt="hi", n=3)
+        oai(url).completions.create(model="tiny", prompt="hi", n=17)  # above the most samples per job
 
 
 # "ghost": a model whose (pretend) worker heartbeats for the whole test but never pulls a job
