@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, StrictStr, field_serializer, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, StrictStr, field_serializer, field_validator, model_serializer, model_validator
 
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
 MAX_STOP_STRINGS = 16
@@ -334,6 +334,14 @@ class Result(BaseModel):
     reasoning: Optional[str] = None  # a chat job's thinking (``text`` is then the answer only)
     stats: JobStats = Field(default_factory=JobStats)
     samples: Optional[list[SampleOutput]] = None  # n > 1: every sample's output, sample 0 first
+
+    @model_serializer(mode="wrap")
+    def _no_samples_key(self, handler):
+        """An n == 1 job's result has no ``samples`` key: its record is what it was before ``n``."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("samples") is None:
+            out.pop("samples", None)
+        return out
 
     @property
     def outputs(self) -> list[SampleOutput]:

@@ -17,6 +17,7 @@ import redis
 from mlxq import Client
 from mlxq.producer.gateway import ServerThread, create_app
 from mlxq.shared import codec
+from mlxq.shared.embedded import EmbeddedRedis
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.schemas import MAX_N, GenerateRequest
 from faultkit import WorkerProc, wait_registered
@@ -29,18 +30,22 @@ SEEDED = dict(temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, tiny_model):
-    """(worker, client, gateway url) serving "tiny" for the whole module."""
-    r = redis.Redis.from_url(redis_server.url)
-    r.flushall()
-    settings = fast_settings(redis_server.url)
-    with running_worker(tiny_model, redis_server.url, settings, max_batch=8) as worker:
-        assert wait_for(lambda: r.hexists(GK.models, "tiny"), timeout=60)
-        client = Client(redis_server.url, model="tiny", settings=settings)
-        with ServerThread(create_app(redis_server.url, settings)) as url:
-            yield worker, client, url
-        client.close()
-    r.close()
+def stack(tiny_model):
+    """(worker, client, gateway url) serving "tiny" for the whole module, on a Valkey of its own (the
+    tests that start their own workers use the session's: no worker of this one takes their jobs)."""
+    server = EmbeddedRedis().start()
+    r = redis.Redis.from_url(server.url)
+    settings = fast_settings(server.url)
+    try:
+        with running_worker(tiny_model, server.url, settings, max_batch=8) as worker:
+            assert wait_for(lambda: r.hexists(GK.models, "tiny"), timeout=60)
+            client = Client(server.url, model="tiny", settings=settings)
+            with ServerThread(create_app(server.url, settings)) as url:
+                yield worker, client, url
+            client.close()
+    finally:
+        r.close()
+        server.stop()
 
 
 def by_sample(deltas) -> dict[int, tuple[list[int], str, list[str]]]:
@@ -191,7 +196,7 @@ def test_kill9_mid_stream_resumes_every_sample_exactly(redis_url, tiny_model_dir
         b = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=8, **lease)
         streamed = by_sample(job.stream(timeout=120))
         res = job.result(timeout=120)
-        assert res.stats.attempts == 2, b.log()
+        assert res.stats.attempts == 2, a.log() + "\n-----\n" + b.log()
         assert outputs(res) == outputs(ref)
         for o in res.outputs:
             assert streamed[o.index] == (o.token_ids, o.text, [o.finish_reason])
@@ -220,3 +225,29 @@ def test_a_sample_that_ended_before_a_crash_is_kept_from_the_record():
     assert (p[0].tokens, p[0].finish, p[1].tokens, p[1].finish) == ([1, 3], None, [2], "stop")
     assert GenerateRequest(model="m", prompt="x").n == 1
     assert "x" not in Delta(text="t").to_wire()  # an n == 1 job's wire format is unchanged
+
+
+def test_preempted_samples_resume_exactly_in_a_small_pool(tiny_model, redis_url):
+    """Four samples that cannot all fit the pool at full length: the engine preempts some; each waits
+    for memory again and resumes after its last token (greedy: each is mlx-lm's answer)."""
+    import random
+
+    from faultkit import reference_tokens
+    from mlxq.worker.engine import PagedEngine
+
+    prompt = [random.Random(3).randrange(4, 900) for _ in range(40)]
+    ref = reference_tokens(tiny_model, prompt, 150, ignore_eos=True)
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    engine = PagedEngine(tiny_model.model, num_blocks=14, eos_token_ids=tiny_model.eos_token_ids, model_id="tiny")
+    with running_worker(tiny_model, redis_url, settings, engine=engine) as w:
+        job = client.submit(prompt_tokens=prompt, n=4, max_tokens=150, ignore_eos=True)
+        streamed = by_sample(job.stream(timeout=120))
+        res = job.result(timeout=60)
+        assert wait_for(lambda: not w.active and w.engine.stats()["blocks_used"] == 0, timeout=30)
+        stats = w.engine.stats()
+    assert stats["preemptions"] > 0
+    assert outputs(res) == [(ref, tiny_model.tokenizer.decode(ref))] * 4
+    for o in res.outputs:
+        assert streamed[o.index] == (o.token_ids, o.text, [o.finish_reason])
+    client.close()

@@ -274,10 +274,15 @@ class Worker:
                 out.deltas.append((job.id, job.owner, job.wire(delta), job.seq == 1 or job.resumed))
                 job.resumed = False
         for p in preempted:
-            job = self.active.pop(p.uid, None)
-            if job is not None:  # the whole job goes back (its samples resume from the durable record)
+            job = self.active.get(p.uid)
+            if job is not None and job.group is not None:
+                # a sample of a job with n > 1 waits in this engine for memory again (its siblings run
+                # on, the job keeps its lease), from the tokens it published
+                self.engine.add([self._spec(job)])
+                continue
+            self.active.pop(p.uid, None)
+            if job is not None:
                 job.tokens = list(p.tokens)
-                self._drop(self._samples(job.id))
                 out.requeues.append((job.id, job.owner, job.resume_state()))
                 self.processed["requeued"] += 1
         self.publisher.submit(out)
