@@ -209,10 +209,12 @@ def test_kill9_mid_stream_resumes_every_sample_exactly(redis_url, tiny_model_dir
         client.close()
 
 
-def test_a_sample_that_ended_before_a_crash_is_kept_from_the_record():
-    """read_samples folds each sample apart and keeps the end of one that finished."""
+def test_a_sample_that_ended_before_a_crash_is_kept_from_the_record(tiny_model):
+    """read_samples folds each sample apart and keeps the end of one that finished; the next attempt
+    runs only the samples that had not ended, each after its own last token."""
+    from mlxq.shared.protocol import Pulled
     from mlxq.shared.schemas import Delta
-    from mlxq.worker.jobs import read_samples
+    from mlxq.worker.jobs import read_samples, start_job
 
     def entry(ms, **kw):
         return (f"{ms}-0".encode(), {b"d": codec.pack(Delta(**kw).to_wire())})
@@ -223,6 +225,16 @@ def test_a_sample_that_ended_before_a_crash_is_kept_from_the_record():
                entry(4, sample=0, seq=2, index=1, offset=1, text="c", token_ids=[3])]
     p = read_samples(entries)
     assert (p[0].tokens, p[0].finish, p[1].tokens, p[1].finish) == ([1, 3], None, [2], "stop")
+    req = GenerateRequest(model="tiny", prompt=PROMPT, n=2, max_tokens=8)
+    pulled = Pulled(job_id=req.id, kind="job", raw_request=b"", attempt=2, tier="normal", score=0.0,
+                    queued_at=0.0, resume=b"", now=0.0)
+    prompt = tiny_model.tokenizer.encode(PROMPT)
+    samples = start_job(pulled, req, prompt, tiny_model.tokenizer, "w", 0.0, p)
+    assert [(s.uid, s.tokens, s.seq) for s in samples] == [(f"{req.id}#0", [1, 3], 2)]
+    ended = samples[0].group.outputs[1]
+    assert (ended.token_ids, ended.finish_reason, ended.text) == ([2], "stop", tiny_model.tokenizer.decode([2]))
+    spec = samples[0].spec(tiny_model.eos_token_ids)
+    assert (spec.fork_of, spec.resume_tokens, spec.max_tokens) == (None, [1, 3], 6)
     assert GenerateRequest(model="m", prompt="x").n == 1
     assert "x" not in Delta(text="t").to_wire()  # an n == 1 job's wire format is unchanged
 
@@ -251,3 +263,33 @@ def test_preempted_samples_resume_exactly_in_a_small_pool(tiny_model, redis_url)
     for o in res.outputs:
         assert streamed[o.index] == (o.token_ids, o.text, [o.finish_reason])
     client.close()
+
+
+def test_async_client_map_cli_and_batch_lines_take_n(stack, capsys):
+    import asyncio
+
+    from mlxq import AsyncClient
+    from mlxq.cli import main
+    from mlxq.producer.bulk import batch_line
+
+    worker, client, _ = stack
+    url = worker.settings.redis_url
+
+    async def run_async():
+        ac = AsyncClient(url, model="tiny", settings=worker.settings)
+        try:
+            job = await ac.submit(PROMPT, n=2, max_tokens=6)
+            streamed = by_sample([d async for d in job.stream(timeout=60)])
+            return streamed, await job.result(timeout=60)
+        finally:
+            await ac.aclose()
+
+    streamed, res = asyncio.run(run_async())
+    assert [streamed[o.index] for o in res.outputs] == [(o.token_ids, o.text, [o.finish_reason]) for o in res.outputs]
+    mapped = list(client.map([{"prompt": PROMPT, "max_tokens": 6}], n=2, timeout=60))
+    assert outputs(mapped[0]) == outputs(res)  # greedy: the same samples by either client
+    line = batch_line(1, "c1", res.id, "tiny", False, res)
+    assert [c["text"] for c in line["response"]["body"]["choices"]] == [o.text for o in res.outputs]
+    assert main(["submit", PROMPT, "--n", "2", "--max-tokens", "6", "--model", "tiny", "--redis-url", url]) == 0
+    out = capsys.readouterr().out
+    assert all(f"--- sample {o.index} ({o.finish_reason}) ---\n{o.text}\n" in out for o in res.outputs)
