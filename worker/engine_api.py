@@ -21,7 +21,7 @@ LogitsProcessor = Callable[[Any, Any], Any]
 class SeqSpec:
     """One sequence handed to an engine."""
 
-    uid: str  # the job id (a job with n > 1: one sequence per sample, ``job#i``)
+    uid: str  # the job id (``f"{job_id}#{i}"`` for sample i of an n > 1 job)
     prompt: list[int]  # prompt token ids (never empty)
     max_tokens: int  # tokens still to generate
     sampler: Optional[Sampler] = None  # None: greedy
@@ -49,9 +49,10 @@ class SeqSpec:
     # mlx-lm's repetition penalty over the last 20 context tokens, applied to all such rows of
     # a batch at once (None: off); the same logits as mlx-lm's logits processor
     repetition_penalty: Optional[float] = None
-    # n > 1: the uid of the sibling whose prompt KV this sequence may share (sample 0's, for samples
-    # 1..n-1) and how many leading tokens of ``prompt`` are that shared prompt; an engine without
-    # forks ignores them (each sample prefills alone: the same tokens, more work)
+    # n > 1 samples of one job: the uid of the sibling (sample 0) whose prompt KV this sequence may
+    # share, and how many leading tokens of ``prompt`` are that shared prompt (the rest, e.g. resume
+    # tokens, are its own).  The engine waits for the sibling's prefill, shares its full blocks and
+    # copies its last partial one; a sibling that is gone means an ordinary admission.
     fork_of: Optional[str] = None
     fork_len: int = 0
 
@@ -89,7 +90,8 @@ class Engine(Protocol):
         """Queue sequences; they join the running batch at the next step."""
 
     def remove(self, uids: list[str]) -> None:
-        """Drop sequences (cancelled, or finished by a stop string) at once."""
+        """Drop sequences (cancelled, or finished by a stop string) at once; a bare job id also
+        drops that job's ``job_id#i`` samples."""
 
     def step(self) -> tuple[list[TokenEvent], list[Preempted]]:
         """Run one scheduling step: at most one new token per running sequence."""

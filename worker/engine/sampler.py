@@ -3,8 +3,9 @@
 ``sample`` turns a pass's logits (B, vocab) into tokens; rows that share a
 sampling configuration are sampled in one call.  A sampled (temperature > 0)
 job draws from its own key stream: the key of step ``n`` is a hash of
-``(seed, n)``.  So a seeded job gives the same tokens alone or in any batch,
-and a preempted job resumes its stream at step ``n``.
+``(seed, sample index, n)`` (sample 0's keys are those of a one-sample job).  So a
+seeded job gives the same tokens alone or in any batch, each of its n samples its
+own, and a preempted job resumes its stream at step ``n``.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def _splitmix64(x: int) -> int:
 
 
 def step_key(seed: int, step: int, sample: int = 0) -> mx.array:
-    """The key of (seed, sample index, step); sample 0 keeps the keys of a job with one sample."""
-    salt = _splitmix64(_splitmix64(sample) ^ step) if sample else 0
-    return mx.random.key(_splitmix64(seed ^ _splitmix64(step) ^ salt) >> 1)
+    x = seed ^ _splitmix64(step)
+    if sample:  # sample 0 keeps the one-sample keys
+        x ^= _splitmix64(_splitmix64(sample) ^ step)
+    return mx.random.key(_splitmix64(x) >> 1)
 
 
 class RowSampler:
@@ -50,8 +52,8 @@ class RowSampler:
         self.inv_temp = 1.0 / params.temperature
         self.config = (self.top_p, self.min_p, self.top_k, self.inv_temp)
         self.seed = seed
+        self.sample = sample  # the sample index of an n > 1 job
         self.step = start_step
-        self.sample = sample  # the job's sample index (n > 1): its own stream of keys
 
     def next_key(self) -> mx.array:
         key = step_key(self.seed, self.step, self.sample)
