@@ -127,9 +127,11 @@ def main() -> int:
         print("medians: " + ", ".join(f"{name} {t:.3f} s" for name, t in med.items()))
         print(f"n=8 / n=1 = {med['n=8'] / med['n=1']:.2f}x (target <= 1.3x); "
               f"8 jobs / n=1 = {med['8 jobs'] / med['n=1']:.2f}x")
+        forked = statistics.median(fills["n=8"]) < 1.5 * args.prompt_len
         print("prefilled per workload (median): "
               + ", ".join(f"{name} {int(statistics.median(v))}" for name, v in fills.items())
-              + f" (one prefill ~{args.prompt_len}: the engine forked the samples)")
+              + ("; n=8 prefilled once: the engine forked its samples" if forked else
+                 "; n=8 prefilled each sample: this engine does not fork them"))
     finally:
         client.close()
         stop(proc)

@@ -168,7 +168,7 @@ class StreamState:
     leaves a gap (``gap``), and the caller re-reads the durable record, which has it.
 
     A job with n > 1 has one lane per sample (``Delta.sample``); a delta with a finish reason ends
-    its sample, and says how many samples the job has (``Delta.samples``): the job is ``done`` when
+    its sample, and says how many samples the job has (``Delta.n_samples``): the job is ``done`` when
     every one has ended, or at a job-wide end (a terminal event, a final delta with no sample).
     """
 
@@ -218,7 +218,7 @@ class StreamState:
 
     def _ended(self, lane: Lane, d: Delta) -> None:
         lane.done = True
-        self.samples = max(self.samples, d.samples or 1)
+        self.samples = max(self.samples, d.n_samples or 1)
         ended = sum(1 for x in self.lanes.values() if x.done)
         self.done = d.sample is None or ended >= self.samples
 

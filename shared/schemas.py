@@ -212,7 +212,7 @@ class Delta(BaseModel):
     # the sample this delta belongs to (wire ``x``), on every delta of a job with n > 1; None (absent)
     # for an n == 1 job, and on a delta that ends a whole job (a failure before any sample ran)
     sample: Optional[int] = None
-    samples: Optional[int] = None  # on a sample's final delta (n > 1): the job's n (wire ``xn``)
+    n_samples: Optional[int] = None  # on a sample's final delta (n > 1): the job's n (wire ``xn``)
 
     def to_wire(self) -> dict:
         d = {"a": self.attempt, "s": self.seq, "n": self.index, "c": self.offset, "t": self.text,
@@ -229,8 +229,8 @@ class Delta(BaseModel):
             d["tc"], d["k"] = [c.model_dump() for c in self.tool_calls], self.tool_call_index
         if self.sample is not None:
             d["x"] = self.sample
-        if self.samples is not None:
-            d["xn"] = self.samples
+        if self.n_samples is not None:
+            d["xn"] = self.n_samples
         return d
 
     @classmethod
@@ -250,7 +250,7 @@ class Delta(BaseModel):
             tool_calls=d.get("tc") or None,
             tool_call_index=int(d.get("k", 0)),
             sample=int(d["x"]) if d.get("x") is not None else None,
-            samples=int(d["xn"]) if d.get("xn") is not None else None,
+            n_samples=int(d["xn"]) if d.get("xn") is not None else None,
         )
 
 

@@ -221,7 +221,8 @@ def test_a_sample_that_ended_before_a_crash_is_kept_from_the_record(tiny_model):
 
     entries = [entry(1, sample=0, seq=1, index=0, offset=0, text="a", token_ids=[1]),
                entry(2, sample=1, seq=1, index=0, offset=0, text="b", token_ids=[2]),
-               entry(3, sample=1, seq=2, index=1, offset=1, text="", token_ids=[], finish_reason="stop", samples=2),
+               entry(3, sample=1, seq=2, index=1, offset=1, text="", token_ids=[], finish_reason="stop",
+                     n_samples=2),
                entry(4, sample=0, seq=2, index=1, offset=1, text="c", token_ids=[3])]
     p = read_samples(entries)
     assert (p[0].tokens, p[0].finish, p[1].tokens, p[1].finish) == ([1, 3], None, [2], "stop")

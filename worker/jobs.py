@@ -132,7 +132,7 @@ class ActiveJob:
                      text=text, token_ids=list(ids), finish_reason=self.final_reason(finish), error=error,
                      logprobs=logprobs, reasoning=reasoning, reasoning_offset=r_offset,
                      tool_calls=calls or None, tool_call_index=k, sample=self.sample,
-                     samples=self.group.n if finish and self.group else None)
+                     n_samples=self.group.n if finish and self.group else None)
 
     def tool_calls(self) -> list[ToolCall]:
         """The calls parsed so far, OpenAI's shape; an id is a hash of the job id and the call's
