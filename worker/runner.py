@@ -276,9 +276,9 @@ class Worker:
         for p in preempted:
             job = self.active.get(p.uid)
             if job is not None and job.group is not None:
-                # a sample of a job with n > 1 waits in this engine for memory again (its siblings run
-                # on, the job keeps its lease), from the tokens it published
-                self.engine.add([self._spec(job)])
+                # a sample of a job with n > 1 goes back to the ready queue: _admit hands it to the
+                # engine again, from the tokens it published (its siblings run on, the job keeps its lease)
+                self.ready.put(job)
                 continue
             self.active.pop(p.uid, None)
             if job is not None:
