@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from typing import Optional
 
 from .shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
 from .shared.settings import TIERS
@@ -27,20 +28,31 @@ def cmd_submit(args) -> int:
     client = Client(args.redis_url, api_key=args.api_key, model=args.model)
     job = client.submit(**params)
     _say_if_no_worker(job)
+    samples = params.get("n") or 1
     for delta in job.stream():
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
+        if samples == 1:  # several samples are printed one after the other at the end
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
     result = job.result(timeout=60)
-    sys.stdout.write("\n")
-    if result.tool_calls:  # one JSON line: [{"id", "type": "function", "function": {"name", "arguments"}}]
-        print(json.dumps({"tool_calls": [c.model_dump() for c in result.tool_calls]}, ensure_ascii=False))
-    if result.error:
-        print(f"error: {result.error}", file=sys.stderr)
+    for out in result.outputs:
+        _print_output(out, result.text if samples == 1 else None)
     if result.finish_reason == "length" and "response_format" in params:
         print(f"mlxq submit: {CUT_SHORT} (--max-tokens {args.max_tokens})", file=sys.stderr)
     if args.verbose:
         print(json.dumps(result.stats.model_dump(), indent=2), file=sys.stderr)
     return 0 if result.finish_reason != "error" else 1
+
+
+def _print_output(out, streamed: Optional[str]) -> None:
+    """One sample's output (its text unless it was ``streamed``), its tool calls and its error."""
+    if streamed is None:
+        print(f"--- sample {out.index} ({out.finish_reason}) ---")
+        sys.stdout.write(out.text)
+    sys.stdout.write("\n")
+    if out.tool_calls:  # one JSON line: [{"id", "type": "function", "function": {"name", "arguments"}}]
+        print(json.dumps({"tool_calls": [c.model_dump() for c in out.tool_calls]}, ensure_ascii=False))
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
 
 
 CUT_SHORT = "the output is cut short: it reached max_tokens before its constraint was complete"

@@ -10,7 +10,8 @@ as jobs finish (any order)::
 
     {"id": <job id>, "custom_id": ..., "line": 3,
      "response": {"status_code": 200, "request_id": <job id>,
-                  "body": <a chat.completion or text_completion object: choices[0].finish_reason,
+                  "body": <a chat.completion or text_completion object: choices (n of them for a
+                           line with "n"), each with its finish_reason,
                            usage (with prompt_tokens_details.cached_tokens), and mlxq's "stats">},
      "error": null}
 
@@ -41,9 +42,9 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
-from ..shared.schemas import INVALID_REQUEST, Result
+from ..shared.schemas import INVALID_REQUEST, Result, SampleOutput
 from ..shared.cliopts import add_shared
 from ..shared.genopts import add_output_options, check_defaults, error_text, output_params
 from .bulkmap import BULK_TIER_FLOOR, as_params, submit_with_backoff
@@ -87,21 +88,25 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
                           "code": res.error_code or "job_failed"}}
     else:
         status = 200
-        if chat:
-            choice = {"index": 0, "message": chat_message(res), "logprobs": None, "finish_reason": res.finish_reason}
-        else:
-            choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
         body = {"id": ("chatcmpl-" if chat else "cmpl-") + job_id,
                 "object": "chat.completion" if chat else "text_completion",
-                "created": int(res.stats.finished_at or time.time()), "model": model, "choices": [choice],
+                "created": int(res.stats.finished_at or time.time()), "model": model,
+                "choices": [batch_choice(chat, out) for out in res.outputs],
                 "usage": usage(res), "stats": res.stats.model_dump()}
     return {"id": job_id, "custom_id": custom_id, "line": n,
             "response": {"status_code": status, "request_id": job_id, "body": body}, "error": None}
 
 
-def chat_message(res: Result) -> dict:
-    """The assistant message of a chat line: its text, and its tool calls when the model made some
-    (then ``content`` is null when there is no text, as OpenAI sends it)."""
+def batch_choice(chat: bool, out: SampleOutput) -> dict:
+    """One choice of a line's body: one of the job's samples (a line with ``n`` > 1 has n)."""
+    if chat:
+        return {"index": out.index, "message": chat_message(out), "logprobs": None, "finish_reason": out.finish_reason}
+    return {"index": out.index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+
+
+def chat_message(res: Union[Result, SampleOutput]) -> dict:
+    """The assistant message of a chat line (of one sample): its text, and its tool calls when the
+    model made some (then ``content`` is null when there is no text, as OpenAI sends it)."""
     if not res.tool_calls:
         return {"role": "assistant", "content": res.text}
     return {"role": "assistant", "content": res.text or None,

@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..shared import codec
@@ -148,21 +148,46 @@ def entry_delta(fields: dict) -> Optional[Delta]:
 
 
 @dataclass
+class Lane:
+    """One sample's reading position: token ids and characters yielded, and whether it ended."""
+
+    tokens: int = 0
+    chars: int = 0
+    done: bool = False
+
+
+@dataclass
 class StreamState:
     """Keeps exactly one copy of each token index and each character of a job's output.
 
-    Every delta says where it starts: ``index`` (its first token id's position in the job's
-    tokens) and ``offset`` (its text's position in the job's text).  Those are absolute across
+    Every delta says where it starts: ``index`` (its first token id's position in its sample's
+    tokens) and ``offset`` (its text's position in its sample's text).  Those are absolute across
     attempts: a worker that takes over a crashed or preempted job continues from the durable
     record.  So the same delta read twice (live, then again from the record) or a delta that
     overlaps what was yielded adds only what is new; a delta that starts past what was yielded
     leaves a gap (``gap``), and the caller re-reads the durable record, which has it.
+
+    A job with n > 1 has one lane per sample (``Delta.sample``); a delta with a finish reason ends
+    its sample, and says how many samples the job has (``Delta.n_samples``): the job is ``done`` when
+    every one has ended, or at a job-wide end (a terminal event, a final delta with no sample).
     """
 
-    tokens: int = 0  # token ids yielded so far: the next index expected
-    chars: int = 0  # characters of text yielded so far
+    lanes: dict[int, Lane] = field(default_factory=dict)
+    samples: int = 1  # the job's samples, as its final deltas tell
     done: bool = False
     gap: bool = False  # the last delta fed starts past what was yielded: re-read the record
+
+    @property
+    def tokens(self) -> int:
+        """Token ids of sample 0 yielded so far: the next index expected."""
+        return self.lane(0).tokens
+
+    @property
+    def chars(self) -> int:
+        return self.lane(0).chars
+
+    def lane(self, sample: Optional[int]) -> Lane:
+        return self.lanes.setdefault(sample or 0, Lane())
 
     def feed(self, d: Optional[Delta]) -> list[Delta]:
         self.gap = False
@@ -171,21 +196,31 @@ class StreamState:
         if d.attempt == -1:  # terminal event from a script (cancel, dead-letter)
             self.done = True
             return [d]
-        if d.index > self.tokens or d.offset > self.chars:
+        lane = self.lane(d.sample)
+        if lane.done:
+            return []
+        if d.index > lane.tokens or d.offset > lane.chars:
             self.gap = True
             return []
-        skip_ids, skip_chars = self.tokens - d.index, self.chars - d.offset
+        skip_ids, skip_chars = lane.tokens - d.index, lane.chars - d.offset
         ids, text = d.token_ids[skip_ids:], d.text[skip_chars:]
         if not (ids or text or d.finish_reason):
             return []  # all of it was yielded already
-        self.tokens += len(ids)
-        self.chars += len(text)
-        self.done = d.finish_reason is not None
+        lane.tokens += len(ids)
+        lane.chars += len(text)
+        if d.finish_reason is not None:
+            self._ended(lane, d)
         if not (skip_ids or skip_chars):
             return [d]
         lp = d.logprobs[skip_ids:] if d.logprobs is not None else None
         return [d.model_copy(update={"token_ids": ids, "text": text, "logprobs": lp,
-                                     "index": self.tokens - len(ids), "offset": self.chars - len(text)})]
+                                     "index": lane.tokens - len(ids), "offset": lane.chars - len(text)})]
+
+    def _ended(self, lane: Lane, d: Delta) -> None:
+        lane.done = True
+        self.samples = max(self.samples, d.n_samples or 1)
+        ended = sum(1 for x in self.lanes.values() if x.done)
+        self.done = d.sample is None or ended >= self.samples
 
 
 def result_from_hash(job_id: str, h: dict) -> Optional[Result]:

@@ -27,13 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Generator, Optional
 
-from pydantic import BaseModel, PrivateAttr, ValidationError
+from pydantic import BaseModel, ValidationError
 from redis.exceptions import NoScriptError
 
 from ..shared import codec
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
-from ..shared.schemas import Delta, GenerateRequest, Result
+from ..shared.schemas import Delta, GenerateRequest, Parsed, Result
 from .common import JobTimeout, StreamState, build_request, check_fits, entry_delta, result_from_hash
 
 log = logging.getLogger("mlxq.producer")
@@ -104,35 +104,30 @@ def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes:
 
 # -- structured results ----------------------------------------------------------------------------
 
-class ParsedResult(Result):
+class ParsedResult(Parsed, Result):
     """A ``Result`` of a job submitted with ``response_format=`` a pydantic class: ``parsed`` is the
     validated instance, or None with ``parse_error`` saying why (neither is serialized)."""
 
-    _parsed: Any = PrivateAttr(default=None)
-    _parse_error: Optional[str] = PrivateAttr(default=None)
-
-    @property
-    def parsed(self) -> Any:
-        return self._parsed
-
-    @property
-    def parse_error(self) -> Optional[str]:
-        return self._parse_error
-
 
 def with_parsed(res: Result, schema: Optional[type[BaseModel]]) -> Result:
-    """``res`` as a ``ParsedResult`` when the job asked for ``schema`` (else ``res`` itself)."""
+    """``res`` as a ``ParsedResult`` when the job asked for ``schema`` (else ``res`` itself); each of a
+    job's ``samples`` gets its own ``parsed`` / ``parse_error``."""
     if schema is None:
         return res
     out = ParsedResult.model_validate(res.model_dump())
-    if res.finish_reason == "error":
-        out._parse_error = f"the job failed: {res.error}"
-        return out
-    try:
-        out._parsed = schema.model_validate_json(res.text)
-    except ValidationError as exc:
-        out._parse_error = f"the text does not validate as {schema.__name__}: {exc}"
+    for target in (out, *(out.samples or ())):
+        target._parsed, target._parse_error = parse_text(target, schema)
     return out
+
+
+def parse_text(out, schema: type[BaseModel]) -> tuple[Any, Optional[str]]:
+    """(the instance, None), or (None, why) for an output (a Result or one of its samples)."""
+    if out.finish_reason == "error":
+        return None, f"the job failed: {out.error}"
+    try:
+        return schema.model_validate_json(out.text), None
+    except ValidationError as exc:
+        return None, f"the text does not validate as {schema.__name__}: {exc}"
 
 
 # -- a job's waits, as requests for I/O ---------------------------------------------------------------

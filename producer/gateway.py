@@ -41,7 +41,7 @@ from ..shared.connection import LINK_ERRORS, RedisUnreachable, close_pins, conne
 from ..shared.apikeys import AuthError
 from ..shared.keys import GlobalKeys
 from ..shared.protocol import JobRefused, OverloadError
-from ..shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result
+from ..shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result, SampleOutput
 from ..shared.settings import TIERS, Settings
 from .aclient import AsyncClient, AsyncJob
 from ..shared.cliopts import add_shared
@@ -238,7 +238,8 @@ class Gateway:
         jlog(logging.INFO, job.id, 0, "submitted by %s at tier %s (%s, stream=%s)", endpoint, tier, model, req.stream)
         fmt = LogprobFormatter(self.token_names.for_model(models.get(model)), req.top_n)
         meta = _Meta(id=("chatcmpl-" if chat else "cmpl-") + job.id, model=model, created=now_s(), chat=chat,
-                     endpoint=endpoint, started=started, include_usage=req.include_usage, tools=tools)
+                     endpoint=endpoint, started=started, include_usage=req.include_usage, tools=tools,
+                     n=kwargs.get("n") or 1)
         if req.stream:
             return await self._stream(request, job, meta, fmt)
         return await self._complete(request, job, meta, fmt)
@@ -266,7 +267,8 @@ class Gateway:
             first = first_task.result()
         except StopAsyncIteration:
             first = None
-        if first is not None and first.finish_reason == "error" and not first.text and not first.token_ids:
+        if (first is not None and first.finish_reason == "error" and not first.text and not first.token_ids
+                and first.sample is None):  # the job was refused (not one sample of several failing)
             res = await job.result(timeout=self.result_wait_s)
             jlog(logging.INFO, job.id, res.stats.attempts, "failed before streaming: %s", res.error)
             return self._error(meta.endpoint, job_error(res))
@@ -289,46 +291,46 @@ class Gateway:
         self.metrics.tokens.inc(res.stats.generated_tokens)
         self.metrics.latency.labels(meta.endpoint).observe(time.monotonic() - meta.started)
         self.metrics.requests.labels(meta.endpoint, "200").inc()
-        if meta.chat:
-            choice = {"index": 0, "message": chat_message(res),
-                      "logprobs": fmt.chat(res.logprobs) if fmt.top_n or res.logprobs else None,
-                      "finish_reason": finish_reason(res.finish_reason)}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": res.text, "logprobs": fmt.completion(res.logprobs),
-                      "finish_reason": finish_reason(res.finish_reason)}
-            obj = "text_completion"
+        obj = "chat.completion" if meta.chat else "text_completion"
         return JSONResponse({"id": meta.id, "object": obj, "created": meta.created, "model": meta.model,
-                             "choices": [choice], "usage": usage(res), "system_fingerprint": None,
-                             "stats": job_stats(res)})
+                             "choices": [choice(meta.chat, out, fmt) for out in res.outputs], "usage": usage(res),
+                             "system_fingerprint": None, "stats": job_stats(res)})
 
     async def _sse(self, job: AsyncJob, meta: "_Meta", fmt: LogprobFormatter,
                    deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
         self.metrics.inflight.inc()
-        finished, attempt, offset = False, 0, 0
-        chat = ChatDeltas()
+        finished, attempt, first = False, 0, True
+        # per choice (a job's sample): its chat deltas and its text offset
+        chats = [ChatDeltas() for _ in range(meta.n)]
+        offsets = [0] * meta.n
+        ended: set[int] = set()
         try:
             if meta.chat:  # content null first when the answer may be calls only, as OpenAI streams them
-                yield _event(meta.chunk({"role": "assistant", "content": None if meta.tools else ""}, None))
+                for i in range(meta.n):
+                    yield _event(meta.chunk({"role": "assistant", "content": None if meta.tools else ""}, None,
+                                            index=i))
             async for d in deltas:
                 attempt = max(attempt, d.attempt)
-                if offset == 0 and d.text:
+                i = d.sample or 0
+                if first and d.text:
+                    first = False
                     self.metrics.ttft.labels(meta.endpoint).observe(time.monotonic() - meta.started)
                 if d.finish_reason == "error":
                     finished = True
                     yield _event(OpenAIError(500, d.error or "generation failed", "server_error",
                                              code="job_failed").body())
                     break
-                delta = chat.delta(d) if meta.chat else d.text
+                delta = chats[i].delta(d) if meta.chat else d.text
                 if meta.chat and delta and d.finish_reason:  # as OpenAI: the finish in a chunk of its own
                     yield _event(self._delta_chunk(meta, d.model_copy(update={"finish_reason": None}), delta,
-                                                   fmt, offset))
+                                                   fmt, offsets[i]))
                     d, delta = d.model_copy(update={"logprobs": None}), {}
                 if delta or d.logprobs or d.finish_reason:
-                    yield _event(self._delta_chunk(meta, d, delta, fmt, offset))
-                offset += len(d.text)
+                    yield _event(self._delta_chunk(meta, d, delta, fmt, offsets[i]))
+                offsets[i] += len(d.text)
                 if d.finish_reason:
-                    finished = True
+                    ended.add(i)
+                    finished = d.sample is None or len(ended) == meta.n
             if meta.include_usage and finished:
                 res = await job.result(timeout=self.result_wait_s)
                 yield _event(meta.usage_chunk(usage(res), job_stats(res)))
@@ -347,11 +349,11 @@ class Gateway:
 
     def _delta_chunk(self, meta: "_Meta", d: Delta, delta, fmt: LogprobFormatter, offset: int) -> dict:
         """``delta``: the chunk's chat delta (``ChatDeltas``), or a completion's text."""
-        reason = finish_reason(d.finish_reason)
+        reason, i = finish_reason(d.finish_reason), d.sample or 0
         if meta.chat:
             lp = fmt.chat(d.logprobs) if d.logprobs else None
-            return meta.chunk(delta, reason, lp)
-        return meta.chunk(delta, reason, fmt.completion(d.logprobs, offset) if d.logprobs else None)
+            return meta.chunk(delta, reason, lp, index=i)
+        return meta.chunk(delta, reason, fmt.completion(d.logprobs, offset) if d.logprobs else None, index=i)
 
     async def _cancel(self, job: AsyncJob, why: str, attempt: int = 0) -> None:
         try:
@@ -406,17 +408,19 @@ class NoLiveWorker(OpenAIError):
 
 class _Meta:
     def __init__(self, *, id: str, model: str, created: int, chat: bool, endpoint: str, started: float,
-                 include_usage: bool, tools: bool = False):
+                 include_usage: bool, tools: bool = False, n: int = 1):
         self.id, self.model, self.created, self.chat = id, model, created, chat
         self.endpoint, self.started, self.include_usage = endpoint, started, include_usage
         self.tools = tools  # the job may answer with tool calls
+        self.n = n  # choices (the job's samples)
 
-    def chunk(self, delta, reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
+    def chunk(self, delta, reason: Optional[str], logprobs: Optional[dict] = None, index: int = 0) -> dict:
+        """A chunk of choice ``index`` (the job's sample)."""
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
             obj = "text_completion"
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
         if self.include_usage:
@@ -476,6 +480,16 @@ def job_error(res: Result) -> OpenAIError:
     if res.error_code == INVALID_REQUEST:
         return OpenAIError(400, res.error or "invalid request", code="invalid_request")
     return OpenAIError(500, res.error or "generation failed", "server_error", code="job_failed")
+
+
+def choice(chat: bool, out: SampleOutput, fmt: LogprobFormatter) -> dict:
+    """One choice of a finished job: its sample ``out``'s output, in OpenAI's chat or completion shape."""
+    if chat:
+        return {"index": out.index, "message": chat_message(out),
+                "logprobs": fmt.chat(out.logprobs) if fmt.top_n or out.logprobs else None,
+                "finish_reason": finish_reason(out.finish_reason)}
+    return {"index": out.index, "text": out.text, "logprobs": fmt.completion(out.logprobs),
+            "finish_reason": finish_reason(out.finish_reason)}
 
 
 def job_stats(res: Result) -> dict:

@@ -2,7 +2,7 @@
 
 Every parameter that would change the output is honoured or refused with a 400 that names it:
 ``response_format``, ``tools``/``tool_choice``/``parallel_tool_calls``, ``presence_penalty``,
-``frequency_penalty`` and ``logit_bias`` go to the job; ``n`` > 1, ``echo``, ``suffix``, non-text
+``frequency_penalty``, ``logit_bias`` and ``n`` (choices: the job's samples) go to the job; ``echo``, ``suffix``, non-text
 content parts and any field mlxq does not know are refused.  Harmless metadata (:data:`HARMLESS`:
 ``user``, ``metadata``, ``store``...) passes, logged once per field.
 """
@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from ..shared.schemas import Delta, Result
+from ..shared.schemas import Delta, Result, SampleOutput
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,6 @@ class _Params(BaseModel):
     response_format: Optional[dict[str, Any]] = None
 
     def check_common(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise OpenAIError(400, "only n=1 is supported", param="n", code="unsupported_value")
         for name, value in (self.model_extra or {}).items():
             if name in HARMLESS:
                 _log_harmless(name)
@@ -110,7 +108,7 @@ class _Params(BaseModel):
                    top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                    ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                    frequency_penalty=self.frequency_penalty, logit_bias=_token_bias(self.logit_bias),
-                   response_format=self.response_format)
+                   response_format=self.response_format, n=self.n)
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -254,9 +252,9 @@ def finish_reason(reason: Optional[str]) -> Optional[str]:
     return reason  # stop | length | tool_calls | cancelled (mlxq's own; OpenAI has no word for it)
 
 
-def chat_message(res: Result) -> dict:
-    """The assistant message of a finished chat job: its answer (None when it only made calls), its
-    calls and its reasoning, as vLLM and mlx-lm's server return them."""
+def chat_message(res: Union[Result, SampleOutput]) -> dict:
+    """The assistant message of a finished chat job (or of one of its samples): its answer (None when
+    it only made calls), its calls and its reasoning, as vLLM and mlx-lm's server return them."""
     msg: dict[str, Any] = {"role": "assistant", "content": res.text or (None if res.tool_calls else "")}
     if res.tool_calls:
         msg["tool_calls"] = [c.model_dump() for c in res.tool_calls]

@@ -56,6 +56,12 @@ def add_output_options(p: argparse.ArgumentParser, note: Optional[str] = None) -
     t.add_argument("--tool-choice", metavar="CHOICE",
                    help="none, auto, required, or the name of one tool to call (needs --tools) "
                         "(default: auto when --tools is given)")
+    from .schemas import MAX_N
+
+    p.add_argument_group("samples").add_argument(
+        "--n", type=int, metavar="N",
+        help=f"samples of the prompt (1..{MAX_N}), each its own output; they share the prompt's KV "
+             "(default: 1)")
     s = p.add_argument_group("penalties")
     s.add_argument("--presence-penalty", type=float, metavar="P",
                    help="subtracted once from the logit of every token already generated (-2..2) (default: 0)")
@@ -80,7 +86,7 @@ def output_params(args: argparse.Namespace) -> dict[str, Any]:
         if args.tools is None:
             raise ValueError("--tool-choice needs --tools")
         out["tool_choice"] = tool_choice(args.tool_choice)
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name in ("presence_penalty", "frequency_penalty", "n"):
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)
     if args.logit_bias:

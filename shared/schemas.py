@@ -5,12 +5,13 @@ from __future__ import annotations
 import secrets
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_serializer, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, StrictStr, field_serializer, field_validator, model_serializer, model_validator
 
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 1024
+MAX_N = 16  # samples per job (``n``): each is an engine sequence
 
 
 def new_job_id() -> str:
@@ -145,6 +146,9 @@ class GenerateRequest(SamplingParams):
     tools: Optional[list[Tool]] = Field(None, max_length=128)
     tool_choice: Optional[ToolChoice] = None  # default: "auto" when tools are given
     parallel_tool_calls: bool = True
+    # samples of this prompt (OpenAI's ``n``): they share the prompt's KV blocks; sample i draws its
+    # randomness from (seed, i, position), so a seeded job is reproducible
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
@@ -160,6 +164,8 @@ class GenerateRequest(SamplingParams):
         from .tools import check_tool_choice  # tools.py types its arguments by duck typing
 
         check_tool_choice(self.tools, self.tool_choice)
+        if self.n > 1 and self.session_id is not None:
+            raise ValueError("session_id does not go with n > 1 (a session continues one conversation)")
         return self
 
     @model_validator(mode="after")
@@ -203,6 +209,10 @@ class Delta(BaseModel):
     reasoning_offset: int = 0
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_index: int = 0
+    # the sample this delta belongs to (wire ``x``), on every delta of a job with n > 1; None (absent)
+    # for an n == 1 job, and on a delta that ends a whole job (a failure before any sample ran)
+    sample: Optional[int] = None
+    n_samples: Optional[int] = None  # on a sample's final delta (n > 1): the job's n (wire ``xn``)
 
     def to_wire(self) -> dict:
         d = {"a": self.attempt, "s": self.seq, "n": self.index, "c": self.offset, "t": self.text,
@@ -217,6 +227,10 @@ class Delta(BaseModel):
             d["r"], d["rc"] = self.reasoning, self.reasoning_offset
         if self.tool_calls:
             d["tc"], d["k"] = [c.model_dump() for c in self.tool_calls], self.tool_call_index
+        if self.sample is not None:
+            d["x"] = self.sample
+        if self.n_samples is not None:
+            d["xn"] = self.n_samples
         return d
 
     @classmethod
@@ -235,6 +249,8 @@ class Delta(BaseModel):
             reasoning_offset=int(d.get("rc", 0)),
             tool_calls=d.get("tc") or None,
             tool_call_index=int(d.get("k", 0)),
+            sample=int(d["x"]) if d.get("x") is not None else None,
+            n_samples=int(d["xn"]) if d.get("xn") is not None else None,
         )
 
 
@@ -271,7 +287,41 @@ INVALID_REQUEST = "invalid_request"  # the request can never run (too long, bad 
 INTERNAL_ERROR = "internal_error"  # the worker failed: HTTP 500
 
 
+class Parsed(BaseModel):
+    """``parsed`` (the validated instance) and ``parse_error`` (why not) of an output whose job was
+    submitted with ``response_format=`` a pydantic class; set by the producers, never serialized."""
+
+    _parsed: Any = PrivateAttr(default=None)
+    _parse_error: Optional[str] = PrivateAttr(default=None)
+
+    @property
+    def parsed(self) -> Any:
+        return self._parsed
+
+    @property
+    def parse_error(self) -> Optional[str]:
+        return self._parse_error
+
+
+class SampleOutput(Parsed):
+    """One sample's output (``Result.samples``): what a Result's top-level fields say of sample 0."""
+
+    model_config = ConfigDict(extra="ignore")
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason
+    error: Optional[str] = None
+    error_code: Optional[str] = None
+    logprobs: Optional[list] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    reasoning: Optional[str] = None
+
+
 class Result(BaseModel):
+    """A job's result.  The top-level output fields are sample 0's; a job with n > 1 also has
+    ``samples``, every sample's output in index order (``outputs`` gives that list for any job)."""
+
     model_config = ConfigDict(extra="ignore")
     id: str
     text: str = ""
@@ -283,6 +333,22 @@ class Result(BaseModel):
     tool_calls: Optional[list[ToolCall]] = None
     reasoning: Optional[str] = None  # a chat job's thinking (``text`` is then the answer only)
     stats: JobStats = Field(default_factory=JobStats)
+    samples: Optional[list[SampleOutput]] = None  # n > 1: every sample's output, sample 0 first
+
+    @model_serializer(mode="wrap")
+    def _no_samples_key(self, handler):
+        """An n == 1 job's result has no ``samples`` key: its record is what it was before ``n``."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("samples") is None:
+            out.pop("samples", None)
+        return out
+
+    @property
+    def outputs(self) -> list[SampleOutput]:
+        """Every sample's output, sample 0 first (one for an n == 1 job: its top-level fields)."""
+        if self.samples:
+            return self.samples
+        return [SampleOutput.model_validate(self.model_dump(include=set(SampleOutput.model_fields)))]
 
     @property
     def usage(self) -> Usage:

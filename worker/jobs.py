@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from ..shared import codec
 from ..shared.protocol import Pulled, owner_token
 from ..shared.constraints import ConstraintError, ModelFormat, grammar_for
-from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, ToolCall
+from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, SampleOutput, ToolCall
 from ..shared.tools import check_tools, uses_tools
 from .engine_api import SeqSpec
 from .sampling import make_sampler, repetition_penalty, resolve_seed
@@ -31,6 +31,30 @@ _warned_no_template: set[int] = set()
 
 class JobError(ValueError):
     """This job cannot run; it finishes with ``error`` and this message."""
+
+
+@dataclass
+class SampleGroup:
+    """The samples of a job with n > 1 (each an ``ActiveJob`` with its ``sample`` index): the outputs
+    of those that ended, until the last one ends the job."""
+
+    n: int
+    outputs: dict[int, SampleOutput] = field(default_factory=dict)
+    first_token_at: Optional[float] = None
+    cached_tokens: int = 0
+
+    def end(self, job: "ActiveJob", out: SampleOutput) -> bool:
+        """Sample ``out.index`` ended; True when it was the job's last."""
+        self.outputs[out.index] = out
+        firsts = [t for t in (self.first_token_at, job.first_token_at) if t is not None]
+        self.first_token_at = min(firsts) if firsts else None
+        self.cached_tokens = max(self.cached_tokens, job.cached_tokens)
+        return len(self.outputs) == self.n
+
+
+def sample_uid(job_id: str, sample: Optional[int]) -> str:
+    """The engine sequence of a job's sample: the job id for an n == 1 job, else ``job#i``."""
+    return job_id if sample is None else f"{job_id}#{sample}"
 
 
 @dataclass
@@ -58,6 +82,13 @@ class ActiveJob:
     cached_tokens: int = 0
     resumed: bool = False
     grammar: Optional[str] = None  # the llguidance grammar its output follows (None: free text)
+    sample: Optional[int] = None  # the sample index of a job with n > 1 (None: n == 1)
+    group: Optional[SampleGroup] = None  # n > 1: the job's samples
+
+    @property
+    def uid(self) -> str:
+        """The engine sequence of this sample (the job id for an n == 1 job)."""
+        return sample_uid(self.id, self.sample)
 
     def now(self) -> float:
         return time.time() + self.clock_offset
@@ -65,11 +96,15 @@ class ActiveJob:
     def spec(self, eos_token_ids) -> SeqSpec:
         params = self.request.params()
         done = len(self.tokens)
+        sample = self.sample or 0
         return SeqSpec(
-            uid=self.id,
+            uid=self.uid,
             prompt=self.prompt,
+            # samples 1..n-1 may share sample 0's prompt KV (an engine without forks prefills each)
+            fork_of=sample_uid(self.id, 0) if sample else None,
+            fork_len=len(self.prompt) if sample else 0,
             max_tokens=params.max_tokens - done,
-            sampler=make_sampler(params, self.seed, start_step=done),
+            sampler=make_sampler(params, self.seed, start_step=done, sample=sample),
             repetition_penalty=repetition_penalty(params),
             stop_token_ids=() if params.ignore_eos else tuple(eos_token_ids),
             resume_tokens=list(self.tokens),
@@ -96,12 +131,13 @@ class ActiveJob:
         return Delta(attempt=self.attempt, seq=self.seq, index=len(self.tokens) - len(ids), offset=offset,
                      text=text, token_ids=list(ids), finish_reason=self.final_reason(finish), error=error,
                      logprobs=logprobs, reasoning=reasoning, reasoning_offset=r_offset,
-                     tool_calls=calls or None, tool_call_index=k)
+                     tool_calls=calls or None, tool_call_index=k, sample=self.sample,
+                     n_samples=self.group.n if finish and self.group else None)
 
     def tool_calls(self) -> list[ToolCall]:
         """The calls parsed so far, OpenAI's shape; an id is a hash of the job id and the call's
         number, so an attempt that takes the job over names each call as the first one did."""
-        return [ToolCall(id=call_id(self.id, k), function=call) for k, call in enumerate(self.text.calls)]
+        return [ToolCall(id=call_id(self.id, k, self.sample), function=call) for k, call in enumerate(self.text.calls)]
 
     def final_reason(self, finish: Optional[str]) -> Optional[str]:
         """OpenAI's "tool_calls" for a job that stopped (EOS, a stop string) after making calls."""
@@ -120,37 +156,57 @@ class ActiveJob:
         return codec.pack({"seed": self.seed, "first_token_at": self.first_token_at, "attempt": self.attempt,
                            "started_at": self.started_at})
 
-    def result(self, finish: str, error: Optional[str] = None, error_code: Optional[str] = None) -> Result:
+    def output(self, finish: str, error: Optional[str] = None, error_code: Optional[str] = None) -> SampleOutput:
+        """This sample's output as it ends."""
+        return SampleOutput(index=self.sample or 0, text=self.full_text, token_ids=list(self.tokens),
+                            finish_reason=self.final_reason(finish), error=error, error_code=error_code,
+                            logprobs=self.logprobs or None, tool_calls=self.tool_calls() or None,
+                            reasoning=self.text.reasoning or None)
+
+    def end(self, finish: str, error: Optional[str] = None, error_code: Optional[str] = None) -> Optional[Result]:
+        """This sample ended: the job's result when it was the job's last sample, else None (its
+        output waits in the group for the others)."""
+        own = self.output(finish, error, error_code)
+        if self.group is None:
+            return self.result([own], self.first_token_at, self.cached_tokens)
+        if not self.group.end(self, own):
+            return None
+        g = self.group
+        return self.result([g.outputs[i] for i in range(g.n)], g.first_token_at, g.cached_tokens)
+
+    def result(self, outputs: list[SampleOutput], first_token_at: Optional[float], cached: int) -> Result:
+        """The job's result: sample 0's output at the top level, every sample's in ``samples`` (n > 1)."""
         finished = self.now()
-        gen = len(self.tokens)
+        gen = sum(len(o.token_ids) for o in outputs)
         stats = JobStats(
             queued_at=self.queued_at,
             started_at=self.started_at,
-            first_token_at=self.first_token_at,
+            first_token_at=first_token_at,
             finished_at=finished,
             prompt_tokens=len(self.prompt),
-            cached_tokens=self.cached_tokens,
+            cached_tokens=cached,
             generated_tokens=gen,
             queue_wait_s=max(0.0, self.started_at - self.queued_at),
-            ttft_s=(self.first_token_at - self.queued_at) if self.first_token_at else None,
-            prompt_tps=(len(self.prompt) / max(1e-9, self.first_token_at - self.started_at))
-            if self.first_token_at else None,
-            generation_tps=((gen - 1) / max(1e-9, finished - self.first_token_at))
-            if self.first_token_at and gen > 1 else None,
+            ttft_s=(first_token_at - self.queued_at) if first_token_at else None,
+            prompt_tps=(len(self.prompt) / max(1e-9, first_token_at - self.started_at))
+            if first_token_at else None,
+            generation_tps=((gen - 1) / max(1e-9, finished - first_token_at))
+            if first_token_at and gen > 1 else None,
             attempts=self.attempt,
             tier=self.tier,
             worker=self.owner.rsplit(":", 1)[0],  # the owner token is worker_id:attempt
             seed=self.seed,
         )
-        return Result(id=self.id, text=self.full_text, token_ids=list(self.tokens),
-                      finish_reason=self.final_reason(finish), error=error, error_code=error_code,
-                      logprobs=self.logprobs or None,
-                      tool_calls=self.tool_calls() or None, reasoning=self.text.reasoning or None, stats=stats)
+        head = outputs[0]
+        return Result(id=self.id, **head.model_dump(exclude={"index"}), stats=stats,
+                      samples=outputs if self.group is not None else None)
 
 
-def call_id(job_id: str, k: int) -> str:
-    """``call_`` and 24 hex digits: as random as the job id, and the same in every attempt."""
-    return "call_" + hashlib.sha256(f"{job_id}:{k}".encode()).hexdigest()[:24]
+def call_id(job_id: str, k: int, sample: Optional[int] = None) -> str:
+    """``call_`` and 24 hex digits: as random as the job id, and the same in every attempt (each
+    sample of a job with n > 1 names its calls apart)."""
+    key = f"{job_id}:{k}" if not sample else f"{job_id}#{sample}:{k}"
+    return "call_" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def decode_request(pulled: Pulled, model_name: str, settings_max_new: int) -> GenerateRequest:
@@ -281,7 +337,7 @@ def plain_chat_prompt(messages: list[dict]) -> str:
 
 @dataclass
 class Published:
-    """What the job's durable record holds of its output: the state a new attempt resumes from."""
+    """What the job's durable record holds of one sample's output: the state a new attempt resumes from."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
@@ -291,13 +347,37 @@ class Published:
     seq: int = 0  # the last delta's sequence number
     seed: Optional[int] = None
     first_token_at: Optional[float] = None  # server time of the first delta with a token
+    finish: Optional[str] = None  # the sample ended (a job with n > 1: its other samples had not)
+    error: Optional[str] = None
+    broken: bool = False  # a gap: nothing after it is folded
+
+    def fold(self, entry_id, d: Delta, wire: dict) -> None:
+        """Add one delta, one copy of each token index."""
+        if d.index > len(self.tokens) or d.offset > self.chars:
+            log.warning("the durable record has a gap at token %d; resuming before it", len(self.tokens))
+            self.broken = True
+            return
+        skip = len(self.tokens) - d.index
+        if d.token_ids[skip:] and self.first_token_at is None:
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            self.first_token_at = int(eid.split("-")[0]) / 1000.0
+        self.tokens += d.token_ids[skip:]
+        if d.logprobs:
+            self.logprobs += d.logprobs[skip:]
+        self.chars = max(self.chars, d.offset + len(d.text))
+        self.reasoning_chars = max(self.reasoning_chars, d.reasoning_offset + len(d.reasoning))
+        self.calls = max(self.calls, d.tool_call_index + len(d.tool_calls or ()))
+        self.seq = max(self.seq, d.seq)
+        self.finish, self.error = self.finish or d.finish_reason, self.error or d.error
+        if self.seed is None and isinstance(wire.get("sd"), int):
+            self.seed = wire["sd"]
 
 
-def read_published(entries: list) -> Published:
-    """Fold a job's event stream (XRANGE entries) into what it published, one copy of each token
-    index.  Terminal events and malformed entries are skipped; a gap (which a fenced, append-only
-    record cannot have) ends the fold there, so a resume never skips a token."""
-    p = Published()
+def read_samples(entries: list) -> dict[int, Published]:
+    """Fold a job's event stream (XRANGE entries) into what each sample published (sample 0 for an
+    n == 1 job).  Terminal events and malformed entries are skipped; a gap (which a fenced,
+    append-only record cannot have) ends that sample's fold there, so a resume never skips a token."""
+    out: dict[int, Published] = {}
     for entry_id, fields in entries:
         raw = fields.get(b"d", fields.get("d"))
         if raw is None:
@@ -307,70 +387,86 @@ def read_published(entries: list) -> Published:
             d = Delta.from_wire(wire)
         except (codec.CodecError, ValueError, TypeError, AttributeError):
             continue
-        if d.index > len(p.tokens) or d.offset > p.chars:
-            log.warning("the durable record has a gap at token %d; resuming before it", len(p.tokens))
-            break
-        skip = len(p.tokens) - d.index
-        if d.token_ids[skip:] and p.first_token_at is None:
-            eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-            p.first_token_at = int(eid.split("-")[0]) / 1000.0
-        p.tokens += d.token_ids[skip:]
-        if d.logprobs:
-            p.logprobs += d.logprobs[skip:]
-        p.chars = max(p.chars, d.offset + len(d.text))
-        p.reasoning_chars = max(p.reasoning_chars, d.reasoning_offset + len(d.reasoning))
-        p.calls = max(p.calls, d.tool_call_index + len(d.tool_calls or ()))
-        p.seq = max(p.seq, d.seq)
-        if p.seed is None and isinstance(wire.get("sd"), int):
-            p.seed = wire["sd"]
-    return p
+        p = out.setdefault(d.sample or 0, Published())
+        if not p.broken:
+            p.fold(entry_id, d, wire)
+    return out
+
+
+def read_published(entries: list) -> Published:
+    """What an n == 1 job (sample 0) published."""
+    return read_samples(entries).get(0) or Published()
 
 
 def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer, worker_id: str,
-              clock_offset: float, published: Optional[Published] = None,
-              grammar: Optional[str] = None) -> ActiveJob:
-    """A pulled job, resumed from ``published`` (its durable record) when an earlier attempt streamed
-    part of it: the new attempt continues after the last published token, and never sends again
-    what was sent."""
-    resume: dict[str, Any] = {}
-    if pulled.resume:
-        try:
-            resume = codec.unpack(pulled.resume)
-        except codec.CodecError:
-            resume = {}
-        if not isinstance(resume, dict) or resume.get("attempt") != pulled.attempt:
-            resume = {}
-    published = published or Published()
+              clock_offset: float, published: Optional[dict[int, Published]] = None,
+              grammar: Optional[str] = None) -> list[ActiveJob]:
+    """A pulled job's samples still to run (one for an n == 1 job), each resumed from what it published
+    (``published``: its durable record by sample) when an earlier attempt streamed part of it: a
+    new attempt continues after the last published token, and never sends again what was sent.
+    A sample whose end is in the record already (n > 1) waits in the group, done."""
+    resume = _resume_state(pulled)
+    published = published or {}
+    seed = _job_seed(req, published, resume)
+    group = SampleGroup(req.n) if req.n > 1 else None
+    samples = []
+    for i in range(req.n):
+        job = ActiveJob(
+            id=pulled.job_id, request=req, attempt=pulled.attempt,
+            owner=owner_token(worker_id, pulled.attempt), tier=pulled.tier, score=pulled.score,
+            queued_at=pulled.queued_at, started_at=pulled.now, prompt=prompt, seed=seed,
+            text=chat_stream(tokenizer, req, prompt), clock_offset=clock_offset, grammar=grammar,
+            sample=i if group else None, group=group,
+        )
+        if isinstance(resume.get("started_at"), (int, float)):  # queue_wait_s: until the job first started
+            job.started_at = resume["started_at"]
+        mine = published.get(i) or Published()
+        if mine.seq:
+            _restore(job, mine, resume)
+        if group is not None and mine.finish:
+            job.full_text += job.text.finish()
+            group.end(job, job.output(mine.finish, mine.error))
+        else:
+            samples.append(job)
+    return samples
+
+
+def _resume_state(pulled: Pulled) -> dict[str, Any]:
+    """The requeue's resume state of this attempt ({} when there is none or it is not this attempt's)."""
+    if not pulled.resume:
+        return {}
+    try:
+        resume = codec.unpack(pulled.resume)
+    except codec.CodecError:
+        return {}
+    return resume if isinstance(resume, dict) and resume.get("attempt") == pulled.attempt else {}
+
+
+def _job_seed(req: GenerateRequest, published: dict[int, Published], resume: dict) -> int:
+    """The request's seed, else the one the record (or the resume state) says the job drew."""
     if req.seed is not None:
-        seed = req.seed
-    elif published.seed is not None:
-        seed = published.seed
-    elif isinstance(resume.get("seed"), int):
-        seed = resume["seed"]
-    else:
-        seed = resolve_seed(req.params())
-    job = ActiveJob(
-        id=pulled.job_id, request=req, attempt=pulled.attempt,
-        owner=owner_token(worker_id, pulled.attempt), tier=pulled.tier, score=pulled.score,
-        queued_at=pulled.queued_at, started_at=pulled.now, prompt=prompt, seed=seed,
-        text=chat_stream(tokenizer, req, prompt), clock_offset=clock_offset, grammar=grammar,
-    )
-    if published.seq:
-        # Rebuild the text state silently; only text beyond what was published goes out.
-        job.resumed = True
-        job.tokens = list(published.tokens)
-        job.logprobs = list(published.logprobs)
-        for t in job.tokens:
-            job.full_text += job.text.add(t)
-        job.sent_chars = published.chars
-        job.sent_reasoning = published.reasoning_chars
-        job.sent_calls = published.calls
-        job.seq = published.seq
-        job.first_token_at = resume.get("first_token_at") or published.first_token_at
-        log.info("job=%s attempt=%d resumes after %d published tokens", job.id, job.attempt, len(job.tokens))
-    if isinstance(resume.get("started_at"), (int, float)):  # queue_wait_s: until the job first started
-        job.started_at = resume["started_at"]
-    return job
+        return req.seed
+    recorded = [p.seed for p in published.values() if p.seed is not None]
+    if recorded:
+        return recorded[0]
+    if isinstance(resume.get("seed"), int):
+        return resume["seed"]
+    return resolve_seed(req.params())
+
+
+def _restore(job: ActiveJob, published: Published, resume: dict) -> None:
+    """Rebuild a sample's text state silently; only text beyond what was published goes out."""
+    job.resumed = True
+    job.tokens = list(published.tokens)
+    job.logprobs = list(published.logprobs)
+    for t in job.tokens:
+        job.full_text += job.text.add(t)
+    job.sent_chars = published.chars
+    job.sent_reasoning = published.reasoning_chars
+    job.sent_calls = published.calls
+    job.seq = published.seq
+    job.first_token_at = resume.get("first_token_at") or published.first_token_at
+    log.info("job=%s attempt=%d resumes after %d published tokens", job.uid, job.attempt, len(job.tokens))
 
 
 def chat_stream(tokenizer, req: GenerateRequest, prompt: list[int]) -> ChatStream:

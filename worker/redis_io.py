@@ -384,9 +384,10 @@ class ReadyQueue:
         self.items: deque = deque()
         self.event = threading.Event()
 
-    def put(self, item) -> None:
+    def put(self, *items) -> None:
+        """Items that go together (the samples of a job) arrive together."""
         with self.lock:
-            self.items.append(item)
+            self.items.extend(items)
         self.event.set()
 
     def __len__(self) -> int:

@@ -27,11 +27,11 @@ import mlx.core as mx
 from ..shared import codec
 from ..shared.keys import GlobalKeys
 from ..shared.protocol import Pulled, Queue
-from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
+from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, MAX_N, Delta, Result
 from ..shared.settings import TIERS, Settings
 from . import blas
-from .jobs import (ActiveJob, JobError, Published, check_token_ids, decode_request, job_grammar, read_published,
-                   start_job, tokenize)
+from .jobs import (ActiveJob, JobError, Published, check_token_ids, decode_request, job_grammar, read_samples,
+                   sample_uid, start_job, tokenize)
 from .hostwork import HostWork
 from .model import LoadedModel
 from .engine.engine import make_engine
@@ -66,7 +66,8 @@ class Worker:
         # they must be cheap and must not call MLX. Missing methods are skipped.
         self.observers = list(observers or [])
 
-        # Added by the MLX thread (_admit), ended by the host thread (_finish); others take list() copies.
+        # By engine uid (a job with n > 1 has one per sample). Added by the MLX thread (_admit), ended by
+        # the host thread (_finish); others take list() copies.
         self.active: dict[str, ActiveJob] = {}
         # The host thread: what becomes of each step's tokens, in step order (inline: MLXQ_HOST_THREAD=0).
         self.host = HostWork(inline=not self.settings.host_thread)
@@ -136,8 +137,8 @@ class Worker:
                 raise JobError(f"prompt of {len(prompt)} tokens exceeds the model's context of {ctx} tokens")
             if not self.engine.can_admit(len(prompt), req.max_tokens):
                 raise JobError(f"prompt of {len(prompt)} tokens can never fit this worker's KV memory")
-            job = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset, published,
-                            grammar=grammar)
+            samples = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset, published,
+                                grammar=grammar)
         except JobError as exc:
             log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
             self.publisher.submit(self._failure(entry, str(exc), INVALID_REQUEST))
@@ -146,9 +147,9 @@ class Worker:
             log.exception("job=%s attempt=%d failed to prepare", entry.job_id, entry.attempt)
             self.publisher.submit(self._failure(entry, f"internal error preparing the job: {exc}", INTERNAL_ERROR))
             return
-        self.ready.put(job)
+        self.ready.put(*samples)
 
-    def _published(self, entry: Pulled) -> Optional[Published]:
+    def _published(self, entry: Pulled) -> Optional[dict[int, Published]]:
         """Fetcher thread: what earlier attempts of this job published (its durable record), for a job
         that ran before (a later attempt after a crash, or a preempted or requeued job)."""
         if entry.attempt <= 1 and not entry.resume:
@@ -156,7 +157,7 @@ class Worker:
         backoff = Backoff()
         while True:
             try:
-                return read_published(self.q.redis.xrange(self.keys.events(entry.job_id)))
+                return read_samples(self.q.redis.xrange(self.keys.events(entry.job_id)))
             except REDIS_ERRORS as exc:
                 if self.stop_event.is_set():
                     raise
@@ -229,11 +230,11 @@ class Worker:
             self.ready.event.clear()
             if jobs:
                 for job in jobs:
-                    self.active[job.id] = job
+                    self.active[job.uid] = job
                 done = [j for j in jobs if len(j.tokens) >= j.request.max_tokens]
                 if done:  # an earlier attempt published every token, then died before finishing
                     self.host.submit(partial(self._finish_done, done))
-                self.engine.add([self._spec(job) for job in jobs if job.id in self.active])
+                self.engine.add([self._spec(job) for job in jobs if job.uid in self.active])
             self._engine_free = self.engine.free_slots()
             self._engine_urgent_below = self.engine.urgent_below()
         if jobs:
@@ -307,7 +308,7 @@ class Worker:
                     job.logprobs.extend(lp)
             if job.text.stopped:  # a stop string, also on the token that reached max_tokens
                 if finish is None:
-                    self._remove_soon(job.id)
+                    self._remove_soon(job.uid)
                 finish = "stop"
             if finish:
                 text += job.text.finish()
@@ -317,7 +318,13 @@ class Worker:
                 out.deltas.append((job.id, job.owner, job.wire(delta), job.seq == 1 or job.resumed))
                 job.resumed = False
         for p in preempted:
-            job = self.active.pop(p.uid, None)
+            job = self.active.get(p.uid)
+            if job is not None and job.group is not None:
+                # a sample of a job with n > 1 goes back to the ready queue: _admit hands it to the
+                # engine again, from the tokens it published (its siblings run on, the job keeps its lease)
+                self.ready.put(job)
+                continue
+            self.active.pop(p.uid, None)
             if job is not None:
                 job.tokens = list(p.tokens)
                 out.requeues.append((job.id, job.owner, job.resume_state()))
@@ -327,10 +334,13 @@ class Worker:
     def _finish(self, job: ActiveJob, finish: str, out: StepOutput, text: str = "", ids=(), lp=None,
                 error: Optional[str] = None, error_code: Optional[str] = None) -> None:
         delta = job.emit(text, list(ids), finish, error, lp)
-        result = job.result(finish, error, error_code)
-        status = {"cancelled": "cancelled", "error": "failed"}.get(finish, "done")
+        self.active.pop(job.uid, None)
+        result = job.end(finish, error, error_code)
+        if result is None:  # other samples of the job still run: this one's last delta is a delta
+            out.deltas.append((job.id, job.owner, job.wire(delta), job.seq == 1 or job.resumed))
+            return
+        status = {"cancelled": "cancelled", "error": "failed"}.get(result.finish_reason, "done")
         out.completions.append((job.id, job.owner, status, codec.pack(result.model_dump()), job.wire(delta)))
-        self.active.pop(job.id, None)
         self.processed[status] += 1
         self._snap_due = True
         self._notify("on_finish", job, result)
@@ -365,36 +375,48 @@ class Worker:
                 return
             ended = []
             for job_id in ids:
-                running = self.active.get(job_id)
-                job = running or self._take_ready(job_id)
-                if job is None:
-                    continue
-                self.engine.remove([job_id])
-                ended.append((job, running is not None))
+                running = self._samples(job_id)
+                waiting = self._take_ready(job_id)
+                if running or waiting:
+                    self.engine.remove([s.uid for s in running + waiting])
+                ended += [(s, True) for s in running] + [(s, False) for s in waiting]
             if ended:
                 self.host.submit(partial(self._end_by_control, kind, ended))
 
     def _end_by_control(self, kind: str, ended: list) -> None:
-        """Host thread: end cancelled jobs, drop jobs whose lease another worker took (after the tokens of
-        every earlier step; a job the host thread finished meanwhile stays finished)."""
+        """Host thread: end cancelled jobs (every sample), drop jobs whose lease another worker took (after
+        the tokens of every earlier step; a sample the host thread finished meanwhile stays finished)."""
         out = StepOutput()
         for job, running in ended:
-            if running and self.active.get(job.id) is not job:
+            if running and self.active.get(job.uid) is not job:
                 continue
             if kind == "cancel":
                 self._finish(job, "cancelled", out)
             else:  # lost lease: another worker owns the job now; write nothing
-                self.active.pop(job.id, None)
-                log.warning("job=%s attempt=%d dropped: lease lost", job.id, job.attempt)
+                self.active.pop(job.uid, None)
+                log.warning("job=%s attempt=%d dropped: lease lost", job.uid, job.attempt)
         self.publisher.submit(out)
 
-    def _take_ready(self, job_id: str) -> Optional[ActiveJob]:
+    def _samples(self, job_id: str) -> list[ActiveJob]:
+        """The job's active sequences: the job itself (n == 1), or its samples still running."""
+        job = self.active.get(job_id)
+        if job is not None:
+            return [job]
+        return [s for i in range(MAX_N) if (s := self.active.get(sample_uid(job_id, i))) is not None]
+
+    def _drop(self, samples: list[ActiveJob]) -> None:
+        """Take sequences out of the engine and of the active set."""
+        if samples:
+            self.engine.remove([s.uid for s in samples])
+        for s in samples:
+            self.active.pop(s.uid, None)
+
+    def _take_ready(self, job_id: str) -> list[ActiveJob]:
         with self.ready.lock:
-            for item in list(self.ready.items):
-                if item.id == job_id:
-                    self.ready.items.remove(item)
-                    return item
-        return None
+            taken = [item for item in self.ready.items if item.id == job_id]
+            for item in taken:
+                self.ready.items.remove(item)
+        return taken
 
     # -- stats ---------------------------------------------------------------
     def _refresh_snapshot(self) -> None:
@@ -469,8 +491,8 @@ class Worker:
         with self.ready.lock:
             leftovers += list(self.ready.items)
             self.ready.items.clear()
-        for job in leftovers:
-            self.engine.remove([job.id])
+        self._drop(leftovers)
+        for job in {j.id: j for j in leftovers}.values():  # once per job, whatever its samples
             out.requeues.append((job.id, job.owner, job.resume_state()))
             self.processed["requeued"] += 1
         if leftovers:

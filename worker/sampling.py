@@ -17,11 +17,11 @@ def resolve_seed(params: SamplingParams) -> int:
     return params.seed if params.seed is not None else secrets.randbits(63)
 
 
-def make_sampler(params: SamplingParams, seed: int, start_step: int = 0) -> Optional[RowSampler]:
-    """None for greedy jobs (they share one batched argmax)."""
+def make_sampler(params: SamplingParams, seed: int, start_step: int = 0, sample: int = 0) -> Optional[RowSampler]:
+    """None for greedy jobs (they share one batched argmax); ``sample``: the job's sample index."""
     if params.greedy:
         return None
-    return RowSampler(params, seed, start_step)
+    return RowSampler(params, seed, start_step, sample=sample)
 
 
 def repetition_penalty(params: SamplingParams) -> Optional[float]:
