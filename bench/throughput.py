@@ -139,10 +139,10 @@ def mlxq_ttft(client: Client, prompt) -> float:
     return sink[0][1]
 
 
-def wait_worker(client: Client, proc: subprocess.Popen, timeout: float = 180) -> None:
+def wait_worker(client: Client, proc: subprocess.Popen, timeout: float = 180, name: str = "bench") -> None:
     """Until the worker serves the bench model (RuntimeError when it exits or takes too long)."""
     deadline = time.time() + timeout
-    while "bench" not in client.models():
+    while name not in client.models():
         if proc.poll() is not None or time.time() > deadline:
             raise RuntimeError("the worker did not start")
         time.sleep(0.2)
@@ -190,12 +190,13 @@ def wait_http(base: str, proc: subprocess.Popen, timeout: float = 300) -> str:
             time.sleep(0.5)
 
 
-def start_worker(url: str, model_dir: str, blas_threads: str | None, extra_env=()) -> subprocess.Popen:
+def start_worker(url: str, model_dir: str, blas_threads: str | None, extra_env=(),
+                 name: str = "bench") -> subprocess.Popen:
     env = dict(os.environ, MLXQ_LOG_LEVEL="WARNING")
     if blas_threads:
         env["MLXQ_BLAS_THREADS"] = blas_threads
     env.update(kv.split("=", 1) for kv in extra_env)
-    cmd = [sys.executable, "-m", "mlxq", "worker", "--redis-url", url, "--model", model_dir, "--name", "bench"]
+    cmd = [sys.executable, "-m", "mlxq", "worker", "--redis-url", url, "--model", model_dir, "--name", name]
     return subprocess.Popen(cmd, env=env, cwd=NEUTRAL_CWD)
 
 
