@@ -70,9 +70,9 @@ def _decode_round(eng, prompts, n_tokens, tag) -> float:
 
 
 def throughput(model, prompts, args) -> None:
-    n_blocks = len(prompts) * (-(-(args.prompt_len + args.tokens + 64) // 32)) + 8
-    engines = {name: PagedEngine(model, num_blocks=n_blocks, kv_bits=bits, kv_group_size=args.group_size)
-               for name, bits in CONFIGS[:2]}
+    n_blocks = 2 * len(prompts) * (-(-(args.prompt_len + args.tokens + 64) // 32))
+    engines = {name: PagedEngine(model, num_blocks=n_blocks, kv_bits=bits, kv_group_size=args.group_size,
+                                 pressure=1.0) for name, bits in CONFIGS[:2]}
     for name, eng in engines.items():  # prefill once: later rounds hit the prefix cache
         _decode_round(eng, prompts, 2, "warm")
     best = {name: 0.0 for name in engines}

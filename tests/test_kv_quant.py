@@ -8,7 +8,6 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 
 from mlxq.shared.settings import Settings
 from mlxq.worker.engine import PagedEngine, attention
@@ -16,7 +15,7 @@ from mlxq.worker.engine.attention import gather_attention
 from mlxq.worker.engine_api import SeqSpec
 from mlxq.worker.engine.kv_cache import KVPool, KVQuant, probe_kv_shape
 
-from enginekit import run
+from enginekit import random_llama, run
 
 BS = 32
 GROUP = 32
@@ -30,13 +29,7 @@ def ext():
 @pytest.fixture(scope="module")
 def model():
     """A random llama with 32-wide heads (so 32-element groups fit), GQA 4:2."""
-    mx.random.seed(5)
-    m = llama.Model(llama.ModelArgs(
-        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-        tie_word_embeddings=False))
-    mx.eval(m.parameters())
-    return m
+    return random_llama(5, hidden_size=128)
 
 
 def _prompts(seed, n, lo, hi):
