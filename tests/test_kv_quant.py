@@ -175,8 +175,10 @@ def test_preemption_resume_gives_the_uninterrupted_tokens(ext, model):
     prompts = _prompts(5, 5, 20, 60)
     eng = _engine(model, 8, num_blocks=12, pressure=1.0, chunk_schedule=((64, 24), (None, 16)))
     specs = [SeqSpec(f"p{i}", p, 30, priority=float(i % 3)) for i, p in enumerate(prompts)]
+    before = ext.kv_write_copies()
     out, _, n_pre = run(eng, specs)
     assert n_pre > 0
+    assert eng.pool.kv_write is not None and ext.kv_write_copies() == before  # packed rows written in place
     for s in specs:
         assert out[s.uid] == _solo(model, 8, s), s.uid
 
