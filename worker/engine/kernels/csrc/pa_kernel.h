@@ -26,7 +26,7 @@ struct Args {
   const void* vs = nullptr; // value scales (Hkv, S, Dv / group)
   const void* vb = nullptr; // value biases
   int bits = 0; // 0: a float pool; else 4 or 8
-  int group = 0; // elements per scale/bias group (a multiple of 8)
+  int group = 0; // elements per scale/bias group (a multiple of 32)
   const int32_t* tables; // (B, nb)
   const int32_t* q_off; // (B,)
   const int32_t* kv_len; // (B,)

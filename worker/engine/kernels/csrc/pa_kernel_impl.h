@@ -217,20 +217,36 @@ inline float load_float(PoolType t, const void* p, int64_t i) {
   return t == PoolType::f16 ? half_to_float(h) : bf16_to_float(h);
 }
 
-// 8 consecutive elements (e, e + 8) of a packed row, as integers: mx.quantize
-// puts element e in bits (e * bits) % 32 of uint32 word (e * bits) / 32.
-inline vi unpack8(const uint32_t* w, int e, int bits) {
-  if (bits == 4) {
-    const int32_t x = (int32_t)w[e / 8];
-    return (vi{x, x, x, x, x, x, x, x} >> vi{0, 4, 8, 12, 16, 20, 24, 28}) & 15;
+// mx.quantize puts element e of a packed row in bits (e * bits) % 32 of uint32
+// word (e * bits) / 32. Each helper dequantizes 32 consecutive elements
+// (x = q * s + b) from the words at w into out.
+inline void dequant32_4bit(const uint32_t* w, vf s, vf b, float* out) {
+  const vi shifts = {0, 4, 8, 12, 16, 20, 24, 28};
+  for (int k = 0; k < 4; ++k) {
+    const int32_t x = (int32_t)w[k];
+    const vi q = (vi{x, x, x, x, x, x, x, x} >> shifts) & 15;
+    store(out + 8 * k, __builtin_convertvector(q, vf) * s + b);
   }
-  const int32_t x0 = (int32_t)w[e / 4], x1 = (int32_t)w[e / 4 + 1];
-  return (vi{x0, x0, x0, x0, x1, x1, x1, x1} >> vi{0, 8, 16, 24, 0, 8, 16, 24}) & 255;
+}
+
+inline void dequant32_8bit(const uint32_t* w, vf s, vf b, float* out) {
+  vi W;
+  std::memcpy(&W, w, sizeof(W)); // 8 words: 32 elements
+  const vi shifts = {0, 8, 16, 24, 0, 8, 16, 24};
+  // one permute per 8 elements (words 2k, 2k + 1, each 4 times), then shift/mask
+  const vi q0 = (__builtin_shufflevector(W, W, 0, 0, 0, 0, 1, 1, 1, 1) >> shifts) & 255;
+  const vi q1 = (__builtin_shufflevector(W, W, 2, 2, 2, 2, 3, 3, 3, 3) >> shifts) & 255;
+  const vi q2 = (__builtin_shufflevector(W, W, 4, 4, 4, 4, 5, 5, 5, 5) >> shifts) & 255;
+  const vi q3 = (__builtin_shufflevector(W, W, 6, 6, 6, 6, 7, 7, 7, 7) >> shifts) & 255;
+  store(out, __builtin_convertvector(q0, vf) * s + b);
+  store(out + 8, __builtin_convertvector(q1, vf) * s + b);
+  store(out + 16, __builtin_convertvector(q2, vf) * s + b);
+  store(out + 24, __builtin_convertvector(q3, vf) * s + b);
 }
 
 // Rows [j0, j1) of one block of a quantized pool, dequantized to fp32 rows in
-// dst: x = q * scale + bias per group. src: the block's packed rows; sc/bi:
-// its scales/biases (D / group per row), indexed from the block's first row.
+// dst. src: the block's packed rows; sc/bi: the pool's scales/biases (D / group
+// per row), row0 the block's first row there. Groups are multiples of 32.
 void dequant_rows(
     const Args& a,
     const uint32_t* src,
@@ -241,7 +257,7 @@ void dequant_rows(
     int D,
     int j0,
     int j1) {
-  const int words = D * a.bits / 32, ng = D / a.group;
+  const int words = D * a.bits / 32, ng = D / a.group, wpc = a.bits; // words per 32 elements
   for (int j = j0; j < j1; ++j) {
     const uint32_t* w = src + (int64_t)j * words;
     float* out = dst + (int64_t)j * D;
@@ -249,8 +265,12 @@ void dequant_rows(
       const int64_t si = (row0 + j) * ng + g;
       const vf s = splat(load_float(a.pool_type, sc, si));
       const vf b = splat(load_float(a.pool_type, bi, si));
-      for (int e = g * a.group; e < (g + 1) * a.group; e += 8)
-        store(out + e, __builtin_convertvector(unpack8(w, e, a.bits), vf) * s + b);
+      for (int e = g * a.group; e < (g + 1) * a.group; e += 32) {
+        if (a.bits == 4)
+          dequant32_4bit(w + e / 32 * wpc, s, b, out + e);
+        else
+          dequant32_8bit(w + e / 32 * wpc, s, b, out + e);
+      }
     }
   }
 }

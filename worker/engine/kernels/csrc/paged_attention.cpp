@@ -353,8 +353,8 @@ int check_quant(
     Fail fail) {
   if (q.bits != 4 && q.bits != 8)
     fail("bits must be 4 or 8");
-  if (q.group_size <= 0 || q.group_size % 8 != 0 || D % q.group_size != 0)
-    fail("group_size must be a multiple of 8 dividing the head dims");
+  if (q.group_size <= 0 || q.group_size % 32 != 0 || D % q.group_size != 0)
+    fail("group_size must be a multiple of 32 dividing the head dims");
   if (k_pool.dtype() != mx::uint32 || v_pool.dtype() != mx::uint32)
     fail("quantized pools must be packed uint32 (mx.quantize)");
   for (const auto* x : {&q.k_scales, &q.k_biases, &q.v_scales, &q.v_biases}) {

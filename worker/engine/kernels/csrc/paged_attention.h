@@ -30,7 +30,7 @@ namespace mlxq {
 struct KVQuantArrays {
   mx::array k_scales, k_biases, v_scales, v_biases;
   int bits; // 4 or 8
-  int group_size; // divides both head dims, a multiple of 8
+  int group_size; // divides both head dims, a multiple of 32
 };
 
 mx::array paged_attention(
