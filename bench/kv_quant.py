@@ -130,6 +130,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per row per round in (b)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--acc-prompts", type=int, default=None, help="prompts for (c) (default: all of them)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: a,b,c")
     args = ap.parse_args()
     loaded = load_model(args.model or bench_model_dir(), name="bench")
@@ -142,7 +143,7 @@ def main() -> int:
     if "b" not in skip:
         throughput(model, prompts, args)
     if "c" not in skip:
-        accuracy(model, prompts, args)
+        accuracy(model, prompts[: args.acc_prompts], args)
     return 0
 
 
