@@ -195,10 +195,9 @@ def _time_gathers(eng, model) -> float:
     inputs = mx.array([[s.tokens[-1]] for s in rows])
     paged = make_layer_caches(eng.pool, view)
     pre = []
-    for c, sh in zip(paged, eng.kv_shape.layers):
+    for c in paged:
         p = _Pregathered(eng.pool, c.layer, view)
-        p.kv = (c._gather(eng.pool.keys[c.layer], sh.k_head_dim),
-                c._gather(eng.pool.values[c.layer], sh.v_head_dim))
+        p.kv = c.gathered()
         mx.eval(p.kv)
         pre.append(p)
     times = {}

@@ -193,6 +193,10 @@ class Settings:
                                      engine="session_dir", shown_default="not written")
     attention: str = opt("auto", "auto (the fused CPU op when it builds, else gather), fused, or gather",
                          engine="attention", choices=ATTENTION_MODES)
+    kv_bits: Optional[int] = opt(None, "store KV blocks quantized, 8 or 4 bits (more sequences per MiB)",
+                                 engine="kv_bits", shown_default="none: the model's float dtype")
+    kv_group_size: int = opt(64, "elements per scale/bias group of quantized KV blocks (32, 64 or 128)",
+                             engine="kv_group_size")
 
     def __post_init__(self) -> None:
         unknown = set(self.tier_offsets) - set(TIERS)
@@ -231,6 +235,8 @@ class Settings:
             ("max_sequences", self.max_sequences >= 1, pos),
             ("max_waiting", self.max_waiting >= 0, "must not be negative"),
             ("attention", self.attention in ATTENTION_MODES, f"must be one of {', '.join(ATTENTION_MODES)}"),
+            ("kv_bits", self.kv_bits in (None, 4, 8), "only 4 or 8 bit KV blocks are supported"),
+            ("kv_group_size", self.kv_group_size in (32, 64, 128), "must be 32, 64 or 128"),
         )
 
     @classmethod

@@ -10,6 +10,20 @@ this loop keeps.
 from dataclasses import replace
 
 
+def random_llama(seed: int, hidden_size: int = 64, heads: int = 4, kv_heads: int = 2):
+    """A 2-layer llama with random weights (vocab 256), evaluated; head dim hidden_size / heads."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    m = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=hidden_size, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5, vocab_size=256,
+        tie_word_embeddings=False))
+    mx.eval(m.parameters())
+    return m
+
+
 def run(engine, specs, max_steps=10_000, on_step=None, added=(), prior=None):
     """Drive the engine like the worker: requeue preempted jobs with resume tokens.
 

@@ -7,24 +7,18 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models import gemma3_text, llama, qwen3
+from mlx_lm.models import gemma3_text, qwen3
 
 from mlxq.worker.engine_api import SeqSpec
 from mlxq.worker.engine import PagedEngine
 
-from enginekit import run
+from enginekit import random_llama, run
 
 SMALL_CHUNKS = ((64, 24), (None, 16))  # tiny chunks so prompts span many steps
 
 
 def _llama():
-    mx.random.seed(3)
-    m = llama.Model(llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-        tie_word_embeddings=False))
-    mx.eval(m.parameters())
-    return m
+    return random_llama(3)
 
 
 def _qwen3():

@@ -4,7 +4,12 @@ The op (one interface, three implementations)::
 
     paged_attention(queries (B, Hq, N, D), k_pool (Hkv, S, Dk), v_pool (Hkv, S, Dv),
                     block_tables (B, nb) int32, q_offsets (B,) int32, kv_lens (B,) int32,
-                    scale, window=None) -> (B, Hq, N, Dv)
+                    scale, window=None, *, k_scales=None, k_biases=None, v_scales=None,
+                    v_biases=None, bits=0, group_size=0) -> (B, Hq, N, Dv)
+
+Quantized pools (``bits`` 4 or 8): k_pool/v_pool hold ``mx.quantize``'s packed uint32
+rows (Hkv, S, D * bits / 32) and the scales/biases (Hkv, S, D / group_size) their
+affine groups; every implementation dequantizes the blocks it reads.
 
 S = num_blocks * 32. Query i of row b sits at position q_offsets[b] + i and attends the
 keys j with j <= q_offsets[b] + i, j < kv_lens[b] and, given a window, j > pos - window;
@@ -63,18 +68,38 @@ MODES = ATTENTION_MODES  # the attention setting (MLXQ_ATTENTION / --attention) 
 
 
 # ============================================================== the reference
+def _gather_blocks(pool_arr, block_tables, block_size: int) -> mx.array:
+    """(Hkv, S, W) pool rows -> (B, Hkv, nb * block_size, W) in block-table order."""
+    Hkv, _, W = pool_arr.shape
+    B, nb = block_tables.shape
+    heads = mx.arange(Hkv)[None, :, None]
+    g = pool_arr.reshape(Hkv, -1, block_size, W)[heads, block_tables[:, None, :]]
+    return g.reshape(B, Hkv, nb * block_size, W)
+
+
+def _gather_side(pool_arr, scales, biases, block_tables, bits: int, group_size: int,
+                 block_size: int) -> mx.array:
+    """One side's gathered rows, dequantized when ``bits`` is set."""
+    rows = _gather_blocks(pool_arr, block_tables, block_size)
+    if not bits:
+        return rows
+    return mx.dequantize(rows, _gather_blocks(scales, block_tables, block_size),
+                         _gather_blocks(biases, block_tables, block_size), group_size=group_size, bits=bits)
+
+
 def gather_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens, scale: float,
-                     window: Optional[int] = None, block_size: int = BLOCK_SIZE) -> mx.array:
-    """The op in plain MLX ops: gather each row's blocks, masked softmax attention (fp32)."""
+                     window: Optional[int] = None, block_size: int = BLOCK_SIZE, *, k_scales=None,
+                     k_biases=None, v_scales=None, v_biases=None, bits: int = 0,
+                     group_size: int = 0) -> mx.array:
+    """The op in plain MLX ops: gather each row's blocks (dequantized with
+    ``mx.dequantize`` for a quantized pool), masked softmax attention (fp32)."""
     B, Hq, N, D = queries.shape
     Hkv = k_pool.shape[0]
-    Dv = v_pool.shape[2]
     G = Hq // Hkv
     nb = block_tables.shape[1]
-    heads = mx.arange(Hkv)[None, :, None]
-    tables = block_tables[:, None, :]
-    k = k_pool.reshape(Hkv, -1, block_size, D)[heads, tables].reshape(B, Hkv, nb * block_size, D)
-    v = v_pool.reshape(Hkv, -1, block_size, Dv)[heads, tables].reshape(B, Hkv, nb * block_size, Dv)
+    k = _gather_side(k_pool, k_scales, k_biases, block_tables, bits, group_size, block_size)
+    v = _gather_side(v_pool, v_scales, v_biases, block_tables, bits, group_size, block_size)
+    Dv = v.shape[3]
     q = queries.astype(mx.float32).reshape(B, Hkv, G * N, D) * scale
     scores = q @ k.astype(mx.float32).transpose(0, 1, 3, 2)  # (B, Hkv, G*N, L)
     pos = q_offsets.astype(mx.int32)[:, None] + mx.arange(N, dtype=mx.int32)[None]  # (B, N)
@@ -117,52 +142,76 @@ _METAL_SOURCE = """
         long row = (long)hk * NUM_BLOCKS * BS + (long)blk * BS + (j % BS);
         float s = 0.0f;
         for (int i = 0; i < DK / 32; ++i)
-            s += q[i] * float(k_pool[row * DK + lane + 32 * i]);
+            s += q[i] * @READ(k, DK, lane + 32 * i)@;
         s = simd_sum(s);
         float mnew = max(m, s);
         float corr = exp(m - mnew);
         float p = exp(s - mnew);
         l = l * corr + p;
         for (int i = 0; i < DV / 32; ++i)
-            acc[i] = acc[i] * corr + p * float(v_pool[row * DV + lane + 32 * i]);
+            acc[i] = acc[i] * corr + p * @READ(v, DV, lane + 32 * i)@;
         m = mnew;
     }
     float inv = l > 0.0f ? 1.0f / l : 0.0f;
     for (int i = 0; i < DV / 32; ++i)
         out[((long)(b * HQ + h) * NQ + n) * DV + lane + 32 * i] = T(acc[i] * inv);
 """
-_metal_kernel = None
+# A float pool's element e of a row, and a quantized pool's (mx.quantize's layout: element
+# e in bits (e * QBITS) % 32 of uint32 word (e * QBITS) / 32, affine per GS-element group).
+# Like the rest of the Metal source, the quantized read has never run (no Metal GPU here).
+_METAL_READ = {
+    False: "float({s}_pool[row * {d} + ({e})])",
+    True: ("(float((({s}_pool[row * ({d} * QBITS / 32) + (({e}) * QBITS) / 32]) >> ((({e}) * QBITS) % 32))"
+           " & ((1u << QBITS) - 1u)) * float({s}_scales[row * ({d} / GS) + ({e}) / GS])"
+           " + float({s}_biases[row * ({d} / GS) + ({e}) / GS]))"),
+}
+
+
+def _metal_source(quantized: bool) -> str:
+    parts = _METAL_SOURCE.split("@")
+    for i in range(1, len(parts), 2):  # READ(side, dim, element)
+        side, dim, elem = (x.strip() for x in parts[i][len("READ("):-1].split(",", 2))
+        parts[i] = _METAL_READ[quantized].format(s=side, d=dim, e=elem)
+    return "".join(parts)
+
+
+_metal_kernels: dict = {}
 
 
 def metal_paged_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens,
                           scale: float, window: Optional[int] = None,
-                          block_size: int = BLOCK_SIZE) -> mx.array:
+                          block_size: int = BLOCK_SIZE, *, k_scales=None, k_biases=None,
+                          v_scales=None, v_biases=None, bits: int = 0,
+                          group_size: int = 0) -> mx.array:
     """The op as a Metal kernel (``mx.fast.metal_kernel``). NOT RUN on any machine yet.
 
     Head dims must be multiples of 32. A simple design: one SIMD group per query, so
     GQA groups each read their KV rows (no sharing across the query heads of a group).
     """
-    global _metal_kernel
     B, Hq, N, D = queries.shape
     Hkv, S, _ = k_pool.shape
-    Dv = v_pool.shape[2]
+    Dv = v_scales.shape[2] * group_size if bits else v_pool.shape[2]
     if D % 32 or Dv % 32:
         raise ValueError("the Metal kernel needs head dims that are multiples of 32")
-    if _metal_kernel is None:
-        _metal_kernel = mx.fast.metal_kernel(
-            name="mlxq_paged_attention",
+    quantized = bool(bits)
+    if quantized not in _metal_kernels:
+        extra = ["k_scales", "k_biases", "v_scales", "v_biases"] if quantized else []
+        _metal_kernels[quantized] = mx.fast.metal_kernel(
+            name="mlxq_paged_attention" + ("_q" if quantized else ""),
             input_names=["queries", "k_pool", "v_pool", "block_tables", "q_offsets", "kv_lens",
-                         "scale"],
+                         "scale"] + extra,
             output_names=["out"],
-            source=_METAL_SOURCE,
+            source=_metal_source(quantized),
         )
-    (out,) = _metal_kernel(
+    extra = [k_scales, k_biases, v_scales, v_biases] if quantized else []
+    (out,) = _metal_kernels[quantized](
         inputs=[queries, k_pool, v_pool, block_tables.astype(mx.int32),
                 q_offsets.astype(mx.int32), kv_lens.astype(mx.int32),
-                mx.array([scale], dtype=mx.float32)],
+                mx.array([scale], dtype=mx.float32)] + extra,
         template=[("T", queries.dtype), ("NQ", N), ("HQ", Hq), ("HKV", Hkv), ("DK", D),
                   ("DV", Dv), ("NB", block_tables.shape[1]), ("BS", block_size),
-                  ("NUM_BLOCKS", S // block_size), ("WINDOW", int(window or 0))],
+                  ("NUM_BLOCKS", S // block_size), ("WINDOW", int(window or 0))]
+                 + ([("QBITS", bits), ("GS", group_size)] if quantized else []),
         grid=(32 * B * Hq * N, 1, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(B, Hq, N, Dv)],
@@ -210,11 +259,20 @@ def _self_check(op) -> None:
     q_off = mx.array([70, 5], dtype=mx.int32)
     kv_lens = mx.array([73, 8], dtype=mx.int32)
     args = (q, k_pool, v_pool, tables, q_off, kv_lens, 0.125)
-    got = op(*args, 40)
-    want = gather_attention(*args, 40)
+    _check_case(op, args, {}, "")
+    for bits in (8, 4):  # the same blocks quantized: the kernel's dequantization
+        kq, ks, kb = mx.quantize(k_pool, group_size=32, bits=bits)
+        vq, vs, vb = mx.quantize(v_pool, group_size=32, bits=bits)
+        quant = dict(k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, bits=bits, group_size=32)
+        _check_case(op, (q, kq, vq) + args[3:], quant, f" ({bits}-bit blocks)")
+
+
+def _check_case(op, args, quant: dict, what: str) -> None:
+    got = op(*args, 40, **quant)
+    want = gather_attention(*args, 40, **quant)
     err = mx.max(mx.abs(got - want)).item()
     if not err <= 1e-4:
-        raise ExtensionUnavailable(f"the extension's self-check differs from the reference by {err}")
+        raise ExtensionUnavailable(f"the extension's self-check{what} differs from the reference by {err}")
 
 
 # ============================================================== choosing a backend
@@ -268,18 +326,17 @@ def select_backend(mode: Optional[str] = None) -> AttentionBackend:
 
 
 def paged_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens, scale: float,
-                    window: Optional[int] = None) -> mx.array:
+                    window: Optional[int] = None, **quant) -> mx.array:
     """The op (see the module doc): the CPU extension where it loads, else the Metal kernel
-    on a GPU device, else the gather reference."""
+    on a GPU device, else the gather reference. ``quant``: the quantized pool's arguments."""
     if mx.default_device() == mx.gpu:
-        return metal_paged_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens,
-                                     scale, window)
-    try:
-        op = cpu_extension().paged_attention
-    except ExtensionUnavailable:
-        return gather_attention(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens,
-                                scale, window)
-    return op(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens, scale, window)
+        op = metal_paged_attention
+    else:
+        try:
+            op = cpu_extension().paged_attention
+        except ExtensionUnavailable:
+            op = gather_attention
+    return op(queries, k_pool, v_pool, block_tables, q_offsets, kv_lens, scale, window, **quant)
 
 
 # ============================================================== the model dispatch
@@ -313,7 +370,7 @@ def _dispatch(queries, keys, values, cache, scale, mask, sinks=None):
             if window is not NotImplemented:
                 return pool.attention(
                     queries, pool.keys[cache.layer], pool.values[cache.layer], view.tables,
-                    view.q_offsets, view.kv_lens, scale, window)
+                    view.q_offsets, view.kv_lens, scale, window, **pool.quant_kwargs(cache.layer))
             keys, values = cache.gathered()  # update_and_fetch skipped the gather
     elif isinstance(cache, _RouteProbe):
         cache.routed = _untouched(cache, keys, values)

@@ -32,7 +32,7 @@ from ..engine_api import Preempted, SeqSpec, TokenEvent
 from .attention import use_attention
 from .block_manager import BLOCK_SIZE, BlockManager
 from .constrain import GrammarBook, GrammarError, RowGrammar
-from .kv_cache import KVPool, probe_kv_shape
+from .kv_cache import KVPool, make_kv_quant, probe_kv_shape
 from .model_runner import ModelRunner
 from .scheduler import DEFAULT_CHUNK_SCHEDULE, Scheduler, SchedulerConfig
 from .sessions import SessionFiles
@@ -80,6 +80,8 @@ class PagedEngine:
         context_length: Optional[int] = None,
         attention: str = "auto",
         tokenizer=None,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
     ):
         self.model = model
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper: constrained output needs it
@@ -87,7 +89,10 @@ class PagedEngine:
         self._book_error: Optional[str] = None  # why constrained output is unavailable, once known
         self.block_size = block_size
         self.kv_shape = probe_kv_shape(model)
-        per_block = self.kv_shape.bytes_per_block(block_size)
+        quant = make_kv_quant(kv_bits, kv_group_size)
+        if quant is not None:
+            quant.check(self.kv_shape.head_dims())  # before anything is allocated
+        per_block = self.kv_shape.bytes_per_block(block_size, quant=quant)
         if num_blocks is None:
             budget = memory_budget_bytes or DEFAULT_BUDGET_BYTES
             num_blocks = budget // per_block
@@ -97,7 +102,7 @@ class PagedEngine:
         if num_blocks < 2:
             raise ValueError(f"memory budget too small: {per_block} bytes per block")
         self.bm = BlockManager(num_blocks, block_size, model_id)
-        self.pool = KVPool(self.kv_shape, num_blocks, block_size, dtype=self.kv_shape.dtype)
+        self.pool = KVPool(self.kv_shape, num_blocks, block_size, dtype=self.kv_shape.dtype, quant=quant)
         self.runner = ModelRunner(model, self.pool)
         # auto / fused / gather; logs its choice
         self.attention = use_attention(model, self.pool, attention)
@@ -110,7 +115,7 @@ class PagedEngine:
         self.scheduler = Scheduler(self.bm, config, settle=self._settle, session_files=self.sessions,
                                    start_grammar=self._start_grammar)
         log.info("paged engine: %d blocks of %d tokens, %.1f MiB %s pool",
-                 num_blocks, block_size, self.pool.nbytes / 2**20, self.pool.dtype)
+                 num_blocks, block_size, self.pool.nbytes / 2**20, self.pool.layout)
 
     def step(self) -> tuple[list[TokenEvent], list[Preempted]]:
         """Schedule, run, postprocess: a prefill pass, then a decode launch (read one step later)."""

@@ -13,6 +13,14 @@ slots (in place with the CPU extension's ``paged_kv_write``, else an MLX
 scatter) and, without a fused attention op, gathers each row's blocks back as
 a dense ``(B, H, L, D)`` view (L = the longest row), which the stock attention
 consumes with a mask that hides padding.  Sliding-window layers are stored in full and masked to their window.
+
+Quantized blocks (``KVQuant``, ``--kv-bits 8|4``): each layer's keys and values are
+stored as ``mx.quantize``'s packed uint32 rows ``(H, S, D * bits / 32)`` plus
+per-group scales and biases ``(H, S, D / group_size)`` in the model's dtype (affine,
+as mlx-lm's ``QuantizedKVCache``). Every array keeps the slot axis at 1, so block
+copies, spills and restores index them all alike. New rows are quantized at the step
+they are written; the fused op dequantizes a block at a time, the gather path with
+``mx.dequantize``.
 """
 
 from __future__ import annotations
@@ -35,17 +43,55 @@ class LayerShape:
     v_head_dim: int
 
 
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """Quantized KV storage: ``bits`` per element, one scale and bias per ``group_size``."""
+
+    bits: int
+    group_size: int = 64
+
+    def check(self, head_dims) -> None:
+        """Raise ValueError (one line) for a width or group this pool cannot store."""
+        if self.bits not in KV_BITS:
+            raise ValueError(f"kv_bits={self.bits}: only 4 or 8 bit KV blocks are supported")
+        if self.group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size={self.group_size}: must be one of 32, 64, 128")
+        bad = sorted({d for d in head_dims if d % self.group_size})
+        if bad:
+            raise ValueError(f"kv_group_size={self.group_size} does not divide the model's head dims {bad}")
+
+    def row_bytes(self, dim: int, itemsize: int) -> int:
+        """Bytes of one token's row of one head: packed values, scales and biases."""
+        return dim * self.bits // 8 + 2 * (dim // self.group_size) * itemsize
+
+
+def make_kv_quant(bits: Optional[int], group_size: int = 64) -> Optional[KVQuant]:
+    return None if bits is None else KVQuant(int(bits), int(group_size))
+
+
 @dataclass
 class ModelKVShape:
     layers: list[LayerShape]
     dtype: object = mx.float32  # the dtype the model computes keys/values in
 
-    def bytes_per_block(self, block_size: int = BLOCK_SIZE, itemsize: Optional[int] = None) -> int:
+    def head_dims(self) -> set[int]:
+        return {d for s in self.layers for d in (s.k_head_dim, s.v_head_dim)}
+
+    def bytes_per_block(self, block_size: int = BLOCK_SIZE, itemsize: Optional[int] = None,
+                        quant: Optional[KVQuant] = None) -> int:
+        return sum(self.layer_block_bytes(i, block_size, itemsize, quant) for i in range(len(self.layers)))
+
+    def layer_block_bytes(self, layer: int, block_size: int = BLOCK_SIZE, itemsize: Optional[int] = None,
+                          quant: Optional[KVQuant] = None) -> int:
         itemsize = itemsize or self.dtype.size
-        return sum(
-            block_size * s.n_kv_heads * (s.k_head_dim + s.v_head_dim) * itemsize
-            for s in self.layers
-        )
+        s = self.layers[layer]
+        dims = (s.k_head_dim, s.v_head_dim)
+        row = sum(quant.row_bytes(d, itemsize) if quant else d * itemsize for d in dims)
+        return block_size * s.n_kv_heads * row
 
 
 class _ShapeProbe:
@@ -80,19 +126,30 @@ class KVPool:
 
     One extra *scratch* block (id ``num_blocks``, never handed out by the block
     manager) takes the writes of a ragged batch's padding positions.
+
+    ``store`` maps a part name to its per-layer arrays: ``k`` and ``v`` (the float
+    rows, or the packed ones when quantized) and, quantized, ``ks``/``kb``/``vs``/``vb``
+    (scales and biases). ``keys``/``values`` are the ``k``/``v`` lists themselves.
     """
 
     def __init__(self, shape: ModelKVShape, num_blocks: int, block_size: int = BLOCK_SIZE,
-                 dtype=mx.float32):
+                 dtype=mx.float32, quant: Optional[KVQuant] = None):
+        if quant is not None:
+            quant.check(shape.head_dims())
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+        self.quant = quant
         self.scratch_block = num_blocks
         n = (num_blocks + 1) * block_size
-        self.keys = [mx.zeros((s.n_kv_heads, n, s.k_head_dim), dtype) for s in shape.layers]
-        self.values = [mx.zeros((s.n_kv_heads, n, s.v_head_dim), dtype) for s in shape.layers]
-        mx.eval(self.keys, self.values)
+        self.store: dict[str, list[mx.array]] = {}
+        for side, dim_of in (("k", lambda s: s.k_head_dim), ("v", lambda s: s.v_head_dim)):
+            for part, (width, dt) in self._parts(dtype).items():
+                self.store[side + part] = [mx.zeros((s.n_kv_heads, n, width(dim_of(s))), dt)
+                                           for s in shape.layers]
+        self.keys, self.values = self.store["k"], self.store["v"]
+        mx.eval(self.arrays())
         # The fused paged-attention op when the engine uses one (set by
         # attention.use_attention); None: layers gather their blocks (the reference path).
         self.attention = None
@@ -100,29 +157,83 @@ class KVPool:
         # None: MLX scatters.
         self.kv_write = None
 
+    def _parts(self, dtype) -> dict:
+        """Part suffix -> (row width from the head dim, dtype)."""
+        q = self.quant
+        if q is None:
+            return {"": (lambda d: d, dtype)}
+        return {"": (lambda d: d * q.bits // 32, mx.uint32),
+                "s": (lambda d: d // q.group_size, dtype),
+                "b": (lambda d: d // q.group_size, dtype)}
+
+    @property
+    def layout(self) -> str:
+        """What a block's bytes mean (session files of another layout are not loaded)."""
+        q = self.quant
+        return f"{self.dtype}" if q is None else f"{self.dtype}/q{q.bits}g{q.group_size}"
+
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        return sum(a.nbytes for a in self.arrays())
 
     def arrays(self) -> list[mx.array]:
-        return self.keys + self.values
+        return [a for arrs in self.store.values() for a in arrs]
+
+    def quant_kwargs(self, layer: int) -> dict:
+        """The attention op's extra arguments for this layer's quantized blocks ({} if float)."""
+        q = self.quant
+        if q is None:
+            return {}
+        st = self.store
+        return dict(k_scales=st["ks"][layer], k_biases=st["kb"][layer], v_scales=st["vs"][layer],
+                    v_biases=st["vb"][layer], bits=q.bits, group_size=q.group_size)
+
+    def write_rows(self, layer: int, keys: mx.array, values: mx.array, slots: mx.array) -> None:
+        """Store new keys/values (B, H, N, D) at pool rows ``slots`` (B*N,), quantized if the pool is."""
+        if self.quant is None:
+            self._write_pair("k", "v", layer, keys, values, slots)
+            return
+        g, b = self.quant.group_size, self.quant.bits
+        kq, ks, kb = mx.quantize(keys, group_size=g, bits=b)
+        vq, vs, vb = mx.quantize(values, group_size=g, bits=b)
+        self._write_pair("k", "v", layer, kq, vq, slots)
+        self._write_pair("ks", "kb", layer, ks.astype(self.dtype), kb.astype(self.dtype), slots)
+        self._write_pair("vs", "vb", layer, vs.astype(self.dtype), vb.astype(self.dtype), slots)
+
+    def _write_pair(self, a: str, b: str, layer: int, x: mx.array, y: mx.array, slots: mx.array) -> None:
+        pa, pb = self.store[a][layer], self.store[b][layer]
+        if self.kv_write is not None and x.dtype == pa.dtype and y.dtype == pb.dtype:
+            # in place (the pool arrays are replaced by the op's outputs, which share their buffers)
+            pa, pb = self.kv_write(pa, pb, x, y, slots)
+        else:
+            for pool_arr, rows in ((pa, x), (pb, y)):
+                B, H, N, W = rows.shape
+                pool_arr[:, slots] = rows.transpose(1, 0, 2, 3).reshape(H, B * N, W).astype(pool_arr.dtype)
+        self.store[a][layer], self.store[b][layer] = pa, pb
+
+    def dequantize(self, side: str, layer: int, take) -> mx.array:
+        """``take`` (a function of one pool array) applied to side ``k``/``v`` of a layer,
+        dequantized to the pool's float dtype when the pool is quantized."""
+        if self.quant is None:
+            return take(self.store[side][layer])
+        q = self.quant
+        st = self.store
+        return mx.dequantize(take(st[side][layer]), take(st[side + "s"][layer]), take(st[side + "b"][layer]),
+                             group_size=q.group_size, bits=q.bits)
 
     def read_blocks(self, block_ids: Sequence[int]) -> dict[str, mx.array]:
-        """Copies of the given blocks, per layer (for spilling to disk)."""
+        """Copies of the given blocks, per part and layer (for spilling to disk)."""
         slots = _slots_of_blocks(block_ids, self.block_size)
-        out = {}
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            out[f"k{i}"] = k[:, slots]
-            out[f"v{i}"] = v[:, slots]
+        out = {f"{name}{i}": a[:, slots] for name, arrs in self.store.items() for i, a in enumerate(arrs)}
         mx.eval(out)
         return out
 
     def write_blocks(self, block_ids: Sequence[int], data: dict[str, mx.array]) -> None:
         slots = _slots_of_blocks(block_ids, self.block_size)
-        for i in range(len(self.keys)):
-            self.keys[i][:, slots] = data[f"k{i}"].astype(self.keys[i].dtype)
-            self.values[i][:, slots] = data[f"v{i}"].astype(self.values[i].dtype)
-        mx.eval(self.keys, self.values)
+        for name, arrs in self.store.items():
+            for i, a in enumerate(arrs):
+                a[:, slots] = data[f"{name}{i}"].astype(a.dtype)
+        mx.eval(self.arrays())
 
 
     def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
@@ -268,35 +379,22 @@ class PagedLayerCache:
         return self.view.make_mask(N, return_array=return_array, window_size=window_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        v = self.view
-        B, H, N, Dk = keys.shape
-        Dv = values.shape[3]
-        pk, pv = self.pool.keys[self.layer], self.pool.values[self.layer]
-        if self.pool.kv_write is not None and keys.dtype == pk.dtype and values.dtype == pv.dtype:
-            # in place (the pool arrays are replaced by the op's outputs, which share their buffers)
-            pk, pv = self.pool.kv_write(pk, pv, keys, values, v.write_slots)
-        else:
-            k_new = keys.transpose(1, 0, 2, 3).reshape(H, B * N, Dk)
-            v_new = values.transpose(1, 0, 2, 3).reshape(H, B * N, Dv)
-            pk[:, v.write_slots] = k_new.astype(pk.dtype)
-            pv[:, v.write_slots] = v_new.astype(pv.dtype)
-        self.pool.keys[self.layer], self.pool.values[self.layer] = pk, pv
+        self.pool.write_rows(self.layer, keys, values, self.view.write_slots)
         if self.pool.attention is not None:
             # The fused op reads the blocks in place: the model's attention call
             # goes to attention.py's dispatch, which checks it gets these back untouched.
             self.handed_out = (keys, values)
             return keys, values
-        return self._gather(pk, Dk), self._gather(pv, Dv)
+        return self.gathered()
 
     def gathered(self) -> tuple[mx.array, mx.array]:
         """This layer's keys and values as dense (B, H, L, D) copies (the reference path)."""
-        s = self.pool.shape.layers[self.layer]
-        return (self._gather(self.pool.keys[self.layer], s.k_head_dim),
-                self._gather(self.pool.values[self.layer], s.v_head_dim))
+        return (self.pool.dequantize("k", self.layer, self._gather),
+                self.pool.dequantize("v", self.layer, self._gather))
 
-    def _gather(self, pool_arr: mx.array, D: int) -> mx.array:
+    def _gather(self, pool_arr: mx.array) -> mx.array:
         v = self.view
-        H = pool_arr.shape[0]
+        H, _, D = pool_arr.shape
         bs = v.block_size
         B = len(v.rows)
         blocks = pool_arr.reshape(H, -1, bs, D)
@@ -329,9 +427,8 @@ class PagedLayerCache:
 
     @property
     def nbytes(self) -> int:
-        bs = self.view.block_size
-        s = self.pool.shape.layers[self.layer]
-        per_block = bs * s.n_kv_heads * (s.k_head_dim + s.v_head_dim) * self.pool.keys[0].itemsize
+        pool = self.pool
+        per_block = pool.shape.layer_block_bytes(self.layer, self.view.block_size, pool.dtype.size, pool.quant)
         return per_block * len({b for r in self.view.rows for b in r.block_table})
 
 

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class WarmSession:
     tokens: list[int]
-    data: dict  # per-layer "k{i}" / "v{i}" arrays (H, n_tokens, D)
+    data: dict  # per part and layer "k{i}" / "v{i}" (+ "ks{i}"... when quantized) arrays (H, n_tokens, W)
 
 
 class SessionFiles:
@@ -52,7 +52,8 @@ class SessionFiles:
 
     def save(self, session_id: str, tokens: list[int], data: dict) -> None:
         p = self.path(session_id)
-        meta = {"tokens": json.dumps(tokens), "model_id": self.model_id, "session_id": session_id}
+        meta = {"tokens": json.dumps(tokens), "model_id": self.model_id, "session_id": session_id,
+                "kv_layout": self.pool.layout}
         tmp = p[: -len(".safetensors")] + ".tmp.safetensors"
         mx.save_safetensors(tmp, data, metadata=meta)
         os.replace(tmp, p)
@@ -68,6 +69,10 @@ class SessionFiles:
             log.warning("session file %s unreadable; ignored", p, exc_info=True)
             return None
         if meta.get("model_id") != self.model_id or meta.get("session_id") != session_id:
+            return None
+        if meta.get("kv_layout", str(self.pool.dtype)) != self.pool.layout:
+            log.info("session file %s holds %s KV blocks, this pool %s: not loaded", p,
+                     meta.get("kv_layout", self.pool.dtype), self.pool.layout)
             return None
         return WarmSession(json.loads(meta["tokens"]), data)
 

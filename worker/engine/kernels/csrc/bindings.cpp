@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <optional>
+#include <stdexcept>
 
 #include "cpu_ops.h"
 #include "norm_ops.h"
@@ -26,7 +27,20 @@ NB_MODULE(_mlxq_paged_attention, m) {
          const mx::array& kv_lens,
          float scale,
          std::optional<int> window,
-         int block_size) {
+         int block_size,
+         std::optional<mx::array> k_scales,
+         std::optional<mx::array> k_biases,
+         std::optional<mx::array> v_scales,
+         std::optional<mx::array> v_biases,
+         int bits,
+         int group_size) {
+        std::optional<mlxq::KVQuantArrays> quant;
+        if (bits != 0) {
+          if (!k_scales || !k_biases || !v_scales || !v_biases)
+            throw std::invalid_argument(
+                "paged_attention: quantized pools need k_scales, k_biases, v_scales and v_biases");
+          quant = mlxq::KVQuantArrays{*k_scales, *k_biases, *v_scales, *v_biases, bits, group_size};
+        }
         return mlxq::paged_attention(
             queries,
             k_pool,
@@ -36,7 +50,8 @@ NB_MODULE(_mlxq_paged_attention, m) {
             kv_lens,
             scale,
             window.value_or(0),
-            block_size);
+            block_size,
+            quant);
       },
       "queries"_a,
       "k_pool"_a,
@@ -47,8 +62,15 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "scale"_a,
       "window"_a = nb::none(),
       "block_size"_a = 32,
-      "Attention over KV blocks read in place from the pools; see "
-      "paged_attention.h.");
+      nb::kw_only(),
+      "k_scales"_a = nb::none(),
+      "k_biases"_a = nb::none(),
+      "v_scales"_a = nb::none(),
+      "v_biases"_a = nb::none(),
+      "bits"_a = 0,
+      "group_size"_a = 0,
+      "Attention over KV blocks read in place from the pools (quantized ones with "
+      "bits, group_size and the scales/biases); see paged_attention.h.");
   m.def(
       "swiglu",
       &mlxq::swiglu,

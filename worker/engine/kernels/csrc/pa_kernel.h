@@ -15,9 +15,18 @@ namespace mlxq_pa {
 enum class PoolType : int { f32 = 0, f16 = 1, bf16 = 2 };
 
 // Everything one call of the op needs; pointers are row-contiguous arrays.
+// A quantized pool (bits 4 or 8): k/v hold mx.quantize's packed uint32 rows
+// (Hkv, S, D * bits / 32) and ks/kb/vs/vb the affine groups' scales and
+// biases (Hkv, S, D / group), of type pool_type.
 struct Args {
-  const void* k; // (Hkv, S, Dk) pool, PoolType
-  const void* v; // (Hkv, S, Dv) pool, PoolType
+  const void* k; // (Hkv, S, Dk) pool, PoolType (packed uint32 when quantized)
+  const void* v; // (Hkv, S, Dv) pool, PoolType (packed uint32 when quantized)
+  const void* ks = nullptr; // quantized only: key scales (Hkv, S, Dk / group)
+  const void* kb = nullptr; // key biases
+  const void* vs = nullptr; // value scales (Hkv, S, Dv / group)
+  const void* vb = nullptr; // value biases
+  int bits = 0; // 0: a float pool; else 4 or 8
+  int group = 0; // elements per scale/bias group (a multiple of 32)
   const int32_t* tables; // (B, nb)
   const int32_t* q_off; // (B,)
   const int32_t* kv_len; // (B,)
@@ -47,7 +56,7 @@ inline void row_key_range(const Args& a, int b, int& lo, int& hi) {
 // scale. Writes, per query: m (running max), l (sum of exponentials) and acc
 // (unnormalized sum of p*v, Dv floats). A query that saw no key gets
 // m = -inf, l = 0, acc = 0. scratch: block_size * (Dk + Dv) floats (for
-// f16/bf16 pools, converted a block at a time).
+// f16/bf16 pools, converted, and quantized ones dequantized, a block at a time).
 using AttendFn = void (*)(
     const Args& a,
     const float* q,

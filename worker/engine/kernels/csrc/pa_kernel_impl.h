@@ -210,6 +210,71 @@ void convert_rows(
   }
 }
 
+inline float load_float(PoolType t, const void* p, int64_t i) {
+  if (t == PoolType::f32)
+    return ((const float*)p)[i];
+  const uint16_t h = ((const uint16_t*)p)[i];
+  return t == PoolType::f16 ? half_to_float(h) : bf16_to_float(h);
+}
+
+// mx.quantize puts element e of a packed row in bits (e * bits) % 32 of uint32
+// word (e * bits) / 32. Each helper dequantizes 32 consecutive elements
+// (x = q * s + b) from the words at w into out.
+inline void dequant32_4bit(const uint32_t* w, vf s, vf b, float* out) {
+  const vi shifts = {0, 4, 8, 12, 16, 20, 24, 28};
+  for (int k = 0; k < 4; ++k) {
+    const int32_t x = (int32_t)w[k];
+    const vi q = (vi{x, x, x, x, x, x, x, x} >> shifts) & 15;
+    store(out + 8 * k, __builtin_convertvector(q, vf) * s + b);
+  }
+}
+
+inline void dequant32_8bit(const uint32_t* w, vf s, vf b, float* out) {
+  vi W;
+  std::memcpy(&W, w, sizeof(W)); // 8 words: 32 elements
+  const vi shifts = {0, 8, 16, 24, 0, 8, 16, 24};
+  // one permute per 8 elements (words 2k, 2k + 1, each 4 times), then shift/mask
+  const vi q0 = (__builtin_shufflevector(W, W, 0, 0, 0, 0, 1, 1, 1, 1) >> shifts) & 255;
+  const vi q1 = (__builtin_shufflevector(W, W, 2, 2, 2, 2, 3, 3, 3, 3) >> shifts) & 255;
+  const vi q2 = (__builtin_shufflevector(W, W, 4, 4, 4, 4, 5, 5, 5, 5) >> shifts) & 255;
+  const vi q3 = (__builtin_shufflevector(W, W, 6, 6, 6, 6, 7, 7, 7, 7) >> shifts) & 255;
+  store(out, __builtin_convertvector(q0, vf) * s + b);
+  store(out + 8, __builtin_convertvector(q1, vf) * s + b);
+  store(out + 16, __builtin_convertvector(q2, vf) * s + b);
+  store(out + 24, __builtin_convertvector(q3, vf) * s + b);
+}
+
+// Rows [j0, j1) of one block of a quantized pool, dequantized to fp32 rows in
+// dst. src: the block's packed rows; sc/bi: the pool's scales/biases (D / group
+// per row), row0 the block's first row there. Groups are multiples of 32.
+void dequant_rows(
+    const Args& a,
+    const uint32_t* src,
+    const void* sc,
+    const void* bi,
+    int64_t row0,
+    float* dst,
+    int D,
+    int j0,
+    int j1) {
+  const int words = D * a.bits / 32, ng = D / a.group, wpc = a.bits; // words per 32 elements
+  for (int j = j0; j < j1; ++j) {
+    const uint32_t* w = src + (int64_t)j * words;
+    float* out = dst + (int64_t)j * D;
+    for (int g = 0; g < ng; ++g) {
+      const int64_t si = (row0 + j) * ng + g;
+      const vf s = splat(load_float(a.pool_type, sc, si));
+      const vf b = splat(load_float(a.pool_type, bi, si));
+      for (int e = g * a.group; e < (g + 1) * a.group; e += 32) {
+        if (a.bits == 4)
+          dequant32_4bit(w + e / 32 * wpc, s, b, out + e);
+        else
+          dequant32_8bit(w + e / 32 * wpc, s, b, out + e);
+      }
+    }
+  }
+}
+
 inline void prefetch_rows(const char* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64)
     __builtin_prefetch(p + o);
@@ -234,6 +299,9 @@ void attend(
   const int Dk = a.Dk, Dv = a.Dv, BS = a.block_size;
   const int64_t S = (int64_t)a.num_blocks * BS;
   const int esize = a.pool_type == PoolType::f32 ? 4 : 2;
+  // Bytes of one pool row (a token of one head): packed when quantized.
+  const int64_t krow = a.bits ? (int64_t)Dk * a.bits / 8 : (int64_t)Dk * esize;
+  const int64_t vrow = a.bits ? (int64_t)Dv * a.bits / 8 : (int64_t)Dv * esize;
   for (int i = 0; i < GN; ++i) {
     m[i] = kNegInf;
     l[i] = 0.0f;
@@ -245,8 +313,8 @@ void attend(
   const int64_t off = a.q_off[b];
   const int64_t kvl = a.kv_len[b];
   const int32_t* table = a.tables + (int64_t)b * a.nb;
-  const char* kbase = (const char*)a.k + (int64_t)hk * S * Dk * esize;
-  const char* vbase = (const char*)a.v + (int64_t)hk * S * Dv * esize;
+  const char* kbase = (const char*)a.k + (int64_t)hk * S * krow;
+  const char* vbase = (const char*)a.v + (int64_t)hk * S * vrow;
   float* kconv = scratch;
   float* vconv = scratch + (int64_t)BS * Dk;
 
@@ -262,23 +330,29 @@ void attend(
     const int32_t blk = table[t];
     if (blk < 0 || blk >= a.num_blocks)
       continue; // never read outside the pool
-    const char* kb_raw = kbase + (int64_t)blk * BS * Dk * esize;
-    const char* vb_raw = vbase + (int64_t)blk * BS * Dv * esize;
+    const char* kb_raw = kbase + (int64_t)blk * BS * krow;
+    const char* vb_raw = vbase + (int64_t)blk * BS * vrow;
     if (t + 1 < t1) {
       const int32_t nxt = table[t + 1];
       if (nxt >= 0 && nxt < a.num_blocks) {
-        prefetch_rows(kbase + (int64_t)nxt * BS * Dk * esize, (int64_t)BS * Dk * esize);
-        prefetch_rows(vbase + (int64_t)nxt * BS * Dv * esize, (int64_t)BS * Dv * esize);
+        prefetch_rows(kbase + (int64_t)nxt * BS * krow, (int64_t)BS * krow);
+        prefetch_rows(vbase + (int64_t)nxt * BS * vrow, (int64_t)BS * vrow);
       }
     }
     const float* kb;
     const float* vb;
-    if (a.pool_type == PoolType::f32) {
+    // The 8-aligned span around [j0, j1): dot8 reads whole groups of 8 rows.
+    const int c0 = j0 & ~7, c1 = (j1 + 7) & ~7;
+    if (a.bits) {
+      const int64_t row0 = (int64_t)hk * S + (int64_t)blk * BS; // scales/biases row
+      dequant_rows(a, (const uint32_t*)kb_raw, a.ks, a.kb, row0, kconv, Dk, c0, c1);
+      dequant_rows(a, (const uint32_t*)vb_raw, a.vs, a.vb, row0, vconv, Dv, c0, c1);
+      kb = kconv;
+      vb = vconv;
+    } else if (a.pool_type == PoolType::f32) {
       kb = (const float*)kb_raw;
       vb = (const float*)vb_raw;
     } else {
-      // The 8-aligned span around [j0, j1): dot8 reads whole groups of 8 rows.
-      const int c0 = j0 & ~7, c1 = (j1 + 7) & ~7;
       convert_rows(a.pool_type, (const uint16_t*)kb_raw, kconv, Dk, c0, c1);
       convert_rows(a.pool_type, (const uint16_t*)vb_raw, vconv, Dv, c0, c1);
       kb = kconv;

@@ -340,6 +340,40 @@ PoolType pool_type(mx::Dtype t) {
       "paged_attention: the KV pools must be float32, float16 or bfloat16");
 }
 
+using Fail = void (*)(const std::string&);
+
+// The checks of a quantized call; returns the value head dim.
+int check_quant(
+    const mx::array& k_pool,
+    const mx::array& v_pool,
+    const mlxq::KVQuantArrays& q,
+    int Hkv,
+    int S,
+    int D,
+    Fail fail) {
+  if (q.bits != 4 && q.bits != 8)
+    fail("bits must be 4 or 8");
+  if (q.group_size <= 0 || q.group_size % 32 != 0 || D % q.group_size != 0)
+    fail("group_size must be a multiple of 32 dividing the head dims");
+  if (k_pool.dtype() != mx::uint32 || v_pool.dtype() != mx::uint32)
+    fail("quantized pools must be packed uint32 (mx.quantize)");
+  for (const auto* x : {&q.k_scales, &q.k_biases, &q.v_scales, &q.v_biases}) {
+    if (x->ndim() != 3 || x->shape(0) != Hkv || x->shape(1) != S)
+      fail("scales and biases must be (Hkv, S, D / group_size)");
+    if (x->dtype() != q.k_scales.dtype())
+      fail("scales and biases must have one dtype");
+  }
+  pool_type(q.k_scales.dtype());
+  const int Dv = q.v_scales.shape(2) * q.group_size;
+  if (q.k_scales.shape(2) * q.group_size != D || q.k_biases.shape(2) != q.k_scales.shape(2) ||
+      q.v_biases.shape(2) != q.v_scales.shape(2))
+    fail("scales/biases disagree with the head dims and group_size");
+  if ((int64_t)k_pool.shape(2) * 32 != (int64_t)D * q.bits ||
+      (int64_t)v_pool.shape(2) * 32 != (int64_t)Dv * q.bits)
+    fail("packed pool rows must be D * bits / 32 words");
+  return Dv;
+}
+
 } // namespace
 
 // ---------------------------------------------------------------- op
@@ -352,8 +386,9 @@ mx::array paged_attention(
     const mx::array& kv_lens,
     float scale,
     int window,
-    int block_size) {
-  auto fail = [](const std::string& msg) {
+    int block_size,
+    const std::optional<KVQuantArrays>& quant) {
+  Fail fail = [](const std::string& msg) {
     throw std::invalid_argument("paged_attention: " + msg);
   };
   if (queries.ndim() != 4)
@@ -364,10 +399,10 @@ mx::array paged_attention(
     fail("block_tables must be (B, nb)");
   const int B = queries.shape(0), Hq = queries.shape(1), D = queries.shape(3);
   const int Hkv = k_pool.shape(0), S = k_pool.shape(1);
-  const int Dv = v_pool.shape(2);
   if (v_pool.shape(0) != Hkv || v_pool.shape(1) != S)
     fail("k_pool and v_pool disagree on heads or slots");
-  if (k_pool.shape(2) != D)
+  const int Dv = quant ? check_quant(k_pool, v_pool, *quant, Hkv, S, D, fail) : v_pool.shape(2);
+  if (!quant && k_pool.shape(2) != D)
     fail("queries and k_pool disagree on the head dim");
   if (Hkv <= 0 || Hq % Hkv != 0)
     fail("query heads must be a multiple of KV heads");
@@ -382,7 +417,8 @@ mx::array paged_attention(
     fail("block_tables, q_offsets and kv_lens need one row per batch row");
   if (k_pool.dtype() != v_pool.dtype())
     fail("k_pool and v_pool must have one dtype");
-  pool_type(k_pool.dtype());
+  if (!quant)
+    pool_type(k_pool.dtype());
   if (!mx::issubdtype(queries.dtype(), mx::floating))
     fail("queries must be floating point");
   if (queries.dtype() != mx::float32 && queries.dtype() != mx::float16 &&
@@ -397,16 +433,22 @@ mx::array paged_attention(
   auto i32 = [&](const mx::array& x) {
     return mx::contiguous(mx::astype(x, mx::int32, s), false, s);
   };
+  std::vector<mx::array> inputs = {
+      mx::contiguous(queries, false, s),
+      mx::contiguous(k_pool, false, s),
+      mx::contiguous(v_pool, false, s),
+      i32(block_tables),
+      i32(q_offsets),
+      i32(kv_lens)};
+  if (quant)
+    for (const auto* x : {&quant->k_scales, &quant->k_biases, &quant->v_scales, &quant->v_biases})
+      inputs.push_back(mx::contiguous(*x, false, s));
   return mx::array(
       {B, Hq, queries.shape(2), Dv},
       queries.dtype(),
-      std::make_shared<PagedAttention>(s, scale, window, block_size),
-      {mx::contiguous(queries, false, s),
-       mx::contiguous(k_pool, false, s),
-       mx::contiguous(v_pool, false, s),
-       i32(block_tables),
-       i32(q_offsets),
-       i32(kv_lens)});
+      std::make_shared<PagedAttention>(
+          s, scale, window, block_size, quant ? quant->bits : 0, quant ? quant->group_size : 0),
+      std::move(inputs));
 }
 
 int num_threads() {
@@ -435,13 +477,21 @@ void PagedAttention::eval_cpu(
   a.tables = tables.data<int32_t>();
   a.q_off = q_off.data<int32_t>();
   a.kv_len = kv_len.data<int32_t>();
-  a.pool_type = pool_type(k.dtype());
+  a.bits = bits_;
+  a.group = group_size_;
+  if (bits_) {
+    a.ks = inputs[6].data<uint8_t>();
+    a.kb = inputs[7].data<uint8_t>();
+    a.vs = inputs[8].data<uint8_t>();
+    a.vb = inputs[9].data<uint8_t>();
+  }
+  a.pool_type = pool_type(bits_ ? inputs[6].dtype() : k.dtype());
   a.B = q.shape(0);
   a.Hq = q.shape(1);
   a.N = q.shape(2);
   a.Dk = q.shape(3);
   a.Hkv = k.shape(0);
-  a.Dv = v.shape(2);
+  a.Dv = bits_ ? inputs[8].shape(2) * group_size_ : v.shape(2);
   a.nb = tables.shape(1);
   a.block_size = block_size_;
   a.num_blocks = k.shape(1) / block_size_;
@@ -476,7 +526,7 @@ void PagedAttention::eval_gpu(
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedAttention&>(other);
   return scale_ == o.scale_ && window_ == o.window_ &&
-      block_size_ == o.block_size_;
+      block_size_ == o.block_size_ && bits_ == o.bits_ && group_size_ == o.group_size_;
 }
 
 } // namespace mlxq

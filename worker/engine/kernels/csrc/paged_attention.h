@@ -12,7 +12,13 @@
 // block_tables[b][j / block_size] * block_size + j % block_size.
 // Query head h reads KV head h / (Hq / Hkv) (GQA, KV heads not repeated).
 // Queries that see no key (padding) give zeros.
+//
+// Quantized pools (quant set): k_pool/v_pool are mx.quantize's packed uint32
+// rows (Hkv, S, D * bits / 32), the scales/biases (Hkv, S, D / group_size) of
+// one float dtype; blocks are dequantized a block at a time inside the kernel.
 #pragma once
+
+#include <optional>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -20,6 +26,12 @@
 namespace mx = mlx::core;
 
 namespace mlxq {
+
+struct KVQuantArrays {
+  mx::array k_scales, k_biases, v_scales, v_biases;
+  int bits; // 4 or 8
+  int group_size; // divides both head dims, a multiple of 32
+};
 
 mx::array paged_attention(
     const mx::array& queries,
@@ -30,7 +42,8 @@ mx::array paged_attention(
     const mx::array& kv_lens,
     float scale,
     int window = 0,
-    int block_size = 32);
+    int block_size = 32,
+    const std::optional<KVQuantArrays>& quant = std::nullopt);
 
 // The threads the op uses (the pool is made on first use; MLXQ_ATTN_THREADS
 // overrides the CPU count of this process's affinity mask).
@@ -41,11 +54,19 @@ const char* isa();
 
 class PagedAttention : public mx::Primitive {
  public:
-  PagedAttention(mx::Stream stream, float scale, int window, int block_size)
+  PagedAttention(
+      mx::Stream stream,
+      float scale,
+      int window,
+      int block_size,
+      int bits = 0,
+      int group_size = 0)
       : mx::Primitive(stream),
         scale_(scale),
         window_(window),
-        block_size_(block_size) {}
+        block_size_(block_size),
+        bits_(bits),
+        group_size_(group_size) {}
 
   void eval_cpu(
       const std::vector<mx::array>& inputs,
@@ -63,6 +84,8 @@ class PagedAttention : public mx::Primitive {
   float scale_;
   int window_;
   int block_size_;
+  int bits_; // 0: float pools
+  int group_size_;
 };
 
 } // namespace mlxq
