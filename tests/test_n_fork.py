@@ -200,3 +200,19 @@ def test_bad_fork_fields_are_ignored(model):
              SeqSpec("b#2", prompt, 4, fork_of="b#2", fork_len=4)]
     out = drive(PagedEngine(model, num_blocks=16), specs)
     assert out == {s.uid: dense(model, prompt, 4) for s in specs}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_forks_copy_quantized_blocks(bits):
+    """With quantized KV blocks the copied partial block carries its scales and biases too: forked
+    greedy samples equal the same prompt run alone on the same quantized pool."""
+    from enginekit import random_llama
+
+    model = random_llama(5, hidden_size=128)  # head dim 32: one 32-wide quantization group
+    prompt = _prompts(11, 1, 70, 70)[0]
+    alone = drive(PagedEngine(model, num_blocks=64, kv_bits=bits, kv_group_size=32), [SeqSpec("solo", prompt, 12)])["solo"]
+    eng = PagedEngine(model, num_blocks=64, kv_bits=bits, kv_group_size=32)
+    out = drive(eng, job("j", prompt, 4, 12))
+    assert out == {f"j#{i}": alone for i in range(4)}
+    assert eng.counters.prefill_tokens == len(prompt)
+    _assert_no_leak(eng)
