@@ -142,6 +142,12 @@ def test_ops_read_strided_inputs(ext):
     off = mx.array([3, 9], dtype=mx.int32)[::-1]
     want = mx.fast.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=mx.array([9, 3]))
     assert mx.array_equal(ext.rope(x, 64, False, 10000.0, 1.0, off), want).item()
+    rs = mx.random.split(mx.random.key(22), 3)
+    k_pool, v_pool = mx.random.normal((2, 8 * 32, 64), key=rs[0]), mx.random.normal((2, 8 * 32, 64), key=rs[1])
+    q = mx.random.normal((2, 3, 4, 64), key=rs[2]).transpose(0, 2, 1, 3)
+    tables = mx.array([[3, 1, 6], [0, 5, 2]], dtype=mx.int32)[:, ::-1]
+    args = (q, k_pool, v_pool, tables, mx.array([70, 5], dtype=mx.int32), mx.array([73, 8], dtype=mx.int32), 0.125)
+    assert mx.max(mx.abs(ext.paged_attention(*args, 40) - attention.gather_attention(*args, 40))).item() < 1e-5
 
 
 def test_kv_write_equals_scatter_and_keeps_a_referenced_input(ext):

@@ -202,7 +202,7 @@ std::vector<mx::array> paged_kv_write(
   if (slots.ndim() != 1 || slots.shape(0) != keys.shape(0) * keys.shape(2))
     fail("slots must be (B * N,)");
   auto s = cpu_stream();
-  auto slots32 = mx::contiguous(mx::astype(slots, mx::int32, s), false, s);
+  auto slots32 = mx::astype(slots, mx::int32, s);
   // One single-output node per pool: a multi-output node keeps a copy of its
   // inputs per output, and a pool referenced twice cannot be donated. The pool
   // goes in as it is (a contiguous() node would share its buffer, which stops
@@ -212,7 +212,7 @@ std::vector<mx::array> paged_kv_write(
         pool.shape(),
         pool.dtype(),
         std::make_shared<PagedKVWrite>(s),
-        {pool, mx::contiguous(rows, false, s), slots32});
+        {pool, rows, slots32}); // rows and slots: made row-contiguous in eval_cpu
   };
   return {write(k_pool, keys), write(v_pool, values)};
 }
@@ -327,9 +327,10 @@ bool RoPE::is_equivalent(const mx::Primitive& other) const {
 void PagedKVWrite::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
   const auto& pool = inputs[0];
-  const auto& rows = inputs[1];
-  const auto& slots = inputs[2];
+  const auto rows = row_contiguous(inputs[1], encoder);
+  const auto slots = row_contiguous(inputs[2], encoder);
   auto& out = outputs[0];
   if (!pool.flags().row_contiguous)
     throw std::runtime_error("paged_kv_write: the KV pools must be row-contiguous");
@@ -341,7 +342,6 @@ void PagedKVWrite::eval_cpu(
     copy_from = pool.data<uint8_t>();
     g_kv_write_copies.fetch_add(1);
   }
-  auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& x : inputs)
     encoder.set_input_array(x);
   encoder.set_output_array(out);

@@ -28,6 +28,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "pa_kernel.h"
+#include "row_contiguous.h"
 
 namespace mlxq {
 namespace {
@@ -430,19 +431,13 @@ mx::array paged_attention(
   // The CPU stream, whatever the default device: this primitive has no GPU
   // implementation (on Metal, worker/engine/attention.py uses its own kernel).
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
-  auto i32 = [&](const mx::array& x) {
-    return mx::contiguous(mx::astype(x, mx::int32, s), false, s);
-  };
+  // No Contiguous nodes: eval_cpu copies an input that is not row-contiguous (row_contiguous.h).
+  auto i32 = [&](const mx::array& x) { return mx::astype(x, mx::int32, s); };
   std::vector<mx::array> inputs = {
-      mx::contiguous(queries, false, s),
-      mx::contiguous(k_pool, false, s),
-      mx::contiguous(v_pool, false, s),
-      i32(block_tables),
-      i32(q_offsets),
-      i32(kv_lens)};
+      queries, k_pool, v_pool, i32(block_tables), i32(q_offsets), i32(kv_lens)};
   if (quant)
     for (const auto* x : {&quant->k_scales, &quant->k_biases, &quant->v_scales, &quant->v_biases})
-      inputs.push_back(mx::contiguous(*x, false, s));
+      inputs.push_back(*x);
   return mx::array(
       {B, Hq, queries.shape(2), Dv},
       queries.dtype(),
@@ -460,8 +455,12 @@ const char* isa() {
 }
 
 void PagedAttention::eval_cpu(
-    const std::vector<mx::array>& inputs,
+    const std::vector<mx::array>& given,
     std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  std::vector<mx::array> inputs;
+  for (const auto& x : given)
+    inputs.push_back(row_contiguous(x, encoder));
   const auto& q = inputs[0];
   const auto& k = inputs[1];
   const auto& v = inputs[2];
@@ -497,8 +496,7 @@ void PagedAttention::eval_cpu(
   a.num_blocks = k.shape(1) / block_size_;
   a.window = window_;
 
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& x : inputs)
+  for (const auto& x : given)
     encoder.set_input_array(x);
   encoder.set_output_array(out);
   const float scale = scale_;
