@@ -6,7 +6,6 @@ import threading
 
 import pytest
 
-from faultkit import reference_tokens
 from mlxq import Client
 from mlxq.worker.hostwork import HostWork
 from workerkit import fast_settings, running_worker
@@ -88,13 +87,12 @@ def _run_jobs(tiny_model, redis_url, host_thread: bool, cases):
 def test_the_host_thread_changes_no_output(tiny_model, redis_url):
     """Stop strings (the engine is told a step late), log-probabilities and streams: the same with the
     host thread as inline, and a stop string ends the text where it starts."""
-    tok = tiny_model.tokenizer
+    prompts = [[4 + i, 30 + 7 * i, 9, 60 + i] for i in range(6)]
+    plain = _run_jobs(tiny_model, redis_url, False, [(p, None) for p in prompts])
     cases = []
-    for i in range(6):
-        prompt = [4 + i, 30 + 7 * i, 9, 60 + i]
-        text = tok.decode(reference_tokens(tiny_model, prompt, 16, ignore_eos=True))
+    for prompt, (text, *_) in zip(prompts, plain):  # stop strings cut from this run's own texts
         cut = text[len(text) // 2:len(text) // 2 + 2]
-        cases.append((prompt, [cut] if cut.strip() else None))
+        cases.append((prompt, [cut] if cut.strip() and "\ufffd" not in cut else None))
     inline = _run_jobs(tiny_model, redis_url, False, cases)
     threaded = _run_jobs(tiny_model, redis_url, True, cases)
     assert threaded == inline
