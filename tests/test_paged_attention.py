@@ -323,3 +323,34 @@ def test_generic_inner_loop_equals_reference(ext):
                          env=env, cwd=neutral_cwd())
     assert out.returncode == 0, out.stderr[-3000:]
     assert "generic ok" in out.stdout
+
+
+def test_thread_pool_under_late_workers():
+    """More pool threads than cores, calls back to back between BLAS matmuls (whose idle
+    thread spins on a core): workers often wake after their call has ended. Every call
+    must still return exactly the first call's result (a task's result does not depend on
+    the thread that runs it), and none may run a stale call's work."""
+    script = (
+        "from mlxq.worker import blas; blas.setup()\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})  # this folder's helpers\n"
+        "from test_paged_attention import _case\n"
+        "import mlx.core as mx\n"
+        "from mlxq.worker.engine import attention\n"
+        "ext = attention.cpu_extension()\n"
+        "assert ext.num_threads() == 4, ext.num_threads()\n"
+        "cases = [_case(s, B, 8, 4, [1] * B, 64, [37 * (i + 1) for i in range(B)])[0]\n"
+        "         for s, B in enumerate((1, 3, 16))]\n"
+        "want = [ext.paged_attention(*a) for a in cases]\n"
+        "mx.eval(want)\n"
+        "w, x = mx.random.normal((256, 256)), mx.random.normal((16, 256))\n"
+        "for it in range(300):\n"
+        "    a = cases[it % 3]\n"
+        "    q = a[0] + (x @ w).sum() * 0\n"
+        "    got = ext.paged_attention(q, *a[1:])\n"
+        "    assert mx.array_equal(got, want[it % 3]).item(), it\n"
+        "print('pool ok')\n")
+    env = dict(os.environ, MLXQ_ATTN_THREADS="4")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=neutral_cwd())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "pool ok" in out.stdout

@@ -41,6 +41,14 @@ using mlxq_pa::PoolType;
 // A small pool: parallel_for(n, fn) runs fn(0..n-1) on the workers and the
 // calling thread (MLX's CPU stream thread). Workers sleep on a condition
 // variable between calls, so they take no cycles from BLAS or Redis I/O.
+//
+// The caller never waits for a worker that has not started: a task is claimed
+// by a compare-and-swap on (generation, next index), and the caller waits only
+// for tasks a worker has claimed. On 2 cores an idle OpenBLAS thread spins on
+// the other core (it does not yield), and a woken worker may get that core only
+// at the scheduler's next tick, milliseconds later: waiting for it to check in
+// made every attention call as slow as that wake-up. A worker that wakes after
+// its call has ended finds the generation moved on and claims nothing.
 class ThreadPool {
  public:
   explicit ThreadPool(int n) {
@@ -70,25 +78,43 @@ class ThreadPool {
       return;
     }
     std::lock_guard<std::mutex> call(call_mu_);
+    uint64_t gen;
     {
       std::lock_guard<std::mutex> lk(mu_);
+      gen = ++gen_;
       fn_ = &fn;
       n_ = n;
-      next_.store(0);
-      active_ = (int)workers_.size();
-      ++gen_;
+      done_.store(0);
+      claim_.store(gen << 32);
     }
     cv_.notify_all();
-    work(fn, n);
-    std::unique_lock<std::mutex> lk(mu_);
-    done_.wait(lk, [this] { return active_ == 0; });
+    work(gen, fn, n);
+    if (done_.load() != n) {
+      std::unique_lock<std::mutex> lk(mu_);
+      done_cv_.wait(lk, [&] { return done_.load() == n; });
+    }
+    // Every index is claimed (a late worker's claim fails); nothing to hand out now.
+    std::lock_guard<std::mutex> lk(mu_);
     fn_ = nullptr;
   }
 
  private:
-  void work(const std::function<void(int)>& fn, int n) {
-    for (int i = next_.fetch_add(1); i < n; i = next_.fetch_add(1))
+  // Claim and run tasks of generation ``gen`` until none is left.
+  void work(uint64_t gen, const std::function<void(int)>& fn, int n) {
+    for (;;) {
+      uint64_t c = claim_.load();
+      int i;
+      do {
+        i = (int)(c & 0xffffffffu);
+        if ((c >> 32) != gen || i >= n)
+          return;
+      } while (!claim_.compare_exchange_weak(c, c + 1));
       fn(i);
+      if (done_.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lk(mu_);
+        done_cv_.notify_one();
+      }
+    }
   }
 
   void loop() {
@@ -96,29 +122,29 @@ class ThreadPool {
     for (;;) {
       const std::function<void(int)>* fn;
       int n;
+      uint64_t gen;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return stop_ || gen_ != seen; });
+        cv_.wait(lk, [&] { return stop_ || (gen_ != seen && fn_ != nullptr); });
         if (stop_)
           return;
-        seen = gen_;
+        gen = seen = gen_;
         fn = fn_;
         n = n_;
       }
-      work(*fn, n);
-      std::lock_guard<std::mutex> lk(mu_);
-      if (--active_ == 0)
-        done_.notify_one();
+      // fn stays valid while a task of this generation is unfinished, and a
+      // task is claimed only while the generation is current.
+      work(gen, *fn, n);
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex call_mu_, mu_;
-  std::condition_variable cv_, done_;
+  std::condition_variable cv_, done_cv_;
   const std::function<void(int)>* fn_ = nullptr;
   int n_ = 0;
-  std::atomic<int> next_{0};
-  int active_ = 0;
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int> done_{0};
   uint64_t gen_ = 0;
   bool stop_ = false;
 };
