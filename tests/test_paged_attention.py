@@ -318,11 +318,15 @@ def test_generic_inner_loop_equals_reference(ext):
         "    err = _rel_err(ext.paged_attention(*args), attention.gather_attention(*args), n_new)\n"
         "    assert err <= 1e-5, err\n"
         "print('generic ok')\n")
-    env = dict(os.environ, MLXQ_ATTN_ISA="generic")
+    _run_fresh(script, "generic ok", MLXQ_ATTN_ISA="generic")
+
+
+def _run_fresh(script: str, ok: str, **env) -> None:
+    """Run ``script`` in a fresh process with ``env`` added; it must print ``ok``."""
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env=env, cwd=neutral_cwd())
+                         env=dict(os.environ, **env), cwd=neutral_cwd())
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "generic ok" in out.stdout
+    assert ok in out.stdout
 
 
 def test_thread_pool_under_late_workers():
@@ -349,8 +353,4 @@ def test_thread_pool_under_late_workers():
         "    got = ext.paged_attention(q, *a[1:])\n"
         "    assert mx.array_equal(got, want[it % 3]).item(), it\n"
         "print('pool ok')\n")
-    env = dict(os.environ, MLXQ_ATTN_THREADS="4")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env=env, cwd=neutral_cwd())
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "pool ok" in out.stdout
+    _run_fresh(script, "pool ok", MLXQ_ATTN_THREADS="4")
