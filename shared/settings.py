@@ -19,6 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 TIERS = ("high", "normal", "low")
 DEFAULT_TIER_OFFSETS = {"high": 0.0, "normal": 30.0, "low": 300.0}
 ATTENTION_MODES = ("auto", "fused", "gather")
+MATMUL_MODES = ("pool", "mlx")
 BLOCK_SIZE = 32  # tokens per KV block: the only size the engine and its kernels are built and tested for
 # prefill chunk size by prompt position: (positions below this, chunk tokens); None: every later position
 DEFAULT_CHUNK_SCHEDULE = ((2048, 512), (8192, 256), (20480, 128), (None, 64))
@@ -193,6 +194,9 @@ class Settings:
                                      engine="session_dir", shown_default="not written")
     attention: str = opt("auto", "auto (the fused CPU op when it builds, else gather), fused, or gather",
                          engine="attention", choices=ATTENTION_MODES)
+    matmul: str = opt("pool", "weight matmuls: pool (split over the CPU extension's threads, sgemv for one row; "
+                      "not bit-identical to MLX) or mlx (MLX's own matmul, bit for bit mlx-lm's)",
+                      engine="matmul", choices=MATMUL_MODES)
     kv_bits: Optional[int] = opt(None, "store KV blocks quantized, 8 or 4 bits (more sequences per MiB)",
                                  engine="kv_bits", shown_default="none: the model's float dtype")
     kv_group_size: int = opt(64, "elements per scale/bias group of quantized KV blocks (32, 64 or 128)",
@@ -235,6 +239,7 @@ class Settings:
             ("max_sequences", self.max_sequences >= 1, pos),
             ("max_waiting", self.max_waiting >= 0, "must not be negative"),
             ("attention", self.attention in ATTENTION_MODES, f"must be one of {', '.join(ATTENTION_MODES)}"),
+            ("matmul", self.matmul in MATMUL_MODES, f"must be one of {', '.join(MATMUL_MODES)}"),
             ("kv_bits", self.kv_bits in (None, 4, 8), "only 4 or 8 bit KV blocks are supported"),
             ("kv_group_size", self.kv_group_size in (32, 64, 128), "must be 32, 64 or 128"),
         )

@@ -55,7 +55,7 @@ import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 from mlx_lm.models.cache import make_prompt_cache
 
-from ...shared.settings import ATTENTION_MODES
+from ...shared.settings import ATTENTION_MODES, MATMUL_MODES
 
 from .block_manager import BLOCK_SIZE
 from .kernels import model_ops
@@ -393,8 +393,9 @@ def routes_all_layers(model) -> bool:
     return all(p.routed for p in probes)
 
 
-def use_attention(model, pool: KVPool, mode: Optional[str] = None) -> AttentionBackend:
-    """Choose the engine's attention, wire it to the pool and the model, and log it."""
+def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str = "pool") -> AttentionBackend:
+    """Choose the engine's attention, wire it to the pool and the model, and log it. ``matmul``
+    "mlx" keeps MLX's own weight matmuls (the extension's ``linear`` is not installed)."""
     backend = select_backend(mode)
     if backend.fused:
         why = None
@@ -411,7 +412,12 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None) -> AttentionB
             backend = AttentionBackend("gather", why)
     pool.attention = backend.op
     pool.kv_write = backend.kv_write if backend.fused else None
+    if matmul not in MATMUL_MODES:
+        raise ValueError(f"matmul must be one of {', '.join(MATMUL_MODES)} (got {matmul!r})")
     if backend.fused and backend.model_ops:
-        model_ops.install(model, cpu_extension(), backend.model_ops)
+        ops = tuple(o for o in backend.model_ops if o != "linear" or matmul == "pool")
+        model_ops.install(model, cpu_extension(), ops)
+    else:
+        model_ops.install_linear(model, None)  # a model an earlier engine set up keeps MLX's matmul too
     log.info("attention: %s (%s)", backend.name, backend.reason)
     return backend

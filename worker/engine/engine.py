@@ -79,6 +79,7 @@ class PagedEngine:
         block_size: int = BLOCK_SIZE,
         context_length: Optional[int] = None,
         attention: str = "auto",
+        matmul: str = "pool",
         tokenizer=None,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
@@ -105,7 +106,7 @@ class PagedEngine:
         self.pool = KVPool(self.kv_shape, num_blocks, block_size, dtype=self.kv_shape.dtype, quant=quant)
         self.runner = ModelRunner(model, self.pool)
         # auto / fused / gather; logs its choice
-        self.attention = use_attention(model, self.pool, attention)
+        self.attention = use_attention(model, self.pool, attention, matmul=matmul)
         self.sessions = SessionFiles(session_dir, model_id, self.pool) if session_dir else None
         config = SchedulerConfig(
             max_batch=max_batch, pressure=pressure, eos_token_ids=frozenset(eos_token_ids),

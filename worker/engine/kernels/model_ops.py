@@ -17,8 +17,21 @@ MLX has one), so greedy equality with mlx-lm holds bit for bit:
   primitive where MLX's CPU ``mx.fast.rms_norm`` is a graph of ~10 (``csrc/norm_ops.h``);
   fewer primitives per step is less of MLX's per-op dispatch on the critical path.
 
-Each op is checked bit for bit against MLX when the extension loads
+Each of these is checked bit for bit against MLX when the extension loads
 (:func:`checked_ops`); one that differs is not installed and the worker says so.
+
+One op is not bit-identical, and says so:
+
+* ``linear``: the model's ``nn.Linear`` instances become :class:`FastLinear` (and a tied
+  embedding's ``as_linear`` head, :class:`FastEmbedding`): float32 weight matmuls split over
+  output columns on the extension's thread pool, each part a single-threaded OpenBLAS call
+  (sgemv for one row, sgemm for more; ``csrc/linear_ops.h`` says why: OpenBLAS's sgemm
+  at one row, and its idle threads spinning on the core the attention needs). Its logits
+  differ from MLX's in the last bits: the same kind and size of difference as OpenBLAS's
+  sgemm gives a row computed alone and in a batch, which the engine already has (a row's
+  bits depend on its batch). It is checked against a floating-point error bound
+  (:func:`_check_linear`) and installed only over the optimized BLAS that
+  :mod:`mlxq.worker.blas` loaded.
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ from mlx_lm.models.activations import swiglu as mlx_swiglu
 
 log = logging.getLogger(__name__)
 
-OPS = ("swiglu", "rope", "rms_norm")
+OPS = ("swiglu", "rope", "rms_norm", "linear")
 
 
 # ============================================================== checks
@@ -90,6 +103,58 @@ def _check_rms_norm(ext) -> None:
                 raise OpMismatch("rms_norm is not bit-identical to MLX's")
 
 
+def blas_addresses() -> Optional[tuple]:
+    """(cblas_sgemm, cblas_sgemv, openblas_set_num_threads, openblas_get_num_threads) in the
+    BLAS that :mod:`mlxq.worker.blas` loaded ahead of MLX (the thread calls 0 where the library
+    has none), or None: MLX's bundled reference BLAS, nothing to gain."""
+    import ctypes
+
+    from ... import blas
+
+    st = blas.status()
+    if st is None or not st.active or not st.library:
+        return None
+    try:
+        lib = ctypes.CDLL(st.library)
+        addr = lambda name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value  # noqa: E731
+        gemm, gemv = addr("cblas_sgemm"), addr("cblas_sgemv")
+    except (OSError, AttributeError):
+        return None
+    threads = []
+    for name in ("openblas_set_num_threads", "openblas_get_num_threads"):
+        try:
+            threads.append(addr(name))
+        except AttributeError:
+            threads.append(0)
+    return (gemm, gemv, *threads)
+
+
+def _check_linear(ext) -> None:
+    """linear against MLX's matmul within the error bound of float32 dot products of length K
+    (|error| <= K * 2^-24 * sum |x_k w_nk|, doubled for the two summation orders): one row and
+    several, with and without bias, a strided input and a transposed weight."""
+    addrs = blas_addresses()
+    if addrs is None:
+        raise OpMismatch("linear needs the optimized BLAS mlxq loads ahead of MLX (not loaded here)")
+    ext.set_blas(*addrs)
+    rs = mx.random.split(mx.random.key(15), 6)
+    w = mx.random.normal((300, 517), key=rs[0])
+    b = mx.random.normal((300,), key=rs[1])
+    wt = mx.random.normal((517, 300), key=rs[5]).T  # columns contiguous
+    cases = [(mx.random.normal((1, 1, 517), key=rs[2]), w, None),
+             (mx.random.normal((1, 517), key=rs[3]) * 50, w, b),
+             (mx.random.normal((517, 3), key=rs[4])[:, 1:2].T, w, b),  # a strided row
+             (mx.random.normal((1, 517), key=rs[3]), wt, None),
+             (mx.random.normal((2, 37, 517), key=rs[2]), w, b),
+             (mx.random.normal((517, 5), key=rs[4]).T, wt, None)]  # strided rows
+    for x, wm, bias in cases:
+        want = x @ wm.T if bias is None else mx.addmm(bias, x, wm.T)
+        bound = 2 * x.shape[-1] * 2.0 ** -24 * (mx.abs(x) @ mx.abs(wm).T + (0 if bias is None else mx.abs(bias)))
+        got = ext.linear(x, wm, bias)
+        if got.shape != want.shape or not mx.all(mx.abs(got - want) <= bound + 1e-30).item():
+            raise OpMismatch("linear differs from MLX's matmul by more than float32 rounding")
+
+
 _checked: Optional[tuple] = None
 
 
@@ -98,7 +163,8 @@ def checked_ops(ext) -> tuple:
     global _checked
     if _checked is None:
         ok = []
-        for name, check in (("swiglu", _check_swiglu), ("rope", _check_rope), ("rms_norm", _check_rms_norm)):
+        for name, check in (("swiglu", _check_swiglu), ("rope", _check_rope), ("rms_norm", _check_rms_norm),
+                            ("linear", _check_linear)):
             try:
                 check(ext)
                 ok.append(name)
@@ -111,7 +177,8 @@ def checked_ops(ext) -> tuple:
 def describe(ext, ops: tuple) -> str:
     parts = [f"swiglu {ext.swiglu_isa()}" if "swiglu" in ops else "mlx-lm's swiglu",
              "rope" if "rope" in ops else "MLX's rope",
-             "rms_norm" if "rms_norm" in ops else "MLX's rms_norm"]
+             "rms_norm" if "rms_norm" in ops else "MLX's rms_norm",
+             "linear on the pool" if "linear" in ops else "MLX's matmul"]
     return "; ".join(parts)
 
 
@@ -209,6 +276,48 @@ def install_rms_norm(model, op: Callable) -> int:
     return _swap_class(model, nn.RMSNorm, FastRMSNorm)
 
 
+# ============================================================== linear
+def _takes(x, w) -> bool:
+    return x.dtype == mx.float32 and w.dtype == mx.float32 and x.ndim >= 1 and mx.default_device() == mx.cpu
+
+
+class FastLinear(nn.Linear):
+    """nn.Linear with the extension's linear for float32 on the CPU (the op is the instance's
+    ``_mlxq_linear``, set by :func:`install_linear`; None: MLX's matmul)."""
+
+    def __call__(self, x):
+        op = getattr(self, "_mlxq_linear", None)
+        w = self["weight"]
+        if op is not None and _takes(x, w):
+            return op(x, w, self["bias"] if "bias" in self else None)
+        return super().__call__(x)
+
+
+class FastEmbedding(nn.Embedding):
+    """nn.Embedding whose ``as_linear`` (a tied vocabulary head) takes the same path."""
+
+    def as_linear(self, x):
+        op = getattr(self, "_mlxq_linear", None)
+        w = self["weight"]
+        if op is not None and _takes(x, w):
+            return op(x, w, None)
+        return super().as_linear(x)
+
+
+def install_linear(model, op: Optional[Callable]) -> int:
+    """Make the model's plain nn.Linear and nn.Embedding instances FastLinear and FastEmbedding
+    calling ``op`` (None: MLX's own matmul); returns how many Linear layers call ``op``."""
+    n = 0
+    for fast, plain in ((FastEmbedding, nn.Embedding), (FastLinear, nn.Linear)):
+        if op is not None:
+            _swap_class(model, plain, fast)
+        for _, m in model.named_modules():
+            if type(m) is fast:
+                object.__setattr__(m, "_mlxq_linear", op)
+                n += fast is FastLinear and op is not None
+    return n
+
+
 def install(model, ext, ops: tuple) -> None:
     if "swiglu" in ops:
         install_swiglu(model, ext.swiglu)
@@ -216,3 +325,4 @@ def install(model, ext, ops: tuple) -> None:
         install_rope(model, ext.rope)
     if "rms_norm" in ops:
         install_rms_norm(model, ext.rms_norm)
+    install_linear(model, ext.linear if "linear" in ops else None)

@@ -5,18 +5,21 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <optional>
 #include <stdexcept>
 
 #include "cpu_ops.h"
+#include "linear_ops.h"
 #include "norm_ops.h"
 #include "paged_attention.h"
+#include "thread_pool.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_mlxq_paged_attention, m) {
-  m.doc() = "mlxq CPU primitives: paged attention, the paged KV write, swiglu, rope, rms_norm";
+  m.doc() = "mlxq CPU primitives: paged attention, the paged KV write, swiglu, rope, rms_norm, linear";
   m.def(
       "paged_attention",
       [](const mx::array& queries,
@@ -94,6 +97,18 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "weight"_a,
       "eps"_a,
       "mx.fast.rms_norm for float32, bit-identical to MLX's CPU path, as one primitive.");
+  m.def(
+      "linear",
+      &mlxq::linear,
+      "x"_a,
+      "w"_a,
+      "bias"_a = nb::none(),
+      "x (..., K) @ w (N, K)^T (+ bias), float32, split over the pool's threads into "
+      "single-threaded BLAS calls (set_blas).");
+  m.def("set_blas", &mlxq::set_blas, "sgemm"_a, "sgemv"_a, "set_threads"_a, "get_threads"_a,
+        "Addresses of cblas_sgemm, cblas_sgemv, openblas_set_num_threads and "
+        "openblas_get_num_threads (0: none) in the process's BLAS, for linear.");
+  m.def("has_blas", &mlxq::has_blas, "Whether set_blas was called.");
   m.def(
       "paged_kv_write",
       &mlxq::paged_kv_write,

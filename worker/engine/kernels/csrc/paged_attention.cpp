@@ -8,27 +8,18 @@
 
 #include <algorithm>
 #include <cmath>
-#include <atomic>
-#include <condition_variable>
 #include <cstdlib>
-#include <functional>
 #include <limits>
-#include <mutex>
-#include <new>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
-#ifdef __linux__
-#include <sched.h>
-#endif
-#include <pthread.h>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "pa_kernel.h"
 #include "row_contiguous.h"
+#include "thread_pool.h"
 
 namespace mlxq {
 namespace {
@@ -36,159 +27,6 @@ namespace {
 using mlxq_pa::Args;
 using mlxq_pa::AttendFn;
 using mlxq_pa::PoolType;
-
-// ---------------------------------------------------------------- threads
-// A small pool: parallel_for(n, fn) runs fn(0..n-1) on the workers and the
-// calling thread (MLX's CPU stream thread). Workers sleep on a condition
-// variable between calls, so they take no cycles from BLAS or Redis I/O.
-//
-// The caller never waits for a worker that has not started: a task is claimed
-// by a compare-and-swap on (generation, next index), and the caller waits only
-// for tasks a worker has claimed. On 2 cores an idle OpenBLAS thread spins on
-// the other core (it does not yield), and a woken worker may get that core only
-// at the scheduler's next tick, milliseconds later: waiting for it to check in
-// made every attention call as slow as that wake-up. A worker that wakes after
-// its call has ended finds the generation moved on and claims nothing.
-class ThreadPool {
- public:
-  explicit ThreadPool(int n) {
-    for (int i = 1; i < n; ++i)
-      workers_.emplace_back([this] { loop(); });
-  }
-  ~ThreadPool() {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : workers_)
-      t.join();
-  }
-
-  int size() const {
-    return (int)workers_.size() + 1;
-  }
-
-  void parallel_for(int n, const std::function<void(int)>& fn) {
-    if (n <= 0)
-      return;
-    if (n == 1 || workers_.empty()) {
-      for (int i = 0; i < n; ++i)
-        fn(i);
-      return;
-    }
-    std::lock_guard<std::mutex> call(call_mu_);
-    uint64_t gen;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      gen = ++gen_;
-      fn_ = &fn;
-      n_ = n;
-      done_.store(0);
-      claim_.store(gen << 32);
-    }
-    cv_.notify_all();
-    work(gen, fn, n);
-    if (done_.load() != n) {
-      std::unique_lock<std::mutex> lk(mu_);
-      done_cv_.wait(lk, [&] { return done_.load() == n; });
-    }
-    // Every index is claimed (a late worker's claim fails); nothing to hand out now.
-    std::lock_guard<std::mutex> lk(mu_);
-    fn_ = nullptr;
-  }
-
- private:
-  // Claim and run tasks of generation ``gen`` until none is left.
-  void work(uint64_t gen, const std::function<void(int)>& fn, int n) {
-    for (;;) {
-      uint64_t c = claim_.load();
-      int i;
-      do {
-        i = (int)(c & 0xffffffffu);
-        if ((c >> 32) != gen || i >= n)
-          return;
-      } while (!claim_.compare_exchange_weak(c, c + 1));
-      fn(i);
-      if (done_.fetch_add(1) + 1 == n) {
-        std::lock_guard<std::mutex> lk(mu_);
-        done_cv_.notify_one();
-      }
-    }
-  }
-
-  void loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int)>* fn;
-      int n;
-      uint64_t gen;
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return stop_ || (gen_ != seen && fn_ != nullptr); });
-        if (stop_)
-          return;
-        gen = seen = gen_;
-        fn = fn_;
-        n = n_;
-      }
-      // fn stays valid while a task of this generation is unfinished, and a
-      // task is claimed only while the generation is current.
-      work(gen, *fn, n);
-    }
-  }
-
-  std::vector<std::thread> workers_;
-  std::mutex call_mu_, mu_;
-  std::condition_variable cv_, done_cv_;
-  const std::function<void(int)>* fn_ = nullptr;
-  int n_ = 0;
-  std::atomic<uint64_t> claim_{0};
-  std::atomic<int> done_{0};
-  uint64_t gen_ = 0;
-  bool stop_ = false;
-};
-
-int default_threads() {
-  if (const char* env = std::getenv("MLXQ_ATTN_THREADS")) {
-    int n = std::atoi(env);
-    if (n > 0)
-      return n;
-  }
-#ifdef __linux__
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-    int n = CPU_COUNT(&set);
-    if (n > 0)
-      return n;
-  }
-#endif
-  unsigned n = std::thread::hardware_concurrency();
-  return n > 0 ? (int)n : 1;
-}
-
-std::mutex g_pool_mu;
-ThreadPool* g_pool = nullptr;
-
-// A forked child has none of the parent's threads: forget the pool (leaked on
-// purpose, its threads do not exist) and make a new one on first use.
-void forget_pool_in_child() {
-  g_pool = nullptr;
-  new (&g_pool_mu) std::mutex();
-}
-
-ThreadPool& pool() {
-  std::lock_guard<std::mutex> lk(g_pool_mu);
-  if (g_pool == nullptr) {
-    static bool registered = [] {
-      pthread_atfork(nullptr, nullptr, forget_pool_in_child);
-      return true;
-    }();
-    (void)registered;
-    g_pool = new ThreadPool(default_threads());
-  }
-  return *g_pool;
-}
 
 // MLXQ_ATTN_ISA=generic forces the baseline loop (tests run it on AVX2 machines).
 AttendFn pick_attend() {
@@ -472,9 +310,6 @@ mx::array paged_attention(
       std::move(inputs));
 }
 
-int num_threads() {
-  return pool().size();
-}
 
 const char* isa() {
   return g_attend == mlxq_pa::generic::attend ? "generic" : "avx2";

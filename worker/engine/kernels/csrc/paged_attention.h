@@ -45,10 +45,6 @@ mx::array paged_attention(
     int block_size = 32,
     const std::optional<KVQuantArrays>& quant = std::nullopt);
 
-// The threads the op uses (the pool is made on first use; MLXQ_ATTN_THREADS
-// overrides the CPU count of this process's affinity mask).
-int num_threads();
-
 // "avx2" or "generic": the inner loop this CPU runs.
 const char* isa();
 

@@ -1,0 +1,93 @@
+"""The CPU extension's ``linear``: the weight matmuls on the extension's pool (sgemv for one row).
+
+Not bit-identical to MLX's matmul (see ``csrc/linear_ops.h``), so every check is against a
+float32 error bound: |got - want| <= 2 K 2^-24 (|x| @ |w|^T + |bias|) elementwise, which holds
+for any weights and any BLAS summation order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlxq.shared.settings import Settings
+from mlxq.worker import blas
+from mlxq.worker.engine import PagedEngine, attention
+from mlxq.worker.engine.kernels import model_ops
+
+
+@pytest.fixture(scope="module")
+def ext():
+    ext = attention.cpu_extension()
+    if "linear" not in model_ops.checked_ops(ext):
+        pytest.skip("no optimized BLAS loaded here: the engine keeps MLX's matmul")
+    return ext
+
+
+def _within_bound(got, x, w, bias=None) -> bool:
+    want = x @ w.T if bias is None else mx.addmm(bias, x, w.T)
+    bound = 2 * x.shape[-1] * 2.0 ** -24 * (mx.abs(x) @ mx.abs(w).T + (0 if bias is None else mx.abs(bias)))
+    return got.shape == want.shape and mx.all(mx.abs(got - want) <= bound + 1e-30).item()
+
+
+@pytest.mark.parametrize("M", [1, 3, 64, 300])
+@pytest.mark.parametrize("N,K", [(5, 7), (16, 512), (300, 64), (1001, 512)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_within_float32_rounding_of_mlx(ext, M, N, K, with_bias):
+    rs = mx.random.split(mx.random.key(M * 7919 + N * 31 + K), 3)
+    x = mx.random.normal((M, K), key=rs[0]) * 3
+    w = mx.random.normal((N, K), key=rs[1])
+    bias = mx.random.normal((N,), key=rs[2]) if with_bias else None
+    assert _within_bound(ext.linear(x, w, bias), x, w, bias)
+    # the model's (B, L, K) shape
+    x3 = x.reshape(1, M, K)
+    assert _within_bound(ext.linear(x3, w, bias), x3, w, bias)
+
+
+def test_linear_reads_any_layout(ext):
+    rs = mx.random.split(mx.random.key(3), 4)
+    w = mx.random.normal((200, 96), key=rs[0])
+    w_cols = mx.random.normal((96, 200), key=rs[1]).T  # a transposed view: columns contiguous
+    w_strided = mx.random.normal((200, 192), key=rs[2])[:, ::2]  # neither
+    x_rows = mx.random.normal((96, 5), key=rs[3]).T  # strided rows
+    x_one = mx.random.normal((96, 3), key=rs[3])[:, 1:2].T  # one strided row (the sgemv path)
+    x_bcast = mx.broadcast_to(mx.random.normal((1, 96), key=rs[0]), (4, 96))  # stride 0
+    for x in (x_rows, x_one, x_bcast):
+        for wm in (w, w_cols, w_strided):
+            assert _within_bound(ext.linear(x, wm), x, wm)
+
+
+def test_linear_puts_the_blas_thread_count_back(ext):
+    lib = ctypes.CDLL(blas.status().library)
+    before = lib.openblas_get_num_threads()
+    x, w = mx.random.normal((64, 256)), mx.random.normal((512, 256))
+    mx.eval(ext.linear(x, w), ext.linear(x[:1], w))
+    assert lib.openblas_get_num_threads() == before
+
+
+def test_linear_bad_input_is_a_clear_error(ext):
+    w = mx.zeros((8, 4))
+    with pytest.raises(ValueError, match="float32"):
+        ext.linear(mx.zeros((2, 4), dtype=mx.float16), w)
+    with pytest.raises(ValueError, match=r"\(N, K\)"):
+        ext.linear(mx.zeros((2, 5)), w)
+    with pytest.raises(ValueError, match="bias"):
+        ext.linear(mx.zeros((2, 4)), w, mx.zeros((3,)))
+
+
+def test_engine_matmul_setting(ext, tiny_model):
+    model = tiny_model.model
+    linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    PagedEngine(model, num_blocks=16, attention="fused", matmul="pool")
+    assert linears and all(type(m) is model_ops.FastLinear and m._mlxq_linear is not None for m in linears)
+    PagedEngine(model, num_blocks=16, attention="fused", matmul="mlx")
+    assert all(m._mlxq_linear is None for m in linears)
+    PagedEngine(model, num_blocks=16, attention="gather")
+    assert all(m._mlxq_linear is None for m in linears)
+    with pytest.raises(ValueError, match="matmul must be one of pool, mlx"):
+        PagedEngine(model, num_blocks=16, matmul="fast")
+    with pytest.raises(ValueError, match="matmul"):
+        Settings.from_env(matmul="fast")

@@ -1,0 +1,58 @@
+// linear(x, w, bias): x @ w^T (+ bias) for float32, the weight matmuls of a model's
+// Linear layers, split over output columns on the extension's thread pool, each part
+// a single-threaded call into the process's BLAS (OpenBLAS, preloaded by
+// mlxq.worker.blas): sgemv for one row, sgemm for more.
+//
+// Why not MLX's own matmul (one cblas_sgemm call, OpenBLAS's threads):
+//
+// * One row (a decode step at batch 1): OpenBLAS's sgemm at M = 1 reads the weights
+//   at about half the machine's bandwidth (10.5 ms for the bench model's 100 MB on
+//   these 2 cores); its sgemv takes 5.6 ms.
+// * Any batch: between two calls an idle OpenBLAS thread spins on its core without
+//   yielding, so the paged attention's pool, which runs between the matmuls, lost one
+//   of the 2 cores to it (8 layers' attention: 9.5 ms alone, 15-19 ms with a matmul
+//   before each layer). With the matmuls on the same pool, OpenBLAS runs
+//   single-threaded in this op (its thread count is set to 1 for the call and put
+//   back after), its threads stay asleep, and the pool's threads, which sleep on a
+//   condition variable, have both cores to themselves.
+//
+// Not bit-identical to MLX's matmul: gemv sums each dot product in its own order, and
+// OpenBLAS's sgemm rounds a column the same whether or not it is split but not the
+// same at 1 and 2 threads. The difference is of the kind and size that OpenBLAS
+// already gives a row computed alone and in a batch (a row's last bits depend on its
+// batch); model_ops checks the op against a float32 error bound, not for equality.
+//
+// x: float32 (..., K), any strides (copied to rows if need be); w: float32 (N, K),
+// rows or columns contiguous (else copied); bias: float32 (N,) or none.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "cpu_ops.h"
+
+namespace mlxq {
+
+// The BLAS entry points, from Python (ctypes addresses in the library blas.py loaded):
+// cblas_sgemm, cblas_sgemv, openblas_set_num_threads, openblas_get_num_threads (the
+// last two may be 0: then the BLAS's thread count is left alone).
+void set_blas(uintptr_t sgemm, uintptr_t sgemv, uintptr_t set_threads, uintptr_t get_threads);
+bool has_blas();
+
+mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias);
+
+class Linear : public CpuPrimitive {
+ public:
+  explicit Linear(mx::Stream stream) : CpuPrimitive(stream) {}
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "MlxqLinear";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
+} // namespace mlxq

@@ -1,0 +1,180 @@
+// The extension's threads: one pool for every op that splits its work (the paged
+// attention, linear_ops' weight matmuls).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace mlxq {
+
+// A small pool: parallel_for(n, fn) runs fn(0..n-1) on the workers and the
+// calling thread (MLX's CPU stream thread). Workers sleep on a condition
+// variable between calls, so they take no cycles from BLAS or Redis I/O.
+//
+// The caller never waits for a worker that has not started: a task is claimed
+// by a compare-and-swap on (generation, next index), and the caller waits only
+// for tasks a worker has claimed. On 2 cores an idle OpenBLAS thread spins on
+// the other core (it does not yield), and a woken worker may get that core only
+// at the scheduler's next tick, milliseconds later: waiting for it to check in
+// made every attention call as slow as that wake-up. A worker that wakes after
+// its call has ended finds the generation moved on and claims nothing.
+class ThreadPool {
+ public:
+  explicit ThreadPool(int n) {
+    for (int i = 1; i < n; ++i)
+      workers_.emplace_back([this] { loop(); });
+  }
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_)
+      t.join();
+  }
+
+  int size() const {
+    return (int)workers_.size() + 1;
+  }
+
+  void parallel_for(int n, const std::function<void(int)>& fn) {
+    if (n <= 0)
+      return;
+    if (n == 1 || workers_.empty()) {
+      for (int i = 0; i < n; ++i)
+        fn(i);
+      return;
+    }
+    std::lock_guard<std::mutex> call(call_mu_);
+    uint64_t gen;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      gen = ++gen_;
+      published_.store(gen, std::memory_order_release);
+      fn_ = &fn;
+      n_ = n;
+      done_.store(0);
+      claim_.store(gen << 32);
+    }
+    cv_.notify_all();
+    work(gen, fn, n);
+    if (done_.load() != n) {
+      std::unique_lock<std::mutex> lk(mu_);
+      done_cv_.wait(lk, [&] { return done_.load() == n; });
+    }
+    // Every index is claimed (a late worker's claim fails); nothing to hand out now.
+    std::lock_guard<std::mutex> lk(mu_);
+    fn_ = nullptr;
+  }
+
+ private:
+  // Claim and run tasks of generation ``gen`` until none is left.
+  void work(uint64_t gen, const std::function<void(int)>& fn, int n) {
+    for (;;) {
+      uint64_t c = claim_.load();
+      int i;
+      do {
+        i = (int)(c & 0xffffffffu);
+        if ((c >> 32) != gen || i >= n)
+          return;
+      } while (!claim_.compare_exchange_weak(c, c + 1));
+      fn(i);
+      if (done_.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lk(mu_);
+        done_cv_.notify_one();
+      }
+    }
+  }
+
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      spin_for_call(seen);
+      const std::function<void(int)>* fn;
+      int n;
+      uint64_t gen;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || (gen_ != seen && fn_ != nullptr); });
+        if (stop_)
+          return;
+        gen = seen = gen_;
+        fn = fn_;
+        n = n_;
+      }
+      // fn stays valid while a task of this generation is unfinished, and a
+      // task is claimed only while the generation is current.
+      work(gen, *fn, n);
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex call_mu_, mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(int)>* fn_ = nullptr;
+  int n_ = 0;
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int> done_{0};
+  uint64_t gen_ = 0;
+  std::atomic<uint64_t> published_{0};  // gen_, readable without mu_
+
+  // Before sleeping, a worker may watch for the next call for a while (spin_us_,
+  // MLXQ_POOL_SPIN_US): the ops of a decode step call the pool every few hundred
+  // microseconds when the weight matmuls run on it too (linear_ops), and a worker
+  // asleep on the condition variable takes tens of microseconds to wake. After
+  // spin_us_ without a call, it sleeps. 0, the default: sleep at once. 200 us made
+  // the pool's matmuls alone ~15% faster at batch 16, but the engine's steps were
+  // within noise, and it widened a timing window in which a KV write finds its pool
+  // still referenced by the step before and copies it (tests/test_cpu_ops.py), so
+  // it is not on by default.
+  void spin_for_call(uint64_t seen) {
+    const int us = spin_us_.load(std::memory_order_relaxed);
+    if (us <= 0)
+      return;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+    for (int i = 0;; ++i) {
+      if (published_.load(std::memory_order_acquire) != seen)
+        return;
+      cpu_relax();
+      if ((i & 63) == 63 && std::chrono::steady_clock::now() >= until)
+        return;
+    }
+  }
+
+  static void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+
+ public:
+  void set_spin_us(int us) {
+    spin_us_.store(us < 0 ? 0 : us, std::memory_order_relaxed);
+  }
+  int spin_us() const {
+    return spin_us_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  std::atomic<int> spin_us_{0};
+  bool stop_ = false;
+};
+
+// The process's pool (MLXQ_ATTN_THREADS threads, default: the CPUs this process may
+// run on), made on first use, and again in a forked child.
+ThreadPool& pool();
+
+// Threads the pool runs on.
+int num_threads();
+
+} // namespace mlxq
