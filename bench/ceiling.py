@@ -9,12 +9,16 @@ Two ceilings, measured in the same process right before the engine runs:
 * **weight-matmul-only**: every weight matrix of the model (attention and MLP projections of
   every layer, the vocabulary head) multiplied by a (batch, in) activation, nothing else, in
   one evaluated graph per step: the work a decode step cannot avoid. tokens/s = batch / time.
+  Measured both ways the engine can multiply (MLX's matmul on OpenBLAS's threads, and the CPU
+  extension's ``linear`` on its own pool, ``--matmul pool``), and the faster one is the ceiling.
 * **memory bandwidth** (solo): a decode step at batch 1 must read every weight once; the
-  machine's read bandwidth (numpy's sum, or a BLAS vector-matrix product, over an array 4x the
-  weights' size, whichever is faster) over the weights' bytes bounds solo tokens/s.
+  machine's read bandwidth (numpy's sum, a BLAS vector-matrix product through MLX, or the CPU
+  extension's sgemv on all its threads, over an array 4x the weights' size, whichever is fastest)
+  over the weights' bytes bounds solo tokens/s.
 
 Against them: the engine's steady decode (``PagedEngine.step`` in this process, rows already
-decoding, every token read back by the host as the worker reads it), and with ``--e2e`` the
+decoding, every token read back by the host as the worker reads it), with its default weight
+matmuls (``matmul=pool``) and with MLX's own (``matmul=mlx``), side by side, and with ``--e2e`` the
 whole path (Client -> Valkey -> a ``python -m mlxq worker`` process -> token streams),
 generated tokens / wall time of a run long enough that prefill is a small part.
 
@@ -90,21 +94,49 @@ def matmul_ceiling(mats: list[mx.array], batch: int) -> float:
     return batch / best_of(lambda: mx.eval([x @ w.T for x, w in zip(xs, mats)]))
 
 
+def _linear_ext():
+    """The CPU extension when its ``linear`` is usable here, else None."""
+    from mlxq.worker.engine.attention import cpu_extension
+    from mlxq.worker.engine.kernels import model_ops
+
+    try:
+        ext = cpu_extension()
+    except Exception:  # noqa: BLE001 - no extension here: no such ceiling
+        return None
+    return ext if "linear" in model_ops.checked_ops(ext) else None
+
+
+def linear_ceiling(mats: list[mx.array], batch: int) -> float:
+    """tokens/s of the weight matmuls alone through the CPU extension's linear (0 if unavailable)."""
+    ext = _linear_ext()
+    if ext is None:
+        return 0.0
+    xs = [mx.random.normal((batch, w.shape[1])) for w in mats]
+    mx.eval(xs)
+    return batch / best_of(lambda: mx.eval([ext.linear(x, w) for x, w in zip(xs, mats)]))
+
+
 def bandwidth(nbytes: int) -> float:
-    """Read bandwidth in bytes/s over an fp32 array of about ``nbytes``: the best of numpy's sum
-    and a BLAS vector-matrix product (MLX's own reductions run slower than memory here)."""
+    """Read bandwidth in bytes/s over an fp32 array of about ``nbytes``: the best of numpy's sum (one
+    thread), a BLAS vector-matrix product through MLX, and the CPU extension's ``linear`` of one row
+    (sgemv on every thread of its pool). MLX's own reductions run slower than memory here."""
     a = np.random.default_rng(0).random(max(nbytes // 4, 1 << 22), dtype=np.float32)
     m = mx.array(a).reshape(1024, -1)
     v = mx.ones((1, 1024))
     mx.eval(m, v)
-    return a.nbytes / min(best_of(lambda: a.sum(), reps=3), best_of(lambda: mx.eval(v @ m), reps=3))
+    best = min(best_of(lambda: a.sum(), reps=3), best_of(lambda: mx.eval(v @ m), reps=3))
+    ext = _linear_ext()
+    if ext is not None:
+        w = m.reshape(-1, 1024)  # (N, 1024) rows: the same bytes as a weight matrix
+        best = min(best, best_of(lambda: mx.eval(ext.linear(v, w)), reps=3))
+    return a.nbytes / best
 
 
-def engine_decode(loaded, batch: int, prompt_len: int, steps: int) -> float:
+def engine_decode(loaded, batch: int, prompt_len: int, steps: int, matmul: str = "pool") -> float:
     """tokens/s of the engine's steady decode with ``batch`` rows (in process, no Redis)."""
     vocab = loaded.model.args.vocab_size
     rng = random.Random(0)
-    eng = make_engine(loaded, Settings.from_env(max_batch=max(batch, 1)))
+    eng = make_engine(loaded, Settings.from_env(max_batch=max(batch, 1), matmul=matmul))
     eng.add([SeqSpec(f"s{i}", [rng.randrange(10, vocab - 1) for _ in range(prompt_len)], steps * 3 + 50,
                      stop_token_ids=()) for i in range(batch)])
     while eng.stats()["running"] < batch or any(
@@ -183,13 +215,16 @@ def main() -> int:
           f"({wbytes / 2**20:.0f} MiB fp32); {blas.status()}")
     bw = bandwidth(4 * wbytes)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s -> solo ceiling {bw / wbytes:.0f} tok/s")
-    print(f"{'batch':>5} {'ceiling':>9} {'engine':>8} {'share':>6}")
+    print(f"{'batch':>5} {'ceiling':>9} {'engine':>8} {'share':>6}   engine with matmul=mlx")
     for b in (int(x) for x in args.batch.split(",")):
-        mm = matmul_ceiling(mats, b)
+        mm, lin = matmul_ceiling(mats, b), linear_ceiling(mats, b)
         eng = engine_decode(loaded, b, args.prompt_len, args.steps)
-        mm = max(mm, matmul_ceiling(mats, b))  # measured on both sides of the engine: the better one
-        ceiling, what = (bw / wbytes, "bandwidth") if b == 1 else (mm, "matmul")
-        line = f"{b:>5} {ceiling:>9.0f} {eng:>8.0f} {eng / ceiling:>6.0%}  ({what} ceiling; matmul alone {mm:.0f})"
+        eng_mlx = engine_decode(loaded, b, args.prompt_len, args.steps, matmul="mlx")
+        # measured on both sides of the engines: the better one
+        mm, lin = max(mm, matmul_ceiling(mats, b)), max(lin, linear_ceiling(mats, b))
+        ceiling, what = (bw / wbytes, "bandwidth") if b == 1 else (max(mm, lin), "matmul")
+        line = (f"{b:>5} {ceiling:>9.0f} {eng:>8.0f} {eng / ceiling:>6.0%}   {eng_mlx:.0f} ({eng_mlx / ceiling:.0%})"
+                f"   [{what} ceiling; matmuls alone: MLX {mm:.0f}, pool {lin:.0f}]")
         print(line, flush=True)
         if e2e is not None:
             got = e2e.run(b, args.e2e_tokens if b > 1 else args.e2e_tokens // 2, args.rounds)
