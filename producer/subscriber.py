@@ -95,8 +95,11 @@ class _NodeReader(threading.Thread):
                     self.pubsub.sunsubscribe(channel)
                 else:
                     self.pubsub.unsubscribe(channel)
-            except LINK_ERRORS:
-                pass  # the link is gone; nothing is subscribed there any more
+            except (*LINK_ERRORS, OSError, ValueError):
+                # the link is gone; nothing is subscribed there any more. OSError / ValueError: redis-py
+                # reconnecting on this call read a socket the reader thread had just closed ("Bad file
+                # descriptor", then "I/O operation on closed file"; seen with a Cluster master killed)
+                pass
 
     def run(self) -> None:
         while not self.stopped and not self.failed.is_set():
