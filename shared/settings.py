@@ -194,8 +194,9 @@ class Settings:
                                      engine="session_dir", shown_default="not written")
     attention: str = opt("auto", "auto (the fused CPU op when it builds, else gather), fused, or gather",
                          engine="attention", choices=ATTENTION_MODES)
-    matmul: str = opt("pool", "weight matmuls: pool (split over the CPU extension's threads, sgemv for one row; "
-                      "not bit-identical to MLX) or mlx (MLX's own matmul, bit for bit mlx-lm's)",
+    matmul: str = opt("mlx", "weight matmuls: mlx (MLX's own matmul, bit for bit mlx-lm's) or pool (split over "
+                      "the CPU extension's threads, sgemv for one row: 2x solo; not bit-identical to MLX; "
+                      "under CPU contention its KV writes may copy the pool)",
                       engine="matmul", choices=MATMUL_MODES)
     kv_bits: Optional[int] = opt(None, "store KV blocks quantized, 8 or 4 bits (more sequences per MiB)",
                                  engine="kv_bits", shown_default="none: the model's float dtype")

@@ -31,7 +31,7 @@ SAMPLES = {
     "kv_memory_mb": "64", "kv_blocks": "40", "pressure": "0.5", "prefix_cache": False, "chunked_prefill": False,
     "chunk_schedule": "256:64,*:32", "step_token_budget": "128", "decode_reserve_blocks": "2",
     "priority_gap": "2.5", "max_sequences": "32", "max_waiting": "3", "session_dir": "/tmp/mlxq-sessions",
-    "attention": "gather", "matmul": "mlx", "kv_bits": "8", "kv_group_size": "32",
+    "attention": "gather", "matmul": "pool", "kv_bits": "8", "kv_group_size": "32",
 }
 ONLY_DEFAULT = {"block_size"}  # one supported value: any other is refused (tested below)
 

@@ -393,7 +393,7 @@ def routes_all_layers(model) -> bool:
     return all(p.routed for p in probes)
 
 
-def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str = "pool") -> AttentionBackend:
+def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str = "mlx") -> AttentionBackend:
     """Choose the engine's attention, wire it to the pool and the model, and log it. ``matmul``
     "mlx" keeps MLX's own weight matmuls (the extension's ``linear`` is not installed)."""
     backend = select_backend(mode)
