@@ -1,8 +1,8 @@
 """The CPU extension's ``linear``: the weight matmuls on the extension's pool (sgemv for one row).
 
 Not bit-identical to MLX's matmul (see ``csrc/linear_ops.h``), so every check is against a
-float32 error bound: |got - want| <= 2 K 2^-24 (|x| @ |w|^T + |bias|) elementwise, which holds
-for any weights and any BLAS summation order.
+float32 error bound (``model_ops.within_float32_rounding``: |got - want| <= 2 K 2^-24 (|x| @ |w|^T
++ |bias|) elementwise), which holds for any weights and any BLAS summation order.
 """
 
 from __future__ import annotations
@@ -27,12 +27,6 @@ def ext():
     return ext
 
 
-def _within_bound(got, x, w, bias=None) -> bool:
-    want = x @ w.T if bias is None else mx.addmm(bias, x, w.T)
-    bound = 2 * x.shape[-1] * 2.0 ** -24 * (mx.abs(x) @ mx.abs(w).T + (0 if bias is None else mx.abs(bias)))
-    return got.shape == want.shape and mx.all(mx.abs(got - want) <= bound + 1e-30).item()
-
-
 @pytest.mark.parametrize("M", [1, 3, 64, 300])
 @pytest.mark.parametrize("N,K", [(5, 7), (16, 512), (300, 64), (1001, 512)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -41,10 +35,10 @@ def test_linear_within_float32_rounding_of_mlx(ext, M, N, K, with_bias):
     x = mx.random.normal((M, K), key=rs[0]) * 3
     w = mx.random.normal((N, K), key=rs[1])
     bias = mx.random.normal((N,), key=rs[2]) if with_bias else None
-    assert _within_bound(ext.linear(x, w, bias), x, w, bias)
+    assert model_ops.within_float32_rounding(ext.linear(x, w, bias), x, w, bias)
     # the model's (B, L, K) shape
     x3 = x.reshape(1, M, K)
-    assert _within_bound(ext.linear(x3, w, bias), x3, w, bias)
+    assert model_ops.within_float32_rounding(ext.linear(x3, w, bias), x3, w, bias)
 
 
 def test_linear_reads_any_layout(ext):
@@ -57,7 +51,7 @@ def test_linear_reads_any_layout(ext):
     x_bcast = mx.broadcast_to(mx.random.normal((1, 96), key=rs[0]), (4, 96))  # stride 0
     for x in (x_rows, x_one, x_bcast):
         for wm in (w, w_cols, w_strided):
-            assert _within_bound(ext.linear(x, wm), x, wm)
+            assert model_ops.within_float32_rounding(ext.linear(x, wm), x, wm)
 
 
 def test_linear_puts_the_blas_thread_count_back(ext):

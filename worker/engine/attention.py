@@ -396,6 +396,8 @@ def routes_all_layers(model) -> bool:
 def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str = "mlx") -> AttentionBackend:
     """Choose the engine's attention, wire it to the pool and the model, and log it. ``matmul``
     "mlx" keeps MLX's own weight matmuls (the extension's ``linear`` is not installed)."""
+    if matmul not in MATMUL_MODES:
+        raise ValueError(f"matmul must be one of {', '.join(MATMUL_MODES)} (got {matmul!r})")
     backend = select_backend(mode)
     if backend.fused:
         why = None
@@ -412,8 +414,6 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str =
             backend = AttentionBackend("gather", why)
     pool.attention = backend.op
     pool.kv_write = backend.kv_write if backend.fused else None
-    if matmul not in MATMUL_MODES:
-        raise ValueError(f"matmul must be one of {', '.join(MATMUL_MODES)} (got {matmul!r})")
     if backend.fused and backend.model_ops:
         ops = tuple(o for o in backend.model_ops if o != "linear" or matmul == "pool")
         model_ops.install(model, cpu_extension(), ops)

@@ -130,9 +130,8 @@ def blas_addresses() -> Optional[tuple]:
 
 
 def _check_linear(ext) -> None:
-    """linear against MLX's matmul within the error bound of float32 dot products of length K
-    (|error| <= K * 2^-24 * sum |x_k w_nk|, doubled for the two summation orders): one row and
-    several, with and without bias, a strided input and a transposed weight."""
+    """linear against MLX's matmul within float32 rounding (:func:`within_float32_rounding`): one
+    row and several, with and without bias, a strided input and a transposed weight."""
     addrs = blas_addresses()
     if addrs is None:
         raise OpMismatch("linear needs the optimized BLAS mlxq loads ahead of MLX (not loaded here)")
@@ -148,11 +147,17 @@ def _check_linear(ext) -> None:
              (mx.random.normal((2, 37, 517), key=rs[2]), w, b),
              (mx.random.normal((517, 5), key=rs[4]).T, wt, None)]  # strided rows
     for x, wm, bias in cases:
-        want = x @ wm.T if bias is None else mx.addmm(bias, x, wm.T)
-        bound = 2 * x.shape[-1] * 2.0 ** -24 * (mx.abs(x) @ mx.abs(wm).T + (0 if bias is None else mx.abs(bias)))
-        got = ext.linear(x, wm, bias)
-        if got.shape != want.shape or not mx.all(mx.abs(got - want) <= bound + 1e-30).item():
+        if not within_float32_rounding(ext.linear(x, wm, bias), x, wm, bias):
             raise OpMismatch("linear differs from MLX's matmul by more than float32 rounding")
+
+
+def within_float32_rounding(got, x, w, bias=None) -> bool:
+    """``got`` is ``x @ w.T (+ bias)`` up to float32 rounding in any summation order:
+    |got - MLX's| <= 2 K 2^-24 (|x| @ |w|^T + |bias|) elementwise (the bound of a length-K
+    float32 dot product, doubled for the two orders), and the same shape."""
+    want = x @ w.T if bias is None else mx.addmm(bias, x, w.T)
+    bound = 2 * x.shape[-1] * 2.0 ** -24 * (mx.abs(x) @ mx.abs(w).T + (0 if bias is None else mx.abs(bias)))
+    return got.shape == want.shape and mx.all(mx.abs(got - want) <= bound + 1e-30).item()
 
 
 _checked: Optional[tuple] = None

@@ -108,7 +108,6 @@ NB_MODULE(_mlxq_paged_attention, m) {
   m.def("set_blas", &mlxq::set_blas, "sgemm"_a, "sgemv"_a, "set_threads"_a, "get_threads"_a,
         "Addresses of cblas_sgemm, cblas_sgemv, openblas_set_num_threads and "
         "openblas_get_num_threads (0: none) in the process's BLAS, for linear.");
-  m.def("has_blas", &mlxq::has_blas, "Whether set_blas was called.");
   m.def(
       "paged_kv_write",
       &mlxq::paged_kv_write,

@@ -108,19 +108,18 @@ void Linear::eval_cpu(
   float* yp = out.data<float>();
   const Blas* blas = g_blas.load();
   encoder.dispatch([blas, M, N, K, xp, wp, w_rows, ldw, bp, bs, yp]() {
-    float beta = 0.0f;
-    if (bp != nullptr) {
-      for (int m = 0; m < M; ++m)
-        for (int n = 0; n < N; ++n)
-          yp[(int64_t)m * N + n] = bp[n * bs];
-      beta = 1.0f;
-    }
+    // With a bias, the output starts as the bias and the BLAS adds to it (beta 1).
+    const float beta = bp != nullptr ? 1.0f : 0.0f;
     ThreadPool& tp = pool();
     // Columns [c0, c1) of the output.
     auto run = [&](int c0, int c1) {
       const int nc = c1 - c0;
       if (nc <= 0)
         return;
+      if (bp != nullptr)
+        for (int m = 0; m < M; ++m)
+          for (int n = c0; n < c1; ++n)
+            yp[(int64_t)m * N + n] = bp[n * bs];
       if (M == 1) {
         if (w_rows)
           blas->sgemv(kRowMajor, kNoTrans, nc, K, 1.0f, wp + (int64_t)c0 * ldw, ldw, xp, 1, beta, yp + c0, 1);

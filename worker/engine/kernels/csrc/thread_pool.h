@@ -45,6 +45,11 @@ class ThreadPool {
     return (int)workers_.size() + 1;
   }
 
+  // See spin_for_call.
+  void set_spin_us(int us) {
+    spin_us_.store(us < 0 ? 0 : us, std::memory_order_relaxed);
+  }
+
   void parallel_for(int n, const std::function<void(int)>& fn) {
     if (n <= 0)
       return;
@@ -57,8 +62,7 @@ class ThreadPool {
     uint64_t gen;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      gen = ++gen_;
-      published_.store(gen, std::memory_order_release);
+      gen = gen_.fetch_add(1, std::memory_order_release) + 1;
       fn_ = &fn;
       n_ = n;
       done_.store(0);
@@ -123,8 +127,7 @@ class ThreadPool {
   int n_ = 0;
   std::atomic<uint64_t> claim_{0};
   std::atomic<int> done_{0};
-  uint64_t gen_ = 0;
-  std::atomic<uint64_t> published_{0};  // gen_, readable without mu_
+  std::atomic<uint64_t> gen_{0};  // written under mu_; read without it by spin_for_call
 
   // Before sleeping, a worker may watch for the next call for a while (spin_us_,
   // MLXQ_POOL_SPIN_US): the ops of a decode step call the pool every few hundred
@@ -141,7 +144,7 @@ class ThreadPool {
       return;
     const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
     for (int i = 0;; ++i) {
-      if (published_.load(std::memory_order_acquire) != seen)
+      if (gen_.load(std::memory_order_acquire) != seen)
         return;
       cpu_relax();
       if ((i & 63) == 63 && std::chrono::steady_clock::now() >= until)
@@ -157,15 +160,6 @@ class ThreadPool {
 #endif
   }
 
- public:
-  void set_spin_us(int us) {
-    spin_us_.store(us < 0 ? 0 : us, std::memory_order_relaxed);
-  }
-  int spin_us() const {
-    return spin_us_.load(std::memory_order_relaxed);
-  }
-
- private:
   std::atomic<int> spin_us_{0};
   bool stop_ = false;
 };
