@@ -119,6 +119,9 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "[k_pool', v_pool']: keys (B, H, N, D) written at pool rows slots (B*N,).");
   m.def("kv_write_copies", &mlxq::kv_write_copies,
         "paged_kv_write evaluations that copied their pool instead of writing in place.");
+  m.def("kv_write_waits", &mlxq::kv_write_waits,
+        "paged_kv_write evaluations that waited for the reads queued ahead of them on "
+        "the stream, then wrote in place (cpu_ops.cpp, writable_in_place).");
   m.def("swiglu_isa", &mlxq::swiglu_isa, "The swiglu loop this CPU runs: avx2 or generic.");
   m.def("num_threads", &mlxq::num_threads, "Threads the op runs on.");
   m.def("isa", &mlxq::isa, "The inner loop this CPU runs: avx2 or generic.");

@@ -126,10 +126,35 @@ mx::Stream cpu_stream() {
   return mx::default_stream(mx::Device(mx::Device::cpu));
 }
 
+std::atomic<int64_t> g_kv_write_waits{0};
+
+// MLX donates an input's buffer to an output only when nothing else holds it
+// (array::is_donatable), and its CPU backend holds each input of an encoded op
+// until that op's task has run. While the engine encodes step t+1 (mx.async_eval
+// pipelining), step t's attention may still be queued, so the pool looks shared
+// although its only other reader runs before this write on the same in-order
+// stream. Rather than copy the pool, wait (here, at encode time) for the stream
+// to run what is queued so far, and ask again: the stream keeps computing while
+// we wait. Still shared then means a real holder (a view, an array the caller
+// kept), and the pool is copied. Each wait is counted (kv_write_waits).
+bool writable_in_place(const mx::array& pool, const mx::Stream& s) {
+  if (pool.is_donatable())
+    return true;
+  mx::synchronize(s);
+  if (!pool.is_donatable())
+    return false;
+  g_kv_write_waits.fetch_add(1);
+  return true;
+}
+
 } // namespace
 
 int64_t kv_write_copies() {
   return g_kv_write_copies.load();
+}
+
+int64_t kv_write_waits() {
+  return g_kv_write_waits.load();
 }
 
 const char* swiglu_isa() {
@@ -335,7 +360,7 @@ void PagedKVWrite::eval_cpu(
   if (!pool.flags().row_contiguous)
     throw std::runtime_error("paged_kv_write: the KV pools must be row-contiguous");
   const uint8_t* copy_from = nullptr;
-  if (pool.is_donatable()) {
+  if (writable_in_place(pool, stream())) {
     out.copy_shared_buffer(pool); // in place
   } else {
     out.set_data(mx::allocator::malloc(out.nbytes()));

@@ -12,7 +12,8 @@
 //     keys (B, H, N, Dk), values (B, H, N, Dv), slots (B*N,) int32:
 //     pool'[h, slots[b*N + n], :] = keys[b, h, n, :]. The pools are updated in
 //     place when MLX can donate them (the usual case: the engine holds only the
-//     newest version), else copied first. Replaces two scatters (with their
+//     newest version), if need be after the reads queued ahead of the write on
+//     the stream have run; else copied first. Replaces two scatters (with their
 //     int64 index arithmetic) and two transposed copies per layer.
 #pragma once
 
@@ -51,9 +52,13 @@ std::vector<mx::array> paged_kv_write(
     const mx::array& slots);
 
 // How many paged_kv_write evaluations had to copy their pool (it was still
-// referenced elsewhere, e.g. a second forward pass built before the first was
-// evaluated). The engine expects 0; tests check it.
+// referenced elsewhere: a view, an array the caller kept, a second forward pass
+// built from the same pool). The engine expects 0; tests check it.
 int64_t kv_write_copies();
+
+// How many paged_kv_write evaluations found their pool held only by reads
+// queued ahead of them on the stream, waited for those, and wrote in place.
+int64_t kv_write_waits();
 
 // "avx2" or "generic": the swiglu loop this CPU runs.
 const char* swiglu_isa();
