@@ -28,7 +28,7 @@ def ext():
 
 
 @pytest.mark.parametrize("M", [1, 3, 64, 300])
-@pytest.mark.parametrize("N,K", [(5, 7), (16, 512), (300, 64), (1001, 512)])
+@pytest.mark.parametrize("N,K", [(5, 7), (37, 41), (16, 512), (300, 64), (1001, 512)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_within_float32_rounding_of_mlx(ext, M, N, K, with_bias):
     rs = mx.random.split(mx.random.key(M * 7919 + N * 31 + K), 3)

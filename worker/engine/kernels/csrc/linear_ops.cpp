@@ -3,10 +3,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <string>
 #include <stdexcept>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "gemv.h"
 #include "row_contiguous.h"
 #include "thread_pool.h"
 
@@ -34,6 +37,27 @@ std::atomic<const Blas*> g_blas{nullptr};
 
 // Output columns per part: a multiple of 16 (the sgemm kernels' widest column block).
 constexpr int kColAlign = 16;
+
+// One row: parts per pool thread. A part is claimed by whichever thread is free, so
+// with several per thread a worker that wakes late still takes its share (with one
+// each, the calling thread ran both halves while the worker woke: ~13% of a solo
+// decode step on the bench model).
+constexpr int kRowPartsPerThread = 4;
+
+// gemv_avx2.cpp where the CPU has AVX2 and FMA (MLXQ_ATTN_ISA=generic: the BLAS's sgemv).
+bool pick_gemv() {
+#ifdef MLXQ_PA_HAVE_AVX2
+  const char* want = std::getenv("MLXQ_ATTN_ISA");
+  if (want != nullptr && std::string(want) == "generic")
+    return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+const bool g_own_gemv = pick_gemv();
 
 } // namespace
 
@@ -121,6 +145,11 @@ void Linear::eval_cpu(
           for (int n = c0; n < c1; ++n)
             yp[(int64_t)m * N + n] = bp[n * bs];
       if (M == 1) {
+#ifdef MLXQ_PA_HAVE_AVX2
+        if (w_rows && g_own_gemv)
+          gemv_avx2::rows(wp, ldw, xp, yp, K, c0, c1, bp != nullptr);
+        else
+#endif
         if (w_rows)
           blas->sgemv(kRowMajor, kNoTrans, nc, K, 1.0f, wp + (int64_t)c0 * ldw, ldw, xp, 1, beta, yp + c0, 1);
         else
@@ -132,7 +161,7 @@ void Linear::eval_cpu(
         blas->sgemm(kRowMajor, kNoTrans, kNoTrans, M, nc, K, 1.0f, xp, K, wp + c0, ldw, beta, yp + c0, N);
       }
     };
-    const int parts = std::min(tp.size(), (N + kColAlign - 1) / kColAlign);
+    const int parts = std::min(tp.size() * (M == 1 ? kRowPartsPerThread : 1), (N + kColAlign - 1) / kColAlign);
     if (parts <= 1) {
       run(0, N);  // one thread of ours: the BLAS keeps its own thread count
       return;
