@@ -134,10 +134,9 @@ class ThreadPool {
   // microseconds when the weight matmuls run on it too (linear_ops), and a worker
   // asleep on the condition variable takes tens of microseconds to wake. After
   // spin_us_ without a call, it sleeps. 0, the default: sleep at once. 200 us made
-  // the pool's matmuls alone ~15% faster at batch 16, but the engine's steps were
-  // within noise, and it widened a timing window in which a KV write finds its pool
-  // still referenced by the step before and copies it (tests/test_cpu_ops.py), so
-  // it is not on by default.
+  // the pool's matmuls alone ~15% faster at batch 16 and ~9% at batch 1, but the
+  // engine's steps were within noise (on 2 cores the spinning worker takes the core
+  // the host thread needs), so it is not on by default.
   void spin_for_call(uint64_t seen) {
     const int us = spin_us_.load(std::memory_order_relaxed);
     if (us <= 0)
