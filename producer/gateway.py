@@ -69,7 +69,9 @@ class GatewayMetrics:
                               registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.inflight = Gauge("mlxq_gateway_inflight_requests", "Requests being served", registry=r)
         self.tokens = Counter("mlxq_gateway_completion_tokens", "Completion tokens returned", registry=r)
-        self.cancels = Counter("mlxq_gateway_disconnect_cancels", "Jobs cancelled on client disconnect", registry=r)
+        self.cancels = Counter("mlxq_gateway_disconnect_cancels",
+                               "Jobs cancelled on client disconnect (or when a failed sample ended an n > 1 stream)",
+                               registry=r)
         self.errors = Counter("mlxq_gateway_errors", "Error responses by type", ["type"], registry=r)
         self.queue_depth = Gauge("mlxq_queue_depth", "Jobs waiting in the queue, per tier", ["model", "tier"],
                                  registry=r)
@@ -319,6 +321,10 @@ class Gateway:
                     finished = True
                     yield _event(OpenAIError(500, d.error or "generation failed", "server_error",
                                              code="job_failed").body())
+                    if d.sample is not None and len(ended) + 1 < meta.n:
+                        # one sample of several failed: the stream ends with its error, so the samples
+                        # still running would run for nobody
+                        self.spawn(self._cancel(job, f"sample {i} failed, which ended the stream", attempt))
                     break
                 delta = chats[i].delta(d) if meta.chat else d.text
                 if meta.chat and delta and d.finish_reason:  # as OpenAI: the finish in a chunk of its own

@@ -291,3 +291,49 @@ def test_disconnect_while_waiting_for_the_first_token_cancels_the_job(stack):
         assert wait_for(lambda: r.hget(ghost.job(job_id), "status") == b"cancelled", timeout=15)
     finally:
         r.hdel(GK.models, "ghost")
+
+
+def test_a_failed_sample_ends_the_stream_and_cancels_the_samples_still_running():
+    """n > 1: one sample's error ends the SSE stream with an error event, and the job's other
+    samples, which would now run for nobody, are cancelled (and only then)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mlxq.producer.gateway import Gateway, _Meta
+    from mlxq.shared.schemas import Delta
+    from mlxq.shared.settings import Settings
+
+    class Job:
+        id = "j1"
+
+        def __init__(self, deltas):
+            self.deltas, self.cancelled = deltas, 0
+
+        async def cancel(self):
+            self.cancelled += 1
+            return "cancelled"
+
+        async def result(self, timeout=None):
+            return SimpleNamespace(finish_reason="error", stats=SimpleNamespace(generated_tokens=1, attempts=1))
+
+    async def stream(job, n):
+        gw = Gateway(settings=Settings(redis_url="redis://unused"))
+        meta = _Meta(id="c1", model="m", created=0, chat=False, endpoint="/v1/completions", started=0.0,
+                     include_usage=False, n=n)
+
+        async def deltas():
+            for d in job.deltas:
+                yield d
+
+        events = [e async for e in gw._sse(job, meta, None, deltas())]
+        await asyncio.gather(*gw._background)
+        return events
+
+    running = Job([Delta(sample=0, text="a"), Delta(sample=1, finish_reason="error", error="boom")])
+    events = asyncio.run(stream(running, 3))
+    assert any('"job_failed"' in e and "boom" in e for e in events) and events[-1] == "data: [DONE]\n\n"
+    assert running.cancelled == 1
+    # every other sample had ended already: nothing to cancel
+    last = Job([Delta(sample=0, text="a", finish_reason="stop"), Delta(sample=1, finish_reason="error", error="x")])
+    asyncio.run(stream(last, 2))
+    assert last.cancelled == 0
