@@ -70,3 +70,33 @@ def test_worker_metrics_scrape(tiny_model, redis_url):
     used, free = value(after, "mlxq_kv_blocks_used", model="tiny"), value(after, "mlxq_kv_blocks_free", model="tiny")
     assert free > 0 and used >= 0
     assert value(after, "mlxq_preemptions", "mlxq_preemptions_total", model="tiny") >= 0
+
+
+def test_inter_token_latency_is_per_sample_and_ttft_once_per_job():
+    """n > 1: the samples' tokens interleave; ITL is the gap between one sample's own tokens, and
+    TTFT is observed once for the job (no timing: the hook gets explicit clock values)."""
+    from types import SimpleNamespace
+
+    import fakeredis
+
+    metrics = WorkerMetrics(fakeredis.FakeRedis(), GlobalKeys().model_keys("m"), "m")
+    samples = [SimpleNamespace(id="j", sample=i, group=SimpleNamespace(n=2), first_token_at=1.0, queued_at=0.5)
+               for i in range(2)]
+    for step in range(5):  # each sample every 10 ms, the two 5 ms apart
+        for i, s in enumerate(samples):
+            metrics.on_token(s, 1, 1.0 + step * 0.010 + i * 0.005)
+
+    def sample_value(name):
+        for fam in metrics.registry.collect():
+            for s in fam.samples:
+                if s.name == name:
+                    return s.value
+        raise KeyError(name)
+
+    itl_n = sample_value("mlxq_inter_token_latency_seconds_count")
+    assert itl_n == 8
+    assert abs(sample_value("mlxq_inter_token_latency_seconds_sum") / itl_n - 0.010) < 1e-9
+    assert sample_value("mlxq_ttft_seconds_count") == 1
+    metrics.on_finish(samples[1], SimpleNamespace(finish_reason="stop", stats=SimpleNamespace(
+        prompt_tokens=3, cached_tokens=0)))
+    assert not metrics._last_token  # every sample's clock dropped with the job

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..shared.settings import TIERS
+from .jobs import sample_uid
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +56,22 @@ class WorkerMetrics:
 
     # -- observer hooks (MLX thread: keep them cheap) ----------------------------------
     def on_token(self, job, n: int, now: float) -> None:
-        last = self._last_token.get(job.id)
+        # per engine sequence: the samples of a job with n > 1 interleave, and the gap that matters
+        # is between one sample's own tokens
+        key = sample_uid(job.id, getattr(job, "sample", None))
+        last = self._last_token.get(key)
         if last is None:
-            if job.first_token_at is not None and job.queued_at:
-                self.ttft.labels(self.model).observe(max(0.0, job.first_token_at - job.queued_at))
+            if not getattr(job, "sample", None) and job.first_token_at is not None and job.queued_at:
+                self.ttft.labels(self.model).observe(max(0.0, job.first_token_at - job.queued_at))  # once a job
         elif n > 0:
             self.itl.labels(self.model).observe(max(0.0, (now - last) / n))
-        self._last_token[job.id] = now
+        self._last_token[key] = now
         self.tokens.labels(self.model).inc(n)
 
     def on_finish(self, job, result) -> None:
-        self._last_token.pop(job.id, None)
+        group = getattr(job, "group", None)
+        for i in range(group.n) if group is not None else (None,):
+            self._last_token.pop(sample_uid(job.id, i), None)
         self.finished.labels(self.model, result.finish_reason).inc()
         if result.finish_reason == "error":
             self.errors.labels(self.model).inc()
