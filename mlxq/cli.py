@@ -29,18 +29,38 @@ def cmd_submit(args) -> int:
     job = client.submit(**params)
     _say_if_no_worker(job)
     samples = params.get("n") or 1
+    # several samples interleave: each is printed whole as soon as it ends, in the order they end
+    parts: dict[int, list] = {}
+    printed: set[int] = set()
     for delta in job.stream():
-        if samples == 1:  # several samples are printed one after the other at the end
+        if samples == 1:
             sys.stdout.write(delta.text)
             sys.stdout.flush()
+        elif delta.sample is not None:
+            parts.setdefault(delta.sample, []).append(delta)
+            if delta.finish_reason:
+                _print_output(_sample_output(delta.sample, parts.pop(delta.sample)), None)
+                sys.stdout.flush()
+                printed.add(delta.sample)
     result = job.result(timeout=60)
-    for out in result.outputs:
-        _print_output(out, result.text if samples == 1 else None)
+    for out in result.outputs:  # n == 1, and any sample the stream did not end (a failed job)
+        if out.index not in printed or samples == 1:
+            _print_output(out, result.text if samples == 1 else None)
     if result.finish_reason == "length" and "response_format" in params:
         print(f"mlxq submit: {CUT_SHORT} (--max-tokens {args.max_tokens})", file=sys.stderr)
     if args.verbose:
         print(json.dumps(result.stats.model_dump(), indent=2), file=sys.stderr)
     return 0 if result.finish_reason != "error" else 1
+
+
+def _sample_output(index: int, deltas: list):
+    """A sample's output from its streamed deltas (text, tool calls, how it ended)."""
+    from .shared.schemas import SampleOutput
+
+    calls = [c for d in deltas for c in (d.tool_calls or [])]
+    last = deltas[-1]
+    return SampleOutput(index=index, text="".join(d.text for d in deltas), finish_reason=last.finish_reason,
+                        error=last.error, tool_calls=calls or None)
 
 
 def _print_output(out, streamed: Optional[str]) -> None:
