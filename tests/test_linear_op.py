@@ -85,3 +85,51 @@ def test_engine_matmul_setting(ext, tiny_model):
         PagedEngine(model, num_blocks=16, matmul="fast")
     with pytest.raises(ValueError, match="matmul"):
         Settings.from_env(matmul="fast")
+
+
+@pytest.mark.parametrize("M", [1, 3, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_group_is_bit_for_bit_each_linear(ext, M, with_bias):
+    """One call for several weights (q/k/v, gate/up) gives each weight's own linear, bit for bit:
+    grouping only saves calls. Widths as a layer's (512, 256, 256) and odd ones."""
+    K = 96
+    rs = mx.random.split(mx.random.key(M * 31 + with_bias), 8)
+    x = mx.random.normal((M, K), key=rs[0])
+    ws = [mx.random.normal((n, K), key=rs[1 + i]) for i, n in enumerate((512, 256, 256, 37))]
+    bs = [mx.random.normal((w.shape[0],), key=rs[5]) for w in ws] if with_bias else []
+    outs = ext.linear_group(x, ws, bs)
+    for i, (w, out) in enumerate(zip(ws, outs)):
+        assert mx.array_equal(out, ext.linear(x, w, bs[i] if bs else None)).item()
+    x3 = x.reshape(1, M, K)  # the model's (B, L, K) shape
+    assert all(o.shape == (1, M, w.shape[0]) for o, w in zip(ext.linear_group(x3, ws, bs), ws))
+    with pytest.raises(ValueError, match="one bias per weight"):
+        ext.linear_group(x, ws, bs[:1] if bs else [mx.zeros((512,))])
+
+
+def test_engine_groups_the_sibling_projections_and_changes_no_bit(ext, tiny_model):
+    """With pool matmuls, a layer's q/k/v and its gate/up each run as one call; the model's
+    logits are the ungrouped ones bit for bit, and a member given another x computes alone."""
+    model = tiny_model.model
+    PagedEngine(model, num_blocks=16, attention="fused", matmul="pool")
+    layer = model.model.layers[0]
+    q, k = layer.self_attn.q_proj, layer.self_attn.k_proj
+    assert q._mlxq_group is not None and k._mlxq_group[0] is q._mlxq_group[0]
+    assert layer.mlp.gate_proj._mlxq_group is not None
+    calls = []
+    group = q._mlxq_group[0]
+    real = group.op
+    group.op = lambda *a: calls.append(1) or real(*a)
+    tokens = mx.array([[5, 9, 13, 2, 7]])
+    grouped = model(tokens)
+    mx.eval(grouped)
+    group.op = real
+    assert calls == [1]  # the first layer's q/k/v: one call
+    model_ops.install_groups(model, None)
+    plain = model(tokens)
+    assert mx.array_equal(grouped, plain).item()
+    model_ops.install_groups(model, ext.linear_group)
+    x, other = mx.random.normal((1, 2, q.weight.shape[1])), mx.random.normal((1, 2, q.weight.shape[1]))
+    q(x)
+    assert mx.array_equal(k(other), ext.linear(other, k.weight, k.bias if "bias" in k else None)).item()
+    PagedEngine(model, num_blocks=16, attention="fused", matmul="mlx")
+    assert q._mlxq_group is None

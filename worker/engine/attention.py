@@ -419,5 +419,6 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str =
         model_ops.install(model, cpu_extension(), ops)
     else:
         model_ops.install_linear(model, None)  # a model an earlier engine set up keeps MLX's matmul too
+        model_ops.install_groups(model, None)
     log.info("attention: %s (%s)", backend.name, backend.reason)
     return backend

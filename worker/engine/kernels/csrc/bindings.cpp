@@ -105,6 +105,14 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "bias"_a = nb::none(),
       "x (..., K) @ w (N, K)^T (+ bias), float32, split over the pool's threads into "
       "single-threaded BLAS calls (set_blas).");
+  m.def(
+      "linear_group",
+      &mlxq::linear_group,
+      "x"_a,
+      "ws"_a,
+      "biases"_a = std::vector<mx::array>{},
+      "[x @ w^T (+ bias) for each w]: one primitive, one pass of the pool; each output bit for "
+      "bit linear(x, w, bias).");
   m.def("set_blas", &mlxq::set_blas, "sgemm"_a, "sgemv"_a, "set_threads"_a, "get_threads"_a,
         "Addresses of cblas_sgemm, cblas_sgemv, openblas_set_num_threads and "
         "openblas_get_num_threads (0: none) in the process's BLAS, for linear.");

@@ -74,106 +74,170 @@ bool has_blas() {
   return g_blas.load() != nullptr;
 }
 
-mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias) {
+std::vector<mx::array> linear_group(
+    const mx::array& x,
+    const std::vector<mx::array>& ws,
+    const std::vector<mx::array>& biases) {
   if (!has_blas())
     throw std::runtime_error("linear: no BLAS set (set_blas)");
-  if (x.dtype() != mx::float32 || w.dtype() != mx::float32 || (bias && bias->dtype() != mx::float32))
-    throw std::invalid_argument("linear: float32 only");
-  if (x.ndim() < 1 || w.ndim() != 2 || w.shape(1) != x.shape(-1))
-    throw std::invalid_argument("linear: w must be (N, K) for x (..., K)");
-  if (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0)))
-    throw std::invalid_argument("linear: bias must be (N,)");
-  if (x.shape(-1) == 0 || w.shape(0) == 0)
-    throw std::invalid_argument("linear: K and N must be positive");
-  auto shape = x.shape();
-  shape.back() = w.shape(0);
-  std::vector<mx::array> inputs = {x, w};
-  if (bias)
-    inputs.push_back(*bias);
+  if (ws.empty())
+    throw std::invalid_argument("linear: at least one weight");
+  if (!biases.empty() && biases.size() != ws.size())
+    throw std::invalid_argument("linear: one bias per weight, or none");
+  if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) == 0)
+    throw std::invalid_argument("linear: x must be float32 (..., K) with K positive");
+  std::vector<mx::Shape> shapes;
+  for (size_t g = 0; g < ws.size(); ++g) {
+    const auto& w = ws[g];
+    if (w.dtype() != mx::float32 || (!biases.empty() && biases[g].dtype() != mx::float32))
+      throw std::invalid_argument("linear: float32 only");
+    if (w.ndim() != 2 || w.shape(1) != x.shape(-1))
+      throw std::invalid_argument("linear: w must be (N, K) for x (..., K)");
+    if (w.shape(0) == 0)
+      throw std::invalid_argument("linear: K and N must be positive");
+    if (!biases.empty() && (biases[g].ndim() != 1 || biases[g].shape(0) != w.shape(0)))
+      throw std::invalid_argument("linear: bias must be (N,)");
+    auto shape = x.shape();
+    shape.back() = w.shape(0);
+    shapes.push_back(shape);
+  }
+  std::vector<mx::array> inputs = {x};
+  inputs.insert(inputs.end(), ws.begin(), ws.end());
+  inputs.insert(inputs.end(), biases.begin(), biases.end());
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
-  return mx::array(shape, mx::float32, std::make_shared<Linear>(s), std::move(inputs));
+  auto prim = std::make_shared<Linear>(s, (int)ws.size(), !biases.empty());
+  if (ws.size() == 1)
+    return {mx::array(shapes[0], mx::float32, prim, std::move(inputs))};
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32), prim,
+                                std::move(inputs));
 }
+
+mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias) {
+  std::vector<mx::array> biases;
+  if (bias)
+    biases.push_back(*bias);
+  return linear_group(x, {w}, biases)[0];
+}
+
+namespace {
+
+// One weight of a call: where its rows are and where its output goes.
+struct Target {
+  const float* w;
+  bool w_rows; // rows contiguous (a weight as stored); else columns (a transposed view)
+  int ldw, N;
+  const float* bias; // nullptr: none
+  int64_t bias_stride;
+  float* y;
+};
+
+// Columns [c0, c1) of target t, for M rows of x (K wide).
+void run_part(const Blas* blas, const Target& t, const float* xp, int M, int K, int c0, int c1) {
+  const int nc = c1 - c0;
+  if (nc <= 0)
+    return;
+  // With a bias, the output starts as the bias and the BLAS adds to it (beta 1).
+  const float beta = t.bias != nullptr ? 1.0f : 0.0f;
+  if (t.bias != nullptr)
+    for (int m = 0; m < M; ++m)
+      for (int n = c0; n < c1; ++n)
+        t.y[(int64_t)m * t.N + n] = t.bias[n * t.bias_stride];
+  if (M == 1) {
+#ifdef MLXQ_PA_HAVE_AVX2
+    if (t.w_rows && g_own_gemv)
+      gemv_avx2::rows(t.w, t.ldw, xp, t.y, K, c0, c1, t.bias != nullptr);
+    else
+#endif
+    if (t.w_rows)
+      blas->sgemv(kRowMajor, kNoTrans, nc, K, 1.0f, t.w + (int64_t)c0 * t.ldw, t.ldw, xp, 1, beta, t.y + c0, 1);
+    else
+      blas->sgemv(kColMajor, kNoTrans, nc, K, 1.0f, t.w + c0, t.ldw, xp, 1, beta, t.y + c0, 1);
+  } else if (t.w_rows) {
+    blas->sgemm(kRowMajor, kNoTrans, kTrans, M, nc, K, 1.0f, xp, K, t.w + (int64_t)c0 * t.ldw, t.ldw, beta,
+                t.y + c0, t.N);
+  } else {
+    blas->sgemm(kRowMajor, kNoTrans, kNoTrans, M, nc, K, 1.0f, xp, K, t.w + c0, t.ldw, beta, t.y + c0, t.N);
+  }
+}
+
+struct Part {
+  int target, c0, c1;
+};
+
+} // namespace
 
 void Linear::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  auto& out = outputs[0];
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  const mx::array& w_in = inputs[1];
-  const int N = w_in.shape(0), K = w_in.shape(1);
+  const int K = inputs[1].shape(1);
   const int M = (int)(inputs[0].size() / (size_t)K);
-  // w's layout: rows contiguous (a weight as stored), columns contiguous (a transposed
-  // view); anything else is copied to rows first.
-  bool w_rows = true;
-  int ldw = K;
-  mx::array w = w_in;
-  if (w.strides()[1] == 1 && w.strides()[0] >= K) {
-    ldw = (int)w.strides()[0];
-  } else if (w.strides()[0] == 1 && w.strides()[1] >= N) {
-    w_rows = false;
-    ldw = (int)w.strides()[1];
-  } else {
-    w = row_contiguous(w, encoder);
-  }
   mx::array x = row_contiguous(inputs[0], encoder);
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  const float* bp = nullptr;
-  int64_t bs = 0;
-  if (inputs.size() > 2) {
-    encoder.set_input_array(inputs[2]);
-    bp = inputs[2].data<float>();
-    bs = inputs[2].strides()[0];
+  std::vector<Target> targets;
+  for (int g = 0; g < groups_; ++g) {
+    // w's layout: rows contiguous, columns contiguous; anything else is copied to rows first.
+    mx::array w = inputs[1 + g];
+    const int N = w.shape(0);
+    Target t{nullptr, true, K, N, nullptr, 0, nullptr};
+    if (w.strides()[1] == 1 && w.strides()[0] >= K) {
+      t.ldw = (int)w.strides()[0];
+    } else if (w.strides()[0] == 1 && w.strides()[1] >= N) {
+      t.w_rows = false;
+      t.ldw = (int)w.strides()[1];
+    } else {
+      w = row_contiguous(w, encoder);
+    }
+    encoder.set_input_array(w);
+    t.w = w.data<float>();
+    if (has_bias_) {
+      const auto& b = inputs[1 + groups_ + g];
+      encoder.set_input_array(b);
+      t.bias = b.data<float>();
+      t.bias_stride = b.strides()[0];
+    }
+    auto& out = outputs[g];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+    t.y = out.data<float>();
+    targets.push_back(t);
   }
-  encoder.set_output_array(out);
   const float* xp = x.data<float>();
-  const float* wp = w.data<float>();
-  float* yp = out.data<float>();
   const Blas* blas = g_blas.load();
-  encoder.dispatch([blas, M, N, K, xp, wp, w_rows, ldw, bp, bs, yp]() {
-    // With a bias, the output starts as the bias and the BLAS adds to it (beta 1).
-    const float beta = bp != nullptr ? 1.0f : 0.0f;
+  encoder.dispatch([blas, M, K, xp, targets]() {
     ThreadPool& tp = pool();
-    // Columns [c0, c1) of the output.
-    auto run = [&](int c0, int c1) {
-      const int nc = c1 - c0;
-      if (nc <= 0)
-        return;
-      if (bp != nullptr)
-        for (int m = 0; m < M; ++m)
-          for (int n = c0; n < c1; ++n)
-            yp[(int64_t)m * N + n] = bp[n * bs];
-      if (M == 1) {
-#ifdef MLXQ_PA_HAVE_AVX2
-        if (w_rows && g_own_gemv)
-          gemv_avx2::rows(wp, ldw, xp, yp, K, c0, c1, bp != nullptr);
-        else
-#endif
-        if (w_rows)
-          blas->sgemv(kRowMajor, kNoTrans, nc, K, 1.0f, wp + (int64_t)c0 * ldw, ldw, xp, 1, beta, yp + c0, 1);
-        else
-          blas->sgemv(kColMajor, kNoTrans, nc, K, 1.0f, wp + c0, ldw, xp, 1, beta, yp + c0, 1);
-      } else if (w_rows) {
-        blas->sgemm(kRowMajor, kNoTrans, kTrans, M, nc, K, 1.0f, xp, K, wp + (int64_t)c0 * ldw, ldw, beta,
-                    yp + c0, N);
-      } else {
-        blas->sgemm(kRowMajor, kNoTrans, kNoTrans, M, nc, K, 1.0f, xp, K, wp + c0, ldw, beta, yp + c0, N);
-      }
-    };
-    const int parts = std::min(tp.size() * (M == 1 ? kRowPartsPerThread : 1), (N + kColAlign - 1) / kColAlign);
-    if (parts <= 1) {
-      run(0, N);  // one thread of ours: the BLAS keeps its own thread count
+    // Each target split exactly as linear() alone splits it (multiples of kColAlign columns),
+    // so each BLAS call is the one it would make alone and grouping changes no bit (OpenBLAS's
+    // sgemm may round a column differently when its part is wider); every part of every
+    // target goes to the pool in one pass.
+    const int want = tp.size() * (M == 1 ? kRowPartsPerThread : 1);
+    std::vector<Part> parts;
+    for (int g = 0; g < (int)targets.size(); ++g) {
+      const int N = targets[g].N;
+      const int n = std::max(1, std::min(want, (N + kColAlign - 1) / kColAlign));
+      const int per = ((N + n - 1) / n + kColAlign - 1) / kColAlign * kColAlign;
+      for (int c0 = 0; c0 < N; c0 += per)
+        parts.push_back({g, c0, std::min(N, c0 + per)});
+    }
+    if (parts.size() == 1) {
+      run_part(blas, targets[0], xp, M, K, parts[0].c0, parts[0].c1); // the BLAS keeps its own threads
       return;
     }
     const int prev = blas->get_threads != nullptr ? blas->get_threads() : 1;
     if (prev != 1 && blas->set_threads != nullptr)
       blas->set_threads(1);
-    const int per = ((N + parts - 1) / parts + kColAlign - 1) / kColAlign * kColAlign;
-    tp.parallel_for(parts, [&](int p) { run(std::min(N, p * per), std::min(N, (p + 1) * per)); });
+    tp.parallel_for((int)parts.size(), [&](int p) {
+      const Part& q = parts[p];
+      run_part(blas, targets[q.target], xp, M, K, q.c0, q.c1);
+    });
     if (prev != 1 && blas->set_threads != nullptr)
       blas->set_threads(prev);
   });
+}
+
+bool Linear::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const Linear&>(other);
+  return groups_ == o.groups_ && has_bias_ == o.has_bias_;
 }
 
 } // namespace mlxq

@@ -41,18 +41,32 @@ bool has_blas();
 
 mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias);
 
+// Several weights applied to one x as one primitive and one pass of the pool: [x @ w_i^T
+// (+ bias_i)] (a layer's q/k/v projections, an MLP's gate and up). Each weight is split into
+// the very parts linear(x, w_i, bias_i) makes, so each output is that call's bit for bit
+// (a weight of 16 columns or fewer is one part, which linear() alone leaves to the BLAS's own
+// threads, here to one); what it saves is the per-call cost (an MLX task and a wake-up of
+// the pool) of all but one matmul. biases: one per weight, or none.
+std::vector<mx::array> linear_group(
+    const mx::array& x,
+    const std::vector<mx::array>& ws,
+    const std::vector<mx::array>& biases);
+
 class Linear : public CpuPrimitive {
  public:
-  explicit Linear(mx::Stream stream) : CpuPrimitive(stream) {}
+  Linear(mx::Stream stream, int groups, bool has_bias)
+      : CpuPrimitive(stream), groups_(groups), has_bias_(has_bias) {}
   void eval_cpu(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs) override;
   const char* name() const override {
     return "MlxqLinear";
   }
-  bool is_equivalent(const mx::Primitive&) const override {
-    return true;
-  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int groups_;
+  bool has_bias_;
 };
 
 } // namespace mlxq
