@@ -24,9 +24,11 @@ One op is not bit-identical, and says so:
 
 * ``linear``: the model's ``nn.Linear`` instances become :class:`FastLinear` (and a tied
   embedding's ``as_linear`` head, :class:`FastEmbedding`): float32 weight matmuls split over
-  output columns on the extension's thread pool, each part a single-threaded OpenBLAS call
-  (sgemv for one row, sgemm for more; ``csrc/linear_ops.h`` says why: OpenBLAS's sgemm
-  at one row, and its idle threads spinning on the core the attention needs). Its logits
+  output columns on the extension's thread pool, each part a single-threaded OpenBLAS sgemm
+  (for one row, the extension's AVX2 loop, or sgemv; ``csrc/linear_ops.h`` says why:
+  OpenBLAS's sgemm at one row, and its idle threads spinning on the core the attention
+  needs). Sibling projections of one input (q/k/v, gate/up) run as one call
+  (:class:`LinearGroup`, bit for bit the separate calls). Its logits
   differ from MLX's in the last bits: the same kind and size of difference as OpenBLAS's
   sgemm gives a row computed alone and in a batch, which the engine already has (a row's
   bits depend on its batch). It is checked against a floating-point error bound
