@@ -115,7 +115,10 @@ def test_model_learned_to_end_answers(tiny):
         ids = tokenizer.encode(format_chat(doc))[:-2]  # cut the final "<|end|>\n"
         logits = model(mx.array(ids)[None])[0, -1]
         ranks.append((logits > logits[end_id]).sum().item())
-    assert sorted(ranks)[len(ranks) // 2] == 0  # <|end|> is the usual top choice
+    # <|end|> is among the top choices where an answer ends (of 1024 tokens; untrained: ~500).
+    # Usually first; how often depends on the weights, which follow the seed and the machine's
+    # BLAS: seeds 0-2 gave rank 0 on all 10 answers, seed 3 ranks 0-3 with a median of 1.
+    assert sorted(ranks)[len(ranks) // 2] <= 2 and ranks.count(0) >= len(ranks) // 3, ranks
 
 
 def test_trained_loss_is_far_below_untrained(tiny_dir, tiny):
