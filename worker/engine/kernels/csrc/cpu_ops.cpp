@@ -23,6 +23,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/backend/cpu/simd/math.h"
 #include "mlx/backend/cpu/unary_ops.h"
+#include "isa.h"
 #include "row_contiguous.h"
 
 namespace mlxq {
@@ -105,14 +106,9 @@ __attribute__((target("avx2,fma"))) void swiglu_avx2(
 
 using SwigluFn = void (*)(const float*, const float*, float*, int64_t);
 
-// MLXQ_ATTN_ISA=generic forces the baseline loops (as for the attention).
 SwigluFn pick_swiglu() {
-  const char* want = std::getenv("MLXQ_ATTN_ISA");
-  if (want != nullptr && std::string(want) == "generic")
-    return swiglu_generic;
 #ifdef MLXQ_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+  if (use_avx2_fma())
     return swiglu_avx2;
 #endif
   return swiglu_generic;

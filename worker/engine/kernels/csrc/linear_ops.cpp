@@ -3,13 +3,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <string>
 #include <stdexcept>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "gemv.h"
+#include "isa.h"
 #include "row_contiguous.h"
 #include "thread_pool.h"
 
@@ -44,14 +43,10 @@ constexpr int kColAlign = 16;
 // decode step on the bench model).
 constexpr int kRowPartsPerThread = 4;
 
-// gemv_avx2.cpp where the CPU has AVX2 and FMA (MLXQ_ATTN_ISA=generic: the BLAS's sgemv).
+// gemv_avx2.cpp where the CPU has AVX2 and FMA (else the BLAS's sgemv).
 bool pick_gemv() {
 #ifdef MLXQ_PA_HAVE_AVX2
-  const char* want = std::getenv("MLXQ_ATTN_ISA");
-  if (want != nullptr && std::string(want) == "generic")
-    return false;
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return use_avx2_fma();
 #else
   return false;
 #endif

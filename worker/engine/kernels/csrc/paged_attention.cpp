@@ -17,6 +17,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "isa.h"
 #include "pa_kernel.h"
 #include "row_contiguous.h"
 #include "thread_pool.h"
@@ -28,14 +29,9 @@ using mlxq_pa::Args;
 using mlxq_pa::AttendFn;
 using mlxq_pa::PoolType;
 
-// MLXQ_ATTN_ISA=generic forces the baseline loop (tests run it on AVX2 machines).
 AttendFn pick_attend() {
-  const char* want = std::getenv("MLXQ_ATTN_ISA");
-  if (want != nullptr && std::string(want) == "generic")
-    return mlxq_pa::generic::attend;
 #if defined(MLXQ_PA_HAVE_AVX2)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+  if (mlxq::use_avx2_fma())
     return mlxq_pa::avx2::attend;
 #endif
   return mlxq_pa::generic::attend;
