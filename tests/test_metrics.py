@@ -80,8 +80,10 @@ def test_inter_token_latency_is_per_sample_and_ttft_once_per_job():
     import fakeredis
 
     metrics = WorkerMetrics(fakeredis.FakeRedis(), GlobalKeys().model_keys("m"), "m")
-    samples = [SimpleNamespace(id="j", sample=i, group=SimpleNamespace(n=2), first_token_at=1.0, queued_at=0.5)
-               for i in range(2)]
+    from mlxq.worker.jobs import sample_uid
+
+    samples = [SimpleNamespace(id="j", sample=i, uid=sample_uid("j", i), group=SimpleNamespace(n=2),
+                               first_token_at=1.0, queued_at=0.5) for i in range(2)]
     for step in range(5):  # each sample every 10 ms, the two 5 ms apart
         for i, s in enumerate(samples):
             metrics.on_token(s, 1, 1.0 + step * 0.010 + i * 0.005)

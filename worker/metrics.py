@@ -58,10 +58,10 @@ class WorkerMetrics:
     def on_token(self, job, n: int, now: float) -> None:
         # per engine sequence: the samples of a job with n > 1 interleave, and the gap that matters
         # is between one sample's own tokens
-        key = sample_uid(job.id, getattr(job, "sample", None))
+        key = job.uid
         last = self._last_token.get(key)
         if last is None:
-            if not getattr(job, "sample", None) and job.first_token_at is not None and job.queued_at:
+            if not job.sample and job.first_token_at is not None and job.queued_at:
                 self.ttft.labels(self.model).observe(max(0.0, job.first_token_at - job.queued_at))  # once a job
         elif n > 0:
             self.itl.labels(self.model).observe(max(0.0, (now - last) / n))
@@ -69,8 +69,7 @@ class WorkerMetrics:
         self.tokens.labels(self.model).inc(n)
 
     def on_finish(self, job, result) -> None:
-        group = getattr(job, "group", None)
-        for i in range(group.n) if group is not None else (None,):
+        for i in range(job.group.n) if job.group is not None else (None,):
             self._last_token.pop(sample_uid(job.id, i), None)
         self.finished.labels(self.model, result.finish_reason).inc()
         if result.finish_reason == "error":
