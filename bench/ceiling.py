@@ -13,7 +13,8 @@ Two ceilings, measured in the same process right before the engine runs:
   extension's ``linear`` on its own pool, ``--matmul pool``), and the faster one is the ceiling.
 * **memory bandwidth** (solo): a decode step at batch 1 must read every weight once; the
   machine's read bandwidth (numpy's sum, a BLAS vector-matrix product through MLX, or the CPU
-  extension's sgemv on all its threads, over an array 4x the weights' size, whichever is fastest)
+  extension's one-row ``linear`` on all its threads, over an array 4x the weights' size, whichever
+  is fastest)
   over the weights' bytes bounds solo tokens/s.
 
 Against them: the engine's steady decode (``PagedEngine.step`` in this process, rows already
@@ -119,7 +120,7 @@ def linear_ceiling(mats: list[mx.array], batch: int) -> float:
 def bandwidth(nbytes: int) -> float:
     """Read bandwidth in bytes/s over an fp32 array of about ``nbytes``: the best of numpy's sum (one
     thread), a BLAS vector-matrix product through MLX, and the CPU extension's ``linear`` of one row
-    (sgemv on every thread of its pool). MLX's own reductions run slower than memory here."""
+    (on every thread of its pool). MLX's own reductions run slower than memory here."""
     a = np.random.default_rng(0).random(max(nbytes // 4, 1 << 22), dtype=np.float32)
     m = mx.array(a).reshape(1024, -1)
     v = mx.ones((1, 1024))

@@ -270,7 +270,7 @@ def test_engine_uses_the_ops_only_with_the_fused_backend(ext, tiny_model):
 def test_engine_writes_the_pool_in_place_through_joins_and_preemption(ext, tiny_model, matmul):
     """No KV write copies its pool during a run with joins, chunked prefill and preemption
     (a copy would mean a pool-sized copy per layer: a pass whose attention is still queued
-    is waited for, queued_reads.h); the tokens equal the reference (gather) path's."""
+    is waited for: writable_in_place in csrc/cpu_ops.cpp); the tokens equal the reference (gather) path's."""
     from mlxq.worker.engine_api import SeqSpec
 
     def spec(uid, n, prio):

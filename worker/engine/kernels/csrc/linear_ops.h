@@ -1,7 +1,8 @@
 // linear(x, w, bias): x @ w^T (+ bias) for float32, the weight matmuls of a model's
 // Linear layers, split over output columns on the extension's thread pool, each part
 // a single-threaded call into the process's BLAS (OpenBLAS, preloaded by
-// mlxq.worker.blas): sgemv for one row, sgemm for more.
+// mlxq.worker.blas): sgemm for several rows; for one row, 4 parts per thread, each our
+// own AVX2 loop (gemv_avx2.cpp) where the CPU has AVX2 and FMA, else sgemv.
 //
 // Why not MLX's own matmul (one cblas_sgemm call, OpenBLAS's threads):
 //
@@ -16,9 +17,10 @@
 //   back after), its threads stay asleep, and the pool's threads, which sleep on a
 //   condition variable, have both cores to themselves.
 //
-// Not bit-identical to MLX's matmul: gemv sums each dot product in its own order, and
-// OpenBLAS's sgemm rounds a column the same whether or not it is split but not the
-// same at 1 and 2 threads. The difference is of the kind and size that OpenBLAS
+// Not bit-identical to MLX's matmul: the one-row loop and sgemv sum each dot product in
+// their own order, and OpenBLAS's sgemm can round a column differently when the columns
+// are split differently (seen at 64 rows) and at 1 and 2 threads. The difference is of
+// the kind and size that OpenBLAS
 // already gives a row computed alone and in a batch (a row's last bits depend on its
 // batch); model_ops checks the op against a float32 error bound, not for equality.
 //
