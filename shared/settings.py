@@ -194,9 +194,10 @@ class Settings:
                                      engine="session_dir", shown_default="not written")
     attention: str = opt("auto", "auto (the fused CPU op when it builds, else gather), fused, or gather",
                          engine="attention", choices=ATTENTION_MODES)
-    matmul: str = opt("mlx", "weight matmuls: mlx (MLX's own matmul, bit for bit mlx-lm's) or pool (split over "
-                      "the CPU extension's threads, a one-row loop of its own at batch 1: ~2x solo; not "
-                      "bit-identical to MLX, and a greedy row may differ from its solo run at a near-tie)",
+    matmul: str = opt("mlx", "weight matmuls: mlx (MLX's own matmul, bit for bit mlx-lm's) or pool (the CPU "
+                      "extension's own loops on its threads, where the CPU has AVX2+FMA: ~2x solo, faster "
+                      "batches; a row's bits do not depend on its batch, but differ from MLX's in the last "
+                      "bits, so a greedy answer may differ from mlx-lm's at a near-tie)",
                       engine="matmul", choices=MATMUL_MODES)
     kv_bits: Optional[int] = opt(None, "store KV blocks quantized, 8 or 4 bits (more sequences per MiB)",
                                  engine="kv_bits", shown_default="none: the model's float dtype")

@@ -1,6 +1,7 @@
-"""The CPU extension's ``linear``: the weight matmuls on the extension's pool (sgemv for one row).
+"""The CPU extension's ``linear``: the weight matmuls on the extension's pool (our own loops,
+``csrc/rowdot.h``, where the CPU has AVX2 and FMA; else the BLAS's sgemv and sgemm).
 
-Not bit-identical to MLX's matmul (see ``csrc/linear_ops.h``), so every check is against a
+Not bit-identical to MLX's matmul (see ``csrc/linear_ops.h``), so every check against MLX is a
 float32 error bound (``model_ops.within_float32_rounding``: |got - want| <= 2 K 2^-24 (|x| @ |w|^T
 + |bias|) elementwise), which holds for any weights and any BLAS summation order.
 """
@@ -8,6 +9,10 @@ float32 error bound (``model_ops.within_float32_rounding``: |got - want| <= 2 K 
 from __future__ import annotations
 
 import ctypes
+import os
+import random
+import subprocess
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -133,3 +138,82 @@ def test_engine_groups_the_sibling_projections_and_changes_no_bit(ext, tiny_mode
     assert mx.array_equal(k(other), ext.linear(other, k.weight, k.bias if "bias" in k else None)).item()
     PagedEngine(model, num_blocks=16, attention="fused", matmul="mlx")
     assert q._mlxq_group is None
+
+
+def _own_loops(ext) -> None:
+    if ext.linear_isa() == "blas":
+        pytest.skip("no AVX2+FMA here: linear is the BLAS's sgemm, whose rounding may follow the batch")
+
+
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(ext):
+    """Our loops sum each output in one order whatever the batch (csrc/rowdot.h): a row computed
+    alone equals the same row in batches of every size, a decode step's and a prefill pass's
+    (past the 64-row block), with K not a multiple of 8 and with a bias."""
+    _own_loops(ext)
+    for K, N in ((512, 1184), (1184, 512), (37, 45)):
+        rs = mx.random.split(mx.random.key(K), 3)
+        x = mx.random.normal((200, K), key=rs[0])
+        w, bias = mx.random.normal((N, K), key=rs[1]), mx.random.normal((N,), key=rs[2])
+        alone = mx.concatenate([ext.linear(x[i:i + 1], w, bias) for i in range(200)])
+        for M in (2, 3, 5, 16, 63, 64, 65, 130, 200):
+            batch = ext.linear(x[:M], w, bias)
+            assert mx.array_equal(batch, alone[:M]).item(), (K, N, M)
+            assert model_ops.within_float32_rounding(batch, x[:M], w, bias)
+
+
+def test_the_avx2_and_avx512_loops_give_the_same_bits(ext, tmp_path):
+    """The AVX-512VL build (32 registers, bigger tiles) sums in the AVX2 build's order: a fresh
+    process forced onto AVX2 (MLXQ_ATTN_ISA=avx2) computes the very same outputs."""
+    _own_loops(ext)
+    if ext.linear_isa() != "avx512vl":
+        pytest.skip("this CPU has no AVX-512VL: only the AVX2 loops run here")
+    rs = mx.random.split(mx.random.key(11), 2)
+    x, w = mx.random.normal((70, 300), key=rs[0]), mx.random.normal((333, 300), key=rs[1])
+    mx.save(str(tmp_path / "x.npy"), x)
+    mx.save(str(tmp_path / "w.npy"), w)
+    script = (
+        "from mlxq.worker import blas; blas.setup()\n"
+        "import mlx.core as mx\n"
+        "from mlxq.worker.engine import attention\n"
+        "from mlxq.worker.engine.kernels import model_ops\n"
+        "ext = attention.cpu_extension()\n"
+        "assert 'linear' in model_ops.checked_ops(ext) and ext.linear_isa() == 'avx2', ext.linear_isa()\n"
+        f"x, w = mx.load({str(tmp_path / 'x.npy')!r}), mx.load({str(tmp_path / 'w.npy')!r})\n"
+        f"mx.save({str(tmp_path / 'y.npy')!r}, mx.concatenate([ext.linear(x[:1], w), ext.linear(x, w)]))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, MLXQ_ATTN_ISA="avx2"), cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    here = mx.concatenate([ext.linear(x[:1], w), ext.linear(x, w)])
+    assert mx.array_equal(mx.load(str(tmp_path / "y.npy")), here).item()
+
+
+def test_pool_matmuls_keep_batched_greedy_equal_to_solo(ext, tiny_model):
+    """With pool matmuls a batched greedy sequence equals the same sequence run alone (the
+    engine's guarantee, which MLX's matmul gives on fp32 CPU): staggered joins, ragged prefill
+    passes and decode batches of every size give each row the bits it gets alone."""
+    _own_loops(ext)
+    from mlxq.worker.engine_api import SeqSpec
+
+    model = tiny_model.model
+    rng = random.Random(5)
+    specs = [SeqSpec(f"j{i}", [rng.randrange(4, 500) for _ in range(rng.randrange(1, 70))], rng.randrange(5, 40),
+                     stop_token_ids=()) for i in range(12)]
+
+    def drive(engine, arrivals):
+        out: dict[str, list[int]] = {}
+        step = 0
+        while engine.has_work() or any(k >= step for k in arrivals):
+            engine.add(arrivals.get(step, []))
+            for e in engine.step()[0]:
+                out.setdefault(e.uid, []).append(e.token)
+            step += 1
+        return out
+
+    solo = {}
+    for s in specs:
+        solo.update(drive(PagedEngine(model, num_blocks=64, attention="fused", matmul="pool"), {0: [s]}))
+    arrivals: dict[int, list] = {}
+    for i, s in enumerate(specs):
+        arrivals.setdefault(i // 3, []).append(s)
+    batched = drive(PagedEngine(model, num_blocks=64, max_batch=8, attention="fused", matmul="pool"), arrivals)
+    assert batched == solo

@@ -24,16 +24,17 @@ One op is not bit-identical, and says so:
 
 * ``linear``: the model's ``nn.Linear`` instances become :class:`FastLinear` (and a tied
   embedding's ``as_linear`` head, :class:`FastEmbedding`): float32 weight matmuls split over
-  output columns on the extension's thread pool, each part a single-threaded OpenBLAS sgemm
-  (for one row, the extension's AVX2 loop, or sgemv; ``csrc/linear_ops.h`` says why:
-  OpenBLAS's sgemm at one row, and its idle threads spinning on the core the attention
-  needs). Sibling projections of one input (q/k/v, gate/up) run as one call
-  (:class:`LinearGroup`, bit for bit the separate calls). Its logits
-  differ from MLX's in the last bits: the same kind and size of difference as OpenBLAS's
-  sgemm gives a row computed alone and in a batch, which the engine already has (a row's
-  bits depend on its batch). It is checked against a floating-point error bound
-  (:func:`_check_linear`) and installed only over the optimized BLAS that
-  :mod:`mlxq.worker.blas` loaded.
+  output columns on the extension's thread pool, each part our own loop where the CPU has
+  AVX2 and FMA (``csrc/rowdot.h``: the weights read where they lie, each output summed in one
+  order whatever the batch, so a row's bits do not depend on its batch), else a
+  single-threaded OpenBLAS sgemm or sgemv (``csrc/linear_ops.h`` says why not MLX's matmul:
+  OpenBLAS's sgemm packs the weights on every call and is slow at one row, and its idle
+  threads spin on the core the attention needs). Sibling projections of one input (q/k/v,
+  gate/up) run as one call (:class:`LinearGroup`, bit for bit the separate calls). Its
+  logits differ from MLX's in the last bits, so it is checked against a floating-point error
+  bound (:func:`_check_linear`), installed only over the optimized BLAS that
+  :mod:`mlxq.worker.blas` loaded (the fallback's), and opt-in (``--matmul pool``): the
+  default stays bit for bit mlx-lm's.
 """
 
 from __future__ import annotations

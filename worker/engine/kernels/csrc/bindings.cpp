@@ -130,6 +130,8 @@ NB_MODULE(_mlxq_paged_attention, m) {
   m.def("kv_write_waits", &mlxq::kv_write_waits,
         "paged_kv_write evaluations that waited for the reads queued ahead of them on "
         "the stream, then wrote in place (cpu_ops.cpp, writable_in_place).");
+  m.def("linear_isa", &mlxq::linear_isa,
+        "The loops linear runs: avx512vl or avx2 (our own, the same bits either way), or blas.");
   m.def("swiglu_isa", &mlxq::swiglu_isa, "The swiglu loop this CPU runs: avx2 or generic.");
   m.def("num_threads", &mlxq::num_threads, "Threads the op runs on.");
   m.def("isa", &mlxq::isa, "The inner loop this CPU runs: avx2 or generic.");

@@ -1,7 +1,7 @@
-// Whether the AVX2+FMA inner loops may run: the CPU reports both, and
-// MLXQ_ATTN_ISA=generic does not ask for the baseline loops (tests run those on
-// AVX2 machines too). Each op compiles its AVX2 loop only where it can (x86-64)
-// and asks this once, when the library loads.
+// Which inner loops may run: the CPU reports the instructions, and MLXQ_ATTN_ISA does
+// not ask for less ("generic": the baseline loops, which tests run on AVX2 machines too;
+// "avx2": no AVX-512). Each op compiles its vector loops only where it can (x86-64) and
+// asks this once, when the library loads.
 #pragma once
 
 #include <cstdlib>
@@ -9,13 +9,28 @@
 
 namespace mlxq {
 
-inline bool use_avx2_fma() {
+inline std::string isa_request() {
   const char* want = std::getenv("MLXQ_ATTN_ISA");
-  if (want != nullptr && std::string(want) == "generic")
+  return want != nullptr ? std::string(want) : std::string();
+}
+
+inline bool use_avx2_fma() {
+  if (isa_request() == "generic")
     return false;
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+// AVX-512F and VL on top of AVX2 + FMA (their 32 vector registers for 8-lane loops).
+inline bool use_avx512vl() {
+  if (!use_avx2_fma() || isa_request() == "avx2")
+    return false;
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
 #else
   return false;
 #endif

@@ -7,9 +7,9 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "gemv.h"
 #include "isa.h"
 #include "row_contiguous.h"
+#include "rowdot.h"
 #include "thread_pool.h"
 
 namespace mlxq {
@@ -37,22 +37,26 @@ std::atomic<const Blas*> g_blas{nullptr};
 // Output columns per part: a multiple of 16 (the sgemm kernels' widest column block).
 constexpr int kColAlign = 16;
 
-// One row: parts per pool thread. A part is claimed by whichever thread is free, so
-// with several per thread a worker that wakes late still takes its share (with one
-// each, the calling thread ran both halves while the worker woke: ~13% of a solo
-// decode step on the bench model).
-constexpr int kRowPartsPerThread = 4;
+// Parts per pool thread (for one row, and for any batch on our own loops, whose bits do
+// not depend on the split). A part is claimed by whichever thread is free, so with several
+// per thread a worker that wakes late still takes its share (with one each, the calling
+// thread ran both halves while the worker woke: ~13% of a solo decode step on the bench
+// model). The BLAS's sgemm keeps one part per thread.
+constexpr int kPartsPerThread = 4;
 
-// gemv_avx2.cpp where the CPU has AVX2 and FMA (else the BLAS's sgemv).
-bool pick_gemv() {
+// rowdot_impl.h's loops where the CPU has AVX2 and FMA (with AVX-512VL's registers where
+// it has those too), else nullptr: the BLAS's sgemv and sgemm.
+rowdot::MatmulFn pick_rowdot() {
 #ifdef MLXQ_PA_HAVE_AVX2
-  return use_avx2_fma();
-#else
-  return false;
+  if (use_avx512vl())
+    return &rowdot::avx512::matmul;
+  if (use_avx2_fma())
+    return &rowdot::avx2::matmul;
 #endif
+  return nullptr;
 }
 
-const bool g_own_gemv = pick_gemv();
+const rowdot::MatmulFn g_rowdot = pick_rowdot();
 
 } // namespace
 
@@ -67,6 +71,16 @@ void set_blas(uintptr_t sgemm, uintptr_t sgemv, uintptr_t set_threads, uintptr_t
 
 bool has_blas() {
   return g_blas.load() != nullptr;
+}
+
+const char* linear_isa() {
+  if (g_rowdot == nullptr)
+    return "blas";
+#ifdef MLXQ_PA_HAVE_AVX2
+  if (g_rowdot == &rowdot::avx512::matmul)
+    return "avx512vl";
+#endif
+  return "avx2";
 }
 
 std::vector<mx::array> linear_group(
@@ -137,12 +151,11 @@ void run_part(const Blas* blas, const Target& t, const float* xp, int M, int K, 
     for (int m = 0; m < M; ++m)
       for (int n = c0; n < c1; ++n)
         t.y[(int64_t)m * t.N + n] = t.bias[n * t.bias_stride];
+  if (t.w_rows && g_rowdot != nullptr) {
+    g_rowdot(xp, K, M, t.w, t.ldw, t.y, t.N, K, c0, c1, t.bias != nullptr);
+    return;
+  }
   if (M == 1) {
-#ifdef MLXQ_PA_HAVE_AVX2
-    if (t.w_rows && g_own_gemv)
-      gemv_avx2::rows(t.w, t.ldw, xp, t.y, K, c0, c1, t.bias != nullptr);
-    else
-#endif
     if (t.w_rows)
       blas->sgemv(kRowMajor, kNoTrans, nc, K, 1.0f, t.w + (int64_t)c0 * t.ldw, t.ldw, xp, 1, beta, t.y + c0, 1);
     else
@@ -203,9 +216,9 @@ void Linear::eval_cpu(
     ThreadPool& tp = pool();
     // Each target split exactly as linear() alone splits it (multiples of kColAlign columns),
     // so each BLAS call is the one it would make alone and grouping changes no bit (OpenBLAS's
-    // sgemm may round a column differently when its part is wider); every part of every
-    // target goes to the pool in one pass.
-    const int want = tp.size() * (M == 1 ? kRowPartsPerThread : 1);
+    // sgemm may round a column differently when its part is wider; our loops never do); every
+    // part of every target goes to the pool in one pass.
+    const int want = tp.size() * (M == 1 || g_rowdot != nullptr ? kPartsPerThread : 1);
     std::vector<Part> parts;
     for (int g = 0; g < (int)targets.size(); ++g) {
       const int N = targets[g].N;

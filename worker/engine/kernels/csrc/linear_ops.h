@@ -1,14 +1,19 @@
 // linear(x, w, bias): x @ w^T (+ bias) for float32, the weight matmuls of a model's
-// Linear layers, split over output columns on the extension's thread pool, each part
-// a single-threaded call into the process's BLAS (OpenBLAS, preloaded by
-// mlxq.worker.blas): sgemm for several rows; for one row, 4 parts per thread, each our
-// own AVX2 loop (gemv_avx2.cpp) where the CPU has AVX2 and FMA, else sgemv.
+// Linear layers, split over output columns on the extension's thread pool (4 parts per
+// thread, claimed by whichever thread is free). Each part is our own loop where the CPU
+// has AVX2 and FMA (rowdot.h: the weights read where they lie, each output summed in one
+// order whatever the batch), else a single-threaded call into the process's BLAS
+// (OpenBLAS, preloaded by mlxq.worker.blas): sgemm for several rows, sgemv for one.
 //
 // Why not MLX's own matmul (one cblas_sgemm call, OpenBLAS's threads):
 //
 // * One row (a decode step at batch 1): OpenBLAS's sgemm at M = 1 reads the weights
 //   at about half the machine's bandwidth (10.5 ms for the bench model's 100 MB on
 //   these 2 cores); its sgemv takes 5.6 ms.
+// * A decode step's few rows: OpenBLAS's sgemm packs the weight panel on every call
+//   (sgemm_incopy: a third of a batch-16 step on the bench model, more than its kernel).
+//   Our loops read each weight row once per 64 rows of x, unpacked: at 16 rows the
+//   bench model's matmuls take ~1.8 ms against ~2.1 (MLX) and ~3.2 (split sgemm).
 // * Any batch: between two calls an idle OpenBLAS thread spins on its core without
 //   yielding, so the paged attention's pool, which runs between the matmuls, lost one
 //   of the 2 cores to it (8 layers' attention: 9.5 ms alone, 15-19 ms with a matmul
@@ -17,12 +22,12 @@
 //   back after), its threads stay asleep, and the pool's threads, which sleep on a
 //   condition variable, have both cores to themselves.
 //
-// Not bit-identical to MLX's matmul: the one-row loop and sgemv sum each dot product in
-// their own order, and OpenBLAS's sgemm can round a column differently when the columns
-// are split differently (seen at 64 rows) and at 1 and 2 threads. The difference is of
-// the kind and size that OpenBLAS
-// already gives a row computed alone and in a batch (a row's last bits depend on its
-// batch); model_ops checks the op against a float32 error bound, not for equality.
+// Not bit-identical to MLX's matmul: our loops sum each dot product in their own order.
+// A row's bits do not depend on its batch, its columns' split or the ISA build (rowdot.h),
+// so a greedy row batched equals its solo run, as with MLX's matmul. On the BLAS fallback
+// (no AVX2+FMA) that does not hold: sgemm can round a column differently when the columns
+// are split differently (seen at 64 rows) and at 1 and 2 threads, and sgemv sums in
+// another order. model_ops checks the op against a float32 error bound, not for equality.
 //
 // x: float32 (..., K), any strides (copied to rows if need be); w: float32 (N, K),
 // rows or columns contiguous (else copied); bias: float32 (N,) or none.
@@ -40,6 +45,9 @@ namespace mlxq {
 // last two may be 0: then the BLAS's thread count is left alone).
 void set_blas(uintptr_t sgemm, uintptr_t sgemv, uintptr_t set_threads, uintptr_t get_threads);
 bool has_blas();
+
+// The loops linear() runs: "avx512vl" or "avx2" (rowdot.h), or "blas" (sgemm/sgemv).
+const char* linear_isa();
 
 mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias);
 

@@ -1,0 +1,6 @@
+// rowdot_impl.h with AVX-512VL's 32 vector registers (the same 8-lane AVX2/FMA
+// instructions, so the same bits): 4 x 6 tiles.
+#define ROWDOT_NS avx512
+#define ROWDOT_MR 4
+#define ROWDOT_NR 6
+#include "rowdot_impl.h"

@@ -1,0 +1,121 @@
+// x @ w^T over rows as stored, for x86-64 with AVX2 and FMA; see rowdot.h. Included by
+// rowdot_avx2.cpp (-mavx2 -mfma: 16 vector registers, 4 x 3 tiles) and rowdot_avx512.cpp
+// (also -mavx512f -mavx512vl: the same 8-lane instructions with 32 registers, 4 x 6
+// tiles); linear_ops.cpp calls the one the CPU supports (isa.h). Both sum every output in
+// the same order, so they give the same bits.
+//
+// Why not OpenBLAS's sgemm: at a decode step's few rows it packs the weight panel on
+// every call (sgemm_incopy: a third of a batch-16 step's time on the bench model, more
+// than its kernel), and its rounding of a row can depend on the batch. Here each weight
+// row is read once per block of up to kRowBlock rows of x, straight from where it lies.
+//
+// A tile is MR rows of x by NR rows of w: MR * NR accumulators, per 8 k's MR + NR loads
+// and MR * NR fused multiply-adds (4 x 3: 7 loads, 12 FMAs; 4 x 6: 10 loads, 24 FMAs and
+// half the reads of x from L2 per FMA: ~82 against ~103 GFLOP/s on one Zen 4 core).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "rowdot.h"
+
+namespace mlxq::rowdot::ROWDOT_NS {
+
+namespace {
+
+// The lanes' one fixed tree: (0+4, 1+5, 2+6, 3+7), then (a+c, b+d), then the two.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Rows of x per block: a block's rows (up to 64 x K floats) stay in L2 while every weight
+// row of the part streams past them once; a decode step's batch (<= 64) is one block, so
+// its weights are read from memory once.
+constexpr int kRowBlock = 64;
+
+constexpr int MR = ROWDOT_MR, NR = ROWDOT_NR;
+static_assert(MR <= 4, "the last rows of a block are 1 to 3");
+
+template <int TM, int TN>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int K, int k8,
+                 bool add) {
+  __m256 acc[TM][TN];
+#pragma GCC unroll 8
+  for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < TN; ++j)
+      acc[i][j] = _mm256_setzero_ps();
+  for (int k = 0; k < k8; k += 8) {
+    __m256 xv[TM];
+#pragma GCC unroll 8
+    for (int i = 0; i < TM; ++i)
+      xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+#pragma GCC unroll 8
+    for (int j = 0; j < TN; ++j) {
+      const __m256 wv = _mm256_loadu_ps(w + j * ldw + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < TM; ++i)
+        acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < TN; ++j) {
+      float s = hsum(acc[i][j]);
+      const float* xr = x + i * ldx;
+      const float* wr = w + j * ldw;
+      for (int k = k8; k < K; ++k)
+        s = std::fma(wr[k], xr[k], s);
+      float& out = y[i * ldy + j];
+      out = add ? out + s : s;
+    }
+}
+
+// TM rows of x against weight rows [n0, n1): TN at a time, then the last ones singly.
+template <int TM, int TN>
+inline void row_strip(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
+                      int k8, int n0, int n1, bool add) {
+  int n = n0;
+  for (; n + TN <= n1; n += TN)
+    tile<TM, TN>(x, ldx, w + n * ldw, ldw, y + n, ldy, K, k8, add);
+  for (; n < n1; ++n)
+    tile<TM, 1>(x, ldx, w + n * ldw, ldw, y + n, ldy, K, k8, add);
+}
+
+} // namespace
+
+void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy, int K, int n0,
+            int n1, bool add) {
+  const int k8 = K & ~7;
+  if (M == 1) { // memory-bound: 8 weight rows in flight, one x row from L1
+    row_strip<1, 8>(x, ldx, w, ldw, y, ldy, K, k8, n0, n1, add);
+    return;
+  }
+  for (int m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int mb = std::min(kRowBlock, M - m0);
+    const float* xb = x + m0 * ldx;
+    float* yb = y + m0 * ldy;
+    // weight rows NR at a time (in L1), every MR rows of the block against them
+    for (int nb = n0; nb < n1; nb += NR) {
+      const int ne = std::min(n1, nb + NR);
+      int m = 0;
+      for (; m + MR <= mb; m += MR)
+        row_strip<MR, NR>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add);
+      switch (mb - m) {
+        case 3: row_strip<3, NR>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add); break;
+        case 2: row_strip<2, NR>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add); break;
+        case 1: row_strip<1, NR>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add); break;
+        default: break;
+      }
+    }
+  }
+}
+
+} // namespace mlxq::rowdot::ROWDOT_NS
