@@ -78,15 +78,28 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float
     }
 }
 
-// TM rows of x against weight rows [n0, n1): TN at a time, then the last ones singly.
+// The last R < TN weight rows of a strip, as one TM x R tile (a part's 16 columns are
+// 2 x 6 + 4: singly, a quarter of the columns would run at 5 loads per 4 FMAs).
+template <int TM, int R>
+inline void rest(int r, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
+                 int k8, bool add) {
+  if constexpr (R > 0) {
+    if (r == R)
+      tile<TM, R>(x, ldx, w, ldw, y, ldy, K, k8, add);
+    else
+      rest<TM, R - 1>(r, x, ldx, w, ldw, y, ldy, K, k8, add);
+  }
+}
+
+// TM rows of x against weight rows [n0, n1): TN at a time, then the rest as one tile.
 template <int TM, int TN>
 inline void row_strip(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
                       int k8, int n0, int n1, bool add) {
   int n = n0;
   for (; n + TN <= n1; n += TN)
     tile<TM, TN>(x, ldx, w + n * ldw, ldw, y + n, ldy, K, k8, add);
-  for (; n < n1; ++n)
-    tile<TM, 1>(x, ldx, w + n * ldw, ldw, y + n, ldy, K, k8, add);
+  if (n < n1)
+    rest<TM, TN - 1>(n1 - n, x, ldx, w + n * ldw, ldw, y + n, ldy, K, k8, add);
 }
 
 } // namespace
