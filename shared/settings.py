@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 TIERS = ("high", "normal", "low")
 DEFAULT_TIER_OFFSETS = {"high": 0.0, "normal": 30.0, "low": 300.0}
 ATTENTION_MODES = ("auto", "fused", "gather")
-MATMUL_MODES = ("pool", "mlx")
+MATMUL_MODES = ("auto", "pool", "mlx")
 BLOCK_SIZE = 32  # tokens per KV block: the only size the engine and its kernels are built and tested for
 # prefill chunk size by prompt position: (positions below this, chunk tokens); None: every later position
 DEFAULT_CHUNK_SCHEDULE = ((2048, 512), (8192, 256), (20480, 128), (None, 64))
@@ -194,10 +194,11 @@ class Settings:
                                      engine="session_dir", shown_default="not written")
     attention: str = opt("auto", "auto (the fused CPU op when it builds, else gather), fused, or gather",
                          engine="attention", choices=ATTENTION_MODES)
-    matmul: str = opt("mlx", "weight matmuls: mlx (MLX's own matmul, bit for bit mlx-lm's) or pool (the CPU "
-                      "extension's own loops on its threads, where the CPU has AVX2+FMA: ~2x solo, faster "
-                      "batches; a row's bits do not depend on its batch, but differ from MLX's in the last "
-                      "bits, so a greedy answer may differ from mlx-lm's at a near-tie)",
+    matmul: str = opt("auto", "weight matmuls: pool (the CPU extension's own loops on its threads: ~2x solo, "
+                      "faster batches; a row's bits do not depend on its batch, but differ from MLX's in the "
+                      "last bits, so a greedy answer may differ from mlx-lm's at a near-tie), mlx (MLX's own "
+                      "matmul, bit for bit mlx-lm's), or auto (pool where the CPU runs those loops: x86-64 "
+                      "with AVX2+FMA, float32 weights on the CPU; else mlx)",
                       engine="matmul", choices=MATMUL_MODES)
     kv_bits: Optional[int] = opt(None, "store KV blocks quantized, 8 or 4 bits (more sequences per MiB)",
                                  engine="kv_bits", shown_default="none: the model's float dtype")

@@ -22,6 +22,7 @@ from mlxq.shared.settings import Settings
 from mlxq.worker import blas
 from mlxq.worker.engine import PagedEngine, attention
 from mlxq.worker.engine.kernels import model_ops
+from mlxq.worker.engine.kernels.extbuild import ExtensionUnavailable
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +81,21 @@ def test_linear_bad_input_is_a_clear_error(ext):
 def test_engine_matmul_setting(ext, tiny_model):
     model = tiny_model.model
     linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
-    PagedEngine(model, num_blocks=16, attention="fused", matmul="pool")
+    eng = PagedEngine(model, num_blocks=16, attention="fused", matmul="pool")
     assert linears and all(type(m) is model_ops.FastLinear and m._mlxq_linear is not None for m in linears)
-    PagedEngine(model, num_blocks=16, attention="fused", matmul="mlx")
-    assert all(m._mlxq_linear is None for m in linears)
-    PagedEngine(model, num_blocks=16, attention="gather")
-    assert all(m._mlxq_linear is None for m in linears)
-    with pytest.raises(ValueError, match="matmul must be one of pool, mlx"):
+    assert eng.attention.matmul == "pool"
+    eng = PagedEngine(model, num_blocks=16, attention="fused", matmul="mlx")
+    assert all(m._mlxq_linear is None for m in linears) and eng.attention.matmul == "mlx"
+    eng = PagedEngine(model, num_blocks=16, attention="gather")  # auto, on the reference path: MLX's
+    assert all(m._mlxq_linear is None for m in linears) and eng.attention.matmul == "mlx"
+    # auto (the default): our own loops where they run, MLX's matmul over the BLAS fallback
+    eng = PagedEngine(model, num_blocks=16, attention="fused")
+    assert eng.attention.matmul == ("mlx" if ext.linear_isa() == "blas" else "pool")
+    assert Settings().matmul == "auto"
+    # pool where it cannot run is refused, not quietly MLX's
+    with pytest.raises(ExtensionUnavailable, match="matmul=pool needs the CPU extension's linear"):
+        PagedEngine(model, num_blocks=16, attention="gather", matmul="pool")
+    with pytest.raises(ValueError, match="matmul must be one of auto, pool, mlx"):
         PagedEngine(model, num_blocks=16, matmul="fast")
     with pytest.raises(ValueError, match="matmul"):
         Settings.from_env(matmul="fast")

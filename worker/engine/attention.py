@@ -48,7 +48,7 @@ model ops of :mod:`.model_ops` (swiglu, RoPE), bit-identical to MLX's own.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -285,6 +285,7 @@ class AttentionBackend:
     # extension that passed their bit-for-bit check against MLX (model_ops.checked_ops)
     kv_write: Optional[Callable] = None
     model_ops: tuple = ()
+    matmul: str = "mlx"  # the weight matmuls use_attention settled on: "pool" or "mlx"
 
     @property
     def fused(self) -> bool:
@@ -394,8 +395,10 @@ def routes_all_layers(model) -> bool:
 
 
 def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str = "mlx") -> AttentionBackend:
-    """Choose the engine's attention, wire it to the pool and the model, and log it. ``matmul``
-    "mlx" keeps MLX's own weight matmuls (the extension's ``linear`` is not installed)."""
+    """Choose the engine's attention, wire it to the pool and the model, and log it. ``matmul``:
+    "pool" installs the extension's ``linear`` (an error where it cannot run), "mlx" keeps MLX's
+    own weight matmuls, "auto" is "pool" where the extension runs its own loops (AVX2+FMA), else
+    "mlx" (see :func:`resolve_matmul`)."""
     if matmul not in MATMUL_MODES:
         raise ValueError(f"matmul must be one of {', '.join(MATMUL_MODES)} (got {matmul!r})")
     backend = select_backend(mode)
@@ -412,6 +415,7 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str =
             if resolve_mode(mode) == "fused":
                 raise ExtensionUnavailable(why)
             backend = AttentionBackend("gather", why)
+    matmul, matmul_why = resolve_matmul(backend, matmul)
     pool.attention = backend.op
     pool.kv_write = backend.kv_write if backend.fused else None
     if backend.fused and backend.model_ops:
@@ -420,5 +424,29 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str =
     else:
         model_ops.install_linear(model, None)  # a model an earlier engine set up keeps MLX's matmul too
         model_ops.install_groups(model, None)
-    log.info("attention: %s (%s)", backend.name, backend.reason)
+    backend = replace(backend, matmul=matmul)
+    log.info("attention: %s (%s); weight matmuls: %s (%s)", backend.name, backend.reason, matmul, matmul_why)
     return backend
+
+
+def resolve_matmul(backend: AttentionBackend, matmul: str) -> tuple[str, str]:
+    """("pool" or "mlx", why) for the asked-for mode on this backend. "pool" needs the CPU
+    extension's ``linear`` (checked against MLX when it loaded, over the optimized BLAS); asked
+    for where it is missing, it is an error, not a silent fallback. "auto" takes it only where
+    the extension runs its own loops (``csrc/rowdot.h``: a row's bits do not depend on its batch),
+    not the BLAS fallback (sgemm, whose rounding of a row can follow the batch)."""
+    has_linear = backend.fused and "linear" in backend.model_ops
+    if matmul == "pool":
+        if not has_linear:
+            why = (backend.reason if not backend.fused else
+                   "the extension's linear did not pass its check here, or no optimized BLAS is loaded")
+            raise ExtensionUnavailable(f"matmul=pool needs the CPU extension's linear: {why}")
+        return "pool", f"asked for; {cpu_extension().linear_isa()} loops"
+    if matmul == "mlx":
+        return "mlx", "asked for"
+    if not has_linear:
+        return "mlx", "auto: the CPU extension's linear is not in use here"
+    isa = cpu_extension().linear_isa()
+    if isa == "blas":
+        return "mlx", "auto: this CPU lacks AVX2+FMA, and the BLAS fallback's rounding can follow the batch"
+    return "pool", f"auto: our own {isa} loops"
