@@ -69,12 +69,23 @@ def load(shape: str, model_dir: str | None):
                            context_length=4096)
 
 
-def weights(model) -> list[mx.array]:
-    """Every weight matrix a decode step multiplies by (the tied embedding once, as the head)."""
-    mats = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not any(w.shape[0] == model.args.vocab_size for w in mats):
-        mats.append(model.model.embed_tokens.weight)
-    return mats
+def weights(model) -> list[list[mx.array]]:
+    """Every weight matrix a decode step multiplies by (the tied embedding once, as the head), in
+    the groups the engine's pool matmuls run as one call (a layer's q/k/v, an MLP's gate/up:
+    ``model_ops.GROUPS``); every other matrix alone."""
+    from mlxq.worker.engine.kernels.model_ops import GROUPS
+
+    groups, grouped = [], set()
+    for _, m in model.named_modules():
+        for names in GROUPS:
+            members = [getattr(m, n, None) for n in names]
+            if all(isinstance(x, nn.Linear) for x in members):
+                groups.append([x.weight for x in members])
+                grouped.update(id(x) for x in members)
+    groups += [[m.weight] for _, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in grouped]
+    if not any(w.shape[0] == model.args.vocab_size for g in groups for w in g):
+        groups.append([model.model.embed_tokens.weight])
+    return groups
 
 
 def best_of(fn, rounds: int = 5, reps: int = 10) -> float:
@@ -89,8 +100,9 @@ def best_of(fn, rounds: int = 5, reps: int = 10) -> float:
     return best
 
 
-def matmul_ceiling(mats: list[mx.array], batch: int) -> float:
-    """tokens/s of the weight matmuls alone at this batch."""
+def matmul_ceiling(groups: list[list[mx.array]], batch: int) -> float:
+    """tokens/s of the weight matmuls alone at this batch (MLX's matmul, one per matrix)."""
+    mats = [w for g in groups for w in g]
     xs = [mx.random.normal((batch, w.shape[1])) for w in mats]
     mx.eval(xs)
     return batch / best_of(lambda: mx.eval([x @ w.T for x, w in zip(xs, mats)]))
@@ -108,14 +120,19 @@ def _linear_ext():
     return ext if "linear" in model_ops.checked_ops(ext) else None
 
 
-def linear_ceiling(mats: list[mx.array], batch: int) -> float:
-    """tokens/s of the weight matmuls alone through the CPU extension's linear (0 if unavailable)."""
+def linear_ceiling(groups: list[list[mx.array]], batch: int) -> float:
+    """tokens/s of the weight matmuls alone through the CPU extension's linear (0 if unavailable),
+    grouped as the engine calls them (one ``linear_group`` call for q/k/v, one for gate/up)."""
     ext = _linear_ext()
     if ext is None:
         return 0.0
-    xs = [mx.random.normal((batch, w.shape[1])) for w in mats]
+    xs = [mx.random.normal((batch, g[0].shape[1])) for g in groups]
     mx.eval(xs)
-    return batch / best_of(lambda: mx.eval([ext.linear(x, w) for x, w in zip(xs, mats)]))
+
+    def step():
+        mx.eval([ext.linear_group(x, g) if len(g) > 1 else ext.linear(x, g[0]) for x, g in zip(xs, groups)])
+
+    return batch / best_of(step)
 
 
 def bandwidth(nbytes: int) -> float:
@@ -211,9 +228,9 @@ def main() -> int:
     args = ap.parse_args()
     e2e = E2E(args.model or _bench_dir()) if args.e2e and args.shape == "bench" else None
     loaded = load(args.shape, args.model)
-    mats = weights(loaded.model)
-    wbytes = sum(w.nbytes for w in mats)
-    print(f"{loaded.name}: {sum(w.size for w in mats) / 1e6:.1f}M weight-matrix parameters "
+    mats = weights(loaded.model)  # grouped as the pool's matmuls run them
+    wbytes = sum(w.nbytes for g in mats for w in g)
+    print(f"{loaded.name}: {sum(w.size for g in mats for w in g) / 1e6:.1f}M weight-matrix parameters "
           f"({wbytes / 2**20:.0f} MiB fp32); {blas.status()}")
     bw = bandwidth(4 * wbytes)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s -> solo ceiling {bw / wbytes:.0f} tok/s")
