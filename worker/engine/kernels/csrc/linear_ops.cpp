@@ -145,7 +145,7 @@ void run_part(const Blas* blas, const Target& t, const float* xp, int M, int K, 
   const int nc = c1 - c0;
   if (nc <= 0)
     return;
-  // With a bias, the output starts as the bias and the BLAS adds to it (beta 1).
+  // With a bias, the output starts as the bias and the loop or the BLAS adds to it (beta 1).
   const float beta = t.bias != nullptr ? 1.0f : 0.0f;
   if (t.bias != nullptr)
     for (int m = 0; m < M; ++m)
@@ -227,11 +227,15 @@ void Linear::eval_cpu(
       for (int c0 = 0; c0 < N; c0 += per)
         parts.push_back({g, c0, std::min(N, c0 + per)});
     }
-    if (parts.size() == 1) {
-      run_part(blas, targets[0], xp, M, K, parts[0].c0, parts[0].c1); // the BLAS keeps its own threads
+    if (parts.size() == 1) { // on this thread (a BLAS call keeps the BLAS's own threads)
+      run_part(blas, targets[0], xp, M, K, parts[0].c0, parts[0].c1);
       return;
     }
-    const int prev = blas->get_threads != nullptr ? blas->get_threads() : 1;
+    // The BLAS runs single-threaded while its calls are the pool's parts; our loops never
+    // call it, so then its thread count is left alone.
+    const bool calls_blas = g_rowdot == nullptr ||
+        std::any_of(targets.begin(), targets.end(), [](const Target& t) { return !t.w_rows; });
+    const int prev = calls_blas && blas->get_threads != nullptr ? blas->get_threads() : 1;
     if (prev != 1 && blas->set_threads != nullptr)
       blas->set_threads(1);
     tp.parallel_for((int)parts.size(), [&](int p) {
