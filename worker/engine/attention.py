@@ -438,7 +438,7 @@ def resolve_matmul(backend: AttentionBackend, matmul: str) -> tuple[str, str]:
     has_linear = backend.fused and "linear" in backend.model_ops
     if matmul == "pool":
         if not has_linear:
-            why = (backend.reason if not backend.fused else
+            why = (f"the attention is {backend.name} ({backend.reason})" if not backend.fused else
                    "the extension's linear did not pass its check here, or no optimized BLAS is loaded")
             raise ExtensionUnavailable(f"matmul=pool needs the CPU extension's linear: {why}")
         return "pool", f"asked for; {cpu_extension().linear_isa()} loops"

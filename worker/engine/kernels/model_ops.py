@@ -32,9 +32,10 @@ One op is not bit-identical, and says so:
   threads spin on the core the attention needs). Sibling projections of one input (q/k/v,
   gate/up) run as one call (:class:`LinearGroup`, bit for bit the separate calls). Its
   logits differ from MLX's in the last bits, so it is checked against a floating-point error
-  bound (:func:`_check_linear`), installed only over the optimized BLAS that
-  :mod:`mlxq.worker.blas` loaded (the fallback's), and opt-in (``--matmul pool``): the
-  default stays bit for bit mlx-lm's.
+  bound (:func:`_check_linear`) and installed only over the optimized BLAS that
+  :mod:`mlxq.worker.blas` loaded (the fallback's). The engine's ``matmul`` setting decides
+  whether it is used (``attention.resolve_matmul``): ``auto``, the default, takes it where
+  our own loops run; ``mlx`` keeps MLX's matmul, bit for bit mlx-lm's.
 """
 
 from __future__ import annotations

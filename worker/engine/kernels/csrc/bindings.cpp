@@ -103,8 +103,8 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "x"_a,
       "w"_a,
       "bias"_a = nb::none(),
-      "x (..., K) @ w (N, K)^T (+ bias), float32, split over the pool's threads into "
-      "single-threaded BLAS calls (set_blas).");
+      "x (..., K) @ w (N, K)^T (+ bias), float32, split over the pool's threads: our own "
+      "loops where the CPU has AVX2+FMA (linear_isa), else single-threaded BLAS calls (set_blas).");
   m.def(
       "linear_group",
       &mlxq::linear_group,

@@ -54,8 +54,8 @@ mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx:
 // Several weights applied to one x as one primitive and one pass of the pool: [x @ w_i^T
 // (+ bias_i)] (a layer's q/k/v projections, an MLP's gate and up). Each weight is split into
 // the very parts linear(x, w_i, bias_i) makes, so each output is that call's bit for bit
-// (a weight of 16 columns or fewer is one part, which linear() alone leaves to the BLAS's own
-// threads, here to one); what it saves is the per-call cost (an MLX task and a wake-up of
+// (a weight of 16 columns or fewer is one part, which linear() alone runs on the calling
+// thread, the BLAS's call with the BLAS's own threads, here on one of the pool's); what it saves is the per-call cost (an MLX task and a wake-up of
 // the pool) of all but one matmul. biases: one per weight, or none.
 std::vector<mx::array> linear_group(
     const mx::array& x,
