@@ -202,21 +202,12 @@ def test_pool_matmuls_keep_batched_greedy_equal_to_solo(ext, tiny_model):
     passes and decode batches of every size give each row the bits it gets alone."""
     _own_loops(ext)
     from mlxq.worker.engine_api import SeqSpec
+    from test_engine import drive
 
     model = tiny_model.model
     rng = random.Random(5)
     specs = [SeqSpec(f"j{i}", [rng.randrange(4, 500) for _ in range(rng.randrange(1, 70))], rng.randrange(5, 40),
                      stop_token_ids=()) for i in range(12)]
-
-    def drive(engine, arrivals):
-        out: dict[str, list[int]] = {}
-        step = 0
-        while engine.has_work() or any(k >= step for k in arrivals):
-            engine.add(arrivals.get(step, []))
-            for e in engine.step()[0]:
-                out.setdefault(e.uid, []).append(e.token)
-            step += 1
-        return out
 
     solo = {}
     for s in specs:
