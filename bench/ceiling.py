@@ -73,15 +73,11 @@ def weights(model) -> list[list[mx.array]]:
     """Every weight matrix a decode step multiplies by (the tied embedding once, as the head), in
     the groups the engine's pool matmuls run as one call (a layer's q/k/v, an MLP's gate/up:
     ``model_ops.GROUPS``); every other matrix alone."""
-    from mlxq.worker.engine.kernels.model_ops import GROUPS
+    from mlxq.worker.engine.kernels.model_ops import sibling_groups
 
-    groups, grouped = [], set()
-    for _, m in model.named_modules():
-        for names in GROUPS:
-            members = [getattr(m, n, None) for n in names]
-            if all(isinstance(x, nn.Linear) for x in members):
-                groups.append([x.weight for x in members])
-                grouped.update(id(x) for x in members)
+    siblings = list(sibling_groups(model))
+    grouped = {id(x) for members in siblings for x in members}
+    groups = [[x.weight for x in members] for members in siblings]
     groups += [[m.weight] for _, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in grouped]
     if not any(w.shape[0] == model.args.vocab_size for g in groups for w in g):
         groups.append([model.model.embed_tokens.weight])
@@ -228,19 +224,19 @@ def main() -> int:
     args = ap.parse_args()
     e2e = E2E(args.model or _bench_dir()) if args.e2e and args.shape == "bench" else None
     loaded = load(args.shape, args.model)
-    mats = weights(loaded.model)  # grouped as the pool's matmuls run them
-    wbytes = sum(w.nbytes for g in mats for w in g)
-    print(f"{loaded.name}: {sum(w.size for g in mats for w in g) / 1e6:.1f}M weight-matrix parameters "
+    groups = weights(loaded.model)  # grouped as the pool's matmuls run them
+    wbytes = sum(w.nbytes for g in groups for w in g)
+    print(f"{loaded.name}: {sum(w.size for g in groups for w in g) / 1e6:.1f}M weight-matrix parameters "
           f"({wbytes / 2**20:.0f} MiB fp32); {blas.status()}")
     bw = bandwidth(4 * wbytes)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s -> solo ceiling {bw / wbytes:.0f} tok/s")
     print(f"{'batch':>5} {'ceiling':>9} {'engine':>8} {'share':>6}   engine with matmul=mlx")
     for b in (int(x) for x in args.batch.split(",")):
-        mm, lin = matmul_ceiling(mats, b), linear_ceiling(mats, b)
+        mm, lin = matmul_ceiling(groups, b), linear_ceiling(groups, b)
         eng = engine_decode(loaded, b, args.prompt_len, args.steps)
         eng_mlx = engine_decode(loaded, b, args.prompt_len, args.steps, matmul="mlx")
         # measured on both sides of the engines: the better one
-        mm, lin = max(mm, matmul_ceiling(mats, b)), max(lin, linear_ceiling(mats, b))
+        mm, lin = max(mm, matmul_ceiling(groups, b)), max(lin, linear_ceiling(groups, b))
         ceiling, what = (bw / wbytes, "bandwidth") if b == 1 else (max(mm, lin), "matmul")
         line = (f"{b:>5} {ceiling:>9.0f} {eng:>8.0f} {eng / ceiling:>6.0%}   {eng_mlx:.0f} ({eng_mlx / ceiling:.0%})"
                 f"   [{what} ceiling; matmuls alone: MLX {mm:.0f}, pool {lin:.0f}]")

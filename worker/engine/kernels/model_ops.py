@@ -344,18 +344,24 @@ class LinearGroup:
         return pending[1][i]
 
 
-def install_groups(model, group_op: Optional[Callable]) -> int:
-    """Group the FastLinear siblings of :data:`GROUPS` (None: ungroup them); returns how many groups."""
-    n = 0
+def sibling_groups(model, kind: type = nn.Linear):
+    """The sibling projections of :data:`GROUPS` in ``model``: each as the list of its modules,
+    where every member is a ``kind``."""
     for _, m in model.named_modules():
         for names in GROUPS:
             members = [getattr(m, name, None) for name in names]
-            if not all(type(x) is FastLinear for x in members):
-                continue
-            group = LinearGroup(members, group_op) if group_op is not None else None
-            for i, x in enumerate(members):
-                object.__setattr__(x, "_mlxq_group", (group, i) if group is not None else None)
-            n += group is not None
+            if all(isinstance(x, kind) for x in members):
+                yield members
+
+
+def install_groups(model, group_op: Optional[Callable]) -> int:
+    """Group the FastLinear siblings of :data:`GROUPS` (None: ungroup them); returns how many groups."""
+    n = 0
+    for members in sibling_groups(model, FastLinear):
+        group = LinearGroup(members, group_op) if group_op is not None else None
+        for i, x in enumerate(members):
+            object.__setattr__(x, "_mlxq_group", (group, i) if group is not None else None)
+        n += group is not None
     return n
 
 
