@@ -88,10 +88,11 @@ def test_engine_matmul_setting(ext, tiny_model):
     assert all(m._mlxq_linear is None for m in linears) and eng.attention.matmul == "mlx"
     eng = PagedEngine(model, num_blocks=16, attention="gather")  # auto, on the reference path: MLX's
     assert all(m._mlxq_linear is None for m in linears) and eng.attention.matmul == "mlx"
-    # auto (the default): our own loops where they run, MLX's matmul over the BLAS fallback
-    eng = PagedEngine(model, num_blocks=16, attention="fused")
+    # auto: our own loops where they run, MLX's matmul over the BLAS fallback
+    eng = PagedEngine(model, num_blocks=16, attention="fused", matmul="auto")
     assert eng.attention.matmul == ("mlx" if ext.linear_isa() == "blas" else "pool")
-    assert Settings().matmul == "auto"
+    # the default stays MLX's: bit for bit mlx-lm's answers
+    assert Settings().matmul == "mlx" and PagedEngine(model, num_blocks=16).attention.matmul == "mlx"
     # pool where it cannot run is refused, not quietly MLX's
     with pytest.raises(ExtensionUnavailable, match="matmul=pool needs the CPU extension's linear"):
         PagedEngine(model, num_blocks=16, attention="gather", matmul="pool")

@@ -34,8 +34,8 @@ One op is not bit-identical, and says so:
   logits differ from MLX's in the last bits, so it is checked against a floating-point error
   bound (:func:`_check_linear`) and installed only over the optimized BLAS that
   :mod:`mlxq.worker.blas` loaded (the fallback's). The engine's ``matmul`` setting decides
-  whether it is used (``attention.resolve_matmul``): ``auto``, the default, takes it where
-  our own loops run; ``mlx`` keeps MLX's matmul, bit for bit mlx-lm's.
+  whether it is used (``attention.resolve_matmul``): ``mlx``, the default, keeps MLX's matmul,
+  bit for bit mlx-lm's; ``pool`` takes it; ``auto`` takes it where our own loops run.
 """
 
 from __future__ import annotations
