@@ -19,8 +19,8 @@ Two ceilings, measured in the same process right before the engine runs:
 
 Against them: the engine's steady decode (``PagedEngine.step`` in this process, rows already
 decoding, every token read back by the host as the worker reads it), with the pool's weight
-matmuls (``matmul=pool``, what ``auto`` picks on x86-64 with AVX2+FMA) and MLX's own
-(``matmul=mlx``, the default), side by side, and with ``--e2e`` the whole path (Client -> Valkey -> a
+matmuls (``matmul=pool``, what the default ``auto`` picks on x86-64 with AVX2+FMA) and MLX's own
+(``matmul=mlx``), side by side, and with ``--e2e`` the whole path (Client -> Valkey -> a
 ``python -m mlxq worker`` process -> token streams), generated tokens / wall time of a run long
 enough that prefill is a small part.
 

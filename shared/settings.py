@@ -194,11 +194,12 @@ class Settings:
                                      engine="session_dir", shown_default="not written")
     attention: str = opt("auto", "auto (the fused CPU op when it builds, else gather), fused, or gather",
                          engine="attention", choices=ATTENTION_MODES)
-    matmul: str = opt("mlx", "weight matmuls: mlx (MLX's own matmul, bit for bit mlx-lm's), pool (the CPU "
-                      "extension's own loops on its threads: ~2.5x solo, faster batches; a row's bits do not "
-                      "depend on its batch, but differ from MLX's in the last bits, so a long greedy answer "
-                      "can part from mlx-lm's at a near-tie), or auto (pool where the CPU runs those loops: "
-                      "x86-64 with AVX2+FMA, float32 weights on the CPU; else mlx)",
+    matmul: str = opt("auto", "weight matmuls: auto (pool where the CPU runs the extension's own loops: "
+                      "x86-64 with AVX2+FMA, float32 weights on the CPU; else mlx), pool (those loops on the "
+                      "extension's threads: ~2.5x solo, faster batches; a row's bits do not depend on its batch, "
+                      "so batched greedy answers equal solo ones exactly; they differ from MLX's matmul in the "
+                      "last bits, so a long greedy answer can part from mlx-lm's at a near-tie), or mlx "
+                      "(MLX's own matmul, bit for bit mlx-lm's alone; in a batch a row's bits can change)",
                       engine="matmul", choices=MATMUL_MODES)
     kv_bits: Optional[int] = opt(None, "store KV blocks quantized, 8 or 4 bits (more sequences per MiB)",
                                  engine="kv_bits", shown_default="none: the model's float dtype")

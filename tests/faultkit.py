@@ -131,17 +131,38 @@ def wait_registered(url: str, model: str = "tiny", n: int = 1, timeout: float = 
 
 
 def reference_tokens(loaded, prompt_ids, max_tokens, ignore_eos=False):
-    """mlx-lm's single-sequence greedy tokens (cut at the first EOS unless ``ignore_eos``)."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
+    """The worker's greedy answer for this one sequence (cut at the first EOS unless ``ignore_eos``),
+    computed in this process by the worker's own engine (``make_engine`` with this environment's
+    settings, as a worker process here builds it) with this sequence alone in it.
 
-    out = []
-    for tok, _ in generate_step(mx.array(prompt_ids), loaded.model, max_tokens=max_tokens):
-        tok = int(tok)
-        if tok in loaded.eos_token_ids and not ignore_eos:
-            break
-        out.append(tok)
-    return out
+    A worker streams exactly these tokens whatever else shares its batches, and whatever crash,
+    requeue or preemption the job goes through: every op of the engine gives a row the same bits
+    in any batch and at any join (tests/test_linear_op.py, tests/test_engine.py), and a resumed job
+    re-reads its context exactly. The engine's agreement with mlx-lm's own decoding is tested
+    separately (tests/test_engine.py, tests/test_e2e.py), at horizons where two correct summation
+    orders cannot part at a near-tie; a fault test's 480-token streams can (MLX's matmul gives a
+    row other bits in a batch of 2 to 4 rows, depending on the BLAS), so they compare with this."""
+    from mlxq.shared.settings import Settings
+    from mlxq.worker.engine.engine import make_engine
+    from mlxq.worker.engine_api import SeqSpec
+
+    blocks = (len(prompt_ids) + max_tokens) // 32 + 4
+    settings = Settings.from_env(kv_blocks=blocks, kv_memory_mb=None, session_dir=None)
+    key = (id(loaded), tuple(prompt_ids), max_tokens, ignore_eos, settings.attention, settings.matmul,
+           settings.kv_bits, settings.kv_group_size)
+    if key not in _references:
+        engine = make_engine(loaded, settings)
+        engine.add([SeqSpec("ref", list(prompt_ids), max_tokens, stop_token_ids=() if ignore_eos else None)])
+        out = []
+        while engine.has_work():
+            out += [e.token for e in engine.step()[0] if e.error is None]
+        if not ignore_eos and out and out[-1] in loaded.eos_token_ids:
+            out.pop()  # the job's tokens: the EOS that ends it is not one of them
+        _references[key] = out
+    return list(_references[key])
+
+
+_references: dict = {}
 
 
 def detok_text(tokenizer, ids):

@@ -1,4 +1,6 @@
-"""Expected output computed in the same run: mlx-lm's own greedy answers on this run's tiny model.
+"""Expected output computed in the same run: the greedy answers of this run's tiny model, each from the
+worker's engine with that sequence alone (``faultkit.reference_tokens``; their agreement with mlx-lm's
+own decoding is tested in tests/test_engine.py).
 
 The tiny model is trained at test time (from ``$MLXQ_TEST_MODEL_SEED``) and its weights follow the
 BLAS build and CPU kernels of the machine, so no test hard-codes generated text or token ids. A test
@@ -15,7 +17,7 @@ from faultkit import reference_tokens
 
 
 def greedy(loaded, prompt: str, max_tokens: int) -> tuple[list[int], str]:
-    """mlx-lm's greedy token ids for a text prompt (cut at the first EOS) and their text, which is
+    """The greedy token ids for a text prompt (cut at the first EOS) and their text, which is
     what a job returns: exactly ``decode(ids)``."""
     ids = reference_tokens(loaded, loaded.tokenizer.encode(prompt), max_tokens)
     return ids, loaded.tokenizer.decode(ids)

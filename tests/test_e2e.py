@@ -39,7 +39,7 @@ def make_engine(loaded):
     return PagedEngine(loaded.model, num_blocks=14, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name)
 
 
-def test_greedy_matches_mlx_lm_with_joins_leaves_and_cancels(tiny_model, redis_url):
+def test_greedy_matches_solo_with_joins_leaves_and_cancels(tiny_model, redis_url):
     rng = random.Random(7)
     vocab = 1000
     specs = []

@@ -4,8 +4,8 @@ server they were given dies mid-run, and work again afterwards; a URL may name s
 no wait has no end.
 
 Every job ignores EOS and is long by construction, and the kill comes once several jobs have
-streamed tokens, so jobs are surely under way at the kill.  Expected tokens come from mlx-lm on
-the same model in the same run (``reference_tokens``), never from hard-coded text.
+streamed tokens, so jobs are surely under way at the kill.  Expected tokens are the same model's answers
+to each job alone, computed in the same run (``reference_tokens``), never from hard-coded text.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def _xlen(r, job_id):
 
 
 def _check_results(loaded, results, refs, collectors=None):
-    """(completed correctly, lost, duplicated) against the mlx-lm references."""
+    """(completed correctly, lost, duplicated) against the solo references."""
     ok = lost = dup = 0
     for i, (res, ref) in enumerate(zip(results, refs)):
         if res is None or res.finish_reason not in ("stop", "length"):

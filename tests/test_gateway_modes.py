@@ -132,14 +132,14 @@ def test_chat_without_a_template_falls_back_to_role_prefixed_text(open_stack, pl
 
 # Prompts that end on a word: a model trained on English-like text continues them with a token that
 # starts with a space.  Which one does depends on this run's weights (seed, BLAS): the test picks it
-# from mlx-lm's own greedy answers, computed here.
+# from the model's greedy answers, computed here (refkit).
 SPACE_PROMPTS = ("A recipe for bread starts with", "The weather today is", "Tell me about the",
                  "The old bridge over the river", "She opened the door and", "In the morning we",
                  "The children walked to", "He wrote a letter to")
 
 
 def leading_space_case(loaded, n: int) -> tuple[str, str, str]:
-    """(prompt, mlx-lm's greedy text, a stop string): a prompt whose greedy answer has ``n`` tokens
+    """(prompt, the greedy text, a stop string): a prompt whose greedy answer has ``n`` tokens
     before any EOS and a first token that starts with a space, and the second token's text (stripped)
     as a stop string: it occurs in the answer, after the first token and before the last one."""
     tok = loaded.tokenizer

@@ -2,7 +2,7 @@
 
 A real Valkey, the real worker (on a thread, and as killed subprocesses for the crash), the Python
 client and the real gateway with the official ``openai`` client.  No generated text is hard-coded:
-greedy samples are compared with mlx-lm's greedy answer on this run's model (refkit), sampled ones
+greedy samples are compared with the greedy answer of this run's model alone (refkit), sampled ones
 with another run of the same seeded job in this test."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_bad_n_is_refused_before_queueing(redis_url):
     client.close()
 
 
-def test_greedy_samples_each_equal_mlx_lm_and_the_stream_equals_the_result(stack, tiny_model):
+def test_greedy_samples_each_equal_the_solo_answer_and_the_stream_equals_the_result(stack, tiny_model):
     _, client, _ = stack
     ref_ids, ref_text = greedy(tiny_model, PROMPT, 24)
     job = client.submit(PROMPT, n=3, max_tokens=24)
@@ -242,7 +242,7 @@ def test_a_sample_that_ended_before_a_crash_is_kept_from_the_record(tiny_model):
 
 def test_preempted_samples_resume_exactly_in_a_small_pool(tiny_model, redis_url):
     """Four samples that cannot all fit the pool at full length: the engine preempts some; each waits
-    for memory again and resumes after its last token (greedy: each is mlx-lm's answer)."""
+    for memory again and resumes after its last token (greedy: each is the solo answer)."""
     import random
 
     from faultkit import reference_tokens

@@ -92,7 +92,7 @@ def test_worker_kill9_streams_resume_token_exact(tiny_model, tiny_model_dir, red
     b = None
     try:
         assert wait_registered(redis_url), a.log()
-        # the uncrashed reference, computed in this run: mlx-lm for greedy, an undisturbed run for seeded
+        # the uncrashed reference, computed in this run: each job alone for greedy, an undisturbed run for seeded
         undisturbed = [j.result(timeout=240) for j in (client.submit(prompt_tokens=p, **kw) for p, kw in specs)]
         refs = [reference_tokens(tiny_model, p, n_tok, ignore_eos=True) if i < 3 else undisturbed[i].token_ids
                 for i, (p, _) in enumerate(specs)]

@@ -1,8 +1,8 @@
 """Structured output (issue 19's core): constraints compiled before queueing, masks in the batch.
 
 The tiny test model's weights are random-ish, so only the constraint makes its output valid: every
-property here holds for any weights.  References (mlx-lm's greedy tokens, a job run alone, an
-uncrashed run) are computed in the same run.  Engine-level tests drive a PagedEngine directly (first:
+property here holds for any weights.  References (greedy tokens of a sequence alone in the engine, a job run
+alone, an uncrashed run) are computed in the same run.  Engine-level tests drive a PagedEngine directly (first:
 MLX runs on one thread at a time); then one in-process worker, started once, serves the queue tests;
 the crash test runs worker subprocesses on a queue of their own.
 """
@@ -325,7 +325,7 @@ def test_a_constraint_cut_by_max_tokens_finishes_length(served):
 
 
 # ================================================================ mixed batches are exact
-def test_mixed_batch_free_rows_equal_mlx_lm_and_constrained_rows_equal_alone(served, refs, tiny_model):
+def test_mixed_batch_free_rows_equal_solo_and_constrained_rows_equal_alone(served, refs, tiny_model):
     client, _ = served
     free_prompts = list(refs["free"])
     constrained = [(PROMPTS[4], JSON_FORMAT), (PROMPTS[5], {"type": "regex", "pattern": REGEX}),

@@ -79,7 +79,7 @@ class PagedEngine:
         block_size: int = BLOCK_SIZE,
         context_length: Optional[int] = None,
         attention: str = "auto",
-        matmul: str = "mlx",
+        matmul: str = "auto",
         tokenizer=None,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,

@@ -34,8 +34,9 @@ One op is not bit-identical, and says so:
   logits differ from MLX's in the last bits, so it is checked against a floating-point error
   bound (:func:`_check_linear`) and installed only over the optimized BLAS that
   :mod:`mlxq.worker.blas` loaded (the fallback's). The engine's ``matmul`` setting decides
-  whether it is used (``attention.resolve_matmul``): ``mlx``, the default, keeps MLX's matmul,
-  bit for bit mlx-lm's; ``pool`` takes it; ``auto`` takes it where our own loops run.
+  whether it is used (``attention.resolve_matmul``): ``auto``, the default, takes it where our own
+  loops run (a row's bits the same in any batch); ``pool`` takes it; ``mlx`` keeps MLX's matmul,
+  bit for bit mlx-lm's for one sequence alone.
 """
 
 from __future__ import annotations
