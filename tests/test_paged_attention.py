@@ -103,6 +103,41 @@ def test_op_random_shapes(ext):
         assert _rel_err(got, want, n_new) <= 1e-5, (trial, B, G, Hkv, D, Dv, ctx, n_new, window)
 
 
+
+@pytest.mark.parametrize("ctx", [100, 700, 2100])
+def test_a_rows_bits_do_not_depend_on_its_batch_or_its_chunk(ext, ctx):
+    """The engine's promise (batched greedy == solo, resumed == undisturbed) needs a row's attention
+    output to be the same bits alone, in a batch of any size, and queried at decode (one token) or
+    inside a prefill chunk. A long row is split over the pool's threads (split-K), and the split
+    must not follow the batch: alone it has the threads to itself, in a batch it does not."""
+    rng = np.random.default_rng(ctx)
+    Hq, Hkv, D, n_chunk = 8, 2, 64, 20
+    nb = -(-ctx // BS)
+    others = 63
+    num_blocks = nb * (others + 1) + 3
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    k_pool = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
+    v_pool = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
+    tables = mx.array(perm[: nb * (others + 1)].reshape(others + 1, nb))
+    q = mx.array(rng.standard_normal((others + 1, Hq, n_chunk, D), dtype=np.float32))
+
+    def attend(rows, n, lens):
+        """The last n queries of each row (row 0: its last n positions, others: as they come)."""
+        q_off = mx.array([c - n for c in lens], dtype=mx.int32)
+        return ext.paged_attention(q[rows][:, :, -n:], k_pool, v_pool, tables[rows], q_off,
+                                   mx.array(lens, dtype=mx.int32), D ** -0.5)
+
+    alone = attend(mx.array([0]), 1, [ctx])[0]
+    lens = [ctx] + [int(x) for x in rng.integers(1, ctx + 1, size=others)]
+    for batch in (2, 8, 64):
+        got = attend(mx.arange(batch), 1, lens[:batch])[0]
+        assert np.array_equal(np.array(got), np.array(alone)), batch
+    # the same query as the last of a prefill chunk of 20 tokens, alone and in a batch
+    chunk = attend(mx.array([0]), n_chunk, [ctx])[0, :, -1:]
+    assert np.array_equal(np.array(chunk), np.array(alone))
+    chunk = attend(mx.arange(8), n_chunk, [ctx] * 8)[0, :, -1:]
+    assert np.array_equal(np.array(chunk), np.array(alone))
+
 @pytest.mark.parametrize("dtype,tol", [(mx.float16, 2e-3), (mx.bfloat16, 1.6e-2)])
 def test_half_precision_pools(ext, dtype, tol):
     args, n_new = _case(5, 3, 8, 4, [1, 5, 1], 64, [200, 77, 1500], dtype=dtype)

@@ -1,8 +1,8 @@
 // Paged attention as an MLX primitive: the op, the work plan and the threads.
 //
-// Work is split over (row, kv head) and, when there are too few of those to
-// keep every thread busy (one long sequence), over block ranges of a row:
-// split-K, each part producing (m, l, acc) that a second pass combines. The
+// Work is split over (row, kv head) and, for a long row, over fixed block
+// ranges of it (split-K, each part producing (m, l, acc) that a second pass
+// combines; see plan() for why the ranges never follow the batch). The
 // inner loop lives in pa_kernel_impl.h.
 #include "paged_attention.h"
 
@@ -51,43 +51,38 @@ struct Group {
   int nparts;
 };
 
-// Blocks per task: at least kMinChunk, and small enough to give every thread
-// several tasks (load balance over ragged rows).
-constexpr int kMinChunk = 16;
-constexpr int kTasksPerThread = 4;
+// A row longer than kPartBlocks blocks is split into parts on a fixed grid of
+// kPartBlocks blocks counted from block 0 (split-K: each part's (m, l, acc),
+// then one combine in part order). The grid depends on nothing but the row's
+// own keys: not on the batch, the thread count or how many of the row's tokens
+// are queried, so a row gets the same bits alone or in any batch, at decode or
+// inside a prefill chunk (the engine's batched == solo and exact resume rest on
+// it). Rows up to kPartBlocks blocks run whole.
+constexpr int kPartBlocks = 16;
 
 void plan(
     const Args& a,
-    int threads,
     std::vector<Task>& tasks,
     std::vector<Group>& groups,
     int64_t& nparts) {
   const int BS = a.block_size;
-  std::vector<int> tlo(a.B), thi(a.B);
-  int64_t total = 0;
+  nparts = 0;
   for (int b = 0; b < a.B; ++b) {
     int lo, hi;
     mlxq_pa::row_key_range(a, b, lo, hi);
-    tlo[b] = lo / BS;
-    thi[b] = hi > lo ? (hi + BS - 1) / BS : tlo[b];
-    total += (int64_t)(thi[b] - tlo[b]) * a.Hkv;
-  }
-  int64_t chunk = (total + (int64_t)kTasksPerThread * threads - 1) /
-      ((int64_t)kTasksPerThread * threads);
-  chunk = std::max<int64_t>(chunk, kMinChunk);
-  nparts = 0;
-  for (int b = 0; b < a.B; ++b) {
-    const int nblk = thi[b] - tlo[b];
-    const int ns = threads > 1 && nblk > chunk ? (int)((nblk + chunk - 1) / chunk) : 1;
+    const int tlo = lo / BS;
+    const int thi = hi > lo ? (hi + BS - 1) / BS : tlo;
+    const int p0 = tlo / kPartBlocks;
+    const int ns = thi > tlo ? (thi - 1) / kPartBlocks + 1 - p0 : 1;
     for (int hk = 0; hk < a.Hkv; ++hk) {
       if (ns == 1) {
-        tasks.push_back({b, hk, tlo[b], thi[b], -1});
+        tasks.push_back({b, hk, tlo, thi, -1});
         continue;
       }
       groups.push_back({b, hk, nparts, ns});
       for (int s = 0; s < ns; ++s) {
-        const int t0 = tlo[b] + (int)((int64_t)nblk * s / ns);
-        const int t1 = tlo[b] + (int)((int64_t)nblk * (s + 1) / ns);
+        const int t0 = std::max(tlo, (p0 + s) * kPartBlocks);
+        const int t1 = std::min(thi, (p0 + s + 1) * kPartBlocks);
         tasks.push_back({b, hk, t0, t1, nparts + s});
       }
       nparts += ns;
@@ -109,7 +104,7 @@ void run(
   std::vector<Task> tasks;
   std::vector<Group> groups;
   int64_t nparts = 0;
-  plan(a, tp.size(), tasks, groups, nparts);
+  plan(a, tasks, groups, nparts);
 
   // Partials of split rows: per part and query, m, l and Dv accumulators.
   const int64_t part_stride = (int64_t)GN * (Dv + 2);
