@@ -138,6 +138,54 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_its_chunk(ext, ctx):
     chunk = attend(mx.arange(8), n_chunk, [ctx] * 8)[0, :, -1:]
     assert np.array_equal(np.array(chunk), np.array(alone))
 
+@pytest.mark.parametrize("pool", ["float32", "float16", "q8", "q4"])
+def test_rows_that_share_blocks_get_their_bits_alone(ext, pool):
+    """Rows that start on the same pool blocks (the n samples of one prompt, prefix-cache hits) run
+    as one task, each shared block read (and converted or dequantized) once for all of them. A
+    row's output must be the bits it gets alone: forked rows of 1000 and 300 tokens with private
+    last blocks, a row that shares only its first blocks, unrelated rows, prefill chunks."""
+    rng = np.random.default_rng(11)
+    Hq, Hkv, D, num_blocks = 8, 4, 64, 200
+    k = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
+    v = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
+    quant = {}
+    if pool.startswith("q"):
+        bits = int(pool[1:])
+        (k, ks, kb), (v, vs, vb) = (mx.quantize(x, group_size=32, bits=bits) for x in (k, v))
+        quant = dict(k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, bits=bits, group_size=32)
+    elif pool == "float16":
+        k, v = k.astype(mx.float16), v.astype(mx.float16)
+    shared = list(range(40))  # a 1000-token prompt's 32 blocks and room to grow
+    rows, lens = [], []
+    for i in range(9):  # 9 forks (more than a task takes): private blocks from 31 on
+        rows.append(shared[:31] + [100 + 3 * i, 101 + 3 * i, 102 + 3 * i])
+        lens.append(1000 + 5 * i)
+    rows.append(shared[:5] + [160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171])  # shares 5
+    lens.append(380)
+    rows.append(list(range(180, 190)))  # unrelated
+    lens.append(300)
+    nb = max(len(r) for r in rows)
+    tables = mx.array([r + [-1] * (nb - len(r)) for r in rows], dtype=mx.int32)
+    q = mx.array(rng.standard_normal((len(rows), Hq, 7, D), dtype=np.float32))
+
+    def attend(idx, n):
+        sel = mx.array(idx)
+        ln = [lens[i] for i in idx]
+        return ext.paged_attention(q[sel][:, :, -n:], k, v, tables[sel], mx.array([c - n for c in ln], dtype=mx.int32),
+                                   mx.array(ln, dtype=mx.int32), D ** -0.5, **quant)
+
+    for n in (1, 7):
+        together = np.array(attend(list(range(len(rows))), n))
+        for i in range(len(rows)):
+            alone = np.array(attend([i], n))[0]
+            assert np.array_equal(together[i], alone), (pool, n, i)
+    if not quant:
+        args = (q[:, :, -1:], k, v, tables, mx.array([c - 1 for c in lens], dtype=mx.int32),
+                mx.array(lens, dtype=mx.int32), D ** -0.5)
+        assert _rel_err(ext.paged_attention(*args), gather_attention(*args), [1] * len(rows)) <= (
+            1e-5 if pool == "float32" else 2e-3)
+
+
 @pytest.mark.parametrize("dtype,tol", [(mx.float16, 2e-3), (mx.bfloat16, 1.6e-2)])
 def test_half_precision_pools(ext, dtype, tol):
     args, n_new = _case(5, 3, 8, 4, [1, 5, 1], 64, [200, 77, 1500], dtype=dtype)

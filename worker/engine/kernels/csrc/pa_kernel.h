@@ -51,30 +51,45 @@ inline void row_key_range(const Args& a, int b, int& lo, int& hi) {
   hi = h < 0 ? 0 : (int)h;
 }
 
-// Attend the G*N queries of (row b, kv head hk) to the keys of logical blocks
-// [t0, t1). q: those queries (index g*N + n), fp32, already multiplied by the
-// scale. Writes, per query: m (running max), l (sum of exponentials) and acc
-// (unnormalized sum of p*v, Dv floats). A query that saw no key gets
-// m = -inf, l = 0, acc = 0. scratch: block_size * (Dk + Dv) floats (for
-// f16/bf16 pools, converted, and quantized ones dequantized, a block at a time).
-using AttendFn = void (*)(
-    const Args& a,
-    const float* q,
-    int b,
-    int hk,
-    int t0,
-    int t1,
-    float* m,
-    float* l,
-    float* acc,
-    float* scratch);
+// One row's share of an attend call: its G*N queries of the kv head (index
+// g*N + n, fp32, already multiplied by the scale), the logical blocks [t0, t1)
+// it attends, and where its m (running max), l (sum of exponentials) and acc
+// (unnormalized sum of p*v, Dv floats per query) go. A query that saw no key
+// gets m = -inf, l = 0, acc = 0.
+struct Member {
+  int b;
+  int t0, t1;
+  const float* q;
+  float* m;
+  float* l;
+  float* acc;
+};
+
+// Attend rows[0..nrows) for kv head hk, block by block: every member that has
+// block t in its range takes it before any member moves to block t + 1. Each
+// member's arithmetic is exactly what it would be alone (the same blocks in the
+// same order, the same operations), so grouping rows changes no bit; rows that
+// share physical blocks (the n samples of one prompt, prefix-cache hits) read a
+// shared block from memory once for all of them, and a quantized or 16-bit
+// block is converted once. scratch: block_size * (Dk + Dv) floats.
+using AttendFn = void (*)(const Args& a, int hk, const Member* rows, int nrows, float* scratch);
+
+// Categorical sampling of one row of V logits x at temperature 1 / inv_temp,
+// with u in [0, 1) the row's uniform draw: the smallest index whose prefix sum
+// of exp((x - max) * inv_temp) exceeds u times the whole sum (inverse CDF), the
+// exponentials from the same polynomial as the attention's softmax, 8 at a time.
+// Masked logits (-inf) have probability 0 and are never drawn; a row with no
+// finite logit gives 0. chunks: (V + 7) / 8 floats of scratch.
+using CategoricalFn = int64_t (*)(const float* x, int64_t V, float inv_temp, float u, float* chunks);
 
 // One implementation per instruction set (pa_kernel_impl.h, compiled twice).
 namespace generic {
-void attend(const Args&, const float*, int, int, int, int, float*, float*, float*, float*);
+void attend(const Args&, int, const Member*, int, float*);
+int64_t categorical(const float*, int64_t, float, float, float*);
 }
 namespace avx2 {
-void attend(const Args&, const float*, int, int, int, int, float*, float*, float*, float*);
+void attend(const Args&, int, const Member*, int, float*);
+int64_t categorical(const float*, int64_t, float, float, float*);
 }
 
 } // namespace mlxq_pa

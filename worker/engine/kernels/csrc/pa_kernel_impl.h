@@ -293,125 +293,222 @@ inline void prefetch_rows(const char* p, int64_t bytes) {
     __builtin_prefetch(p + o);
 }
 
-} // namespace
-
-void attend(
+// One member's update of (m, l, acc) with rows [j0, j1) of one block (keys
+// start .. start + block_size): kb / vb its keys and values as fp32 rows.
+inline void attend_block(
     const Args& a,
-    const float* q,
-    int b,
-    int hk,
-    int t0,
-    int t1,
-    float* m,
-    float* l,
-    float* acc,
-    float* scratch) {
+    const Member& r,
+    int64_t start,
+    int j0,
+    int j1,
+    const float* kb,
+    const float* vb,
+    float* s,
+    float* p) {
   const int G = a.Hq / a.Hkv;
   const int N = a.N;
-  const int GN = G * N;
+  const int Dk = a.Dk, Dv = a.Dv;
+  const int64_t off = a.q_off[r.b];
+  const int64_t kvl = a.kv_len[r.b];
+  float* m = r.m;
+  float* l = r.l;
+  for (int n = 0; n < N; ++n) {
+    // Keys this token may see inside the block: causal, length, window.
+    const int64_t pos = off + n;
+    int64_t qh = pos + 1 < kvl ? pos + 1 : kvl;
+    int64_t ql = a.window > 0 ? pos - a.window + 1 : 0;
+    int jl = (int)((ql - start) > j0 ? (ql - start) : j0);
+    int jh = (int)((qh - start) < j1 ? (qh - start) : j1);
+    if (jh <= jl)
+      continue;
+    const int ja = jl & ~7, jb = (jh + 7) & ~7; // 8-aligned, inside the block
+    // Lane j of group [j8, j8 + 8) is a key this token may see.
+    for (int g = 0; g < G; ++g) {
+      const int i = g * N + n;
+      const float* qi = r.q + (int64_t)i * Dk;
+      vf mb = splat(kNegInf);
+      for (int j8 = ja; j8 < jb; j8 += 8) {
+        vf sc = dot8(qi, kb + (int64_t)j8 * Dk, Dk);
+        if (j8 < jl || j8 + 8 > jh) {
+          const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7} + j8;
+          sc = select((lane >= jl) & (lane < jh), sc, splat(kNegInf));
+        }
+        store(s + j8, sc);
+        mb = vmax(mb, sc);
+      }
+      const float mblk = hmax(mb);
+      const float mnew = m[i] > mblk ? m[i] : mblk;
+      const float corr = std::exp(m[i] - mnew); // 0 when m was -inf
+      vf lsum = splat(0.0f);
+      const vf mv = splat(mnew);
+      for (int j8 = ja; j8 < jb; j8 += 8) {
+        const vf e = vexp(load(s + j8) - mv);
+        store(p + j8, e);
+        lsum += e;
+      }
+      l[i] = l[i] * corr + hsum(lsum);
+      m[i] = mnew;
+      accumulate_any(r.acc + (int64_t)i * Dv, corr, p, vb, Dv, jl, jh);
+    }
+  }
+}
+
+constexpr int kMaxMembers = 64;
+
+} // namespace
+
+void attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch) {
+  const int GN = a.Hq / a.Hkv * a.N;
   const int Dk = a.Dk, Dv = a.Dv, BS = a.block_size;
   const int64_t S = (int64_t)a.num_blocks * BS;
   const int esize = a.pool_type == PoolType::f32 ? 4 : 2;
   // Bytes of one pool row (a token of one head): packed when quantized.
   const int64_t krow = a.bits ? (int64_t)Dk * a.bits / 8 : (int64_t)Dk * esize;
   const int64_t vrow = a.bits ? (int64_t)Dv * a.bits / 8 : (int64_t)Dv * esize;
-  for (int i = 0; i < GN; ++i) {
-    m[i] = kNegInf;
-    l[i] = 0.0f;
-  }
-  std::memset(acc, 0, sizeof(float) * (size_t)GN * Dv);
-
-  int lo, hi;
-  row_key_range(a, b, lo, hi);
-  const int64_t off = a.q_off[b];
-  const int64_t kvl = a.kv_len[b];
-  const int32_t* table = a.tables + (int64_t)b * a.nb;
   const char* kbase = (const char*)a.k + (int64_t)hk * S * krow;
   const char* vbase = (const char*)a.v + (int64_t)hk * S * vrow;
   float* kconv = scratch;
   float* vconv = scratch + (int64_t)BS * Dk;
+  if (nrows > kMaxMembers)
+    nrows = kMaxMembers; // the plan never makes larger groups
+
+  int lo[kMaxMembers], hi[kMaxMembers];
+  int T0 = 0, T1 = 0;
+  for (int r = 0; r < nrows; ++r) {
+    const Member& mr = rows[r];
+    for (int i = 0; i < GN; ++i) {
+      mr.m[i] = kNegInf;
+      mr.l[i] = 0.0f;
+    }
+    std::memset(mr.acc, 0, sizeof(float) * (size_t)GN * Dv);
+    row_key_range(a, mr.b, lo[r], hi[r]);
+    if (r == 0 || mr.t0 < T0)
+      T0 = mr.t0;
+    if (r == 0 || mr.t1 > T1)
+      T1 = mr.t1;
+  }
 
   alignas(32) float s[kMaxBlock];
   alignas(32) float p[kMaxBlock];
+  // What kconv / vconv hold: rows [conv_c0, conv_c1) of pool block conv_blk.
+  int64_t conv_blk = -1;
+  int conv_c0 = 0, conv_c1 = 0;
+  int64_t fetched = -1; // the last block prefetched
 
-  for (int t = t0; t < t1; ++t) {
+  for (int t = T0; t < T1; ++t) {
     const int64_t start = (int64_t)t * BS;
-    const int j0 = (int)((lo > start ? lo : start) - start);
-    const int j1 = (int)((hi < start + BS ? hi : start + BS) - start);
-    if (j1 <= j0)
-      continue;
-    const int32_t blk = table[t];
-    if (blk < 0 || blk >= a.num_blocks)
-      continue; // never read outside the pool
-    const char* kb_raw = kbase + (int64_t)blk * BS * krow;
-    const char* vb_raw = vbase + (int64_t)blk * BS * vrow;
-    if (t + 1 < t1) {
-      const int32_t nxt = table[t + 1];
-      if (nxt >= 0 && nxt < a.num_blocks) {
-        prefetch_rows(kbase + (int64_t)nxt * BS * krow, (int64_t)BS * krow);
-        prefetch_rows(vbase + (int64_t)nxt * BS * vrow, (int64_t)BS * vrow);
-      }
-    }
-    const float* kb;
-    const float* vb;
-    // The 8-aligned span around [j0, j1): dot8 reads whole groups of 8 rows.
-    const int c0 = j0 & ~7, c1 = (j1 + 7) & ~7;
-    if (a.bits) {
-      const int64_t row0 = (int64_t)hk * S + (int64_t)blk * BS; // scales/biases row
-      dequant_rows(a, (const uint32_t*)kb_raw, a.ks, a.kb, row0, kconv, Dk, c0, c1);
-      dequant_rows(a, (const uint32_t*)vb_raw, a.vs, a.vb, row0, vconv, Dv, c0, c1);
-      kb = kconv;
-      vb = vconv;
-    } else if (a.pool_type == PoolType::f32) {
-      kb = (const float*)kb_raw;
-      vb = (const float*)vb_raw;
-    } else {
-      convert_rows(a.pool_type, (const uint16_t*)kb_raw, kconv, Dk, c0, c1);
-      convert_rows(a.pool_type, (const uint16_t*)vb_raw, vconv, Dv, c0, c1);
-      kb = kconv;
-      vb = vconv;
-    }
-
-    for (int n = 0; n < N; ++n) {
-      // Keys this token may see inside the block: causal, length, window.
-      const int64_t pos = off + n;
-      int64_t qh = pos + 1 < kvl ? pos + 1 : kvl;
-      int64_t ql = a.window > 0 ? pos - a.window + 1 : 0;
-      int jl = (int)((ql - start) > j0 ? (ql - start) : j0);
-      int jh = (int)((qh - start) < j1 ? (qh - start) : j1);
-      if (jh <= jl)
+    for (int r = 0; r < nrows; ++r) {
+      const Member& mr = rows[r];
+      if (t < mr.t0 || t >= mr.t1)
         continue;
-      const int ja = jl & ~7, jb = (jh + 7) & ~7; // 8-aligned, inside the block
-      // Lane j of group [j8, j8 + 8) is a key this token may see.
-      for (int g = 0; g < G; ++g) {
-        const int i = g * N + n;
-        const float* qi = q + (int64_t)i * Dk;
-        vf mb = splat(kNegInf);
-        for (int j8 = ja; j8 < jb; j8 += 8) {
-          vf sc = dot8(qi, kb + (int64_t)j8 * Dk, Dk);
-          if (j8 < jl || j8 + 8 > jh) {
-            const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7} + j8;
-            sc = select((lane >= jl) & (lane < jh), sc, splat(kNegInf));
-          }
-          store(s + j8, sc);
-          mb = vmax(mb, sc);
+      const int j0 = (int)((lo[r] > start ? lo[r] : start) - start);
+      const int j1 = (int)((hi[r] < start + BS ? hi[r] : start + BS) - start);
+      if (j1 <= j0)
+        continue;
+      const int32_t* table = a.tables + (int64_t)mr.b * a.nb;
+      const int32_t blk = table[t];
+      if (blk < 0 || blk >= a.num_blocks)
+        continue; // never read outside the pool
+      const char* kb_raw = kbase + (int64_t)blk * BS * krow;
+      const char* vb_raw = vbase + (int64_t)blk * BS * vrow;
+      if (t + 1 < mr.t1) {
+        const int32_t nxt = table[t + 1];
+        if (nxt >= 0 && nxt < a.num_blocks && nxt != fetched) {
+          prefetch_rows(kbase + (int64_t)nxt * BS * krow, (int64_t)BS * krow);
+          prefetch_rows(vbase + (int64_t)nxt * BS * vrow, (int64_t)BS * vrow);
+          fetched = nxt;
         }
-        const float mblk = hmax(mb);
-        const float mnew = m[i] > mblk ? m[i] : mblk;
-        const float corr = std::exp(m[i] - mnew); // 0 when m was -inf
-        vf lsum = splat(0.0f);
-        const vf mv = splat(mnew);
-        for (int j8 = ja; j8 < jb; j8 += 8) {
-          const vf e = vexp(load(s + j8) - mv);
-          store(p + j8, e);
-          lsum += e;
-        }
-        l[i] = l[i] * corr + hsum(lsum);
-        m[i] = mnew;
-        accumulate_any(acc + (int64_t)i * Dv, corr, p, vb, Dv, jl, jh);
       }
+      const float* kb;
+      const float* vb;
+      // The 8-aligned span around [j0, j1): dot8 reads whole groups of 8 rows.
+      const int c0 = j0 & ~7, c1 = (j1 + 7) & ~7;
+      if (a.pool_type == PoolType::f32 && !a.bits) {
+        kb = (const float*)kb_raw;
+        vb = (const float*)vb_raw;
+      } else {
+        if (blk != conv_blk || c0 < conv_c0 || c1 > conv_c1) {
+          if (a.bits) {
+            const int64_t row0 = (int64_t)hk * S + (int64_t)blk * BS; // scales/biases row
+            dequant_rows(a, (const uint32_t*)kb_raw, a.ks, a.kb, row0, kconv, Dk, c0, c1);
+            dequant_rows(a, (const uint32_t*)vb_raw, a.vs, a.vb, row0, vconv, Dv, c0, c1);
+          } else {
+            convert_rows(a.pool_type, (const uint16_t*)kb_raw, kconv, Dk, c0, c1);
+            convert_rows(a.pool_type, (const uint16_t*)vb_raw, vconv, Dv, c0, c1);
+          }
+          conv_blk = blk;
+          conv_c0 = c0;
+          conv_c1 = c1;
+        }
+        kb = kconv;
+        vb = vconv;
+      }
+      attend_block(a, mr, start, j0, j1, kb, vb, s, p);
     }
   }
+}
+
+namespace {
+
+// Lanes [i, i + n) of x (n <= 8), the missing lanes -inf (probability 0).
+inline vf load_tail(const float* x, int64_t n) {
+  vf v = splat(kNegInf);
+  for (int64_t j = 0; j < n; ++j)
+    v[j] = x[j];
+  return v;
+}
+
+inline vf chunk_exp(const float* x, int64_t i, int64_t V, vf m, vf t) {
+  const vf v = i + 8 <= V ? load(x + i) : load_tail(x + i, V - i);
+  return vexp((v - m) * t);
+}
+
+} // namespace
+
+int64_t categorical(const float* x, int64_t V, float inv_temp, float u, float* chunks) {
+  if (V <= 0)
+    return 0;
+  vf mv = splat(kNegInf);
+  for (int64_t i = 0; i < V; i += 8)
+    mv = vmax(mv, i + 8 <= V ? load(x + i) : load_tail(x + i, V - i));
+  const float m = hmax(mv);
+  if (!(m > kNegInf) || !(m < std::numeric_limits<float>::infinity()))
+    return 0; // nothing finite to draw from
+  const vf mvec = splat(m), tv = splat(inv_temp);
+  const int64_t nc = (V + 7) / 8;
+  double total = 0.0;
+  for (int64_t c = 0; c < nc; ++c) {
+    chunks[c] = hsum(chunk_exp(x, 8 * c, V, mvec, tv));
+    total += chunks[c];
+  }
+  const double thr = (double)u * total;
+  double cum = 0.0;
+  for (int64_t c = 0; c < nc; ++c) {
+    if (cum + chunks[c] <= thr) {
+      cum += chunks[c];
+      continue;
+    }
+    const vf e = chunk_exp(x, 8 * c, V, mvec, tv);
+    int64_t last = -1;
+    for (int j = 0; j < 8 && 8 * c + j < V; ++j) {
+      if (e[j] > 0.0f)
+        last = 8 * c + j;
+      cum += e[j];
+      if (cum > thr && e[j] > 0.0f)
+        return 8 * c + j;
+    }
+    if (last >= 0)
+      return last; // the lanes' own sum fell short of the chunk's by rounding
+  }
+  for (int64_t c = nc - 1; c >= 0; --c) { // u * total rounded up to total: the last drawable index
+    if (chunks[c] > 0.0f) {
+      const vf e = chunk_exp(x, 8 * c, V, mvec, tv);
+      for (int j = 7; j >= 0; --j)
+        if (8 * c + j < V && e[j] > 0.0f)
+          return 8 * c + j;
+    }
+  }
+  return 0;
 }
 
 } // namespace PA_NS

@@ -2,8 +2,10 @@
 //
 // Work is split over (row, kv head) and, for a long row, over fixed block
 // ranges of it (split-K, each part producing (m, l, acc) that a second pass
-// combines; see plan() for why the ranges never follow the batch). The
-// inner loop lives in pa_kernel_impl.h.
+// combines; see plan() for why the ranges never follow the batch). Pieces of
+// rows that share their blocks (forked samples, prefix hits) run together, so a
+// shared block is read once for all of them. The inner loop lives in
+// pa_kernel_impl.h.
 #include "paged_attention.h"
 
 #include <algorithm>
@@ -40,9 +42,16 @@ AttendFn pick_attend() {
 const AttendFn g_attend = pick_attend();
 
 // ---------------------------------------------------------------- plan
+// One row's share of the work for one kv head: blocks [t0, t1) of row b.
+struct Piece {
+  int b, t0, t1;
+  int64_t part; // -1: the whole row, finalized into out; else index of its partial
+};
+
+// A task: one kv head, pieces[first, first + count) attended together, block
+// by block (rows that share their blocks read them once; see AttendFn).
 struct Task {
-  int b, hk, t0, t1;
-  int64_t part; // -1: whole row, finalize into out; else index of its partial
+  int hk, first, count;
 };
 
 struct Group {
@@ -59,14 +68,25 @@ struct Group {
 // inside a prefill chunk (the engine's batched == solo and exact resume rest on
 // it). Rows up to kPartBlocks blocks run whole.
 constexpr int kPartBlocks = 16;
+// Pieces that start on the same pool block at the same logical block (forked
+// samples, prefix-cache hits: rows that share their first blocks) run as one
+// task of at most this many rows. Which rows go together changes no bit.
+constexpr int kMaxTogether = 8;
 
 void plan(
     const Args& a,
+    std::vector<Piece>& pieces,
     std::vector<Task>& tasks,
     std::vector<Group>& groups,
     int64_t& nparts) {
   const int BS = a.block_size;
   nparts = 0;
+  // The pieces of one kv head (every head's are the same but for the partials).
+  struct Span {
+    int b, t0, t1, s; // s: part number in the row (-1: whole)
+  };
+  std::vector<Span> spans;
+  std::vector<int> row_parts(a.B);
   for (int b = 0; b < a.B; ++b) {
     int lo, hi;
     mlxq_pa::row_key_range(a, b, lo, hi);
@@ -74,20 +94,56 @@ void plan(
     const int thi = hi > lo ? (hi + BS - 1) / BS : tlo;
     const int p0 = tlo / kPartBlocks;
     const int ns = thi > tlo ? (thi - 1) / kPartBlocks + 1 - p0 : 1;
-    for (int hk = 0; hk < a.Hkv; ++hk) {
-      if (ns == 1) {
-        tasks.push_back({b, hk, tlo, thi, -1});
-        continue;
-      }
-      groups.push_back({b, hk, nparts, ns});
-      for (int s = 0; s < ns; ++s) {
-        const int t0 = std::max(tlo, (p0 + s) * kPartBlocks);
-        const int t1 = std::min(thi, (p0 + s + 1) * kPartBlocks);
-        tasks.push_back({b, hk, t0, t1, nparts + s});
-      }
-      nparts += ns;
+    row_parts[b] = ns;
+    if (ns == 1) {
+      spans.push_back({b, tlo, thi, -1});
+      continue;
     }
+    for (int s = 0; s < ns; ++s)
+      spans.push_back({b, std::max(tlo, (p0 + s) * kPartBlocks), std::min(thi, (p0 + s + 1) * kPartBlocks), s});
   }
+  // Spans that start at the same logical block on the same pool block, together.
+  auto key = [&](const Span& x) -> int64_t {
+    if (x.t1 <= x.t0)
+      return -1 - (int64_t)(&x - spans.data()); // empty: alone
+    return ((int64_t)x.t0 << 32) | (uint32_t)a.tables[(int64_t)x.b * a.nb + x.t0];
+  };
+  std::vector<int> order(spans.size());
+  for (size_t i = 0; i < spans.size(); ++i)
+    order[i] = (int)i;
+  std::vector<int64_t> keys(spans.size());
+  for (size_t i = 0; i < spans.size(); ++i)
+    keys[i] = key(spans[i]);
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return keys[x] < keys[y]; });
+  std::vector<std::pair<int, int>> runs; // [begin, end) of order
+  for (size_t i = 0; i < order.size();) {
+    size_t j = i + 1;
+    while (j < order.size() && j - i < (size_t)kMaxTogether && keys[order[j]] == keys[order[i]])
+      ++j;
+    runs.push_back({(int)i, (int)j});
+    i = j;
+  }
+  // Larger runs first: the threads take tasks in order, so the long ones start early.
+  std::stable_sort(runs.begin(), runs.end(), [](const auto& x, const auto& y) {
+    return x.second - x.first > y.second - y.first;
+  });
+  // Partials: row b's parts for head hk are contiguous (the combine reads them in order).
+  std::vector<int64_t> part0((size_t)a.B * a.Hkv, -1);
+  for (int b = 0; b < a.B; ++b)
+    for (int hk = 0; hk < a.Hkv; ++hk)
+      if (row_parts[b] > 1) {
+        part0[(size_t)b * a.Hkv + hk] = nparts;
+        groups.push_back({b, hk, nparts, row_parts[b]});
+        nparts += row_parts[b];
+      }
+  for (int hk = 0; hk < a.Hkv; ++hk)
+    for (const auto& run : runs) {
+      tasks.push_back({hk, (int)pieces.size(), run.second - run.first});
+      for (int i = run.first; i < run.second; ++i) {
+        const Span& x = spans[order[i]];
+        pieces.push_back({x.b, x.t0, x.t1, x.s < 0 ? -1 : part0[(size_t)x.b * a.Hkv + hk] + x.s});
+      }
+    }
 }
 
 // ---------------------------------------------------------------- eval
@@ -101,10 +157,11 @@ void run(
   const int GN = G * a.N;
   const int Dk = a.Dk, Dv = a.Dv;
   ThreadPool& tp = pool();
+  std::vector<Piece> pieces;
   std::vector<Task> tasks;
   std::vector<Group> groups;
   int64_t nparts = 0;
-  plan(a, tasks, groups, nparts);
+  plan(a, pieces, tasks, groups, nparts);
 
   // Partials of split rows: per part and query, m, l and Dv accumulators.
   const int64_t part_stride = (int64_t)GN * (Dv + 2);
@@ -120,34 +177,33 @@ void run(
   tp.parallel_for((int)tasks.size(), [&](int ti) {
     const Task& t = tasks[ti];
     thread_local std::vector<float> scratch;
-    const size_t need = (size_t)GN * Dk + (size_t)a.block_size * (Dk + Dv) +
-        (t.part < 0 ? (size_t)GN * (Dv + 2) : 0);
+    thread_local std::vector<mlxq_pa::Member> members;
+    // per piece: its scaled queries and, for a whole row, its (m, l, acc); then one block's conversion
+    const size_t per = (size_t)GN * Dk + (size_t)GN * (Dv + 2);
+    const size_t need = per * t.count + (size_t)a.block_size * (Dk + Dv);
     if (scratch.size() < need)
       scratch.resize(need);
-    float* qs = scratch.data();
-    float* conv = qs + (size_t)GN * Dk;
-    const T* qg = group_queries(t.b, t.hk);
-    for (int64_t i = 0; i < (int64_t)GN * Dk; ++i)
-      qs[i] = static_cast<float>(qg[i]) * scale;
-    float* m;
-    float* l;
-    float* acc;
-    if (t.part < 0) {
-      m = conv + (size_t)a.block_size * (Dk + Dv);
-      l = m + GN;
-      acc = l + GN;
-    } else {
-      m = partials.data() + t.part * part_stride;
-      l = m + GN;
-      acc = l + GN;
+    members.resize(t.count);
+    for (int r = 0; r < t.count; ++r) {
+      const Piece& pc = pieces[t.first + r];
+      float* qs = scratch.data() + per * r;
+      const T* qg = group_queries(pc.b, t.hk);
+      for (int64_t i = 0; i < (int64_t)GN * Dk; ++i)
+        qs[i] = static_cast<float>(qg[i]) * scale;
+      float* m = pc.part < 0 ? qs + (size_t)GN * Dk : partials.data() + pc.part * part_stride;
+      members[r] = {pc.b, pc.t0, pc.t1, qs, m, m + GN, m + 2 * GN};
     }
-    g_attend(a, qs, t.b, t.hk, t.t0, t.t1, m, l, acc, conv);
-    if (t.part < 0) {
-      T* o = group_out(t.b, t.hk);
+    g_attend(a, t.hk, members.data(), t.count, scratch.data() + per * t.count);
+    for (int r = 0; r < t.count; ++r) {
+      const Piece& pc = pieces[t.first + r];
+      if (pc.part >= 0)
+        continue;
+      const mlxq_pa::Member& mr = members[r];
+      T* o = group_out(pc.b, t.hk);
       for (int i = 0; i < GN; ++i) {
-        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        const float inv = mr.l[i] > 0.0f ? 1.0f / mr.l[i] : 0.0f;
         for (int d = 0; d < Dv; ++d)
-          o[(int64_t)i * Dv + d] = static_cast<T>(acc[(int64_t)i * Dv + d] * inv);
+          o[(int64_t)i * Dv + d] = static_cast<T>(mr.acc[(int64_t)i * Dv + d] * inv);
       }
     }
   });
