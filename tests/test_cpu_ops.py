@@ -8,6 +8,7 @@ in place.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
@@ -316,3 +317,83 @@ def test_the_wheel_ships_every_kernel_source_and_engine_package():
     for f in extbuild.SOURCE_DIR.iterdir():
         rel = str(f.relative_to(kernels))
         assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel
+
+
+# ---------------------------------------------------------------- categorical sampling
+def _draw_ok(logits, inv_temp, u, tok, eps=2e-5):
+    """tok is the inverse CDF of softmax(logits * inv_temp) at u (float64 reference), up to eps."""
+    x = np.asarray(logits, dtype=np.float64) * inv_temp
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    cdf = np.cumsum(p)
+    lo = cdf[tok - 1] if tok > 0 else 0.0
+    return p[tok] > 0 and lo - eps <= u <= cdf[tok] + eps
+
+
+@pytest.mark.parametrize("V", [13, 8192, 50257])
+def test_categorical_is_the_inverse_cdf_of_each_row(ext, V):
+    rng = np.random.default_rng(V)
+    B = 16
+    logits = (rng.standard_normal((B, V)) * 4).astype(np.float32)
+    logits[:, ::7] = -np.inf  # masked entries
+    inv_temp = rng.uniform(0.3, 3.0, size=B).astype(np.float32)
+    u = rng.random(B).astype(np.float32)
+    u[0], u[1] = 0.0, np.float32(1 - 2 ** -24)
+    args = (mx.array(logits), mx.array(inv_temp), mx.array(u))
+    got = np.array(ext.categorical(*args))
+    fallback = np.array(_mlx_fallback(*args))
+    for b in range(B):
+        assert logits[b, got[b]] > -np.inf
+        assert _draw_ok(logits[b], inv_temp[b], u[b], int(got[b])), (b, got[b])
+        assert _draw_ok(logits[b], inv_temp[b], u[b], int(fallback[b])), (b, fallback[b])
+        alone = ext.categorical(args[0][b:b + 1], args[1][b:b + 1], args[2][b:b + 1]).item()
+        assert alone == got[b]  # a row's draw does not depend on its batch
+
+
+def _mlx_fallback(logits, inv_temp, u):
+    """The sampler's MLX-ops path (what runs where the extension is not loaded)."""
+    from mlxq.worker.engine import sampler
+
+    saved = sampler._categorical_op
+    sampler._categorical_op = False
+    try:
+        return sampler.categorical(logits, inv_temp, u)
+    finally:
+        sampler._categorical_op = saved
+
+
+def test_categorical_frequencies_and_edges(ext):
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal(11) * 2).astype(np.float32)
+    logits[4] = -np.inf
+    n = 100_000
+    u = rng.random(n).astype(np.float32)
+    toks = np.array(ext.categorical(mx.array(np.tile(logits, (n, 1))), mx.full((n,), 0.7), mx.array(u)))
+    p = np.exp((logits - logits.max()) * 0.7)
+    p /= p.sum()
+    freq = np.bincount(toks, minlength=11) / n
+    assert freq[4] == 0
+    assert np.abs(freq - p).max() < 0.01
+    masked = mx.full((2, 9), -np.inf)
+    assert ext.categorical(masked, mx.ones((2,)), mx.array([0.0, 0.5])).tolist() == [0, 0]
+    one = mx.array([[-np.inf, -np.inf, 3.0, -np.inf]])
+    for uu in (0.0, 0.5, 1 - 2 ** -24):
+        assert ext.categorical(one, mx.ones((1,)), mx.array([uu])).item() == 2
+    with pytest.raises(ValueError, match="categorical"):
+        ext.categorical(mx.zeros((2, 3)), mx.ones((3,)), mx.zeros((2,)))
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(ext):
+    """sample_rows on a row alone and among others: the same draw (its own uniform stream)."""
+    from mlxq.shared.schemas import SamplingParams
+    from mlxq.worker.engine.sampler import RowSampler, sample_rows
+
+    rng = np.random.default_rng(5)
+    lp = mx.array((rng.standard_normal((6, 300)) * 3).astype(np.float32))
+    for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_p=0.9),
+                   SamplingParams(temperature=0.5, top_k=20)):
+        lps = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        batch = [RowSampler(params, 42, 3, sample=i) for i in range(6)]
+        together = sample_rows(lps, batch).tolist()
+        alone = [sample_rows(lps[i:i + 1], [RowSampler(params, 42, 3, sample=i)]).item() for i in range(6)]
+        assert together == alone

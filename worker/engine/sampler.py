@@ -2,10 +2,19 @@
 
 ``sample`` turns a pass's logits (B, vocab) into tokens; rows that share a
 sampling configuration are sampled in one call.  A sampled (temperature > 0)
-job draws from its own key stream: the key of step ``n`` is a hash of
-``(seed, sample index, n)`` (sample 0's keys are those of a one-sample job).  So a
-seeded job gives the same tokens alone or in any batch, each of its n samples its
-own, and a preempted job resumes its stream at step ``n``.
+job draws from its own stream of uniforms: the draw of step ``n`` is a hash of
+``(seed, sample index, n)`` (sample 0's draws are those of a one-sample job), and
+the token is the inverse CDF of softmax(logits / temperature) at it.  So a seeded
+job gives the same tokens alone or in any batch, each of its n samples its own,
+and a preempted job resumes its stream at step ``n``.
+
+Inverse CDF, not Gumbel-max: it needs one uniform per row instead of a random
+vocabulary's worth, and no logarithms; the CPU extension's ``categorical`` op
+does it with an 8-lane exp (the x86-64 mlx wheel's exp and log run one float at
+a time: Gumbel noise and the logsumexp before it cost ~0.2 ms per row and step).
+Where the extension is not loaded (a Metal GPU, a failed build) the same draw is
+made with MLX ops (softmax, cumsum); both give the same token but where the
+draw falls within rounding of a boundary between two tokens.
 """
 
 from __future__ import annotations
@@ -29,11 +38,46 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def step_key(seed: int, step: int, sample: int = 0) -> mx.array:
+def step_hash(seed: int, step: int, sample: int = 0) -> int:
+    """The 64-bit hash of (seed, step, sample index) a draw comes from."""
     x = seed ^ _splitmix64(step)
-    if sample:  # sample 0 keeps the one-sample keys
+    if sample:  # sample 0 keeps the one-sample draws
         x ^= _splitmix64(_splitmix64(sample) ^ step)
-    return mx.random.key(_splitmix64(x) >> 1)
+    return _splitmix64(x)
+
+
+def step_uniform(seed: int, step: int, sample: int = 0) -> float:
+    """The draw of step ``step``: a float32-exact uniform in [0, 1) (24 bits of the hash)."""
+    return (step_hash(seed, step, sample) >> 40) * (1.0 / (1 << 24))
+
+
+_categorical_op = None  # the extension's op, once looked up (False: not loaded)
+
+
+def _extension_categorical():
+    global _categorical_op
+    if _categorical_op is None:
+        from .attention import cpu_extension
+        from .kernels.extbuild import ExtensionUnavailable
+
+        try:  # never builds here: the engine built it at start, or it is not used
+            _categorical_op = getattr(cpu_extension(build_if_missing=False), "categorical", False)
+        except ExtensionUnavailable:
+            _categorical_op = False
+    return _categorical_op
+
+
+def categorical(logits: mx.array, inv_temp: mx.array, u: mx.array) -> mx.array:
+    """(B,) tokens: row b drawn from softmax(logits[b] * inv_temp[b]) at its uniform u[b]
+    (the smallest index whose cumulative probability exceeds it); -inf logits never."""
+    op = _extension_categorical() if mx.default_device() == mx.cpu else False
+    if op:
+        return op(logits.astype(mx.float32), inv_temp, u)
+    probs = mx.softmax(logits.astype(mx.float32) * inv_temp[:, None], axis=-1)
+    cdf = mx.cumsum(probs, axis=-1)
+    idx = (cdf <= u[:, None] * cdf[:, -1:]).sum(axis=-1)
+    last = logits.shape[-1] - 1 - mx.argmax((probs > 0)[:, ::-1], axis=-1)  # the last drawable index
+    return mx.minimum(idx, last).astype(mx.uint32)
 
 
 class RowSampler:
@@ -55,17 +99,23 @@ class RowSampler:
         self.sample = sample  # the sample index of an n > 1 job
         self.step = start_step
 
-    def next_key(self) -> mx.array:
-        key = step_key(self.seed, self.step, self.sample)
+    @property
+    def filters(self) -> bool:
+        """Whether a filter (top-p, min-p, top-k) needs the row's log-probabilities."""
+        return self.top_p is not None or self.min_p is not None or self.top_k is not None
+
+    def next_uniform(self) -> float:
+        u = step_uniform(self.seed, self.step, self.sample)
         self.step += 1
-        return key
+        return u
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         return sample_rows(logprobs, [self])
 
 
 def sample_rows(logprobs: mx.array, samplers: list[RowSampler]) -> mx.array:
-    """Sample (B, vocab) log-probabilities; every sampler shares samplers[0].config."""
+    """Sample (B, vocab) log-probabilities (or logits, when no sampler has a filter: a row's
+    constant offset changes no draw); every sampler shares samplers[0].config."""
     s = samplers[0]
     if s.top_p is not None:
         logprobs = apply_top_p(logprobs, s.top_p)
@@ -73,10 +123,9 @@ def sample_rows(logprobs: mx.array, samplers: list[RowSampler]) -> mx.array:
         logprobs = apply_min_p(logprobs, s.min_p, 1)
     if s.top_k is not None:
         logprobs = apply_top_k(logprobs, s.top_k)
-    vocab = logprobs.shape[-1]
-    # categorical = argmax(logits + Gumbel noise); one noise row per job, from its own key
-    noise = mx.stack([mx.random.gumbel((vocab,), key=r.next_key()) for r in samplers])
-    return mx.argmax(logprobs * s.inv_temp + noise, axis=-1)
+    inv_temp = mx.full((len(samplers),), s.inv_temp, dtype=mx.float32)
+    u = mx.array([r.next_uniform() for r in samplers], dtype=mx.float32)
+    return categorical(logprobs, inv_temp, u)
 
 
 @dataclass
@@ -113,7 +162,10 @@ def sample(logits: mx.array, rows: list[SampleRow], bias: Optional[mx.array] = N
         logits = _repetition_penalty(logits, rows)
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)
-    need_lp = [r.want_logprobs or r.sampler is not None for r in rows]
+    # log-probabilities: for rows that ask for them and for samplers that filter by them
+    need_lp = [r.want_logprobs or (r.sampler is not None and
+                                   (not isinstance(r.sampler, RowSampler) or r.sampler.filters))
+               for r in rows]
     logprobs = None
     if any(need_lp):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -152,8 +204,9 @@ def _sample_mixed(logits, logprobs, rows: list[SampleRow]) -> mx.array:
         groups.setdefault(key, []).append(i)
     index, values = [], []
     for key, idx in groups.items():
-        sub = logprobs[mx.array(idx)] if len(idx) < len(rows) else logprobs
         first = rows[idx[0]].sampler
+        src = logits if isinstance(first, RowSampler) and not first.filters else logprobs
+        sub = src[mx.array(idx)] if len(idx) < len(rows) else src
         if isinstance(first, RowSampler):
             values.append(sample_rows(sub, [rows[i].sampler for i in idx]).astype(greedy.dtype))
         else:

@@ -13,13 +13,14 @@
 #include "linear_ops.h"
 #include "norm_ops.h"
 #include "paged_attention.h"
+#include "sample_ops.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_mlxq_paged_attention, m) {
-  m.doc() = "mlxq CPU primitives: paged attention, the paged KV write, swiglu, rope, rms_norm, linear";
+  m.doc() = "mlxq CPU primitives: paged attention, the paged KV write, swiglu, rope, rms_norm, linear, categorical";
   m.def(
       "paged_attention",
       [](const mx::array& queries,
@@ -133,6 +134,15 @@ NB_MODULE(_mlxq_paged_attention, m) {
   m.def("linear_isa", &mlxq::linear_isa,
         "The loops linear runs: avx512vl or avx2 (our own, the same bits either way), or blas.");
   m.def("swiglu_isa", &mlxq::swiglu_isa, "The swiglu loop this CPU runs: avx2 or generic.");
+  m.def(
+      "categorical",
+      &mlxq::categorical,
+      "logits"_a,
+      "inv_temp"_a,
+      "u"_a,
+      "(B,) uint32: row b drawn from softmax(logits[b] * inv_temp[b]) by inverse CDF with its "
+      "uniform u[b] in [0, 1); -inf logits are never drawn.");
+  m.def("categorical_isa", &mlxq::categorical_isa, "The categorical loop this CPU runs: avx2 or generic.");
   m.def("num_threads", &mlxq::num_threads, "Threads the op runs on.");
   m.def("isa", &mlxq::isa, "The inner loop this CPU runs: avx2 or generic.");
 }
