@@ -354,12 +354,12 @@ def _mlx_fallback(logits, inv_temp, u):
     """The sampler's MLX-ops path (what runs where the extension is not loaded)."""
     from mlxq.worker.engine import sampler
 
-    saved = sampler._categorical_op
-    sampler._categorical_op = False
+    saved = sampler._ext
+    sampler._ext = False
     try:
         return sampler.categorical(logits, inv_temp, u)
     finally:
-        sampler._categorical_op = saved
+        sampler._ext = saved
 
 
 def test_categorical_frequencies_and_edges(ext):
@@ -397,3 +397,23 @@ def test_seeded_sampling_does_not_depend_on_the_batch(ext):
         together = sample_rows(lps, batch).tolist()
         alone = [sample_rows(lps[i:i + 1], [RowSampler(params, 42, 3, sample=i)]).item() for i in range(6)]
         assert together == alone
+
+
+def test_argmax_equals_mlx(ext):
+    """The greedy op: mx.argmax's answer (the first of equal maxima) on ties, -inf, NaN-free rows of
+    any length (tails shorter than a vector), strided input."""
+    rng = np.random.default_rng(9)
+    for V in (1, 5, 8, 13, 64, 8192, 50257):
+        x = rng.standard_normal((7, V)).astype(np.float32)
+        x[1] = np.round(x[1])  # many ties
+        x[2, :] = -np.inf
+        x[3, : V // 2] = -np.inf
+        x[4] = 0.0  # all equal
+        x[5, -1] = 100.0  # the max in the tail
+        x[6, min(3, V - 1)] = x[6, V - 1] = 50.0  # equal maxima, the first one wins
+        a = mx.array(x)
+        assert ext.argmax(a).tolist() == mx.argmax(a, axis=-1).tolist(), V
+    wide = mx.array(rng.standard_normal((6, 300)).astype(np.float32))
+    assert ext.argmax(wide[::2, 10:]).tolist() == mx.argmax(wide[::2, 10:], axis=-1).tolist()
+    with pytest.raises(ValueError, match="argmax"):
+        ext.argmax(mx.zeros((2, 3, 4)))

@@ -51,26 +51,36 @@ def step_uniform(seed: int, step: int, sample: int = 0) -> float:
     return (step_hash(seed, step, sample) >> 40) * (1.0 / (1 << 24))
 
 
-_categorical_op = None  # the extension's op, once looked up (False: not loaded)
+_ext = None  # the CPU extension, once looked up (False: not loaded)
 
 
-def _extension_categorical():
-    global _categorical_op
-    if _categorical_op is None:
+def _extension_op(name: str):
+    """The extension's op ``name`` on the CPU device, else None (a GPU, no extension)."""
+    global _ext
+    if _ext is None:
         from .attention import cpu_extension
         from .kernels.extbuild import ExtensionUnavailable
 
         try:  # never builds here: the engine built it at start, or it is not used
-            _categorical_op = getattr(cpu_extension(build_if_missing=False), "categorical", False)
+            _ext = cpu_extension(build_if_missing=False)
         except ExtensionUnavailable:
-            _categorical_op = False
-    return _categorical_op
+            _ext = False
+    if not _ext or mx.default_device() != mx.cpu:
+        return None
+    return getattr(_ext, name, None)
+
+
+def greedy(logits: mx.array) -> mx.array:
+    """(B,) argmax of each row: the first of equal maxima, as mx.argmax (the extension's 8-lane
+    loop for float32 on the CPU; MLX's compares one float at a time)."""
+    op = _extension_op("argmax") if logits.dtype == mx.float32 and logits.ndim == 2 else None
+    return op(logits) if op else mx.argmax(logits, axis=-1)
 
 
 def categorical(logits: mx.array, inv_temp: mx.array, u: mx.array) -> mx.array:
     """(B,) tokens: row b drawn from softmax(logits[b] * inv_temp[b]) at its uniform u[b]
     (the smallest index whose cumulative probability exceeds it); -inf logits never."""
-    op = _extension_categorical() if mx.default_device() == mx.cpu else False
+    op = _extension_op("categorical")
     if op:
         return op(logits.astype(mx.float32), inv_temp, u)
     probs = mx.softmax(logits.astype(mx.float32) * inv_temp[:, None], axis=-1)
@@ -170,7 +180,7 @@ def sample(logits: mx.array, rows: list[SampleRow], bias: Optional[mx.array] = N
     if any(need_lp):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if all(r.sampler is None for r in rows):
-        toks = mx.argmax(logits, axis=-1)
+        toks = greedy(logits)
     else:
         toks = _sample_mixed(logits, logprobs, rows)
     lps = [logprobs[i] if rows[i].want_logprobs else None for i in range(B)]
@@ -195,7 +205,7 @@ def _repetition_penalty(logits: mx.array, rows: list[SampleRow]) -> mx.array:
 
 
 def _sample_mixed(logits, logprobs, rows: list[SampleRow]) -> mx.array:
-    greedy = mx.argmax(logits, axis=-1)
+    toks = greedy(logits)
     groups: dict = {}
     for i, r in enumerate(rows):
         if r.sampler is None:
@@ -208,9 +218,9 @@ def _sample_mixed(logits, logprobs, rows: list[SampleRow]) -> mx.array:
         src = logits if isinstance(first, RowSampler) and not first.filters else logprobs
         sub = src[mx.array(idx)] if len(idx) < len(rows) else src
         if isinstance(first, RowSampler):
-            values.append(sample_rows(sub, [rows[i].sampler for i in idx]).astype(greedy.dtype))
+            values.append(sample_rows(sub, [rows[i].sampler for i in idx]).astype(toks.dtype))
         else:
-            values.append(first(sub).reshape(-1).astype(greedy.dtype))
+            values.append(first(sub).reshape(-1).astype(toks.dtype))
         index.extend(idx)
-    greedy[mx.array(index, dtype=mx.int32)] = mx.concatenate(values)
-    return greedy
+    toks[mx.array(index, dtype=mx.int32)] = mx.concatenate(values)
+    return toks

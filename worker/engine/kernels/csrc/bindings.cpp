@@ -20,7 +20,7 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_mlxq_paged_attention, m) {
-  m.doc() = "mlxq CPU primitives: paged attention, the paged KV write, swiglu, rope, rms_norm, linear, categorical";
+  m.doc() = "mlxq CPU primitives: paged attention, the paged KV write, swiglu, rope, rms_norm, linear, categorical, argmax";
   m.def(
       "paged_attention",
       [](const mx::array& queries,
@@ -142,6 +142,11 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "u"_a,
       "(B,) uint32: row b drawn from softmax(logits[b] * inv_temp[b]) by inverse CDF with its "
       "uniform u[b] in [0, 1); -inf logits are never drawn.");
+  m.def(
+      "argmax",
+      &mlxq::argmax,
+      "logits"_a,
+      "(B,) uint32: mx.argmax(logits, axis=-1) for float32 (B, V), 8 lanes at a time.");
   m.def("categorical_isa", &mlxq::categorical_isa, "The categorical loop this CPU runs: avx2 or generic.");
   m.def("num_threads", &mlxq::num_threads, "Threads the op runs on.");
   m.def("isa", &mlxq::isa, "The inner loop this CPU runs: avx2 or generic.");

@@ -82,14 +82,20 @@ using AttendFn = void (*)(const Args& a, int hk, const Member* rows, int nrows, 
 // finite logit gives 0. chunks: (V + 7) / 8 floats of scratch.
 using CategoricalFn = int64_t (*)(const float* x, int64_t V, float inv_temp, float u, float* chunks);
 
+// The index of the largest of V logits: the first one where several are equal
+// (as MLX's argmax); NaN never wins. 8 lanes at a time.
+using ArgmaxFn = int64_t (*)(const float* x, int64_t V);
+
 // One implementation per instruction set (pa_kernel_impl.h, compiled twice).
 namespace generic {
 void attend(const Args&, int, const Member*, int, float*);
 int64_t categorical(const float*, int64_t, float, float, float*);
+int64_t argmax(const float*, int64_t);
 }
 namespace avx2 {
 void attend(const Args&, int, const Member*, int, float*);
 int64_t categorical(const float*, int64_t, float, float, float*);
+int64_t argmax(const float*, int64_t);
 }
 
 } // namespace mlxq_pa

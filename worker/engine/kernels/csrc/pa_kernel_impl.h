@@ -48,6 +48,10 @@ inline vf splat(float x) {
   return vf{x, x, x, x, x, x, x, x};
 }
 
+inline vi splat_i(int32_t x) {
+  return vi{x, x, x, x, x, x, x, x};
+}
+
 inline float hsum(vf v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -508,6 +512,46 @@ int64_t categorical(const float* x, int64_t V, float inv_temp, float u, float* c
           return 8 * c + j;
     }
   }
+  return 0;
+}
+
+int64_t argmax(const float* x, int64_t V) {
+  // Per lane: its largest value above -inf and the first index holding it (a lane sees its
+  // indices in increasing order, and only a strictly larger value moves it); then the best lane,
+  // the smallest index among equal values; then the tail, which comes after every lane's index.
+  float m = kNegInf;
+  int64_t at = -1;
+  int64_t i = 0;
+  if (V >= 8 && V < ((int64_t)1 << 31) - 8) {
+    vf best = splat(kNegInf);
+    vi where = splat_i(-1);
+    vi idx = vi{0, 1, 2, 3, 4, 5, 6, 7};
+    for (; i + 8 <= V; i += 8) {
+      const vf v = load(x + i);
+      const vi up = v > best;
+      best = select(up, v, best);
+      where = (where & ~up) | (idx & up);
+      idx += splat_i(8);
+    }
+    for (int j = 0; j < 8; ++j) {
+      if (where[j] < 0)
+        continue;
+      if (best[j] > m || (best[j] == m && where[j] < at)) {
+        m = best[j];
+        at = where[j];
+      }
+    }
+  }
+  for (; i < V; ++i)
+    if (x[i] > m) {
+      m = x[i];
+      at = i;
+    }
+  if (at >= 0)
+    return at;
+  for (int64_t j = 0; j < V; ++j) // nothing above -inf: the first -inf (0 when all are NaN)
+    if (x[j] == kNegInf)
+      return j;
   return 0;
 }
 

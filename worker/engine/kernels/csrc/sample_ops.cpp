@@ -23,6 +23,16 @@ mlxq_pa::CategoricalFn pick() {
 
 const mlxq_pa::CategoricalFn g_categorical = pick();
 
+mlxq_pa::ArgmaxFn pick_argmax() {
+#if defined(MLXQ_PA_HAVE_AVX2)
+  if (use_avx2_fma())
+    return mlxq_pa::avx2::argmax;
+#endif
+  return mlxq_pa::generic::argmax;
+}
+
+const mlxq_pa::ArgmaxFn g_argmax = pick_argmax();
+
 } // namespace
 
 const char* categorical_isa() {
@@ -39,6 +49,32 @@ mx::array categorical(const mx::array& logits, const mx::array& inv_temp, const 
   auto f32 = [&](const mx::array& x) { return mx::astype(x, mx::float32, s); };
   return mx::array(
       {B}, mx::uint32, std::make_shared<Categorical>(s), {f32(logits), f32(inv_temp), f32(u)});
+}
+
+mx::array argmax(const mx::array& logits) {
+  if (logits.ndim() != 2 || logits.dtype() != mx::float32)
+    throw std::invalid_argument("argmax: logits must be float32 (B, V)");
+  auto s = mx::default_stream(mx::Device(mx::Device::cpu));
+  return mx::array({logits.shape(0)}, mx::uint32, std::make_shared<Argmax>(s), {logits});
+}
+
+void Argmax::eval_cpu(
+    const std::vector<mx::array>& given,
+    std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  const mx::array x = row_contiguous(given[0], encoder);
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  encoder.set_input_array(given[0]);
+  encoder.set_output_array(out);
+  const int B = x.shape(0);
+  const int64_t V = x.shape(1);
+  const float* xp = x.data<float>();
+  uint32_t* o = out.data<uint32_t>();
+  encoder.dispatch([xp, o, B, V]() {
+    for (int b = 0; b < B; ++b)
+      o[b] = (uint32_t)g_argmax(xp + (int64_t)b * V, V);
+  });
 }
 
 void Categorical::eval_cpu(

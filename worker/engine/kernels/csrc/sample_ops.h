@@ -17,8 +17,27 @@ namespace mlxq {
 
 mx::array categorical(const mx::array& logits, const mx::array& inv_temp, const mx::array& u);
 
+// argmax(logits (B, V) float32) -> (B,) uint32, as mx.argmax(logits, axis=-1) (the first of
+// equal maxima), 8 lanes at a time: MLX's CPU argmax compares one float at a time (0.58 ms for
+// 64 rows of an 8k vocabulary, ~2% of a batch-64 decode step of the bench model).
+mx::array argmax(const mx::array& logits);
+
 // "avx2" or "generic": the loop this CPU runs.
 const char* categorical_isa();
+
+class Argmax : public CpuPrimitive {
+ public:
+  explicit Argmax(mx::Stream stream) : CpuPrimitive(stream) {}
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "MlxqArgmax";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
 
 class Categorical : public CpuPrimitive {
  public:
