@@ -205,7 +205,6 @@ def _repetition_penalty(logits: mx.array, rows: list[SampleRow]) -> mx.array:
 
 
 def _sample_mixed(logits, logprobs, rows: list[SampleRow]) -> mx.array:
-    toks = greedy(logits)
     groups: dict = {}
     for i, r in enumerate(rows):
         if r.sampler is None:
@@ -218,9 +217,12 @@ def _sample_mixed(logits, logprobs, rows: list[SampleRow]) -> mx.array:
         src = logits if isinstance(first, RowSampler) and not first.filters else logprobs
         sub = src[mx.array(idx)] if len(idx) < len(rows) else src
         if isinstance(first, RowSampler):
-            values.append(sample_rows(sub, [rows[i].sampler for i in idx]).astype(toks.dtype))
+            values.append(sample_rows(sub, [rows[i].sampler for i in idx]).astype(mx.uint32))
         else:
-            values.append(first(sub).reshape(-1).astype(toks.dtype))
+            values.append(first(sub).reshape(-1).astype(mx.uint32))
         index.extend(idx)
-    toks[mx.array(index, dtype=mx.int32)] = mx.concatenate(values)
+    if len(values) == 1 and len(index) == len(rows):
+        return values[0]  # every row sampled alike (e.g. the n samples of one job): no argmax
+    toks = greedy(logits)
+    toks[mx.array(index, dtype=mx.int32)] = mx.concatenate(values).astype(toks.dtype)
     return toks
