@@ -1,12 +1,15 @@
 """Profile the engine's decode step in process (no Redis): where a step's time goes.
 
     python bench/profile_step.py [--batch 64] [--prompt-len 64] [--steps 40] [--cprofile]
+    python bench/profile_step.py --batch 16 --shared-prefix 1024   # rows sharing a system prompt
     python bench/profile_step.py --mixed [--batch 16]
 
 Prints, for ``--batch`` running sequences on the bench model: the engine's mean
 wall time per decode step (tokens/s), the same forward pass alone (one
 ``model(...)`` + argmax, evaluated, no engine around it) as the floor, and with
-``--cprofile`` the top host-side functions of the engine's steps.
+``--cprofile`` the top host-side functions of the engine's steps. ``--shared-prefix P``: every row
+starts with the same P-token system prompt (one request computes it first, the rows hit it in the
+prefix cache and share its blocks), then its own ``--prompt-len`` tokens.
 
 ``--mixed``: should decode rows ride in a prefill pass?  With ``--batch``
 decoding rows, one padded pass over prefill chunks + decode rows against a
@@ -46,6 +49,8 @@ def main() -> int:
     ap.add_argument("--model")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--shared-prefix", type=int, default=0, help="a system prompt of this many tokens "
+                    "that every row starts with (prefix-cache hits, shared blocks)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--kv-mb", type=float, default=None, help="KV pool budget (default: the engine's)")
@@ -55,8 +60,13 @@ def main() -> int:
     model = loaded.model
     vocab = model.args.vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(10, vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+    system = [rng.randrange(10, vocab - 1) for _ in range(args.shared_prefix)]
+    prompts = [system + [rng.randrange(10, vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     eng = make_engine(loaded, Settings.from_env(max_batch=args.batch, kv_memory_mb=args.kv_mb))
+    if system:  # computed once, then a prefix-cache hit for every row
+        eng.add([SeqSpec("system", system + [1], 1, stop_token_ids=())])
+        while eng.has_work():
+            eng.step()
     eng.add([SeqSpec(f"s{i}", p, args.steps + 50, stop_token_ids=()) for i, p in enumerate(prompts)])
     while eng.stats()["running"] < args.batch or any(
             s.status.value != "decode" for s in eng.scheduler.running.values()):
@@ -76,7 +86,9 @@ def main() -> int:
     if prof:
         prof.disable()
     dt = time.perf_counter() - t0
-    print(f"engine: batch {args.batch}, {dt / args.steps * 1000:.1f} ms/step, {n / dt:.0f} tok/s")
+    print(f"engine: batch {args.batch}, {dt / args.steps * 1000:.1f} ms/step, {n / dt:.0f} tok/s"
+          + (f" (shared prefix {args.shared_prefix}: {eng.stats().get('prefix_hit_tokens', 0)} prefix-hit tokens)"
+             if system else ""))
 
     # the floor: the stock model over a dense mlx-lm cache, one step at a time, no host work
     from mlx_lm.models.cache import make_prompt_cache
