@@ -138,14 +138,14 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_its_chunk(ext, ctx):
     chunk = attend(mx.arange(8), n_chunk, [ctx] * 8)[0, :, -1:]
     assert np.array_equal(np.array(chunk), np.array(alone))
 
+
 @pytest.mark.parametrize("pool,G", [("float32", 2), ("float32", 3), ("float16", 3), ("q8", 2), ("q4", 3)])
 def test_rows_that_share_blocks_get_their_bits_alone(ext, pool, G):
     """Rows that start on the same pool blocks (the n samples of one prompt, prefix-cache hits) run
     as one task, each shared block read (and converted or dequantized) once for all of them. A
     row's output must be the bits it gets alone: forked rows of 1000 and 300 tokens with private
-    last blocks, a row that shares only its first blocks, unrelated rows, prefill chunks. Queries
-    that see a whole block run in pairs (the block's rows loaded once for two); with G = 3 a row
-    alone has an odd query out, which in a group pairs with another row's: the same bits."""
+    last blocks, a row that shares only its first blocks, unrelated rows, prefill chunks; 2 and 3
+    query heads per KV head."""
     rng = np.random.default_rng(11)
     Hkv, D, num_blocks = 4, 64, 200
     Hq = G * Hkv

@@ -65,6 +65,10 @@ struct Member {
   float* acc;
 };
 
+// The most rows one attend call takes (paged_attention.cpp's plan groups at most
+// this many rows that share their blocks into one task).
+constexpr int kMaxMembers = 8;
+
 // Attend rows[0..nrows) for kv head hk, block by block: every member that has
 // block t in its range takes it before any member moves to block t + 1. Each
 // member's arithmetic is exactly what it would be alone (the same blocks in the

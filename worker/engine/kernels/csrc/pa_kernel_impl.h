@@ -357,8 +357,6 @@ inline void attend_block(
   }
 }
 
-constexpr int kMaxMembers = 64;
-
 } // namespace
 
 void attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch) {
@@ -374,7 +372,7 @@ void attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch
   float* kconv = scratch;
   float* vconv = scratch + (int64_t)BS * Dk;
   if (nrows > kMaxMembers)
-    nrows = kMaxMembers; // the plan never makes larger groups
+    nrows = kMaxMembers; // the plan makes no larger task (lo / hi below hold kMaxMembers)
 
   int lo[kMaxMembers], hi[kMaxMembers];
   int T0 = 0, T1 = 0;

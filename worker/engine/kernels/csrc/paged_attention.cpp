@@ -68,10 +68,6 @@ struct Group {
 // inside a prefill chunk (the engine's batched == solo and exact resume rest on
 // it). Rows up to kPartBlocks blocks run whole.
 constexpr int kPartBlocks = 16;
-// Pieces that start on the same pool block at the same logical block (forked
-// samples, prefix-cache hits: rows that share their first blocks) run as one
-// task of at most this many rows. Which rows go together changes no bit.
-constexpr int kMaxTogether = 8;
 
 void plan(
     const Args& a,
@@ -102,23 +98,22 @@ void plan(
     for (int s = 0; s < ns; ++s)
       spans.push_back({b, std::max(tlo, (p0 + s) * kPartBlocks), std::min(thi, (p0 + s + 1) * kPartBlocks), s});
   }
-  // Spans that start at the same logical block on the same pool block, together.
-  auto key = [&](const Span& x) -> int64_t {
-    if (x.t1 <= x.t0)
-      return -1 - (int64_t)(&x - spans.data()); // empty: alone
-    return ((int64_t)x.t0 << 32) | (uint32_t)a.tables[(int64_t)x.b * a.nb + x.t0];
-  };
+  // Spans that start at the same logical block on the same pool block (forked
+  // samples, prefix-cache hits: rows that share their first blocks) go together,
+  // at most mlxq_pa::kMaxMembers to a task; which rows go together changes no bit.
   std::vector<int> order(spans.size());
-  for (size_t i = 0; i < spans.size(); ++i)
-    order[i] = (int)i;
   std::vector<int64_t> keys(spans.size());
-  for (size_t i = 0; i < spans.size(); ++i)
-    keys[i] = key(spans[i]);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const Span& x = spans[i];
+    order[i] = (int)i;
+    keys[i] = x.t1 <= x.t0 ? -1 - (int64_t)i // empty: alone
+                           : ((int64_t)x.t0 << 32) | (uint32_t)a.tables[(int64_t)x.b * a.nb + x.t0];
+  }
   std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return keys[x] < keys[y]; });
   std::vector<std::pair<int, int>> runs; // [begin, end) of order
   for (size_t i = 0; i < order.size();) {
     size_t j = i + 1;
-    while (j < order.size() && j - i < (size_t)kMaxTogether && keys[order[j]] == keys[order[i]])
+    while (j < order.size() && j - i < (size_t)mlxq_pa::kMaxMembers && keys[order[j]] == keys[order[i]])
       ++j;
     runs.push_back({(int)i, (int)j});
     i = j;
