@@ -231,7 +231,7 @@ def test_extension_is_built_in_the_cache_dir(ext):
     lib = extbuild.built_library()
     assert lib is not None and lib.parent == extbuild.ext_dir()
     assert extbuild.cache_root() in lib.parents
-    assert ext.isa() in ("avx2", "generic") and ext.num_threads() >= 1
+    assert ext.isa() in ("avx512vl", "avx2", "generic") and ext.num_threads() >= 1
     # `mlxq build-ext` finds it and says so (no rebuild)
     out = subprocess.run([sys.executable, "-m", "mlxq", "build-ext"], capture_output=True, text=True,
                          timeout=300, cwd=neutral_cwd())
@@ -440,3 +440,55 @@ def test_thread_pool_under_late_workers():
         "    assert mx.array_equal(got, want[it % 3]).item(), it\n"
         "print('pool ok')\n")
     _run_fresh(script, "pool ok", MLXQ_ATTN_THREADS="4")
+
+
+def _tiles_case():
+    """Rows whose queries the op tiles together (a row's query heads, forked rows on shared
+    blocks, a prefill chunk's tokens), ragged lengths, a window: (args, quant) per pool kind."""
+    cases = []
+    for seed, (pool, G, n, window) in enumerate([("float32", 2, 1, None), ("float32", 7, 9, None),
+                                                   ("float16", 3, 5, 40), ("q8", 4, 1, None), ("q4", 5, 3, None)]):
+        rng = np.random.default_rng(100 + seed)
+        Hkv, D, num_blocks = 2, 64, 120
+        k = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
+        v = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
+        quant = {}
+        if pool.startswith("q"):
+            bits = int(pool[1:])
+            (k, ks, kb), (v, vs, vb) = (mx.quantize(x, group_size=32, bits=bits) for x in (k, v))
+            quant = dict(k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, bits=bits, group_size=32)
+        elif pool == "float16":
+            k, v = k.astype(mx.float16), v.astype(mx.float16)
+        rows = [list(range(20)) + [30 + i] for i in range(6)] + [list(range(60, 75))]
+        lens = [640 + 3 * i for i in range(6)] + [470]
+        nb = max(len(r) for r in rows)
+        tables = mx.array([r + [-1] * (nb - len(r)) for r in rows], dtype=mx.int32)
+        q = mx.array(rng.standard_normal((len(rows), G * Hkv, n, D), dtype=np.float32))
+        args = (q, k, v, tables, mx.array([c - n for c in lens], dtype=mx.int32), mx.array(lens, dtype=mx.int32),
+                D ** -0.5, window)
+        cases.append((args, quant))
+    return cases
+
+
+def test_every_isa_of_the_attention_loop_gives_the_same_bits(ext, tmp_path):
+    """The AVX-512VL build tiles 4 queries, the AVX2 build 3, the baseline loop 1: each query's
+    arithmetic is the same in any tile, so a fresh process forced onto AVX2 computes the very same
+    outputs (rows alone against rows together: test_rows_that_share_blocks_get_their_bits_alone)."""
+    if ext.isa() != "avx512vl":
+        pytest.skip("this CPU has no AVX-512VL: only one tile width runs here")
+    here = [ext.paged_attention(*args, **quant) for args, quant in _tiles_case()]
+    script = (
+        "from mlxq.worker import blas; blas.setup()\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})  # this folder's helpers\n"
+        "from test_paged_attention import _tiles_case\n"
+        "import mlx.core as mx\n"
+        "from mlxq.worker.engine import attention\n"
+        "ext = attention.cpu_extension()\n"
+        "assert ext.isa() == 'avx2', ext.isa()\n"
+        "outs = [ext.paged_attention(*a, **q).astype(mx.float32) for a, q in _tiles_case()]\n"
+        f"mx.savez({str(tmp_path / 'avx2.npz')!r}, *outs)\n"
+        "print('avx2 ok')\n")
+    _run_fresh(script, "avx2 ok", MLXQ_ATTN_ISA="avx2")
+    there = mx.load(str(tmp_path / "avx2.npz"))
+    for i, got in enumerate(here):
+        assert mx.array_equal(got.astype(mx.float32), there[f"arr_{i}"]).item(), i

@@ -149,5 +149,5 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "(B,) uint32: mx.argmax(logits, axis=-1) for float32 (B, V), 8 lanes at a time.");
   m.def("categorical_isa", &mlxq::categorical_isa, "The categorical loop this CPU runs: avx2 or generic.");
   m.def("num_threads", &mlxq::num_threads, "Threads the op runs on.");
-  m.def("isa", &mlxq::isa, "The inner loop this CPU runs: avx2 or generic.");
+  m.def("isa", &mlxq::isa, "The attention inner loop this CPU runs: avx512vl, avx2 or generic.");
 }

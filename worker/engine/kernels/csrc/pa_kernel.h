@@ -1,11 +1,12 @@
 // Paged attention, CPU inner loop: one (row, kv head) over a range of KV blocks.
 //
 // This header holds no MLX types. The implementation (pa_kernel_impl.h) is
-// compiled twice: by pa_kernel_generic.cpp (the target's baseline ISA) and, on
-// x86-64, by pa_kernel_avx2.cpp (with -mavx2 -mfma). paged_attention.cpp picks
-// one at run time (__builtin_cpu_supports), so the built library never runs an
-// instruction the CPU it lands on lacks, even if the cache dir moves between
-// machines.
+// compiled by pa_kernel_generic.cpp (the target's baseline ISA) and, on x86-64,
+// by pa_kernel_avx2.cpp (with -mavx2 -mfma) and pa_kernel_avx512.cpp (the same
+// 8-lane loops with AVX-512VL's 32 registers, so wider tiles of queries and the
+// same bits). paged_attention.cpp picks one at run time (__builtin_cpu_supports),
+// so the built library never runs an instruction the CPU it lands on lacks, even
+// if the cache dir moves between machines.
 #pragma once
 
 #include <cstdint>
@@ -100,6 +101,9 @@ namespace avx2 {
 void attend(const Args&, int, const Member*, int, float*);
 int64_t categorical(const float*, int64_t, float, float, float*);
 int64_t argmax(const float*, int64_t);
+}
+namespace avx512 { // attend with 32 registers (its categorical and argmax: the avx2 ones)
+void attend(const Args&, int, const Member*, int, float*);
 }
 
 } // namespace mlxq_pa

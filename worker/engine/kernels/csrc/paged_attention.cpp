@@ -33,6 +33,8 @@ using mlxq_pa::PoolType;
 
 AttendFn pick_attend() {
 #if defined(MLXQ_PA_HAVE_AVX2)
+  if (mlxq::use_avx512vl())
+    return mlxq_pa::avx512::attend;
   if (mlxq::use_avx2_fma())
     return mlxq_pa::avx2::attend;
 #endif
@@ -354,7 +356,13 @@ mx::array paged_attention(
 
 
 const char* isa() {
-  return g_attend == mlxq_pa::generic::attend ? "generic" : "avx2";
+  if (g_attend == mlxq_pa::generic::attend)
+    return "generic";
+#if defined(MLXQ_PA_HAVE_AVX2)
+  if (g_attend == mlxq_pa::avx512::attend)
+    return "avx512vl";
+#endif
+  return "avx2";
 }
 
 void PagedAttention::eval_cpu(

@@ -45,7 +45,7 @@ mx::array paged_attention(
     int block_size = 32,
     const std::optional<KVQuantArrays>& quant = std::nullopt);
 
-// "avx2" or "generic": the inner loop this CPU runs.
+// "avx512vl", "avx2" or "generic": the inner loop this CPU runs.
 const char* isa();
 
 class PagedAttention : public mx::Primitive {
