@@ -139,6 +139,21 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_its_chunk(ext, ctx):
     assert np.array_equal(np.array(chunk), np.array(alone))
 
 
+def _pools(rng, pool: str, Hkv: int, D: int, num_blocks: int):
+    """Random K and V pools of one kind ("float32", "float16", "q8", "q4": group 32) and the op's
+    quantization arguments for them."""
+    k = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
+    v = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
+    quant = {}
+    if pool.startswith("q"):
+        bits = int(pool[1:])
+        (k, ks, kb), (v, vs, vb) = (mx.quantize(x, group_size=32, bits=bits) for x in (k, v))
+        quant = dict(k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, bits=bits, group_size=32)
+    elif pool == "float16":
+        k, v = k.astype(mx.float16), v.astype(mx.float16)
+    return k, v, quant
+
+
 @pytest.mark.parametrize("pool,G", [("float32", 2), ("float32", 3), ("float16", 3), ("q8", 2), ("q4", 3)])
 def test_rows_that_share_blocks_get_their_bits_alone(ext, pool, G):
     """Rows that start on the same pool blocks (the n samples of one prompt, prefix-cache hits) run
@@ -149,15 +164,7 @@ def test_rows_that_share_blocks_get_their_bits_alone(ext, pool, G):
     rng = np.random.default_rng(11)
     Hkv, D, num_blocks = 4, 64, 200
     Hq = G * Hkv
-    k = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
-    v = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
-    quant = {}
-    if pool.startswith("q"):
-        bits = int(pool[1:])
-        (k, ks, kb), (v, vs, vb) = (mx.quantize(x, group_size=32, bits=bits) for x in (k, v))
-        quant = dict(k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, bits=bits, group_size=32)
-    elif pool == "float16":
-        k, v = k.astype(mx.float16), v.astype(mx.float16)
+    k, v, quant = _pools(rng, pool, Hkv, D, num_blocks)
     shared = list(range(40))  # a 1000-token prompt's 32 blocks and room to grow
     rows, lens = [], []
     for i in range(9):  # 9 forks (more than a task takes): private blocks from 31 on
@@ -450,15 +457,7 @@ def _tiles_case():
                                                    ("float16", 3, 5, 40), ("q8", 4, 1, None), ("q4", 5, 3, None)]):
         rng = np.random.default_rng(100 + seed)
         Hkv, D, num_blocks = 2, 64, 120
-        k = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
-        v = mx.array(rng.standard_normal((Hkv, num_blocks * BS, D), dtype=np.float32))
-        quant = {}
-        if pool.startswith("q"):
-            bits = int(pool[1:])
-            (k, ks, kb), (v, vs, vb) = (mx.quantize(x, group_size=32, bits=bits) for x in (k, v))
-            quant = dict(k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, bits=bits, group_size=32)
-        elif pool == "float16":
-            k, v = k.astype(mx.float16), v.astype(mx.float16)
+        k, v, quant = _pools(rng, pool, Hkv, D, num_blocks)
         rows = [list(range(20)) + [30 + i] for i in range(6)] + [list(range(60, 75))]
         lens = [640 + 3 * i for i in range(6)] + [470]
         nb = max(len(r) for r in rows)
