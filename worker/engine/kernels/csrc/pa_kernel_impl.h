@@ -237,7 +237,9 @@ inline void prefetch_rows(const char* p, int64_t bytes) {
 
 // How far ahead a task prefetches its blocks: far enough that a block of shared rows
 // (several queries' arithmetic on it) and a block of one row (read-bound) both find the
-// next one arrived (8 forked rows over 1000 tokens: ~3% a decode step against one ahead).
+// next one arrived. With prefetcht1 (prefetch_rows), against one block ahead into L1, a
+// decode step at 1000 tokens, interleaved A/B in one process: 8 forked rows 10.43 -> 9.75 ms,
+// one row 6.64 -> 6.10 ms.
 constexpr int kPrefetchAhead = 2;
 
 // Queries per tile (PA_TQ) and 8-float vectors of V per accumulation pass (PA_NV): each
@@ -296,8 +298,8 @@ inline void dot4(const QRef* qs, const float* k, int D, vf* h) {
     h[i] = hadd(hadd(a[i][0], a[i][1]), hadd(a[i][2], a[i][3]));
 }
 
-// acc[0:8*V] of each query = acc * corr + sum_j p[j] * v[j][0:8*V], rows j in [j0, j1);
-// per output float the same operations as accumulate<V> alone.
+// acc[d:d+8*V] of each query = acc * corr + sum_j p[j] * v[j][d:d+8*V], rows j in [j0, j1)
+// in order: per output float the same multiply and fused multiply-adds whatever NQ and V.
 template <int NQ, int V>
 inline void accumulate_tile(const QRef* qs, int d, const float* corr, const float* p, const float* v,
                             int ldv, int j0, int j1) {
