@@ -59,7 +59,8 @@ def drive(engine, specs, arrivals=None, on_step=None, max_steps=2000):
 
 
 def test_scheduler_plans_the_copy_and_pins_its_source_until_then():
-    """The plan, on its own (block size 4): a 10-token prompt is 2 shared full blocks + a copied one."""
+    """The plan, on its own (block size 4): a 10-token prompt is 2 shared full blocks + a copied one
+    (the fork given no first token by the pass: a constrained one, which computes its last prompt token)."""
     s = Scheduler(BlockManager(32, 4, "m"), SchedulerConfig())
     s.add(job("j", list(range(1, 11)), 2, 5, stop_token_ids=()))
     plan = s.schedule_prefill()
@@ -76,6 +77,43 @@ def test_scheduler_plans_the_copy_and_pins_its_source_until_then():
     assert s.bm.blocks[j0.block_table[2]].ref_count == 1 and s.bm.num_used == 3 + 1
     s.remove(["j"])
     assert s.bm.num_used == 0 and not s.running and not s.waiting
+
+
+def test_waiting_forks_draw_their_first_token_from_the_siblings_last_prefill_pass():
+    """The pass that ends sample 0's prompt samples every waiting fork's first token from sample
+    0's logits; next step the forks share the whole prompt (the partial block copied) and decode."""
+    s = Scheduler(BlockManager(32, 4, "m"), SchedulerConfig())
+    s.add(job("j", list(range(1, 11)), 3, 5, stop_token_ids=()))
+    plan = s.schedule_prefill()
+    assert [q.uid for q, _ in plan.rows] == ["j#0"]
+    assert [(w.uid, k) for w, k in plan.firsts] == [("j#1", 0), ("j#2", 0)]
+    s.postprocess_prefill(plan, [Sampled(q, 7 + i) for i, q in enumerate(plan.ending_seqs() + [w for w, _ in plan.firsts])])
+    assert [(e.uid, e.token) for e in s.take_output()[0]] == [("j#0", 7), ("j#1", 8), ("j#2", 9)]
+    plan = s.schedule_prefill()
+    j0, j1, j2 = s.running["j#0"], s.running["j#1"], s.running["j#2"]
+    assert plan.rows == [] and plan.copies == [(j0.block_table[2], j1.block_table[2]),
+                                               (j0.block_table[2], j2.block_table[2])]
+    assert j1.status is SequenceStatus.DECODE and j1.num_computed == 10 and j1.tokens[-1] == 8
+    assert s.counters.fork_shared_tokens == 20 and s.counters.prompt_tokens == 10
+    rows = s.schedule_decode()
+    assert {q.uid for q in rows} == {"j#0", "j#1", "j#2"}  # all three decode together
+    s.remove(["j"])
+    assert s.bm.num_used == 0 and not s.running and not s.waiting
+
+
+def test_a_fork_that_ends_on_its_first_token_leaves_the_queue():
+    s = Scheduler(BlockManager(32, 4, "m"), SchedulerConfig())
+    specs = job("j", list(range(1, 11)), 3, 5, stop_token_ids=(99,))
+    specs[2] = replace(specs[2], max_tokens=1)
+    s.add(specs)
+    plan = s.schedule_prefill()
+    s.postprocess_prefill(plan, [Sampled(q, t) for q, t in zip(plan.ending_seqs() + [w for w, _ in plan.firsts],
+                                                                (7, 99, 5))])
+    assert [(e.uid, e.token, e.finish_reason) for e in s.take_output()[0]] == [
+        ("j#0", 7, None), ("j#1", 99, "stop"), ("j#2", 5, "length")]
+    assert not s.waiting and set(s.running) == {"j#0"}
+    s.remove(["j"])
+    assert s.bm.num_used == 0
 
 
 def test_a_fork_preempted_as_it_is_admitted_makes_no_copy():
@@ -109,8 +147,9 @@ def test_forked_greedy_samples_equal_solo_one_prefill_shared_blocks(model):
     # the prompt's 3 blocks once, plus one copied partial block per forked sample (70 + 12 < 96: no growth)
     assert used == [3 + 3]
     st = eng.stats()
-    assert eng.counters.prefill_tokens == len(prompt)  # computed once; each fork's last token is a decode row
-    assert st["fork_shared_tokens"] == 3 * (len(prompt) - 1)
+    assert eng.counters.prefill_tokens == len(prompt)  # computed once, the forks' last token too
+    assert st["fork_shared_tokens"] == 3 * len(prompt)
+    assert st["prompt_tokens"] == len(prompt)
     _assert_no_leak(eng)
     # the prompt's full blocks stay in the prefix cache for the next job
     assert drive(eng, [SeqSpec("again", prompt, 4)]) == {"again": ref[:4]}

@@ -89,7 +89,8 @@ class ModelRunner:
     def prefill(self, plan: PrefillPlan) -> list[Sampled]:
         """Run one ragged prefill pass (evaluated); the first token of each ending row (a row whose
         grammar allows no first token comes back with ``token`` None and its ``error``).  The plan's
-        block copies (forked samples) are made first."""
+        block copies (forked samples) are made first; the plan's waiting forks (``firsts``) get their
+        first token from their sibling's row, each with its own sampler."""
         if plan.copies:
             self._copy_blocks(plan.copies)
         if not plan.rows:
@@ -106,6 +107,9 @@ class ModelRunner:
             mx.eval(self.pool.arrays())
             return []
         seqs = plan.ending_seqs()
+        if plan.firsts:  # waiting forks sample their first token from their sibling's row
+            logits = logits[mx.array(list(range(len(seqs))) + [k for _, k in plan.firsts])]
+            seqs = seqs + [w for w, _ in plan.firsts]
         shaped = None
         if any(s.row_shape() is not None for s in seqs):
             mx.async_eval(logits, self.pool.arrays())  # the forward runs while the host shapes

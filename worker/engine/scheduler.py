@@ -13,7 +13,9 @@ runner sampled:
    until its sibling computed the shared prompt, then takes the sibling's full blocks
    (one more reference each) and a copy of its last partial block (the plan's
    ``copies``, made by the model runner before the pass) and computes only its own
-   last token(s);
+   last token(s); a sample still waiting when its sibling's prompt ends draws its
+   first token from the sibling's logits in that pass (the plan's ``firsts``), so
+   all n samples decode from the next step on, none a step behind;
 2. ``schedule_decode()`` gives every other decoding sequence a block for its new
    token, preempting the lowest-priority, newest sequence when the pool is full;
 3. ``postprocess_*()`` appends the sampled tokens, commits full blocks to the prefix
@@ -71,6 +73,10 @@ class PrefillPlan:
     # (source block, destination block) copies to make before the pass (forked samples' last partial
     # block); a plan may carry copies and no rows
     copies: list[tuple[int, int]] = field(default_factory=list)
+    # (waiting sample, index into ``ending``): forked samples whose sibling's prompt ends in this pass
+    # draw their first token from the sibling's logits (the same context, so the same logits), so
+    # every sample of a job starts decoding in the same step
+    firsts: list[tuple[Sequence, int]] = field(default_factory=list)
 
     def __post_init__(self):
         self.ending = [i for i, (seq, n) in enumerate(self.rows) if n >= seq.num_uncomputed]
@@ -352,6 +358,21 @@ class Scheduler:
         n_full = self._fork_len(seq) // self.block_size
         return PrefixHit(sibling.block_table[:n_full], sibling.block_hashes[:n_full]), self._fork_len(seq)
 
+    def _first_of_fork(self, s: Sampled) -> None:
+        """A waiting fork's first token, drawn from its sibling's prefill logits: it admits next step
+        sharing the whole prompt and decodes from that token (or it ended there: EOS, max_tokens 1)."""
+        seq = s.seq
+        if self._live.get(seq.uid) is not seq or seq not in self.waiting:
+            return  # removed meanwhile
+        if s.error is not None:
+            self.waiting.remove(seq)
+            self._unregister(seq)
+            self._events.append(TokenEvent(seq.uid, None, "error", cached_tokens=0, error=s.error))
+            return
+        self._emit(s)
+        if self._live.get(seq.uid) is not seq:  # it finished on that token
+            self.waiting.remove(seq)
+
     def _fork(self, seq: Sequence, sibling: Sequence, n_full: int) -> None:
         """Finish a forked admission: the copy of the sibling's last partial block (its source pinned
         until the plan carries it), and straight to decode when one token is left to compute."""
@@ -363,7 +384,8 @@ class Scheduler:
             seq.status = SequenceStatus.DECODE  # its decode row computes its last prompt token
         seq.prefix_hit = min(sibling.prefix_hit, seq.num_computed)
         self.counters.fork_shared_tokens += seq.num_computed
-        self.counters.prompt_tokens += seq.num_uncomputed
+        # context tokens it did not share (its first token drawn from the sibling's logits is none)
+        self.counters.prompt_tokens += max(0, seq.num_context - seq.num_computed)
 
     def _victim(self) -> Sequence:
         return max(self.running.values(), key=Sequence.rank)
@@ -400,7 +422,25 @@ class Scheduler:
         self.bm.deallocate([src for src, _ in copies])
         n_decoding = sum(1 for s in self.running.values() if s.status is SequenceStatus.DECODE)
         rows = self._pick_prefill(max(1, self.config.step_token_budget - n_decoding))
-        return PrefillPlan(rows, copies) if rows or copies else None
+        if not (rows or copies):
+            return None
+        plan = PrefillPlan(rows, copies)
+        plan.firsts = self._firsts(plan)
+        return plan
+
+    def _firsts(self, plan: PrefillPlan) -> list[tuple[Sequence, int]]:
+        """The waiting forks of this pass's ending rows whose context is the sibling's, whole: their
+        first token comes from the sibling's logits (a constrained sample takes the ordinary path)."""
+        ending = {seq.uid: (k, seq) for k, seq in enumerate(plan.ending_seqs())}
+        if not ending:
+            return []
+        out = []
+        for w in self.waiting:
+            k, sibling = ending.get(w.spec.fork_of, (None, None))
+            if (sibling is not None and w.grammar is None and w.emitted == 0
+                    and w.spec.fork_len == len(w.tokens) and w.tokens == sibling.tokens):
+                out.append((w, k))
+        return out
 
     def _chunk_size(self, pos: int) -> int:
         for limit, size in self.config.chunk_schedule:
@@ -441,7 +481,11 @@ class Scheduler:
         for seq, n in plan.rows:
             seq.num_computed += n
             self._commit_full_blocks(seq)
+        firsts = {id(w) for w, _ in plan.firsts}
         for s in sampled:
+            if id(s.seq) in firsts:
+                self._first_of_fork(s)
+                continue
             s.seq.status = SequenceStatus.DECODE
             if s.error is not None:
                 self.fail(s.seq, s.error)
