@@ -160,6 +160,25 @@ def test_forked_greedy_samples_equal_solo_one_prefill_shared_blocks(model):
     assert eng2.counters.prefill_tokens == 4 * len(prompt)
 
 
+def test_all_samples_get_their_first_token_in_the_prefill_step(model):
+    """The pass that ends sample 0's prompt gives every sample its first token (from sample 0's
+    logits, each with its own sampler); the samples then decode in the same steps and end together."""
+    prompt = _prompts(16, 1, 70, 70)[0]
+    eng = PagedEngine(model, num_blocks=64, chunk_schedule=SMALL_CHUNKS)
+    eng.add(job("j", prompt, 4, 10, seeded=True))
+    first: dict = {}
+    last: dict = {}
+    for step in range(200):
+        if not eng.has_work():
+            break
+        for e in eng.step()[0]:
+            first.setdefault(e.uid, step)
+            last[e.uid] = step
+    assert len(set(first.values())) == 1 and len(set(last.values())) == 1
+    assert eng.counters.prefill_tokens == len(prompt) and eng.stats()["fork_shared_tokens"] == 3 * len(prompt)
+    _assert_no_leak(eng)
+
+
 def test_seeded_samples_reproducible_alone_batched_and_preempted(model):
     prompt = _prompts(12, 1, 40, 40)[0]
     alone = drive(PagedEngine(model, num_blocks=64), job("s", prompt, 4, 30, seeded=True))
