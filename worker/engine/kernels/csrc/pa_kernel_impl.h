@@ -249,7 +249,8 @@ constexpr int kLinesPerStep = 16;
 // The blocks ahead (kPrefetchAhead), queued and issued a few lines at a time from inside the
 // arithmetic, so that their reads overlap it: a block's lines asked for at once (256 for fp32 K
 // and V of one head) filled the core's miss buffers, and the core stalled on the prefetches
-// until they drained. What is still queued for block t + 1 goes out when block t starts.
+// until they drained. Blocks are queued in the order they are read; what is still queued for
+// blocks up to t + 1 goes out when block t starts (a task's first block at once).
 // Decode steps of the bench model, interleaved A/B in one process (medians of 5): 8 forked
 // rows at 1000 tokens 8.48 -> 7.22 ms, one row at 1000 tokens 5.28 -> 5.17, 64 rows at 100
 // tokens 31.6 -> 30.7. Only timing: the same bits.
@@ -289,9 +290,8 @@ class PrefetchQueue {
     int t;
   };
   void issue_oldest() {
-    Range& x = r_[head_];
-    for (; x.p < x.end; x.p += 64)
-      __builtin_prefetch(x.p, 0, 2);
+    const Range& x = r_[head_];
+    prefetch_rows(x.p, x.end - x.p);
     head_ = (head_ + 1) % kCap;
     --n_;
   }
@@ -506,20 +506,15 @@ void attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch
     f = -1;
   int nfetched = 0;
   PrefetchQueue pq;
-  // block blk, read at t: its lines now when it is read now (a task's first block), else queued
-  auto prefetch_block = [&](int32_t blk, int t, bool now) {
+  // pool block blk, read at block t of the task
+  auto prefetch_block = [&](int32_t blk, int t) {
     if (blk < 0 || blk >= a.num_blocks)
       return;
     for (int32_t f : fetched)
       if (f == blk)
         return;
-    if (now) {
-      prefetch_rows(kbase + (int64_t)blk * BS * krow, (int64_t)BS * krow);
-      prefetch_rows(vbase + (int64_t)blk * BS * vrow, (int64_t)BS * vrow);
-    } else {
-      pq.push(kbase + (int64_t)blk * BS * krow, (int64_t)BS * krow, t);
-      pq.push(vbase + (int64_t)blk * BS * vrow, (int64_t)BS * vrow, t);
-    }
+    pq.push(kbase + (int64_t)blk * BS * krow, (int64_t)BS * krow, t);
+    pq.push(vbase + (int64_t)blk * BS * vrow, (int64_t)BS * vrow, t);
     fetched[nfetched++ % (kPrefetchAhead + 1)] = blk;
   };
   int blk_of[kMaxMembers], j0_of[kMaxMembers], j1_of[kMaxMembers];
@@ -543,12 +538,16 @@ void attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch
       blk_of[r] = blk;
       j0_of[r] = j0;
       j1_of[r] = j1;
-      // kPrefetchAhead blocks ahead; at its first block, that block and the ones up to there
-      // too (all of the first block's lines asked for at once, not as its loop reaches them)
-      for (int u = t == mr.t0 ? 0 : kPrefetchAhead; u <= kPrefetchAhead && t + u < mr.t1; ++u)
-        prefetch_block(table[t + u], t + u, u == 0);
     }
-    pq.issue_upto(t + 1); // the next block's lines not issued yet (a read-bound task's) go out now
+    // kPrefetchAhead blocks ahead; at a member's first block, that block and the ones up to
+    // there too; nearest first, so that the queue holds them in the order they are read
+    for (int u = 0; u <= kPrefetchAhead; ++u)
+      for (int r = 0; r < nrows; ++r) {
+        const Member& mr = rows[r];
+        if (blk_of[r] >= 0 && (u == kPrefetchAhead || t == mr.t0) && t + u < mr.t1)
+          prefetch_block(a.tables[(int64_t)mr.b * a.nb + t + u], t + u);
+      }
+    pq.issue_upto(t + 1); // this block's and the next one's lines not issued yet go out now
     // Each pool block once: the members on it attend it together.
     for (int r = 0; r < nrows; ++r) {
       const int32_t blk = blk_of[r];
