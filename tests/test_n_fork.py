@@ -114,6 +114,16 @@ def test_a_fork_that_ends_on_its_first_token_leaves_the_queue():
     assert not s.waiting and set(s.running) == {"j#0"}
     s.remove(["j"])
     assert s.bm.num_used == 0
+    # a first token the runner could not sample (a dead constraint) ends the fork with "error"
+    s.add(job("k", list(range(1, 11)), 2, 5, stop_token_ids=()))
+    plan = s.schedule_prefill()
+    (w, _), = plan.firsts
+    s.postprocess_prefill(plan, [Sampled(plan.ending_seqs()[0], 7), Sampled(w, None, error="dead end")])
+    assert [(e.uid, e.token, e.finish_reason, e.error) for e in s.take_output()[0]] == [
+        ("k#0", 7, None, None), ("k#1", None, "error", "dead end")]
+    assert not s.waiting and set(s.running) == {"k#0"}
+    s.remove(["k"])
+    assert s.bm.num_used == 0
 
 
 def test_a_fork_preempted_as_it_is_admitted_makes_no_copy():

@@ -361,17 +361,12 @@ class Scheduler:
     def _first_of_fork(self, s: Sampled) -> None:
         """A waiting fork's first token, drawn from its sibling's prefill logits: it admits next step
         sharing the whole prompt and decodes from that token (or it ended there: EOS, max_tokens 1)."""
-        seq = s.seq
-        if self._live.get(seq.uid) is not seq or seq not in self.waiting:
+        if self._live.get(s.seq.uid) is not s.seq:
             return  # removed meanwhile
         if s.error is not None:
-            self.waiting.remove(seq)
-            self._unregister(seq)
-            self._events.append(TokenEvent(seq.uid, None, "error", cached_tokens=0, error=s.error))
-            return
-        self._emit(s)
-        if self._live.get(seq.uid) is not seq:  # it finished on that token
-            self.waiting.remove(seq)
+            self.fail(s.seq, s.error)
+        else:
+            self._emit(s)
 
     def _fork(self, seq: Sequence, sibling: Sequence, n_full: int) -> None:
         """Finish a forked admission: the copy of the sibling's last partial block (its source pinned
@@ -437,7 +432,8 @@ class Scheduler:
         out = []
         for w in self.waiting:
             k, sibling = ending.get(w.spec.fork_of, (None, None))
-            if (sibling is not None and w.grammar is None and w.emitted == 0
+            # fork_len <= len(prompt): a context of fork_len tokens is the bare prompt, nothing emitted
+            if (sibling is not None and w.grammar is None
                     and w.spec.fork_len == len(w.tokens) and w.tokens == sibling.tokens):
                 out.append((w, k))
         return out
@@ -587,8 +583,9 @@ class Scheduler:
             self._finish(seq)
 
     def fail(self, seq: Sequence, error: str) -> None:
-        """End a running sequence with "error" (its constraint dead-ended), no token emitted."""
-        if self.running.get(seq.uid) is not seq:
+        """End a sequence still in the engine (running, or a waiting fork given its first token) with
+        "error" (its constraint dead-ended), no token emitted."""
+        if self._live.get(seq.uid) is not seq:
             return
         log.warning("%s: %s", seq.uid, error)
         self._events.append(TokenEvent(seq.uid, None, "error", cached_tokens=seq.prefix_hit, error=error))
@@ -598,6 +595,8 @@ class Scheduler:
         return self.running.get(seq.uid) is seq
 
     def _finish(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.WAITING:  # a fork that ended on its first token
+            self.waiting.remove(seq)
         self.running.pop(seq.uid, None)
         self._unregister(seq)
         if seq.spec.session_id:
