@@ -36,6 +36,10 @@ def test_swiglu_bit_identical_to_mlx_lm(ext, scale):
     # the shape the MLP feeds it: (B, L, hidden), an odd tail past the 8-wide loop
     g3, u3 = gate[:3 * 1187].reshape(3, 1, 1187), up[:3 * 1187].reshape(3, 1, 1187)
     assert mx.array_equal(ext.swiglu(g3, u3), mlx_swiglu(g3, u3)).item()
+    # large enough to be split over the extension's threads (an MLP's activations at batch 64)
+    gl = mx.concatenate([mx.random.normal((64, 1187), key=k1).reshape(-1) * scale, mx.array(SPECIAL)])
+    ul = mx.random.normal(gl.shape, key=k2)
+    assert mx.array_equal(ext.swiglu(gl, ul), mlx_swiglu(gl, ul), equal_nan=True).item()
 
 
 def test_swiglu_gradient_matches_mlx_lm(ext):
@@ -69,9 +73,12 @@ ROPE_CONFIGS = [  # (B, H, T, D, dims, traditional, base, scale)
 @pytest.mark.parametrize("B,H,T,D,dims,traditional,base,scale", ROPE_CONFIGS)
 def test_rope_bit_identical_to_mlx(ext, B, H, T, D, dims, traditional, base, scale):
     x = mx.random.normal((B, H, T, D), key=mx.random.key(B * 100 + T)) * 3
-    offsets = [0, 7, 4095, 100_000, 2**23 + 5]  # the last: MLX's sincos hands it to libm
+    # 65533: tokens on both sides of the positions whose cos/sin the op keeps (below 2^16);
+    # the last: MLX's sincos hands it to libm
+    offsets = [4095, 0, 7, 65533, 100_000, 2**23 + 5]
     offsets = [mx.array(o, dtype=mx.int32) for o in offsets]
-    offsets += [mx.arange(B, dtype=mx.int32) * 5, mx.arange(B, dtype=mx.int32) * 17 + 123_456]
+    offsets += [mx.arange(B, dtype=mx.int32) * 5, mx.arange(B, dtype=mx.int32) * 17 + 123_456,
+                mx.arange(B, dtype=mx.int32) * 9000 + 3]  # rows in and past the kept positions
     for off in offsets:
         want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=off)
         got = ext.rope(x, dims, traditional, base, scale, off)
@@ -113,7 +120,7 @@ def _scatter(k_pool, v_pool, keys, values, slots):
 def test_rms_norm_bit_identical_to_mlx(ext, D):
     k1, k2 = mx.random.split(mx.random.key(D))
     w = mx.random.normal((D,), key=k1)
-    x = mx.random.normal((4, 3, D), key=k2) * 20
+    x = mx.random.normal((4, 5, D), key=k2) * 20  # 20 rows: groups of 8 side by side, then 4 alone
     for eps in (1e-5, 1e-6):
         assert mx.array_equal(ext.rms_norm(x, w, eps), mx.fast.rms_norm(x, w, eps)).item()
     strided = x.transpose(1, 0, 2)[:, ::2]  # rows read through their strides

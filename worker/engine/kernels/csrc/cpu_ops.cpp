@@ -11,6 +11,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <vector>
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -25,6 +28,7 @@
 #include "mlx/backend/cpu/unary_ops.h"
 #include "isa.h"
 #include "row_contiguous.h"
+#include "thread_pool.h"
 
 namespace mlxq {
 namespace {
@@ -116,6 +120,9 @@ SwigluFn pick_swiglu() {
 
 const SwigluFn g_swiglu = pick_swiglu();
 
+// From how many floats swiglu splits over the pool (waking a worker costs ~10-25 us).
+constexpr int64_t kSwigluSplit = 1 << 15;
+
 std::atomic<int64_t> g_kv_write_copies{0};
 
 mx::Stream cpu_stream() {
@@ -141,6 +148,77 @@ bool writable_in_place(const mx::array& pool, const mx::Stream& s) {
     return false;
   g_kv_write_waits.fetch_add(1);
   return true;
+}
+
+// ------------------------------------------------------------------ rope's cos/sin
+// mlx/fast.cpp's fallback, step by step, each op rounded to float32 as there:
+// inv_freqs = exp(arange(0, -half, -1) * (log(base) / half)); positions = (arange(T) +
+// offset) * scale; theta = positions * inv_freqs; then MLX's own cos and sin of theta.
+inline float rope_position(int32_t offset, int t, float scale) {
+  return (static_cast<float>(t) + static_cast<float>(offset)) * scale;
+}
+
+// A position's cos/sin depend on nothing but the position and (half, base, scale), and a
+// decode step asks for the same ones in every layer, twice (queries and keys): each
+// position's row is computed once, when first asked for, and kept (the same operations, so
+// the same bits). Positions [0, kMaxPos) are kept: half * 8 bytes each; others are computed
+// at each call. One table per thread (the ops run on MLX's CPU stream thread).
+class RopeTable {
+ public:
+  static constexpr int kMaxPos = 1 << 16;
+
+  RopeTable(int half, float base, float scale) : half_(half), base_(base), scale_(scale), inv_freq_(half) {
+    const float c = std::log(base) / half;
+    for (int i = 0; i < half; ++i)
+      inv_freq_[i] = mlx_exp(static_cast<float>(-i) * c);
+  }
+  bool is(int half, float base, float scale) const {
+    return half == half_ && base == base_ && scale == scale_;
+  }
+  void compute(float pos, float* cs, float* sn) const {
+    namespace simd = mx::simd;
+    using F1 = simd::Simd<float, 1>;
+    for (int i = 0; i < half_; ++i) {
+      const F1 theta{pos * inv_freq_[i]};
+      cs[i] = simd::cos(theta).value;
+      sn[i] = simd::sin(theta).value;
+    }
+  }
+  // The row of offset + t, if it is one the table keeps (then float(t) + float(offset) is
+  // float(t + offset) exactly: integers below 2^24).
+  bool lookup(int32_t offset, int t, const float*& cs, const float*& sn) {
+    if (offset < 0 || offset >= kMaxPos || t >= kMaxPos - offset)
+      return false;
+    const int p = offset + t;
+    if (p >= n_) {
+      const int n = std::min(kMaxPos, std::max(p + 1, 2 * n_));
+      cs_.resize((size_t)n * half_);
+      sn_.resize((size_t)n * half_);
+      for (int q = n_; q < n; ++q)
+        compute(rope_position(q, 0, scale_), &cs_[(size_t)q * half_], &sn_[(size_t)q * half_]);
+      n_ = n;
+    }
+    cs = &cs_[(size_t)p * half_];
+    sn = &sn_[(size_t)p * half_];
+    return true;
+  }
+
+ private:
+  int half_;
+  float base_, scale_;
+  std::vector<float> inv_freq_, cs_, sn_;
+  int n_ = 0;
+};
+
+RopeTable& rope_table(int half, float base, float scale) {
+  thread_local std::vector<std::unique_ptr<RopeTable>> tables; // a model has one; kept few
+  for (auto& tb : tables)
+    if (tb->is(half, base, scale))
+      return *tb;
+  if (tables.size() >= 4)
+    tables.erase(tables.begin());
+  tables.push_back(std::make_unique<RopeTable>(half, base, scale));
+  return *tables.back();
 }
 
 } // namespace
@@ -254,7 +332,21 @@ void SwiGLU::eval_cpu(
   const float* up = u.data<float>();
   float* op = out.data<float>();
   const int64_t n = out.size();
-  encoder.dispatch([gp, up, op, n]() { g_swiglu(gp, up, op, n); });
+  encoder.dispatch([gp, up, op, n]() {
+    // Large ones (an MLP's activations at batch 64: 76k floats, ~80 us) on the pool's
+    // threads, in parts of whole 8-float vectors; each float's value is its own.
+    ThreadPool& tp = pool();
+    const int parts = n >= kSwigluSplit ? 2 * tp.size() : 1;
+    if (parts == 1) {
+      g_swiglu(gp, up, op, n);
+      return;
+    }
+    const int64_t per = (n / parts + 7) / 8 * 8;
+    tp.parallel_for(parts, [&](int p) {
+      const int64_t i0 = std::min(n, p * per), i1 = p + 1 == parts ? n : std::min(n, (p + 1) * per);
+      g_swiglu(gp + i0, up + i0, op + i0, i1 - i0);
+    });
+  });
 }
 
 std::vector<mx::array> SwiGLU::vjp(
@@ -301,24 +393,20 @@ void RoPE::eval_cpu(
   const bool traditional = traditional_;
   const float base = base_, scale = scale_;
   encoder.dispatch([=]() {
-    namespace simd = mx::simd;
-    using F1 = simd::Simd<float, 1>;
     const int half = dims / 2;
-    // mlx/fast.cpp's fallback, step by step, each op rounded to float32 as there:
-    // inv_freqs = exp(arange(0, -half, -1) * (log(base) / half))
-    const float c = std::log(base) / half;
-    std::vector<float> inv_freq(half), cs(half), sn(half);
-    for (int i = 0; i < half; ++i)
-      inv_freq[i] = mlx_exp(static_cast<float>(-i) * c);
+    RopeTable& table = rope_table(half, base, scale);
+    thread_local std::vector<float> cs_own, sn_own;
     for (int b = 0; b < B; ++b) {
-      const float o = static_cast<float>(op[n_off == 1 ? 0 : b]);
+      const int32_t o = op[n_off == 1 ? 0 : b];
       for (int t = 0; t < T; ++t) {
-        // positions = (arange(T) + offset) * scale; theta = positions * inv_freqs
-        const float pos = (static_cast<float>(t) + o) * scale;
-        for (int i = 0; i < half; ++i) {
-          const F1 theta{pos * inv_freq[i]};
-          cs[i] = simd::cos(theta).value;
-          sn[i] = simd::sin(theta).value;
+        const float* cs;
+        const float* sn;
+        if (!table.lookup(o, t, cs, sn)) { // outside the table: computed here, the same way
+          cs_own.resize(half);
+          sn_own.resize(half);
+          table.compute(rope_position(o, t, scale), cs_own.data(), sn_own.data());
+          cs = cs_own.data();
+          sn = sn_own.data();
         }
         for (int h = 0; h < H; ++h) {
           const int64_t row = (((int64_t)b * H + h) * T + t) * D;

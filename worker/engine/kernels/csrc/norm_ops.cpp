@@ -29,6 +29,38 @@ int64_t row_offset(const mx::array& x, int64_t r) {
   return off;
 }
 
+// R rows at once: each row's sum of squares is its own chain of adds in its own order (one
+// float at a time from 0, as MLX), so a row's bits do not depend on R; R chains side by side
+// keep the adder busy where one chain waits on each add's latency (~8x at 64 rows of 512).
+constexpr int kRows = 8;
+
+template <int R>
+inline void norm_rows(const float* xp, const int64_t* starts, int64_t xs, const float* wp, int64_t ws,
+                      float* op, int64_t D, float inv_n, float eps) {
+  const float* xr[R];
+  float acc[R];
+  for (int k = 0; k < R; ++k) {
+    xr[k] = xp + starts[k];
+    acc[k] = 0.0f;
+  }
+  for (int64_t d = 0; d < D; ++d)
+    for (int k = 0; k < R; ++k) {
+      const float v = xr[k][d * xs];
+      const float sq = v * v;
+      acc[k] = acc[k] + sq;
+    }
+  for (int k = 0; k < R; ++k) {
+    const float sum = 0.0f + acc[k];
+    const float mean = sum * inv_n;
+    const float rs = 1.0f / std::sqrt(mean + eps);
+    float* o = op + k * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float y = xr[k][d * xs] * rs;
+      o[d] = y * wp[d * ws];
+    }
+  }
+}
+
 } // namespace
 
 void RMSNormOp::eval_cpu(
@@ -54,22 +86,11 @@ void RMSNormOp::eval_cpu(
   const float eps = eps_;
   encoder.dispatch([xp, wp, op, D, rows, xs, ws, eps, starts = std::move(starts)]() {
     const float inv_n = static_cast<float>(1.0 / (double)D);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = xp + starts[r];
-      float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float sq = xr[d * xs] * xr[d * xs];
-        acc = acc + sq;
-      }
-      const float sum = 0.0f + acc;
-      const float mean = sum * inv_n;
-      const float rs = 1.0f / std::sqrt(mean + eps);
-      float* o = op + r * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float y = xr[d * xs] * rs;
-        o[d] = y * wp[d * ws];
-      }
-    }
+    int64_t r = 0;
+    for (; r + kRows <= rows; r += kRows)
+      norm_rows<kRows>(xp, starts.data() + r, xs, wp, ws, op + r * D, D, inv_n, eps);
+    for (; r < rows; ++r)
+      norm_rows<1>(xp, starts.data() + r, xs, wp, ws, op + r * D, D, inv_n, eps);
   });
 }
 

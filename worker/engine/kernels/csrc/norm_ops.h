@@ -9,6 +9,7 @@
 // a time from 0 (the x86-64 wheel's reduction has SIMD width 1), times float(1/D),
 // plus eps, 1 / sqrt, x * r, then * weight. No fused multiply-add (compiled with
 // -ffp-contract=off). x may be strided (read in place); the output is row-contiguous.
+// Eight rows go side by side, each its own chain of adds (so the same bits).
 #pragma once
 
 #include "cpu_ops.h"
