@@ -77,7 +77,23 @@ constexpr int kMaxMembers = 8;
 // share physical blocks (the n samples of one prompt, prefix-cache hits) read a
 // shared block from memory once for all of them, and a quantized or 16-bit
 // block is converted once. scratch: block_size * (Dk + Dv) floats.
-using AttendFn = void (*)(const Args& a, int hk, const Member* rows, int nrows, float* scratch);
+//
+// next: the task the calling thread runs after this one, or null. Its first kPrefetchAhead
+// blocks are prefetched behind this task's own, as if they were this task's next blocks, so
+// that a short task (a decode row of a few blocks) does not start on a cold read; only its hk
+// and its members' b, t0, t1 are read. prefetched: how many of this task's own first blocks
+// the task before it prefetched that way (attend returns that count for next).
+struct Next {
+  int hk;
+  const Member* rows;
+  int nrows;
+};
+
+// How many blocks ahead of its arithmetic a task prefetches (see pa_kernel_impl.h).
+constexpr int kPrefetchAhead = 2;
+
+using AttendFn =
+    int (*)(const Args& a, int hk, const Member* rows, int nrows, float* scratch, const Next* next, int prefetched);
 
 // Categorical sampling of one row of V logits x at temperature 1 / inv_temp,
 // with u in [0, 1) the row's uniform draw: the smallest index whose prefix sum
@@ -93,17 +109,17 @@ using ArgmaxFn = int64_t (*)(const float* x, int64_t V);
 
 // One implementation per instruction set (pa_kernel_impl.h, compiled twice).
 namespace generic {
-void attend(const Args&, int, const Member*, int, float*);
+int attend(const Args&, int, const Member*, int, float*, const Next*, int);
 int64_t categorical(const float*, int64_t, float, float, float*);
 int64_t argmax(const float*, int64_t);
 }
 namespace avx2 {
-void attend(const Args&, int, const Member*, int, float*);
+int attend(const Args&, int, const Member*, int, float*, const Next*, int);
 int64_t categorical(const float*, int64_t, float, float, float*);
 int64_t argmax(const float*, int64_t);
 }
 namespace avx512 { // attend with 32 registers (its categorical and argmax: the avx2 ones)
-void attend(const Args&, int, const Member*, int, float*);
+int attend(const Args&, int, const Member*, int, float*, const Next*, int);
 }
 
 } // namespace mlxq_pa

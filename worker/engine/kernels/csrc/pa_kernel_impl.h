@@ -235,12 +235,11 @@ inline void prefetch_rows(const char* p, int64_t bytes) {
     __builtin_prefetch(p + o, 0, 2);
 }
 
-// How far ahead a task prefetches its blocks: far enough that a block of shared rows
+// kPrefetchAhead (pa_kernel.h), how far ahead a task prefetches its blocks: far enough that a block of shared rows
 // (several queries' arithmetic on it) and a block of one row (read-bound) both find the
 // next one arrived. With prefetcht1 (prefetch_rows), against one block ahead into L1, a
 // decode step at 1000 tokens, interleaved A/B in one process: 8 forked rows 10.43 -> 9.75 ms,
 // one row 6.64 -> 6.10 ms.
-constexpr int kPrefetchAhead = 2;
 
 // The blocks ahead (kPrefetchAhead), queued and issued a few lines at a time from inside the
 // arithmetic, so that their reads overlap it: a block's lines asked for at once (256 for fp32 K
@@ -479,7 +478,7 @@ void attend_queries(const QRef* qs, int n, const float* kb, const float* vb, int
 
 } // namespace
 
-void attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch) {
+int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch, const Next* next, int prefetched) {
   const int G = a.Hq / a.Hkv;
   const int N = a.N;
   const int GN = G * N;
@@ -532,6 +531,25 @@ void attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch
     pq.push(vbase + (int64_t)blk * BS * vrow, (int64_t)BS * vrow, t);
     fetched[nfetched++ % (kPrefetchAhead + 1)] = blk;
   };
+  // block v of the next task (its members' t0 + v), read after this task's last block (t)
+  const int nnext = next != nullptr ? std::min(next->nrows, kMaxMembers) : 0;
+  const char* nkbase = nnext ? (const char*)a.k + (int64_t)next->hk * S * krow : nullptr;
+  const char* nvbase = nnext ? (const char*)a.v + (int64_t)next->hk * S * vrow : nullptr;
+  auto prefetch_next = [&](int v, int t) {
+    int32_t seen[kMaxMembers];
+    int nseen = 0;
+    for (int r = 0; r < nnext; ++r) {
+      const Member& nr = next->rows[r];
+      if (nr.t0 + v >= nr.t1)
+        continue;
+      const int32_t blk = a.tables[(int64_t)nr.b * a.nb + nr.t0 + v];
+      if (blk < 0 || blk >= a.num_blocks || std::find(seen, seen + nseen, blk) != seen + nseen)
+        continue;
+      seen[nseen++] = blk;
+      pq.push(nkbase + (int64_t)blk * BS * krow, (int64_t)BS * krow, t);
+      pq.push(nvbase + (int64_t)blk * BS * vrow, (int64_t)BS * vrow, t);
+    }
+  };
   int blk_of[kMaxMembers], j0_of[kMaxMembers], j1_of[kMaxMembers];
 
   for (int t = T0; t < T1; ++t) {
@@ -559,9 +577,13 @@ void attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch
     for (int u = 0; u <= kPrefetchAhead; ++u)
       for (int r = 0; r < nrows; ++r) {
         const Member& mr = rows[r];
-        if (blk_of[r] >= 0 && (u == kPrefetchAhead || t == mr.t0) && t + u < mr.t1)
+        if (blk_of[r] >= 0 && (u == kPrefetchAhead || t == mr.t0) && t + u < mr.t1 && t + u - T0 >= prefetched)
           prefetch_block(a.tables[(int64_t)mr.b * a.nb + t + u], t + u);
       }
+    // past this task's last block: the next task's first ones, as if they were this task's
+    for (int u = 0; u <= kPrefetchAhead && nnext > 0; ++u)
+      if ((u == kPrefetchAhead || t == T0) && t + u >= T1 && t + u - T1 < kPrefetchAhead)
+        prefetch_next(t + u - T1, t + u);
     pq.issue_upto(t + 1); // this block's and the next one's lines not issued yet go out now
     // Each pool block once: the members on it attend it together.
     for (int r = 0; r < nrows; ++r) {
@@ -622,6 +644,8 @@ void attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch
       attend_queries(qs.data(), nq, kb, vb, Dk, Dv, s, p, pq);
     }
   }
+  pq.issue_upto(T1 + kPrefetchAhead); // the next task's lines still queued go out now
+  return nnext > 0 && T1 > T0 ? kPrefetchAhead : 0;
 }
 
 namespace {
