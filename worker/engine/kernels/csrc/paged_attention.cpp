@@ -71,10 +71,14 @@ struct Group {
 // it). Rows up to kPartBlocks blocks run whole.
 constexpr int kPartBlocks = 16;
 
-// Chunks of consecutive tasks per thread (a chunk's tasks run on one thread, each prefetching the
-// first blocks of the next; see AttendFn): enough for the threads to even out. Attention alone,
-// 64 rows at 85 tokens (256 tasks of ~3 blocks a layer), alternating in one process, medians of
-// 9, three runs: 4.84 / 5.24 / 5.03 -> 3.70 / 4.02 / 3.96 ms; 8 forked rows at 1000 tokens the same.
+// Consecutive tasks run on one thread as a chunk, each prefetching the first blocks of the
+// next (see AttendFn), up to kChunkBlocks blocks walked a chunk (and at least kChunksPerThread
+// chunks a thread, for the threads to even out). Short tasks gain most (a decode row of ~3
+// blocks at batch 64: attention alone, 64 rows at 85 tokens, alternating processes, three runs:
+// 5.56 / 5.54 / 5.25 -> 4.43 / 5.21 / 4.46 ms); long ones start cold on 2 of their 16 blocks
+// anyway, and in chunks of 8 the pieces of 16 rows x 1000 tokens on an 8-bit pool (dequantizing,
+// not waiting on memory) evened out worse: 1051 -> 1003 tok/s.
+constexpr int kChunkBlocks = 16;
 constexpr int kChunksPerThread = 8;
 
 void plan(
@@ -223,15 +227,29 @@ void run(
     return ahead;
   };
 
-  // Consecutive tasks go to a thread together (kChunksPerThread chunks a thread, taken as the
-  // threads come), each task prefetching the first blocks of the one after it.
+  // Chunks of consecutive tasks: [chunks[c], chunks[c + 1]).
   const int ntasks = (int)tasks.size();
-  const int chunk = std::max(1, ntasks / (kChunksPerThread * tp.size()));
-  tp.parallel_for((ntasks + chunk - 1) / chunk, [&](int ci) {
+  const int max_count = std::max(1, ntasks / (kChunksPerThread * tp.size()));
+  std::vector<int> chunks;
+  int blocks = 0;
+  for (int ti = 0; ti < ntasks; ++ti) {
+    int tb = 0; // blocks the task walks
+    for (int r = 0; r < tasks[ti].count; ++r) {
+      const Piece& pc = pieces[tasks[ti].first + r];
+      tb = std::max(tb, pc.t1 - pc.t0);
+    }
+    if (chunks.empty() || ti - chunks.back() >= max_count || blocks + tb > kChunkBlocks) {
+      chunks.push_back(ti);
+      blocks = 0;
+    }
+    blocks += tb;
+  }
+  chunks.push_back(ntasks);
+  tp.parallel_for((int)chunks.size() - 1, [&](int ci) {
     thread_local std::vector<mlxq_pa::Member> next_members;
     int prefetched = 0;
-    const int tend = std::min(ntasks, (ci + 1) * chunk);
-    for (int ti = ci * chunk; ti < tend; ++ti)
+    const int tend = chunks[ci + 1];
+    for (int ti = chunks[ci]; ti < tend; ++ti)
       prefetched = run_task(ti, ti + 1 < tend ? &tasks[ti + 1] : nullptr, prefetched, next_members);
   });
 
