@@ -235,9 +235,9 @@ inline void prefetch_rows(const char* p, int64_t bytes) {
     __builtin_prefetch(p + o, 0, 2);
 }
 
-// kPrefetchAhead (pa_kernel.h), how far ahead a task prefetches its blocks: far enough that a block of shared rows
-// (several queries' arithmetic on it) and a block of one row (read-bound) both find the
-// next one arrived. With prefetcht1 (prefetch_rows), against one block ahead into L1, a
+// kPrefetchAhead (pa_kernel.h), how far ahead a task prefetches its blocks: far enough that a
+// block of shared rows (several queries' arithmetic on it) and a block of one row (read-bound)
+// both find the next one arrived. With prefetcht1 (prefetch_rows), against one block ahead into L1, a
 // decode step at 1000 tokens, interleaved A/B in one process: 8 forked rows 10.43 -> 9.75 ms,
 // one row 6.64 -> 6.10 ms.
 
@@ -246,6 +246,9 @@ inline void prefetch_rows(const char* p, int64_t bytes) {
 // and V of one head) filled the core's miss buffers, and the core stalled on the prefetches
 // until they drained. Blocks are queued in the order they are read; what is still queued for
 // blocks up to t + 1 goes out when block t starts (a task's first block at once).
+// Decode steps of the bench model, interleaved A/B in one process (medians of 5): 8 forked
+// rows at 1000 tokens 8.48 -> 7.22 ms, one row at 1000 tokens 5.28 -> 5.17, 64 rows at 100
+// tokens 31.6 -> 30.7. Only timing: the same bits.
 // The pace (lines per step of the arithmetic: a tile's group of 8 keys, an accumulation pass)
 // is set per block so that a block's steps issue about one block's lines (pace_for): a fixed 16
 // lines issued 96 of a one-row block's 256 (the rest went out in bulk at the next block, and
@@ -253,9 +256,6 @@ inline void prefetch_rows(const char* p, int64_t bytes) {
 // 64 rows at 85 tokens, 8 layers, alternating in one process (medians of 9): 4.34 -> 3.76 ms;
 // 8 forked rows at 1000 tokens 1.72 -> 1.72; the engine's decode step at batch 64: attention
 // ~5% faster, within noise for 8 forked rows and one row.
-// Decode steps of the bench model, interleaved A/B in one process (medians of 5): 8 forked
-// rows at 1000 tokens 8.48 -> 7.22 ms, one row at 1000 tokens 5.28 -> 5.17, 64 rows at 100
-// tokens 31.6 -> 30.7. Only timing: the same bits.
 class PrefetchQueue {
  public:
   void push(const char* p, int64_t bytes, int t) {
