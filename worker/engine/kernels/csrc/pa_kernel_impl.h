@@ -521,20 +521,22 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
   int nfetched = 0;
   PrefetchQueue pq;
   // pool block blk, read at block t of the task
+  // pool block blk of kv head h (its K and V rows), read at block t
+  auto push_block = [&](int h, int32_t blk, int t) {
+    pq.push((const char*)a.k + ((int64_t)h * S + (int64_t)blk * BS) * krow, (int64_t)BS * krow, t);
+    pq.push((const char*)a.v + ((int64_t)h * S + (int64_t)blk * BS) * vrow, (int64_t)BS * vrow, t);
+  };
   auto prefetch_block = [&](int32_t blk, int t) {
     if (blk < 0 || blk >= a.num_blocks)
       return;
     for (int32_t f : fetched)
       if (f == blk)
         return;
-    pq.push(kbase + (int64_t)blk * BS * krow, (int64_t)BS * krow, t);
-    pq.push(vbase + (int64_t)blk * BS * vrow, (int64_t)BS * vrow, t);
+    push_block(hk, blk, t);
     fetched[nfetched++ % (kPrefetchAhead + 1)] = blk;
   };
   // block v of the next task (its members' t0 + v), read after this task's last block (t)
   const int nnext = next != nullptr ? std::min(next->nrows, kMaxMembers) : 0;
-  const char* nkbase = nnext ? (const char*)a.k + (int64_t)next->hk * S * krow : nullptr;
-  const char* nvbase = nnext ? (const char*)a.v + (int64_t)next->hk * S * vrow : nullptr;
   auto prefetch_next = [&](int v, int t) {
     int32_t seen[kMaxMembers];
     int nseen = 0;
@@ -546,8 +548,7 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
       if (blk < 0 || blk >= a.num_blocks || std::find(seen, seen + nseen, blk) != seen + nseen)
         continue;
       seen[nseen++] = blk;
-      pq.push(nkbase + (int64_t)blk * BS * krow, (int64_t)BS * krow, t);
-      pq.push(nvbase + (int64_t)blk * BS * vrow, (int64_t)BS * vrow, t);
+      push_block(next->hk, blk, t);
     }
   };
   int blk_of[kMaxMembers], j0_of[kMaxMembers], j1_of[kMaxMembers];

@@ -182,10 +182,10 @@ void run(
   };
 
   // Task ti on this thread; next: the task it runs after, prefetched behind this one.
-  auto run_task = [&](int ti, const Task* next, int prefetched, std::vector<mlxq_pa::Member>& next_members) {
+  auto run_task = [&](int ti, const Task* next, int prefetched) {
     const Task& t = tasks[ti];
     thread_local std::vector<float> scratch;
-    thread_local std::vector<mlxq_pa::Member> members;
+    thread_local std::vector<mlxq_pa::Member> members, next_members;
     // per piece: its scaled queries and, for a whole row, its (m, l, acc); then one block's conversion
     const size_t per = (size_t)GN * Dk + (size_t)GN * (Dv + 2);
     const size_t need = per * t.count + (size_t)a.block_size * (Dk + Dv);
@@ -246,11 +246,10 @@ void run(
   }
   chunks.push_back(ntasks);
   tp.parallel_for((int)chunks.size() - 1, [&](int ci) {
-    thread_local std::vector<mlxq_pa::Member> next_members;
     int prefetched = 0;
     const int tend = chunks[ci + 1];
     for (int ti = chunks[ci]; ti < tend; ++ti)
-      prefetched = run_task(ti, ti + 1 < tend ? &tasks[ti + 1] : nullptr, prefetched, next_members);
+      prefetched = run_task(ti, ti + 1 < tend ? &tasks[ti + 1] : nullptr, prefetched);
   });
 
   // Combine the parts of split rows.
