@@ -97,6 +97,9 @@ class _Params(BaseModel):
                 _log_harmless(name)
             elif value is not None:
                 raise unsupported(name, "mlxq does not implement it, and it would change the output")
+        for name, value in (self.stream_options or {}).items():  # what the stream carries
+            if name != "include_usage" and value is not None:
+                raise unsupported(f"stream_options.{name}", "only include_usage is implemented")
 
     @property
     def include_usage(self) -> bool:

@@ -214,6 +214,8 @@ def body(**kw) -> dict:
     ({"logit_bias": {"abc": 5}}, "logit_bias"),
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"messages": [{"role": "user", "content": "hi", "audio": {"id": "x"}}]}, "messages.0.audio"),
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
 ])
 def test_what_would_change_the_output_is_honoured_or_refused_by_name(stack, extra, param):
     url, _, _ = stack
