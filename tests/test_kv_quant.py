@@ -139,6 +139,33 @@ def test_fused_equals_gather_on_the_same_quantized_pool(ext, bits, window):
         assert mx.abs(g - w).max().item() <= 1e-4 * (1 + mx.abs(w).max().item())
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [32, 64])
+def test_rows_sharing_quantized_blocks_get_their_solo_bits(ext, bits, group):
+    """Rows on the same blocks (the n samples of a prompt, prefix hits) take them in one task,
+    whose queries read the blocks' integers from a float copy made once; a row alone reads its
+    packed rows directly. Either way a query's arithmetic is the same: the same bits."""
+    rng = np.random.default_rng(11)
+    D, Hq, Hkv, ctx, rows = 64, 4, 2, 75, 5
+    nb = -(-ctx // BS)
+    k = mx.array(rng.standard_normal((Hkv, (nb + 1) * BS, D), dtype=np.float32))
+    v = mx.array(rng.standard_normal((Hkv, (nb + 1) * BS, D), dtype=np.float32))
+    kq, ks, kb = mx.quantize(k, group_size=group, bits=bits)
+    vq, vs, vb = mx.quantize(v, group_size=group, bits=bits)
+    quant = dict(k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, bits=bits, group_size=group)
+    q = mx.array(rng.standard_normal((rows, Hq, 1, D), dtype=np.float32))
+    table = list(range(nb))
+
+    def op(qs, n):
+        return ext.paged_attention(qs, kq, vq, mx.array([table] * n, dtype=mx.int32),
+                                   mx.array([ctx - 1] * n, dtype=mx.int32), mx.array([ctx] * n, dtype=mx.int32),
+                                   D ** -0.5, **quant)
+
+    together = op(q, rows)
+    for b in range(rows):
+        assert mx.array_equal(together[b], op(q[b:b + 1], 1)[0]).item(), b
+
+
 def test_op_refuses_bad_quantized_input(ext):
     q, _, (kq, vq), rest, quant, _ = _case(5, 8)
     with pytest.raises(ValueError, match="bits must be 4 or 8"):

@@ -19,8 +19,9 @@ stored as ``mx.quantize``'s packed uint32 rows ``(H, S, D * bits / 32)`` plus
 per-group scales and biases ``(H, S, D / group_size)`` in the model's dtype (affine,
 as mlx-lm's ``QuantizedKVCache``). Every array keeps the slot axis at 1, so block
 copies, spills and restores index them all alike. New rows are quantized at the step
-they are written; the fused op dequantizes a block at a time, the gather path with
-``mx.dequantize``.
+they are written; the fused op reads the packed integers and applies the scales and
+biases to its dot products (as MLX's quantized matmul), the gather path dequantizes
+with ``mx.dequantize``.
 """
 
 from __future__ import annotations

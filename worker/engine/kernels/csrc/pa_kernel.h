@@ -75,8 +75,9 @@ constexpr int kMaxMembers = 8;
 // member's arithmetic is exactly what it would be alone (the same blocks in the
 // same order, the same operations), so grouping rows changes no bit; rows that
 // share physical blocks (the n samples of one prompt, prefix-cache hits) read a
-// shared block from memory once for all of them, and a quantized or 16-bit
-// block is converted once. scratch: block_size * (Dk + Dv) floats.
+// shared block from memory once for all of them, and a 16-bit block is converted
+// once (a quantized one's integers too, when its queries take several tiles).
+// scratch: block_size * (Dk + Dv) floats.
 //
 // next: the task the calling thread runs after this one, or null. Its first kPrefetchAhead
 // blocks are prefetched behind this task's own, as if they were this task's next blocks, so

@@ -160,73 +160,64 @@ inline float load_float(PoolType t, const void* p, int64_t i) {
   return t == PoolType::f16 ? half_to_float(h) : bf16_to_float(h);
 }
 
-// mx.quantize puts element e of a packed row in bits (e * bits) % 32 of uint32
-// word (e * bits) / 32. Each helper dequantizes 32 consecutive elements
-// (x = q * s + b) from the words at w into out.
-inline void dequant32_4bit(const uint32_t* w, vf s, vf b, float* out) {
-  const vi shifts = {0, 4, 8, 12, 16, 20, 24, 28};
-  for (int k = 0; k < 4; ++k) {
-    const int32_t x = (int32_t)w[k];
-    const vi q = (vi{x, x, x, x, x, x, x, x} >> shifts) & 15;
-    store(out + 8 * k, __builtin_convertvector(q, vf) * s + b);
+// Rows of a block, 8 floats at a time: at(j, d) is row j's elements [d, d + 8). F32Rows reads
+// fp32 rows; U8Rows and U4Rows read mx.quantize's packed rows (element e in bits
+// (e * bits) % 32 of uint32 word (e * bits) / 32) and give the integers q as floats, exactly:
+// a quantized block's scales and biases are applied to the dot products and the weights
+// (BlockAffine), never to the elements, so its rows are not dequantized to a float copy.
+struct F32Rows {
+  const float* p;
+  int64_t ld; // floats per row
+  inline vf at(int j, int d) const {
+    return load(p + (int64_t)j * ld + d);
   }
-}
+};
 
-inline void dequant32_8bit(const uint32_t* w, vf s, vf b, float* out) {
+struct U8Rows {
+  const uint8_t* p;
+  int64_t ld; // bytes per row
+  inline vf at(int j, int d) const {
+    const uint8_t* x = p + (int64_t)j * ld + d; // element e is byte e of the row (little-endian)
 #ifdef __AVX2__
-  // Element e is bits (e * 8) % 32 of word e / 4: byte e of the row (x86 is
-  // little-endian), so 8 bytes widen to 8 ints in one vpmovzxbd.
-  const __m128i* bytes = (const __m128i*)w;
-  for (int k = 0; k < 4; ++k) {
-    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)((const char*)bytes + 8 * k)));
-    store(out + 8 * k, (vf)_mm256_cvtepi32_ps(q) * s + b);
-  }
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)x)));
 #else
-  vi W;
-  std::memcpy(&W, w, sizeof(W)); // 8 words: 32 elements
-  const vi shifts = {0, 8, 16, 24, 0, 8, 16, 24};
-  // one permute per 8 elements (words 2k, 2k + 1, each 4 times), then shift/mask
-  const vi q0 = (__builtin_shufflevector(W, W, 0, 0, 0, 0, 1, 1, 1, 1) >> shifts) & 255;
-  const vi q1 = (__builtin_shufflevector(W, W, 2, 2, 2, 2, 3, 3, 3, 3) >> shifts) & 255;
-  const vi q2 = (__builtin_shufflevector(W, W, 4, 4, 4, 4, 5, 5, 5, 5) >> shifts) & 255;
-  const vi q3 = (__builtin_shufflevector(W, W, 6, 6, 6, 6, 7, 7, 7, 7) >> shifts) & 255;
-  store(out, __builtin_convertvector(q0, vf) * s + b);
-  store(out + 8, __builtin_convertvector(q1, vf) * s + b);
-  store(out + 16, __builtin_convertvector(q2, vf) * s + b);
-  store(out + 24, __builtin_convertvector(q3, vf) * s + b);
+    const vi q = {x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]};
+    return __builtin_convertvector(q, vf);
 #endif
+  }
+};
+
+struct U4Rows {
+  const uint32_t* p;
+  int64_t ld; // words per row
+  inline vf at(int j, int d) const {
+    const int32_t x = (int32_t)p[(int64_t)j * ld + d / 8]; // elements d..d+7, 4 bits each
+    const vi q = (splat_i(x) >> vi{0, 4, 8, 12, 16, 20, 24, 28}) & 15;
+    return __builtin_convertvector(q, vf);
+  }
+};
+
+// Rows [j0, j1) of src as fp32 rows of D floats in dst (a quantized block's integers, once for
+// the several tiles of queries that attend it).
+template <class Src>
+void unpack_rows(const Src& src, float* dst, int D, int j0, int j1) {
+  for (int j = j0; j < j1; ++j)
+    for (int d = 0; d < D; d += 8)
+      store(dst + (int64_t)j * D + d, src.at(j, d));
 }
 
-// Rows [j0, j1) of one block of a quantized pool, dequantized to fp32 rows in
-// dst. src: the block's packed rows; sc/bi: the pool's scales/biases (D / group
-// per row), row0 the block's first row there. Groups are multiples of 32.
-void dequant_rows(
-    const Args& a,
-    const uint32_t* src,
-    const void* sc,
-    const void* bi,
-    int64_t row0,
-    float* dst,
-    int D,
-    int j0,
-    int j1) {
-  const int words = D * a.bits / 32, ng = D / a.group, wpc = a.bits; // words per 32 elements
-  for (int j = j0; j < j1; ++j) {
-    const uint32_t* w = src + (int64_t)j * words;
-    float* out = dst + (int64_t)j * D;
-    for (int g = 0; g < ng; ++g) {
-      const int64_t si = (row0 + j) * ng + g;
-      const vf s = splat(load_float(a.pool_type, sc, si));
-      const vf b = splat(load_float(a.pool_type, bi, si));
-      for (int e = g * a.group; e < (g + 1) * a.group; e += 32) {
-        if (a.bits == 4)
-          dequant32_4bit(w + e / 32 * wpc, s, b, out + e);
-        else
-          dequant32_8bit(w + e / 32 * wpc, s, b, out + e);
-      }
-    }
-  }
-}
+// A quantized block's affine groups as fp32: element d of row j is q * s + b with s =
+// ks[g * ld + j], b = kb[g * ld + j] for its group g = d / group (vs, vb: the values'). A score
+// is then sum_g s_g * (q . kq_g) + b_g * sum(q_g), and a value sum sum_j (p_j s_jg) vq_j +
+// sum_j p_j b_jg: the decomposition of MLX's quantized matmul, with one multiply-add per element.
+struct BlockAffine {
+  const float* ks;
+  const float* kb;
+  const float* vs;
+  const float* vb;
+  int64_t ld;
+  int group, ngk, ngv;
+};
 
 // Into L2 (prefetcht1), not L1: two blocks ahead they would evict the K and V the
 // queries are still reading there (a block of one head is 16 KB of fp32 K and V).
@@ -318,44 +309,42 @@ class PrefetchQueue {
 #endif
 constexpr int TQ = PA_TQ, NV = PA_NV;
 
-// One query of a block: its row of the group (fp32, scaled), its (m, l, acc), and the
-// keys [jl, jh) of the block it may see.
+// One query of a block: its row of the group (fp32, scaled), its (m, l, acc), the keys
+// [jl, jh) of the block it may see, and (quantized pools) the sums of its row over each key
+// group.
 struct QRef {
   const float* q;
   float* m;
   float* l;
   float* acc;
   int jl, jh;
+  const float* qsum;
 };
 
-// Lane partials of NQ queries against 4 consecutive key rows: lane l of key j sums
-// q[d] * k_j[d] over d = l, l + 8, ... in order (fused multiply-adds from 0), then
-// h[i] = [lo0..lo3, hi0..hi3] of query i with lo = (l0 + l1) + (l2 + l3) and hi =
-// (l4 + l5) + (l6 + l7); the score is lo + hi (attend_tile). A query's sums do not
-// depend on NQ.
-template <int NQ>
-inline void dot4(const QRef* qs, const float* k, int D, vf* h) {
+// Lane partials of NQ queries against rows j..j+3 of k, elements [d0, d1): lane l of key j
+// sums q[d] * k_j[d] over d = d0 + l, d0 + l + 8, ... in order (fused multiply-adds from 0),
+// then h[i] = [lo0..lo3, hi0..hi3] of query i with lo = (l0 + l1) + (l2 + l3) and hi =
+// (l4 + l5) + (l6 + l7); the sum is lo + hi (attend_tile). A query's sums do not depend on NQ.
+template <int NQ, class Src>
+inline void dot4(const QRef* qs, const Src& k, int j, int d0, int d1, vf* h) {
   vf a[NQ][4];
   for (int i = 0; i < NQ; ++i)
-    for (int j = 0; j < 4; ++j)
-      a[i][j] = splat(0.0f);
-  const float* k1 = k + D;
-  const float* k2 = k + 2 * D;
-  const float* k3 = k + 3 * D;
-  for (int d = 0; d < D; d += 8) {
+    for (int u = 0; u < 4; ++u)
+      a[i][u] = splat(0.0f);
+  for (int d = d0; d < d1; d += 8) {
     vf x[NQ];
     for (int i = 0; i < NQ; ++i)
       x[i] = load(qs[i].q + d);
-    vf kv = load(k + d);
+    vf kv = k.at(j, d);
     for (int i = 0; i < NQ; ++i)
       a[i][0] += x[i] * kv;
-    kv = load(k1 + d);
+    kv = k.at(j + 1, d);
     for (int i = 0; i < NQ; ++i)
       a[i][1] += x[i] * kv;
-    kv = load(k2 + d);
+    kv = k.at(j + 2, d);
     for (int i = 0; i < NQ; ++i)
       a[i][2] += x[i] * kv;
-    kv = load(k3 + d);
+    kv = k.at(j + 3, d);
     for (int i = 0; i < NQ; ++i)
       a[i][3] += x[i] * kv;
   }
@@ -363,11 +352,18 @@ inline void dot4(const QRef* qs, const float* k, int D, vf* h) {
     h[i] = hadd(hadd(a[i][0], a[i][1]), hadd(a[i][2], a[i][3]));
 }
 
-// acc[d:d+8*V] of each query = acc * corr + sum_j p[j] * v[j][d:d+8*V], rows j in [j0, j1)
-// in order: per output float the same multiply and fused multiply-adds whatever NQ and V.
-template <int NQ, int V>
-inline void accumulate_tile(const QRef* qs, int d, const float* corr, const float* p, const float* v,
-                            int ldv, int j0, int j1) {
+// The 8 sums of keys j8..j8+7 from their two dot4 halves.
+inline vf sums8(vf lo, vf hi) {
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+      __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// acc[d:d+8*V] of each query = acc * corr + sum_j p[j] * v[j][d:d+8*V] (+ bias[i], a quantized
+// block's sum_j p_j b_j), rows j in [j0, j1) in order: per output float the same multiply and
+// fused multiply-adds whatever NQ and V.
+template <int NQ, int V, class Src>
+inline void accumulate_tile(const QRef* qs, int d, const float* corr, const float* p, const Src& v, int j0,
+                            int j1, const float* bias) {
   vf c[NQ][V];
   for (int i = 0; i < NQ; ++i) {
     const vf cv = splat(corr[i]);
@@ -378,45 +374,75 @@ inline void accumulate_tile(const QRef* qs, int d, const float* corr, const floa
     vf pj[NQ];
     for (int i = 0; i < NQ; ++i)
       pj[i] = splat(p[i * kMaxBlock + j]);
-    const float* row = v + (int64_t)j * ldv + d;
     for (int k = 0; k < V; ++k) {
-      const vf x = load(row + 8 * k);
+      const vf x = v.at(j, d + 8 * k);
       for (int i = 0; i < NQ; ++i)
         c[i][k] += pj[i] * x;
     }
   }
+  if (bias != nullptr)
+    for (int i = 0; i < NQ; ++i)
+      for (int k = 0; k < V; ++k)
+        c[i][k] += splat(bias[i]);
   for (int i = 0; i < NQ; ++i)
     for (int k = 0; k < V; ++k)
       store(qs[i].acc + d + 8 * k, c[i][k]);
 }
 
-// NQ queries that see the same keys [jl, jh) of one block (kb / vb: its keys and values
-// as fp32 rows): scores, the online-softmax update of each query's (m, l), then acc. Every
-// query's arithmetic is what it is alone: a query's bits depend on no other query of its
-// tile, so tiling queries (a row's heads, the rows that share a block, a chunk's tokens)
-// changes no bit. s, p: NQ rows of kMaxBlock floats.
-template <int NQ>
-inline void attend_tile(const QRef* qs, const float* kb, const float* vb, int Dk, int Dv, float* s, float* p,
-                        PrefetchQueue& pq) {
+// acc over the value elements [d0, d1), NV vectors a pass, then one at a time.
+template <int NQ, class Src>
+inline void accumulate_span(const QRef* qs, int d0, int d1, const float* corr, const float* p, const Src& v,
+                            int j0, int j1, const float* bias, PrefetchQueue& pq) {
+  int d = d0;
+  for (; d + 8 * NV <= d1; d += 8 * NV) {
+    accumulate_tile<NQ, NV>(qs, d, corr, p, v, j0, j1, bias);
+    pq.issue();
+  }
+  for (; d < d1; d += 8)
+    accumulate_tile<NQ, 1>(qs, d, corr, p, v, j0, j1, bias);
+}
+
+// NQ queries that see the same keys [jl, jh) of one block (k, v: its key and value rows; af: a
+// quantized block's scales and biases, else null): scores, the online-softmax update of each
+// query's (m, l), then acc. Every query's arithmetic is what it is alone: a query's bits
+// depend on no other query of its tile, so tiling queries (a row's heads, the rows that share
+// a block, a chunk's tokens) changes no bit, nor does reading a quantized block's integers
+// from its packed rows or from a float copy of them. s, p: NQ rows of kMaxBlock floats.
+template <int NQ, class KSrc, class VSrc>
+inline void attend_tile(const QRef* qs, const KSrc& k, const VSrc& v, const BlockAffine* af, int Dk, int Dv,
+                        float* s, float* p, PrefetchQueue& pq) {
   const int jl = qs[0].jl, jh = qs[0].jh;
   const int ja = jl & ~7, jb = (jh + 7) & ~7; // 8-aligned, inside the block
   vf mb[NQ];
   for (int i = 0; i < NQ; ++i)
     mb[i] = splat(kNegInf);
   for (int j8 = ja; j8 < jb; j8 += 8) {
+    vf sc[NQ];
     vf lo[NQ], hi[NQ];
-    dot4<NQ>(qs, kb + (int64_t)j8 * Dk, Dk, lo);
-    dot4<NQ>(qs, kb + (int64_t)(j8 + 4) * Dk, Dk, hi);
+    if (af == nullptr) {
+      dot4<NQ>(qs, k, j8, 0, Dk, lo);
+      dot4<NQ>(qs, k, j8 + 4, 0, Dk, hi);
+      for (int i = 0; i < NQ; ++i)
+        sc[i] = sums8(lo[i], hi[i]);
+    } else {
+      for (int i = 0; i < NQ; ++i)
+        sc[i] = splat(0.0f);
+      for (int g = 0; g < af->ngk; ++g) {
+        dot4<NQ>(qs, k, j8, g * af->group, (g + 1) * af->group, lo);
+        dot4<NQ>(qs, k, j8 + 4, g * af->group, (g + 1) * af->group, hi);
+        const vf sg = load(af->ks + g * af->ld + j8), bg = load(af->kb + g * af->ld + j8);
+        for (int i = 0; i < NQ; ++i)
+          sc[i] = sc[i] + sums8(lo[i], hi[i]) * sg + bg * splat(qs[i].qsum[g]);
+      }
+    }
     const bool edge = j8 < jl || j8 + 8 > jh;
     const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7} + j8;
     const vi keep = (lane >= jl) & (lane < jh);
     for (int i = 0; i < NQ; ++i) {
-      vf sc = __builtin_shufflevector(lo[i], hi[i], 0, 1, 2, 3, 8, 9, 10, 11) +
-          __builtin_shufflevector(lo[i], hi[i], 4, 5, 6, 7, 12, 13, 14, 15);
       if (edge)
-        sc = select(keep, sc, splat(kNegInf));
-      store(s + i * kMaxBlock + j8, sc);
-      mb[i] = vmax(mb[i], sc);
+        sc[i] = select(keep, sc[i], splat(kNegInf));
+      store(s + i * kMaxBlock + j8, sc[i]);
+      mb[i] = vmax(mb[i], sc[i]);
     }
     pq.issue();
   }
@@ -437,13 +463,26 @@ inline void attend_tile(const QRef* qs, const float* kb, const float* vb, int Dk
     *l = *l * corr[i] + hsum(lsum);
     *m = mnew;
   }
-  int d = 0;
-  for (; d + 8 * NV <= Dv; d += 8 * NV) {
-    accumulate_tile<NQ, NV>(qs, d, corr, p, vb, Dv, jl, jh);
-    pq.issue();
+  if (af == nullptr) {
+    accumulate_span<NQ>(qs, 0, Dv, corr, p, v, jl, jh, nullptr, pq);
+    return;
   }
-  for (; d < Dv; d += 8)
-    accumulate_tile<NQ, 1>(qs, d, corr, p, vb, Dv, jl, jh);
+  // Per value group: the weights p_j * s_j (s, free again, holds them) and sum_j p_j b_j.
+  for (int g = 0; g < af->ngv; ++g) {
+    const float* sg = af->vs + g * af->ld;
+    const float* bg = af->vb + g * af->ld;
+    float bsum[NQ];
+    for (int i = 0; i < NQ; ++i) {
+      vf bs = splat(0.0f);
+      for (int j8 = ja; j8 < jb; j8 += 8) {
+        const vf pv = load(p + i * kMaxBlock + j8);
+        store(s + i * kMaxBlock + j8, pv * load(sg + j8));
+        bs += pv * load(bg + j8);
+      }
+      bsum[i] = hsum(bs);
+    }
+    accumulate_span<NQ>(qs, g * af->group, (g + 1) * af->group, corr, s, v, jl, jh, bsum, pq);
+  }
 }
 
 // Lines per step of the arithmetic (see PrefetchQueue) so that a block that nq queries attend
@@ -454,25 +493,36 @@ inline int pace_for(int nq, int rows, int Dv, int lines) {
 }
 
 // Queries [0, n) of a block's list, consecutive ones with the same keys TQ to a tile.
-void attend_queries(const QRef* qs, int n, const float* kb, const float* vb, int Dk, int Dv, float* s,
-                    float* p, PrefetchQueue& pq) {
+template <class KSrc, class VSrc>
+void attend_queries(const QRef* qs, int n, const KSrc& k, const VSrc& v, const BlockAffine* af, int Dk, int Dv,
+                    float* s, float* p, PrefetchQueue& pq) {
   for (int i = 0; i < n;) {
     int e = i + 1;
     while (e < n && e - i < TQ && qs[e].jl == qs[i].jl && qs[e].jh == qs[i].jh)
       ++e;
     switch (e - i) {
 #if PA_TQ >= 4
-      case 4: attend_tile<4>(qs + i, kb, vb, Dk, Dv, s, p, pq); break;
+      case 4: attend_tile<4>(qs + i, k, v, af, Dk, Dv, s, p, pq); break;
 #endif
 #if PA_TQ >= 3
-      case 3: attend_tile<3>(qs + i, kb, vb, Dk, Dv, s, p, pq); break;
+      case 3: attend_tile<3>(qs + i, k, v, af, Dk, Dv, s, p, pq); break;
 #endif
 #if PA_TQ >= 2
-      case 2: attend_tile<2>(qs + i, kb, vb, Dk, Dv, s, p, pq); break;
+      case 2: attend_tile<2>(qs + i, k, v, af, Dk, Dv, s, p, pq); break;
 #endif
-      default: attend_tile<1>(qs + i, kb, vb, Dk, Dv, s, p, pq); break;
+      default: attend_tile<1>(qs + i, k, v, af, Dk, Dv, s, p, pq); break;
     }
     i = e;
+  }
+}
+
+// The sums of a query row over each group of `group` elements (8 lanes, then hsum).
+inline void group_sums(const float* q, int D, int group, float* out) {
+  for (int g = 0; g * group < D; ++g) {
+    vf acc = splat(0.0f);
+    for (int d = g * group; d < (g + 1) * group; d += 8)
+      acc += load(q + d);
+    out[g] = hsum(acc);
   }
 }
 
@@ -515,6 +565,39 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
   alignas(32) float p[TQ * kMaxBlock];
   thread_local std::vector<QRef> qs;
   qs.resize((size_t)nrows * GN);
+  // Quantized pools: each query's sums over the key groups, and a block's scales and biases
+  // as fp32 rows per group (read in place when they are fp32 with one group a row).
+  const int ngk = a.bits ? Dk / a.group : 0, ngv = a.bits ? Dv / a.group : 0;
+  thread_local std::vector<float> qsums, affine;
+  if (a.bits) {
+    qsums.resize((size_t)nrows * GN * ngk);
+    for (int r = 0; r < nrows; ++r)
+      for (int i = 0; i < GN; ++i)
+        group_sums(rows[r].q + (int64_t)i * Dk, Dk, a.group, qsums.data() + ((int64_t)r * GN + i) * ngk);
+    affine.resize((size_t)2 * (ngk + ngv) * kMaxBlock);
+  }
+  auto block_affine = [&](int64_t row0, int c0, int c1) {
+    BlockAffine af{nullptr, nullptr, nullptr, nullptr, kMaxBlock, a.group, ngk, ngv};
+    if (a.pool_type == PoolType::f32 && ngk == 1 && ngv == 1) {
+      af.ks = (const float*)a.ks + row0;
+      af.kb = (const float*)a.kb + row0;
+      af.vs = (const float*)a.vs + row0;
+      af.vb = (const float*)a.vb + row0;
+      return af;
+    }
+    float* buf = affine.data();
+    const void* src[4] = {a.ks, a.kb, a.vs, a.vb};
+    const int ng[4] = {ngk, ngk, ngv, ngv};
+    const float** dst[4] = {&af.ks, &af.kb, &af.vs, &af.vb};
+    for (int x = 0; x < 4; ++x) {
+      for (int g = 0; g < ng[x]; ++g)
+        for (int j = c0; j < c1; ++j)
+          buf[g * kMaxBlock + j] = load_float(a.pool_type, src[x], (row0 + j) * ng[x] + g);
+      *dst[x] = buf;
+      buf += ng[x] * kMaxBlock;
+    }
+    return af;
+  };
   int32_t fetched[kPrefetchAhead + 1]; // the last blocks prefetched (rows that share them ask again)
   for (int32_t& f : fetched)
     f = -1;
@@ -600,23 +683,6 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
         }
       const char* kb_raw = kbase + (int64_t)blk * BS * krow;
       const char* vb_raw = vbase + (int64_t)blk * BS * vrow;
-      const float* kb;
-      const float* vb;
-      if (a.pool_type == PoolType::f32 && !a.bits) {
-        kb = (const float*)kb_raw;
-        vb = (const float*)vb_raw;
-      } else {
-        if (a.bits) {
-          const int64_t row0 = (int64_t)hk * S + (int64_t)blk * BS; // scales/biases row
-          dequant_rows(a, (const uint32_t*)kb_raw, a.ks, a.kb, row0, kconv, Dk, c0, c1);
-          dequant_rows(a, (const uint32_t*)vb_raw, a.vs, a.vb, row0, vconv, Dv, c0, c1);
-        } else {
-          convert_rows(a.pool_type, (const uint16_t*)kb_raw, kconv, Dk, c0, c1);
-          convert_rows(a.pool_type, (const uint16_t*)vb_raw, vconv, Dv, c0, c1);
-        }
-        kb = kconv;
-        vb = vconv;
-      }
       // The queries of these members, each with the keys of the block it may see (causal,
       // length, window), a member's tokens in order and each token's G heads together.
       int nq = 0;
@@ -637,12 +703,38 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
             continue;
           for (int g = 0; g < G; ++g) {
             const int i = g * N + n;
-            qs[nq++] = {mr.q + (int64_t)i * Dk, mr.m + i, mr.l + i, mr.acc + (int64_t)i * Dv, jl, jh};
+            const float* qsum = a.bits ? qsums.data() + ((int64_t)u * GN + i) * ngk : nullptr;
+            qs[nq++] = {mr.q + (int64_t)i * Dk, mr.m + i, mr.l + i, mr.acc + (int64_t)i * Dv, jl, jh, qsum};
           }
         }
       }
       pq.pace(pace_for(nq, c1 - c0, Dv, (int)((int64_t)BS * (krow + vrow) / 64)));
-      attend_queries(qs.data(), nq, kb, vb, Dk, Dv, s, p, pq);
+      if (a.pool_type == PoolType::f32 && !a.bits) {
+        attend_queries(qs.data(), nq, F32Rows{(const float*)kb_raw, Dk}, F32Rows{(const float*)vb_raw, Dv}, nullptr,
+                       Dk, Dv, s, p, pq);
+      } else if (!a.bits) {
+        convert_rows(a.pool_type, (const uint16_t*)kb_raw, kconv, Dk, c0, c1);
+        convert_rows(a.pool_type, (const uint16_t*)vb_raw, vconv, Dv, c0, c1);
+        attend_queries(qs.data(), nq, F32Rows{kconv, Dk}, F32Rows{vconv, Dv}, nullptr, Dk, Dv, s, p, pq);
+      } else {
+        const BlockAffine af = block_affine((int64_t)hk * S + (int64_t)blk * BS, c0, c1);
+        if (nq > TQ) { // several tiles: the integers once, as floats (the same bits as from the packed rows)
+          if (a.bits == 8) {
+            unpack_rows(U8Rows{(const uint8_t*)kb_raw, krow}, kconv, Dk, c0, c1);
+            unpack_rows(U8Rows{(const uint8_t*)vb_raw, vrow}, vconv, Dv, c0, c1);
+          } else {
+            unpack_rows(U4Rows{(const uint32_t*)kb_raw, krow / 4}, kconv, Dk, c0, c1);
+            unpack_rows(U4Rows{(const uint32_t*)vb_raw, vrow / 4}, vconv, Dv, c0, c1);
+          }
+          attend_queries(qs.data(), nq, F32Rows{kconv, Dk}, F32Rows{vconv, Dv}, &af, Dk, Dv, s, p, pq);
+        } else if (a.bits == 8) {
+          attend_queries(qs.data(), nq, U8Rows{(const uint8_t*)kb_raw, krow}, U8Rows{(const uint8_t*)vb_raw, vrow},
+                         &af, Dk, Dv, s, p, pq);
+        } else {
+          attend_queries(qs.data(), nq, U4Rows{(const uint32_t*)kb_raw, krow / 4},
+                         U4Rows{(const uint32_t*)vb_raw, vrow / 4}, &af, Dk, Dv, s, p, pq);
+        }
+      }
     }
   }
   pq.issue_upto(T1 + kPrefetchAhead); // the next task's lines still queued go out now

@@ -15,7 +15,8 @@
 //
 // Quantized pools (quant set): k_pool/v_pool are mx.quantize's packed uint32
 // rows (Hkv, S, D * bits / 32), the scales/biases (Hkv, S, D / group_size) of
-// one float dtype; blocks are dequantized a block at a time inside the kernel.
+// one float dtype; the kernel reads the packed integers and applies each group's
+// scale and bias to the dot products and the weights (as MLX's quantized matmul).
 #pragma once
 
 #include <optional>
