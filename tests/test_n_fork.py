@@ -170,6 +170,28 @@ def test_forked_greedy_samples_equal_solo_one_prefill_shared_blocks(model):
     assert eng2.counters.prefill_tokens == 4 * len(prompt)
 
 
+def test_the_fork_copy_writes_the_pool_in_place(model):
+    """The forks' copies of the sibling's partial block go through the in-place KV writer: every
+    pool array keeps its buffer (MLX's scatter copied a whole layer array when a queued step
+    still held it) and the writer copied nothing."""
+    import numpy as np
+
+    from mlxq.worker.engine import attention
+
+    def _span(a):
+        return (np.frombuffer(memoryview(a), np.uint8).ctypes.data,)
+
+    ext = attention.cpu_extension()
+    eng = PagedEngine(model, num_blocks=64)
+    assert eng.pool.kv_write is not None
+    buffers = [_span(a)[0] for a in eng.pool.arrays()]
+    copies = ext.kv_write_copies()
+    prompt = _prompts(12, 1, 70, 70)[0]
+    assert drive(eng, job("j", prompt, 4, 6)) == {f"j#{i}": dense(model, prompt, 6) for i in range(4)}
+    assert [_span(a)[0] for a in eng.pool.arrays()] == buffers
+    assert ext.kv_write_copies() == copies
+
+
 def test_all_samples_get_their_first_token_in_the_prefill_step(model):
     """The pass that ends sample 0's prompt gives every sample its first token (from sample 0's
     logits, each with its own sampler); the samples then decode in the same steps and end together."""

@@ -231,10 +231,27 @@ class KVPool:
 
     def write_blocks(self, block_ids: Sequence[int], data: dict[str, mx.array]) -> None:
         slots = _slots_of_blocks(block_ids, self.block_size)
+        self._write_slots(slots, lambda name, i, a: data[f"{name}{i}"].astype(a.dtype))
+        mx.eval(self.arrays())
+
+    def _pairs(self) -> list[tuple[str, str]]:
+        """The parts in the pairs the in-place writer takes (write_rows' pairs)."""
+        return [("k", "v")] + ([("ks", "kb"), ("vs", "vb")] if self.quant is not None else [])
+
+    def _write_slots(self, slots: mx.array, rows_of) -> None:
+        """Every array of the pool gets ``rows_of(part, layer, array)`` (H, len(slots), W) at
+        ``slots``: in place with the extension's writer where the engine has it (MLX's scatter
+        copies a whole layer array whenever a queued step still holds it, and the copy is off
+        the pool's huge pages), else by MLX's scatter."""
+        if self.kv_write is not None:
+            for a, b in self._pairs():
+                for i in range(len(self.store[a])):
+                    x, y = rows_of(a, i, self.store[a][i]), rows_of(b, i, self.store[b][i])
+                    self._write_pair(a, b, i, x[None], y[None], slots)
+            return
         for name, arrs in self.store.items():
             for i, a in enumerate(arrs):
-                a[:, slots] = data[f"{name}{i}"].astype(a.dtype)
-        mx.eval(self.arrays())
+                a[:, slots] = rows_of(name, i, a)
 
 
     def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
@@ -246,8 +263,7 @@ class KVPool:
             return
         src = _slots_of_blocks(src_ids, self.block_size)
         dst = _slots_of_blocks(dst_ids, self.block_size)
-        for a in self.arrays():
-            a[:, dst] = a[:, src]  # updates the pool's own array object (mx.array.__setitem__)
+        self._write_slots(dst, lambda name, i, a: a[:, src])
 
 
 def _slots_of_blocks(block_ids: Sequence[int], block_size: int) -> mx.array:
