@@ -46,6 +46,7 @@ import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mlxq.shared.settings import Settings  # noqa: E402
+from mlxq.worker.engine import hugepages  # noqa: E402
 from mlxq.worker.engine.engine import make_engine  # noqa: E402
 from mlxq.worker.engine_api import SeqSpec  # noqa: E402
 from mlxq.worker.model import load_model  # noqa: E402
@@ -225,6 +226,7 @@ def main() -> int:
     e2e = E2E(args.model or _bench_dir()) if args.e2e and args.shape == "bench" else None
     loaded = load(args.shape, args.model)
     groups = weights(loaded.model)  # grouped as the pool's matmuls run them
+    hugepages.advise([w for g in groups for w in g])  # as the engine's (huge_pages): the same pages
     wbytes = sum(w.nbytes for g in groups for w in g)
     print(f"{loaded.name}: {sum(w.size for g in groups for w in g) / 1e6:.1f}M weight-matrix parameters "
           f"({wbytes / 2**20:.0f} MiB fp32); {blas.status()}")

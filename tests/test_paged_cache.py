@@ -104,3 +104,19 @@ def test_bytes_per_block_matches_pool():
     model = _tiny("qwen3")
     shape = probe_kv_shape(model)
     assert KVPool(shape, 10, BS).nbytes == (10 + 1) * shape.bytes_per_block(BS)  # + the scratch block
+
+
+def test_huge_pages_advice_keeps_the_bytes():
+    """hugepages.advise asks the kernel for 2 MiB pages on an array's aligned interior: where the
+    kernel allows it, a multiple of 2 MiB within the array; elsewhere 0. Never an error, and the
+    array's bytes are what they were."""
+    import numpy as np
+
+    from mlxq.worker.engine import hugepages
+
+    a = mx.random.normal((3 << 20,))  # 12 MiB
+    mx.eval(a)
+    before = np.array(a)
+    asked = hugepages.advise([a, mx.zeros((16,))])
+    assert asked % hugepages.HUGE == 0 and asked <= a.nbytes
+    assert np.array_equal(np.array(a), before)

@@ -28,7 +28,7 @@ SAMPLES = {
     "stats_interval_s": "0.5", "max_new_tokens": "1000", "keep_dtype": True, "grace_s": "4", "burst": True,
     "host_thread": False,
     "rq_queues": "mlxq-high,mlxq-low", "metrics_port": "9100", "metrics_host": "0.0.0.0", "max_batch": "6",
-    "kv_memory_mb": "64", "kv_blocks": "40", "pressure": "0.5", "prefix_cache": False, "chunked_prefill": False,
+    "kv_memory_mb": "64", "kv_blocks": "40", "pressure": "0.5", "prefix_cache": False, "huge_pages": False, "chunked_prefill": False,
     "chunk_schedule": "256:64,*:32", "step_token_budget": "128", "decode_reserve_blocks": "2",
     "priority_gap": "2.5", "max_sequences": "32", "max_waiting": "3", "session_dir": "/tmp/mlxq-sessions",
     "attention": "gather", "matmul": "pool", "kv_bits": "8", "kv_group_size": "32",

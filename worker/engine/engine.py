@@ -26,9 +26,12 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
+from mlx.utils import tree_flatten
+
 from ...shared.settings import Settings
 
 from ..engine_api import Preempted, SeqSpec, TokenEvent
+from . import hugepages
 from .attention import use_attention
 from .block_manager import BLOCK_SIZE, BlockManager
 from .constrain import GrammarBook, GrammarError, RowGrammar
@@ -83,6 +86,7 @@ class PagedEngine:
         tokenizer=None,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
+        huge_pages: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper: constrained output needs it
@@ -107,6 +111,8 @@ class PagedEngine:
         self.runner = ModelRunner(model, self.pool)
         # auto / fused / gather; logs its choice
         self.attention = use_attention(model, self.pool, attention, matmul=matmul)
+        if huge_pages:  # the weights a step streams through and the pool (see hugepages.py)
+            hugepages.advise([a for _, a in tree_flatten(model.parameters())] + self.pool.arrays())
         self.sessions = SessionFiles(session_dir, model_id, self.pool) if session_dir else None
         config = SchedulerConfig(
             max_batch=max_batch, pressure=pressure, eos_token_ids=frozenset(eos_token_ids),
