@@ -63,7 +63,9 @@ def _check_results(loaded, results, refs, collectors=None):
 
 
 def test_worker_kill9_mid_stream_loses_and_duplicates_nothing(tiny_model, tiny_model_dir, redis_url, tmp_path):
-    specs = _specs(11, 14, 160)
+    # the jobs that ignore EOS run 400 tokens: a worker that publishes late (deltas of several
+    # steps each, on a loaded machine) still has them running when each has streamed 4 entries
+    specs = [(p, 400 if ie else n, ie) for p, n, ie in _specs(11, 14, 160)]
     refs = _refs(tiny_model, specs)
     lease = dict(lease_s=2, heartbeat_s=0.5)
     settings = fast_settings(redis_url, **lease)
@@ -78,12 +80,13 @@ def test_worker_kill9_mid_stream_loses_and_duplicates_nothing(tiny_model, tiny_m
         # stop at EOS). Freeze the worker first so the states read below are the states at the kill.
         # (the worker runs in short slices meanwhile and is frozen when the condition holds)
         assert a.run_until(lambda: all(_xlen(r, j.id) >= 4 or j.status() == "done" for j in jobs)), a.log()
-        running_at_kill = [j.id for j in jobs if j.status() == "running"]
+        at_kill = {j.id: (j.status(), _xlen(r, j.id)) for j in jobs}
+        running_at_kill = [jid for jid, (st, _) in at_kill.items() if st == "running"]
         a.kill9()
-        # the jobs that ignore EOS are long by construction (160 tokens; they had streamed only a
-        # few when the condition above held), so each of them is hit mid-stream
+        # the jobs that ignore EOS are long by construction (400 tokens; they had streamed only a
+        # few entries when the condition above held), so each of them is hit mid-stream
         long_ids = {j.id for j, (_, _, ie) in zip(jobs, specs) if ie}
-        assert long_ids <= set(running_at_kill), "a long job was not running at the kill"
+        assert long_ids <= set(running_at_kill), f"a long job was not running at the kill: {at_kill}"
         b = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=16, **lease)
         results = [j.result(timeout=90) for j in jobs]
         for c in collectors:
