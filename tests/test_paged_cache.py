@@ -117,6 +117,10 @@ def test_huge_pages_advice_keeps_the_bytes():
     a = mx.random.normal((3 << 20,))  # 12 MiB
     mx.eval(a)
     before = np.array(a)
-    asked = hugepages.advise([a, mx.zeros((16,))])
+    t = mx.zeros((2048, 2048)).T  # a transposed view: skipped
+    h = mx.zeros((3 << 20,), dtype=mx.bfloat16)  # any dtype
+    mx.eval(t, h)
+    asked = hugepages.advise([a, mx.zeros((16,)), t])
     assert asked % hugepages.HUGE == 0 and asked <= a.nbytes
     assert np.array_equal(np.array(a), before)
+    assert hugepages.advise([h]) <= h.nbytes

@@ -23,7 +23,7 @@ import ctypes
 import logging
 import sys
 import time
-from typing import Iterable
+from typing import Iterable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -47,16 +47,20 @@ def _libc_madvise():
     return _madvise
 
 
-def _span(a: mx.array) -> tuple[int, int]:
-    """The array's data as [start, end) addresses (a zero-copy view of its buffer)."""
-    buf = np.frombuffer(memoryview(a), dtype=np.uint8)
+def _span(a: mx.array) -> Optional[tuple[int, int]]:
+    """The array's data as [start, end) addresses (a zero-copy view of its buffer), or None when
+    its buffer is not one contiguous run (a transposed or sliced view)."""
+    try:
+        buf = np.frombuffer(memoryview(a), dtype=np.uint8)
+    except (BufferError, ValueError, TypeError):
+        return None
     return buf.ctypes.data, buf.ctypes.data + buf.nbytes
 
 
 def advise(arrays: Iterable[mx.array]) -> int:
     """Back the 2 MiB-aligned interior of each array with huge pages where the kernel allows;
     returns the bytes asked for (0 where nothing could be: not Linux, small arrays, THP off).
-    The arrays must be evaluated and on the CPU."""
+    The arrays must be evaluated; one whose data is not one contiguous run is skipped."""
     if not sys.platform.startswith("linux") or mx.default_device() != mx.cpu:
         return 0
     madvise = _libc_madvise()
@@ -64,8 +68,10 @@ def advise(arrays: Iterable[mx.array]) -> int:
     for a in arrays:
         if a.nbytes < 2 * HUGE:
             continue
-        lo, hi = _span(a)
-        lo, hi = (lo + HUGE - 1) // HUGE * HUGE, hi // HUGE * HUGE
+        span = _span(a)
+        if span is None:
+            continue
+        lo, hi = (span[0] + HUGE - 1) // HUGE * HUGE, span[1] // HUGE * HUGE
         if hi <= lo:
             continue
         if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
