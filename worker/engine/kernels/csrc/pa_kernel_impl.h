@@ -718,22 +718,20 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
         attend_queries(qs.data(), nq, F32Rows{kconv, Dk}, F32Rows{vconv, Dv}, nullptr, Dk, Dv, s, p, pq);
       } else {
         const BlockAffine af = block_affine((int64_t)hk * S + (int64_t)blk * BS, c0, c1);
-        if (nq > TQ) { // several tiles: the integers once, as floats (the same bits as from the packed rows)
-          if (a.bits == 8) {
-            unpack_rows(U8Rows{(const uint8_t*)kb_raw, krow}, kconv, Dk, c0, c1);
-            unpack_rows(U8Rows{(const uint8_t*)vb_raw, vrow}, vconv, Dv, c0, c1);
+        // Several tiles: the integers once, as floats (the same bits as from the packed rows).
+        auto attend_packed = [&](const auto& k, const auto& v) {
+          if (nq > TQ) {
+            unpack_rows(k, kconv, Dk, c0, c1);
+            unpack_rows(v, vconv, Dv, c0, c1);
+            attend_queries(qs.data(), nq, F32Rows{kconv, Dk}, F32Rows{vconv, Dv}, &af, Dk, Dv, s, p, pq);
           } else {
-            unpack_rows(U4Rows{(const uint32_t*)kb_raw, krow / 4}, kconv, Dk, c0, c1);
-            unpack_rows(U4Rows{(const uint32_t*)vb_raw, vrow / 4}, vconv, Dv, c0, c1);
+            attend_queries(qs.data(), nq, k, v, &af, Dk, Dv, s, p, pq);
           }
-          attend_queries(qs.data(), nq, F32Rows{kconv, Dk}, F32Rows{vconv, Dv}, &af, Dk, Dv, s, p, pq);
-        } else if (a.bits == 8) {
-          attend_queries(qs.data(), nq, U8Rows{(const uint8_t*)kb_raw, krow}, U8Rows{(const uint8_t*)vb_raw, vrow},
-                         &af, Dk, Dv, s, p, pq);
-        } else {
-          attend_queries(qs.data(), nq, U4Rows{(const uint32_t*)kb_raw, krow / 4},
-                         U4Rows{(const uint32_t*)vb_raw, vrow / 4}, &af, Dk, Dv, s, p, pq);
-        }
+        };
+        if (a.bits == 8)
+          attend_packed(U8Rows{(const uint8_t*)kb_raw, krow}, U8Rows{(const uint8_t*)vb_raw, vrow});
+        else
+          attend_packed(U4Rows{(const uint32_t*)kb_raw, krow / 4}, U4Rows{(const uint32_t*)vb_raw, vrow / 4});
       }
     }
   }

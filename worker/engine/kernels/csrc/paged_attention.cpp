@@ -76,8 +76,8 @@ constexpr int kPartBlocks = 16;
 // chunks a thread, for the threads to even out). Short tasks gain most (a decode row of ~3
 // blocks at batch 64: attention alone, 64 rows at 85 tokens, alternating processes, three runs:
 // 5.56 / 5.54 / 5.25 -> 4.43 / 5.21 / 4.46 ms); long ones start cold on 2 of their 16 blocks
-// anyway, and in chunks of 8 the pieces of 16 rows x 1000 tokens on an 8-bit pool (dequantizing,
-// not waiting on memory) evened out worse: 1051 -> 1003 tok/s.
+// anyway, and in chunks of 8 the pieces of 16 rows x 1000 tokens on an 8-bit pool (then
+// dequantizing every element, not waiting on memory) evened out worse: 1051 -> 1003 tok/s.
 constexpr int kChunkBlocks = 16;
 constexpr int kChunksPerThread = 8;
 
