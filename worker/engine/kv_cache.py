@@ -240,18 +240,14 @@ class KVPool:
 
     def _write_slots(self, slots: mx.array, rows_of) -> None:
         """Every array of the pool gets ``rows_of(part, layer, array)`` (H, len(slots), W) at
-        ``slots``: in place with the extension's writer where the engine has it (MLX's scatter
-        copies a whole layer array whenever a queued step still holds it, and the copy is off
-        the pool's huge pages), else by MLX's scatter."""
-        if self.kv_write is not None:
-            for a, b in self._pairs():
-                for i in range(len(self.store[a])):
-                    x, y = rows_of(a, i, self.store[a][i]), rows_of(b, i, self.store[b][i])
-                    self._write_pair(a, b, i, x[None], y[None], slots)
-            return
-        for name, arrs in self.store.items():
-            for i, a in enumerate(arrs):
-                a[:, slots] = rows_of(name, i, a)
+        ``slots``, pair by pair through :meth:`_write_pair`: in place with the extension's
+        writer where the engine has it (MLX's scatter copies a whole layer array whenever a
+        queued step still holds it, and the copy is off the pool's huge pages), else by MLX's
+        scatter."""
+        for a, b in self._pairs():
+            for i in range(len(self.store[a])):
+                x, y = rows_of(a, i, self.store[a][i]), rows_of(b, i, self.store[b][i])
+                self._write_pair(a, b, i, x[None], y[None], slots)
 
 
     def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
