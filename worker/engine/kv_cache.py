@@ -191,15 +191,13 @@ class KVPool:
 
     def write_rows(self, layer: int, keys: mx.array, values: mx.array, slots: mx.array) -> None:
         """Store new keys/values (B, H, N, D) at pool rows ``slots`` (B*N,), quantized if the pool is."""
-        if self.quant is None:
-            self._write_pair("k", "v", layer, keys, values, slots)
-            return
-        g, b = self.quant.group_size, self.quant.bits
-        kq, ks, kb = mx.quantize(keys, group_size=g, bits=b)
-        vq, vs, vb = mx.quantize(values, group_size=g, bits=b)
-        self._write_pair("k", "v", layer, kq, vq, slots)
-        self._write_pair("ks", "kb", layer, ks.astype(self.dtype), kb.astype(self.dtype), slots)
-        self._write_pair("vs", "vb", layer, vs.astype(self.dtype), vb.astype(self.dtype), slots)
+        rows = {"k": keys, "v": values}
+        if self.quant is not None:
+            for side, x in (("k", keys), ("v", values)):
+                xq, xs, xb = mx.quantize(x, group_size=self.quant.group_size, bits=self.quant.bits)
+                rows[side], rows[side + "s"], rows[side + "b"] = xq, xs.astype(self.dtype), xb.astype(self.dtype)
+        for a, b in self._pairs():
+            self._write_pair(a, b, layer, rows[a], rows[b], slots)
 
     def _write_pair(self, a: str, b: str, layer: int, x: mx.array, y: mx.array, slots: mx.array) -> None:
         pa, pb = self.store[a][layer], self.store[b][layer]
@@ -235,7 +233,7 @@ class KVPool:
         mx.eval(self.arrays())
 
     def _pairs(self) -> list[tuple[str, str]]:
-        """The parts in the pairs the in-place writer takes (write_rows' pairs)."""
+        """The pool's parts in the pairs the in-place writer takes."""
         return [("k", "v")] + ([("ks", "kb"), ("vs", "vb")] if self.quant is not None else [])
 
     def _write_slots(self, slots: mx.array, rows_of) -> None:
