@@ -174,12 +174,8 @@ def test_the_fork_copy_writes_the_pool_in_place(model):
     """The forks' copies of the sibling's partial block go through the in-place KV writer: every
     pool array keeps its buffer (MLX's scatter copied a whole layer array when a queued step
     still held it) and the writer copied nothing."""
-    import numpy as np
-
     from mlxq.worker.engine import attention
-
-    def _span(a):
-        return (np.frombuffer(memoryview(a), np.uint8).ctypes.data,)
+    from mlxq.worker.engine.hugepages import _span
 
     ext = attention.cpu_extension()
     eng = PagedEngine(model, num_blocks=64)
