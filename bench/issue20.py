@@ -73,8 +73,8 @@ def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
     """(what, figure, target) for every figure of the issue."""
     out: list[tuple[str, str, str]] = []
 
-    def add(what: str, figures: list[str], target: str, ok=None, *, of: tuple[str, ...] = ()) -> None:
-        if of and not any(benches[name].logs for name in of):
+    def add(bench: str, what: str, figures: list[str], target: str, ok=None) -> None:
+        if not benches[bench].logs:
             return  # not run (--only)
         fig = "; ".join(figures) if figures else "missing"
         verdict = "" if ok is None or not figures else (
@@ -84,15 +84,16 @@ def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
     peer = benches["peer"].output()
     for c in ("c16", "c64"):
         ms = find(peer, rf"^{c}\s+mlxq gateway\s+([\d.]+).*?vllm-mlx\s+([\d.]+)\s+gateway/vllm-mlx ([\d.]+)x")
-        add(f"gateway vs vllm-mlx, {c[1:]} concurrent", [f"{m[1]} vs {m[2]} tok/s: {m[3]}x" for m in ms], ">= 2x",
-            [float(m[3]) >= 2 for m in ms], of=("peer",))
-        if benches["peer"].logs and not ms and find(peer, r"vllm-mlx: not installed"):
-            out[-1] = (out[-1][0], "vllm-mlx not installed", out[-1][2])
+        if not ms and find(peer, r"vllm-mlx: not installed"):
+            add("peer", f"gateway vs vllm-mlx, {c[1:]} concurrent", ["vllm-mlx not installed"], ">= 2x")
+            continue
+        add("peer", f"gateway vs vllm-mlx, {c[1:]} concurrent", [f"{m[1]} vs {m[2]} tok/s: {m[3]}x" for m in ms],
+            ">= 2x", [float(m[3]) >= 2 for m in ms])
     tput = benches["throughput"].output() + benches["long"].output()
     for w in ("solo", "c16", "c64", "long"):
         ms = find(tput, rf"^{w}\s+\S+.*?\s([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+\d+/\d+\s*$")
-        add(f"vs mlx-lm at its best, {w}", [f"{m[1]} -> {m[2]} tok/s: {m[3]}x" for m in ms], "",
-            of=("long",) if w == "long" else ("throughput",))
+        add("long" if w == "long" else "throughput", f"vs mlx-lm at its best, {w}",
+            [f"{m[1]} -> {m[2]} tok/s: {m[3]}x" for m in ms], "")
 
     def shares(texts: list[str], batch: int) -> list[tuple[str, str, int]]:
         return [(m[1], m[2], int(m[3])) for m in find(texts, rf"^\s+{batch}\s+(\d+)\s+(\d+)\s+(\d+)%")]
@@ -101,33 +102,33 @@ def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
     for batch, what, bound in ((1, "solo vs the bandwidth ceiling", 50), (16, "batch 16 vs the matmul ceiling", None),
                                (64, "batch 64 vs the matmul ceiling", 75)):
         s = shares(ceil, batch)
-        add(what, [f"{e} of {c} tok/s: {p}%" for c, e, p in s], f">= {bound}%" if bound else "",
-            [p >= bound for *_, p in s] if bound else None, of=("ceiling",))
+        add("ceiling", what, [f"{e} of {c} tok/s: {p}%" for c, e, p in s], f">= {bound}%" if bound else "",
+            [p >= bound for *_, p in s] if bound else None)
     s = shares(benches["ceiling-0.36b"].output(), 16)
-    add("0.36B shape, batch 16 vs its matmul ceiling", [f"{e} of {c} tok/s: {p}%" for c, e, p in s], ">= 85%",
-        [p >= 85 for *_, p in s], of=("ceiling-0.36b",))
+    add("ceiling-0.36b", "0.36B shape, batch 16 vs its matmul ceiling", [f"{e} of {c} tok/s: {p}%" for c, e, p in s],
+        ">= 85%", [p >= 85 for *_, p in s])
 
     kv = benches["kv_quant"].output()
     for bits, bound in (("8-bit", 1.9), ("4-bit", 3.5)):
         ms = find(kv, rf"^\s+{bits}\s+\d+ blocks.*?(\d+) sequences\s+([\d.]+)x fp32")
-        add(f"{bits} KV blocks: sequences at the same memory", [f"{m[1]} sequences: {m[2]}x fp32" for m in ms],
-            f">= {bound}x", [float(m[2]) >= bound for m in ms], of=("kv_quant",))
+        add("kv_quant", f"{bits} KV blocks: sequences at the same memory",
+            [f"{m[1]} sequences: {m[2]}x fp32" for m in ms], f">= {bound}x", [float(m[2]) >= bound for m in ms])
     ms = find(kv, r"^\s+8-bit\s+([\d.]+) tok/s\s+([\d.]+)x fp32")
-    add("8-bit vs fp32 decode, 16 x 1000-token prompts", [f"{m[1]} tok/s: {m[2]}x" for m in ms], ">= 1.1x",
-        [float(m[2]) >= 1.1 for m in ms], of=("kv_quant",))
+    add("kv_quant", "8-bit vs fp32 decode, 16 x 1000-token prompts", [f"{m[1]} tok/s: {m[2]}x" for m in ms], ">= 1.1x",
+        [float(m[2]) >= 1.1 for m in ms])
     for bits in ("8-bit", "4-bit"):
         ours = find(kv, rf"^\s+{bits} mlxq paged\s+max-abs ([\d.]+)\s+mean-abs ([\d.]+)")
         ref = find(kv, rf"^\s+{bits} mlx-lm QuantizedKVCache\s+max-abs ([\d.]+)\s+mean-abs ([\d.]+)")
         figs = [f"max-abs {a[1]} vs {b[1]}, mean-abs {a[2]} vs {b[2]}" for a, b in zip(ours, ref)]
-        add(f"{bits} logits error vs fp32 KV, ours vs mlx-lm's QuantizedKVCache", figs, "no worse",
-            [float(a[1]) <= float(b[1]) and float(a[2]) <= float(b[2]) for a, b in zip(ours, ref)], of=("kv_quant",))
+        add("kv_quant", f"{bits} logits error vs fp32 KV, ours vs mlx-lm's QuantizedKVCache", figs, "no worse",
+            [float(a[1]) <= float(b[1]) and float(a[2]) <= float(b[2]) for a, b in zip(ours, ref)])
 
     ms = find(benches["n_samples"].output(), r"^medians: n=1 ([\d.]+) s, n=8 ([\d.]+) s.*\nn=8 / n=1 = ([\d.]+)x")
-    add("n=8 vs n=1 end to end, 1000-token prompt", [f"{m[2]} vs {m[1]} s: {m[3]}x" for m in ms], "<= 1.3x",
-        [float(m[3]) <= 1.3 for m in ms], of=("n_samples",))
+    add("n_samples", "n=8 vs n=1 end to end, 1000-token prompt", [f"{m[2]} vs {m[1]} s: {m[3]}x" for m in ms],
+        "<= 1.3x", [float(m[3]) <= 1.3 for m in ms])
     ms = find(benches["n_fork"].output(), r"^\s+n=8 forked.*?([\d.]+) s\s+=\s+([\d.]+)x n=1")
-    add("n=8 vs n=1 in process (n_fork.py)", [f"{m[1]} s: {m[2]}x" for m in ms], "<= 1.3x",
-        [float(m[2]) <= 1.3 for m in ms], of=("n_fork",))
+    add("n_fork", "n=8 vs n=1 in process (n_fork.py)", [f"{m[1]} s: {m[2]}x" for m in ms], "<= 1.3x",
+        [float(m[2]) <= 1.3 for m in ms])
     return out
 
 
