@@ -56,7 +56,10 @@ JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "triage", "schema"
 SCHEMA_MAX_TOKENS = 200
 REGEX = r"(yes|no|maybe)-[0-9]{2,4}"
 CHOICES = ["alpha", "beta", "gamma delta", "épsilon"]
-LONG_REGEX = "[a-z]{90}"  # long by construction: at least ~30 tokens whatever the model says
+LONG_REGEX = "[a-z]{90}"  # long by construction: at least 9 tokens (the longest lowercase token is 10 letters)
+# at least 100 tokens whatever the model says: its byte-level BPE has no token with a letter on both sides of a
+# space, so each of the 100 letters starts a new token (at most 199 tokens: one a byte)
+SPACED_REGEX = "[a-z]( [a-z]){99}"
 PROMPTS = ["The weather today", "Once upon a time", "A list of fruit:", "Tell me about cats",
            "hello world", "The report says", "Numbers:", "In the morning"]
 PENALTY = dict(presence_penalty=0.5, frequency_penalty=1.0)  # exact in float32: batched == reference
@@ -368,10 +371,12 @@ def test_logit_bias_and_penalties(served, refs, tiny_model):
 def test_constrained_job_resumes_exactly_after_a_worker_crash(served, tiny_model_dir, redis_server, tmp_path):
     client, _ = served
     url = redis_server.url
-    fmt = {"type": "regex", "pattern": LONG_REGEX}
+    # long by construction (>= 100 tokens), so the job is still running when it has streamed 5 entries
+    # (a worker that publishes late streams several steps an entry)
+    fmt = {"type": "regex", "pattern": SPACED_REGEX}
     # the uncrashed run, on the module's worker
-    ref = client.submit(PROMPTS[3], max_tokens=120, response_format=fmt).result(timeout=60)
-    assert ref.finish_reason == "stop" and re.fullmatch(LONG_REGEX, ref.text)
+    ref = client.submit(PROMPTS[3], max_tokens=220, response_format=fmt).result(timeout=60)
+    assert ref.finish_reason == "stop" and re.fullmatch(SPACED_REGEX, ref.text)
     lease = dict(lease_s=2, heartbeat_s=0.5)
     crash_client = Client(url, model="tinyc", settings=fast_settings(url, **lease))
     keys = ModelKeys("tinyc")
@@ -379,12 +384,13 @@ def test_constrained_job_resumes_exactly_after_a_worker_crash(served, tiny_model
     b = None
     try:
         assert wait_registered(url, model="tinyc"), a.log()
-        job = crash_client.submit(PROMPTS[3], max_tokens=120, response_format=fmt)
+        job = crash_client.submit(PROMPTS[3], max_tokens=220, response_format=fmt)
         assert a.run_until(lambda: crash_client.redis.xlen(keys.events(job.id)) >= 5), a.log()
+        at_kill = (job.status(), crash_client.redis.xlen(keys.events(job.id)))
         a.kill9()
         b = WorkerProc(url, tiny_model_dir, tmp_path, name="tinyc", max_batch=4, **lease)
         res = job.result(timeout=120)
-        assert res.stats.attempts == 2, b.log()
+        assert res.stats.attempts == 2, f"status and stream entries at the kill: {at_kill}\n{b.log()}"
         assert (res.finish_reason, res.token_ids, res.text) == ("stop", ref.token_ids, ref.text)
     finally:
         a.stop()
