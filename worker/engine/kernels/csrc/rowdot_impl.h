@@ -126,26 +126,24 @@ inline void row_strip(const float* x, int64_t ldx, const float* w, int64_t ldw, 
 }
 
 #ifdef ROWDOT_FEW_MR
-// A few rows (5 to FMR, a decode step of a handful of sequences): all of them in one tile
+// A few rows (FMIN to FMR, a decode step of a handful of sequences): all of them in one tile
 // against FNR weight rows at a time. Each weight element is then loaded into a register
 // once, as it streams in, where the MR x NR tiles read a strip twice at 8 rows (the second
 // time from L1) and hold it in L1 meanwhile; the reads of memory overlap the arithmetic
 // better. The bench model's matmuls through linear on the pool, grouped as the engine calls
 // them, 4 alternations, 2026-11-26: 6 rows 4.1-5.0 -> 3.4-3.7 ms, 8 rows 4.3-5.5 -> 4.1-4.7
 // (one row: 2.9-3.3). Fewer than 5 rows gained nothing; the same bits either way.
-constexpr int FMR = ROWDOT_FEW_MR, FNR = ROWDOT_FEW_NR;
+// Each tile prefetches the FNR weight rows after its own (row_strip's read-ahead, as for one row).
+constexpr int FMIN = 5, FMR = ROWDOT_FEW_MR, FNR = ROWDOT_FEW_NR;
 
 template <int TM>
 inline void few_rows(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
                      int k8, int n0, int n1, bool add) {
-  if constexpr (TM > 5) {
+  if constexpr (TM > FMIN) {
     if (M < TM)
       return few_rows<TM - 1>(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add);
   }
-  for (int nb = n0; nb < n1; nb += FNR) {
-    const int ne = std::min(n1, nb + FNR);
-    row_strip<TM, FNR>(x, ldx, w, ldw, y, ldy, K, k8, nb, ne, add, w + (int64_t)ne * ldw, std::min(n1, ne + FNR) - ne);
-  }
+  row_strip<TM, FNR, true>(x, ldx, w, ldw, y, ldy, K, k8, n0, n1, add);
 }
 #endif
 
@@ -161,7 +159,7 @@ void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, flo
     return;
   }
 #ifdef ROWDOT_FEW_MR
-  if (M >= 5 && M <= FMR) { // fewer: the MR x NR tiles (as fast, more accumulators)
+  if (M >= FMIN && M <= FMR) { // fewer: the MR x NR tiles (as fast, more accumulators)
     few_rows<FMR>(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add);
     return;
   }
