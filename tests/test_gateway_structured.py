@@ -101,8 +101,11 @@ def test_json_schema_plain_and_streamed(stack):
 def test_json_object(stack):
     url, _, tok = stack
     vocab = tok.get_vocab()
-    # the bias only hurries the object closed (any weights): the constraint makes it an object
-    bias = {**no_thought(tok), **{str(vocab[t]): 100 for t in ('"', "}") if t in vocab}}
+    # the bias only hurries the object closed (any weights): the constraint makes it an object.
+    # '"' outranks '}', which a string may also hold: with the two equal, a model that prefers '}'
+    # wrote '{"":"}}}...' to max_tokens (MLXQ_TEST_MODEL_SEED=212). So every string closes as soon
+    # as it opens, and the object at its first '}' (compact JSON: no whitespace to loop on).
+    bias = {**no_thought(tok), **{str(vocab[t]): b for t, b in (('"', 100), ("}", 50)) if t in vocab}}
     resp = chat(url, response_format={"type": "json_object"}, max_tokens=200, logit_bias=bias)
     assert resp.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(resp.choices[0].message.content), dict)
