@@ -470,7 +470,9 @@ def _tiles_case():
 
 
 def test_every_isa_of_the_attention_loop_gives_the_same_bits(ext, tmp_path):
-    """The AVX-512VL build tiles 4 queries, the AVX2 build 3, the baseline loop 1: each query's
+    """The AVX-512VL build tiles 4 queries, and a float pool's heads in pairs, 4 pairs a tile, in
+    16-lane registers (G = 2: whole tiles of forked rows; G = 7: 3 pairs and a head alone; G = 3 on
+    a float16 pool, with a window); the AVX2 build tiles 3, the baseline loop 1: each query's
     arithmetic is the same in any tile, so a fresh process forced onto AVX2 computes the very same
     outputs (rows alone against rows together: test_rows_that_share_blocks_get_their_bits_alone)."""
     if ext.isa() != "avx512vl":

@@ -12,6 +12,7 @@
 #define PA_NS avx512
 #define PA_TQ 4
 #define PA_NV 4
+#define PA_ZMM 4
 #include "../../worker/engine/kernels/csrc/pa_kernel_impl.h"
 #include <sys/mman.h>
 #include <chrono>

@@ -23,6 +23,7 @@
 #endif
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "pa_kernel.h"
@@ -63,34 +64,46 @@ inline float hsum(vf v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+template <class V, class I>
+inline V select_t(I mask, V a, V b) {
+  return (V)(((I)a & mask) | ((I)b & ~mask));
+}
+
 inline vf select(vi mask, vf a, vf b) {
-  return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+  return select_t(mask, a, b);
 }
 
 // exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp); exactly 0 below -87.3
-// (so -inf gives 0, which masked keys rely on).
+// (so -inf gives 0, which masked keys rely on). V: 8 floats (vf, every build) or 16 (PA_ZMM's
+// pairs); each lane the same operations either way.
+template <class V, class I>
+inline V vexp_t(V x) {
+  const V zero = V{};
+  const V lo = zero + -87.3f;
+  const I dead = x < lo;
+  x = select_t(dead, lo, x);
+  x = select_t(x > zero, zero, x);
+  V fx = x * (zero + 1.44269504088896341f) + (zero + 0.5f);
+  I ti = __builtin_convertvector(fx, I); // toward zero
+  V tf = __builtin_convertvector(ti, V);
+  ti = ti + (I)(tf > fx); // floor: -1 where truncation went up
+  tf = __builtin_convertvector(ti, V);
+  x = x - tf * (zero + 0.693359375f) - tf * (zero + -2.12194440e-4f);
+  const V z = x * x;
+  V y = zero + 1.9875691500e-4f;
+  y = y * x + (zero + 1.3981999507e-3f);
+  y = y * x + (zero + 8.3334519073e-3f);
+  y = y * x + (zero + 4.1665795894e-2f);
+  y = y * x + (zero + 1.6666665459e-1f);
+  y = y * x + (zero + 5.0000001201e-1f);
+  y = y * z + x + (zero + 1.0f);
+  const I e = (ti + 127) << 23;
+  y = y * (V)e;
+  return (V)((I)y & ~dead);
+}
+
 inline vf vexp(vf x) {
-  const vf lo = splat(-87.3f);
-  const vi dead = x < lo;
-  x = select(dead, lo, x);
-  x = select(x > splat(0.0f), splat(0.0f), x);
-  vf fx = x * splat(1.44269504088896341f) + splat(0.5f);
-  vi ti = __builtin_convertvector(fx, vi); // toward zero
-  vf tf = __builtin_convertvector(ti, vf);
-  ti = ti + (vi)(tf > fx); // floor: -1 where truncation went up
-  tf = __builtin_convertvector(ti, vf);
-  x = x - tf * splat(0.693359375f) - tf * splat(-2.12194440e-4f);
-  const vf z = x * x;
-  vf y = splat(1.9875691500e-4f);
-  y = y * x + splat(1.3981999507e-3f);
-  y = y * x + splat(8.3334519073e-3f);
-  y = y * x + splat(4.1665795894e-2f);
-  y = y * x + splat(1.6666665459e-1f);
-  y = y * x + splat(5.0000001201e-1f);
-  y = y * z + x + splat(1.0f);
-  const vi e = (ti + 127) << 23;
-  y = y * (vf)e;
-  return (vf)((vi)y & ~dead);
+  return vexp_t<vf, vi>(x);
 }
 
 inline vf vmax(vf a, vf b) {
@@ -308,6 +321,11 @@ class PrefetchQueue {
 #define PA_NV 4
 #endif
 constexpr int TQ = PA_TQ, NV = PA_NV;
+#ifdef PA_ZMM
+constexpr int kTileRows = TQ > 2 * PA_ZMM ? TQ : 2 * PA_ZMM; // the queries of a tile, at most
+#else
+constexpr int kTileRows = TQ;
+#endif
 
 // One query of a block: its row of the group (fp32, scaled), its (m, l, acc), the keys
 // [jl, jh) of the block it may see, and (quantized pools) the sums of its row over each key
@@ -319,6 +337,9 @@ struct QRef {
   float* acc;
   int jl, jh;
   const float* qsum;
+  // PA_ZMM: this query and the next one (the next head of the same token), 8 floats of each in
+  // turn (a pair buffer of 2 * Dk), when this query starts such a pair; else null.
+  const float* q2;
 };
 
 // Lane partials of NQ queries against rows j..j+3 of k, elements [d0, d1): lane l of key j
@@ -485,10 +506,189 @@ inline void attend_tile(const QRef* qs, const KSrc& k, const VSrc& v, const Bloc
   }
 }
 
+#ifdef PA_ZMM
+// Pairs of queries in 16-lane registers (AVX-512F): the low 8 lanes carry one query's 8-lane
+// arithmetic and the high 8 lanes the other's, each lane the very operations (the same fused
+// multiply-adds from 0, the same horizontal tree) that the 8-lane loop gives it, so a query's
+// bits stay what they are in any tile, in any build. Each key row is loaded once into both
+// halves (a 256-bit broadcast, a load and no shuffle) and serves a pair per instruction: twice
+// the multiply-adds per instruction, on the cores' two 512-bit FMA units. The value side needs
+// no pairing: an output float's sum sees no other lane, so 16 of a query's outputs go at once.
+// Attention alone (bench/harness/attend_fork.cpp), 8 layers, one thread, alternating with the
+// 4-query tiles, 2026-11-26: 8 forked rows over 1064 tokens 3.36-3.64 -> 2.36-2.55 ms, one row
+// 1.15-1.24 -> 1.03-1.15 ms (its two heads are a pair).
+constexpr int TP = PA_ZMM; // pairs per tile
+
+inline __m512 bcast8(const float* p) { // p[0..8) into both halves
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+
+inline __m512 hadd16(__m512 a, __m512 b) { // hadd() in each 256-bit half
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+inline vf low_half(__m512 z) {
+  return (vf)_mm512_castps512_ps256(z);
+}
+
+inline vf high_half(__m512 z) {
+  return (vf)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1));
+}
+
+// dot4 for NP pairs: h[p] holds dot4's h of the pair's first query (low half) and second (high).
+template <int NP>
+inline void dot4_pairs(const QRef* qs, const F32Rows& k, int j, int Dk, __m512* h) {
+  __m512 a[NP][4];
+  for (int i = 0; i < NP; ++i)
+    for (int u = 0; u < 4; ++u)
+      a[i][u] = _mm512_setzero_ps();
+  const float* kr = k.p + (int64_t)j * k.ld;
+  for (int d = 0; d < Dk; d += 8) {
+    __m512 x[NP];
+    for (int i = 0; i < NP; ++i)
+      x[i] = _mm512_loadu_ps(qs[2 * i].q2 + 2 * d);
+    for (int u = 0; u < 4; ++u) {
+      const __m512 kv = bcast8(kr + u * k.ld + d);
+      for (int i = 0; i < NP; ++i)
+        a[i][u] = _mm512_fmadd_ps(x[i], kv, a[i][u]);
+    }
+  }
+  for (int i = 0; i < NP; ++i)
+    h[i] = hadd16(hadd16(a[i][0], a[i][1]), hadd16(a[i][2], a[i][3]));
+}
+
+// sums8 in each half.
+inline __m512 sums8_pairs(__m512 lo, __m512 hi) {
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i i1 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(lo, i0, hi), _mm512_permutex2var_ps(lo, i1, hi));
+}
+
+// The pair layout of scores and weights: a pair's 8-key chunk c at 16 * c, the first query's 8
+// floats then the second's; query h (0, 1) of the pair reads key j at pair_at(h, j).
+inline int pair_at(int h, int j) {
+  return (j >> 3) * 16 + 8 * h + (j & 7);
+}
+
+// accumulate_tile (no bias) with 16 of each query's outputs a register; p: the weights of
+// qs[0..NQ) in the pair layout, pair i at p + i * 2 * kMaxBlock.
+template <int NQ, int V>
+inline void accumulate_z(const QRef* qs, int d, const float* corr, const float* p, const F32Rows& v, int j0,
+                         int j1) {
+  __m512 c[NQ][V];
+  for (int i = 0; i < NQ; ++i) {
+    const __m512 cv = _mm512_set1_ps(corr[i]);
+    for (int k = 0; k < V; ++k)
+      c[i][k] = _mm512_mul_ps(_mm512_loadu_ps(qs[i].acc + d + 16 * k), cv);
+  }
+  for (int j = j0; j < j1; ++j) {
+    __m512 pj[NQ];
+    for (int i = 0; i < NQ; ++i)
+      pj[i] = _mm512_set1_ps(p[(i / 2) * 2 * kMaxBlock + pair_at(i % 2, j)]);
+    const float* vr = v.p + (int64_t)j * v.ld + d;
+    for (int k = 0; k < V; ++k) {
+      const __m512 x = _mm512_loadu_ps(vr + 16 * k);
+      for (int i = 0; i < NQ; ++i)
+        c[i][k] = _mm512_fmadd_ps(pj[i], x, c[i][k]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int k = 0; k < V; ++k)
+      _mm512_storeu_ps(qs[i].acc + d + 16 * k, c[i][k]);
+}
+
+// The outputs of NQ (2 or 4) queries, Dv a multiple of 16: 64 floats a pass, then 16.
+template <int NQ>
+inline void accumulate_span_z(const QRef* qs, int Dv, const float* corr, const float* p, const F32Rows& v, int j0,
+                              int j1, PrefetchQueue& pq) {
+  int d = 0;
+  for (; d + 64 <= Dv; d += 64) {
+    accumulate_z<NQ, 4>(qs, d, corr, p, v, j0, j1);
+    pq.issue();
+  }
+  for (; d < Dv; d += 16)
+    accumulate_z<NQ, 1>(qs, d, corr, p, v, j0, j1);
+}
+
+typedef float vz __attribute__((vector_size(64)));
+typedef int32_t vzi __attribute__((vector_size(64)));
+
+// attend_tile for NP pairs of queries (qs[0..2 NP), pair i = qs[2i], qs[2i + 1]) that see the
+// same keys of a float block: the same steps, per query the same bits; the scores, their
+// exponentials and sums go a pair at a time (s, p: the pair layout, pair i at i * 2 * kMaxBlock).
+template <int NP>
+inline void attend_pairs(const QRef* qs, const F32Rows& k, const F32Rows& v, int Dk, int Dv, float* s, float* p,
+                         PrefetchQueue& pq) {
+  constexpr int NQ = 2 * NP;
+  const int jl = qs[0].jl, jh = qs[0].jh;
+  const int ja = jl & ~7, jb = (jh + 7) & ~7;
+  __m512 mb[NP];
+  for (int i = 0; i < NP; ++i)
+    mb[i] = _mm512_set1_ps(kNegInf);
+  for (int j8 = ja; j8 < jb; j8 += 8) {
+    __m512 lo[NP], hi[NP];
+    dot4_pairs<NP>(qs, k, j8, Dk, lo);
+    dot4_pairs<NP>(qs, k, j8 + 4, Dk, hi);
+    const bool edge = j8 < jl || j8 + 8 > jh;
+    const __m512i lane = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm512_set1_epi32(j8));
+    const __mmask16 keep = _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(jl)) &
+        _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(jh));
+    for (int i = 0; i < NP; ++i) {
+      __m512 z = sums8_pairs(lo[i], hi[i]);
+      if (edge)
+        z = _mm512_mask_blend_ps(keep, _mm512_set1_ps(kNegInf), z);
+      _mm512_storeu_ps(s + i * 2 * kMaxBlock + (j8 >> 3) * 16, z);
+      mb[i] = _mm512_max_ps(mb[i], z); // vmax: the first operand where it is greater, else the second
+    }
+    pq.issue();
+  }
+  float corr[NQ];
+  for (int i = 0; i < NP; ++i) {
+    float mnew[2];
+    for (int h = 0; h < 2; ++h) {
+      float* m = qs[2 * i + h].m;
+      const float mblk = hmax(h == 0 ? low_half(mb[i]) : high_half(mb[i]));
+      mnew[h] = *m > mblk ? *m : mblk;
+      corr[2 * i + h] = std::exp(*m - mnew[h]); // 0 when m was -inf
+    }
+    vz lsum = vz{};
+    const vz mv = {mnew[0], mnew[0], mnew[0], mnew[0], mnew[0], mnew[0], mnew[0], mnew[0],
+                   mnew[1], mnew[1], mnew[1], mnew[1], mnew[1], mnew[1], mnew[1], mnew[1]};
+    const float* si = s + i * 2 * kMaxBlock;
+    float* pi = p + i * 2 * kMaxBlock;
+    for (int j8 = ja; j8 < jb; j8 += 8) {
+      vz x;
+      std::memcpy(&x, si + (j8 >> 3) * 16, sizeof(x));
+      const vz e = vexp_t<vz, vzi>(x - mv);
+      std::memcpy(pi + (j8 >> 3) * 16, &e, sizeof(e));
+      lsum += e;
+    }
+    for (int h = 0; h < 2; ++h) {
+      float* l = qs[2 * i + h].l;
+      *l = *l * corr[2 * i + h] + hsum(h == 0 ? low_half((__m512)lsum) : high_half((__m512)lsum));
+      *qs[2 * i + h].m = mnew[h];
+    }
+  }
+  int i = 0;
+  for (; i + 4 <= NQ; i += 4)
+    accumulate_span_z<4>(qs + i, Dv, corr + i, p + i * kMaxBlock, v, jl, jh, pq);
+  if (i < NQ) // NQ is even
+    accumulate_span_z<2>(qs + i, Dv, corr + i, p + i * kMaxBlock, v, jl, jh, pq);
+}
+#endif
+
 // Lines per step of the arithmetic (see PrefetchQueue) so that a block that nq queries attend
-// (rows rows of it read, TQ queries to a tile) issues about `lines` lines, a block's worth.
-inline int pace_for(int nq, int rows, int Dv, int lines) {
-  const int steps = ((nq + TQ - 1) / TQ) * ((rows + 7) / 8 + Dv / (8 * NV));
+// (rows rows of it read; TQ queries to a tile, or with paired: 2 * PA_ZMM) issues about `lines`
+// lines, a block's worth.
+inline int pace_for(int nq, int rows, int Dv, int lines, bool paired) {
+  int steps = ((nq + TQ - 1) / TQ) * ((rows + 7) / 8 + Dv / (8 * NV));
+#ifdef PA_ZMM
+  if (paired) { // attend_pairs: per tile its score steps, then 64 outputs of 4 queries a step
+    const int tile = std::min(nq, 2 * PA_ZMM);
+    steps = ((nq + 2 * PA_ZMM - 1) / (2 * PA_ZMM)) * ((rows + 7) / 8 + ((tile + 3) / 4) * std::max(1, Dv / 64));
+  }
+#endif
   return std::max(4, (lines + steps - 1) / std::max(1, steps));
 }
 
@@ -496,9 +696,37 @@ inline int pace_for(int nq, int rows, int Dv, int lines) {
 template <class KSrc, class VSrc>
 void attend_queries(const QRef* qs, int n, const KSrc& k, const VSrc& v, const BlockAffine* af, int Dk, int Dv,
                     float* s, float* p, PrefetchQueue& pq) {
+  auto same_keys = [&](int x, int y) { return qs[x].jl == qs[y].jl && qs[x].jh == qs[y].jh; };
+  // A query that starts a pair is left to the pairs (an odd G's last heads tile alone).
+  bool paired = false;
+#ifdef PA_ZMM
+  paired = af == nullptr && std::is_same_v<KSrc, F32Rows> && std::is_same_v<VSrc, F32Rows>;
+#endif
   for (int i = 0; i < n;) {
+#ifdef PA_ZMM
+    if constexpr (std::is_same_v<KSrc, F32Rows> && std::is_same_v<VSrc, F32Rows>) {
+      // Pairs (a query with a pair buffer and the next one), TP to a tile, that see the same keys.
+      int np = 0;
+      while (paired && np < TP && i + 2 * np + 1 < n && qs[i + 2 * np].q2 != nullptr &&
+             same_keys(i, i + 2 * np) && same_keys(i, i + 2 * np + 1))
+        ++np;
+      switch (np) {
+        case 0: break;
+#if PA_ZMM >= 4
+        case 4: attend_pairs<4>(qs + i, k, v, Dk, Dv, s, p, pq); break;
+        case 3: attend_pairs<3>(qs + i, k, v, Dk, Dv, s, p, pq); break;
+#endif
+        case 2: attend_pairs<2>(qs + i, k, v, Dk, Dv, s, p, pq); break;
+        default: attend_pairs<1>(qs + i, k, v, Dk, Dv, s, p, pq); break;
+      }
+      if (np > 0) {
+        i += 2 * np;
+        continue;
+      }
+    }
+#endif
     int e = i + 1;
-    while (e < n && e - i < TQ && qs[e].jl == qs[i].jl && qs[e].jh == qs[i].jh)
+    while (e < n && e - i < TQ && same_keys(i, e) && !(paired && qs[e].q2 != nullptr))
       ++e;
     switch (e - i) {
 #if PA_TQ >= 4
@@ -561,12 +789,32 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
       T1 = mr.t1;
   }
 
-  alignas(32) float s[TQ * kMaxBlock];
-  alignas(32) float p[TQ * kMaxBlock];
+  alignas(64) float s[kTileRows * kMaxBlock];
+  alignas(64) float p[kTileRows * kMaxBlock];
   thread_local std::vector<QRef> qs;
   qs.resize((size_t)nrows * GN);
   // Quantized pools: each query's sums over the key groups, and a block's scales and biases
   // as fp32 rows per group (read in place when they are fp32 with one group a row).
+#ifdef PA_ZMM
+  // Float pools: each token's heads in pairs (g, g + 1), their rows interleaved 8 floats at a
+  // time (attend_pairs), once per task; an odd G's last head goes alone.
+  thread_local std::vector<float> qpairs;
+  const bool pairs = !a.bits && G >= 2 && Dv % 16 == 0;
+  if (pairs) {
+    qpairs.resize((size_t)nrows * GN * Dk);
+    for (int r = 0; r < nrows; ++r)
+      for (int n = 0; n < N; ++n)
+        for (int g = 0; g + 1 < G; g += 2) {
+          const float* qa = rows[r].q + (int64_t)(g * N + n) * Dk;
+          const float* qb = qa + (int64_t)N * Dk;
+          float* dst = qpairs.data() + ((int64_t)(r * N + n) * G + g) * Dk;
+          for (int d = 0; d < Dk; d += 8) {
+            std::memcpy(dst + 2 * d, qa + d, 8 * sizeof(float));
+            std::memcpy(dst + 2 * d + 8, qb + d, 8 * sizeof(float));
+          }
+        }
+  }
+#endif
   const int ngk = a.bits ? Dk / a.group : 0, ngv = a.bits ? Dv / a.group : 0;
   thread_local std::vector<float> qsums, affine;
   if (a.bits) {
@@ -704,11 +952,20 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
           for (int g = 0; g < G; ++g) {
             const int i = g * N + n;
             const float* qsum = a.bits ? qsums.data() + ((int64_t)u * GN + i) * ngk : nullptr;
-            qs[nq++] = {mr.q + (int64_t)i * Dk, mr.m + i, mr.l + i, mr.acc + (int64_t)i * Dv, jl, jh, qsum};
+            const float* q2 = nullptr;
+#ifdef PA_ZMM
+            if (pairs && g % 2 == 0 && g + 1 < G)
+              q2 = qpairs.data() + ((int64_t)(u * N + n) * G + g) * Dk;
+#endif
+            qs[nq++] = {mr.q + (int64_t)i * Dk, mr.m + i, mr.l + i, mr.acc + (int64_t)i * Dv, jl, jh, qsum, q2};
           }
         }
       }
-      pq.pace(pace_for(nq, c1 - c0, Dv, (int)((int64_t)BS * (krow + vrow) / 64)));
+      bool paired = false;
+#ifdef PA_ZMM
+      paired = pairs;
+#endif
+      pq.pace(pace_for(nq, c1 - c0, Dv, (int)((int64_t)BS * (krow + vrow) / 64), paired));
       if (a.pool_type == PoolType::f32 && !a.bits) {
         attend_queries(qs.data(), nq, F32Rows{(const float*)kb_raw, Dk}, F32Rows{(const float*)vb_raw, Dv}, nullptr,
                        Dk, Dv, s, p, pq);
