@@ -12,13 +12,14 @@
 // A tile is MR rows of x by NR rows of w: MR * NR accumulators, per 8 k's MR + NR loads
 // and MR * NR fused multiply-adds (4 x 3: 7 loads, 12 FMAs; 4 x 6: 10 loads, 24 FMAs and
 // half the reads of x from L2 per FMA: ~82 against ~103 GFLOP/s on one Zen 4 core).
-#pragma once
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "rowdot.h"
 
@@ -125,25 +126,118 @@ inline void row_strip(const float* x, int64_t ldx, const float* w, int64_t ldw, 
     rest<TM, TN - 1>(n1 - n, x, ldx, w + n * ldw, ldw, y + n, ldy, K, k8, add, pf, pf_rows);
 }
 
-#ifdef ROWDOT_FEW_MR
-// A few rows (FMIN to FMR, a decode step of a handful of sequences): all of them in one tile
-// against FNR weight rows at a time. Each weight element is then loaded into a register
-// once, as it streams in, where the MR x NR tiles read a strip twice at 8 rows (the second
-// time from L1) and hold it in L1 meanwhile; the reads of memory overlap the arithmetic
-// better. The bench model's matmuls through linear on the pool, grouped as the engine calls
-// them, 4 alternations, 2026-11-26: 6 rows 4.1-5.0 -> 3.4-3.7 ms, 8 rows 4.3-5.5 -> 4.1-4.7
-// (one row: 2.9-3.3). Fewer than 5 rows gained nothing; the same bits either way.
-// Each tile prefetches the FNR weight rows after its own (row_strip's read-ahead, as for one row).
-constexpr int FMIN = 5, FMR = ROWDOT_FEW_MR, FNR = ROWDOT_FEW_NR;
 
-template <int TM>
-inline void few_rows(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
-                     int k8, int n0, int n1, bool add) {
-  if constexpr (TM > FMIN) {
-    if (M < TM)
-      return few_rows<TM - 1>(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add);
+#ifdef ROWDOT_ZMM
+// A few rows of x in pairs, in 16-lane registers (AVX-512F): a register holds the 8-lane
+// accumulator of row 2p (low half) and of row 2p + 1 (high half) against one weight row, each
+// half the very chain of fused multiply-adds the 8-lane tiles give that output, then the same
+// hsum tree: the same bits. The weight row's 8 floats are loaded into both halves at once
+// (a 256-bit broadcast: a load, no shuffle), so each multiply-add instruction does two rows'
+// work. At 2 to 4 rows (memory-bound) the 4 x 6 tiles were faster; at 5 to 8 rows (n = 8's
+// forked samples, a handful of jobs) it replaces 8 x 3 tiles of 8-lane registers, which at 8 rows
+// needed 33 registers and spilled. The bench model's matmuls on two threads, one process
+// alternating, 2026-11-26: 8 rows 4.5-4.9 -> 3.4-3.8 ms, 5 to 7 rows within the noise (2.7-3.8).
+// xp: the rows packed by pairs (pack_pairs), pair p's k-th 8-float chunks at xp + p * 2 * k8 + 2 * k.
+constexpr int ZMIN = ROWDOT_ZMM_MIN, ZMAX = ROWDOT_ZMM_MAX; // rows this path takes
+static_assert(ZMIN >= 5 && ZMAX <= 8, "few_rows_pairs tiles 3 or 4 pairs");
+
+inline __m512 bcast8(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+
+template <int P, int TN>
+inline void tile_pairs(const float* xp, int M, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                       int64_t ldy, int K, int k8, bool add, const float* pf, int pf_rows) {
+  __m512 acc[P][TN];
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 8
+    for (int j = 0; j < TN; ++j)
+      acc[p][j] = _mm512_setzero_ps();
+  for (int k = 0; k < k8; k += 8) {
+    if ((k & 15) == 0)
+      for (int j = 0; j < pf_rows; ++j)
+        _mm_prefetch((const char*)(pf + j * ldw + k), _MM_HINT_T1);
+    __m512 xv[P];
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p)
+      xv[p] = _mm512_loadu_ps(xp + (int64_t)p * 2 * k8 + 2 * k);
+#pragma GCC unroll 8
+    for (int j = 0; j < TN; ++j) {
+      const __m512 wv = bcast8(w + j * ldw + k);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p)
+        acc[p][j] = _mm512_fmadd_ps(wv, xv[p], acc[p][j]);
+    }
   }
-  row_strip<TM, FNR, true>(x, ldx, w, ldw, y, ldy, K, k8, n0, n1, add);
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 8
+    for (int j = 0; j < TN; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * p + h;
+        if (i >= M)
+          break;
+        const __m256 half = h == 0 ? _mm512_castps512_ps256(acc[p][j])
+                                   : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p][j]), 1));
+        float s = hsum(half);
+        const float* xr = x + i * ldx;
+        const float* wr = w + j * ldw;
+        for (int k = k8; k < K; ++k)
+          s = std::fma(wr[k], xr[k], s);
+        float& out = y[i * ldy + j];
+        out = add ? out + s : s;
+      }
+}
+
+template <int P, int R>
+inline void rest_pairs(int r, const float* xp, int M, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                       float* y, int64_t ldy, int K, int k8, bool add) {
+  if constexpr (R > 0) {
+    if (r == R)
+      tile_pairs<P, R>(xp, M, x, ldx, w, ldw, y, ldy, K, k8, add, nullptr, 0);
+    else
+      rest_pairs<P, R - 1>(r, xp, M, x, ldx, w, ldw, y, ldy, K, k8, add);
+  }
+}
+
+// Weight rows [n0, n1), TN at a time, each tile prefetching the TN rows after its own.
+template <int P, int TN>
+inline void strip_pairs(const float* xp, int M, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                        int64_t ldy, int K, int k8, int n0, int n1, bool add) {
+  int n = n0;
+  for (; n + TN <= n1; n += TN)
+    tile_pairs<P, TN>(xp, M, x, ldx, w + n * ldw, ldw, y + n, ldy, K, k8, add, w + (int64_t)(n + TN) * ldw,
+                      std::min(TN, n1 - n - TN));
+  if (n < n1)
+    rest_pairs<P, TN - 1>(n1 - n, xp, M, x, ldx, w + n * ldw, ldw, y + n, ldy, K, k8, add);
+}
+
+// Rows [0, M) of x, 8 floats of row 2p then 8 of row 2p + 1 per chunk (zeros past row M - 1).
+inline const float* pack_pairs(const float* x, int64_t ldx, int M, int k8) {
+  thread_local std::vector<float> buf;
+  const int P = (M + 1) / 2;
+  buf.resize((size_t)P * 2 * k8);
+  for (int p = 0; p < P; ++p)
+    for (int h = 0; h < 2; ++h) {
+      float* dst = buf.data() + (int64_t)p * 2 * k8 + 8 * h;
+      const int i = 2 * p + h;
+      for (int k = 0; k < k8; k += 8)
+        if (i < M)
+          std::memcpy(dst + 2 * k, x + i * ldx + k, 8 * sizeof(float));
+        else
+          std::memset(dst + 2 * k, 0, 8 * sizeof(float));
+    }
+  return buf.data();
+}
+
+inline void few_rows_pairs(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy,
+                           int K, int k8, int n0, int n1, bool add) {
+  const float* xp = pack_pairs(x, ldx, M, k8);
+  if (M > 6) // 4 pairs x 6 weight rows: 24 accumulators, 4 + 6 loads per 24 multiply-adds
+    strip_pairs<4, 6>(xp, M, x, ldx, w, ldw, y, ldy, K, k8, n0, n1, add);
+  else
+    strip_pairs<3, 8>(xp, M, x, ldx, w, ldw, y, ldy, K, k8, n0, n1, add);
 }
 #endif
 
@@ -158,9 +252,9 @@ void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, flo
     row_strip<1, 8, true>(x, ldx, w, ldw, y, ldy, K, k8, n0, n1, add);
     return;
   }
-#ifdef ROWDOT_FEW_MR
-  if (M >= FMIN && M <= FMR) { // fewer: the MR x NR tiles (as fast, more accumulators)
-    few_rows<FMR>(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add);
+#ifdef ROWDOT_ZMM
+  if (M >= ZMIN && M <= ZMAX) { // fewer: the MR x NR tiles (as fast: bound by memory)
+    few_rows_pairs(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add);
     return;
   }
 #endif

@@ -1,0 +1,89 @@
+// The weight matmuls of a decode step (rowdot_impl.h) on the bench model's shapes, without MLX,
+// and the AVX-512 loops' outputs against the AVX2 loops' bit for bit.
+//
+//   g++ -O3 -std=c++20 -mavx2 -mfma -mavx512f -mavx512vl -pthread \
+//       -o /tmp/rowdot_rows bench/harness/rowdot_rows.cpp
+//   /tmp/rowdot_rows 8 0 2    # M rows, mode (0 AVX-512, 1 AVX2, 2 compare bits), threads
+//
+// Per layer (8) the fused q/k/v (1024 x 512), o (512 x 512), gate/up (2368 x 512) and down
+// (512 x 1184), then the 8192 x 512 head: 100 MB of fp32 weights, each matmul's output rows split
+// evenly over the threads (as linear's pool splits them). Best of 15 passes.
+#define ROWDOT_NS avx512
+#define ROWDOT_MR 4
+#define ROWDOT_NR 6
+#define ROWDOT_ZMM
+#define ROWDOT_ZMM_MIN 5
+#define ROWDOT_ZMM_MAX 8
+#include "../../worker/engine/kernels/csrc/rowdot_impl.h"
+#undef ROWDOT_NS
+#undef ROWDOT_NR
+#undef ROWDOT_ZMM
+#define ROWDOT_NS avx2
+#define ROWDOT_NR 3
+#include "../../worker/engine/kernels/csrc/rowdot_impl.h"
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+static double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+int main(int argc, char** argv) {
+  if (argc < 3)
+    return fprintf(stderr, "usage: rowdot_rows M mode [threads]\n"), 2;
+  const int M = atoi(argv[1]), mode = atoi(argv[2]), T = argc > 3 ? atoi(argv[3]) : 1;
+  struct Shape {
+    int N, K;
+  };
+  std::vector<Shape> shapes;
+  for (int l = 0; l < 8; ++l)
+    for (Shape s : {Shape{1024, 512}, Shape{512, 512}, Shape{2368, 512}, Shape{512, 1184}})
+      shapes.push_back(s);
+  shapes.push_back({8192, 512});
+  std::vector<std::vector<float>> W;
+  for (const Shape& s : shapes) {
+    W.emplace_back((size_t)s.N * s.K);
+    for (size_t i = 0; i < W.back().size(); ++i)
+      W.back()[i] = ((i * 2654435761u) % 1000) / 1000.f - 0.5f;
+  }
+  const int ldx = 1184;
+  std::vector<float> x((size_t)M * ldx), y((size_t)M * 8192), y2(y.size());
+  for (size_t i = 0; i < x.size(); ++i)
+    x[i] = ((i * 31) % 97) / 97.f - 0.5f;
+  if (mode == 2) {
+    size_t bad = 0;
+    for (size_t s = 0; s < shapes.size(); ++s)
+      for (int K : {shapes[s].K, shapes[s].K - 3}) { // and a K % 8 tail
+        const int N = shapes[s].N;
+        mlxq::rowdot::avx512::matmul(x.data(), ldx, M, W[s].data(), shapes[s].K, y.data(), N, K, 0, N, false);
+        mlxq::rowdot::avx2::matmul(x.data(), ldx, M, W[s].data(), shapes[s].K, y2.data(), N, K, 0, N, false);
+        for (int i = 0; i < M * N; ++i)
+          bad += memcmp(&y[i], &y2[i], 4) != 0;
+      }
+    printf("M=%d: %zu outputs differ between the AVX-512 and AVX2 loops\n", M, bad);
+    return bad != 0;
+  }
+  const auto fn = mode == 0 ? mlxq::rowdot::avx512::matmul : mlxq::rowdot::avx2::matmul;
+  double best = 1e9;
+  for (int r = 0; r < 15; ++r) {
+    const double t0 = now();
+    auto work = [&](int t) {
+      for (size_t s = 0; s < shapes.size(); ++s) {
+        const auto [N, K] = shapes[s];
+        fn(x.data(), ldx, M, W[s].data(), K, y.data(), N, K, N * t / T, N * (t + 1) / T, false);
+      }
+    };
+    std::vector<std::thread> th;
+    for (int t = 1; t < T; ++t)
+      th.emplace_back(work, t);
+    work(0);
+    for (auto& h : th)
+      h.join();
+    best = std::min(best, now() - t0);
+  }
+  printf("M=%d %s, %d thread(s): %.2f ms\n", M, mode == 0 ? "avx512" : "avx2", T, best * 1e3);
+}
