@@ -7,7 +7,8 @@
 //
 // Per layer (8) the fused q/k/v (1024 x 512), o (512 x 512), gate/up (2368 x 512) and down
 // (512 x 1184), then the 8192 x 512 head: 100 MB of fp32 weights, each matmul's output rows split
-// evenly over the threads (as linear's pool splits them). Best of 15 passes.
+// evenly over the threads, 4 parts a thread (as linear's pool splits them; x packed once a thread
+// for the AVX-512 few-rows loops, once a call there). Best of 15 passes.
 #define ROWDOT_NS avx512
 #define ROWDOT_MR 4
 #define ROWDOT_NR 6
@@ -59,22 +60,32 @@ int main(int argc, char** argv) {
     for (size_t s = 0; s < shapes.size(); ++s)
       for (int K : {shapes[s].K, shapes[s].K - 3}) { // and a K % 8 tail
         const int N = shapes[s].N;
-        mlxq::rowdot::avx512::matmul(x.data(), ldx, M, W[s].data(), shapes[s].K, y.data(), N, K, 0, N, false);
-        mlxq::rowdot::avx2::matmul(x.data(), ldx, M, W[s].data(), shapes[s].K, y2.data(), N, K, 0, N, false);
+        std::vector<float> buf;
+        const float* xp = mlxq::rowdot::avx512::pack_pairs(x.data(), ldx, M, K, buf);
+        mlxq::rowdot::avx512::matmul(x.data(), ldx, M, W[s].data(), shapes[s].K, y.data(), N, K, 0, N / 2, false, xp);
+        mlxq::rowdot::avx512::matmul(x.data(), ldx, M, W[s].data(), shapes[s].K, y.data(), N, K, N / 2, N, false,
+                                     nullptr);
+        mlxq::rowdot::avx2::matmul(x.data(), ldx, M, W[s].data(), shapes[s].K, y2.data(), N, K, 0, N, false, nullptr);
         for (int i = 0; i < M * N; ++i)
           bad += memcmp(&y[i], &y2[i], 4) != 0;
       }
     printf("M=%d: %zu outputs differ between the AVX-512 and AVX2 loops\n", M, bad);
     return bad != 0;
   }
+  const int kParts = 4;
   const auto fn = mode == 0 ? mlxq::rowdot::avx512::matmul : mlxq::rowdot::avx2::matmul;
   double best = 1e9;
   for (int r = 0; r < 15; ++r) {
     const double t0 = now();
     auto work = [&](int t) {
+      std::vector<float> buf;
       for (size_t s = 0; s < shapes.size(); ++s) {
         const auto [N, K] = shapes[s];
-        fn(x.data(), ldx, M, W[s].data(), K, y.data(), N, K, N * t / T, N * (t + 1) / T, false);
+        const float* xp = mode == 0 ? mlxq::rowdot::avx512::pack_pairs(x.data(), ldx, M, K, buf) : nullptr;
+        for (int p = 0; p < kParts; ++p) { // linear's parts: kPartsPerThread a thread
+          const int c0 = N * (t * kParts + p) / (T * kParts), c1 = N * (t * kParts + p + 1) / (T * kParts);
+          fn(x.data(), ldx, M, W[s].data(), K, y.data(), N, K, c0, c1, false, xp);
+        }
       }
     };
     std::vector<std::thread> th;

@@ -58,6 +58,17 @@ rowdot::MatmulFn pick_rowdot() {
 
 const rowdot::MatmulFn g_rowdot = pick_rowdot();
 
+// x (M rows of K) packed once for the AVX-512 few-rows loops, for every part of a call to read
+// (it was once a part: 8 rows x K floats copied ~450 times a decode step of the bench model);
+// null where those loops do not run.
+const float* pack_for_parts(const float* x, int M, int K, std::vector<float>& buf) {
+#ifdef MLXQ_PA_HAVE_AVX2
+  if (g_rowdot == &rowdot::avx512::matmul)
+    return rowdot::avx512::pack_pairs(x, K, M, K, buf);
+#endif
+  return nullptr;
+}
+
 } // namespace
 
 void set_blas(uintptr_t sgemm, uintptr_t sgemv, uintptr_t set_threads, uintptr_t get_threads) {
@@ -141,7 +152,8 @@ struct Target {
 };
 
 // Columns [c0, c1) of target t, for M rows of x (K wide).
-void run_part(const Blas* blas, const Target& t, const float* xp, int M, int K, int c0, int c1) {
+void run_part(const Blas* blas, const Target& t, const float* xp, const float* xpairs, int M, int K, int c0,
+              int c1) {
   const int nc = c1 - c0;
   if (nc <= 0)
     return;
@@ -152,7 +164,7 @@ void run_part(const Blas* blas, const Target& t, const float* xp, int M, int K, 
       for (int n = c0; n < c1; ++n)
         t.y[(int64_t)m * t.N + n] = t.bias[n * t.bias_stride];
   if (t.w_rows && g_rowdot != nullptr) {
-    g_rowdot(xp, K, M, t.w, t.ldw, t.y, t.N, K, c0, c1, t.bias != nullptr);
+    g_rowdot(xp, K, M, t.w, t.ldw, t.y, t.N, K, c0, c1, t.bias != nullptr, xpairs);
     return;
   }
   if (M == 1) {
@@ -227,8 +239,10 @@ void Linear::eval_cpu(
       for (int c0 = 0; c0 < N; c0 += per)
         parts.push_back({g, c0, std::min(N, c0 + per)});
     }
+    std::vector<float> pairs;
+    const float* xpairs = pack_for_parts(xp, M, K, pairs);
     if (parts.size() == 1) { // on this thread (a BLAS call keeps the BLAS's own threads)
-      run_part(blas, targets[0], xp, M, K, parts[0].c0, parts[0].c1);
+      run_part(blas, targets[0], xp, xpairs, M, K, parts[0].c0, parts[0].c1);
       return;
     }
     // The BLAS runs single-threaded while its calls are the pool's parts; our loops never
@@ -240,7 +254,7 @@ void Linear::eval_cpu(
       blas->set_threads(1);
     tp.parallel_for((int)parts.size(), [&](int p) {
       const Part& q = parts[p];
-      run_part(blas, targets[q.target], xp, M, K, q.c0, q.c1);
+      run_part(blas, targets[q.target], xp, xpairs, M, K, q.c0, q.c1);
     });
     if (prev != 1 && blas->set_threads != nullptr)
       blas->set_threads(prev);

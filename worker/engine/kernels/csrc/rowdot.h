@@ -11,22 +11,27 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace mlxq::rowdot {
 
 using MatmulFn = void (*)(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy,
-                          int K, int n0, int n1, bool add);
+                          int K, int n0, int n1, bool add, const float* xpairs);
 
 // y[m * ldy + n] = dot(x[m * ldx : +K], w[n * ldw : +K]) for m in [0, M), n in [n0, n1)
 // (y[...] + dot when add: the bias, already in y). avx2: AVX2 + FMA; avx512: the same
 // instructions with AVX-512VL's 32 registers (bigger tiles), the same bits.
+// xpairs: x as avx512::pack_pairs() packed it, for the parts of one call to share, or null
+// (the avx512 loops then pack for themselves where they need it; avx2 never reads it).
 namespace avx2 {
 void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
-            int n0, int n1, bool add);
+            int n0, int n1, bool add, const float* xpairs);
 }
 namespace avx512 {
 void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
-            int n0, int n1, bool add);
+            int n0, int n1, bool add, const float* xpairs);
+// x's M rows as the few-rows loops read them, into buf (M in their range; else nothing: null).
+const float* pack_pairs(const float* x, int64_t ldx, int M, int K, std::vector<float>& buf);
 }
 
 } // namespace mlxq::rowdot

@@ -137,7 +137,7 @@ inline void row_strip(const float* x, int64_t ldx, const float* w, int64_t ldw, 
 // forked samples, a handful of jobs) it replaces 8 x 3 tiles of 8-lane registers, which at 8 rows
 // needed 33 registers and spilled. The bench model's matmuls on two threads, one process
 // alternating, 2026-11-26: 8 rows 4.5-4.9 -> 3.4-3.8 ms, 5 to 7 rows within the noise (2.7-3.8).
-// xp: the rows packed by pairs (pack_pairs), pair p's k-th 8-float chunks at xp + p * 2 * k8 + 2 * k.
+// xp: the rows packed by pairs (pack_rows), pair p's k-th 8-float chunks at xp + p * 2 * k8 + 2 * k.
 constexpr int ZMIN = ROWDOT_ZMM_MIN, ZMAX = ROWDOT_ZMM_MAX; // rows this path takes
 static_assert(ZMIN >= 5 && ZMAX <= 8, "few_rows_pairs tiles 3 or 4 pairs");
 
@@ -214,13 +214,10 @@ inline void strip_pairs(const float* xp, int M, const float* x, int64_t ldx, con
 }
 
 // Rows [0, M) of x, 8 floats of row 2p then 8 of row 2p + 1 per chunk (zeros past row M - 1).
-inline const float* pack_pairs(const float* x, int64_t ldx, int M, int k8) {
-  thread_local std::vector<float> buf;
-  const int P = (M + 1) / 2;
-  buf.resize((size_t)P * 2 * k8);
-  for (int p = 0; p < P; ++p)
+inline void pack_rows(const float* x, int64_t ldx, int M, int k8, float* buf) {
+  for (int p = 0; p < (M + 1) / 2; ++p)
     for (int h = 0; h < 2; ++h) {
-      float* dst = buf.data() + (int64_t)p * 2 * k8 + 8 * h;
+      float* dst = buf + (int64_t)p * 2 * k8 + 8 * h;
       const int i = 2 * p + h;
       for (int k = 0; k < k8; k += 8)
         if (i < M)
@@ -228,12 +225,16 @@ inline const float* pack_pairs(const float* x, int64_t ldx, int M, int k8) {
         else
           std::memset(dst + 2 * k, 0, 8 * sizeof(float));
     }
-  return buf.data();
 }
 
 inline void few_rows_pairs(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy,
-                           int K, int k8, int n0, int n1, bool add) {
-  const float* xp = pack_pairs(x, ldx, M, k8);
+                           int K, int k8, int n0, int n1, bool add, const float* xp) {
+  thread_local std::vector<float> own;
+  if (xp == nullptr) { // a call of its own: pack here
+    own.resize((size_t)(M + 1) / 2 * 2 * k8);
+    pack_rows(x, ldx, M, k8, own.data());
+    xp = own.data();
+  }
   if (M > 6) // 4 pairs x 6 weight rows: 24 accumulators, 4 + 6 loads per 24 multiply-adds
     strip_pairs<4, 6>(xp, M, x, ldx, w, ldw, y, ldy, K, k8, n0, n1, add);
   else
@@ -244,7 +245,7 @@ inline void few_rows_pairs(const float* x, int64_t ldx, int M, const float* w, i
 } // namespace
 
 void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy, int K, int n0,
-            int n1, bool add) {
+            int n1, bool add, [[maybe_unused]] const float* xpairs) {
   const int k8 = K & ~7;
   if (M == 1) { // memory-bound: 8 weight rows in flight, one x row from L1, and the next 8
     // rows prefetched into L2 as they go (a 1-row step's matmuls, interleaved in one process,
@@ -254,7 +255,7 @@ void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, flo
   }
 #ifdef ROWDOT_ZMM
   if (M >= ZMIN && M <= ZMAX) { // fewer: the MR x NR tiles (as fast: bound by memory)
-    few_rows_pairs(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add);
+    few_rows_pairs(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add, xpairs);
     return;
   }
 #endif
@@ -286,5 +287,16 @@ void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, flo
     }
   }
 }
+
+#ifdef ROWDOT_ZMM
+const float* pack_pairs(const float* x, int64_t ldx, int M, int K, std::vector<float>& buf) {
+  if (M < ZMIN || M > ZMAX)
+    return nullptr;
+  const int k8 = K & ~7;
+  buf.resize((size_t)(M + 1) / 2 * 2 * k8);
+  pack_rows(x, ldx, M, k8, buf.data());
+  return buf.data();
+}
+#endif
 
 } // namespace mlxq::rowdot::ROWDOT_NS
