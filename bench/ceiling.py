@@ -4,7 +4,7 @@
     python bench/ceiling.py --shape 0.36b --batch 16 # 0.5B-class layer shapes (random weights)
     python bench/ceiling.py --e2e                    # also through Redis (a worker process, Client)
 
-Two ceilings, measured in the same process right before the engine runs:
+Two ceilings, measured in the same process as the engine:
 
 * **weight-matmul-only**: every weight matrix of the model (attention and MLP projections of
   every layer, the vocabulary head) multiplied by a (batch, in) activation, nothing else, in
@@ -23,6 +23,11 @@ matmuls (``matmul=pool``, what the default ``auto`` picks on x86-64 with AVX2+FM
 (``matmul=mlx``), side by side, and with ``--e2e`` the whole path (Client -> Valkey -> a
 ``python -m mlxq worker`` process -> token streams), generated tokens / wall time of a run long
 enough that prefill is a small part.
+
+The matmul ceilings and the engines are measured in interleaved windows of ``--steps`` steps
+(``--windows`` rounds, each a window of every one of them in turn), and each figure is its best
+window: the same number of chances at the same length, so a quiet or noisy spell of a shared
+machine does not favour one side (the bandwidth ceiling is measured once, at the start).
 
 ``--shape 0.36b``: hidden 896, 24 layers, MLP 4864, 14 heads / 2 KV heads (Qwen2.5-0.5B's
 layer shapes) and a 32000-token vocabulary, 0.36B parameters, random fp32 weights (speed does
@@ -97,12 +102,12 @@ def best_of(fn, rounds: int = 5, reps: int = 10) -> float:
     return best
 
 
-def matmul_ceiling(groups: list[list[mx.array]], batch: int) -> float:
+def matmul_ceiling(groups: list[list[mx.array]], batch: int, rounds: int = 5, reps: int = 10) -> float:
     """tokens/s of the weight matmuls alone at this batch (MLX's matmul, one per matrix)."""
     mats = [w for g in groups for w in g]
     xs = [mx.random.normal((batch, w.shape[1])) for w in mats]
     mx.eval(xs)
-    return batch / best_of(lambda: mx.eval([x @ w.T for x, w in zip(xs, mats)]))
+    return batch / best_of(lambda: mx.eval([x @ w.T for x, w in zip(xs, mats)]), rounds, reps)
 
 
 def _linear_ext():
@@ -117,7 +122,7 @@ def _linear_ext():
     return ext if "linear" in model_ops.checked_ops(ext) else None
 
 
-def linear_ceiling(groups: list[list[mx.array]], batch: int) -> float:
+def linear_ceiling(groups: list[list[mx.array]], batch: int, rounds: int = 5, reps: int = 10) -> float:
     """tokens/s of the weight matmuls alone through the CPU extension's linear (0 if unavailable),
     grouped as the engine calls them (one ``linear_group`` call for q/k/v, one for gate/up)."""
     ext = _linear_ext()
@@ -129,7 +134,7 @@ def linear_ceiling(groups: list[list[mx.array]], batch: int) -> float:
     def step():
         mx.eval([ext.linear_group(x, g) if len(g) > 1 else ext.linear(x, g[0]) for x, g in zip(xs, groups)])
 
-    return batch / best_of(step)
+    return batch / best_of(step, rounds, reps)
 
 
 def bandwidth(nbytes: int) -> float:
@@ -148,25 +153,49 @@ def bandwidth(nbytes: int) -> float:
     return a.nbytes / best
 
 
-def engine_decode(loaded, batch: int, prompt_len: int, steps: int, matmul: str = "pool") -> float:
-    """tokens/s of the engine's steady decode with ``batch`` rows (in process, no Redis)."""
-    vocab = loaded.model.args.vocab_size
-    rng = random.Random(0)
-    eng = make_engine(loaded, Settings.from_env(max_batch=max(batch, 1), matmul=matmul))
-    eng.add([SeqSpec(f"s{i}", [rng.randrange(10, vocab - 1) for _ in range(prompt_len)], steps * 3 + 50,
-                     stop_token_ids=()) for i in range(batch)])
-    while eng.stats()["running"] < batch or any(
-            s.status.value != "decode" for s in eng.scheduler.running.values()):
-        eng.step()
-    for _ in range(5):
-        eng.step()
-    best = 0.0
-    for _ in range(3):
+class Decoder:
+    """The engine's steady decode with ``batch`` rows (in process, no Redis), ready for windows of
+    steps: rows already decoding, every token read back by the host as the worker reads it."""
+
+    def __init__(self, loaded, batch: int, prompt_len: int, tokens: int, matmul: str = "pool"):
+        vocab = loaded.model.args.vocab_size
+        rng = random.Random(0)
+        self.batch = batch
+        self.eng = make_engine(loaded, Settings.from_env(max_batch=max(batch, 1), matmul=matmul))
+        self.eng.add([SeqSpec(f"s{i}", [rng.randrange(10, vocab - 1) for _ in range(prompt_len)], tokens + 50,
+                              stop_token_ids=()) for i in range(batch)])
+        while self.eng.stats()["running"] < batch or any(
+                s.status.value != "decode" for s in self.eng.scheduler.running.values()):
+            self.eng.step()
+        for _ in range(5):
+            self.eng.step()
+
+    def window(self, steps: int) -> float:
+        """tokens/s over the next ``steps`` steps."""
         n, t0 = 0, time.perf_counter()
         for _ in range(steps):
-            n += len(eng.step()[0])
-        best = max(best, n / (time.perf_counter() - t0))
-    eng.remove([f"s{i}" for i in range(batch)])
+            n += len(self.eng.step()[0])
+        return n / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.eng.remove([f"s{i}" for i in range(self.batch)])
+
+
+def measure(models: dict, groups, batch: int, prompt_len: int, steps: int, windows: int) -> dict[str, float]:
+    """Best tokens/s of the ceilings and the engines over ``windows`` rounds; in each round, one after
+    another, a window of ``steps`` steps of each: MLX's matmuls alone, the pool's matmuls alone, the
+    engine on the pool's matmuls, the engine on MLX's. Each gets the same number of windows of the
+    same length, interleaved, so a quiet or a noisy spell of this machine falls on all of them.
+    models: a loaded model per engine (an engine installs its matmuls into its model's layers)."""
+    decoders = {k: Decoder(models[k], batch, prompt_len, steps * windows, matmul=k) for k in ("pool", "mlx")}
+    best = dict.fromkeys(("mm", "lin", "pool", "mlx"), 0.0)
+    for _ in range(windows):
+        best["mm"] = max(best["mm"], matmul_ceiling(groups, batch, rounds=1, reps=steps))
+        best["lin"] = max(best["lin"], linear_ceiling(groups, batch, rounds=1, reps=steps))
+        for k, dec in decoders.items():
+            best[k] = max(best[k], dec.window(steps))
+    for dec in decoders.values():
+        dec.close()
     return best
 
 
@@ -217,7 +246,8 @@ def main() -> int:
     ap.add_argument("--shape", choices=("bench", "0.36b"), default="bench")
     ap.add_argument("--model", help="a model directory (--shape bench; default: the bench model)")
     ap.add_argument("--batch", default="1,16,64", help="comma-separated batch sizes")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=30, help="steps a window (of the engines and the ceilings)")
+    ap.add_argument("--windows", type=int, default=5, help="interleaved windows of each, the best one counts")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--e2e", action="store_true", help="also end to end through Redis (bench shape)")
     ap.add_argument("--e2e-tokens", type=int, default=256)
@@ -225,6 +255,7 @@ def main() -> int:
     args = ap.parse_args()
     e2e = E2E(args.model or _bench_dir()) if args.e2e and args.shape == "bench" else None
     loaded = load(args.shape, args.model)
+    models = {"pool": loaded, "mlx": load(args.shape, args.model)}  # the engines side by side
     groups = weights(loaded.model)  # grouped as the pool's matmuls run them
     hugepages.advise([w for g in groups for w in g])  # as the engine's (huge_pages): the same pages
     wbytes = sum(w.nbytes for g in groups for w in g)
@@ -234,11 +265,8 @@ def main() -> int:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s -> solo ceiling {bw / wbytes:.0f} tok/s")
     print(f"{'batch':>5} {'ceiling':>9} {'engine':>8} {'share':>6}   engine with matmul=mlx")
     for b in (int(x) for x in args.batch.split(",")):
-        mm, lin = matmul_ceiling(groups, b), linear_ceiling(groups, b)
-        eng = engine_decode(loaded, b, args.prompt_len, args.steps)
-        eng_mlx = engine_decode(loaded, b, args.prompt_len, args.steps, matmul="mlx")
-        # measured on both sides of the engines: the better one
-        mm, lin = max(mm, matmul_ceiling(groups, b)), max(lin, linear_ceiling(groups, b))
+        got = measure(models, groups, b, args.prompt_len, args.steps, args.windows)
+        mm, lin, eng, eng_mlx = got["mm"], got["lin"], got["pool"], got["mlx"]
         ceiling, what = (bw / wbytes, "bandwidth") if b == 1 else (max(mm, lin), "matmul")
         line = (f"{b:>5} {ceiling:>9.0f} {eng:>8.0f} {eng / ceiling:>6.0%}   {eng_mlx:.0f} ({eng_mlx / ceiling:.0%})"
                 f"   [{what} ceiling; matmuls alone: MLX {mm:.0f}, pool {lin:.0f}]")
