@@ -1,7 +1,7 @@
 """Every figure of issue 20 in one run: the benchmarks one after another, then one table.
 
     python bench/issue20.py                 # ~20 minutes on 2 cores
-    python bench/issue20.py --repeat 3      # the noisiest figures (batch 64, n=8) three times
+    python bench/issue20.py --repeat 3      # the noisiest figures (ceilings, n samples, n=8) three times
     python bench/issue20.py --logs DIR      # keep each benchmark's full output there
 
 Each benchmark runs as its own process with the arguments the README cites, its output goes to a
@@ -41,12 +41,12 @@ BENCHES = [
     Bench("peer", ["peer.py", "--rounds", "3"], 1200),
     Bench("throughput", ["throughput.py", "--only", "solo,c16,c64", "--rounds", "2"], 1200),
     Bench("long", ["throughput.py", "--only", "long", "--rounds", "2"], 900),
-    Bench("ceiling", ["ceiling.py", "--batch", "1,16,64", "--rounds", "3"], 900, repeat=True),
-    Bench("ceiling-0.36b", ["ceiling.py", "--shape", "0.36b", "--batch", "1,16", "--rounds", "2", "--steps", "10"],
+    Bench("ceiling", ["ceiling.py", "--batch", "1,16,64", "--windows", "5"], 900, repeat=True),
+    Bench("ceiling-0.36b", ["ceiling.py", "--shape", "0.36b", "--batch", "1,16", "--windows", "3", "--steps", "10"],
           1200),
     Bench("kv_quant", ["kv_quant.py"], 1200),
     Bench("n_samples", ["n_samples.py", "--rounds", "5"], 900, repeat=True),
-    Bench("n_fork", ["n_fork.py"], 600),
+    Bench("n_fork", ["n_fork.py", "--rounds", "5"], 600, repeat=True),
 ]
 
 
@@ -134,7 +134,7 @@ def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeat", type=int, default=1, help="runs of the noisiest benchmarks (ceiling, n_samples)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of the noisiest benchmarks (ceiling, n_samples, n_fork)")
     ap.add_argument("--logs", help="directory for the benchmarks' output (default: a new temporary one)")
     ap.add_argument("--only", help="comma-separated benchmark names: " + ",".join(b.name for b in BENCHES))
     args = ap.parse_args()
