@@ -11,17 +11,11 @@
 // query heads; all R rows read the same blocks (lengths ctx, ctx - 1, ctx - 2, ...), one task of R
 // members per head (mode 3: per head and part of 16 blocks, the tasks dealt to two threads, as the
 // op's plan splits long rows). Best of 30 passes. Needs AVX-512VL.
-#define PA_NS avx512
-#define PA_TQ 4
-#define PA_NV 4
-#define PA_ZMM 4
-#include "../../worker/engine/kernels/csrc/pa_kernel_impl.h"
+#include "../../worker/engine/kernels/csrc/pa_kernel_avx512.cpp" // the two builds' loops, as compiled
 #undef PA_NS
 #undef PA_TQ
 #undef PA_ZMM
-#define PA_NS avx2
-#define PA_TQ 3
-#include "../../worker/engine/kernels/csrc/pa_kernel_impl.h"
+#include "../../worker/engine/kernels/csrc/pa_kernel_avx2.cpp"
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>

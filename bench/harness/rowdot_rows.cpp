@@ -9,19 +9,11 @@
 // (512 x 1184), then the 8192 x 512 head: 100 MB of fp32 weights, each matmul's output rows split
 // evenly over the threads, 4 parts a thread (as linear's pool splits them; x packed once a thread
 // for the AVX-512 few-rows loops, once a call there). Best of 15 passes.
-#define ROWDOT_NS avx512
-#define ROWDOT_MR 4
-#define ROWDOT_NR 6
-#define ROWDOT_ZMM
-#define ROWDOT_ZMM_MIN 5
-#define ROWDOT_ZMM_MAX 8
-#include "../../worker/engine/kernels/csrc/rowdot_impl.h"
+#include "../../worker/engine/kernels/csrc/rowdot_avx512.cpp" // the two builds' loops, as compiled
 #undef ROWDOT_NS
 #undef ROWDOT_NR
 #undef ROWDOT_ZMM
-#define ROWDOT_NS avx2
-#define ROWDOT_NR 3
-#include "../../worker/engine/kernels/csrc/rowdot_impl.h"
+#include "../../worker/engine/kernels/csrc/rowdot_avx2.cpp"
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>

@@ -54,43 +54,70 @@ static_assert(MR <= 4, "the last rows of a block are 1 to 3");
 // 28 KB at 1184) evicted the strip and the rows of x the block's other tiles still read
 // (the bench model's matmuls, interleaved in one process, medians of 4: 8 rows 5.30 ->
 // 4.15 ms, 16 rows 7.61 -> 6.35, 64 rows 19.44 -> 18.28).
-template <int TM, int TN>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int K, int k8,
-                 bool add, const float* pf, int pf_rows) {
-  __m256 acc[TM][TN];
+// x rows as stored, one 8-lane register a row and 8 k's.
+struct Lanes8 {
+  using V = __m256;
+  static V zero() {
+    return _mm256_setzero_ps();
+  }
+  static V x(const float* row, int k) {
+    return _mm256_loadu_ps(row + k);
+  }
+  static V w(const float* p) {
+    return _mm256_loadu_ps(p);
+  }
+  static V fma(V a, V b, V c) {
+    return _mm256_fmadd_ps(a, b, c);
+  }
+};
+
+// acc[i][j] = the 8-lane partial sums of x row i times w row j over k < k8 (L: how rows of x
+// and w load into registers), prefetching pf_rows rows of pf as it goes: every lane one fused
+// multiply-add chain from 0, whatever L.
+template <class L, int TM, int TN>
+inline void tile_loop(const float* x, int64_t ldx, const float* w, int64_t ldw, int k8, const float* pf, int pf_rows,
+                      typename L::V (&acc)[TM][TN]) {
 #pragma GCC unroll 8
   for (int i = 0; i < TM; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < TN; ++j)
-      acc[i][j] = _mm256_setzero_ps();
+      acc[i][j] = L::zero();
   for (int k = 0; k < k8; k += 8) {
     if ((k & 15) == 0)
       for (int j = 0; j < pf_rows; ++j)
         _mm_prefetch((const char*)(pf + j * ldw + k), _MM_HINT_T1);
-    __m256 xv[TM];
+    typename L::V xv[TM];
 #pragma GCC unroll 8
     for (int i = 0; i < TM; ++i)
-      xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+      xv[i] = L::x(x + i * ldx, k);
 #pragma GCC unroll 8
     for (int j = 0; j < TN; ++j) {
-      const __m256 wv = _mm256_loadu_ps(w + j * ldw + k);
+      const typename L::V wv = L::w(w + j * ldw + k);
 #pragma GCC unroll 8
       for (int i = 0; i < TM; ++i)
-        acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
+        acc[i][j] = L::fma(wv, xv[i], acc[i][j]);
     }
   }
+}
+
+// out (+)= the 8 lanes of v in hsum's tree, then the K % 8 last products of x row xr and w row wr.
+inline void finish(__m256 v, const float* xr, const float* wr, int K, int k8, bool add, float& out) {
+  float s = hsum(v);
+  for (int k = k8; k < K; ++k)
+    s = std::fma(wr[k], xr[k], s);
+  out = add ? out + s : s;
+}
+
+template <int TM, int TN>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int K, int k8,
+                 bool add, const float* pf, int pf_rows) {
+  __m256 acc[TM][TN];
+  tile_loop<Lanes8, TM, TN>(x, ldx, w, ldw, k8, pf, pf_rows, acc);
 #pragma GCC unroll 8
   for (int i = 0; i < TM; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < TN; ++j) {
-      float s = hsum(acc[i][j]);
-      const float* xr = x + i * ldx;
-      const float* wr = w + j * ldw;
-      for (int k = k8; k < K; ++k)
-        s = std::fma(wr[k], xr[k], s);
-      float& out = y[i * ldy + j];
-      out = add ? out + s : s;
-    }
+    for (int j = 0; j < TN; ++j)
+      finish(acc[i][j], x + i * ldx, w + j * ldw, K, k8, add, y[i * ldy + j]);
 }
 
 // The last R < TN weight rows of a strip, as one TM x R tile (a part's 16 columns are
@@ -141,52 +168,37 @@ inline void row_strip(const float* x, int64_t ldx, const float* w, int64_t ldw, 
 constexpr int ZMIN = ROWDOT_ZMM_MIN, ZMAX = ROWDOT_ZMM_MAX; // rows this path takes
 static_assert(ZMIN >= 5 && ZMAX <= 8, "few_rows_pairs tiles 3 or 4 pairs");
 
-inline __m512 bcast8(const float* p) {
-  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
-}
+// Pairs of x rows (packed, pack_rows) in 16-lane registers, the weight row in both halves.
+struct Pairs16 {
+  using V = __m512;
+  static V zero() {
+    return _mm512_setzero_ps();
+  }
+  static V x(const float* pair, int k) {
+    return _mm512_loadu_ps(pair + 2 * k);
+  }
+  static V w(const float* p) { // p[0..8) into both halves: a 256-bit broadcast, a load and no shuffle
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+  }
+  static V fma(V a, V b, V c) {
+    return _mm512_fmadd_ps(a, b, c);
+  }
+};
 
 template <int P, int TN>
 inline void tile_pairs(const float* xp, int M, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
                        int64_t ldy, int K, int k8, bool add, const float* pf, int pf_rows) {
   __m512 acc[P][TN];
+  tile_loop<Pairs16, P, TN>(xp, 2 * k8, w, ldw, k8, pf, pf_rows, acc);
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 8
     for (int j = 0; j < TN; ++j)
-      acc[p][j] = _mm512_setzero_ps();
-  for (int k = 0; k < k8; k += 8) {
-    if ((k & 15) == 0)
-      for (int j = 0; j < pf_rows; ++j)
-        _mm_prefetch((const char*)(pf + j * ldw + k), _MM_HINT_T1);
-    __m512 xv[P];
-#pragma GCC unroll 8
-    for (int p = 0; p < P; ++p)
-      xv[p] = _mm512_loadu_ps(xp + (int64_t)p * 2 * k8 + 2 * k);
-#pragma GCC unroll 8
-    for (int j = 0; j < TN; ++j) {
-      const __m512 wv = bcast8(w + j * ldw + k);
-#pragma GCC unroll 8
-      for (int p = 0; p < P; ++p)
-        acc[p][j] = _mm512_fmadd_ps(wv, xv[p], acc[p][j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int p = 0; p < P; ++p)
-#pragma GCC unroll 8
-    for (int j = 0; j < TN; ++j)
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < 2 && 2 * p + h < M; ++h) {
         const int i = 2 * p + h;
-        if (i >= M)
-          break;
         const __m256 half = h == 0 ? _mm512_castps512_ps256(acc[p][j])
                                    : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p][j]), 1));
-        float s = hsum(half);
-        const float* xr = x + i * ldx;
-        const float* wr = w + j * ldw;
-        for (int k = k8; k < K; ++k)
-          s = std::fma(wr[k], xr[k], s);
-        float& out = y[i * ldy + j];
-        out = add ? out + s : s;
+        finish(half, x + i * ldx, w + j * ldw, K, k8, add, y[i * ldy + j]);
       }
 }
 
