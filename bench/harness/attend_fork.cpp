@@ -1,8 +1,7 @@
 // The paged attention's inner function on rows that share their blocks (n forked samples of one
 // prompt), without MLX, and the same outputs from the AVX2 loop bit for bit.
 //
-//   g++ -O3 -std=c++20 -mavx2 -mfma -mavx512f -mavx512vl -pthread \
-//       -o /tmp/attend_fork bench/harness/attend_fork.cpp
+//   g++ -O3 -std=c++20 -mavx2 -mfma -mavx512f -mavx512vl -pthread -o /tmp/attend_fork bench/harness/attend_fork.cpp
 //   /tmp/attend_fork 8 1064 0    # R rows, context, mode: 0 AVX-512 (one thread), 1 AVX2 (one thread),
 //                                # 2 compare the two builds' bits, 3 AVX-512 on two threads in parts
 //   /tmp/attend_fork 3 77 2 5    # a 4th argument: N queried tokens a row (a prefill chunk)

@@ -1,8 +1,7 @@
 // The weight matmuls of a decode step (rowdot_impl.h) on the bench model's shapes, without MLX,
 // and the AVX-512 loops' outputs against the AVX2 loops' bit for bit.
 //
-//   g++ -O3 -std=c++20 -mavx2 -mfma -mavx512f -mavx512vl -pthread \
-//       -o /tmp/rowdot_rows bench/harness/rowdot_rows.cpp
+//   g++ -O3 -std=c++20 -mavx2 -mfma -mavx512f -mavx512vl -pthread -o /tmp/rowdot_rows bench/harness/rowdot_rows.cpp
 //   /tmp/rowdot_rows 8 0 2    # M rows, mode (0 AVX-512, 1 AVX2, 2 compare bits), threads
 //
 // Per layer (8) the fused q/k/v (1024 x 512), o (512 x 512), gate/up (2368 x 512) and down

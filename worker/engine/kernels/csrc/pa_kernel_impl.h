@@ -27,6 +27,9 @@
 #include <vector>
 
 #include "pa_kernel.h"
+#ifdef PA_ZMM
+#include "pairs16.h"
+#endif
 
 #ifndef PA_NS
 #error "define PA_NS before including pa_kernel_impl.h"
@@ -518,21 +521,10 @@ inline void attend_tile(const QRef* qs, const KSrc& k, const VSrc& v, const Bloc
 // 4-query tiles, 2026-11-26: 8 forked rows over 1064 tokens 3.36-3.64 -> 2.36-2.55 ms, one row
 // 1.15-1.24 -> 1.03-1.15 ms (its two heads are a pair).
 constexpr int TP = PA_ZMM; // pairs per tile
-
-inline __m512 bcast8(const float* p) { // p[0..8) into both halves
-  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
-}
+using mlxq::pairs16::bcast8;
 
 inline __m512 hadd16(__m512 a, __m512 b) { // hadd() in each 256-bit half
   return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
-}
-
-inline vf low_half(__m512 z) {
-  return (vf)_mm512_castps512_ps256(z);
-}
-
-inline vf high_half(__m512 z) {
-  return (vf)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1));
 }
 
 // dot4 for NP pairs: h[p] holds dot4's h of the pair's first query (low half) and second (high).
@@ -648,7 +640,7 @@ inline void attend_pairs(const QRef* qs, const F32Rows& k, const F32Rows& v, int
     float mnew[2];
     for (int h = 0; h < 2; ++h) {
       float* m = qs[2 * i + h].m;
-      const float mblk = hmax(h == 0 ? low_half(mb[i]) : high_half(mb[i]));
+      const float mblk = hmax((vf)mlxq::pairs16::half(mb[i], h));
       mnew[h] = *m > mblk ? *m : mblk;
       corr[2 * i + h] = std::exp(*m - mnew[h]); // 0 when m was -inf
     }
@@ -666,7 +658,7 @@ inline void attend_pairs(const QRef* qs, const F32Rows& k, const F32Rows& v, int
     }
     for (int h = 0; h < 2; ++h) {
       float* l = qs[2 * i + h].l;
-      *l = *l * corr[2 * i + h] + hsum(h == 0 ? low_half((__m512)lsum) : high_half((__m512)lsum));
+      *l = *l * corr[2 * i + h] + hsum((vf)mlxq::pairs16::half((__m512)lsum, h));
       *qs[2 * i + h].m = mnew[h];
     }
   }
@@ -793,12 +785,10 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
   alignas(64) float p[kTileRows * kMaxBlock];
   thread_local std::vector<QRef> qs;
   qs.resize((size_t)nrows * GN);
-  // Quantized pools: each query's sums over the key groups, and a block's scales and biases
-  // as fp32 rows per group (read in place when they are fp32 with one group a row).
-#ifdef PA_ZMM
-  // Float pools: each token's heads in pairs (g, g + 1), their rows interleaved 8 floats at a
-  // time (attend_pairs), once per task; an odd G's last head goes alone.
+  // Float pools on PA_ZMM builds: each token's heads in pairs (g, g + 1), their rows interleaved
+  // 8 floats at a time (attend_pairs), once per task; an odd G's last head goes alone.
   thread_local std::vector<float> qpairs;
+#ifdef PA_ZMM
   const bool pairs = !a.bits && G >= 2 && Dv % 16 == 0;
   if (pairs) {
     qpairs.resize((size_t)nrows * GN * Dk);
@@ -806,15 +796,14 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
       for (int n = 0; n < N; ++n)
         for (int g = 0; g + 1 < G; g += 2) {
           const float* qa = rows[r].q + (int64_t)(g * N + n) * Dk;
-          const float* qb = qa + (int64_t)N * Dk;
-          float* dst = qpairs.data() + ((int64_t)(r * N + n) * G + g) * Dk;
-          for (int d = 0; d < Dk; d += 8) {
-            std::memcpy(dst + 2 * d, qa + d, 8 * sizeof(float));
-            std::memcpy(dst + 2 * d + 8, qb + d, 8 * sizeof(float));
-          }
+          mlxq::pairs16::interleave8(qa, qa + (int64_t)N * Dk, Dk, qpairs.data() + ((int64_t)(r * N + n) * G + g) * Dk);
         }
   }
+#else
+  const bool pairs = false;
 #endif
+  // Quantized pools: each query's sums over the key groups, and a block's scales and biases
+  // as fp32 rows per group (read in place when they are fp32 with one group a row).
   const int ngk = a.bits ? Dk / a.group : 0, ngv = a.bits ? Dv / a.group : 0;
   thread_local std::vector<float> qsums, affine;
   if (a.bits) {
@@ -952,20 +941,13 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
           for (int g = 0; g < G; ++g) {
             const int i = g * N + n;
             const float* qsum = a.bits ? qsums.data() + ((int64_t)u * GN + i) * ngk : nullptr;
-            const float* q2 = nullptr;
-#ifdef PA_ZMM
-            if (pairs && g % 2 == 0 && g + 1 < G)
-              q2 = qpairs.data() + ((int64_t)(u * N + n) * G + g) * Dk;
-#endif
+            const float* q2 =
+                pairs && g % 2 == 0 && g + 1 < G ? qpairs.data() + ((int64_t)(u * N + n) * G + g) * Dk : nullptr;
             qs[nq++] = {mr.q + (int64_t)i * Dk, mr.m + i, mr.l + i, mr.acc + (int64_t)i * Dv, jl, jh, qsum, q2};
           }
         }
       }
-      bool paired = false;
-#ifdef PA_ZMM
-      paired = pairs;
-#endif
-      pq.pace(pace_for(nq, c1 - c0, Dv, (int)((int64_t)BS * (krow + vrow) / 64), paired));
+      pq.pace(pace_for(nq, c1 - c0, Dv, (int)((int64_t)BS * (krow + vrow) / 64), pairs));
       if (a.pool_type == PoolType::f32 && !a.bits) {
         attend_queries(qs.data(), nq, F32Rows{(const float*)kb_raw, Dk}, F32Rows{(const float*)vb_raw, Dv}, nullptr,
                        Dk, Dv, s, p, pq);

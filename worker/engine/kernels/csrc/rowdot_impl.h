@@ -18,10 +18,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "rowdot.h"
+#ifdef ROWDOT_ZMM
+#include "pairs16.h"
+#endif
 
 namespace mlxq::rowdot::ROWDOT_NS {
 
@@ -177,8 +179,8 @@ struct Pairs16 {
   static V x(const float* pair, int k) {
     return _mm512_loadu_ps(pair + 2 * k);
   }
-  static V w(const float* p) { // p[0..8) into both halves: a 256-bit broadcast, a load and no shuffle
-    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+  static V w(const float* p) {
+    return pairs16::bcast8(p);
   }
   static V fma(V a, V b, V c) {
     return _mm512_fmadd_ps(a, b, c);
@@ -196,9 +198,7 @@ inline void tile_pairs(const float* xp, int M, const float* x, int64_t ldx, cons
     for (int j = 0; j < TN; ++j)
       for (int h = 0; h < 2 && 2 * p + h < M; ++h) {
         const int i = 2 * p + h;
-        const __m256 half = h == 0 ? _mm512_castps512_ps256(acc[p][j])
-                                   : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p][j]), 1));
-        finish(half, x + i * ldx, w + j * ldw, K, k8, add, y[i * ldy + j]);
+        finish(pairs16::half(acc[p][j], h), x + i * ldx, w + j * ldw, K, k8, add, y[i * ldy + j]);
       }
 }
 
@@ -228,25 +228,15 @@ inline void strip_pairs(const float* xp, int M, const float* x, int64_t ldx, con
 // Rows [0, M) of x, 8 floats of row 2p then 8 of row 2p + 1 per chunk (zeros past row M - 1).
 inline void pack_rows(const float* x, int64_t ldx, int M, int k8, float* buf) {
   for (int p = 0; p < (M + 1) / 2; ++p)
-    for (int h = 0; h < 2; ++h) {
-      float* dst = buf + (int64_t)p * 2 * k8 + 8 * h;
-      const int i = 2 * p + h;
-      for (int k = 0; k < k8; k += 8)
-        if (i < M)
-          std::memcpy(dst + 2 * k, x + i * ldx + k, 8 * sizeof(float));
-        else
-          std::memset(dst + 2 * k, 0, 8 * sizeof(float));
-    }
+    pairs16::interleave8(x + 2 * p * ldx, 2 * p + 1 < M ? x + (2 * p + 1) * ldx : nullptr, k8,
+                         buf + (int64_t)p * 2 * k8);
 }
 
 inline void few_rows_pairs(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy,
                            int K, int k8, int n0, int n1, bool add, const float* xp) {
   thread_local std::vector<float> own;
-  if (xp == nullptr) { // a call of its own: pack here
-    own.resize((size_t)(M + 1) / 2 * 2 * k8);
-    pack_rows(x, ldx, M, k8, own.data());
-    xp = own.data();
-  }
+  if (xp == nullptr) // a call of its own: pack here
+    xp = pack_pairs(x, ldx, M, K, own);
   if (M > 6) // 4 pairs x 6 weight rows: 24 accumulators, 4 + 6 loads per 24 multiply-adds
     strip_pairs<4, 6>(xp, M, x, ldx, w, ldw, y, ldy, K, k8, n0, n1, add);
   else
