@@ -134,7 +134,8 @@ def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeat", type=int, default=1, help="runs of the noisiest benchmarks (ceiling, n_samples, n_fork)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of the noisiest benchmarks (ceiling, n_samples, n_fork)")
     ap.add_argument("--logs", help="directory for the benchmarks' output (default: a new temporary one)")
     ap.add_argument("--only", help="comma-separated benchmark names: " + ",".join(b.name for b in BENCHES))
     args = ap.parse_args()

@@ -159,8 +159,8 @@ def _own_loops(ext) -> None:
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch(ext):
     """Our loops sum each output in one order whatever the batch (csrc/rowdot.h): a row computed
     alone equals the same row in batches of every size, a decode step's (5 to 8 rows: on AVX-512
-    in pairs of rows through 16-lane registers, 3 or 4 pairs a tile) and a prefill pass's (past the 64-row block), with K not a multiple of 8
-    and with a bias."""
+    in pairs of rows through 16-lane registers, 3 or 4 pairs a tile) and a prefill pass's (past
+    the 64-row block), with K not a multiple of 8 and with a bias."""
     _own_loops(ext)
     for K, N in ((512, 1184), (1184, 512), (37, 45)):
         rs = mx.random.split(mx.random.key(K), 3)
