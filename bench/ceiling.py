@@ -3,6 +3,7 @@
     python bench/ceiling.py                          # the bench model: solo, 16 and 64 rows
     python bench/ceiling.py --shape 0.36b --batch 16 # 0.5B-class layer shapes (random weights)
     python bench/ceiling.py --e2e                    # also through Redis (a worker process, Client)
+    python bench/ceiling.py --batch 64 --kv-bits 8   # the engines on 8-bit KV blocks (default fp32)
 
 Two ceilings, measured in the same process as the engine:
 
@@ -28,6 +29,11 @@ The matmul ceilings and the engines are measured in interleaved windows of ``--s
 (``--windows`` rounds, each a window of every one of them in turn), and each figure is its best
 window: the same number of chances at the same length, so a quiet or noisy spell of a shared
 machine does not favour one side (the bandwidth ceiling is measured once, at the start).
+
+``--kv-bits 8`` (or 4): the engines store their KV blocks quantized, as ``--kv-bits`` does in the
+worker; the ceilings are the same weight matmuls. At batch 64 the attention reads each row's own
+K and V every step (more bytes than the weights at ~150 tokens a row, fp32), so this shows how much
+of the distance to the matmul ceiling is those bytes.
 
 ``--shape 0.36b``: hidden 896, 24 layers, MLP 4864, 14 heads / 2 KV heads (Qwen2.5-0.5B's
 layer shapes) and a 32000-token vocabulary, 0.36B parameters, random fp32 weights (speed does
@@ -157,11 +163,12 @@ class Decoder:
     """The engine's steady decode with ``batch`` rows (in process, no Redis), ready for windows of
     steps: rows already decoding, every token read back by the host as the worker reads it."""
 
-    def __init__(self, loaded, batch: int, prompt_len: int, tokens: int, matmul: str = "pool"):
+    def __init__(self, loaded, batch: int, prompt_len: int, tokens: int, matmul: str = "pool",
+                 kv_bits: int | None = None):
         vocab = loaded.model.args.vocab_size
         rng = random.Random(0)
         self.batch = batch
-        self.eng = make_engine(loaded, Settings.from_env(max_batch=max(batch, 1), matmul=matmul))
+        self.eng = make_engine(loaded, Settings.from_env(max_batch=max(batch, 1), matmul=matmul, kv_bits=kv_bits))
         self.eng.add([SeqSpec(f"s{i}", [rng.randrange(10, vocab - 1) for _ in range(prompt_len)], tokens + 50,
                               stop_token_ids=()) for i in range(batch)])
         while self.eng.stats()["running"] < batch or any(
@@ -181,13 +188,16 @@ class Decoder:
         self.eng.remove([f"s{i}" for i in range(self.batch)])
 
 
-def measure(models: dict, groups, batch: int, prompt_len: int, steps: int, windows: int) -> dict[str, float]:
+def measure(models: dict, groups, batch: int, prompt_len: int, steps: int, windows: int,
+            kv_bits: int | None = None) -> dict[str, float]:
     """Best tokens/s of the ceilings and the engines over ``windows`` rounds; in each round, one after
     another, a window of ``steps`` steps of each: MLX's matmuls alone, the pool's matmuls alone, the
     engine on the pool's matmuls, the engine on MLX's. Each gets the same number of windows of the
     same length, interleaved, so a quiet or a noisy spell of this machine falls on all of them.
-    models: a loaded model per engine (an engine installs its matmuls into its model's layers)."""
-    decoders = {k: Decoder(models[k], batch, prompt_len, steps * windows, matmul=k) for k in ("pool", "mlx")}
+    models: a loaded model per engine (an engine installs its matmuls into its model's layers);
+    kv_bits: the engines' KV blocks (None: the model's float dtype, the default)."""
+    decoders = {k: Decoder(models[k], batch, prompt_len, steps * windows, matmul=k, kv_bits=kv_bits)
+                for k in ("pool", "mlx")}
     best = dict.fromkeys(("mm", "lin", "pool", "mlx"), 0.0)
     for _ in range(windows):
         best["mm"] = max(best["mm"], matmul_ceiling(groups, batch, rounds=1, reps=steps))
@@ -249,6 +259,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="steps a window (of the engines and the ceilings)")
     ap.add_argument("--windows", type=int, default=5, help="interleaved windows of each, the best one counts")
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--kv-bits", type=int, choices=(4, 8), help="the engines' KV blocks quantized (default: "
+                    "fp32, as the worker's default); the ceilings are the weight matmuls either way")
     ap.add_argument("--e2e", action="store_true", help="also end to end through Redis (bench shape)")
     ap.add_argument("--e2e-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
@@ -261,11 +273,13 @@ def main() -> int:
     wbytes = sum(w.nbytes for g in groups for w in g)
     print(f"{loaded.name}: {sum(w.size for g in groups for w in g) / 1e6:.1f}M weight-matrix parameters "
           f"({wbytes / 2**20:.0f} MiB fp32); {blas.status()}")
+    if args.kv_bits:
+        print(f"engines with {args.kv_bits}-bit KV blocks (--kv-bits {args.kv_bits}; the worker's default is fp32)")
     bw = bandwidth(4 * wbytes)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s -> solo ceiling {bw / wbytes:.0f} tok/s")
     print(f"{'batch':>5} {'ceiling':>9} {'engine':>8} {'share':>6}   engine with matmul=mlx")
     for b in (int(x) for x in args.batch.split(",")):
-        got = measure(models, groups, b, args.prompt_len, args.steps, args.windows)
+        got = measure(models, groups, b, args.prompt_len, args.steps, args.windows, args.kv_bits)
         mm, lin, eng, eng_mlx = got["mm"], got["lin"], got["pool"], got["mlx"]
         ceiling, what = (bw / wbytes, "bandwidth") if b == 1 else (max(mm, lin), "matmul")
         line = (f"{b:>5} {ceiling:>9.0f} {eng:>8.0f} {eng / ceiling:>6.0%}   {eng_mlx:.0f} ({eng_mlx / ceiling:.0%})"
