@@ -110,9 +110,14 @@ inline void finish(__m256 v, const float* xr, const float* wr, int K, int k8, bo
   out = add ? out + s : s;
 }
 
+// A function of its own, never inlined: inlined into matmul's one-row strip (tile<1, 8>, once
+// tile_loop and finish were split out of it), the compiler kept the 8 weight-row pointers on the
+// stack and reloaded one before every multiply-add. Out of line they stay in registers: the
+// bench model's one-row matmuls, alternating in one harness (rowdot_rows.cpp, 1 row, 2 threads,
+// 16 runs each): 2.61-3.21 -> 2.39-2.69 ms, as before that split; the same bits.
 template <int TM, int TN>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int K, int k8,
-                 bool add, const float* pf, int pf_rows) {
+[[gnu::noinline]] void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
+                            int k8, bool add, const float* pf, int pf_rows) {
   __m256 acc[TM][TN];
   tile_loop<Lanes8, TM, TN>(x, ldx, w, ldw, k8, pf, pf_rows, acc);
 #pragma GCC unroll 8
