@@ -12,6 +12,10 @@
 #include <thread>
 #include <vector>
 
+#ifdef __linux__
+#include <pthread.h>
+#endif
+
 namespace mlxq {
 
 // A small pool: parallel_for(n, fn) runs fn(0..n-1) on the workers and the
@@ -29,7 +33,13 @@ class ThreadPool {
  public:
   explicit ThreadPool(int n) {
     for (int i = 1; i < n; ++i)
-      workers_.emplace_back([this] { loop(); });
+      workers_.emplace_back([this] {
+#ifdef __linux__
+        // Named, so that top -H, perf and bench/profile_step.py --threads can tell it apart.
+        pthread_setname_np(pthread_self(), "mlxq-pool");
+#endif
+        loop();
+      });
   }
   ~ThreadPool() {
     {
