@@ -3,6 +3,7 @@
     python bench/profile_step.py [--batch 64] [--prompt-len 64] [--steps 40] [--cprofile]
     python bench/profile_step.py --batch 16 --shared-prefix 1024   # rows sharing a system prompt
     python bench/profile_step.py --mixed [--batch 16]
+    python bench/profile_step.py --batch 64 --threads   # each thread's busy share of the steps
 
 Prints, for ``--batch`` running sequences on the bench model: the engine's mean
 wall time per decode step (tokens/s), the same forward pass alone (one
@@ -10,6 +11,11 @@ wall time per decode step (tokens/s), the same forward pass alone (one
 ``--cprofile`` the top host-side functions of the engine's steps. ``--shared-prefix P``: every row
 starts with the same P-token system prompt (one request computes it first, the rows hit it in the
 prefix cache and share its blocks), then its own ``--prompt-len`` tokens.
+
+``--threads``: over the timed steps, how busy each thread of the process was (CPU seconds over wall
+seconds, from ``/proc/self/task``; Linux): the main thread (builds each step's graph, schedules,
+reads tokens back), MLX's CPU stream thread (runs the graph's ops), the extension pool's workers
+(``mlxq-pool``: their share of the matmuls and the attention) and the BLAS's threads.
 
 ``--mixed``: should decode rows ride in a prefill pass?  With ``--batch``
 decoding rows, one padded pass over prefill chunks + decode rows against a
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import random
 import sys
@@ -35,6 +42,45 @@ from mlxq.worker.engine_api import SeqSpec  # noqa: E402
 from mlxq.worker.model import load_model  # noqa: E402
 from mlxq.shared.settings import Settings, cache_dir  # noqa: E402
 from mlxq.worker.engine.engine import make_engine  # noqa: E402
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """Each thread of this process: (its name, CPU seconds so far), from /proc (Linux only)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = open(f"/proc/self/task/{tid}/comm").read().strip()
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / hz)  # utime + stime
+    return out
+
+
+def thread_roles() -> dict[int, str]:
+    """What each thread is, told apart before anything else runs MLX: the threads there now
+    besides the main one are the BLAS's (blas.setup() started them at import), the one MLX's
+    first evaluation adds is its CPU stream's; the extension names its pool's ``mlxq-pool``."""
+    roles = {os.getpid(): "main (graph, scheduler, host)"}
+    before = set(thread_cpu())
+    roles.update({tid: "BLAS" for tid in before if tid not in roles})
+    mx.eval(mx.array([0.0]) + 1)
+    roles.update({tid: "MLX CPU stream" for tid in set(thread_cpu()) - before})
+    return roles
+
+
+def print_thread_shares(roles: dict[int, str], before: dict, after: dict, wall: float) -> None:
+    print(f"threads over the {wall:.2f} s of steps (busy = CPU seconds / wall seconds):")
+    rows = []
+    for tid, (name, cpu) in after.items():
+        busy = (cpu - before.get(tid, (name, 0.0))[1]) / wall
+        role = roles.get(tid, "extension pool worker" if name == "mlxq-pool" else f"other ({name})")
+        rows.append((busy, role, tid))
+    for busy, role, tid in sorted(rows, reverse=True):
+        if busy >= 0.005:
+            print(f"  {role:32s} tid {tid:<8d} {busy:5.2f}")
+    print(f"  {'all threads':32s} {'':12s} {sum(r[0] for r in rows):5.2f} of {os.cpu_count()} CPUs")
 
 
 def bench_model_dir() -> str:
@@ -55,7 +101,9 @@ def main() -> int:
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--kv-mb", type=float, default=None, help="KV pool budget (default: the engine's)")
     ap.add_argument("--mixed", action="store_true", help="decode rows in the prefill pass, or not")
+    ap.add_argument("--threads", action="store_true", help="each thread's busy share of the timed steps")
     args = ap.parse_args()
+    roles = thread_roles() if args.threads else {}
     loaded = load_model(args.model or bench_model_dir())
     model = loaded.model
     vocab = model.args.vocab_size
@@ -76,6 +124,7 @@ def main() -> int:
     if args.mixed:
         return mixed_passes(eng)
     prof = cProfile.Profile() if args.cprofile else None
+    cpu0 = thread_cpu() if args.threads else {}
     t0 = time.perf_counter()
     n = 0
     if prof:
@@ -86,9 +135,12 @@ def main() -> int:
     if prof:
         prof.disable()
     dt = time.perf_counter() - t0
+    cpu1 = thread_cpu() if args.threads else {}
     print(f"engine: batch {args.batch}, {dt / args.steps * 1000:.1f} ms/step, {n / dt:.0f} tok/s"
           + (f" (shared prefix {args.shared_prefix}: {eng.stats().get('prefix_hit_tokens', 0)} prefix-hit tokens)"
              if system else ""))
+    if args.threads:
+        print_thread_shares(roles, cpu0, cpu1, dt)
 
     # the floor: the stock model over a dense mlx-lm cache, one step at a time, no host work
     from mlx_lm.models.cache import make_prompt_cache
