@@ -2,7 +2,8 @@
 // and the AVX-512 loops' outputs against the AVX2 loops' bit for bit.
 //
 //   g++ -O3 -std=c++20 -mavx2 -mfma -mavx512f -mavx512vl -pthread -o /tmp/rowdot_rows bench/harness/rowdot_rows.cpp
-//   /tmp/rowdot_rows 8 0 2    # M rows, mode (0 AVX-512, 1 AVX2, 2 compare bits), threads
+//   /tmp/rowdot_rows 8 0 2    # M rows, mode (0 AVX-512, 1 AVX2, 2 compare bits, 3 AVX-512 with
+//                             # every weight row read from one row: the multiply-adds from L1), threads
 //
 // Per layer (8) the fused q/k/v (1024 x 512), o (512 x 512), gate/up (2368 x 512) and down
 // (512 x 1184), then the 8192 x 512 head: 100 MB of fp32 weights, each matmul's output rows split
@@ -64,7 +65,8 @@ int main(int argc, char** argv) {
     return bad != 0;
   }
   const int kParts = 4;
-  const auto fn = mode == 0 ? mlxq::rowdot::avx512::matmul : mlxq::rowdot::avx2::matmul;
+  const auto fn = mode == 1 ? mlxq::rowdot::avx2::matmul : mlxq::rowdot::avx512::matmul;
+  const bool from_l1 = mode == 3; // a row stride of 0: each weight row is the matrix's first
   double best = 1e9;
   for (int r = 0; r < 15; ++r) {
     const double t0 = now();
@@ -72,10 +74,10 @@ int main(int argc, char** argv) {
       std::vector<float> buf;
       for (size_t s = 0; s < shapes.size(); ++s) {
         const auto [N, K] = shapes[s];
-        const float* xp = mode == 0 ? mlxq::rowdot::avx512::pack_pairs(x.data(), ldx, M, K, buf) : nullptr;
+        const float* xp = mode != 1 ? mlxq::rowdot::avx512::pack_pairs(x.data(), ldx, M, K, buf) : nullptr;
         for (int p = 0; p < kParts; ++p) { // linear's parts: kPartsPerThread a thread
           const int c0 = N * (t * kParts + p) / (T * kParts), c1 = N * (t * kParts + p + 1) / (T * kParts);
-          fn(x.data(), ldx, M, W[s].data(), K, y.data(), N, K, c0, c1, false, xp);
+          fn(x.data(), ldx, M, W[s].data(), from_l1 ? 0 : K, y.data(), N, K, c0, c1, false, xp);
         }
       }
     };
@@ -87,5 +89,6 @@ int main(int argc, char** argv) {
       h.join();
     best = std::min(best, now() - t0);
   }
-  printf("M=%d %s, %d thread(s): %.2f ms\n", M, mode == 0 ? "avx512" : "avx2", T, best * 1e3);
+  printf("M=%d %s, %d thread(s): %.2f ms\n", M, mode == 1 ? "avx2" : mode == 3 ? "avx512, weights from L1" : "avx512", T,
+         best * 1e3);
 }

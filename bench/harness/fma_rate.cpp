@@ -1,0 +1,45 @@
+// How many 16-lane fused multiply-adds a second a core of this machine runs right now, on one
+// thread and on two at once: 12 independent chains, nothing from memory. On a shared VM the rate
+// moves with what the other tenants of the physical cores do (2026-11-26, 17:10: 5.2-5.3 G a
+// second on one thread, a minute later 3.45; 17:40: 3.33 alone, 2.20 + 5.36 on two), and every
+// compute-bound figure moves with it.
+//
+//   g++ -O3 -std=c++17 -mavx512f -pthread -o /tmp/fma_rate bench/harness/fma_rate.cpp
+//   /tmp/fma_rate
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+static double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// G multiply-add instructions a second over `iters` rounds of 12.
+static double rate(long iters = 50000000) {
+  __m512 a[12];
+  for (int i = 0; i < 12; ++i)
+    a[i] = _mm512_set1_ps(i * 0.1f);
+  const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(0.001f);
+  const double t0 = now();
+  for (long it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i)
+      a[i] = _mm512_fmadd_ps(a[i], m, c);
+  const double t = now() - t0;
+  float s = 0;
+  for (int i = 0; i < 12; ++i)
+    s += _mm512_reduce_add_ps(a[i]);
+  if (s == 12345.0f) // keeps the chains
+    printf(" ");
+  return iters * 12.0 / t / 1e9;
+}
+
+int main() {
+  printf("one thread: %.2f G a second\n", rate());
+  double other = 0;
+  std::thread t([&] { other = rate(); });
+  const double mine = rate();
+  t.join();
+  printf("two threads at once: %.2f + %.2f G a second\n", mine, other);
+}
