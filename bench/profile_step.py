@@ -42,19 +42,19 @@ from mlxq.worker.engine_api import SeqSpec  # noqa: E402
 from mlxq.worker.model import load_model  # noqa: E402
 from mlxq.shared.settings import Settings, cache_dir  # noqa: E402
 from mlxq.worker.engine.engine import make_engine  # noqa: E402
+from throughput import stat_cpu_seconds  # noqa: E402
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:
     """Each thread of this process: (its name, CPU seconds so far), from /proc (Linux only)."""
-    hz = os.sysconf("SC_CLK_TCK")
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            name = open(f"/proc/self/task/{tid}/comm").read().strip()
-            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            out[int(tid)] = (name, stat_cpu_seconds(f"/proc/self/task/{tid}/stat"))
         except OSError:  # the thread ended meanwhile
             continue
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / hz)  # utime + stime
     return out
 
 

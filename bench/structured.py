@@ -32,8 +32,8 @@ from pathlib import Path
 
 
 from grammar_engines import SCHEMA as BASE_SCHEMA  # noqa: E402
-from throughput import (bench_model_dir, prompts_for, read_stream, start_gateway, start_worker, stop,  # noqa: E402
-                        wait_http, wait_worker)
+from throughput import (bench_model_dir, prompts_for, read_stream, start_gateway, start_worker,  # noqa: E402
+                        stat_cpu_seconds, stop, wait_http, wait_worker)
 from mlxq import Client  # noqa: E402
 from mlxq.shared.embedded import EmbeddedRedis  # noqa: E402
 from mlxq.shared.settings import Settings  # noqa: E402
@@ -53,8 +53,7 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "article", "schema": SC
 def cpu_seconds(pid: int) -> float:
     """The process's user + system CPU time (Linux /proc; NaN elsewhere)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return stat_cpu_seconds(f"/proc/{pid}/stat")
     except (OSError, ValueError, IndexError):
         return float("nan")
 

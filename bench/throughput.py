@@ -56,6 +56,14 @@ def bench_model_dir() -> str:
     return str(ensure_model(cache / "bench-model", "bench"))
 
 
+def stat_cpu_seconds(stat_path: str) -> float:
+    """User + system CPU seconds from a Linux /proc stat file (a process's or a thread's); raises
+    OSError when it is gone. Fields are counted after the ")" that ends the name, which may hold spaces."""
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab - 1) for _ in range(length)] for _ in range(n)]
