@@ -40,9 +40,9 @@ import mlx.core as mx  # noqa: E402
 
 from mlxq.worker.engine_api import SeqSpec  # noqa: E402
 from mlxq.worker.model import load_model  # noqa: E402
-from mlxq.shared.settings import Settings, cache_dir  # noqa: E402
+from mlxq.shared.settings import Settings  # noqa: E402
 from mlxq.worker.engine.engine import make_engine  # noqa: E402
-from throughput import stat_cpu_seconds  # noqa: E402
+from throughput import bench_model_dir, stat_cpu_seconds  # noqa: E402  (n_fork, kv_quant take it from here)
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:
@@ -81,13 +81,6 @@ def print_thread_shares(roles: dict[int, str], before: dict, after: dict, wall: 
         if busy >= 0.005:
             print(f"  {role:32s} tid {tid:<8d} {busy:5.2f}")
     print(f"  {'all threads':32s} {'':12s} {sum(r[0] for r in rows):5.2f} of {os.cpu_count()} CPUs")
-
-
-def bench_model_dir() -> str:
-    from mlxq.devkit.make_model import ensure_model
-
-    cache = cache_dir()
-    return str(ensure_model(cache / "bench-model", "bench"))
 
 
 def main() -> int:
