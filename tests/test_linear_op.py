@@ -158,16 +158,17 @@ def _own_loops(ext) -> None:
 
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch(ext):
     """Our loops sum each output in one order whatever the batch (csrc/rowdot.h): a row computed
-    alone equals the same row in batches of every size, a decode step's (5 to 8 rows: on AVX-512
-    in pairs of rows through 16-lane registers, 3 or 4 pairs a tile) and a prefill pass's (past
-    the 64-row block), with K not a multiple of 8 and with a bias."""
+    alone equals the same row in batches of every size, a decode step's (from 5 rows on AVX-512
+    in pairs of rows through 16-lane registers: 3 or 4 pairs a tile up to 8 rows, 4 pairs by 6
+    weight rows past them, an odd row's pair half empty) and a prefill pass's (past the 64-row
+    block), with K not a multiple of 8 and with a bias."""
     _own_loops(ext)
     for K, N in ((512, 1184), (1184, 512), (37, 45)):
         rs = mx.random.split(mx.random.key(K), 3)
         x = mx.random.normal((200, K), key=rs[0])
         w, bias = mx.random.normal((N, K), key=rs[1]), mx.random.normal((N,), key=rs[2])
         alone = mx.concatenate([ext.linear(x[i:i + 1], w, bias) for i in range(200)])
-        for M in (2, 3, 5, 6, 7, 8, 16, 63, 64, 65, 130, 200):
+        for M in (2, 3, 5, 6, 7, 8, 9, 11, 16, 17, 63, 64, 65, 130, 200):
             batch = ext.linear(x[:M], w, bias)
             assert mx.array_equal(batch, alone[:M]).item(), (K, N, M)
             assert model_ops.within_float32_rounding(batch, x[:M], w, bias)
@@ -191,11 +192,11 @@ def test_the_avx2_and_avx512_loops_give_the_same_bits(ext, tmp_path):
         "ext = attention.cpu_extension()\n"
         "assert 'linear' in model_ops.checked_ops(ext) and ext.linear_isa() == 'avx2', ext.linear_isa()\n"
         f"x, w = mx.load({str(tmp_path / 'x.npy')!r}), mx.load({str(tmp_path / 'w.npy')!r})\n"
-        f"mx.save({str(tmp_path / 'y.npy')!r}, mx.concatenate([ext.linear(x[:m], w) for m in (1, 5, 8, 70)]))\n")
+        f"mx.save({str(tmp_path / 'y.npy')!r}, mx.concatenate([ext.linear(x[:m], w) for m in (1, 5, 8, 9, 17, 70)]))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, MLXQ_ATTN_ISA="avx2"), cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
-    here = mx.concatenate([ext.linear(x[:m], w) for m in (1, 5, 8, 70)])
+    here = mx.concatenate([ext.linear(x[:m], w) for m in (1, 5, 8, 9, 17, 70)])
     assert mx.array_equal(mx.load(str(tmp_path / "y.npy")), here).item()
 
 

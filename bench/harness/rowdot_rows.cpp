@@ -8,7 +8,7 @@
 // Per layer (8) the fused q/k/v (1024 x 512), o (512 x 512), gate/up (2368 x 512) and down
 // (512 x 1184), then the 8192 x 512 head: 100 MB of fp32 weights, each matmul's output rows split
 // evenly over the threads, 4 parts a thread (as linear's pool splits them; x packed once a thread
-// for the AVX-512 few-rows loops, once a call there). Best of 15 passes.
+// for the AVX-512 pairs loops, once a call there). Best of 15 passes.
 #include "../../worker/engine/kernels/csrc/rowdot_avx512.cpp" // the two builds' loops, as compiled
 #undef ROWDOT_NS
 #undef ROWDOT_NR

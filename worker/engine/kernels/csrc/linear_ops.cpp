@@ -58,7 +58,7 @@ rowdot::MatmulFn pick_rowdot() {
 
 const rowdot::MatmulFn g_rowdot = pick_rowdot();
 
-// x (M rows of K) packed once for the AVX-512 few-rows loops, for every part of a call to read
+// x (M rows of K) packed once for the AVX-512 pairs loops (5 rows or more), for every part of a call to read
 // (it was once a part: 8 rows x K floats copied ~450 times a decode step of the bench model);
 // null where those loops do not run.
 const float* pack_for_parts(const float* x, int M, int K, std::vector<float>& buf) {

@@ -30,7 +30,8 @@ void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, flo
 namespace avx512 {
 void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
             int n0, int n1, bool add, const float* xpairs);
-// x's M rows as the few-rows loops read them, into buf (M in their range; else nothing: null).
+// x's M rows as the pairs loops read them (from 5 rows: rows_pairs), into buf from a 64-byte
+// boundary, which it returns (fewer rows: nothing, null).
 const float* pack_pairs(const float* x, int64_t ldx, int M, int K, std::vector<float>& buf);
 }
 

@@ -1,7 +1,8 @@
 // x @ w^T over rows as stored, for x86-64 with AVX2 and FMA; see rowdot.h. Included by
 // rowdot_avx2.cpp (-mavx2 -mfma: 16 vector registers, 4 x 3 tiles) and rowdot_avx512.cpp
 // (also -mavx512f -mavx512vl: the same 8-lane instructions with 32 registers, 4 x 6
-// tiles); linear_ops.cpp calls the one the CPU supports (isa.h). Both sum every output in
+// tiles, and from 5 rows on two rows' 8-lane chains in each 16-lane register, see
+// rows_pairs); linear_ops.cpp calls the one the CPU supports (isa.h). Both sum every output in
 // the same order, so they give the same bits.
 //
 // Why not OpenBLAS's sgemm: at a decode step's few rows it packs the weight panel on
@@ -164,18 +165,25 @@ inline void row_strip(const float* x, int64_t ldx, const float* w, int64_t ldw, 
 
 
 #ifdef ROWDOT_ZMM
-// A few rows of x in pairs, in 16-lane registers (AVX-512F): a register holds the 8-lane
-// accumulator of row 2p (low half) and of row 2p + 1 (high half) against one weight row, each
-// half the very chain of fused multiply-adds the 8-lane tiles give that output, then the same
-// hsum tree: the same bits. The weight row's 8 floats are loaded into both halves at once
-// (a 256-bit broadcast: a load, no shuffle), so each multiply-add instruction does two rows'
-// work. At 2 to 4 rows (memory-bound) the 4 x 6 tiles were faster; at 5 to 8 rows (n = 8's
-// forked samples, a handful of jobs) it replaces 8 x 3 tiles of 8-lane registers, which at 8 rows
-// needed 33 registers and spilled. The bench model's matmuls on two threads, one process
-// alternating, 2026-11-26: 8 rows 4.5-4.9 -> 3.4-3.8 ms, 5 to 7 rows within the noise (2.7-3.8).
-// xp: the rows packed by pairs (pack_rows), pair p's k-th 8-float chunks at xp + p * 2 * k8 + 2 * k.
-constexpr int ZMIN = ROWDOT_ZMM_MIN, ZMAX = ROWDOT_ZMM_MAX; // rows this path takes
-static_assert(ZMIN >= 5 && ZMAX <= 8, "few_rows_pairs tiles 3 or 4 pairs");
+// Rows of x in pairs, in 16-lane registers (AVX-512F): a register holds the 8-lane accumulator
+// of row 2p (low half) and of row 2p + 1 (high half) against one weight row, each half the very
+// chain of fused multiply-adds the 8-lane tiles give that output, then the same hsum tree: the
+// same bits. The weight row's 8 floats are loaded into both halves at once (a 256-bit broadcast:
+// a load, no shuffle), so each multiply-add instruction does two rows' work.
+// * 2 to 4 rows (memory-bound): the 4 x 6 tiles of 8-lane registers were faster.
+// * 5 to 8 rows (n = 8's forked samples, a handful of jobs): all the pairs against the weight rows,
+//   3 or 4 pairs a tile (few_rows_pairs). It replaced 8 x 3 tiles of 8-lane registers, which at 8
+//   rows needed 33 registers and spilled: the bench model's matmuls on two threads, one process
+//   alternating, 2026-11-26, 8 rows 4.5-4.9 -> 3.4-3.8 ms, 5 to 7 rows within the noise.
+// * More (a decode step of 9 or more rows, a prefill): blocks of kRowBlock rows, 4 pairs by 6
+//   weight rows a tile (many_rows_pairs), in place of the 4 x 6 tiles of 8-lane registers, which
+//   ran each multiply-add instruction at half the work. bench/harness/rowdot_rows.cpp, the bench
+//   model's matmuls, 2026-11-26: 64 rows with the weights from L1, one thread, 41-44 -> 26-29 ms;
+//   from memory on two threads 64 rows 32.7-34.4 -> 25.6-26.5 ms, 16 rows 10.4-11.7 -> 8.4-9.6.
+// xp: the rows packed by pairs (pack_rows), pair p's k-th 8-float chunks at xp + p * 2 * k8 + 2 * k,
+// from a 64-byte boundary (pairs16::aligned64: without it 64 rows from L1 took 31-33 ms).
+constexpr int ZMIN = ROWDOT_ZMM_MIN; // rows from which this path takes them
+static_assert(ZMIN >= 5, "rows_pairs tiles 3 or 4 pairs from 5 rows");
 
 // Pairs of x rows (packed, pack_rows) in 16-lane registers, the weight row in both halves.
 struct Pairs16 {
@@ -239,11 +247,53 @@ inline void pack_rows(const float* x, int64_t ldx, int M, int k8, float* buf) {
                          buf + (int64_t)p * 2 * k8);
 }
 
-inline void few_rows_pairs(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy,
-                           int K, int k8, int n0, int n1, bool add, const float* xp) {
+// Pairs [p0, p0 + P) (rows 2 p0 .. min(M, 2 (p0 + P)) - 1) against weight rows [n, ne), ne - n <= TN.
+template <int P, int TN>
+inline void pair_group(int p0, const float* xp, int M, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                       float* y, int64_t ldy, int K, int k8, int n, int ne, bool add, const float* pf, int pf_rows) {
+  const int r0 = 2 * p0, rows = std::min(M - r0, 2 * P);
+  const float* xg = xp + (int64_t)p0 * 2 * k8;
+  if (ne - n == TN)
+    tile_pairs<P, TN>(xg, rows, x + r0 * ldx, ldx, w + n * ldw, ldw, y + r0 * ldy + n, ldy, K, k8, add, pf, pf_rows);
+  else
+    rest_pairs<P, TN - 1>(ne - n, xg, rows, x + r0 * ldx, ldx, w + n * ldw, ldw, y + r0 * ldy + n, ldy, K, k8, add);
+}
+
+// More than 8 rows: blocks of kRowBlock rows (in L2); in each, the weight rows TN at a time (in
+// L1) against the block's pairs 4 at a time (4 x TN accumulators: 4 + TN loads per 4 TN
+// multiply-adds), the block's first groups prefetching the next TN weight rows.
+template <int TN>
+inline void many_rows_pairs(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy,
+                            int K, int k8, int n0, int n1, bool add, const float* xp) {
+  for (int m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int mb = std::min(kRowBlock, M - m0), pb = (mb + 1) / 2, q0 = m0 / 2;
+    for (int n = n0; n < n1; n += TN) {
+      const int ne = std::min(n1, n + TN);
+      const int pf_rows = std::min(n1, ne + TN) - ne;
+      const float* pf = w + (int64_t)ne * ldw;
+      int p = 0;
+      for (; p + 4 <= pb; p += 4)
+        pair_group<4, TN>(q0 + p, xp, M, x, ldx, w, ldw, y, ldy, K, k8, n, ne, add, pf,
+                          p < 4 * kPrefetchTiles ? pf_rows : 0);
+      switch (pb - p) {
+        case 3: pair_group<3, TN>(q0 + p, xp, M, x, ldx, w, ldw, y, ldy, K, k8, n, ne, add, pf, 0); break;
+        case 2: pair_group<2, TN>(q0 + p, xp, M, x, ldx, w, ldw, y, ldy, K, k8, n, ne, add, pf, 0); break;
+        case 1: pair_group<1, TN>(q0 + p, xp, M, x, ldx, w, ldw, y, ldy, K, k8, n, ne, add, pf, 0); break;
+        default: break;
+      }
+    }
+  }
+}
+
+inline void rows_pairs(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy,
+                       int K, int k8, int n0, int n1, bool add, const float* xp) {
   thread_local std::vector<float> own;
   if (xp == nullptr) // a call of its own: pack here
     xp = pack_pairs(x, ldx, M, K, own);
+  if (M > 8) {
+    many_rows_pairs<6>(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add, xp);
+    return;
+  }
   if (M > 6) // 4 pairs x 6 weight rows: 24 accumulators, 4 + 6 loads per 24 multiply-adds
     strip_pairs<4, 6>(xp, M, x, ldx, w, ldw, y, ldy, K, k8, n0, n1, add);
   else
@@ -263,8 +313,8 @@ void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, flo
     return;
   }
 #ifdef ROWDOT_ZMM
-  if (M >= ZMIN && M <= ZMAX) { // fewer: the MR x NR tiles (as fast: bound by memory)
-    few_rows_pairs(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add, xpairs);
+  if (M >= ZMIN) { // fewer: the MR x NR tiles (as fast: bound by memory)
+    rows_pairs(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add, xpairs);
     return;
   }
 #endif
@@ -299,12 +349,12 @@ void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, flo
 
 #ifdef ROWDOT_ZMM
 const float* pack_pairs(const float* x, int64_t ldx, int M, int K, std::vector<float>& buf) {
-  if (M < ZMIN || M > ZMAX)
+  if (M < ZMIN)
     return nullptr;
   const int k8 = K & ~7;
-  buf.resize((size_t)(M + 1) / 2 * 2 * k8);
-  pack_rows(x, ldx, M, k8, buf.data());
-  return buf.data();
+  float* p = pairs16::aligned64(buf, (size_t)(M + 1) / 2 * 2 * k8);
+  pack_rows(x, ldx, M, k8, p);
+  return p;
 }
 #endif
 
