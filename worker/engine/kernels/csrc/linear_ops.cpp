@@ -239,7 +239,9 @@ void Linear::eval_cpu(
       for (int c0 = 0; c0 < N; c0 += per)
         parts.push_back({g, c0, std::min(N, c0 + per)});
     }
-    std::vector<float> pairs;
+    // Kept by this thread (MLX's stream thread runs one op at a time) from call to call: since
+    // 9 rows and more go in pairs too, a batch-64 call packs ~300 KB, not worth a malloc each time.
+    thread_local std::vector<float> pairs;
     const float* xpairs = pack_for_parts(xp, M, K, pairs);
     if (parts.size() == 1) { // on this thread (a BLAS call keeps the BLAS's own threads)
       run_part(blas, targets[0], xp, xpairs, M, K, parts[0].c0, parts[0].c1);

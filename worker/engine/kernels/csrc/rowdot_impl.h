@@ -172,7 +172,7 @@ inline void row_strip(const float* x, int64_t ldx, const float* w, int64_t ldw, 
 // a load, no shuffle), so each multiply-add instruction does two rows' work.
 // * 2 to 4 rows (memory-bound): the 4 x 6 tiles of 8-lane registers were faster.
 // * 5 to 8 rows (n = 8's forked samples, a handful of jobs): all the pairs against the weight rows,
-//   3 or 4 pairs a tile (few_rows_pairs). It replaced 8 x 3 tiles of 8-lane registers, which at 8
+//   3 or 4 pairs a tile (strip_pairs). It replaced 8 x 3 tiles of 8-lane registers, which at 8
 //   rows needed 33 registers and spilled: the bench model's matmuls on two threads, one process
 //   alternating, 2026-11-26, 8 rows 4.5-4.9 -> 3.4-3.8 ms, 5 to 7 rows within the noise.
 // * More (a decode step of 9 or more rows, a prefill): blocks of kRowBlock rows, 4 pairs by 6
