@@ -418,6 +418,11 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str =
     matmul, matmul_why = resolve_matmul(backend, matmul)
     pool.attention = backend.op
     pool.kv_write = backend.kv_write if backend.fused else None
+    # quantized blocks: the extension's kv_quantize where it gives KVQuant.quantize's MLX ops' bits
+    # (checked once, and only for a quantized pool)
+    pool.kv_quantize = None
+    if backend.name == "fused-cpu" and pool.quant is not None and model_ops.checked_kv_quantize(cpu_extension()):
+        pool.kv_quantize = cpu_extension().kv_quantize
     if backend.fused and backend.model_ops:
         ops = tuple(o for o in backend.model_ops if o != "linear" or matmul == "pool")
         model_ops.install(model, cpu_extension(), ops)

@@ -77,6 +77,31 @@ def check_kv_write(ext) -> None:
         raise ExtensionUnavailable("the extension's KV write differs from MLX's scatter")
 
 
+def check_kv_quantize(ext) -> bool:
+    """The extension's ``kv_quantize`` against ``KVQuant.quantize``'s MLX ops, bit for bit (both
+    widths and every group size, strided rows, a group of one value); False (logged): the pool
+    keeps the MLX ops. Either way the blocks are the same bits."""
+    from ..kv_cache import KVQuant
+
+    rs = mx.random.split(mx.random.key(16), 3)
+    cases = [mx.random.normal((2, 3, 5, 128), key=rs[0]) * 3,
+             mx.random.normal((2, 128, 4, 3), key=rs[1]).transpose(0, 2, 3, 1),  # strided rows
+             (mx.random.normal((1, 2, 7, 128), key=rs[2]) ** 3) * mx.array([0.0] * 64 + [1.0] * 64)]
+    try:
+        for bits in (8, 4):
+            for g in (32, 64, 128):
+                q = KVQuant(bits, g)
+                for x in cases:
+                    got, want = q.quantize(x, mx.float32, ext.kv_quantize), q.quantize(x, mx.float32)
+                    if not all(mx.array_equal(a, b).item() for a, b in zip(got, want)):
+                        raise OpMismatch(f"kv_quantize ({bits} bits, group {g}) is not bit-identical to "
+                                         "KVQuant.quantize's MLX ops")
+    except Exception as e:  # noqa: BLE001 - a mismatch or a broken op: keep the MLX ops
+        log.warning("CPU extension: %s; quantized KV blocks keep the MLX ops", e)
+        return False
+    return True
+
+
 def _check_swiglu(ext) -> None:
     rs = mx.random.split(mx.random.key(12), 2)
     gate = mx.concatenate([mx.random.normal((997,), key=rs[0]) * 30,
@@ -182,6 +207,17 @@ def checked_ops(ext) -> tuple:
                 log.warning("CPU extension: %s; the model keeps MLX's own %s", e, name)
         _checked = tuple(ok)
     return _checked
+
+
+_kv_quantize_ok: Optional[bool] = None
+
+
+def checked_kv_quantize(ext) -> bool:
+    """:func:`check_kv_quantize`, once a process."""
+    global _kv_quantize_ok
+    if _kv_quantize_ok is None:
+        _kv_quantize_ok = check_kv_quantize(ext)
+    return _kv_quantize_ok
 
 
 def describe(ext, ops: tuple) -> str:

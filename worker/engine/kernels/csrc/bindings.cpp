@@ -13,6 +13,7 @@
 #include "linear_ops.h"
 #include "norm_ops.h"
 #include "paged_attention.h"
+#include "quant_ops.h"
 #include "sample_ops.h"
 #include "thread_pool.h"
 
@@ -126,6 +127,18 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "values"_a,
       "slots"_a,
       "[k_pool', v_pool']: keys (B, H, N, D) written at pool rows slots (B*N,).");
+  m.def(
+      "kv_quantize",
+      &mlxq::kv_quantize,
+      "x"_a,
+      "xq"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      "rounds"_a,
+      "[packed, scales, biases]: mx.quantize's groups of x (float32) refit by least squares and "
+      "rounded again `rounds` times, then refit (KVQuant.quantize's MLX ops, bit for bit).");
   m.def("kv_write_copies", &mlxq::kv_write_copies,
         "paged_kv_write evaluations that copied their pool instead of writing in place.");
   m.def("kv_write_waits", &mlxq::kv_write_waits,
