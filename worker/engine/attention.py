@@ -421,8 +421,9 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str =
     # quantized blocks: the extension's kv_quantize where it gives KVQuant.quantize's MLX ops' bits
     # (checked once, and only for a quantized pool)
     pool.kv_quantize = None
-    if backend.name == "fused-cpu" and pool.quant is not None and model_ops.checked_kv_quantize(cpu_extension()):
-        pool.kv_quantize = cpu_extension().kv_quantize
+    if backend.name == "fused-cpu" and pool.quant is not None:
+        ext = cpu_extension()
+        pool.kv_quantize = ext.kv_quantize if model_ops.checked_kv_quantize(ext) else None
     if backend.fused and backend.model_ops:
         ops = tuple(o for o in backend.model_ops if o != "linear" or matmul == "pool")
         model_ops.install(model, cpu_extension(), ops)

@@ -89,12 +89,12 @@ class KVQuant:
         below are ~45 tasks per call.
         """
         g, bits = self.group_size, self.bits
-        top = float((1 << bits) - 1)
         xq, s, b = mx.quantize(x, group_size=g, bits=bits)
         if op is not None:
             f32 = mx.float32
             packed, scale, bias = op(x.astype(f32), xq, s.astype(f32), b.astype(f32), g, bits, REFIT_ROUNDS)
             return packed, scale.astype(dtype), bias.astype(dtype)
+        top = float((1 << bits) - 1)
         q = mx.dequantize(xq, mx.ones_like(s), mx.zeros_like(b), group_size=g, bits=bits, dtype=mx.float32)
         groups = x.shape[:-1] + (x.shape[-1] // g, g)
         xg, q = x.astype(mx.float32).reshape(groups), q.reshape(groups)
