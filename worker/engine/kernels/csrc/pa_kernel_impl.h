@@ -556,14 +556,11 @@ inline __m512 sums8_pairs(__m512 lo, __m512 hi) {
   return _mm512_add_ps(_mm512_permutex2var_ps(lo, i0, hi), _mm512_permutex2var_ps(lo, i1, hi));
 }
 
-// The pair layout of scores and weights: a pair's 8-key chunk c at 16 * c, the first query's 8
-// floats then the second's; query h (0, 1) of the pair reads key j at pair_at(h, j).
-inline int pair_at(int h, int j) {
-  return (j >> 3) * 16 + 8 * h + (j & 7);
-}
-
+// The pair layout of scores: a pair's 8-key chunk c at 16 * c, the first query's 8 floats then
+// the second's. The weights go to a row per query (query i's key j at i * kMaxBlock + j), so that
+// the accumulation's loads of them need no index arithmetic per key.
 // accumulate_tile (no bias) with 16 of each query's outputs a register; p: the weights of
-// qs[0..NQ) in the pair layout, pair i at p + i * 2 * kMaxBlock.
+// qs[0..NQ), query i's at p + i * kMaxBlock.
 template <int NQ, int V>
 inline void accumulate_z(const QRef* qs, int d, const float* corr, const float* p, const F32Rows& v, int j0,
                          int j1) {
@@ -573,11 +570,11 @@ inline void accumulate_z(const QRef* qs, int d, const float* corr, const float* 
     for (int k = 0; k < V; ++k)
       c[i][k] = _mm512_mul_ps(_mm512_loadu_ps(qs[i].acc + d + 16 * k), cv);
   }
-  for (int j = j0; j < j1; ++j) {
+  const float* vr = v.p + (int64_t)j0 * v.ld + d;
+  for (int j = j0; j < j1; ++j, vr += v.ld) {
     __m512 pj[NQ];
     for (int i = 0; i < NQ; ++i)
-      pj[i] = _mm512_set1_ps(p[(i / 2) * 2 * kMaxBlock + pair_at(i % 2, j)]);
-    const float* vr = v.p + (int64_t)j * v.ld + d;
+      pj[i] = _mm512_set1_ps(p[i * kMaxBlock + j]);
     for (int k = 0; k < V; ++k) {
       const __m512 x = _mm512_loadu_ps(vr + 16 * k);
       for (int i = 0; i < NQ; ++i)
@@ -607,7 +604,8 @@ typedef int32_t vzi __attribute__((vector_size(64)));
 
 // attend_tile for NP pairs of queries (qs[0..2 NP), pair i = qs[2i], qs[2i + 1]) that see the
 // same keys of a float block: the same steps, per query the same bits; the scores, their
-// exponentials and sums go a pair at a time (s, p: the pair layout, pair i at i * 2 * kMaxBlock).
+// exponentials and sums go a pair at a time (s: the pair layout, pair i at i * 2 * kMaxBlock; p: a
+// row per query).
 template <int NP>
 inline void attend_pairs(const QRef* qs, const F32Rows& k, const F32Rows& v, int Dk, int Dv, float* s, float* p,
                          PrefetchQueue& pq) {
@@ -635,33 +633,40 @@ inline void attend_pairs(const QRef* qs, const F32Rows& k, const F32Rows& v, int
     }
     pq.issue();
   }
-  float corr[NQ];
+  // Each query's new max and correction, then the exponentials of every pair's scores 8 keys at
+  // a time (the pairs' chains side by side, where a pair's whole row went before the next pair's),
+  // each pair's sums in key order as before. With the weights a row per query (accumulate_z), one
+  // block of 16 queries from L1 (bench/harness/attend_parts.cpp, pinned to a core, 2026-11-27):
+  // 1.45 -> 1.38 us; 8 forked rows over 1064 tokens, 8 layers (attend_fork.cpp, one thread, pinned),
+  // blocks from L1 1.82 -> 1.72 ms, from memory 2.24 -> 2.13 ms; one row unchanged.
+  float corr[NQ], mnew[NQ];
+  __m512 mv[NP], lsum[NP];
   for (int i = 0; i < NP; ++i) {
-    float mnew[2];
     for (int h = 0; h < 2; ++h) {
-      float* m = qs[2 * i + h].m;
+      const float m = *qs[2 * i + h].m;
       const float mblk = hmax((vf)mlxq::pairs16::half(mb[i], h));
-      mnew[h] = *m > mblk ? *m : mblk;
-      corr[2 * i + h] = std::exp(*m - mnew[h]); // 0 when m was -inf
+      mnew[2 * i + h] = m > mblk ? m : mblk;
+      corr[2 * i + h] = std::exp(m - mnew[2 * i + h]); // 0 when m was -inf
     }
-    vz lsum = vz{};
-    const vz mv = {mnew[0], mnew[0], mnew[0], mnew[0], mnew[0], mnew[0], mnew[0], mnew[0],
-                   mnew[1], mnew[1], mnew[1], mnew[1], mnew[1], mnew[1], mnew[1], mnew[1]};
-    const float* si = s + i * 2 * kMaxBlock;
-    float* pi = p + i * 2 * kMaxBlock;
-    for (int j8 = ja; j8 < jb; j8 += 8) {
+    const float a = mnew[2 * i], b = mnew[2 * i + 1];
+    mv[i] = (__m512)vz{a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b};
+    lsum[i] = _mm512_setzero_ps();
+  }
+  for (int j8 = ja; j8 < jb; j8 += 8)
+    for (int i = 0; i < NP; ++i) {
       vz x;
-      std::memcpy(&x, si + (j8 >> 3) * 16, sizeof(x));
-      const vz e = vexp_t<vz, vzi>(x - mv);
-      std::memcpy(pi + (j8 >> 3) * 16, &e, sizeof(e));
-      lsum += e;
+      std::memcpy(&x, s + i * 2 * kMaxBlock + (j8 >> 3) * 16, sizeof(x));
+      const __m512 e = (__m512)vexp_t<vz, vzi>(x - (vz)mv[i]);
+      _mm256_storeu_ps(p + 2 * i * kMaxBlock + j8, mlxq::pairs16::half(e, 0));
+      _mm256_storeu_ps(p + (2 * i + 1) * kMaxBlock + j8, mlxq::pairs16::half(e, 1));
+      lsum[i] = _mm512_add_ps(lsum[i], e);
     }
+  for (int i = 0; i < NP; ++i)
     for (int h = 0; h < 2; ++h) {
       float* l = qs[2 * i + h].l;
-      *l = *l * corr[2 * i + h] + hsum((vf)mlxq::pairs16::half((__m512)lsum, h));
-      *qs[2 * i + h].m = mnew[h];
+      *l = *l * corr[2 * i + h] + hsum((vf)mlxq::pairs16::half(lsum[i], h));
+      *qs[2 * i + h].m = mnew[2 * i + h];
     }
-  }
   int i = 0;
   for (; i + 4 <= NQ; i += 4)
     accumulate_span_z<4>(qs + i, Dv, corr + i, p + i * kMaxBlock, v, jl, jh, pq);
