@@ -3,13 +3,19 @@
 //
 //   g++ -O3 -std=c++20 -mavx2 -mfma -mavx512f -mavx512vl -pthread -o /tmp/attend_fork bench/harness/attend_fork.cpp
 //   /tmp/attend_fork 8 1064 0    # R rows, context, mode: 0 AVX-512 (one thread), 1 AVX2 (one thread),
-//                                # 2 compare the two builds' bits, 3 AVX-512 on two threads in parts
+//                                # 2 compare the two builds' bits, 3 AVX-512 on two threads in parts,
+//                                # 4 AVX-512 (one thread) with every block read from one pool block
+//                                # (its K and V in L1: the arithmetic alone)
 //   /tmp/attend_fork 3 77 2 5    # a 4th argument: N queried tokens a row (a prefill chunk)
 //
 // An fp32 pool as the engine's (per layer a K and a V array of (4 heads, slots, 64)), 8 layers, 8
 // query heads; all R rows read the same blocks (lengths ctx, ctx - 1, ctx - 2, ...), one task of R
 // members per head (mode 3: per head and part of 16 blocks, the tasks dealt to two threads, as the
-// op's plan splits long rows). Best of 30 passes. Needs AVX-512VL.
+// op's plan splits long rows). Best of 30 passes. Needs AVX-512VL. On a shared VM, pin the one-thread
+// modes to a core (taskset -c 1 /tmp/attend_fork ...): unpinned, the same binary's best of 30 moved
+// between 1.7 and 2.9 ms from one run to the next (8 rows, mode 4, 2026-11-27), pinned by 2% while
+// the other tenants were quiet (bench/harness/fma_rate.cpp at its usual ~5.4 G a second; at 4.1 G
+// the pinned runs moved as much as the unpinned ones).
 #include "../../worker/engine/kernels/csrc/pa_kernel_avx512.cpp" // the two builds' loops, as compiled
 #undef PA_NS
 #undef PA_TQ
@@ -39,7 +45,7 @@ int main(int argc, char** argv) {
   std::vector<int32_t> tables(R * nb), qoff(R), kvl(R);
   for (int b = 0; b < R; ++b) {
     for (int t = 0; t < nb; ++t)
-      tables[b * nb + t] = t;
+      tables[b * nb + t] = mode == 4 ? 0 : t;
     kvl[b] = ctx - (b % 3);
     qoff[b] = kvl[b] - N;
   }
@@ -90,11 +96,14 @@ int main(int argc, char** argv) {
       run(avx512::attend, st, 0, 2);
       t1.join();
     } else {
-      run(mode == 0 ? avx512::attend : avx2::attend, st, 0, 1);
+      run(mode == 1 ? avx2::attend : avx512::attend, st, 0, 1);
     }
     best = std::min(best, now() - t0);
   }
   printf("R=%d ctx=%d N=%d %s: %.3f ms\n", R, ctx, N,
-         mode == 0 ? "avx512, one thread" : mode == 1 ? "avx2, one thread" : "avx512, two threads in parts",
+         mode == 0   ? "avx512, one thread"
+         : mode == 1 ? "avx2, one thread"
+         : mode == 4 ? "avx512, one thread, blocks from L1"
+                     : "avx512, two threads in parts",
          best * 1e3);
 }
