@@ -818,6 +818,38 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
         group_sums(rows[r].q + (int64_t)i * Dk, Dk, a.group, qsums.data() + ((int64_t)r * GN + i) * ngk);
     affine.resize((size_t)2 * (ngk + ngv) * kMaxBlock);
   }
+  // Each member's queries as a block's list holds them (its tokens in order, each token's G heads
+  // together), once per task: what no block changes (the rows' pointers), and per token the keys
+  // it may see in the row's positions (causal, length, window); a block sets jl and jh. (Built at
+  // every block, the list was ~60% of this function's own time, which was ~14% of the attention's
+  // with the blocks in L1. bench/harness/attend_fork.cpp mode 4, pinned, 2026-11-27: 8 forked rows
+  // over 1064 tokens 1.80 -> 1.72 ms, one row 0.61 -> 0.59 ms.)
+  thread_local std::vector<QRef> qtmpl;
+  thread_local std::vector<int64_t> qspan; // per member and token: [lowest key, one past the last)
+  qtmpl.resize((size_t)nrows * GN);
+  qspan.resize((size_t)nrows * N * 2);
+  for (int r = 0; r < nrows; ++r) {
+    const Member& mr = rows[r];
+    const int64_t off = a.q_off[mr.b];
+    const int64_t kvl = a.kv_len[mr.b];
+    for (int n = 0; n < N; ++n) {
+      const int64_t pos = off + n;
+      qspan[((size_t)r * N + n) * 2] = a.window > 0 ? pos - a.window + 1 : 0;
+      qspan[((size_t)r * N + n) * 2 + 1] = pos + 1 < kvl ? pos + 1 : kvl;
+      for (int g = 0; g < G; ++g) {
+        const int i = g * N + n;
+        const float* qsum = a.bits ? qsums.data() + ((int64_t)r * GN + i) * ngk : nullptr;
+        const float* q2 =
+            pairs && g % 2 == 0 && g + 1 < G ? qpairs.data() + ((int64_t)(r * N + n) * G + g) * Dk : nullptr;
+        qtmpl[(size_t)r * GN + (size_t)n * G + g] = {mr.q + (int64_t)i * Dk, mr.m + i, mr.l + i,
+                                                      mr.acc + (int64_t)i * Dv, 0, 0, qsum, q2};
+      }
+    }
+  }
+  // the thread_local arrays' addresses, looked up once (not at every block)
+  QRef* const qs0 = qs.data();
+  const QRef* const tmpl0 = qtmpl.data();
+  const int64_t* const span0 = qspan.data();
   auto block_affine = [&](int64_t row0, int c0, int c1) {
     BlockAffine af{nullptr, nullptr, nullptr, nullptr, kMaxBlock, a.group, ngk, ngv};
     if (a.pool_type == PoolType::f32 && ngk == 1 && ngv == 1) {
@@ -932,34 +964,29 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
         if (blk_of[u] != blk)
           continue;
         blk_of[u] = -1; // done at t
-        const Member& mr = rows[u];
-        const int64_t off = a.q_off[mr.b];
-        const int64_t kvl = a.kv_len[mr.b];
-        for (int n = 0; n < N; ++n) {
-          const int64_t pos = off + n;
-          const int64_t qh = pos + 1 < kvl ? pos + 1 : kvl;
-          const int64_t ql = a.window > 0 ? pos - a.window + 1 : 0;
-          const int jl = (int)((ql - start) > j0_of[u] ? (ql - start) : j0_of[u]);
-          const int jh = (int)((qh - start) < j1_of[u] ? (qh - start) : j1_of[u]);
+        const int64_t* span = span0 + (size_t)u * N * 2;
+        const QRef* tq = tmpl0 + (size_t)u * GN;
+        for (int n = 0; n < N; ++n, span += 2, tq += G) {
+          const int jl = (int)((span[0] - start) > j0_of[u] ? (span[0] - start) : j0_of[u]);
+          const int jh = (int)((span[1] - start) < j1_of[u] ? (span[1] - start) : j1_of[u]);
           if (jh <= jl)
             continue;
           for (int g = 0; g < G; ++g) {
-            const int i = g * N + n;
-            const float* qsum = a.bits ? qsums.data() + ((int64_t)u * GN + i) * ngk : nullptr;
-            const float* q2 =
-                pairs && g % 2 == 0 && g + 1 < G ? qpairs.data() + ((int64_t)(u * N + n) * G + g) * Dk : nullptr;
-            qs[nq++] = {mr.q + (int64_t)i * Dk, mr.m + i, mr.l + i, mr.acc + (int64_t)i * Dv, jl, jh, qsum, q2};
+            QRef& x = qs0[nq++];
+            x = tq[g];
+            x.jl = jl;
+            x.jh = jh;
           }
         }
       }
       pq.pace(pace_for(nq, c1 - c0, Dv, (int)((int64_t)BS * (krow + vrow) / 64), pairs));
       if (a.pool_type == PoolType::f32 && !a.bits) {
-        attend_queries(qs.data(), nq, F32Rows{(const float*)kb_raw, Dk}, F32Rows{(const float*)vb_raw, Dv}, nullptr,
+        attend_queries(qs0, nq, F32Rows{(const float*)kb_raw, Dk}, F32Rows{(const float*)vb_raw, Dv}, nullptr,
                        Dk, Dv, s, p, pq);
       } else if (!a.bits) {
         convert_rows(a.pool_type, (const uint16_t*)kb_raw, kconv, Dk, c0, c1);
         convert_rows(a.pool_type, (const uint16_t*)vb_raw, vconv, Dv, c0, c1);
-        attend_queries(qs.data(), nq, F32Rows{kconv, Dk}, F32Rows{vconv, Dv}, nullptr, Dk, Dv, s, p, pq);
+        attend_queries(qs0, nq, F32Rows{kconv, Dk}, F32Rows{vconv, Dv}, nullptr, Dk, Dv, s, p, pq);
       } else {
         const BlockAffine af = block_affine((int64_t)hk * S + (int64_t)blk * BS, c0, c1);
         // Several tiles: the integers once, as floats (the same bits as from the packed rows).
@@ -967,9 +994,9 @@ int attend(const Args& a, int hk, const Member* rows, int nrows, float* scratch,
           if (nq > TQ) {
             unpack_rows(k, kconv, Dk, c0, c1);
             unpack_rows(v, vconv, Dv, c0, c1);
-            attend_queries(qs.data(), nq, F32Rows{kconv, Dk}, F32Rows{vconv, Dv}, &af, Dk, Dv, s, p, pq);
+            attend_queries(qs0, nq, F32Rows{kconv, Dk}, F32Rows{vconv, Dv}, &af, Dk, Dv, s, p, pq);
           } else {
-            attend_queries(qs.data(), nq, k, v, &af, Dk, Dv, s, p, pq);
+            attend_queries(qs0, nq, k, v, &af, Dk, Dv, s, p, pq);
           }
         };
         if (a.bits == 8)
