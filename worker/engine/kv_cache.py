@@ -109,7 +109,7 @@ class KVQuant:
             bias = mean_x - scale * mean_q
             if r < REFIT_ROUNDS:
                 q = mx.clip(mx.round((xg - bias) / scale), 0.0, top)
-        packed = _pack(q.reshape(x.shape).astype(mx.uint32), bits) if REFIT_ROUNDS else xq
+        packed = _pack(q.reshape(x.shape).astype(mx.uint32), bits)
         return packed, scale[..., 0].astype(dtype), bias[..., 0].astype(dtype)
 
     def row_bytes(self, dim: int, itemsize: int) -> int:
