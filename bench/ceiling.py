@@ -18,6 +18,13 @@ Two ceilings, measured in the same process as the engine:
   is fastest)
   over the weights' bytes bounds solo tokens/s.
 
+At batch > 1 a second line sets the engine against **the matmul ceiling plus the step's K/V
+reads**: the time of the weight matmuls alone, plus every running row's keys and values (what the
+attention must read once a step, at the rows' mean length over the engine's best window) at the
+best read bandwidth probed. It is not the issue's figure; it says how much of the distance to the
+matmul ceiling is bytes no schedule can skip (the default pool is fp32), and how much is left to
+everything else (the serial ops, the host thread, the pool's waits).
+
 Against them: the engine's steady decode (``PagedEngine.step`` in this process, rows already
 decoding, every token read back by the host as the worker reads it), with the pool's weight
 matmuls (``matmul=pool``, what the default ``auto`` picks on x86-64 with AVX2+FMA) and MLX's own
@@ -28,9 +35,9 @@ enough that prefill is a small part.
 The matmul ceilings and the engines are measured in interleaved windows of ``--steps`` steps
 (``--windows`` rounds, each a window of every one of them in turn), and each figure is its best
 window: the same number of chances at the same length, so a quiet or noisy spell of a shared
-machine does not favour one side. The bandwidth ceiling is probed once at the start and again in
-every window round of batch 1, and the solo figure is set against the best probe (a single probe
-at the start read a slow spell once and put solo at 131% of it).
+machine does not favour one side. The read bandwidth is probed once at the start and again in
+every window round, and the solo figure (and the K/V reads) are set against the best probe (a
+single probe at the start read a slow spell once and put solo at 131% of it).
 
 ``--kv-bits 8`` (or 4): the engines store their KV blocks quantized, as ``--kv-bits`` does in the
 worker; the ceilings are the same weight matmuls. At batch 64 the attention reads each row's own
@@ -179,12 +186,22 @@ class Decoder:
         for _ in range(5):
             self.eng.step()
 
-    def window(self, steps: int) -> float:
-        """tokens/s over the next ``steps`` steps."""
+    def window(self, steps: int) -> tuple[float, float]:
+        """tokens/s over the next ``steps`` steps, and the K/V bytes a step of them reads: every row's
+        keys and values so far, at the rows' mean length over the window (the pool's bytes per token:
+        fp32, or the quantized rows with their scales and biases)."""
+        ctx0 = self._context()
         n, t0 = 0, time.perf_counter()
         for _ in range(steps):
             n += len(self.eng.step()[0])
-        return n / (time.perf_counter() - t0)
+        tps = n / (time.perf_counter() - t0)
+        pool = self.eng.pool
+        per_token = pool.shape.bytes_per_block(pool.block_size, quant=pool.quant) / pool.block_size
+        return tps, (ctx0 + self._context()) / 2 * per_token
+
+    def _context(self) -> int:
+        """Tokens in the pool over every running row (what a decode step's attention reads)."""
+        return sum(s.num_computed for s in self.eng.scheduler.running.values())
 
     def close(self) -> None:
         self.eng.remove([f"s{i}" for i in range(self.batch)])
@@ -198,17 +215,22 @@ def measure(models: dict, groups, batch: int, prompt_len: int, steps: int, windo
     same length, interleaved, so a quiet or a noisy spell of this machine falls on all of them.
     models: a loaded model per engine (an engine installs its matmuls into its model's layers);
     kv_bits: the engines' KV blocks (None: the model's float dtype, the default); bw_probe: a read
-    bandwidth probe (bytes/s) to run in every round too, its best as "bw"."""
+    bandwidth probe (bytes/s) to run in every round too, its best as "bw". "kv": the K/V bytes a
+    decode step of the pool engine's best window read."""
     decoders = {k: Decoder(models[k], batch, prompt_len, steps * windows, matmul=k, kv_bits=kv_bits)
                 for k in ("pool", "mlx")}
-    best = dict.fromkeys(("mm", "lin", "pool", "mlx", "bw"), 0.0)
+    best = dict.fromkeys(("mm", "lin", "pool", "mlx", "bw", "kv"), 0.0)
     for _ in range(windows):
         if bw_probe is not None:
             best["bw"] = max(best["bw"], bw_probe())
         best["mm"] = max(best["mm"], matmul_ceiling(groups, batch, rounds=1, reps=steps))
         best["lin"] = max(best["lin"], linear_ceiling(groups, batch, rounds=1, reps=steps))
         for k, dec in decoders.items():
-            best[k] = max(best[k], dec.window(steps))
+            tps, kv = dec.window(steps)
+            if tps > best[k]:
+                best[k] = tps
+                if k == "pool":
+                    best["kv"] = kv  # the K/V bytes a step of the engine's best window read
     for dec in decoders.values():
         dec.close()
     return best
@@ -284,8 +306,8 @@ def main() -> int:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s -> solo ceiling {bw / wbytes:.0f} tok/s")
     print(f"{'batch':>5} {'ceiling':>9} {'engine':>8} {'share':>6}   engine with matmul=mlx")
     for b in (int(x) for x in args.batch.split(",")):
-        probe = (lambda: bandwidth(4 * wbytes)) if b == 1 else None
-        got = measure(models, groups, b, args.prompt_len, args.steps, args.windows, args.kv_bits, probe)
+        got = measure(models, groups, b, args.prompt_len, args.steps, args.windows, args.kv_bits,
+                      lambda: bandwidth(4 * wbytes))
         mm, lin, eng, eng_mlx = got["mm"], got["lin"], got["pool"], got["mlx"]
         best_bw = max(bw, got["bw"])
         ceiling, what = ((best_bw / wbytes, f"bandwidth ceiling ({best_bw / 1e9:.1f} GB/s, best of "
@@ -293,6 +315,10 @@ def main() -> int:
         line = (f"{b:>5} {ceiling:>9.0f} {eng:>8.0f} {eng / ceiling:>6.0%}   {eng_mlx:.0f} ({eng_mlx / ceiling:.0%})"
                 f"   [{what}; matmuls alone: MLX {mm:.0f}, pool {lin:.0f}]")
         print(line, flush=True)
+        if b > 1:  # what the attention cannot avoid on top: reading every row's K and V once
+            floor = b / (b / ceiling + got["kv"] / best_bw)
+            print(f"{'':>5} {floor:>9.0f} {eng:>8.0f} {eng / floor:>6.0%}   [matmul ceiling + the step's K/V reads "
+                  f"({got['kv'] / 2**20:.0f} MiB a step) at {best_bw / 1e9:.1f} GB/s]", flush=True)
         if e2e is not None:
             got = e2e.run(b, args.e2e_tokens if b > 1 else args.e2e_tokens // 2, args.rounds)
             print("      end to end: " + ", ".join(f"{mode} {tps:.0f} tok/s = {tps / ceiling:.0%}"
