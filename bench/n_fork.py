@@ -7,7 +7,8 @@ fork off sample 0 (one prefill of the prompt, shared blocks), and n independent 
 prefills the prompt), best of ``--rounds``; the issue's figure is forked n / n = 1 (<= 1.3x).
 Then the ratio's anatomy from the same best rounds: each job's time to its first token (the
 prefill, shared by the n samples) and its mean decode step after it, and the decode step that
-forked n would need for 1.3x. ``fork_timings`` is the same measurement for other scripts.
+forked n would need for 1.3x, and the weight matmuls alone at one row and at n (what part of the
+step's extra cost they are). ``fork_timings`` is the same measurement for other scripts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 from profile_step import bench_model_dir  # noqa: E402  (sets up the fast BLAS before mlx)
 
+from ceiling import linear_ceiling, weights  # noqa: E402
 from mlxq.shared.settings import Settings  # noqa: E402
 from mlxq.worker.engine.engine import make_engine  # noqa: E402
 from mlxq.worker.engine_api import SeqSpec  # noqa: E402
@@ -77,8 +79,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    t = fork_timings(load_model(args.model or bench_model_dir()), args.n, args.prompt_len,
-                     args.max_tokens, args.rounds)
+    loaded = load_model(args.model or bench_model_dir())
+    t = fork_timings(loaded, args.n, args.prompt_len, args.max_tokens, args.rounds)
     print(f"{args.prompt_len}-token prompt, max_tokens {args.max_tokens}, best of {args.rounds}:")
     print(f"  n=1                   {t['n1']:.3f} s")
     print(f"  n={args.n} forked (one prefill) {t['forked']:.3f} s  = {t['forked'] / t['n1']:.2f}x n=1"
@@ -92,6 +94,13 @@ def main() -> int:
     print(f"  to the first token: n=1 {t['n1_first']:.3f} s, forked {t['forked_first']:.3f} s; then a decode step: "
           f"n=1 {step1 * 1e3:.2f} ms, forked {stepn * 1e3:.2f} ms = {stepn / step1:.2f}x "
           f"(1.3x n=1 would need <= {budget * 1e3:.2f} ms)")
+    # Of that step, the weight matmuls alone (the extension's linear, as the engine groups them; 0 where
+    # it does not run): one row is bound by reading the weights, n rows add their multiply-adds.
+    groups = weights(loaded.model)
+    mm1, mmn = (k / tps if (tps := linear_ceiling(groups, k)) else 0.0 for k in (1, args.n))
+    if mm1:
+        print(f"  the weight matmuls alone (best of 5): 1 row {mm1 * 1e3:.2f} ms, {args.n} rows {mmn * 1e3:.2f} ms "
+              f"(+{(mmn - mm1) * 1e3:.2f} ms of the step's +{(stepn - step1) * 1e3:.2f} ms)")
     return 0
 
 
