@@ -35,7 +35,9 @@ enough that prefill is a small part.
 The matmul ceilings and the engines are measured in interleaved windows of ``--steps`` steps
 (``--windows`` rounds, each a window of every one of them in turn), and each figure is its best
 window: the same number of chances at the same length, so a quiet or noisy spell of a shared
-machine does not favour one side. The read bandwidth is probed once at the start and again in
+machine does not favour one side. An engine's every window is the same work: its rows start again
+from their ``--prompt-len``-token prompts (contexts prompt + 5 to prompt + 5 + ``--steps``), and
+the K/V line prints the bytes a step read. The read bandwidth is probed once at the start and again in
 every window round, and the solo figure (and the K/V reads) are set against the best probe (a
 single probe at the start read a slow spell once and put solo at 131% of it).
 
@@ -169,42 +171,59 @@ def bandwidth(nbytes: int) -> float:
 
 
 class Decoder:
-    """The engine's steady decode with ``batch`` rows (in process, no Redis), ready for windows of
-    steps: rows already decoding, every token read back by the host as the worker reads it."""
+    """The engine's steady decode with ``batch`` rows (in process, no Redis), in windows of steps:
+    every window the same rows from the same point (``prompt_len``-token prompts, re-added, then a
+    few steps until every row decodes), so that each window does the same work. (Rows that kept
+    decoding across windows made each window's attention longer than the last one's, and the best
+    window was mostly the first: once a later one, at twice the K/V bytes a step.) Every token is
+    read back by the host as the worker reads it."""
 
-    def __init__(self, loaded, batch: int, prompt_len: int, tokens: int, matmul: str = "pool",
+    WARM_STEPS = 5
+
+    def __init__(self, loaded, batch: int, prompt_len: int, steps: int, matmul: str = "pool",
                  kv_bits: int | None = None):
         vocab = loaded.model.args.vocab_size
         rng = random.Random(0)
-        self.batch = batch
+        self.batch, self.steps = batch, steps
         self.eng = make_engine(loaded, Settings.from_env(max_batch=max(batch, 1), matmul=matmul, kv_bits=kv_bits))
-        self.eng.add([SeqSpec(f"s{i}", [rng.randrange(10, vocab - 1) for _ in range(prompt_len)], tokens + 50,
-                              stop_token_ids=()) for i in range(batch)])
-        while self.eng.stats()["running"] < batch or any(
+        self.prompts = [[rng.randrange(10, vocab - 1) for _ in range(prompt_len)] for _ in range(batch)]
+        self.round = 0
+
+    def _start(self) -> list[str]:
+        """Add the rows (a new round of uids: the prompts' full blocks are prefix-cache hits) and step
+        until every row decodes; their uids."""
+        uids = [f"r{self.round}s{i}" for i in range(self.batch)]
+        self.round += 1
+        self.eng.add([SeqSpec(uid, p, self.steps + self.WARM_STEPS + 10, stop_token_ids=())
+                      for uid, p in zip(uids, self.prompts)])
+        while self.eng.stats()["running"] < self.batch or any(
                 s.status.value != "decode" for s in self.eng.scheduler.running.values()):
             self.eng.step()
-        for _ in range(5):
+        for _ in range(self.WARM_STEPS):
             self.eng.step()
+        return uids
 
-    def window(self, steps: int) -> tuple[float, float]:
-        """tokens/s over the next ``steps`` steps, and the K/V bytes a step of them reads: every row's
-        keys and values so far, at the rows' mean length over the window (the pool's bytes per token:
-        fp32, or the quantized rows with their scales and biases)."""
+    def window(self) -> tuple[float, float]:
+        """tokens/s over ``steps`` steps of the rows, and the K/V bytes a step of them reads: every
+        row's keys and values so far, at the rows' mean length over the window (the pool's bytes per
+        token: fp32, or the quantized rows with their scales and biases)."""
+        uids = self._start()
         ctx0 = self._context()
         n, t0 = 0, time.perf_counter()
-        for _ in range(steps):
+        for _ in range(self.steps):
             n += len(self.eng.step()[0])
         tps = n / (time.perf_counter() - t0)
+        ctx1 = self._context()
+        self.eng.remove(uids)
+        while self.eng.has_work():
+            self.eng.step()
         pool = self.eng.pool
         per_token = pool.shape.bytes_per_block(pool.block_size, quant=pool.quant) / pool.block_size
-        return tps, (ctx0 + self._context()) / 2 * per_token
+        return tps, (ctx0 + ctx1) / 2 * per_token
 
     def _context(self) -> int:
         """Tokens in the pool over every running row (what a decode step's attention reads)."""
         return sum(s.num_computed for s in self.eng.scheduler.running.values())
-
-    def close(self) -> None:
-        self.eng.remove([f"s{i}" for i in range(self.batch)])
 
 
 def measure(models: dict, groups, batch: int, prompt_len: int, steps: int, windows: int,
@@ -217,7 +236,7 @@ def measure(models: dict, groups, batch: int, prompt_len: int, steps: int, windo
     kv_bits: the engines' KV blocks (None: the model's float dtype, the default); bw_probe: a read
     bandwidth probe (bytes/s) to run in every round too, its best as "bw". "kv": the K/V bytes a
     decode step of the pool engine's best window read."""
-    decoders = {k: Decoder(models[k], batch, prompt_len, steps * windows, matmul=k, kv_bits=kv_bits)
+    decoders = {k: Decoder(models[k], batch, prompt_len, steps, matmul=k, kv_bits=kv_bits)
                 for k in ("pool", "mlx")}
     best = dict.fromkeys(("mm", "lin", "pool", "mlx", "bw", "kv"), 0.0)
     for _ in range(windows):
@@ -226,13 +245,11 @@ def measure(models: dict, groups, batch: int, prompt_len: int, steps: int, windo
         best["mm"] = max(best["mm"], matmul_ceiling(groups, batch, rounds=1, reps=steps))
         best["lin"] = max(best["lin"], linear_ceiling(groups, batch, rounds=1, reps=steps))
         for k, dec in decoders.items():
-            tps, kv = dec.window(steps)
+            tps, kv = dec.window()
             if tps > best[k]:
                 best[k] = tps
                 if k == "pool":
                     best["kv"] = kv  # the K/V bytes a step of the engine's best window read
-    for dec in decoders.values():
-        dec.close()
     return best
 
 
