@@ -105,6 +105,11 @@ def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
         s = shares(ceil, batch)
         add("ceiling", what, [f"{e} of {c} tok/s: {p}%" for c, e, p in s], f">= {bound}%" if bound else "",
             [p >= bound for *_, p in s] if bound else None)
+    # not the issue's figure: how much of the rest is the K/V bytes (the line under batch 64's)
+    kvr = find(ceil, r"^\s+64\s+\d+\s+\d+\s+\d+%.*\n\s+(\d+)\s+(\d+)\s+(\d+)%\s+"
+                     r"\[matmul ceiling \+ the step's K/V reads \((\d+) MiB a step\) at ([\d.]+) GB/s")
+    add("ceiling", "batch 64 vs the matmul ceiling plus the step's K/V reads at the probed bandwidth",
+        [f"{m[2]} of {m[1]} tok/s: {m[3]}% ({m[4]} MiB a step at {m[5]} GB/s)" for m in kvr], "(not the figure)")
     s = shares(benches["ceiling-kv8"].output(), 64)  # not the issue's figure: what the KV bytes cost
     add("ceiling-kv8", "batch 64 vs the matmul ceiling, 8-bit KV blocks (opt-in --kv-bits 8)",
         [f"{e} of {c} tok/s: {p}%" for c, e, p in s], "(the default is fp32: the row above)")
@@ -133,6 +138,12 @@ def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
     ms = find(benches["n_fork"].output(), r"^\s+n=8 forked.*?([\d.]+) s\s+=\s+([\d.]+)x n=1")
     add("n_fork", "n=8 vs n=1 in process (n_fork.py)", [f"{m[1]} s: {m[2]}x" for m in ms], "<= 1.3x",
         [float(m[2]) <= 1.3 for m in ms])
+    ms = find(benches["n_fork"].output(), r"then a decode step: n=1 ([\d.]+) ms, forked ([\d.]+) ms = ([\d.]+)x "
+              r"\(1.3x n=1 would need <= ([\d.]+) ms\)\n.*?1 row ([\d.]+) ms, 8 rows ([\d.]+) ms.*\n"
+              r".*?n=1 ([\d.]+) ms, forked ([\d.]+) ms")
+    add("n_fork", "its decode step, n=8 forked vs n=1; of it, the weight matmuls and the attention alone (n_fork.py)",
+        [f"{m[2]} vs {m[1]} ms: {m[3]}x (1.3x needs <= {m[4]}); matmuls {m[6]} vs {m[5]}, attention {m[8]} vs {m[7]}"
+         for m in ms], "(not the figure)")
     return out
 
 

@@ -7,8 +7,8 @@ fork off sample 0 (one prefill of the prompt, shared blocks), and n independent 
 prefills the prompt), best of ``--rounds``; the issue's figure is forked n / n = 1 (<= 1.3x).
 Then the ratio's anatomy from the same best rounds: each job's time to its first token (the
 prefill, shared by the n samples) and its mean decode step after it, and the decode step that
-forked n would need for 1.3x, and the weight matmuls alone at one row and at n (what part of the
-step's extra cost they are). ``fork_timings`` is the same measurement for other scripts.
+forked n would need for 1.3x, and the weight matmuls and the attention alone at one row and at n
+forked rows (what part of the step's extra cost each is). ``fork_timings`` is the same measurement for other scripts.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 
 from profile_step import bench_model_dir  # noqa: E402  (sets up the fast BLAS before mlx)
 
+import mlx.core as mx  # noqa: E402
 from ceiling import linear_ceiling, weights  # noqa: E402
 from mlxq.shared.settings import Settings  # noqa: E402
 from mlxq.worker.engine.engine import make_engine  # noqa: E402
@@ -47,11 +48,50 @@ def time_job(engine, specs: list[SeqSpec]) -> tuple[float, float]:
     return time.perf_counter() - t0, first or 0.0
 
 
+def attention_alone(engine, specs: list[SeqSpec], steps: int = 20, reps: int = 40) -> float:
+    """Median seconds of one decode step's attention calls (every layer's), run again on their own:
+    the job decodes ``steps`` steps, the next step's calls are recorded with their inputs (the pool
+    arrays, tables, lengths), timed, and the job is removed."""
+    engine.add(specs)
+    for _ in range(steps):
+        engine.step()
+    pool = engine.pool
+    op, calls = pool.attention, []
+
+    def record(*a, **kw):
+        calls.append((a, kw))
+        return op(*a, **kw)
+
+    pool.attention = record
+    try:
+        engine.step()
+    finally:
+        pool.attention = op
+    layers = len(pool.shape.layers)
+    calls = calls[-layers:]
+
+    def once():
+        mx.eval([op(*a, **kw) for a, kw in calls])
+
+    once()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        once()
+        ts.append(time.perf_counter() - t0)
+    del calls  # the pool arrays again written in place
+    engine.remove([s.uid for s in specs])
+    while engine.has_work():
+        engine.step()
+    return sorted(ts)[reps // 2]
+
+
 def fork_timings(loaded, n: int = 8, prompt_len: int = 1000, max_tokens: int = 128, rounds: int = 3,
                  settings: Settings | None = None) -> dict:
     """Best-of-rounds seconds for "n1", "forked" (n samples, one prefill) and "copies" (n unforked),
     each round on fresh prompts (no prefix-cache hits), after one warm-up job; "<kind>_first": the
-    seconds to the first token in that best round."""
+    seconds to the first token in that best round; "n1_attention", "forked_attention": a decode
+    step's attention alone (attention_alone), once each at the end."""
     engine = make_engine(loaded, settings or Settings.from_env(max_batch=n))
     vocab = loaded.model.args.vocab_size
     rng = random.Random(0)
@@ -68,6 +108,8 @@ def fork_timings(loaded, n: int = 8, prompt_len: int = 1000, max_tokens: int = 1
             if total < best[kind]:
                 best[kind], best[kind + "_first"] = total, first
     best["fork_shared_tokens"] = engine.stats()["fork_shared_tokens"]
+    for kind, k, fork in (("n1", 1, False), ("forked", n, True)):
+        best[kind + "_attention"] = attention_alone(engine, job_specs(f"{kind}-attn", prompt(), k, max_tokens, fork))
     return best
 
 
@@ -101,6 +143,9 @@ def main() -> int:
     if mm1:
         print(f"  the weight matmuls alone (best of 5): 1 row {mm1 * 1e3:.2f} ms, {args.n} rows {mmn * 1e3:.2f} ms "
               f"(+{(mmn - mm1) * 1e3:.2f} ms of the step's +{(stepn - step1) * 1e3:.2f} ms)")
+    a1, an = t["n1_attention"], t["forked_attention"]
+    print(f"  a decode step's attention alone (every layer, median of 40): n=1 {a1 * 1e3:.2f} ms, forked "
+          f"{an * 1e3:.2f} ms (+{(an - a1) * 1e3:.2f} ms)")
     return 0
 
 
