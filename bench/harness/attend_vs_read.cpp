@@ -52,6 +52,19 @@ int main(int argc, char** argv) {
       Args a{}; a.k = K[l]; a.v = V[l]; a.tables = tables.data(); a.q_off = qoff.data(); a.kv_len = kvl.data();
       a.pool_type = PoolType::f32; a.B = B; a.Hq = Hq; a.Hkv = H; a.N = 1; a.Dk = D; a.Dv = D; a.nb = nb;
       a.num_blocks = NBLK; a.block_size = BS; a.window = 0;
+      // The read modes: sum task i's K and V rows (head i / B, row i % B), block by block.
+      auto read_task = [&](int i, vf& a0, vf& a1) {
+        const int rows_last = ((ctx - (nb - 1) * BS) + 7) & ~7;
+        for (int t = 0; t < nb; ++t) {
+          const int rows = t == nb - 1 ? rows_last : BS;
+          const size_t off = ((size_t)(i / B) * NBLK * BS + (size_t)((i % B) * nb + t) * BS) * D;
+          for (const float* src : {K[l] + off, V[l] + off})
+            for (int e = 0; e < rows * D; e += 16) {
+              a0 += load(src + e);
+              a1 += load(src + e + 8);
+            }
+        }
+      };
       if (mode == 2) {
         auto work = [&](int part) {
           std::vector<float> scr(BS * 2 * D);
@@ -79,31 +92,18 @@ int main(int argc, char** argv) {
         float sinks[2] = {0, 0};
         auto work = [&](int part) {
           vf a0 = splat(0), a1 = splat(0);
-          const int rows_last = ((ctx - (nb - 1) * BS) + 7) & ~7, n = H * B, C = 5;
+          const int n = H * B, C = 5;
           for (int c0 = part * C; c0 < n; c0 += 2 * C)
             for (int i = c0; i < std::min(n, c0 + C); ++i)
-              for (int t = 0; t < nb; ++t) {
-                const int rows = t == nb - 1 ? rows_last : BS;
-                const size_t off = ((size_t)(i / B) * NBLK * BS + (size_t)((i % B) * nb + t) * BS) * D;
-                for (const float* src : {K[l] + off, V[l] + off})
-                  for (int e = 0; e < rows * D; e += 16) {
-                    a0 += load(src + e);
-                    a1 += load(src + e + 8);
-                  }
-              }
+              read_task(i, a0, a1);
           sinks[part] = hsum(a0 + a1);
         };
         std::thread th(work, 1); work(0); th.join();
         sink += sinks[0] + sinks[1];
       } else {
         vf a0 = splat(0), a1 = splat(0);
-        int rows_last = ((ctx - (nb - 1) * BS) + 7) & ~7;
-        for (int h = 0; h < H; ++h) for (int b = 0; b < B; ++b) for (int t = 0; t < nb; ++t) {
-          int rows = t == nb - 1 ? rows_last : BS;
-          size_t off = ((size_t)h * NBLK * BS + (size_t)(b * nb + t) * BS) * D;
-          for (int e = 0; e < rows * D; e += 16) { a0 += load(K[l] + off + e); a1 += load(K[l] + off + e + 8); }
-          for (int e = 0; e < rows * D; e += 16) { a0 += load(V[l] + off + e); a1 += load(V[l] + off + e + 8); }
-        }
+        for (int i = 0; i < H * B; ++i)
+          read_task(i, a0, a1);
         sink += hsum(a0 + a1);
       }
     }
