@@ -188,6 +188,8 @@ class Decoder:
         self.eng = make_engine(loaded, Settings.from_env(max_batch=max(batch, 1), matmul=matmul, kv_bits=kv_bits))
         self.prompts = [[rng.randrange(10, vocab - 1) for _ in range(prompt_len)] for _ in range(batch)]
         self.round = 0
+        pool = self.eng.pool  # K/V bytes a token (fp32, or quantized rows with their scales and biases)
+        self.kv_per_token = pool.shape.bytes_per_block(pool.block_size, quant=pool.quant) / pool.block_size
 
     def _start(self) -> list[str]:
         """Add the rows (a new round of uids: the prompts' full blocks are prefix-cache hits) and step
@@ -205,8 +207,7 @@ class Decoder:
 
     def window(self) -> tuple[float, float]:
         """tokens/s over ``steps`` steps of the rows, and the K/V bytes a step of them reads: every
-        row's keys and values so far, at the rows' mean length over the window (the pool's bytes per
-        token: fp32, or the quantized rows with their scales and biases)."""
+        row's keys and values so far, at the rows' mean length over the window."""
         uids = self._start()
         ctx0 = self._context()
         n, t0 = 0, time.perf_counter()
@@ -217,9 +218,7 @@ class Decoder:
         self.eng.remove(uids)
         while self.eng.has_work():
             self.eng.step()
-        pool = self.eng.pool
-        per_token = pool.shape.bytes_per_block(pool.block_size, quant=pool.quant) / pool.block_size
-        return tps, (ctx0 + ctx1) / 2 * per_token
+        return tps, (ctx0 + ctx1) / 2 * self.kv_per_token
 
     def _context(self) -> int:
         """Tokens in the pool over every running row (what a decode step's attention reads)."""
