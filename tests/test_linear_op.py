@@ -176,7 +176,10 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(ext):
 
 def test_the_avx2_and_avx512_loops_give_the_same_bits(ext, tmp_path):
     """The AVX-512VL build (32 registers, bigger tiles) sums in the AVX2 build's order: a fresh
-    process forced onto AVX2 (MLXQ_ATTN_ISA=avx2) computes the very same outputs."""
+    process forced onto AVX2 (MLXQ_ATTN_ISA=avx2) computes the very same outputs, with K a multiple
+    of 8 (each tile's sums reduced together, hsum_pairs8 / hsum8) and not (one at a time, then the
+    tail). In that process one row alone (its 8 sums reduced at once) equals the same row in 4 x 3
+    tiles (hsum one sum at a time)."""
     _own_loops(ext)
     if ext.linear_isa() != "avx512vl":
         pytest.skip("this CPU has no AVX-512VL: only the AVX2 loops run here")
@@ -184,6 +187,7 @@ def test_the_avx2_and_avx512_loops_give_the_same_bits(ext, tmp_path):
     x, w = mx.random.normal((70, 300), key=rs[0]), mx.random.normal((333, 300), key=rs[1])
     mx.save(str(tmp_path / "x.npy"), x)
     mx.save(str(tmp_path / "w.npy"), w)
+    rows = (1, 5, 8, 9, 17, 70)
     script = (
         "from mlxq.worker import blas; blas.setup()\n"
         "import mlx.core as mx\n"
@@ -192,11 +196,14 @@ def test_the_avx2_and_avx512_loops_give_the_same_bits(ext, tmp_path):
         "ext = attention.cpu_extension()\n"
         "assert 'linear' in model_ops.checked_ops(ext) and ext.linear_isa() == 'avx2', ext.linear_isa()\n"
         f"x, w = mx.load({str(tmp_path / 'x.npy')!r}), mx.load({str(tmp_path / 'w.npy')!r})\n"
-        f"mx.save({str(tmp_path / 'y.npy')!r}, mx.concatenate([ext.linear(x[:m], w) for m in (1, 5, 8, 9, 17, 70)]))\n")
+        "for K in (296, 300):\n"
+        "    assert mx.array_equal(ext.linear(x[:1, :K], w[:, :K]), ext.linear(x[:5, :K], w[:, :K])[:1]).item(), K\n"
+        f"ys = [ext.linear(x[:m, :K], w[:, :K]) for K in (296, 300) for m in {rows}]\n"
+        f"mx.save({str(tmp_path / 'y.npy')!r}, mx.concatenate([y.reshape(-1) for y in ys]))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, MLXQ_ATTN_ISA="avx2"), cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
-    here = mx.concatenate([ext.linear(x[:m], w) for m in (1, 5, 8, 9, 17, 70)])
+    here = mx.concatenate([ext.linear(x[:m, :K], w[:, :K]).reshape(-1) for K in (296, 300) for m in rows])
     assert mx.array_equal(mx.load(str(tmp_path / "y.npy")), here).item()
 
 

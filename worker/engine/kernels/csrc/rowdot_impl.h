@@ -118,11 +118,54 @@ inline void finish(__m256 v, const float* xr, const float* wr, int K, int k8, bo
 // alternating): inlined 2.61-3.21 ms against 2.39-2.69 before the split (16 runs each); out of
 // line again as fast as before the split (10 runs each); through MLX and the pool (linear at
 // batch 1, 8 processes each) best 3.10 -> 2.99 ms. The same bits.
+// hsum of a[0..8) at once, lane j the sum of a[j]: per sum hsum's tree ((l0 + l4) + (l2 + l6)) +
+// ((l1 + l5) + (l3 + l7)), the shuffles only moving lanes (the same bits, as hsum_pairs8).
+inline __m256 hsum8(const __m256 (&a)[8]) {
+  __m256 s1[4];
+#pragma GCC unroll 4
+  for (int u = 0; u < 4; ++u) // [a (l0..l3) + (l4..l7) | b's]
+    s1[u] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * u], a[2 * u + 1], 0x20),
+                          _mm256_permute2f128_ps(a[2 * u], a[2 * u + 1], 0x31));
+  __m256 s2[2];
+#pragma GCC unroll 2
+  for (int u = 0; u < 2; ++u)
+    s2[u] = _mm256_add_ps(_mm256_shuffle_ps(s1[2 * u], s1[2 * u + 1], 0x44),
+                          _mm256_shuffle_ps(s1[2 * u], s1[2 * u + 1], 0xEE));
+  const __m256 s3 = _mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], 0x88), _mm256_shuffle_ps(s2[0], s2[1], 0xDD));
+  // s3's lanes: a[0] a[2] a[4] a[6] a[1] a[3] a[5] a[7]
+  return _mm256_permutevar8x32_ps(s3, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 template <int TM, int TN>
 [[gnu::noinline]] void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
                             int k8, bool add, const float* pf, int pf_rows) {
   __m256 acc[TM][TN];
   tile_loop<Lanes8, TM, TN>(x, ldx, w, ldw, k8, pf, pf_rows, acc);
+  // A row's TN sums at once (fewer: hsum's ~5 instructions a sum are as few). 4 rows from L1 on two
+  // threads (rowdot_rows.cpp, 2026-11-27) 2.06-2.36 -> 1.83-2.00 ms; 1 to 4 rows from memory, bound by
+  // the reads, unchanged.
+  if constexpr (TN >= 5) {
+    if (k8 == K) {
+      const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i cols = _mm256_cmpgt_epi32(_mm256_set1_epi32(TN), lanes);
+#pragma GCC unroll 8
+      for (int i = 0; i < TM; ++i) {
+        __m256 a[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j)
+          a[j] = j < TN ? acc[i][j] : _mm256_setzero_ps();
+        __m256 s = hsum8(a);
+        float* out = y + i * ldy;
+        if (add)
+          s = _mm256_add_ps(_mm256_maskload_ps(out, cols), s);
+        if constexpr (TN == 8)
+          _mm256_storeu_ps(out, s);
+        else
+          _mm256_maskstore_ps(out, cols, s);
+      }
+      return;
+    }
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < TM; ++i)
 #pragma GCC unroll 8
@@ -202,11 +245,65 @@ struct Pairs16 {
   }
 };
 
+// The hsum tree of every half of a[0..8) at once (a[j]: one pair of rows against weight row j; a
+// row past the tile's weight rows is zeros): the low 8 lanes of the result are row a's 8 sums
+// (weight rows 0..7), the high 8 lanes row b's. Each sum is hsum's: ((l0 + l4) + (l2 + l6)) +
+// ((l1 + l5) + (l3 + l7)); the shuffles only move lanes, so the bits are finish()'s, in 15 shuffles
+// and 7 adds for 16 sums where one hsum at a time took ~5 instructions a sum (the finishes were ~30%
+// of tile_pairs<4, 6>'s cycles at 64 rows from L1, perf). bench/harness/rowdot_rows.cpp, the bench
+// model's matmuls, runs alternating, 2026-11-27: two threads from memory 8 rows 5.33-5.91 -> 4.50-4.84
+// ms, 16 rows 8.65-9.51 -> 7.07-7.61, 64 rows 26.6-27.4 -> 19.7-20.9; from L1, 8 rows on two threads
+// 2.89-3.13 -> 2.08-2.18, 64 rows on one 28.3-28.5 -> 23.8-24.9.
+inline __m512 hsum_pairs8(const __m512 (&a)[8]) {
+  __m512 s1[4];
+#pragma GCC unroll 4
+  for (int u = 0; u < 4; ++u) // 128-bit lanes [a.r0 a.r1 b.r0 b.r1] of (l0..l3) + (l4..l7)
+    s1[u] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * u], a[2 * u + 1], 0x88),
+                          _mm512_shuffle_f32x4(a[2 * u], a[2 * u + 1], 0xDD));
+  __m512 s2[2];
+#pragma GCC unroll 2
+  for (int u = 0; u < 2; ++u) // per lane (x0 + x2, x1 + x3) of two registers
+    s2[u] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * u], s1[2 * u + 1], 0x44),
+                          _mm512_shuffle_ps(s1[2 * u], s1[2 * u + 1], 0xEE));
+  const __m512 s3 = _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], 0x88), _mm512_shuffle_ps(s2[0], s2[1], 0xDD));
+  // s3's lanes: [0 2 4 6]a [0 2 4 6]b [1 3 5 7]a [1 3 5 7]b (weight rows, row a / b of the pair)
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), s3);
+}
+
+// tile_pairs' outputs where K is a multiple of 8 (no tail): per pair and 8 weight rows, one
+// hsum_pairs8 and a masked store of each real row's TN or fewer sums (out + s where add, as finish).
+template <int P, int TN>
+inline void finish_pairs(const __m512 (&acc)[P][TN], int M, float* y, int64_t ldy, bool add) {
+  const __m512 zero = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 2
+    for (int j0 = 0; j0 < TN; j0 += 8) {
+      __m512 a[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+        a[j] = j0 + j < TN ? acc[p][j0 + j] : zero;
+      const __m512 s = hsum_pairs8(a);
+      const __mmask8 cols = (__mmask8)((1u << std::min(8, TN - j0)) - 1);
+      for (int h = 0; h < 2 && 2 * p + h < M; ++h) {
+        float* out = y + (2 * p + h) * ldy + j0;
+        __m256 v = pairs16::half(s, h);
+        if (add)
+          v = _mm256_add_ps(_mm256_maskz_loadu_ps(cols, out), v);
+        _mm256_mask_storeu_ps(out, cols, v);
+      }
+    }
+}
+
 template <int P, int TN>
 inline void tile_pairs(const float* xp, int M, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
                        int64_t ldy, int K, int k8, bool add, const float* pf, int pf_rows) {
   __m512 acc[P][TN];
   tile_loop<Pairs16, P, TN>(xp, 2 * k8, w, ldw, k8, pf, pf_rows, acc);
+  if (k8 == K) {
+    finish_pairs<P, TN>(acc, M, y, ldy, add);
+    return;
+  }
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 8
