@@ -111,13 +111,6 @@ inline void finish(__m256 v, const float* xr, const float* wr, int K, int k8, bo
   out = add ? out + s : s;
 }
 
-// A function of its own, never inlined: inlined into matmul's one-row strip (tile<1, 8>, once
-// tile_loop and finish were split out of it), the compiler kept the 8 weight-row pointers on the
-// stack and reloaded one before every multiply-add. Out of line they stay in registers, as before
-// the split. The bench model's one-row matmuls (bench/harness/rowdot_rows.cpp, 2 threads, runs
-// alternating): inlined 2.61-3.21 ms against 2.39-2.69 before the split (16 runs each); out of
-// line again as fast as before the split (10 runs each); through MLX and the pool (linear at
-// batch 1, 8 processes each) best 3.10 -> 2.99 ms. The same bits.
 // hsum of a[0..8) at once, lane j the sum of a[j]: per sum hsum's tree ((l0 + l4) + (l2 + l6)) +
 // ((l1 + l5) + (l3 + l7)), the shuffles only moving lanes (the same bits, as hsum_pairs8).
 inline __m256 hsum8(const __m256 (&a)[8]) {
@@ -136,6 +129,13 @@ inline __m256 hsum8(const __m256 (&a)[8]) {
   return _mm256_permutevar8x32_ps(s3, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// A function of its own, never inlined: inlined into matmul's one-row strip (tile<1, 8>, once
+// tile_loop and finish were split out of it), the compiler kept the 8 weight-row pointers on the
+// stack and reloaded one before every multiply-add. Out of line they stay in registers, as before
+// the split. The bench model's one-row matmuls (bench/harness/rowdot_rows.cpp, 2 threads, runs
+// alternating): inlined 2.61-3.21 ms against 2.39-2.69 before the split (16 runs each); out of
+// line again as fast as before the split (10 runs each); through MLX and the pool (linear at
+// batch 1, 8 processes each) best 3.10 -> 2.99 ms. The same bits.
 template <int TM, int TN>
 [[gnu::noinline]] void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
                             int k8, bool add, const float* pf, int pf_rows) {
