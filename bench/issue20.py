@@ -7,7 +7,8 @@
 Each benchmark runs as its own process with the arguments the README cites, its output goes to a
 log file, and the lines that carry a figure are picked out of it and set against the issue's
 target.  Nothing is computed here: every ratio is the one that benchmark printed, measured side by
-side in its own run.  A verdict compares the figure as printed (1.30x counts as <= 1.3x).  A
+side in its own run.  A verdict compares the figure as printed, but for n=8 against n=1, where it
+compares the two printed times (1.303x, printed 1.30x, is not <= 1.3x).  A
 benchmark that fails or prints no figure shows as "missing"; its log says why.
 """
 
@@ -134,10 +135,10 @@ def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
 
     ms = find(benches["n_samples"].output(), r"^medians: n=1 ([\d.]+) s, n=8 ([\d.]+) s.*\nn=8 / n=1 = ([\d.]+)x")
     add("n_samples", "n=8 vs n=1 end to end, 1000-token prompt", [f"{m[2]} vs {m[1]} s: {m[3]}x" for m in ms],
-        "<= 1.3x", [float(m[3]) <= 1.3 for m in ms])
-    ms = find(benches["n_fork"].output(), r"^\s+n=8 forked.*?([\d.]+) s\s+=\s+([\d.]+)x n=1")
-    add("n_fork", "n=8 vs n=1 in process (n_fork.py)", [f"{m[1]} s: {m[2]}x" for m in ms], "<= 1.3x",
-        [float(m[2]) <= 1.3 for m in ms])
+        "<= 1.3x", [float(m[2]) <= 1.3 * float(m[1]) for m in ms])
+    ms = find(benches["n_fork"].output(), r"^\s+n=1\s+([\d.]+) s\n\s+n=8 forked.*?([\d.]+) s\s+=\s+([\d.]+)x n=1")
+    add("n_fork", "n=8 vs n=1 in process (n_fork.py)", [f"{m[2]} vs {m[1]} s: {m[3]}x" for m in ms], "<= 1.3x",
+        [float(m[2]) <= 1.3 * float(m[1]) for m in ms])
     ms = find(benches["n_fork"].output(), r"then a decode step: n=1 ([\d.]+) ms, forked ([\d.]+) ms = ([\d.]+)x "
               r"\(1.3x n=1 would need <= ([\d.]+) ms\)\n.*?1 row ([\d.]+) ms, 8 rows ([\d.]+) ms.*\n"
               r".*?n=1 ([\d.]+) ms, forked ([\d.]+) ms")
