@@ -145,6 +145,7 @@ template <int TM, int TN>
   // threads (rowdot_rows.cpp, 2026-11-27) 2.06-2.36 -> 1.83-2.00 ms; 1 to 4 rows from memory, bound by
   // the reads, unchanged.
   if constexpr (TN >= 5) {
+    static_assert(TN <= 8, "a row's sums are one hsum8");
     if (k8 == K) {
       const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       const __m256i cols = _mm256_cmpgt_epi32(_mm256_set1_epi32(TN), lanes);
@@ -270,29 +271,27 @@ inline __m512 hsum_pairs8(const __m512 (&a)[8]) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), s3);
 }
 
-// tile_pairs' outputs where K is a multiple of 8 (no tail): per pair and 8 weight rows, one
-// hsum_pairs8 and a masked store of each real row's TN or fewer sums (out + s where add, as finish).
+// tile_pairs' outputs where K is a multiple of 8 (no tail): per pair one hsum_pairs8 and a masked
+// store of each real row's TN sums (out + s where add, as finish).
 template <int P, int TN>
 inline void finish_pairs(const __m512 (&acc)[P][TN], int M, float* y, int64_t ldy, bool add) {
-  const __m512 zero = _mm512_setzero_ps();
+  static_assert(TN <= 8, "a pair's sums are one hsum_pairs8");
+  constexpr __mmask8 cols = (__mmask8)((1u << TN) - 1);
 #pragma GCC unroll 8
-  for (int p = 0; p < P; ++p)
-#pragma GCC unroll 2
-    for (int j0 = 0; j0 < TN; j0 += 8) {
-      __m512 a[8];
+  for (int p = 0; p < P; ++p) {
+    __m512 a[8];
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j)
-        a[j] = j0 + j < TN ? acc[p][j0 + j] : zero;
-      const __m512 s = hsum_pairs8(a);
-      const __mmask8 cols = (__mmask8)((1u << std::min(8, TN - j0)) - 1);
-      for (int h = 0; h < 2 && 2 * p + h < M; ++h) {
-        float* out = y + (2 * p + h) * ldy + j0;
-        __m256 v = pairs16::half(s, h);
-        if (add)
-          v = _mm256_add_ps(_mm256_maskz_loadu_ps(cols, out), v);
-        _mm256_mask_storeu_ps(out, cols, v);
-      }
+    for (int j = 0; j < 8; ++j)
+      a[j] = j < TN ? acc[p][j] : _mm512_setzero_ps();
+    const __m512 s = hsum_pairs8(a);
+    for (int h = 0; h < 2 && 2 * p + h < M; ++h) {
+      float* out = y + (2 * p + h) * ldy;
+      __m256 v = pairs16::half(s, h);
+      if (add)
+        v = _mm256_add_ps(_mm256_maskz_loadu_ps(cols, out), v);
+      _mm256_mask_storeu_ps(out, cols, v);
     }
+  }
 }
 
 template <int P, int TN>
