@@ -111,6 +111,16 @@ inline void finish(__m256 v, const float* xr, const float* wr, int K, int k8, bo
   out = add ? out + s : s;
 }
 
+// A tile row's TN accumulators (one per weight row) as the 8 that hsum8 / hsum_pairs8 reduce, zeros
+// past TN.
+template <class V, int TN>
+inline void pad8(const V (&r)[TN], V (&a)[8]) {
+  static_assert(TN <= 8, "a tile row's sums are one reduction of 8");
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+    a[j] = j < TN ? r[j] : V{};
+}
+
 // hsum of a[0..8) at once, lane j the sum of a[j]: per sum hsum's tree ((l0 + l4) + (l2 + l6)) +
 // ((l1 + l5) + (l3 + l7)), the shuffles only moving lanes (the same bits, as hsum_pairs8).
 inline __m256 hsum8(const __m256 (&a)[8]) {
@@ -145,16 +155,13 @@ template <int TM, int TN>
   // threads (rowdot_rows.cpp, 2026-11-27) 2.06-2.36 -> 1.83-2.00 ms; 1 to 4 rows from memory, bound by
   // the reads, unchanged.
   if constexpr (TN >= 5) {
-    static_assert(TN <= 8, "a row's sums are one hsum8");
     if (k8 == K) {
       const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       const __m256i cols = _mm256_cmpgt_epi32(_mm256_set1_epi32(TN), lanes);
 #pragma GCC unroll 8
       for (int i = 0; i < TM; ++i) {
         __m256 a[8];
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j)
-          a[j] = j < TN ? acc[i][j] : _mm256_setzero_ps();
+        pad8(acc[i], a);
         __m256 s = hsum8(a);
         float* out = y + i * ldy;
         if (add)
@@ -275,14 +282,11 @@ inline __m512 hsum_pairs8(const __m512 (&a)[8]) {
 // store of each real row's TN sums (out + s where add, as finish).
 template <int P, int TN>
 inline void finish_pairs(const __m512 (&acc)[P][TN], int M, float* y, int64_t ldy, bool add) {
-  static_assert(TN <= 8, "a pair's sums are one hsum_pairs8");
   constexpr __mmask8 cols = (__mmask8)((1u << TN) - 1);
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p) {
     __m512 a[8];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j)
-      a[j] = j < TN ? acc[p][j] : _mm512_setzero_ps();
+    pad8(acc[p], a);
     const __m512 s = hsum_pairs8(a);
     for (int h = 0; h < 2 && 2 * p + h < M; ++h) {
       float* out = y + (2 * p + h) * ldy;
