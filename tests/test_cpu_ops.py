@@ -85,6 +85,34 @@ def test_rope_bit_identical_to_mlx(ext, B, H, T, D, dims, traditional, base, sca
         assert mx.array_equal(got, want).item(), off
 
 
+@pytest.mark.parametrize("B,H,T", [(64, 8, 1), (1, 8, 77), (3, 4, 7)])
+def test_rope_reads_views_and_splits_large_calls(ext, B, H, T):
+    """The model's queries and keys reach RoPE as (B, H, T, D) views of (B, T, H, D) projections:
+    read through their strides; calls of 32k floats and more run on the pool's threads (a batch-64
+    decode step, a prefill chunk); a view whose rows are not contiguous is copied first. Every
+    one bit for bit MLX's."""
+    D = 64
+    proj = mx.random.normal((B, T, H, D), key=mx.random.key(B + T)) * 3
+    view = proj.transpose(0, 2, 1, 3)
+    cols = mx.random.normal((B, H, D, T + 1), key=mx.random.key(7)).swapaxes(2, 3)  # D strided
+    for x in (view, mx.array(view), cols):
+        for off in (mx.array(9, dtype=mx.int32), mx.arange(B, dtype=mx.int32) * 31 + 70_000):
+            want = mx.fast.rope(x, D, traditional=False, base=10000.0, scale=1.0, offset=off)
+            assert mx.array_equal(ext.rope(x, D, False, 10000.0, 1.0, off), want).item()
+
+
+def test_row_contiguous_copies_every_layout(ext):
+    """Inputs that are not row-contiguous (a transpose, a broadcast, a reversed or stepped slice)
+    are copied in runs: the ops see the same values as from a contiguous copy."""
+    g = mx.random.normal((6, 5, 40), key=mx.random.key(21))
+    views = [g.transpose(1, 0, 2), g[:, ::2], g[::-1], mx.broadcast_to(g[:1], (6, 5, 40)),
+             g.transpose(2, 1, 0), g[:, :, ::3]]
+    for v in views:
+        w = mx.random.normal(v.shape, key=mx.random.key(22))
+        assert mx.array_equal(ext.swiglu(v, w), ext.swiglu(mx.array(v) + 0, w)).item()
+        assert mx.array_equal(ext.swiglu(v, w), mlx_swiglu(v, w)).item()
+
+
 def test_fast_rope_module(ext, tiny_model):
     import mlx.nn as nn
 
@@ -126,6 +154,9 @@ def test_rms_norm_bit_identical_to_mlx(ext, D):
     strided = x.transpose(1, 0, 2)[:, ::2]  # rows read through their strides
     assert mx.array_equal(ext.rms_norm(strided, w, 1e-5), mx.fast.rms_norm(strided, w, 1e-5)).item()
     assert mx.array_equal(ext.rms_norm(mx.zeros((2, D)), w, 1e-5), mx.fast.rms_norm(mx.zeros((2, D)), w, 1e-5)).item()
+    for rows in (64, 70, 1000):  # 32k floats and more: on the pool's threads, in groups of 8 rows
+        big = mx.random.normal((rows, D), key=mx.random.key(rows)) * 5
+        assert mx.array_equal(ext.rms_norm(big, w, 1e-5), mx.fast.rms_norm(big, w, 1e-5)).item()
 
 
 def test_fast_rms_norm_module(ext, tiny_model):

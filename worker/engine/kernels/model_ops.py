@@ -116,9 +116,10 @@ def _check_rope(ext) -> None:
     cases = [(64, False, 10000.0, 1.0, mx.array(7, dtype=mx.int32)),
              (64, False, 500000.0, 0.5, mx.array([0, 4096, 123457], dtype=mx.int32)),
              (32, True, 10000.0, 1.0, mx.array([9000001, 3, 40], dtype=mx.int32))]
-    for dims, trad, base, scale, off in cases:
-        want = mx.fast.rope(x, dims, traditional=trad, base=base, scale=scale, offset=off)
-        if not mx.array_equal(ext.rope(x, dims, trad, base, scale, off), want).item():
+    view = x.transpose(0, 2, 1, 3)  # as the model's queries and keys come: read through their strides
+    for y, (dims, trad, base, scale, off) in [(x, c) for c in cases] + [(view, cases[0])]:
+        want = mx.fast.rope(y, dims, traditional=trad, base=base, scale=scale, offset=off)
+        if not mx.array_equal(ext.rope(y, dims, trad, base, scale, off), want).item():
             raise OpMismatch(f"rope (dims {dims}, traditional {trad}) is not bit-identical to MLX's")
 
 

@@ -379,7 +379,10 @@ void RoPE::eval_cpu(
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  const auto x = row_contiguous(inputs[0], encoder);
+  // x read where it lies when its rows (D) are contiguous: the model's queries and keys come as
+  // (B, H, T, D) views of the projections (a transpose), which a row-contiguous copy would first
+  // rewrite.
+  const auto x = inputs[0].strides()[3] == 1 ? inputs[0] : row_contiguous(inputs[0], encoder);
   const auto off = row_contiguous(inputs[1], encoder);
   for (const auto& a : inputs)
     encoder.set_input_array(a);
@@ -388,17 +391,21 @@ void RoPE::eval_cpu(
   const int32_t* op = off.data<int32_t>();
   float* yp = out.data<float>();
   const int B = x.shape(0), H = x.shape(1), T = x.shape(2), D = x.shape(3);
+  const int64_t sb = x.strides()[0], sh = x.strides()[1], st = x.strides()[2];
   const int n_off = off.size();
   const int dims = dims_;
   const bool traditional = traditional_;
   const float base = base_, scale = scale_;
   encoder.dispatch([=]() {
     const int half = dims / 2;
-    RopeTable& table = rope_table(half, base, scale);
-    thread_local std::vector<float> cs_own, sn_own;
-    for (int b = 0; b < B; ++b) {
-      const int32_t o = op[n_off == 1 ? 0 : b];
-      for (int t = 0; t < T; ++t) {
+    // Positions (b, t) in [r0, r1), every head of each; a float's value is its own, whichever
+    // thread computes it (each thread's table holds the same values: RopeTable::compute).
+    auto rows = [&](int64_t r0, int64_t r1) {
+      RopeTable& table = rope_table(half, base, scale);
+      thread_local std::vector<float> cs_own, sn_own;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int b = (int)(r / T), t = (int)(r % T);
+        const int32_t o = op[n_off == 1 ? 0 : b];
         const float* cs;
         const float* sn;
         if (!table.lookup(o, t, cs, sn)) { // outside the table: computed here, the same way
@@ -409,9 +416,8 @@ void RoPE::eval_cpu(
           sn = sn_own.data();
         }
         for (int h = 0; h < H; ++h) {
-          const int64_t row = (((int64_t)b * H + h) * T + t) * D;
-          const float* xr = xp + row;
-          float* yr = yp + row;
+          const float* xr = xp + b * sb + h * sh + t * st;
+          float* yr = yp + (((int64_t)b * H + h) * T + t) * D;
           for (int i = 0; i < half; ++i) {
             const int i1 = traditional ? 2 * i : i;
             const int i2 = traditional ? 2 * i + 1 : i + half;
@@ -423,7 +429,16 @@ void RoPE::eval_cpu(
             yr[d] = xr[d];
         }
       }
+    };
+    const int64_t n = (int64_t)B * T;
+    ThreadPool& tp = pool();
+    // Large calls (a batch-64 decode step's queries: 32k floats) on the pool's threads.
+    const int parts = n > 1 && (int64_t)B * H * T * D >= kSwigluSplit ? std::min<int64_t>(n, 2 * tp.size()) : 1;
+    if (parts == 1) {
+      rows(0, n);
+      return;
     }
+    tp.parallel_for(parts, [&](int p) { rows(n * p / parts, n * (p + 1) / parts); });
   });
 }
 
