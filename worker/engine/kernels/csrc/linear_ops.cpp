@@ -44,6 +44,9 @@ constexpr int kColAlign = 16;
 // model). The BLAS's sgemm keeps one part per thread.
 constexpr int kPartsPerThread = 4;
 
+// Floats of x from which its packing into pairs splits over the pool's threads.
+constexpr int64_t kPackSplit = 1 << 15;
+
 // rowdot_impl.h's loops where the CPU has AVX2 and FMA (with AVX-512VL's registers where
 // it has those too), else nullptr: the BLAS's sgemv and sgemm.
 rowdot::MatmulFn pick_rowdot() {
@@ -61,10 +64,19 @@ const rowdot::MatmulFn g_rowdot = pick_rowdot();
 // x (M rows of K) packed once for the AVX-512 pairs loops (5 rows or more), for every part of a call to read
 // (it was once a part: 8 rows x K floats copied ~450 times a decode step of the bench model);
 // null where those loops do not run.
-const float* pack_for_parts(const float* x, int M, int K, std::vector<float>& buf) {
+const float* pack_for_parts(const float* x, int M, int K, std::vector<float>& buf, ThreadPool& tp) {
 #ifdef MLXQ_PA_HAVE_AVX2
-  if (g_rowdot == &rowdot::avx512::matmul)
-    return rowdot::avx512::pack_pairs(x, K, M, K, buf);
+  if (g_rowdot == &rowdot::avx512::matmul) {
+    float* p = rowdot::avx512::pairs_buffer(M, K, buf);
+    // Large ones (a batch-64 step's rows: 64 x 512 floats and more) on the pool's threads: packed
+    // on the stream thread alone, they were ~2% of a batch-64 decode step (perf, the bench model).
+    const int parts = p != nullptr && (int64_t)M * K >= kPackSplit ? 2 * tp.size() : 1;
+    if (parts == 1 && p != nullptr)
+      rowdot::avx512::pack_pairs_part(x, K, M, K, p, 0, 1);
+    else if (parts > 1)
+      tp.parallel_for(parts, [&](int i) { rowdot::avx512::pack_pairs_part(x, K, M, K, p, i, parts); });
+    return p;
+  }
 #endif
   return nullptr;
 }
@@ -242,7 +254,7 @@ void Linear::eval_cpu(
     // Kept by this thread (MLX's stream thread runs one op at a time) from call to call: since
     // 9 rows and more go in pairs too, a batch-64 call packs ~300 KB, not worth a malloc each time.
     thread_local std::vector<float> pairs;
-    const float* xpairs = pack_for_parts(xp, M, K, pairs);
+    const float* xpairs = pack_for_parts(xp, M, K, pairs, tp);
     if (parts.size() == 1) { // on this thread (a BLAS call keeps the BLAS's own threads)
       run_part(blas, targets[0], xp, xpairs, M, K, parts[0].c0, parts[0].c1);
       return;

@@ -33,6 +33,10 @@ void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, flo
 // x's M rows as the pairs loops read them (from 5 rows: rows_pairs), into buf from a 64-byte
 // boundary, which it returns (fewer rows: nothing, null).
 const float* pack_pairs(const float* x, int64_t ldx, int M, int K, std::vector<float>& buf);
+// The same in parts (for a pool's threads): pairs_buffer sizes buf and returns where the pairs go
+// (null below 5 rows), then part `part` of `parts` packs its share of the pairs there.
+float* pairs_buffer(int M, int K, std::vector<float>& buf);
+void pack_pairs_part(const float* x, int64_t ldx, int M, int K, float* dst, int part, int parts);
 }
 
 } // namespace mlxq::rowdot

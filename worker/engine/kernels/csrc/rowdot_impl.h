@@ -340,9 +340,10 @@ inline void strip_pairs(const float* xp, int M, const float* x, int64_t ldx, con
     rest_pairs<P, TN - 1>(n1 - n, xp, M, x, ldx, w + n * ldw, ldw, y + n, ldy, K, k8, add);
 }
 
-// Rows [0, M) of x, 8 floats of row 2p then 8 of row 2p + 1 per chunk (zeros past row M - 1).
-inline void pack_rows(const float* x, int64_t ldx, int M, int k8, float* buf) {
-  for (int p = 0; p < (M + 1) / 2; ++p)
+// Pairs [p0, p1) of x's rows [0, M), 8 floats of row 2p then 8 of row 2p + 1 per chunk (zeros past
+// row M - 1).
+inline void pack_rows(const float* x, int64_t ldx, int M, int k8, float* buf, int p0, int p1) {
+  for (int p = p0; p < p1; ++p)
     pairs16::interleave8(x + 2 * p * ldx, 2 * p + 1 < M ? x + (2 * p + 1) * ldx : nullptr, k8,
                          buf + (int64_t)p * 2 * k8);
 }
@@ -448,12 +449,19 @@ void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, flo
 }
 
 #ifdef ROWDOT_ZMM
+float* pairs_buffer(int M, int K, std::vector<float>& buf) {
+  return M < ZMIN ? nullptr : pairs16::aligned64(buf, (size_t)(M + 1) / 2 * 2 * (K & ~7));
+}
+
+void pack_pairs_part(const float* x, int64_t ldx, int M, int K, float* dst, int part, int parts) {
+  const int np = (M + 1) / 2;
+  pack_rows(x, ldx, M, K & ~7, dst, (int)((int64_t)np * part / parts), (int)((int64_t)np * (part + 1) / parts));
+}
+
 const float* pack_pairs(const float* x, int64_t ldx, int M, int K, std::vector<float>& buf) {
-  if (M < ZMIN)
-    return nullptr;
-  const int k8 = K & ~7;
-  float* p = pairs16::aligned64(buf, (size_t)(M + 1) / 2 * 2 * k8);
-  pack_rows(x, ldx, M, k8, p);
+  float* p = pairs_buffer(M, K, buf);
+  if (p != nullptr)
+    pack_pairs_part(x, ldx, M, K, p, 0, 1);
   return p;
 }
 #endif
