@@ -32,7 +32,8 @@ inline mx::array row_contiguous(const mx::array& x, mx::cpu::CommandEncoder& enc
     // The trailing dimensions x stores as one contiguous run (a dimension of size 1 is in it
     // whatever its stride): each run one memcpy, the outer dimensions walked as before. Element
     // by element, this copy was ~3% of a batch-64 decode step's MLX thread (perf, the bench
-    // model: the queries and keys that RoPE gets as (B, H, L, D) views of the projections).
+    // model: the values the KV write gets as (B, H, N, D) views of the projections, and the
+    // queries and keys RoPE got the same way before it read them in place).
     int inner = nd;
     int64_t run = 1;
     while (inner > 0 && (shape[inner - 1] == 1 || strides[inner - 1] == run))
