@@ -101,6 +101,15 @@ def test_rope_reads_views_and_splits_large_calls(ext, B, H, T):
             assert mx.array_equal(ext.rope(x, D, False, 10000.0, 1.0, off), want).item()
 
 
+def test_swiglu_large_calls_split_over_the_pool(ext):
+    """From 32k floats swiglu runs on the pool's threads in ranges of whole 8-float vectors (a
+    batch-64 MLP: 64 x 1184): bit for bit mlx-lm's, an odd tail included."""
+    for n in (1 << 15, 64 * 1184, 64 * 1184 + 5):
+        k1, k2 = mx.random.split(mx.random.key(n))
+        g, u = mx.random.normal((n,), key=k1) * 30, mx.random.normal((n,), key=k2)
+        assert mx.array_equal(ext.swiglu(g, u), mlx_swiglu(g, u)).item(), n
+
+
 def test_row_contiguous_copies_every_layout(ext):
     """Inputs that are not row-contiguous (a transpose, a broadcast, a reversed or stepped slice)
     are copied in runs: the ops see the same values as from a contiguous copy."""

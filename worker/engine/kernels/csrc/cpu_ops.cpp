@@ -120,9 +120,6 @@ SwigluFn pick_swiglu() {
 
 const SwigluFn g_swiglu = pick_swiglu();
 
-// From how many floats swiglu splits over the pool (waking a worker costs ~10-25 us).
-constexpr int64_t kSwigluSplit = 1 << 15;
-
 std::atomic<int64_t> g_kv_write_copies{0};
 
 mx::Stream cpu_stream() {
@@ -333,19 +330,9 @@ void SwiGLU::eval_cpu(
   float* op = out.data<float>();
   const int64_t n = out.size();
   encoder.dispatch([gp, up, op, n]() {
-    // Large ones (an MLP's activations at batch 64: 76k floats, ~80 us) on the pool's
-    // threads, in parts of whole 8-float vectors; each float's value is its own.
-    ThreadPool& tp = pool();
-    const int parts = n >= kSwigluSplit ? 2 * tp.size() : 1;
-    if (parts == 1) {
-      g_swiglu(gp, up, op, n);
-      return;
-    }
-    const int64_t per = (n / parts + 7) / 8 * 8;
-    tp.parallel_for(parts, [&](int p) {
-      const int64_t i0 = std::min(n, p * per), i1 = p + 1 == parts ? n : std::min(n, (p + 1) * per);
-      g_swiglu(gp + i0, up + i0, op + i0, i1 - i0);
-    });
+    // Large ones (an MLP's activations at batch 64: 76k floats, ~80 us) on the pool's threads,
+    // in parts of whole 8-float vectors; each float's value is its own.
+    split_ranges(pool(), n, n, 8, [&](int64_t i0, int64_t i1) { g_swiglu(gp + i0, up + i0, op + i0, i1 - i0); });
   });
 }
 
@@ -430,15 +417,8 @@ void RoPE::eval_cpu(
         }
       }
     };
-    const int64_t n = (int64_t)B * T;
-    ThreadPool& tp = pool();
     // Large calls (a batch-64 decode step's queries: 32k floats) on the pool's threads.
-    const int parts = n > 1 && (int64_t)B * H * T * D >= kSwigluSplit ? std::min<int64_t>(n, 2 * tp.size()) : 1;
-    if (parts == 1) {
-      rows(0, n);
-      return;
-    }
-    tp.parallel_for(parts, [&](int p) { rows(n * p / parts, n * (p + 1) / parts); });
+    split_ranges(pool(), (int64_t)B * T, (int64_t)B * H * T * D, 1, rows);
   });
 }
 

@@ -44,9 +44,6 @@ constexpr int kColAlign = 16;
 // model). The BLAS's sgemm keeps one part per thread.
 constexpr int kPartsPerThread = 4;
 
-// Floats of x from which its packing into pairs splits over the pool's threads.
-constexpr int64_t kPackSplit = 1 << 15;
-
 // rowdot_impl.h's loops where the CPU has AVX2 and FMA (with AVX-512VL's registers where
 // it has those too), else nullptr: the BLAS's sgemv and sgemm.
 rowdot::MatmulFn pick_rowdot() {
@@ -70,11 +67,9 @@ const float* pack_for_parts(const float* x, int M, int K, std::vector<float>& bu
     float* p = rowdot::avx512::pairs_buffer(M, K, buf);
     // Large ones (a batch-64 step's rows: 64 x 512 floats and more) on the pool's threads: packed
     // on the stream thread alone, they were ~2% of a batch-64 decode step (perf, the bench model).
-    const int parts = p != nullptr && (int64_t)M * K >= kPackSplit ? 2 * tp.size() : 1;
-    if (parts == 1 && p != nullptr)
-      rowdot::avx512::pack_pairs_part(x, K, M, K, p, 0, 1);
-    else if (parts > 1)
-      tp.parallel_for(parts, [&](int i) { rowdot::avx512::pack_pairs_part(x, K, M, K, p, i, parts); });
+    if (p != nullptr)
+      split_ranges(tp, (M + 1) / 2, (int64_t)M * K, 1,
+                   [&](int64_t p0, int64_t p1) { rowdot::avx512::pack_pairs_range(x, K, M, K, p, (int)p0, (int)p1); });
     return p;
   }
 #endif

@@ -1,7 +1,6 @@
 // rms_norm as one CPU primitive; see norm_ops.h.
 #include "norm_ops.h"
 
-#include <algorithm>
 #include <cmath>
 
 #include "mlx/allocator.h"
@@ -35,8 +34,6 @@ int64_t row_offset(const mx::array& x, int64_t r) {
 // float at a time from 0, as MLX), so a row's bits do not depend on R; R chains side by side
 // keep the adder busy where one chain waits on each add's latency (~8x at 64 rows of 512).
 constexpr int kRows = 8;
-// Floats from which a call splits over the pool's threads (as swiglu's).
-constexpr int64_t kSplit = 1 << 15;
 
 template <int R>
 inline void norm_rows(const float* xp, const int64_t* starts, int64_t xs, const float* wp, int64_t ws,
@@ -100,16 +97,7 @@ void RMSNormOp::eval_cpu(
     };
     // Large calls (a batch-64 decode step: 64 x 512 floats) on the pool's threads, in parts of
     // whole groups of kRows rows.
-    ThreadPool& tp = pool();
-    const int64_t groups = (rows + kRows - 1) / kRows;
-    const int parts = rows * D >= kSplit && groups > 1 ? (int)std::min<int64_t>(groups, 2 * tp.size()) : 1;
-    if (parts == 1) {
-      run(0, rows);
-      return;
-    }
-    tp.parallel_for(parts, [&](int p) {
-      run(std::min(rows, groups * p / parts * kRows), std::min(rows, groups * (p + 1) / parts * kRows));
-    });
+    split_ranges(pool(), rows, rows * D, kRows, run);
   });
 }
 

@@ -34,9 +34,9 @@ void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, flo
 // boundary, which it returns (fewer rows: nothing, null).
 const float* pack_pairs(const float* x, int64_t ldx, int M, int K, std::vector<float>& buf);
 // The same in parts (for a pool's threads): pairs_buffer sizes buf and returns where the pairs go
-// (null below 5 rows), then part `part` of `parts` packs its share of the pairs there.
+// (null below 5 rows), then pack_pairs_range packs pairs [p0, p1) of the (M + 1) / 2 there.
 float* pairs_buffer(int M, int K, std::vector<float>& buf);
-void pack_pairs_part(const float* x, int64_t ldx, int M, int K, float* dst, int part, int parts);
+void pack_pairs_range(const float* x, int64_t ldx, int M, int K, float* dst, int p0, int p1);
 }
 
 } // namespace mlxq::rowdot

@@ -453,15 +453,14 @@ float* pairs_buffer(int M, int K, std::vector<float>& buf) {
   return M < ZMIN ? nullptr : pairs16::aligned64(buf, (size_t)(M + 1) / 2 * 2 * (K & ~7));
 }
 
-void pack_pairs_part(const float* x, int64_t ldx, int M, int K, float* dst, int part, int parts) {
-  const int np = (M + 1) / 2;
-  pack_rows(x, ldx, M, K & ~7, dst, (int)((int64_t)np * part / parts), (int)((int64_t)np * (part + 1) / parts));
+void pack_pairs_range(const float* x, int64_t ldx, int M, int K, float* dst, int p0, int p1) {
+  pack_rows(x, ldx, M, K & ~7, dst, p0, p1);
 }
 
 const float* pack_pairs(const float* x, int64_t ldx, int M, int K, std::vector<float>& buf) {
   float* p = pairs_buffer(M, K, buf);
   if (p != nullptr)
-    pack_pairs_part(x, ldx, M, K, p, 0, 1);
+    pack_pairs_range(x, ldx, M, K, p, 0, (M + 1) / 2);
   return p;
 }
 #endif

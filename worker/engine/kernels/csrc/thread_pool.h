@@ -2,6 +2,7 @@
 // attention, linear_ops' weight matmuls).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -179,5 +180,26 @@ ThreadPool& pool();
 
 // Threads the pool runs on.
 int num_threads();
+
+// Floats an op's call touches from which its work splits over the pool (waking a worker costs
+// ~10-25 us): a batch-64 decode step's activations (64 x 512) and more.
+constexpr int64_t kSplitFloats = 1 << 15;
+
+// fn(lo, hi) over items [0, n) in contiguous ranges, each starting at a multiple of `align` items:
+// up to 2 * size() of them on the pool where the call touches `floats` >= kSplitFloats, else one,
+// fn(0, n), here. For work whose every item's result is its own, whichever range and thread
+// computes it.
+template <class F>
+void split_ranges(ThreadPool& tp, int64_t n, int64_t floats, int64_t align, const F& fn) {
+  const int64_t units = (n + align - 1) / align;
+  const int parts = floats >= kSplitFloats ? (int)std::min<int64_t>(units, 2 * tp.size()) : 1;
+  if (parts <= 1) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  tp.parallel_for(parts, [&](int p) {
+    fn(std::min(n, units * p / parts * align), std::min(n, units * (p + 1) / parts * align));
+  });
+}
 
 } // namespace mlxq
