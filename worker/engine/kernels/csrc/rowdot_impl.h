@@ -1,5 +1,5 @@
 // x @ w^T over rows as stored, for x86-64 with AVX2 and FMA; see rowdot.h. Included by
-// rowdot_avx2.cpp (-mavx2 -mfma: 16 vector registers, 4 x 3 tiles) and rowdot_avx512.cpp
+// rowdot_avx2.cpp (-mavx2 -mfma: 16 vector registers, 4 x 3 tiles, 3 x 4 from 17 rows) and rowdot_avx512.cpp
 // (also -mavx512f -mavx512vl: the same 8-lane instructions with 32 registers, 4 x 6
 // tiles, and from 5 rows on two rows' 8-lane chains in each 16-lane register, see
 // rows_pairs); linear_ops.cpp calls the one the CPU supports (isa.h). Both sum every output in
@@ -11,7 +11,7 @@
 // row is read once per block of up to kRowBlock rows of x, straight from where it lies.
 //
 // A tile is MR rows of x by NR rows of w: MR * NR accumulators, per 8 k's MR + NR loads
-// and MR * NR fused multiply-adds (4 x 3: 7 loads, 12 FMAs; 4 x 6: 10 loads, 24 FMAs and
+// and MR * NR fused multiply-adds (3 x 4: 7 loads, 12 FMAs; 4 x 6: 10 loads, 24 FMAs and
 // half the reads of x from L2 per FMA: ~82 against ~103 GFLOP/s on one Zen 4 core).
 
 #include <immintrin.h>
@@ -48,7 +48,6 @@ constexpr int MR = ROWDOT_MR, NR = ROWDOT_NR;
 // flight through the block's first rows; in every tile, the repeated prefetches of lines
 // already in L1 cost a prefill (256-512 rows) ~10%.
 constexpr int kPrefetchTiles = 2;
-static_assert(MR <= 4, "the last rows of a block are 1 to 3");
 
 // pf: pf_rows weight rows (stride ldw) a later tile reads, prefetched one line per two
 // k-steps while this tile computes, so that their reads from memory overlap this tile's
@@ -402,6 +401,40 @@ inline void rows_pairs(const float* x, int64_t ldx, int M, const float* w, int64
 }
 #endif
 
+// Blocks of kRowBlock rows of x (in L2); in each, the weight rows TN at a time (in L1), every TM
+// rows of the block against them (TM x TN tiles: TM + TN loads per TM * TN multiply-adds).
+template <int TM, int TN>
+inline void blocks(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy, int K,
+                   int k8, int n0, int n1, bool add) {
+  static_assert(TM <= 4, "the last rows of a block are 1 to 3");
+  for (int m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int mb = std::min(kRowBlock, M - m0);
+    const float* xb = x + m0 * ldx;
+    float* yb = y + m0 * ldy;
+    // the block's first tiles also prefetch the next strip's rows, which its first rows would
+    // otherwise wait on with nothing to compute (the bench model's matmuls, 2026-11-25,
+    // best of 3: 4 rows 633 -> 768 tok/s, 8 1076 -> 1332, 16 1645 -> 1868, 64 2975 -> 3168,
+    // 512 unchanged)
+    for (int nb = n0; nb < n1; nb += TN) {
+      const int ne = std::min(n1, nb + TN);
+      const int pf_rows = std::min(n1, ne + TN) - ne;
+      const float* pf = w + (int64_t)ne * ldw;
+      int m = 0;
+      for (; m + TM <= mb; m += TM) {
+        const int r = m < kPrefetchTiles * TM ? pf_rows : 0;
+        row_strip<TM, TN>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add, pf, r);
+      }
+      const int r = m < kPrefetchTiles * TM ? pf_rows : 0;
+      switch (mb - m) {
+        case 3: row_strip<3, TN>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add, pf, r); break;
+        case 2: row_strip<2, TN>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add, pf, r); break;
+        case 1: row_strip<1, TN>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add, pf, r); break;
+        default: break;
+      }
+    }
+  }
+}
+
 } // namespace
 
 void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, float* y, int64_t ldy, int K, int n0,
@@ -419,33 +452,13 @@ void matmul(const float* x, int64_t ldx, int M, const float* w, int64_t ldw, flo
     return;
   }
 #endif
-  for (int m0 = 0; m0 < M; m0 += kRowBlock) {
-    const int mb = std::min(kRowBlock, M - m0);
-    const float* xb = x + m0 * ldx;
-    float* yb = y + m0 * ldy;
-    // weight rows NR at a time (in L1), every MR rows of the block against them; the
-    // block's first tiles also prefetch the next strip's rows, which its first rows would
-    // otherwise wait on with nothing to compute (the bench model's matmuls, 2026-11-25,
-    // best of 3: 4 rows 633 -> 768 tok/s, 8 1076 -> 1332, 16 1645 -> 1868, 64 2975 -> 3168,
-    // 512 unchanged)
-    for (int nb = n0; nb < n1; nb += NR) {
-      const int ne = std::min(n1, nb + NR);
-      const int pf_rows = std::min(n1, ne + NR) - ne;
-      const float* pf = w + (int64_t)ne * ldw;
-      int m = 0;
-      for (; m + MR <= mb; m += MR) {
-        const int r = m < kPrefetchTiles * MR ? pf_rows : 0;
-        row_strip<MR, NR>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add, pf, r);
-      }
-      const int r = m < kPrefetchTiles * MR ? pf_rows : 0;
-      switch (mb - m) {
-        case 3: row_strip<3, NR>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add, pf, r); break;
-        case 2: row_strip<2, NR>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add, pf, r); break;
-        case 1: row_strip<1, NR>(xb + m * ldx, ldx, w, ldw, yb + m * ldy, ldy, K, k8, nb, ne, add, pf, r); break;
-        default: break;
-      }
-    }
+#ifdef ROWDOT_MANY_MR
+  if (M >= ROWDOT_MANY_MIN) {
+    blocks<ROWDOT_MANY_MR, ROWDOT_MANY_NR>(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add);
+    return;
   }
+#endif
+  blocks<MR, NR>(x, ldx, M, w, ldw, y, ldy, K, k8, n0, n1, add);
 }
 
 #ifdef ROWDOT_ZMM
