@@ -7,6 +7,10 @@
 //                                # 4 AVX-512 (one thread) with every block read from one pool block
 //                                # (its K and V in L1: the arithmetic alone)
 //   /tmp/attend_fork 3 77 2 5    # a 4th argument: N queried tokens a row (a prefill chunk)
+//                                # 5: AVX2 (one thread) with the blocks from L1, 6: AVX2 on two threads
+//                                # in parts
+// Where the CPU has no AVX-512 (an AMD Zen 3 VM, 2026-11-27), build with -mavx2 -mfma alone: then
+// only modes 1, 5 and 6 run.
 //
 // An fp32 pool as the engine's (per layer a K and a V array of (4 heads, slots, 64)), 8 layers, 8
 // query heads; all R rows read the same blocks (lengths ctx, ctx - 1, ctx - 2, ...), one task of R
@@ -16,10 +20,12 @@
 // between 1.7 and 2.9 ms from one run to the next (8 rows, mode 4, 2026-11-27), pinned by 2% while
 // the other tenants were quiet (bench/harness/fma_rate.cpp at its usual ~5.4 G a second; at 4.1 G
 // the pinned runs moved as much as the unpinned ones).
+#ifdef __AVX512F__
 #include "../../worker/engine/kernels/csrc/pa_kernel_avx512.cpp" // the two builds' loops, as compiled
 #undef PA_NS
 #undef PA_TQ
 #undef PA_ZMM
+#endif
 #include "../../worker/engine/kernels/csrc/pa_kernel_avx2.cpp"
 #include <chrono>
 #include <cstdio>
@@ -45,7 +51,7 @@ int main(int argc, char** argv) {
   std::vector<int32_t> tables(R * nb), qoff(R), kvl(R);
   for (int b = 0; b < R; ++b) {
     for (int t = 0; t < nb; ++t)
-      tables[b * nb + t] = mode == 4 ? 0 : t;
+      tables[b * nb + t] = mode == 4 || mode == 5 ? 0 : t;
     kvl[b] = ctx - (b % 3);
     qoff[b] = kvl[b] - N;
   }
@@ -60,7 +66,7 @@ int main(int argc, char** argv) {
     return a;
   };
   // Tasks (head, part) from `first`, every `step`-th, parts of PB blocks; st: per task and row its (m, l, acc).
-  const int PB = mode == 3 ? 16 : nb, np = (nb + PB - 1) / PB;
+  const int PB = mode == 3 || mode == 6 ? 16 : nb, np = (nb + PB - 1) / PB;
   auto run = [&](AttendFn fn, std::vector<float>& st, int first, int step) {
     std::vector<float> scratch(BS * 2 * D);
     std::vector<Member> mem(R);
@@ -78,6 +84,12 @@ int main(int argc, char** argv) {
     }
   };
   std::vector<float> st((size_t)L * H * np * R * GN * (D + 2)), st2(st.size());
+#ifndef __AVX512F__
+  if (mode != 1 && mode != 5 && mode != 6)
+    return fprintf(stderr, "built without AVX-512: modes 1, 5 and 6 only\n"), 2;
+  const AttendFn wide = avx2::attend;
+#else
+  const AttendFn wide = avx512::attend;
   if (mode == 2) {
     run(avx512::attend, st, 0, 1);
     run(avx2::attend, st2, 0, 1);
@@ -88,22 +100,23 @@ int main(int argc, char** argv) {
            st.size());
     return bad != 0;
   }
+#endif
+  const bool avx2 = mode == 1 || mode == 5 || mode == 6;
+  const AttendFn fn = avx2 ? avx2::attend : wide;
   double best = 1e9;
   for (int r = 0; r < 30; ++r) {
     const double t0 = now();
-    if (mode == 3) {
-      std::thread t1([&] { run(avx512::attend, st, 1, 2); });
-      run(avx512::attend, st, 0, 2);
+    if (mode == 3 || mode == 6) {
+      std::thread t1([&] { run(fn, st, 1, 2); });
+      run(fn, st, 0, 2);
       t1.join();
     } else {
-      run(mode == 1 ? avx2::attend : avx512::attend, st, 0, 1);
+      run(fn, st, 0, 1);
     }
     best = std::min(best, now() - t0);
   }
-  printf("R=%d ctx=%d N=%d %s: %.3f ms\n", R, ctx, N,
-         mode == 0   ? "avx512, one thread"
-         : mode == 1 ? "avx2, one thread"
-         : mode == 4 ? "avx512, one thread, blocks from L1"
-                     : "avx512, two threads in parts",
-         best * 1e3);
+  const char* name[] = {"avx512, one thread", "avx2, one thread", "", "avx512, two threads in parts",
+                        "avx512, one thread, blocks from L1", "avx2, one thread, blocks from L1",
+                        "avx2, two threads in parts"};
+  printf("R=%d ctx=%d N=%d %s: %.3f ms\n", R, ctx, N, name[mode], best * 1e3);
 }
