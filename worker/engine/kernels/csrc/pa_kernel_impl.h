@@ -385,8 +385,18 @@ inline vf sums8(vf lo, vf hi) {
 // acc[d:d+8*V] of each query = acc * corr + sum_j p[j] * v[j][d:d+8*V] (+ bias[i], a quantized
 // block's sum_j p_j b_j), rows j in [j0, j1) in order: per output float the same multiply and
 // fused multiply-adds whatever NQ and V.
+// Out of line where a vector register file has 16 registers (the AVX2 and generic builds): inlined
+// into attend_tile<3>, its 12 accumulators and 3 weights met what the scores and the exponentials
+// left live there, and GCC kept two accumulators on the stack, a store and a load in each one's
+// chain at every key. bench/harness/attend_fork.cpp mode 5 (8 forked rows over 1064 tokens, blocks
+// from L1, one thread pinned), AMD Zen 3 VM, 2026-11-27: 4.41-4.50 -> 3.40-3.94 ms. The same bits.
+#ifdef PA_ZMM
+#define PA_ACC_INLINE inline
+#else
+#define PA_ACC_INLINE [[gnu::noinline]]
+#endif
 template <int NQ, int V, class Src>
-inline void accumulate_tile(const QRef* qs, int d, const float* corr, const float* p, const Src& v, int j0,
+PA_ACC_INLINE void accumulate_tile(const QRef* qs, int d, const float* corr, const float* p, const Src& v, int j0,
                             int j1, const float* bias) {
   vf c[NQ][V];
   for (int i = 0; i < NQ; ++i) {
