@@ -390,6 +390,7 @@ inline vf sums8(vf lo, vf hi) {
 // left live there, and GCC kept two accumulators on the stack, a store and a load in each one's
 // chain at every key. bench/harness/attend_fork.cpp mode 5 (8 forked rows over 1064 tokens, blocks
 // from L1, one thread pinned), AMD Zen 3 VM, 2026-11-27: 4.41-4.50 -> 3.40-3.94 ms. The same bits.
+#undef PA_ACC_INLINE // this file is included once per build, and a harness may include two builds
 #ifdef PA_ZMM
 #define PA_ACC_INLINE inline
 #else
@@ -397,7 +398,7 @@ inline vf sums8(vf lo, vf hi) {
 #endif
 template <int NQ, int V, class Src>
 PA_ACC_INLINE void accumulate_tile(const QRef* qs, int d, const float* corr, const float* p, const Src& v, int j0,
-                            int j1, const float* bias) {
+                                   int j1, const float* bias) {
   vf c[NQ][V];
   for (int i = 0; i < NQ; ++i) {
     const vf cv = splat(corr[i]);
