@@ -389,7 +389,8 @@ inline vf sums8(vf lo, vf hi) {
 // into attend_tile<3>, its 12 accumulators and 3 weights met what the scores and the exponentials
 // left live there, and GCC kept two accumulators on the stack, a store and a load in each one's
 // chain at every key. bench/harness/attend_fork.cpp mode 5 (8 forked rows over 1064 tokens, blocks
-// from L1, one thread pinned), AMD Zen 3 VM, 2026-11-27: 4.41-4.50 -> 3.40-3.94 ms. The same bits.
+// from L1, one thread pinned), AMD Zen 3 VM, 2026-11-27, the AVX2 build: 4.41-4.50 -> 3.40-3.94 ms
+// (the generic build, 16 registers too, follows it unmeasured). The same bits.
 #undef PA_ACC_INLINE // this file is included once per build, and a harness may include two builds
 #ifdef PA_ZMM
 #define PA_ACC_INLINE inline
