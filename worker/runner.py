@@ -333,6 +333,10 @@ class Worker:
 
     def _finish(self, job: ActiveJob, finish: str, out: StepOutput, text: str = "", ids=(), lp=None,
                 error: Optional[str] = None, error_code: Optional[str] = None) -> None:
+        if finish == "length" and job.text.stopped:
+            # the caller's final flush completed a stop string (text held back as an incomplete
+            # character decodes only then): the job ended on it, as on any other stop string
+            finish = "stop"
         delta = job.emit(text, list(ids), finish, error, lp)
         self.active.pop(job.uid, None)
         result = job.end(finish, error, error_code)
