@@ -345,32 +345,60 @@ struct QRef {
   const float* q2;
 };
 
+// Vector registers of the build (x86-64: AVX-512 has 32, AVX2 and SSE 16).
+#ifdef PA_ZMM
+constexpr int kVecRegs = 32;
+#else
+constexpr int kVecRegs = 16;
+#endif
+
+// x stays in a register from here on: GCC would otherwise read it again from memory as an operand
+// of each multiply-add that uses it (one load a multiply-add), its cost model blind to the loads.
+inline void in_register(vf& x) {
+#ifdef __AVX__
+  asm("" : "+x"(x));
+#else
+  (void)x;
+#endif
+}
+
+// dot4's lanes for keys j + u, u in [U0, U0 + KP): a[i][u] of query i.
+template <int NQ, int U0, int KP, class Src>
+inline void dot_keys(const QRef* qs, const Src& k, int j, int d0, int d1, vf (*a)[4]) {
+  for (int i = 0; i < NQ; ++i)
+    for (int u = U0; u < U0 + KP; ++u)
+      a[i][u] = splat(0.0f);
+  for (int d = d0; d < d1; d += 8) {
+    vf x[NQ];
+    for (int i = 0; i < NQ; ++i) {
+      x[i] = load(qs[i].q + d);
+      in_register(x[i]);
+    }
+    for (int u = U0; u < U0 + KP; ++u) {
+      const vf kv = k.at(j + u, d);
+      for (int i = 0; i < NQ; ++i)
+        a[i][u] += x[i] * kv;
+    }
+  }
+}
+
 // Lane partials of NQ queries against rows j..j+3 of k, elements [d0, d1): lane l of key j
 // sums q[d] * k_j[d] over d = d0 + l, d0 + l + 8, ... in order (fused multiply-adds from 0),
 // then h[i] = [lo0..lo3, hi0..hi3] of query i with lo = (l0 + l1) + (l2 + l3) and hi =
 // (l4 + l5) + (l6 + l7); the sum is lo + hi (attend_tile). A query's sums do not depend on NQ.
+// Where NQ queries' 4 x NQ accumulators, their NQ rows and a key row leave no register spare
+// (3 queries on 16 registers), the 4 keys go in two passes of 2: GCC held a key row in the 16th
+// register and took each query's row from memory at every multiply-add, 16 loads per 12
+// multiply-adds, against 10 in two passes. A lane's sum is the same chain of multiply-adds either
+// way: the same bits.
 template <int NQ, class Src>
 inline void dot4(const QRef* qs, const Src& k, int j, int d0, int d1, vf* h) {
   vf a[NQ][4];
-  for (int i = 0; i < NQ; ++i)
-    for (int u = 0; u < 4; ++u)
-      a[i][u] = splat(0.0f);
-  for (int d = d0; d < d1; d += 8) {
-    vf x[NQ];
-    for (int i = 0; i < NQ; ++i)
-      x[i] = load(qs[i].q + d);
-    vf kv = k.at(j, d);
-    for (int i = 0; i < NQ; ++i)
-      a[i][0] += x[i] * kv;
-    kv = k.at(j + 1, d);
-    for (int i = 0; i < NQ; ++i)
-      a[i][1] += x[i] * kv;
-    kv = k.at(j + 2, d);
-    for (int i = 0; i < NQ; ++i)
-      a[i][2] += x[i] * kv;
-    kv = k.at(j + 3, d);
-    for (int i = 0; i < NQ; ++i)
-      a[i][3] += x[i] * kv;
+  if constexpr (4 * NQ + NQ + 1 < kVecRegs) {
+    dot_keys<NQ, 0, 4>(qs, k, j, d0, d1, a);
+  } else {
+    dot_keys<NQ, 0, 2>(qs, k, j, d0, d1, a);
+    dot_keys<NQ, 2, 2>(qs, k, j, d0, d1, a);
   }
   for (int i = 0; i < NQ; ++i)
     h[i] = hadd(hadd(a[i][0], a[i][1]), hadd(a[i][2], a[i][3]));
