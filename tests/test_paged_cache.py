@@ -1,5 +1,7 @@
 """The mlx-lm cache protocol over the block pool, with unmodified model files."""
 
+import sys
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models import gemma2, gemma3_text, llama, qwen2, qwen3
@@ -124,3 +126,38 @@ def test_huge_pages_advice_keeps_the_bytes():
     assert asked % hugepages.HUGE == 0 and asked <= a.nbytes
     assert np.array_equal(np.array(a), before)
     assert hugepages.advise([h]) <= h.nbytes
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="hugepages.pack runs on Linux only")
+def test_huge_pages_pack_makes_each_parameter_a_view_of_a_shared_buffer(monkeypatch):
+    """hugepages.pack copies the model's smaller parameters into shared buffers, each parameter a
+    view of its buffer, cache-line aligned: the same values and shapes, the same logits; once."""
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from mlxq.worker.engine import hugepages
+
+    monkeypatch.setattr(hugepages, "_thp_on", lambda: True)  # the copies do not depend on the kernel's THP mode
+    monkeypatch.setattr(hugepages, "PACK_BUFFER", 6 << 20)  # several buffers
+    mx.random.seed(3)
+    m = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+                                    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                    vocab_size=1024, tie_word_embeddings=False))
+    mx.eval(m.parameters())
+    before = {k: np.array(v) for k, v in tree_flatten(m.parameters())}
+    x = mx.array([[1, 2, 3, 4, 5]])
+    want = m(x)
+    mx.eval(want)
+    bufs = hugepages.pack(m)
+    assert len(bufs) >= 2
+    spans = [hugepages._span(b) for b in bufs]
+    after = dict(tree_flatten(m.parameters()))
+    assert after.keys() == before.keys()
+    for k, v in after.items():
+        assert v.shape == before[k].shape and v.dtype == mx.float32
+        assert np.array_equal(np.array(v), before[k])
+        lo, hi = hugepages._span(v)
+        home = [s for s in spans if s[0] <= lo and hi <= s[1]]
+        assert len(home) == 1 and (lo - home[0][0]) % 64 == 0, k
+    assert mx.array_equal(m(x), want).item()
+    assert hugepages.pack(m) is bufs

@@ -112,7 +112,8 @@ class PagedEngine:
         # auto / fused / gather; logs its choice
         self.attention = use_attention(model, self.pool, attention, matmul=matmul)
         if huge_pages:  # the weights a step streams through and the pool (see hugepages.py)
-            hugepages.advise([a for _, a in tree_flatten(model.parameters())] + self.pool.arrays())
+            params = [a for _, a in tree_flatten(model.parameters()) if a.nbytes >= hugepages.PACK_BELOW]
+            hugepages.advise(hugepages.pack(model) + params + self.pool.arrays())
         self.sessions = SessionFiles(session_dir, model_id, self.pool) if session_dir else None
         config = SchedulerConfig(
             max_batch=max_batch, pressure=pressure, eos_token_ids=frozenset(eos_token_ids),

@@ -15,6 +15,17 @@ alternating (medians of 8-10): batch 1 4.45 -> 4.27 ms a step, batch 16 9.05 -> 
 
 The pool keeps its pages: the fused attention's KV writes are in place. An array MLX replaces
 (a block copy on the gather path) is back on 4 KiB pages, which costs only speed.
+
+Only an array's 2 MiB-aligned interior can be a huge page, and MLX gives each array its own
+allocation: a weight matrix of 0.5-2.3 MiB (every one of the bench model's layers) has no such
+interior, and of the bench model's 96 MiB of weights only 46 were asked for. :func:`pack` first
+copies the model's smaller parameters, in order, into a few large buffers (one per dtype and
+~64 MiB), each parameter then a view of its buffer (the same bytes and shape, rows contiguous), so
+that all but the buffers' ends get huge pages. Measured on the bench model, a packed engine against
+one whose weights were advised as before (46 MiB), windows of 30 steps alternating in one process
+(2026-11-27 17:00, best / median tok/s): batch 1 121 / 104 against 109 / 94, and in a second run
+133 / 124 against 127 / 118; batch 16 960 / 863 against 932 / 813; batch 64 1588 / 1315 against
+1465 / 1366.
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ import logging
 import sys
 import time
 from typing import Iterable, Optional
+
+from mlx.utils import tree_flatten, tree_unflatten
 
 import mlx.core as mx
 import numpy as np
@@ -84,3 +97,66 @@ def advise(arrays: Iterable[mx.array]) -> int:
         log.info("huge pages: %.0f MiB asked, %.0f MiB collapsed now, in %.2f s", asked / 2**20,
                  collapsed / 2**20, time.perf_counter() - t0)
     return asked
+
+
+# Parameters under this size are packed (a larger one loses at most 4 MiB of its own to alignment).
+PACK_BELOW = 32 << 20
+PACK_BUFFER = 64 << 20  # bytes a packed buffer collects before the next one starts
+_ALIGN = 64  # bytes: each parameter starts on a cache line of its buffer
+
+
+def _thp_on() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return "[always]" in mode or "[madvise]" in mode
+
+
+def pack(model) -> list[mx.array]:
+    """Copy ``model``'s parameters under :data:`PACK_BELOW` bytes into shared buffers (consecutive
+    parameters of one dtype, up to :data:`PACK_BUFFER` bytes each) and make each parameter a view of
+    its buffer; returns the buffers, evaluated, for :func:`advise`. The same values, shapes and
+    dtypes. Nothing where :func:`advise` would do nothing (not Linux, not the CPU, THP off); a model
+    packed before is left as it is (its buffers returned again)."""
+    done = getattr(model, "_mlxq_packed", None)
+    if done is not None:
+        return done
+    if not sys.platform.startswith("linux") or mx.default_device() != mx.cpu or not _thp_on():
+        return []
+    groups: list[list[tuple[str, mx.array]]] = []
+    size = 0
+    for name, a in tree_flatten(model.parameters()):
+        if a.nbytes >= PACK_BELOW or a.size == 0:
+            continue
+        if not groups or size + a.nbytes > PACK_BUFFER or groups[-1][0][1].dtype != a.dtype:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, a))
+        size += a.nbytes
+    buffers = []
+    for group in groups:
+        if sum(a.nbytes for _, a in group) < 2 * HUGE:
+            continue  # no 2 MiB page would fit inside it either
+        dtype = group[0][1].dtype
+        step = max(1, _ALIGN // dtype.size)
+        parts, offsets, off = [], [], 0
+        for _, a in group:
+            offsets.append(off)
+            parts.append(a.reshape(-1))
+            pad = -a.size % step
+            if pad:
+                parts.append(mx.zeros((pad,), dtype=dtype))
+            off += a.size + pad
+        buf = mx.concatenate(parts)
+        mx.eval(buf)
+        views = [(name, buf[o:o + a.size].reshape(a.shape)) for (name, a), o in zip(group, offsets)]
+        mx.eval([v for _, v in views])
+        model.update(tree_unflatten(views))
+        buffers.append(buf)
+    object.__setattr__(model, "_mlxq_packed", buffers)
+    if buffers:
+        log.info("huge pages: %d parameters packed into %d buffers (%.0f MiB)",
+                 sum(len(g) for g in groups), len(buffers), sum(b.nbytes for b in buffers) / 2**20)
+    return buffers
