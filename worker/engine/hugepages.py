@@ -36,10 +36,9 @@ import sys
 import time
 from typing import Iterable, Optional
 
-from mlx.utils import tree_flatten, tree_unflatten
-
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +134,11 @@ def pack(model) -> list[mx.array]:
             size = 0
         groups[-1].append((name, a))
         size += a.nbytes
-    buffers = []
+    buffers, packed = [], 0
     for group in groups:
         if sum(a.nbytes for _, a in group) < 2 * HUGE:
             continue  # no 2 MiB page would fit inside it either
+        packed += len(group)
         dtype = group[0][1].dtype
         step = max(1, _ALIGN // dtype.size)
         parts, offsets, off = [], [], 0
@@ -158,5 +158,5 @@ def pack(model) -> list[mx.array]:
     object.__setattr__(model, "_mlxq_packed", buffers)
     if buffers:
         log.info("huge pages: %d parameters packed into %d buffers (%.0f MiB)",
-                 sum(len(g) for g in groups), len(buffers), sum(b.nbytes for b in buffers) / 2**20)
+                 packed, len(buffers), sum(b.nbytes for b in buffers) / 2**20)
     return buffers
