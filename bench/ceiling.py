@@ -311,9 +311,8 @@ def main() -> int:
     e2e = E2E(args.model or _bench_dir()) if args.e2e and args.shape == "bench" else None
     loaded = load(args.shape, args.model)
     models = {"pool": loaded, "mlx": load(args.shape, args.model)}  # the engines side by side
-    packed = hugepages.pack(loaded.model)  # as the engine's (huge_pages): the same buffers and pages
+    hugepages.advise(hugepages.pack(loaded.model))  # as the engine's (huge_pages): the same buffers and pages
     groups = weights(loaded.model)  # grouped as the pool's matmuls run them
-    hugepages.advise(packed + [w for g in groups for w in g if w.nbytes >= hugepages.PACK_BELOW])
     wbytes = sum(w.nbytes for g in groups for w in g)
     print(f"{loaded.name}: {sum(w.size for g in groups for w in g) / 1e6:.1f}M weight-matrix parameters "
           f"({wbytes / 2**20:.0f} MiB fp32); {blas.status()}")

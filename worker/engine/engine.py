@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
-from mlx.utils import tree_flatten
 
 from ...shared.settings import Settings
 
@@ -112,8 +111,7 @@ class PagedEngine:
         # auto / fused / gather; logs its choice
         self.attention = use_attention(model, self.pool, attention, matmul=matmul)
         if huge_pages:  # the weights a step streams through and the pool (see hugepages.py)
-            params = [a for _, a in tree_flatten(model.parameters()) if a.nbytes >= hugepages.PACK_BELOW]
-            hugepages.advise(hugepages.pack(model) + params + self.pool.arrays())
+            hugepages.advise(hugepages.pack(model) + self.pool.arrays())
         self.sessions = SessionFiles(session_dir, model_id, self.pool) if session_dir else None
         config = SchedulerConfig(
             max_batch=max_batch, pressure=pressure, eos_token_ids=frozenset(eos_token_ids),

@@ -59,6 +59,10 @@ def _libc_madvise():
     return _madvise
 
 
+def _on_linux_cpu() -> bool:
+    return sys.platform.startswith("linux") and mx.default_device() == mx.cpu
+
+
 def _span(a: mx.array) -> Optional[tuple[int, int]]:
     """The array's data as [start, end) addresses (a zero-copy view of its buffer), or None when
     its buffer is not one contiguous run (a transposed or sliced view)."""
@@ -73,7 +77,7 @@ def advise(arrays: Iterable[mx.array]) -> int:
     """Back the 2 MiB-aligned interior of each array with huge pages where the kernel allows;
     returns the bytes asked for (0 where nothing could be: not Linux, small arrays, THP off).
     The arrays must be evaluated; one whose data is not one contiguous run is skipped."""
-    if not sys.platform.startswith("linux") or mx.default_device() != mx.cpu:
+    if not _on_linux_cpu():
         return 0
     madvise = _libc_madvise()
     t0, asked, collapsed = time.perf_counter(), 0, 0
@@ -116,17 +120,20 @@ def _thp_on() -> bool:
 def pack(model) -> list[mx.array]:
     """Copy ``model``'s parameters under :data:`PACK_BELOW` bytes into shared buffers (consecutive
     parameters of one dtype, up to :data:`PACK_BUFFER` bytes each) and make each parameter a view of
-    its buffer; returns the buffers, evaluated, for :func:`advise`. The same values, shapes and
-    dtypes. Nothing where :func:`advise` would do nothing (not Linux, not the CPU, THP off); a model
-    packed before is left as it is (its buffers returned again)."""
+    its buffer. The same values, shapes and dtypes. Returns what to :func:`advise` for the model's
+    weights: the buffers (evaluated) and the parameters left as they were, those of
+    :data:`PACK_BELOW` bytes and more. Nothing is copied where :func:`advise` would do nothing (not
+    Linux, not the CPU, THP off); a model packed before is left as it is (the same list again)."""
     done = getattr(model, "_mlxq_packed", None)
     if done is not None:
         return done
-    if not sys.platform.startswith("linux") or mx.default_device() != mx.cpu or not _thp_on():
-        return []
+    flat = tree_flatten(model.parameters())
+    large = [a for _, a in flat if a.nbytes >= PACK_BELOW]
+    if not _on_linux_cpu() or not _thp_on():
+        return large
     groups: list[list[tuple[str, mx.array]]] = []
     size = 0
-    for name, a in tree_flatten(model.parameters()):
+    for name, a in flat:
         if a.nbytes >= PACK_BELOW or a.size == 0:
             continue
         if not groups or size + a.nbytes > PACK_BUFFER or groups[-1][0][1].dtype != a.dtype:
@@ -155,8 +162,8 @@ def pack(model) -> list[mx.array]:
         mx.eval([v for _, v in views])
         model.update(tree_unflatten(views))
         buffers.append(buf)
-    object.__setattr__(model, "_mlxq_packed", buffers)
     if buffers:
         log.info("huge pages: %d parameters packed into %d buffers (%.0f MiB)",
                  packed, len(buffers), sum(b.nbytes for b in buffers) / 2**20)
-    return buffers
+    object.__setattr__(model, "_mlxq_packed", buffers + large)
+    return model._mlxq_packed
