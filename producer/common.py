@@ -132,19 +132,24 @@ def status_text(status: Optional[str], model: str, info: Optional[dict], window_
     return status
 
 
-def entry_delta(fields: dict) -> Optional[Delta]:
-    """A stream entry: a worker's msgpack delta (``d``) or a terminal event written by Lua.
-    None for an entry that is neither (it is skipped)."""
+def payload_deltas(payload: bytes) -> list[Delta]:
+    """The deltas of a worker's msgpack payload (one, or a job's samples' of one step); none for a
+    malformed one (it is skipped)."""
+    try:
+        return Delta.all_from_wire(codec.unpack(payload))
+    except (codec.CodecError, ValueError, TypeError, AttributeError):
+        return []
+
+
+def entry_deltas(fields: dict) -> list[Delta]:
+    """A stream entry: a worker's msgpack payload (``d``) or a terminal event written by Lua."""
     f = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
     if "d" in f:
-        try:
-            return Delta.from_wire(codec.unpack(f["d"]))
-        except (codec.CodecError, ValueError, TypeError, AttributeError):
-            return None
+        return payload_deltas(f["d"])
     reason = f.get("f", b"error")
     reason = reason.decode() if isinstance(reason, bytes) else reason
     err = f.get("e")
-    return Delta(attempt=-1, seq=-1, finish_reason=reason, error=err.decode() if isinstance(err, bytes) else err)
+    return [Delta(attempt=-1, seq=-1, finish_reason=reason, error=err.decode() if isinstance(err, bytes) else err)]
 
 
 @dataclass
@@ -188,6 +193,16 @@ class StreamState:
 
     def lane(self, sample: Optional[int]) -> Lane:
         return self.lanes.setdefault(sample or 0, Lane())
+
+    def feed_all(self, deltas: list[Delta]) -> list[Delta]:
+        """``feed`` each of one payload's deltas; ``gap`` when any of them left one."""
+        out: list[Delta] = []
+        gap = False
+        for d in deltas:
+            out += self.feed(d)
+            gap = gap or self.gap
+        self.gap = gap
+        return out
 
     def feed(self, d: Optional[Delta]) -> list[Delta]:
         self.gap = False

@@ -34,7 +34,8 @@ from ..shared import codec
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result
-from .common import JobTimeout, StreamState, build_request, check_fits, entry_delta, result_from_hash
+from .common import (JobTimeout, StreamState, build_request, check_fits, entry_deltas, payload_deltas,
+                     result_from_hash)
 
 log = logging.getLogger("mlxq.producer")
 
@@ -192,7 +193,7 @@ class JobCore:
         out: list[Delta] = []
         for entry_id, fields in entries:
             self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            out.extend(self.state.feed(entry_delta(fields)))
+            out.extend(self.state.feed_all(entry_deltas(fields)))
         return out
 
     def stream(self, timeout: Optional[float]) -> Step:
@@ -276,11 +277,7 @@ class Steps:
 
 def feed_message(state: StreamState, data: bytes) -> list[Delta]:
     """The deltas a live pub/sub message adds to ``state`` (none for a malformed one)."""
-    try:
-        delta = Delta.from_wire(codec.unpack(data))
-    except (codec.CodecError, ValueError, TypeError):
-        return []
-    return state.feed(delta)
+    return state.feed_all(payload_deltas(data))
 
 
 def decode_status(raw: Optional[bytes]) -> Optional[str]:

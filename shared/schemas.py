@@ -182,6 +182,17 @@ class GenerateRequest(SamplingParams):
         return SamplingParams.model_validate(self.model_dump(include=set(SamplingParams.model_fields)))
 
 
+def wire_deltas(payload) -> list[dict]:
+    """The wire deltas of one published payload (a pub/sub message, a stream entry's ``d``): one
+    delta (a map), or the deltas that several samples of one job (n > 1) made in one step (a list
+    of maps: one entry and one message for them all).  Anything else is malformed (TypeError)."""
+    if isinstance(payload, dict):
+        return [payload]
+    if isinstance(payload, list) and payload and all(isinstance(d, dict) for d in payload):
+        return payload
+    raise TypeError(f"not a delta payload: {type(payload).__name__}")
+
+
 class Delta(BaseModel):
     """A piece of a job's output, as streamed.
 
@@ -232,6 +243,11 @@ class Delta(BaseModel):
         if self.n_samples is not None:
             d["xn"] = self.n_samples
         return d
+
+    @classmethod
+    def all_from_wire(cls, payload) -> list["Delta"]:
+        """The deltas of one published payload (``wire_deltas``)."""
+        return [cls.from_wire(d) for d in wire_deltas(payload)]
 
     @classmethod
     def from_wire(cls, d: dict) -> "Delta":

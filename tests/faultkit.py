@@ -210,13 +210,14 @@ def record(name: str, submitted: int, completed: int, lost: int, duplicated: int
 def executions_by_job(r, keys, job_ids) -> dict[str, int]:
     """How many attempts each job's event stream shows (distinct ``attempt`` values of its deltas)."""
     from mlxq.shared import codec
+    from mlxq.shared.schemas import wire_deltas
 
     out = {}
     for jid in job_ids:
         attempts = set()
         for _, fields in r.xrange(keys.events(jid)):
             if b"d" in fields:
-                attempts.add(codec.unpack(fields[b"d"]).get("a"))
+                attempts.update(d.get("a") for d in wire_deltas(codec.unpack(fields[b"d"])))
         out[jid] = len(attempts)
     return out
 

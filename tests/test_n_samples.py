@@ -19,7 +19,7 @@ from mlxq.producer.gateway import ServerThread, create_app
 from mlxq.shared import codec
 from mlxq.shared.embedded import EmbeddedRedis
 from mlxq.shared.keys import GlobalKeys, ModelKeys
-from mlxq.shared.schemas import MAX_N, GenerateRequest
+from mlxq.shared.schemas import MAX_N, GenerateRequest, wire_deltas
 from faultkit import WorkerProc, wait_registered
 from refkit import greedy
 from workerkit import fast_settings, running_worker, wait_for
@@ -86,6 +86,20 @@ def test_greedy_samples_each_equal_the_solo_answer_and_the_stream_equals_the_res
     for o in res.outputs:
         assert streamed[o.index] == (o.token_ids, o.text, [o.finish_reason])
     assert res.usage.completion_tokens == 3 * len(ref_ids)
+
+
+def test_a_steps_samples_are_one_entry_of_the_record(stack):
+    """The samples of a job with n > 1 decode together: the deltas they make in one step are one
+    stream entry (and one pub/sub message, the same payload) holding each sample's delta, not n
+    entries; the record still holds each sample's tokens exactly once."""
+    _, client, _ = stack
+    job = client.submit(PROMPT, n=4, max_tokens=16, temperature=0.9, seed=5)
+    res = job.result(timeout=120)
+    entries = [wire_deltas(codec.unpack(f[b"d"])) for _, f in client.redis.xrange(ModelKeys("tiny").events(job.id))
+               if b"d" in f]
+    assert all(len({d["x"] for d in e}) == len(e) for e in entries)  # one delta per sample an entry
+    assert max(len(e) for e in entries) > 1 and len(entries) < sum(len(e) for e in entries)
+    assert _record_by_sample(client.redis, job.id) == {o.index: o.token_ids for o in res.outputs}
 
 
 def test_seeded_samples_are_reproducible_in_any_batch(stack):
@@ -173,8 +187,8 @@ def _record_by_sample(r, job_id) -> dict[int, list[int]]:
     out: dict[int, list[int]] = defaultdict(list)
     for _, fields in r.xrange(ModelKeys("tiny").events(job_id)):
         if b"d" in fields:
-            d = codec.unpack(fields[b"d"])
-            out[d.get("x", 0)] += d.get("i", [])
+            for d in wire_deltas(codec.unpack(fields[b"d"])):  # one delta, or several samples' of a step
+                out[d.get("x", 0)] += d.get("i", [])
     return out
 
 

@@ -9,10 +9,11 @@ import random
 
 from mlxq import Client
 from mlxq.producer.common import StreamState
+from mlxq.producer.core import feed_message
 from mlxq.shared import codec
 from mlxq.shared.keys import ModelKeys
 from mlxq.shared.schemas import Delta
-from mlxq.worker.jobs import read_published
+from mlxq.worker.jobs import read_published, read_samples
 from workerkit import fast_settings
 from faultkit import StreamCollector, WorkerProc, reference_tokens, wait_registered
 
@@ -53,6 +54,36 @@ def test_read_published_folds_the_record_once_per_index():
     ]
     p = read_published(entries)
     assert (p.tokens, p.chars, p.seq, p.seed, p.first_token_at) == ([1, 2, 3, 4], 4, 3, 42, 1.0)
+
+
+def test_a_payload_of_several_samples_feeds_each_lane_and_keeps_a_gap():
+    """A job with n > 1 publishes its samples' deltas of one step as one payload (a list): a subscriber
+    feeds each to its sample's lane, and a gap in any of them (not only the last) sends it to the record."""
+    def sd(sample, index, ids, text):
+        return Delta(seq=index + 1, index=index, offset=index, text=text, token_ids=ids, sample=sample)
+
+    s = StreamState()
+    payload = codec.pack([sd(0, 0, [5], "a").to_wire(), sd(1, 0, [6], "b").to_wire()])
+    out = feed_message(s, payload)
+    assert [(d.sample, d.token_ids) for d in out] == [(0, [5]), (1, [6])] and not s.gap
+    # sample 0's delta starts past what was yielded; sample 1's is fine: the gap still shows
+    out = feed_message(s, codec.pack([sd(0, 3, [7], "c").to_wire(), sd(1, 1, [8], "d").to_wire()]))
+    assert [(d.sample, d.token_ids) for d in out] == [(1, [8])] and s.gap
+    for bad in (codec.pack([]), codec.pack([1, 2]), codec.pack("x"), b"\xc1"):  # malformed: nothing, no error
+        assert feed_message(s, bad) == [] and not s.gap
+
+
+def test_read_samples_folds_a_payload_of_several_samples():
+    def sd(sample, index, ids, **extra):
+        return {**Delta(seq=index + 1, index=index, offset=index, text="x" * len(ids), token_ids=ids,
+                        sample=sample).to_wire(), **extra}
+
+    entries = [(b"1000-0", {b"d": codec.pack([sd(0, 0, [1], sd=7), sd(1, 0, [2], sd=7)])}),
+               (b"1001-0", {b"d": codec.pack([sd(1, 1, [3]), sd(0, 1, [4])])}),
+               (b"1002-0", {b"d": codec.pack(sd(1, 2, [5]))}),  # one sample's delta alone
+               (b"1003-0", {b"d": codec.pack([{"a": 1}, 3])})]  # malformed: skipped
+    got = read_samples(entries)
+    assert {k: (p.tokens, p.seed) for k, p in got.items()} == {0: ([1, 4], 7), 1: ([2, 3, 5], 7)}
 
 
 def _record_token_count(r, job_id) -> int:

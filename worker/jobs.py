@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from ..shared import codec
 from ..shared.protocol import Pulled, owner_token
 from ..shared.constraints import ConstraintError, ModelFormat, grammar_for
-from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, SampleOutput, ToolCall
+from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, SampleOutput, ToolCall, wire_deltas
 from ..shared.tools import check_tools, uses_tools
 from .engine_api import SeqSpec
 from .sampling import make_sampler, repetition_penalty, resolve_seed
@@ -143,13 +143,16 @@ class ActiveJob:
         """OpenAI's "tool_calls" for a job that stopped (EOS, a stop string) after making calls."""
         return "tool_calls" if finish == "stop" and self.text.calls else finish
 
-    def wire(self, delta: Delta) -> bytes:
+    def wire_dict(self, delta: Delta) -> dict:
         """A delta as published; a job's first delta also records its seed, so a run that takes the
         job over samples from the same stream (an unseeded sampled job too)."""
         d = delta.to_wire()
         if delta.seq == 1:
             d["sd"] = self.seed
-        return codec.pack(d)
+        return d
+
+    def wire(self, delta: Delta) -> bytes:
+        return codec.pack(self.wire_dict(delta))
 
     def resume_state(self) -> bytes:
         """What a later attempt needs besides the durable record (which holds tokens and text)."""
@@ -383,13 +386,14 @@ def read_samples(entries: list) -> dict[int, Published]:
         if raw is None:
             continue
         try:
-            wire = codec.unpack(raw)
-            d = Delta.from_wire(wire)
+            wires = wire_deltas(codec.unpack(raw))
+            deltas = [Delta.from_wire(w) for w in wires]
         except (codec.CodecError, ValueError, TypeError, AttributeError):
             continue
-        p = out.setdefault(d.sample or 0, Published())
-        if not p.broken:
-            p.fold(entry_id, d, wire)
+        for d, wire in zip(deltas, wires):  # one delta, or the deltas of a job's samples of one step
+            p = out.setdefault(d.sample or 0, Published())
+            if not p.broken:
+                p.fold(entry_id, d, wire)
     return out
 
 

@@ -52,10 +52,31 @@ class Backoff:
 class StepOutput:
     """What one engine step hands to Redis, in order."""
 
-    # (job id, owner token, msgpack delta, first of its attempt): appended and published fenced on the lease
+    # (job id, owner token, msgpack payload, first of its attempt): appended and published fenced on the
+    # lease; the payload is one delta, or the list of a job's samples' deltas of this step (add_delta)
     deltas: list[tuple[str, str, bytes, bool]] = field(default_factory=list)
     completions: list[tuple[str, str, str, bytes, bytes]] = field(default_factory=list)
     requeues: list[tuple[str, str, bytes]] = field(default_factory=list)
+    # job id -> [owner, wire deltas, first]: what add_delta gathered, packed by seal()
+    _staged: dict[str, list] = field(default_factory=dict, repr=False)
+
+    def add_delta(self, job_id: str, owner: str, wire: dict, first: bool) -> None:
+        """A job's delta of this step. The samples of a job with n > 1 each make one a step: they go
+        out as one payload (a msgpack list, ``shared.schemas.wire_deltas``), so one stream entry and
+        one pub/sub message, not n, and a subscriber wakes once a step for the job."""
+        staged = self._staged.get(job_id)
+        if staged is None:
+            self._staged[job_id] = [owner, [wire], first]
+        else:
+            staged[1].append(wire)
+            staged[2] = staged[2] or first
+
+    def seal(self) -> "StepOutput":
+        """Pack what add_delta gathered into ``deltas`` (Publisher.submit does it)."""
+        for job_id, (owner, wires, first) in self._staged.items():
+            self.deltas.append((job_id, owner, codec.pack(wires[0] if len(wires) == 1 else wires), first))
+        self._staged.clear()
+        return self
 
     def __bool__(self) -> bool:
         return bool(self.deltas or self.completions or self.requeues)
@@ -72,7 +93,7 @@ class Publisher(threading.Thread):
         self.on_fenced: Optional[Callable[[str, str, bool], None]] = None
 
     def submit(self, out: StepOutput) -> None:
-        if out:
+        if out.seal():
             self.inbox.put(out)
 
     def drain(self, timeout: float) -> bool:

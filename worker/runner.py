@@ -315,7 +315,7 @@ class Worker:
                 self._finish(job, finish, out, text, ids, lp)
             elif text or ids:
                 delta = job.emit(text, ids, logprobs=lp)
-                out.deltas.append((job.id, job.owner, job.wire(delta), job.seq == 1 or job.resumed))
+                out.add_delta(job.id, job.owner, job.wire_dict(delta), job.seq == 1 or job.resumed)
                 job.resumed = False
         for p in preempted:
             job = self.active.get(p.uid)
@@ -341,7 +341,7 @@ class Worker:
         self.active.pop(job.uid, None)
         result = job.end(finish, error, error_code)
         if result is None:  # other samples of the job still run: this one's last delta is a delta
-            out.deltas.append((job.id, job.owner, job.wire(delta), job.seq == 1 or job.resumed))
+            out.add_delta(job.id, job.owner, job.wire_dict(delta), job.seq == 1 or job.resumed)
             return
         status = {"cancelled": "cancelled", "error": "failed"}.get(result.finish_reason, "done")
         out.completions.append((job.id, job.owner, status, codec.pack(result.model_dump()), job.wire(delta)))
