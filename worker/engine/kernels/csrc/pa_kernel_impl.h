@@ -375,7 +375,8 @@ inline void dot_keys(const QRef* qs, const Src& k, int j, int d0, int d1, vf (*a
       in_register(x[i]);
     }
     for (int u = U0; u < U0 + KP; ++u) {
-      const vf kv = k.at(j + u, d);
+      vf kv = k.at(j + u, d);
+      in_register(kv); // one load of the key row, not one per query (see dot4)
       for (int i = 0; i < NQ; ++i)
         a[i][u] += x[i] * kv;
     }
@@ -386,15 +387,21 @@ inline void dot_keys(const QRef* qs, const Src& k, int j, int d0, int d1, vf (*a
 // sums q[d] * k_j[d] over d = d0 + l, d0 + l + 8, ... in order (fused multiply-adds from 0),
 // then h[i] = [lo0..lo3, hi0..hi3] of query i with lo = (l0 + l1) + (l2 + l3) and hi =
 // (l4 + l5) + (l6 + l7); the sum is lo + hi (attend_tile). A query's sums do not depend on NQ.
-// Where NQ queries' 4 x NQ accumulators, their NQ rows and a key row leave no register spare
-// (3 queries on 16 registers), the 4 keys go in two passes of 2: GCC held a key row in the 16th
-// register and took each query's row from memory at every multiply-add, 16 loads per 12
-// multiply-adds, against 10 in two passes. A lane's sum is the same chain of multiply-adds either
-// way: the same bits.
+// The queries' rows and each key row are held in registers (in_register): otherwise GCC took the
+// key row from memory as an operand of each query's multiply-add. With float blocks, 3 queries on
+// 16 registers (AVX2) go through the 4 keys in one pass: 12 accumulators, 3 query rows and the key
+// row, 7 loads per 12 multiply-adds and 12 independent chains. Before, they went in two passes of 2
+// keys, each with 9 loads per 6 multiply-adds (the key row read once per query), bound by the
+// loads. bench/harness/attend_fork.cpp, the AVX2 build on the AMD Zen 3 VM, 2026-11-27, runs
+// alternating: 8 forked rows over 1020 tokens, blocks from L1, one thread pinned, 3.16-3.28 ->
+// 2.90-3.02 ms (8 runs each); from memory on two threads, medians of 8 2.75 -> 2.58 ms; one row
+// unchanged. Quantized blocks keep two passes (their key rows are converted in registers that a
+// one-pass tile would not have). A lane's sum is the same chain of multiply-adds either way: the
+// same bits.
 template <int NQ, class Src>
 inline void dot4(const QRef* qs, const Src& k, int j, int d0, int d1, vf* h) {
   vf a[NQ][4];
-  if constexpr (4 * NQ + NQ + 1 < kVecRegs) {
+  if constexpr (4 * NQ + NQ + 1 < kVecRegs || (4 * NQ + NQ + 1 == kVecRegs && std::is_same_v<Src, F32Rows>)) {
     dot_keys<NQ, 0, 4>(qs, k, j, d0, d1, a);
   } else {
     dot_keys<NQ, 0, 2>(qs, k, j, d0, d1, a);
