@@ -394,10 +394,11 @@ inline void dot_keys(const QRef* qs, const Src& k, int j, int d0, int d1, vf (*a
 // keys, each with 9 loads per 6 multiply-adds (the key row read once per query), bound by the
 // loads. bench/harness/attend_fork.cpp, the AVX2 build on the AMD Zen 3 VM, 2026-11-27, runs
 // alternating: 8 forked rows over 1020 tokens, blocks from L1, one thread pinned, 3.16-3.28 ->
-// 2.90-3.02 ms (8 runs each); from memory on two threads, medians of 8 2.75 -> 2.58 ms; one row (a
-// tile of its 2 heads, the key row now held too) pinned 0.61-0.74 -> 0.55-0.67 ms. Quantized blocks keep two passes (their key rows are converted in registers that a
-// one-pass tile would not have). A lane's sum is the same chain of multiply-adds either way: the
-// same bits.
+// 2.91-3.02 ms (6 and 7 runs of 8; the others 3.6-4.6, the VM's other tenants busy); from memory
+// on two threads, medians of 8, 2.76 -> 2.59 ms; one row (a tile of its 2 heads, the key row now
+// held too), pinned, 0.61-0.74 -> 0.55-0.67 ms. Quantized blocks keep two passes (their key rows
+// are converted in registers that a one-pass tile would not have). A lane's sum is the same chain
+// of multiply-adds either way: the same bits.
 template <int NQ, class Src>
 inline void dot4(const QRef* qs, const Src& k, int j, int d0, int d1, vf* h) {
   vf a[NQ][4];
