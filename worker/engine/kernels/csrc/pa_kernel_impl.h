@@ -396,13 +396,15 @@ inline void dot_keys(const QRef* qs, const Src& k, int j, int d0, int d1, vf (*a
 // alternating: 8 forked rows over 1020 tokens, blocks from L1, one thread pinned, 3.16-3.28 ->
 // 2.91-3.02 ms (6 and 7 runs of 8; the others 3.6-4.6, the VM's other tenants busy); from memory
 // on two threads, medians of 8, 2.76 -> 2.59 ms; one row (a tile of its 2 heads, the key row now
-// held too), pinned, 0.61-0.74 -> 0.55-0.67 ms. Quantized blocks keep two passes (their key rows
-// are converted in registers that a one-pass tile would not have). A lane's sum is the same chain
-// of multiply-adds either way: the same bits.
+// held too), pinned, 0.61-0.74 -> 0.55-0.67 ms. Quantized blocks keep two passes where the one
+// pass would fill every register: their key rows are converted in registers the one pass would
+// not have (a choice by that count, not measured). A lane's sum is the same chain of multiply-adds
+// either way: the same bits.
 template <int NQ, class Src>
 inline void dot4(const QRef* qs, const Src& k, int j, int d0, int d1, vf* h) {
   vf a[NQ][4];
-  if constexpr (4 * NQ + NQ + 1 < kVecRegs || (4 * NQ + NQ + 1 == kVecRegs && std::is_same_v<Src, F32Rows>)) {
+  constexpr int one_pass = 4 * NQ + NQ + 1; // registers: the accumulators, the queries' rows, a key row
+  if constexpr (one_pass < kVecRegs || (one_pass == kVecRegs && std::is_same_v<Src, F32Rows>)) {
     dot_keys<NQ, 0, 4>(qs, k, j, d0, d1, a);
   } else {
     dot_keys<NQ, 0, 2>(qs, k, j, d0, d1, a);
