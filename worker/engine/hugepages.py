@@ -105,7 +105,7 @@ def advise(arrays: Iterable[mx.array]) -> int:
 # Parameters under this size are packed (a larger one loses at most 4 MiB of its own to alignment).
 PACK_BELOW = 32 << 20
 PACK_BUFFER = 64 << 20  # bytes a packed buffer collects before the next one starts
-_ALIGN = 64  # bytes: each parameter starts on a cache line of its buffer
+_ALIGN = 64  # bytes: each parameter starts on a cache line (an address that is a multiple of it)
 
 
 def _thp_on() -> bool:
@@ -115,6 +115,27 @@ def _thp_on() -> bool:
     except OSError:
         return False
     return "[always]" in mode or "[madvise]" in mode
+
+
+def _to_line(buf: mx.array, used: int) -> int:
+    """Move ``buf``'s first ``used`` elements up to its first address on a cache line, in place;
+    the elements moved by. MLX's CPU allocator hands out ``malloc``'s pointer plus an 8-byte header,
+    so a buffer, and every 64-byte offset in it, starts 8 bytes past a 16-byte boundary: half the
+    32-byte loads of a row that starts there straddle two cache lines. The matmuls' tiles load a
+    weight row and an activation row per multiply-add chain; with both off a line they ran 8-9%
+    slower at 8 rows and 2-4% at 64 (``bench/harness/rowdot_rows.cpp`` with ``XOFF``/``WOFF``, weights
+    from L1, one thread, 2026-11-28, an AMD EPYC VM: 8 rows 5.40 ms with both on a line, 5.93 with
+    both off; either one on a line was enough). In the engine (``bench/n_fork.py --rounds 3``, three
+    runs each, alternating), the 8-row matmuls' cost over one row's: +1.56-2.02 ms with the weights
+    off a line, +0.15-1.21 on one. The same values: only their addresses move."""
+    raw = np.frombuffer(memoryview(buf), dtype=np.uint8)
+    nbytes = used * buf.dtype.size
+    lead = -raw.ctypes.data % _ALIGN
+    if lead % buf.dtype.size or lead + nbytes > raw.nbytes:
+        return 0  # not reachable by whole elements (or no room): left where it is
+    if lead:
+        raw[lead:lead + nbytes] = raw[:nbytes].copy()
+    return lead // buf.dtype.size
 
 
 def pack(model) -> list[mx.array]:
@@ -156,9 +177,10 @@ def pack(model) -> list[mx.array]:
             if pad:
                 parts.append(mx.zeros((pad,), dtype=dtype))
             off += a.size + pad
-        buf = mx.concatenate(parts)
+        buf = mx.concatenate(parts + [mx.zeros((step,), dtype=dtype)])  # room to move to a line
         mx.eval(buf)
-        views = [(name, buf[o:o + a.size].reshape(a.shape)) for (name, a), o in zip(group, offsets)]
+        shift = _to_line(buf, off)
+        views = [(name, buf[shift + o:shift + o + a.size].reshape(a.shape)) for (name, a), o in zip(group, offsets)]
         mx.eval([v for _, v in views])
         model.update(tree_unflatten(views))
         buffers.append(buf)
