@@ -5,6 +5,8 @@
 //   /tmp/rowdot_rows 8 0 2    # M rows, mode (0 AVX-512, 1 AVX2, 2 compare bits, 3 AVX-512 with
 //                             # every weight row read from one row: the multiply-adds from L1), threads
 //   /tmp/rowdot_rows 64 4 2   # mode 4: AVX2 with the weights from L1
+//   XOFF=2 WOFF=2 /tmp/rowdot_rows 8 4 1   # x and the weights 2 floats past a 64-byte line, as MLX's
+//                             # CPU buffers start 8 bytes past one (default 0: on a line)
 // Where the CPU has no AVX-512 (an AMD Zen 3 VM, 2026-11-27), build with -mavx2 -mfma alone: then
 // only modes 1 and 4 run.
 //
@@ -42,14 +44,29 @@ int main(int argc, char** argv) {
     for (Shape s : {Shape{1024, 512}, Shape{512, 512}, Shape{2368, 512}, Shape{512, 1184}})
       shapes.push_back(s);
   shapes.push_back({8192, 512});
-  std::vector<std::vector<float>> W;
+  // Where x and each weight matrix start: off floats past a 64-byte line.
+  struct Placed {
+    std::vector<float> own;
+    float* p = nullptr;
+    size_t n = 0;
+    Placed(size_t n_, int off) : own(n_ + 32), n(n_) {
+      const uintptr_t a = reinterpret_cast<uintptr_t>(own.data());
+      p = own.data() + ((64 - (a & 63)) & 63) / sizeof(float) + off;
+    }
+    float* data() { return p; }
+    size_t size() const { return n; }
+    float& operator[](size_t i) { return p[i]; }
+  };
+  const int xoff = getenv("XOFF") ? atoi(getenv("XOFF")) : 0, woff = getenv("WOFF") ? atoi(getenv("WOFF")) : 0;
+  std::vector<Placed> W;
   for (const Shape& s : shapes) {
-    W.emplace_back((size_t)s.N * s.K);
+    W.emplace_back((size_t)s.N * s.K, woff);
     for (size_t i = 0; i < W.back().size(); ++i)
       W.back()[i] = ((i * 2654435761u) % 1000) / 1000.f - 0.5f;
   }
   const int ldx = 1184;
-  std::vector<float> x((size_t)M * ldx), y((size_t)M * 8192), y2(y.size());
+  Placed x((size_t)M * ldx, xoff);
+  std::vector<float> y((size_t)M * 8192), y2(y.size());
   for (size_t i = 0; i < x.size(); ++i)
     x[i] = ((i * 31) % 97) / 97.f - 0.5f;
 #ifndef __AVX512F__
