@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
     std::vector<float> own;
     float* p = nullptr;
     size_t n = 0;
-    Placed(size_t n_, int off) : own(n_ + 32), n(n_) {
+    Placed(size_t n_, int off) : own(n_ + 16 + off), n(n_) { // room for the line and the offset
       const uintptr_t a = reinterpret_cast<uintptr_t>(own.data());
       p = own.data() + ((64 - (a & 63)) & 63) / sizeof(float) + off;
     }
