@@ -111,6 +111,13 @@ def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
                      r"\[matmul ceiling \+ the step's K/V reads \((\d+) MiB a step\) at ([\d.]+) GB/s")
     add("ceiling", "batch 64 vs the matmul ceiling plus the step's K/V reads at the probed bandwidth",
         [f"{m[2]} of {m[1]} tok/s: {m[3]}% ({m[4]} MiB a step at {m[5]} GB/s)" for m in kvr], "(not the figure)")
+    # not the figure: round by round, the engine's window over that round's own ceiling
+    for batch, kvline in ((1, ""), (64, r".*\n")):
+        ms = find(ceil, rf"^\s+{batch}\s+\d+\s+\d+\s+\d+%.*\n{kvline}\s+paired by round: median (\d+)% "
+                        r"\(range (\d+)%-(\d+)%, (\d+) rounds")
+        add("ceiling", f"{'solo' if batch == 1 else 'batch 64'}, paired by round (the engine's window over its "
+            "own round's ceiling)", [f"median {m[1]}% ({m[2]}-{m[3]}%, {m[4]} rounds)" for m in ms],
+            "(not the figure)")
     s = shares(benches["ceiling-kv8"].output(), 64)  # not the figure: what the KV bytes cost
     add("ceiling-kv8", "batch 64 vs the matmul ceiling, 8-bit KV blocks (opt-in --kv-bits 8)",
         [f"{e} of {c} tok/s: {p}%" for c, e, p in s], "(the default is fp32: the row above)")
