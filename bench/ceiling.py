@@ -41,9 +41,9 @@ the K/V line prints the bytes a step read. Under each figure a **paired** line: 
 engine's window over that same round's ceiling (its matmul windows, or at batch 1 its bandwidth probe),
 the median and the range. The figure itself (best over best) sets each side's luckiest spell against
 the other's, not always the same spell; the paired median moves less from run to run and says where
-the engine stands. The targets are judged on the figure. The read bandwidth is probed once at the start and again in
-every window round, and the solo figure (and the K/V reads) are set against the best probe (a
-single probe at the start read a slow spell once and put solo at 131% of it).
+the engine stands. The targets are judged on the figure. The read bandwidth is probed once at the
+start and again in every window round, and the solo figure (and the K/V reads) are set against the
+best probe (a single probe at the start read a slow spell once and put solo at 131% of it).
 
 ``--kv-bits 8`` (or 4): the engines store their KV blocks quantized, as ``--kv-bits`` does in the
 worker; the ceilings are the same weight matmuls. At batch 64 the attention reads each row's own
@@ -244,21 +244,22 @@ def measure(models: dict, groups, batch: int, prompt_len: int, steps: int, windo
     the paired figure (:func:`paired_shares`)."""
     decoders = {k: Decoder(models[k], batch, prompt_len, steps, matmul=k, kv_bits=kv_bits)
                 for k in ("pool", "mlx")}
-    best = dict.fromkeys(("mm", "lin", "pool", "mlx", "bw", "kv"), 0.0)
-    best["rounds"] = []
+    best = dict.fromkeys(("pool", "mlx", "kv"), 0.0)
+    rounds = []
     for _ in range(windows):
-        bw = bw_probe() if bw_probe is not None else 0.0
-        mm = matmul_ceiling(groups, batch, rounds=1, reps=steps)
-        lin = linear_ceiling(groups, batch, rounds=1, reps=steps)
-        best["bw"], best["mm"], best["lin"] = max(best["bw"], bw), max(best["mm"], mm), max(best["lin"], lin)
+        r = {"bw": bw_probe() if bw_probe is not None else 0.0,
+             "mm": matmul_ceiling(groups, batch, rounds=1, reps=steps),
+             "lin": linear_ceiling(groups, batch, rounds=1, reps=steps)}
         for k, dec in decoders.items():
             tps, kv = dec.window()
             if k == "pool":
-                best["rounds"].append({"engine": tps, "mm": mm, "lin": lin, "bw": bw})
+                r["engine"] = tps
             if tps > best[k]:
                 best[k] = tps
                 if k == "pool":
                     best["kv"] = kv  # the K/V bytes a step of the engine's best window read
+        rounds.append(r)
+    best.update({key: max(r[key] for r in rounds) for key in ("bw", "mm", "lin")}, rounds=rounds)
     return best
 
 
@@ -344,8 +345,12 @@ def main() -> int:
                       lambda: bandwidth(4 * wbytes))
         mm, lin, eng, eng_mlx = got["mm"], got["lin"], got["pool"], got["mlx"]
         best_bw = max(bw, got["bw"])
-        ceiling, what = ((best_bw / wbytes, f"bandwidth ceiling ({best_bw / 1e9:.1f} GB/s, best of "
-                          f"{args.windows + 1} probes)") if b == 1 else (max(mm, lin), "matmul ceiling"))
+        # batch 1 is bound by the read bandwidth, the others by the faster of the two matmuls: the
+        # figure takes the bests of the run, the paired line each round's own
+        ceiling_of = (lambda r: r["bw"] / wbytes) if b == 1 else (lambda r: max(r["mm"], r["lin"]))
+        ceiling = ceiling_of({"bw": best_bw, "mm": mm, "lin": lin})
+        what = (f"bandwidth ceiling ({best_bw / 1e9:.1f} GB/s, best of {args.windows + 1} probes)" if b == 1
+                else "matmul ceiling")
         line = (f"{b:>5} {ceiling:>9.0f} {eng:>8.0f} {eng / ceiling:>6.0%}   {eng_mlx:.0f} ({eng_mlx / ceiling:.0%})"
                 f"   [{what}; matmuls alone: MLX {mm:.0f}, pool {lin:.0f}]")
         print(line, flush=True)
@@ -353,8 +358,7 @@ def main() -> int:
             floor = b / (b / ceiling + got["kv"] / best_bw)
             print(f"{'':>5} {floor:>9.0f} {eng:>8.0f} {eng / floor:>6.0%}   [matmul ceiling + the step's K/V reads "
                   f"({got['kv'] / 2**20:.0f} MiB a step) at {best_bw / 1e9:.1f} GB/s]", flush=True)
-        paired = paired_shares(got["rounds"], (lambda r: r["bw"] / wbytes) if b == 1 else
-                               (lambda r: max(r["mm"], r["lin"])))
+        paired = paired_shares(got["rounds"], ceiling_of)
         if paired:
             print(f"{'':>5} paired by round: median {statistics.median(paired):.0%} (range {paired[0]:.0%}-"
                   f"{paired[-1]:.0%}, {len(paired)} rounds; the engine's window over its own round's "
