@@ -32,6 +32,7 @@ from ...shared.settings import Settings
 from ..engine_api import Preempted, SeqSpec, TokenEvent
 from . import hugepages
 from .attention import use_attention
+from .decode_forward import DecodeForward
 from .block_manager import BLOCK_SIZE, BlockManager
 from .constrain import GrammarBook, GrammarError, RowGrammar
 from .kv_cache import KVPool, make_kv_quant, probe_kv_shape
@@ -110,6 +111,9 @@ class PagedEngine:
         self.runner = ModelRunner(model, self.pool)
         # auto / fused / gather; logs its choice
         self.attention = use_attention(model, self.pool, attention, matmul=matmul)
+        self.runner.decode_forward, why = DecodeForward.build(model, self.pool, self.attention)
+        self.decode_path = f"{'decode_forward' if self.runner.decode_forward else 'the model file'} ({why})"
+        log.info("decode steps: %s", self.decode_path)
         if huge_pages:  # the weights a step streams through and the pool (see hugepages.py)
             hugepages.advise(hugepages.pack(model) + self.pool.arrays())
         self.sessions = SessionFiles(session_dir, model_id, self.pool) if session_dir else None

@@ -53,6 +53,9 @@ class ModelRunner:
         self.split_head = (type(model).__module__ in _SPLIT_HEAD_MODULES and hasattr(model, "model")
                            and hasattr(model, "args"))
         self._inflight: Optional[_InFlight] = None
+        # decode steps straight from the extension's ops where the engine found them to apply
+        # (decode_forward.DecodeForward: the same bits, less host work); else the model file
+        self.decode_forward = None
 
     def _head(self, h: mx.array) -> mx.array:
         if self.model.args.tie_word_embeddings:
@@ -183,7 +186,9 @@ class ModelRunner:
         if n_pending < len(rows):
             parts.append(mx.array([s.tokens[-1] for s in rows[n_pending:]], dtype=mx.int32))
         inputs = (parts[0] if len(parts) == 1 else mx.concatenate(parts))[:, None]
-        logits = self.forward([BatchRow(s.block_table, s.num_computed, 1) for s in rows], inputs)
+        batch = [BatchRow(s.block_table, s.num_computed, 1) for s in rows]
+        fast = self.decode_forward
+        logits = fast(batch, inputs) if fast is not None and fast.current() else self.forward(batch, inputs)
         if any(s.needs_host_tokens for s in rows):
             mx.async_eval(logits)
             return _InFlight(rows, None, [], logits)

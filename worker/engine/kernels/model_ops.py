@@ -230,6 +230,19 @@ def describe(ext, ops: tuple) -> str:
 
 
 # ============================================================== installing
+_installs = 0  # install_* calls so far (a model's ops may have changed since a caller looked)
+
+
+def installs() -> int:
+    """How many times ops were installed into a model (decode_forward re-checks when it moves)."""
+    return _installs
+
+
+def _installed() -> None:
+    global _installs
+    _installs += 1
+
+
 def replace_module_global(model, name: str, original, replacement) -> list[str]:
     """In the modules whose classes make up ``model``, point the global ``name`` at
     ``replacement`` where it is ``original``; returns the modules that now use it."""
@@ -261,6 +274,7 @@ def swiglu_dispatch(gate, x):
 def install_swiglu(model, op: Callable) -> list[str]:
     """Point the loaded model's modules that call mlx-lm's swiglu at swiglu_dispatch."""
     global _fast_swiglu
+    _installed()
     _fast_swiglu = op
     return replace_module_global(model, "swiglu", mlx_swiglu, swiglu_dispatch)
 
@@ -285,6 +299,7 @@ class FastRoPE(nn.RoPE):
 def install_rope(model, op: Callable) -> int:
     """Make the model's plain nn.RoPE instances FastRoPE; returns how many."""
     global _fast_rope
+    _installed()
     _fast_rope = op
     return _swap_class(model, nn.RoPE, FastRoPE)
 
@@ -319,6 +334,7 @@ class FastRMSNorm(nn.RMSNorm):
 def install_rms_norm(model, op: Callable) -> int:
     """Make the model's plain nn.RMSNorm instances FastRMSNorm; returns how many."""
     global _fast_rms_norm
+    _installed()
     _fast_rms_norm = op
     return _swap_class(model, nn.RMSNorm, FastRMSNorm)
 
@@ -394,6 +410,7 @@ def sibling_groups(model, kind: type = nn.Linear):
 
 def install_groups(model, group_op: Optional[Callable]) -> int:
     """Group the FastLinear siblings of :data:`GROUPS` (None: ungroup them); returns how many groups."""
+    _installed()
     n = 0
     for members in sibling_groups(model, FastLinear):
         group = LinearGroup(members, group_op) if group_op is not None else None
@@ -417,6 +434,7 @@ class FastEmbedding(nn.Embedding):
 def install_linear(model, op: Optional[Callable]) -> int:
     """Make the model's plain nn.Linear and nn.Embedding instances FastLinear and FastEmbedding
     calling ``op`` (None: MLX's own matmul); returns how many Linear layers call ``op``."""
+    _installed()
     n = 0
     for fast, plain in ((FastEmbedding, nn.Embedding), (FastLinear, nn.Linear)):
         if op is not None:

@@ -1,0 +1,113 @@
+"""decode_forward.DecodeForward: a decode step straight from the extension's ops gives the model
+file's logits bit for bit (float and quantized pools, rows at one position or at many, llama and
+qwen2 with its biases), and the engine keeps the model file wherever it does not apply."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import qwen2
+
+from mlxq.worker.engine import PagedEngine
+from mlxq.worker.engine.decode_forward import DecodeForward
+from mlxq.worker.engine.kv_cache import BatchRow
+from mlxq.worker.engine_api import SeqSpec
+
+from enginekit import random_llama, run
+
+
+def random_qwen2(seed: int):
+    """A 2-layer qwen2 (biased q/k/v, tied head) with random weights, evaluated."""
+    mx.random.seed(seed)
+    m = qwen2.Model(qwen2.ModelArgs(
+        model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=256,
+        rope_theta=1e6, tie_word_embeddings=True))
+    mx.eval(m.parameters())
+    return m
+
+
+def engine_with_fast_path(model, **kw) -> PagedEngine:
+    eng = PagedEngine(model, num_blocks=64, **kw)
+    if eng.runner.decode_forward is None:
+        pytest.skip(f"decode_forward does not apply on this machine: {eng.decode_path}")
+    return eng
+
+
+def decoding(eng, prompts: list[list[int]]):
+    """The engine's sequences once every one decodes, with nothing in flight."""
+    eng.add([SeqSpec(f"s{i}", p, 50, stop_token_ids=()) for i, p in enumerate(prompts)])
+    for _ in range(200):
+        eng.step()
+        seqs = list(eng.scheduler.running.values())
+        if len(seqs) == len(prompts) and all(s.status.value == "decode" for s in seqs):
+            break
+    eng.runner.take_inflight()
+    return seqs
+
+
+def both_logits(eng, seqs):
+    """The step's logits through the model file, then through DecodeForward (the second writes
+    the same K/V rows into the same slots again)."""
+    batch = [BatchRow(s.block_table, s.num_computed, 1) for s in seqs]
+    inputs = mx.array([[s.tokens[-1]] for s in seqs], dtype=mx.int32)
+    stock = eng.runner.forward(batch, inputs)
+    mx.eval(stock, eng.pool.arrays())
+    fast = eng.runner.decode_forward(batch, inputs)
+    mx.eval(fast, eng.pool.arrays())
+    return stock, fast
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+@pytest.mark.parametrize("lengths", [[37], [5, 40, 33, 70], [21, 21, 21]], ids=["one", "ragged", "aligned"])
+def test_logits_bit_for_bit_llama(kv_bits, lengths):
+    kw = {} if kv_bits is None else dict(kv_bits=kv_bits, kv_group_size=32)
+    eng = engine_with_fast_path(random_llama(11, hidden_size=128), **kw)  # head dim 32: a KV group
+    seqs = decoding(eng, [[(7 * i + 3 * n) % 250 + 1 for i in range(n)] for n in lengths])
+    stock, fast = both_logits(eng, seqs)
+    assert stock.shape == fast.shape == (len(lengths), 256)
+    assert mx.array_equal(stock, fast).item()
+
+
+def test_logits_bit_for_bit_qwen2_biases():
+    eng = engine_with_fast_path(random_qwen2(12))
+    seqs = decoding(eng, [[(5 * i + n) % 250 + 1 for i in range(n)] for n in (9, 50, 31)])
+    stock, fast = both_logits(eng, seqs)
+    assert mx.array_equal(stock, fast).item()
+
+
+def test_engine_output_equal_with_and_without():
+    """Whole runs, with preemption on a small pool: the same greedy tokens either way."""
+    model = random_llama(13)
+    prompts = [[(11 * i + n) % 250 + 1 for i in range(n)] for n in (12, 45, 30, 64, 8)]
+    specs = [SeqSpec(f"r{i}", p, 40, stop_token_ids=()) for i, p in enumerate(prompts)]
+    outs = []
+    for fast in (False, True):
+        eng = PagedEngine(model, num_blocks=14, pressure=1.0)
+        if fast and eng.runner.decode_forward is None:
+            pytest.skip(f"decode_forward does not apply on this machine: {eng.decode_path}")
+        if not fast:
+            eng.runner.decode_forward = None
+        out, done, _ = run(eng, specs)
+        assert set(done) == {s.uid for s in specs}
+        outs.append(out)
+    assert outs[0] == outs[1]
+
+
+def test_steps_aside_where_it_does_not_apply():
+    model = random_llama(14)
+    eng = PagedEngine(model, num_blocks=16, matmul="mlx")
+    assert eng.runner.decode_forward is None and "op" in eng.decode_path
+    gather = PagedEngine(model, num_blocks=16, attention="gather")
+    assert gather.runner.decode_forward is None and "gather" in gather.decode_path
+
+
+def test_follows_ops_installed_later_on_the_same_model():
+    """An engine made later on the same model with MLX's matmul changes what the model file runs;
+    the earlier engine's fast path then steps aside rather than keep the extension's matmul."""
+    model = random_llama(15)
+    first = engine_with_fast_path(model)
+    assert first.runner.decode_forward.current()
+    PagedEngine(model, num_blocks=16, matmul="mlx")
+    assert not first.runner.decode_forward.current()
+    out, done, _ = run(first, [SeqSpec("a", [3, 4, 5, 6], 6, stop_token_ids=())])
+    assert len(out["a"]) == 6 and done == {"a": "length"}
+    assert DecodeForward.build(model, first.pool, first.attention)[0] is None

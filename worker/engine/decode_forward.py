@@ -1,0 +1,153 @@
+"""A decode step's forward pass built straight from the extension's ops: the same primitives as
+the stock model file, in the same order, with less host work and fewer graph nodes.
+
+Through mlx-lm's model file, a decode step of the bench model is a graph of 200 nodes that the
+main thread builds in Python (module calls, the op dispatch of :mod:`.kernels.model_ops`, the
+paged cache's protocol) in ~2-3 ms, 32 of them transposes. At one token per row a (B, 1, H * D)
+projection is already (B, H, 1, D) in memory, so a reshape alone does (168 nodes). The main
+thread shares the machine's cores with the MLX stream and the extension's pool, so its time comes
+off theirs: alternating in one engine, one row's step took 0.92-0.96x the model file's.
+
+:class:`DecodeForward` runs one case, and :meth:`DecodeForward.build` says when it applies:
+
+* a stock mlx-lm llama or qwen2 model with no sliding-window layers;
+* the CPU extension's attention, and all four of its model ops installed (swiglu, rope,
+  rms_norm, and linear with its sibling groups);
+* every row feeds one token (prefill chunks and ragged passes keep the model file).
+
+Every primitive gets the same inputs as through the model file, so the logits are the same
+bits (``tests/test_decode_forward.py`` compares them, on float and quantized pools). What
+differs is only the number of view nodes and the host's Python.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from .kernels import model_ops
+from .kv_cache import BatchRow, BatchView, KVPool
+
+# Model files whose decoder layers are exactly: x + attn(norm(x)), then h + mlp(norm(h)), with
+# q/k/v -> rope -> cache -> attention -> o_proj and down(swiglu(gate, up)).
+_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
+
+
+class _Layer:
+    __slots__ = ("ln_in", "ln_post", "qkv", "o", "gate_up", "down", "heads", "kv_heads", "scale", "rope")
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.ln_in, self.ln_post = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = attn.o_proj
+        self.gate_up = (mlp.gate_proj, mlp.up_proj)
+        self.down = mlp.down_proj
+        self.heads, self.kv_heads, self.scale = attn.n_heads, attn.n_kv_heads, attn.scale
+        r = attn.rope
+        self.rope = (r.dims, r.traditional, r.base, r.scale)
+
+
+def _bias(m) -> Optional[mx.array]:
+    return m["bias"] if "bias" in m else None
+
+
+def _biases(ms) -> list:
+    """A group's biases as ``linear_group`` takes them: one per member, or none."""
+    return [m["bias"] for m in ms if "bias" in m]
+
+
+class DecodeForward:
+    """Logits (B, vocab) of one decode step over the pool (see the module doc)."""
+
+    def __init__(self, model, pool: KVPool, backend, ext):
+        self.model, self.pool, self.backend, self.ext = model, pool, backend, ext
+        self.installs = model_ops.installs()  # the model's ops as checked by build()
+        inner = model.model
+        self.embed, self.norm = inner.embed_tokens, inner.norm
+        self.head = None if model.args.tie_word_embeddings else model.lm_head
+        self.layers = [_Layer(x) for x in inner.layers]
+
+    @classmethod
+    def build(cls, model, pool: KVPool, backend) -> tuple[Optional["DecodeForward"], str]:
+        """(the forward, why) where it applies to this model and engine, else (None, why not)."""
+        why = cls._unsupported(model, pool, backend)
+        if why is not None:
+            return None, why
+        from .attention import cpu_extension
+
+        return cls(model, pool, backend, cpu_extension()), "the extension's ops straight, one reshape per view"
+
+    @staticmethod
+    def _unsupported(model, pool: KVPool, backend) -> Optional[str]:
+        if backend.name != "fused-cpu":
+            return f"attention is {backend.name}"
+        if backend.matmul != "pool" or not {"swiglu", "rope", "rms_norm", "linear"} <= set(backend.model_ops):
+            return "not every model op of the extension is installed"
+        if type(model).__module__ not in _MODULES:
+            return f"model file {type(model).__module__}"
+        inner = getattr(model, "model", None)
+        if inner is None or getattr(inner, "pipeline_size", 1) != 1:
+            return "a pipelined model"
+        if model.args.tie_word_embeddings and (type(inner.embed_tokens) is not model_ops.FastEmbedding or
+                                               getattr(inner.embed_tokens, "_mlxq_linear", None) is None):
+            return "the tied vocabulary head is not the extension's linear"
+        norms = [inner.norm]
+        for layer in inner.layers:
+            if getattr(layer, "use_sliding", False):
+                return "sliding-window layers"
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(attn.rope) is not model_ops.FastRoPE:
+                return f"rope {type(attn.rope).__name__}"
+            lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            if any(type(x) is not model_ops.FastLinear or getattr(x, "_mlxq_linear", None) is None for x in lins):
+                return "a projection is not the extension's linear"
+            if any(getattr(x, "_mlxq_group", None) is None for x in lins[:3] + lins[4:6]):
+                return "the sibling projections are not grouped"
+            for sib in (lins[:3], lins[4:6]):
+                if len({"bias" in x for x in sib}) != 1:
+                    return "sibling projections with and without a bias"
+            if any(x["weight"].dtype != mx.float32 for x in lins):
+                return "weights that are not float32"
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if any(type(x) is not model_ops.FastRMSNorm for x in norms):
+            return "a norm is not the extension's"
+        head = None if model.args.tie_word_embeddings else getattr(model, "lm_head", None)
+        if head is not None and (type(head) is not model_ops.FastLinear or getattr(head, "_mlxq_linear", None) is None):
+            return "the vocabulary head is not the extension's linear"
+        return None
+
+    def current(self) -> bool:
+        """Whether the model's ops are still those build() checked (an engine made later on the
+        same model may have installed others, e.g. MLX's matmul): if not, the caller runs the
+        model file, which follows them."""
+        if self.installs != model_ops.installs():
+            if self._unsupported(self.model, self.pool, self.backend) is not None:
+                return False
+            self.installs = model_ops.installs()
+        return True
+
+    def __call__(self, rows: list[BatchRow], inputs: mx.array) -> mx.array:
+        """``inputs`` (B, 1): each row's next token; ``rows``: each feeds one token."""
+        ext, pool = self.ext, self.pool
+        rms_norm, linear, group, rope, swiglu = ext.rms_norm, ext.linear, ext.linear_group, ext.rope, ext.swiglu
+        view = BatchView(rows, pool.block_size, pool.scratch_block)
+        B = inputs.shape[0]
+        h = self.embed["weight"][inputs]  # (B, 1, D), what nn.Embedding computes
+        offsets, slots = view.q_offsets, view.write_slots
+        for i, L in enumerate(self.layers):
+            x = rms_norm(h, L.ln_in["weight"], L.ln_in.eps)
+            q, k, v = group(x, [m["weight"] for m in L.qkv], _biases(L.qkv))
+            q = rope(q.reshape(B, L.heads, 1, -1), *L.rope, offsets)
+            k = rope(k.reshape(B, L.kv_heads, 1, -1), *L.rope, offsets)
+            pool.write_rows(i, k, v.reshape(B, L.kv_heads, 1, -1), slots)
+            o = pool.attention(q, pool.keys[i], pool.values[i], view.tables, view.q_offsets, view.kv_lens,
+                               L.scale, None, **pool.quant_kwargs(i))
+            h = h + linear(o.reshape(B, 1, -1), L.o["weight"], _bias(L.o))
+            x = rms_norm(h, L.ln_post["weight"], L.ln_post.eps)
+            gate, up = group(x, [m["weight"] for m in L.gate_up], _biases(L.gate_up))
+            h = h + linear(swiglu(gate, up), L.down["weight"], _bias(L.down))
+        h = rms_norm(h, self.norm["weight"], self.norm.eps)[:, 0, :]
+        w = self.embed["weight"] if self.head is None else self.head["weight"]
+        return linear(h, w, None if self.head is None else _bias(self.head))
