@@ -111,3 +111,15 @@ def test_follows_ops_installed_later_on_the_same_model():
     out, done, _ = run(first, [SeqSpec("a", [3, 4, 5, 6], 6, stop_token_ids=())])
     assert len(out["a"]) == 6 and done == {"a": "length"}
     assert DecodeForward.build(model, first.pool, first.attention)[0] is None
+
+
+def test_steps_aside_for_weights_that_are_not_float32():
+    """The model file's ops fall back to MLX's own for other dtypes; so does the whole step."""
+    model = random_llama(16)
+    eng = engine_with_fast_path(model)
+    model.set_dtype(mx.bfloat16)
+    assert DecodeForward.build(model, eng.pool, eng.attention) == (None, "weights that are not float32")
+    bf16 = PagedEngine(model, num_blocks=16)
+    assert bf16.runner.decode_forward is None
+    out, done, _ = run(bf16, [SeqSpec("a", [3, 4, 5, 6], 4, stop_token_ids=())])
+    assert len(out["a"]) == 4

@@ -93,7 +93,7 @@ class DecodeForward:
         if model.args.tie_word_embeddings and (type(inner.embed_tokens) is not model_ops.FastEmbedding or
                                                getattr(inner.embed_tokens, "_mlxq_linear", None) is None):
             return "the tied vocabulary head is not the extension's linear"
-        norms = [inner.norm]
+        norms, weights = [inner.norm], [inner.embed_tokens["weight"]]
         for layer in inner.layers:
             if getattr(layer, "use_sliding", False):
                 return "sliding-window layers"
@@ -108,14 +108,17 @@ class DecodeForward:
             for sib in (lins[:3], lins[4:6]):
                 if len({"bias" in x for x in sib}) != 1:
                     return "sibling projections with and without a bias"
-            if any(x["weight"].dtype != mx.float32 for x in lins):
-                return "weights that are not float32"
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            weights += [x["weight"] for x in lins]
         if any(type(x) is not model_ops.FastRMSNorm for x in norms):
             return "a norm is not the extension's"
         head = None if model.args.tie_word_embeddings else getattr(model, "lm_head", None)
         if head is not None and (type(head) is not model_ops.FastLinear or getattr(head, "_mlxq_linear", None) is None):
             return "the vocabulary head is not the extension's linear"
+        # the ops the model file would take are the extension's only for float32 (else MLX's own)
+        weights += [x["weight"] for x in norms] + [x["weight"] for x in (head,) if x is not None]
+        if any(w.dtype != mx.float32 for w in weights):
+            return "weights that are not float32"
         return None
 
     def current(self) -> bool:
