@@ -32,9 +32,9 @@ from ...shared.settings import Settings
 from ..engine_api import Preempted, SeqSpec, TokenEvent
 from . import hugepages
 from .attention import use_attention
-from .decode_forward import DecodeForward
 from .block_manager import BLOCK_SIZE, BlockManager
 from .constrain import GrammarBook, GrammarError, RowGrammar
+from .decode_forward import DecodeForward
 from .kv_cache import KVPool, make_kv_quant, probe_kv_shape
 from .model_runner import ModelRunner
 from .scheduler import DEFAULT_CHUNK_SCHEDULE, Scheduler, SchedulerConfig
