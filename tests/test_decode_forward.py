@@ -51,7 +51,7 @@ def both_logits(eng, seqs):
     inputs = mx.array([[s.tokens[-1]] for s in seqs], dtype=mx.int32)
     stock = eng.runner.forward(batch, inputs)
     mx.eval(stock, eng.pool.arrays())
-    fast = eng.runner.decode_forward(batch, inputs)
+    fast = eng.runner.head(eng.runner.decode_forward(batch, inputs))
     mx.eval(fast, eng.pool.arrays())
     return stock, fast
 

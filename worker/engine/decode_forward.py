@@ -59,14 +59,13 @@ def _biases(ms) -> list:
 
 
 class DecodeForward:
-    """Logits (B, vocab) of one decode step over the pool (see the module doc)."""
+    """One decode step over the pool, up to the vocabulary head (see the module doc)."""
 
     def __init__(self, model, pool: KVPool, backend, ext):
         self.model, self.pool, self.backend, self.ext = model, pool, backend, ext
         self.installs = model_ops.installs()  # the model's ops as checked by build()
         inner = model.model
         self.embed, self.norm = inner.embed_tokens, inner.norm
-        self.head = None if model.args.tie_word_embeddings else model.lm_head
         self.layers = [_Layer(x) for x in inner.layers]
 
     @classmethod
@@ -90,9 +89,6 @@ class DecodeForward:
         inner = getattr(model, "model", None)
         if inner is None or getattr(inner, "pipeline_size", 1) != 1:
             return "a pipelined model"
-        if model.args.tie_word_embeddings and (type(inner.embed_tokens) is not model_ops.FastEmbedding or
-                                               getattr(inner.embed_tokens, "_mlxq_linear", None) is None):
-            return "the tied vocabulary head is not the extension's linear"
         norms, weights = [inner.norm], [inner.embed_tokens["weight"]]
         for layer in inner.layers:
             if getattr(layer, "use_sliding", False):
@@ -112,11 +108,8 @@ class DecodeForward:
             weights += [x["weight"] for x in lins]
         if any(type(x) is not model_ops.FastRMSNorm for x in norms):
             return "a norm is not the extension's"
-        head = None if model.args.tie_word_embeddings else getattr(model, "lm_head", None)
-        if head is not None and (type(head) is not model_ops.FastLinear or getattr(head, "_mlxq_linear", None) is None):
-            return "the vocabulary head is not the extension's linear"
         # the ops the model file would take are the extension's only for float32 (else MLX's own)
-        weights += [x["weight"] for x in norms] + [x["weight"] for x in (head,) if x is not None]
+        weights += [x["weight"] for x in norms]
         if any(w.dtype != mx.float32 for w in weights):
             return "weights that are not float32"
         return None
@@ -132,7 +125,8 @@ class DecodeForward:
         return True
 
     def __call__(self, rows: list[BatchRow], inputs: mx.array) -> mx.array:
-        """``inputs`` (B, 1): each row's next token; ``rows``: each feeds one token."""
+        """The last hidden state (B, D), normed, of ``inputs`` (B, 1): each row's next token (``rows``:
+        each feeds one token). The caller applies the model's vocabulary head (ModelRunner.head)."""
         ext, pool = self.ext, self.pool
         rms_norm, linear, group, rope, swiglu = ext.rms_norm, ext.linear, ext.linear_group, ext.rope, ext.swiglu
         view = BatchView(rows, pool.block_size, pool.scratch_block)
@@ -151,6 +145,4 @@ class DecodeForward:
             x = rms_norm(h, L.ln_post["weight"], L.ln_post.eps)
             gate, up = group(x, [m["weight"] for m in L.gate_up], _biases(L.gate_up))
             h = h + linear(swiglu(gate, up), L.down["weight"], _bias(L.down))
-        h = rms_norm(h, self.norm["weight"], self.norm.eps)[:, 0, :]
-        w = self.embed["weight"] if self.head is None else self.head["weight"]
-        return linear(h, w, None if self.head is None else _bias(self.head))
+        return rms_norm(h, self.norm["weight"], self.norm.eps)[:, 0, :]

@@ -57,7 +57,8 @@ class ModelRunner:
         # (decode_forward.DecodeForward: the same bits, less host work); else the model file
         self.decode_forward = None
 
-    def _head(self, h: mx.array) -> mx.array:
+    def head(self, h: mx.array) -> mx.array:
+        """The vocabulary projection of the model file (its tied embedding or ``lm_head``)."""
         if self.model.args.tie_word_embeddings:
             return self.model.model.embed_tokens.as_linear(h)
         return self.model.lm_head(h)
@@ -86,7 +87,7 @@ class ModelRunner:
             out = mx.take_along_axis(out, last_index[:, None, None], axis=1)[:, 0, :]
         if keep is not None and len(keep) < len(rows):
             out = out[mx.array(keep)]
-        return self._head(out) if self.split_head else out
+        return self.head(out) if self.split_head else out
 
     # ================================================================ prefill
     def prefill(self, plan: PrefillPlan) -> list[Sampled]:
@@ -188,7 +189,10 @@ class ModelRunner:
         inputs = (parts[0] if len(parts) == 1 else mx.concatenate(parts))[:, None]
         batch = [BatchRow(s.block_table, s.num_computed, 1) for s in rows]
         fast = self.decode_forward
-        logits = fast(batch, inputs) if fast is not None and fast.current() else self.forward(batch, inputs)
+        if fast is not None and fast.current():
+            logits = self.head(fast(batch, inputs))
+        else:
+            logits = self.forward(batch, inputs)
         if any(s.needs_host_tokens for s in rows):
             mx.async_eval(logits)
             return _InFlight(rows, None, [], logits)
