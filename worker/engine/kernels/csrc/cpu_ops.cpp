@@ -329,11 +329,13 @@ void SwiGLU::eval_cpu(
   const float* up = u.data<float>();
   float* op = out.data<float>();
   const int64_t n = out.size();
-  encoder.dispatch([gp, up, op, n]() {
-    // Large ones (an MLP's activations at batch 64: 76k floats, ~80 us) on the pool's threads,
-    // in parts of whole 8-float vectors; each float's value is its own.
-    split_ranges(pool(), n, n, 8, [&](int64_t i0, int64_t i1) { g_swiglu(gp + i0, up + i0, op + i0, i1 - i0); });
-  });
+  encoder.dispatch([gp, up, op, n]() { swiglu_run(gp, up, op, n); });
+}
+
+void swiglu_run(const float* gp, const float* up, float* op, int64_t n) {
+  // Large ones (an MLP's activations at batch 64: 76k floats, ~80 us) on the pool's threads,
+  // in parts of whole 8-float vectors; each float's value is its own.
+  split_ranges(pool(), n, n, 8, [&](int64_t i0, int64_t i1) { g_swiglu(gp + i0, up + i0, op + i0, i1 - i0); });
 }
 
 std::vector<mx::array> SwiGLU::vjp(

@@ -32,6 +32,9 @@ namespace mlxq {
 
 mx::array swiglu(const mx::array& gate, const mx::array& up);
 
+// SwiGLU's task: n contiguous floats, on the pool where large. For fused ops: the same bits.
+void swiglu_run(const float* gate, const float* up, float* out, int64_t n);
+
 // mx.fast.rope(x, dims, traditional=..., base=..., scale=..., offset=...) for
 // float32 x (B, H, T, D) and an int32 offset of size 1 or B: bit-identical to
 // MLX's CPU RoPE, which is a graph of ~18 scalar ops (mlx/fast.cpp's

@@ -148,18 +148,8 @@ mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx:
 
 namespace {
 
-// One weight of a call: where its rows are and where its output goes.
-struct Target {
-  const float* w;
-  bool w_rows; // rows contiguous (a weight as stored); else columns (a transposed view)
-  int ldw, N;
-  const float* bias; // nullptr: none
-  int64_t bias_stride;
-  float* y;
-};
-
 // Columns [c0, c1) of target t, for M rows of x (K wide).
-void run_part(const Blas* blas, const Target& t, const float* xp, const float* xpairs, int M, int K, int c0,
+void run_part(const Blas* blas, const LinearTarget& t, const float* xp, const float* xpairs, int M, int K, int c0,
               int c1) {
   const int nc = c1 - c0;
   if (nc <= 0)
@@ -193,6 +183,68 @@ struct Part {
 
 } // namespace
 
+LinearTarget linear_target(const mx::array& weight, const mx::array* bias, int K, mx::cpu::CommandEncoder& encoder) {
+  // w's layout: rows contiguous, columns contiguous; anything else is copied to rows first.
+  mx::array w = weight;
+  const int N = w.shape(0);
+  LinearTarget t{nullptr, true, K, N, nullptr, 0, nullptr};
+  if (w.strides()[1] == 1 && w.strides()[0] >= K) {
+    t.ldw = (int)w.strides()[0];
+  } else if (w.strides()[0] == 1 && w.strides()[1] >= N) {
+    t.w_rows = false;
+    t.ldw = (int)w.strides()[1];
+  } else {
+    w = row_contiguous(w, encoder);
+  }
+  encoder.set_input_array(w);
+  t.w = w.data<float>();
+  if (bias != nullptr) {
+    encoder.set_input_array(*bias);
+    t.bias = bias->data<float>();
+    t.bias_stride = bias->strides()[0];
+  }
+  return t;
+}
+
+void linear_run(const std::vector<LinearTarget>& targets, const float* xp, int M, int K) {
+  const Blas* blas = g_blas.load();
+  ThreadPool& tp = pool();
+  // Each target split exactly as linear() alone splits it (multiples of kColAlign columns),
+  // so each BLAS call is the one it would make alone and grouping changes no bit (OpenBLAS's
+  // sgemm may round a column differently when its part is wider; our loops never do); every
+  // part of every target goes to the pool in one pass.
+  const int want = tp.size() * (M == 1 || g_rowdot != nullptr ? kPartsPerThread : 1);
+  std::vector<Part> parts;
+  for (int g = 0; g < (int)targets.size(); ++g) {
+    const int N = targets[g].N;
+    const int n = std::max(1, std::min(want, (N + kColAlign - 1) / kColAlign));
+    const int per = ((N + n - 1) / n + kColAlign - 1) / kColAlign * kColAlign;
+    for (int c0 = 0; c0 < N; c0 += per)
+      parts.push_back({g, c0, std::min(N, c0 + per)});
+  }
+  // Kept by this thread (MLX's stream thread runs one op at a time) from call to call: since
+  // 9 rows and more go in pairs too, a batch-64 call packs ~300 KB, not worth a malloc each time.
+  thread_local std::vector<float> pairs;
+  const float* xpairs = pack_for_parts(xp, M, K, pairs, tp);
+  if (parts.size() == 1) { // on this thread (a BLAS call keeps the BLAS's own threads)
+    run_part(blas, targets[0], xp, xpairs, M, K, parts[0].c0, parts[0].c1);
+    return;
+  }
+  // The BLAS runs single-threaded while its calls are the pool's parts; our loops never
+  // call it, so then its thread count is left alone.
+  const bool calls_blas = g_rowdot == nullptr ||
+      std::any_of(targets.begin(), targets.end(), [](const LinearTarget& t) { return !t.w_rows; });
+  const int prev = calls_blas && blas->get_threads != nullptr ? blas->get_threads() : 1;
+  if (prev != 1 && blas->set_threads != nullptr)
+    blas->set_threads(1);
+  tp.parallel_for((int)parts.size(), [&](int p) {
+    const Part& q = parts[p];
+    run_part(blas, targets[q.target], xp, xpairs, M, K, q.c0, q.c1);
+  });
+  if (prev != 1 && blas->set_threads != nullptr)
+    blas->set_threads(prev);
+}
+
 void Linear::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
@@ -201,28 +253,9 @@ void Linear::eval_cpu(
   const int M = (int)(inputs[0].size() / (size_t)K);
   mx::array x = row_contiguous(inputs[0], encoder);
   encoder.set_input_array(x);
-  std::vector<Target> targets;
+  std::vector<LinearTarget> targets;
   for (int g = 0; g < groups_; ++g) {
-    // w's layout: rows contiguous, columns contiguous; anything else is copied to rows first.
-    mx::array w = inputs[1 + g];
-    const int N = w.shape(0);
-    Target t{nullptr, true, K, N, nullptr, 0, nullptr};
-    if (w.strides()[1] == 1 && w.strides()[0] >= K) {
-      t.ldw = (int)w.strides()[0];
-    } else if (w.strides()[0] == 1 && w.strides()[1] >= N) {
-      t.w_rows = false;
-      t.ldw = (int)w.strides()[1];
-    } else {
-      w = row_contiguous(w, encoder);
-    }
-    encoder.set_input_array(w);
-    t.w = w.data<float>();
-    if (has_bias_) {
-      const auto& b = inputs[1 + groups_ + g];
-      encoder.set_input_array(b);
-      t.bias = b.data<float>();
-      t.bias_stride = b.strides()[0];
-    }
+    auto t = linear_target(inputs[1 + g], has_bias_ ? &inputs[1 + groups_ + g] : nullptr, K, encoder);
     auto& out = outputs[g];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     encoder.set_output_array(out);
@@ -230,44 +263,7 @@ void Linear::eval_cpu(
     targets.push_back(t);
   }
   const float* xp = x.data<float>();
-  const Blas* blas = g_blas.load();
-  encoder.dispatch([blas, M, K, xp, targets]() {
-    ThreadPool& tp = pool();
-    // Each target split exactly as linear() alone splits it (multiples of kColAlign columns),
-    // so each BLAS call is the one it would make alone and grouping changes no bit (OpenBLAS's
-    // sgemm may round a column differently when its part is wider; our loops never do); every
-    // part of every target goes to the pool in one pass.
-    const int want = tp.size() * (M == 1 || g_rowdot != nullptr ? kPartsPerThread : 1);
-    std::vector<Part> parts;
-    for (int g = 0; g < (int)targets.size(); ++g) {
-      const int N = targets[g].N;
-      const int n = std::max(1, std::min(want, (N + kColAlign - 1) / kColAlign));
-      const int per = ((N + n - 1) / n + kColAlign - 1) / kColAlign * kColAlign;
-      for (int c0 = 0; c0 < N; c0 += per)
-        parts.push_back({g, c0, std::min(N, c0 + per)});
-    }
-    // Kept by this thread (MLX's stream thread runs one op at a time) from call to call: since
-    // 9 rows and more go in pairs too, a batch-64 call packs ~300 KB, not worth a malloc each time.
-    thread_local std::vector<float> pairs;
-    const float* xpairs = pack_for_parts(xp, M, K, pairs, tp);
-    if (parts.size() == 1) { // on this thread (a BLAS call keeps the BLAS's own threads)
-      run_part(blas, targets[0], xp, xpairs, M, K, parts[0].c0, parts[0].c1);
-      return;
-    }
-    // The BLAS runs single-threaded while its calls are the pool's parts; our loops never
-    // call it, so then its thread count is left alone.
-    const bool calls_blas = g_rowdot == nullptr ||
-        std::any_of(targets.begin(), targets.end(), [](const Target& t) { return !t.w_rows; });
-    const int prev = calls_blas && blas->get_threads != nullptr ? blas->get_threads() : 1;
-    if (prev != 1 && blas->set_threads != nullptr)
-      blas->set_threads(1);
-    tp.parallel_for((int)parts.size(), [&](int p) {
-      const Part& q = parts[p];
-      run_part(blas, targets[q.target], xp, xpairs, M, K, q.c0, q.c1);
-    });
-    if (prev != 1 && blas->set_threads != nullptr)
-      blas->set_threads(prev);
-  });
+  encoder.dispatch([M, K, xp, targets]() { linear_run(targets, xp, M, K); });
 }
 
 bool Linear::is_equivalent(const mx::Primitive& other) const {

@@ -37,6 +37,7 @@
 #include <optional>
 
 #include "cpu_ops.h"
+#include "mlx/backend/cpu/encoder.h"
 
 namespace mlxq {
 
@@ -48,6 +49,24 @@ bool has_blas();
 
 // The loops linear() runs: "avx512vl" or "avx2" (rowdot.h), or "blas" (sgemm/sgemv).
 const char* linear_isa();
+
+// One weight of a call: where its rows are and where its output goes.
+struct LinearTarget {
+  const float* w;
+  bool w_rows; // rows contiguous (a weight as stored); else columns (a transposed view)
+  int ldw, N;
+  const float* bias; // nullptr: none
+  int64_t bias_stride;
+  float* y; // M rows of N
+};
+
+// A weight (N, K) and its bias (or nullptr) as a target, registered with the encoder (a weight
+// in neither layout is copied first); y is left for the caller to set.
+LinearTarget linear_target(const mx::array& w, const mx::array* bias, int K, mx::cpu::CommandEncoder& encoder);
+
+// y = x @ w^T (+ bias) for every target, M rows of x (K wide, contiguous): Linear's task, on the
+// pool; a fused op that calls it gets each output bit for bit as linear() would.
+void linear_run(const std::vector<LinearTarget>& targets, const float* xp, int M, int K);
 
 mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias);
 

@@ -86,19 +86,24 @@ void RMSNormOp::eval_cpu(
   float* op = out.data<float>();
   const float eps = eps_;
   encoder.dispatch([xp, wp, op, D, rows, xs, ws, eps, starts = std::move(starts)]() {
-    const float inv_n = static_cast<float>(1.0 / (double)D);
-    // Rows [r0, r1), kRows at a time from r0 (a row's value does not depend on its group).
-    auto run = [&](int64_t r0, int64_t r1) {
-      int64_t r = r0;
-      for (; r + kRows <= r1; r += kRows)
-        norm_rows<kRows>(xp, starts.data() + r, xs, wp, ws, op + r * D, D, inv_n, eps);
-      for (; r < r1; ++r)
-        norm_rows<1>(xp, starts.data() + r, xs, wp, ws, op + r * D, D, inv_n, eps);
-    };
-    // Large calls (a batch-64 decode step: 64 x 512 floats) on the pool's threads, in parts of
-    // whole groups of kRows rows.
-    split_ranges(pool(), rows, rows * D, kRows, run);
+    rms_norm_run(xp, starts.data(), xs, wp, ws, op, rows, D, eps);
   });
+}
+
+void rms_norm_run(const float* xp, const int64_t* starts, int64_t xs, const float* wp, int64_t ws, float* op,
+                  int64_t rows, int64_t D, float eps) {
+  const float inv_n = static_cast<float>(1.0 / (double)D);
+  // Rows [r0, r1), kRows at a time from r0 (a row's value does not depend on its group).
+  auto run = [&](int64_t r0, int64_t r1) {
+    int64_t r = r0;
+    for (; r + kRows <= r1; r += kRows)
+      norm_rows<kRows>(xp, starts + r, xs, wp, ws, op + r * D, D, inv_n, eps);
+    for (; r < r1; ++r)
+      norm_rows<1>(xp, starts + r, xs, wp, ws, op + r * D, D, inv_n, eps);
+  };
+  // Large calls (a batch-64 decode step: 64 x 512 floats) on the pool's threads, in parts of
+  // whole groups of kRows rows.
+  split_ranges(pool(), rows, rows * D, kRows, run);
 }
 
 } // namespace mlxq

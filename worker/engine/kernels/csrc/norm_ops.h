@@ -18,6 +18,11 @@ namespace mlxq {
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
 
+// RMSNormOp's task: rows of D floats (row r at xp + starts[r], element stride xs) into op (rows
+// contiguous), weight at stride ws; on the pool where large. For fused ops: the same bits.
+void rms_norm_run(const float* xp, const int64_t* starts, int64_t xs, const float* wp, int64_t ws, float* op,
+                  int64_t rows, int64_t D, float eps);
+
 class RMSNormOp : public CpuPrimitive {
  public:
   RMSNormOp(mx::Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
