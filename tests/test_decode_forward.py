@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models import qwen2
 
 from mlxq.worker.engine import PagedEngine
-from mlxq.worker.engine.decode_forward import DecodeForward
+from mlxq.worker.engine.decode_forward import DecodeForward, mlp_block_exact
 from mlxq.worker.engine.kv_cache import BatchRow
 from mlxq.worker.engine_api import SeqSpec
 
@@ -123,3 +123,53 @@ def test_steps_aside_for_weights_that_are_not_float32():
     assert bf16.runner.decode_forward is None
     out, done, _ = run(bf16, [SeqSpec("a", [3, 4, 5, 6], 4, stop_token_ids=())])
     assert len(out["a"]) == 4
+
+
+def test_logits_bit_for_bit_without_mlp_block():
+    """Where the extension's mlp_block is not used (an older build, or its check failed), the
+    layers' separate ops give the same bits too."""
+    eng = engine_with_fast_path(random_qwen2(17))
+    eng.runner.decode_forward.mlp_block = None
+    seqs = decoding(eng, [[(3 * i + n) % 250 + 1 for i in range(n)] for n in (9, 50)])
+    stock, fast = both_logits(eng, seqs)
+    assert mx.array_equal(stock, fast).item()
+
+
+def _ext_with_mlp_block():
+    """The CPU extension (its linear's BLAS set, as an engine sets it); a failed check fails here,
+    not as a skip."""
+    eng = engine_with_fast_path(random_llama(18))
+    ext = eng.runner.decode_forward.ext
+    assert mlp_block_exact(ext), "the extension's mlp_block differs from its separate ops"
+    assert eng.runner.decode_forward.mlp_block is not None and "mlp_block" in eng.decode_path
+    return ext
+
+
+@pytest.mark.parametrize("rows", [1, 64])  # 64 x 512 floats: the adds, norm and swiglu split over the pool
+def test_mlp_block_is_its_ops_one_after_another(rows):
+    ext = _ext_with_mlp_block()
+    D, K, I = 512, 384, 704
+    keys = iter(mx.random.split(mx.random.key(rows), 12))
+    r = lambda *shape: mx.random.normal(shape, key=next(keys))  # noqa: E731
+    w_o = r(K, D).T  # a transposed view: the weight read by columns, as linear reads it
+    ln, w_g, w_u, w_d = r(D), r(I, D), r(I, D), r(D, I)
+    h, o = r(rows, 1, D), r(rows, 1, K)
+    for biases in ([None, r(I), r(I), None], [r(D), None, None, r(D)], [None] * 4):
+        h1 = h + ext.linear(o, w_o, biases[0])
+        gate, up = ext.linear_group(ext.rms_norm(h1, ln, 1e-6), [w_g, w_u], [b for b in biases[1:3] if b is not None])
+        want = h1 + ext.linear(ext.swiglu(gate, up), w_d, biases[3])
+        got = ext.mlp_block(h, o, w_o, ln, 1e-6, w_g, w_u, w_d, biases)
+        assert got.shape == h.shape
+        assert mx.array_equal(got, want).item()
+
+
+def test_mlp_block_refuses_bad_shapes_clearly():
+    ext = _ext_with_mlp_block()
+    h, o = mx.zeros((2, 1, 8)), mx.zeros((2, 1, 8))
+    w, ln, wi = mx.zeros((8, 8)), mx.zeros((8,)), mx.zeros((16, 8))
+    with pytest.raises(ValueError, match="w_down must be float32 \\(8, 16\\)"):
+        ext.mlp_block(h, o, w, ln, 1e-6, wi, wi, wi, [None] * 4)
+    with pytest.raises(ValueError, match="biases is"):
+        ext.mlp_block(h, o, w, ln, 1e-6, wi, wi, mx.zeros((8, 16)), [None])
+    with pytest.raises(ValueError, match="same rows"):
+        ext.mlp_block(h, mx.zeros((3, 1, 8)), w, ln, 1e-6, wi, wi, mx.zeros((8, 16)), [None] * 4)

@@ -22,6 +22,7 @@ differs is only the number of view nodes and the host's Python.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import mlx.core as mx
@@ -31,11 +32,14 @@ from .kv_cache import BatchRow, BatchView, KVPool
 
 # Model files whose decoder layers are exactly: x + attn(norm(x)), then h + mlp(norm(h)), with
 # q/k/v -> rope -> cache -> attention -> o_proj and down(swiglu(gate, up)).
+log = logging.getLogger(__name__)
+
 _MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 
 
 class _Layer:
-    __slots__ = ("ln_in", "ln_post", "qkv", "o", "gate_up", "down", "heads", "kv_heads", "scale", "rope")
+    __slots__ = ("ln_in", "ln_post", "qkv", "o", "gate_up", "down", "heads", "kv_heads", "scale", "rope",
+                 "mlp_biases")
 
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
@@ -47,6 +51,7 @@ class _Layer:
         self.heads, self.kv_heads, self.scale = attn.n_heads, attn.n_kv_heads, attn.scale
         r = attn.rope
         self.rope = (r.dims, r.traditional, r.base, r.scale)
+        self.mlp_biases = [_bias(m) for m in (self.o, *self.gate_up, self.down)]
 
 
 def _bias(m) -> Optional[mx.array]:
@@ -67,6 +72,7 @@ class DecodeForward:
         inner = model.model
         self.embed, self.norm = inner.embed_tokens, inner.norm
         self.layers = [_Layer(x) for x in inner.layers]
+        self.mlp_block = ext.mlp_block if mlp_block_exact(ext) else None
 
     @classmethod
     def build(cls, model, pool: KVPool, backend) -> tuple[Optional["DecodeForward"], str]:
@@ -76,7 +82,12 @@ class DecodeForward:
             return None, why
         from .attention import cpu_extension
 
-        return cls(model, pool, backend, cpu_extension()), "the extension's ops straight, one reshape per view"
+        ext = cpu_extension()
+        fwd = cls(model, pool, backend, ext)
+        how = "the extension's ops straight, one reshape per view"
+        if fwd.mlp_block is not None:
+            how += ", each layer's half after the attention one op (mlp_block)"
+        return fwd, how
 
     @staticmethod
     def _unsupported(model, pool: KVPool, backend) -> Optional[str]:
@@ -127,7 +138,7 @@ class DecodeForward:
     def __call__(self, rows: list[BatchRow], inputs: mx.array) -> mx.array:
         """The last hidden state (B, D), normed, of ``inputs`` (B, 1): each row's next token (``rows``:
         each feeds one token). The caller applies the model's vocabulary head (ModelRunner.head)."""
-        ext, pool = self.ext, self.pool
+        ext, pool, mlp = self.ext, self.pool, self.mlp_block
         rms_norm, linear, group, rope, swiglu = ext.rms_norm, ext.linear, ext.linear_group, ext.rope, ext.swiglu
         view = BatchView(rows, pool.block_size, pool.scratch_block)
         B = inputs.shape[0]
@@ -141,8 +152,47 @@ class DecodeForward:
             pool.write_rows(i, k, v.reshape(B, L.kv_heads, 1, -1), slots)
             o = pool.attention(q, pool.keys[i], pool.values[i], view.tables, view.q_offsets, view.kv_lens,
                                L.scale, None, **pool.quant_kwargs(i))
+            if mlp is not None:  # the same ops in one primitive: the same bits
+                h = mlp(h, o.reshape(B, 1, -1), L.o["weight"], L.ln_post["weight"], L.ln_post.eps,
+                        L.gate_up[0]["weight"], L.gate_up[1]["weight"], L.down["weight"], L.mlp_biases)
+                continue
             h = h + linear(o.reshape(B, 1, -1), L.o["weight"], _bias(L.o))
             x = rms_norm(h, L.ln_post["weight"], L.ln_post.eps)
             gate, up = group(x, [m["weight"] for m in L.gate_up], _biases(L.gate_up))
             h = h + linear(swiglu(gate, up), L.down["weight"], _bias(L.down))
         return rms_norm(h, self.norm["weight"], self.norm.eps)[:, 0, :]
+
+
+_MLP_BLOCK_EXACT: dict[int, bool] = {}
+
+
+def mlp_block_exact(ext) -> bool:
+    """Whether the extension's ``mlp_block`` gives, bit for bit, what its separate ops give one
+    after another (the add is MLX's), with and without biases, at one row and at several; once a
+    process. False (logged): the layers keep the separate ops."""
+    key = id(ext)
+    if key not in _MLP_BLOCK_EXACT:
+        _MLP_BLOCK_EXACT[key] = _check_mlp_block(ext)
+    return _MLP_BLOCK_EXACT[key]
+
+
+def _check_mlp_block(ext) -> bool:
+    if not hasattr(ext, "mlp_block"):
+        return False
+    D, K, I = 48, 40, 72
+    keys = iter(mx.random.split(mx.random.key(7), 16))
+    r = lambda *shape: mx.random.normal(shape, key=next(keys))  # noqa: E731
+    w_o, ln, w_g, w_u, w_d = r(D, K), r(D), r(I, D), r(I, D), r(D, I)
+    b = [r(D), r(I), r(I), r(D)]
+    ok = True
+    for rows in (1, 9):
+        h, o = r(rows, 1, D), r(rows, 1, K)
+        for biases in ([None] * 4, b):
+            h1 = h + ext.linear(o, w_o, biases[0])
+            gate, up = ext.linear_group(ext.rms_norm(h1, ln, 1e-5), [w_g, w_u], [x for x in biases[1:3] if x is not None])
+            want = h1 + ext.linear(ext.swiglu(gate, up), w_d, biases[3])
+            got = ext.mlp_block(h, o, w_o, ln, 1e-5, w_g, w_u, w_d, biases)
+            ok = ok and mx.array_equal(got, want).item()
+    if not ok:
+        log.warning("the extension's mlp_block differs from its separate ops; decode steps keep those")
+    return ok

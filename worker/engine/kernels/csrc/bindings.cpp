@@ -9,6 +9,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "block_ops.h"
 #include "cpu_ops.h"
 #include "linear_ops.h"
 #include "norm_ops.h"
@@ -107,6 +108,21 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "bias"_a = nb::none(),
       "x (..., K) @ w (N, K)^T (+ bias), float32, split over the pool's threads: our own "
       "loops where the CPU has AVX2+FMA (linear_isa), else single-threaded BLAS calls (set_blas).");
+  m.def(
+      "mlp_block",
+      &mlxq::mlp_block,
+      "h"_a,
+      "o"_a,
+      "w_o"_a,
+      "norm_weight"_a,
+      "eps"_a,
+      "w_gate"_a,
+      "w_up"_a,
+      "w_down"_a,
+      "biases"_a,
+      "A llama/qwen2 layer after its attention, one primitive: h1 = h + linear(o, w_o); out = h1 + "
+      "linear(swiglu(*linear_group(rms_norm(h1, norm_weight, eps), [w_gate, w_up])), w_down); biases "
+      "[o, gate, up, down], each an array or None. Bit for bit those ops one after another.");
   m.def(
       "linear_group",
       &mlxq::linear_group,

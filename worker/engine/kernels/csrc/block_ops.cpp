@@ -1,0 +1,139 @@
+// A decoder layer's post-attention half as one CPU primitive; see block_ops.h.
+#include "block_ops.h"
+
+#include <optional>
+#include <stdexcept>
+
+#include "linear_ops.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "norm_ops.h"
+#include "row_contiguous.h"
+#include "thread_pool.h"
+
+namespace mlxq {
+
+namespace {
+
+void check_weight(const mx::array& w, int N, int K, const char* what) {
+  if (w.dtype() != mx::float32 || w.ndim() != 2 || w.shape(0) != N || w.shape(1) != K)
+    throw std::invalid_argument(std::string("mlp_block: ") + what + " must be float32 (" + std::to_string(N) +
+                                ", " + std::to_string(K) + ")");
+}
+
+// h + y, elementwise (what MLX's add of two float32 arrays computes), on the pool where large.
+void add_run(const float* h, const float* y, float* out, int64_t n) {
+  split_ranges(pool(), n, n, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      out[i] = h[i] + y[i];
+  });
+}
+
+} // namespace
+
+mx::array mlp_block(
+    const mx::array& h,
+    const mx::array& o,
+    const mx::array& w_o,
+    const mx::array& norm_weight,
+    float eps,
+    const mx::array& w_gate,
+    const mx::array& w_up,
+    const mx::array& w_down,
+    const std::vector<std::optional<mx::array>>& biases) {
+  if (!has_blas())
+    throw std::runtime_error("mlp_block: no BLAS set (set_blas)");
+  if (h.dtype() != mx::float32 || o.dtype() != mx::float32 || h.ndim() < 1 || o.ndim() < 1)
+    throw std::invalid_argument("mlp_block: h and o must be float32");
+  const int D = h.shape(-1), Ko = o.shape(-1), I = w_gate.ndim() == 2 ? w_gate.shape(0) : -1;
+  if (D == 0 || Ko == 0 || I <= 0 || h.size() / D != o.size() / Ko)
+    throw std::invalid_argument("mlp_block: h (..., D) and o (..., K) must have the same rows");
+  check_weight(w_o, D, Ko, "w_o");
+  check_weight(w_gate, I, D, "w_gate");
+  check_weight(w_up, I, D, "w_up");
+  check_weight(w_down, D, I, "w_down");
+  if (norm_weight.dtype() != mx::float32 || norm_weight.ndim() != 1 || norm_weight.shape(0) != D)
+    throw std::invalid_argument("mlp_block: norm_weight must be float32 (D,)");
+  if (biases.size() != 4)
+    throw std::invalid_argument("mlp_block: biases is [o, gate, up, down], each an array or None");
+  const int widths[4] = {D, I, I, D};
+  std::vector<mx::array> inputs = {h, o, w_o, norm_weight, w_gate, w_up, w_down};
+  unsigned mask = 0;
+  for (int i = 0; i < 4; ++i) {
+    if (!biases[i])
+      continue;
+    const auto& b = *biases[i];
+    if (b.dtype() != mx::float32 || b.ndim() != 1 || b.shape(0) != widths[i])
+      throw std::invalid_argument("mlp_block: a bias must be float32 (N,) for its weight");
+    mask |= 1u << i;
+    inputs.push_back(b);
+  }
+  auto s = mx::default_stream(mx::Device(mx::Device::cpu));
+  return mx::array(h.shape(), mx::float32, std::make_shared<MlpBlock>(s, eps, mask), std::move(inputs));
+}
+
+void MlpBlock::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  const mx::array h = row_contiguous(inputs[0], encoder);
+  const mx::array o = row_contiguous(inputs[1], encoder);
+  encoder.set_input_array(h);
+  encoder.set_input_array(o);
+  const int D = h.shape(-1), Ko = o.shape(-1), I = inputs[4].shape(0);
+  const int M = (int)(h.size() / (size_t)D);
+  const mx::array* b[4] = {nullptr, nullptr, nullptr, nullptr};
+  for (int i = 0, next = 7; i < 4; ++i)
+    if (bias_mask_ & (1u << i))
+      b[i] = &inputs[next++];
+  const LinearTarget to = linear_target(inputs[2], b[0], Ko, encoder);
+  const LinearTarget tg = linear_target(inputs[4], b[1], D, encoder);
+  const LinearTarget tu = linear_target(inputs[5], b[2], D, encoder);
+  const LinearTarget td = linear_target(inputs[6], b[3], I, encoder);
+  const auto& nw = inputs[3];
+  encoder.set_input_array(nw);
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  encoder.set_output_array(out);
+  const float* hp = h.data<float>();
+  const float* op = o.data<float>();
+  const float* wn = nw.data<float>();
+  const int64_t wns = nw.strides()[0];
+  float* outp = out.data<float>();
+  const float eps = eps_;
+  encoder.dispatch([=]() {
+    // Scratch kept by this thread (MLX's stream thread runs one op at a time): the layer's
+    // intermediate activations, which as separate ops were an MLX buffer each.
+    thread_local std::vector<float> buf;
+    thread_local std::vector<int64_t> starts;
+    const int64_t md = (int64_t)M * D, mi = (int64_t)M * I;
+    buf.resize((size_t)(3 * md + 3 * mi));
+    float* y = buf.data();   // o_proj(o), then down_proj(...)
+    float* h1 = y + md;      // the residual after the attention
+    float* x = h1 + md;      // its norm
+    float* gate = x + md;
+    float* up = gate + mi;
+    float* act = up + mi;    // swiglu(gate, up)
+    if ((int64_t)starts.size() < M) {
+      starts.resize(M);
+    }
+    for (int r = 0; r < M; ++r)
+      starts[r] = (int64_t)r * D;
+    LinearTarget t = to;
+    t.y = y;
+    linear_run({t}, op, M, Ko);
+    add_run(hp, y, h1, md);
+    rms_norm_run(h1, starts.data(), 1, wn, wns, x, M, D, eps);
+    LinearTarget g = tg, u = tu;
+    g.y = gate;
+    u.y = up;
+    linear_run({g, u}, x, M, D);
+    swiglu_run(gate, up, act, mi);
+    t = td;
+    t.y = y;
+    linear_run({t}, act, M, I);
+    add_run(h1, y, outp, md);
+  });
+}
+
+} // namespace mlxq
