@@ -385,43 +385,46 @@ void RoPE::eval_cpu(
   const int dims = dims_;
   const bool traditional = traditional_;
   const float base = base_, scale = scale_;
-  encoder.dispatch([=]() {
-    const int half = dims / 2;
-    // Positions (b, t) in [r0, r1), every head of each; a float's value is its own, whichever
-    // thread computes it (each thread's table holds the same values: RopeTable::compute).
-    auto rows = [&](int64_t r0, int64_t r1) {
-      RopeTable& table = rope_table(half, base, scale);
-      thread_local std::vector<float> cs_own, sn_own;
-      for (int64_t r = r0; r < r1; ++r) {
-        const int b = (int)(r / T), t = (int)(r % T);
-        const int32_t o = op[n_off == 1 ? 0 : b];
-        const float* cs;
-        const float* sn;
-        if (!table.lookup(o, t, cs, sn)) { // outside the table: computed here, the same way
-          cs_own.resize(half);
-          sn_own.resize(half);
-          table.compute(rope_position(o, t, scale), cs_own.data(), sn_own.data());
-          cs = cs_own.data();
-          sn = sn_own.data();
-        }
-        for (int h = 0; h < H; ++h) {
-          const float* xr = xp + b * sb + h * sh + t * st;
-          float* yr = yp + (((int64_t)b * H + h) * T + t) * D;
-          for (int i = 0; i < half; ++i) {
-            const int i1 = traditional ? 2 * i : i;
-            const int i2 = traditional ? 2 * i + 1 : i + half;
-            const float x1 = xr[i1], x2 = xr[i2];
-            yr[i1] = x1 * cs[i] - x2 * sn[i];
-            yr[i2] = x1 * sn[i] + x2 * cs[i];
-          }
-          for (int d = dims; d < D; ++d)
-            yr[d] = xr[d];
-        }
+  encoder.dispatch([=]() { rope_run(xp, sb, sh, st, B, H, T, D, op, n_off, dims, traditional, base, scale, yp); });
+}
+
+void rope_run(const float* xp, int64_t sb, int64_t sh, int64_t st, int B, int H, int T, int D,
+              const int32_t* op, int n_off, int dims, bool traditional, float base, float scale, float* yp) {
+  const int half = dims / 2;
+  // Positions (b, t) in [r0, r1), every head of each; a float's value is its own, whichever
+  // thread computes it (each thread's table holds the same values: RopeTable::compute).
+  auto rows = [&](int64_t r0, int64_t r1) {
+    RopeTable& table = rope_table(half, base, scale);
+    thread_local std::vector<float> cs_own, sn_own;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int b = (int)(r / T), t = (int)(r % T);
+      const int32_t o = op[n_off == 1 ? 0 : b];
+      const float* cs;
+      const float* sn;
+      if (!table.lookup(o, t, cs, sn)) { // outside the table: computed here, the same way
+        cs_own.resize(half);
+        sn_own.resize(half);
+        table.compute(rope_position(o, t, scale), cs_own.data(), sn_own.data());
+        cs = cs_own.data();
+        sn = sn_own.data();
       }
-    };
-    // Large calls (a batch-64 decode step's queries: 32k floats) on the pool's threads.
-    split_ranges(pool(), (int64_t)B * T, (int64_t)B * H * T * D, 1, rows);
-  });
+      for (int h = 0; h < H; ++h) {
+        const float* xr = xp + b * sb + h * sh + t * st;
+        float* yr = yp + (((int64_t)b * H + h) * T + t) * D;
+        for (int i = 0; i < half; ++i) {
+          const int i1 = traditional ? 2 * i : i;
+          const int i2 = traditional ? 2 * i + 1 : i + half;
+          const float x1 = xr[i1], x2 = xr[i2];
+          yr[i1] = x1 * cs[i] - x2 * sn[i];
+          yr[i2] = x1 * sn[i] + x2 * cs[i];
+        }
+        for (int d = dims; d < D; ++d)
+          yr[d] = xr[d];
+      }
+    }
+  };
+  // Large calls (a batch-64 decode step's queries: 32k floats) on the pool's threads.
+  split_ranges(pool(), (int64_t)B * T, (int64_t)B * H * T * D, 1, rows);
 }
 
 bool RoPE::is_equivalent(const mx::Primitive& other) const {
