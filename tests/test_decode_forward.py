@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models import qwen2
 
 from mlxq.worker.engine import PagedEngine
-from mlxq.worker.engine.decode_forward import DecodeForward, mlp_block_exact
+from mlxq.worker.engine.decode_forward import DecodeForward, fused_exact
 from mlxq.worker.engine.kv_cache import BatchRow
 from mlxq.worker.engine_api import SeqSpec
 
@@ -125,23 +125,26 @@ def test_steps_aside_for_weights_that_are_not_float32():
     assert len(out["a"]) == 4
 
 
-def test_logits_bit_for_bit_without_mlp_block():
-    """Where the extension's mlp_block is not used (an older build, or its check failed), the
+@pytest.mark.parametrize("off", [["attn_in"], ["mlp_block"], ["attn_in", "mlp_block"]])
+def test_logits_bit_for_bit_without_fused_ops(off):
+    """Where the extension's fused ops are not used (an older build, or a check failed), the
     layers' separate ops give the same bits too."""
     eng = engine_with_fast_path(random_qwen2(17))
-    eng.runner.decode_forward.mlp_block = None
+    for name in off:
+        setattr(eng.runner.decode_forward, name, None)
     seqs = decoding(eng, [[(3 * i + n) % 250 + 1 for i in range(n)] for n in (9, 50)])
     stock, fast = both_logits(eng, seqs)
     assert mx.array_equal(stock, fast).item()
 
 
 def _ext_with_mlp_block():
-    """The CPU extension (its linear's BLAS set, as an engine sets it); a failed check fails here,
-    not as a skip."""
+    """The CPU extension (its linear's BLAS set, as an engine sets it); a failed check of a fused
+    op fails here, not as a skip."""
     eng = engine_with_fast_path(random_llama(18))
     ext = eng.runner.decode_forward.ext
-    assert mlp_block_exact(ext), "the extension's mlp_block differs from its separate ops"
-    assert eng.runner.decode_forward.mlp_block is not None and "mlp_block" in eng.decode_path
+    for name in ("attn_in", "mlp_block"):
+        assert fused_exact(ext, name), f"the extension's {name} differs from its separate ops"
+        assert getattr(eng.runner.decode_forward, name) is not None and name in eng.decode_path
     return ext
 
 
@@ -173,3 +176,37 @@ def test_mlp_block_refuses_bad_shapes_clearly():
         ext.mlp_block(h, o, w, ln, 1e-6, wi, wi, mx.zeros((8, 16)), [None])
     with pytest.raises(ValueError, match="same rows"):
         ext.mlp_block(h, mx.zeros((3, 1, 8)), w, ln, 1e-6, wi, wi, mx.zeros((8, 16)), [None] * 4)
+
+
+@pytest.mark.parametrize("rows,dims,traditional", [(1, 64, False), (64, 32, True)])
+def test_attn_in_is_its_ops_one_after_another(rows, dims, traditional):
+    ext = _ext_with_mlp_block()
+    D, H, KH, hd = 512, 8, 2, 64
+    keys = iter(mx.random.split(mx.random.key(rows), 12))
+    r = lambda *shape: mx.random.normal(shape, key=next(keys))  # noqa: E731
+    ln, h = r(D), r(rows, 1, D)
+    ws = [r(H * hd, D), r(D, KH * hd).T, r(KH * hd, D)]  # k's weight a transposed view
+    offsets = mx.array([(4099 * i + 7) % 70000 for i in range(rows)], dtype=mx.int32)  # some past RoPE's table
+    rope = (dims, traditional, 10000.0, 1.0)
+    for biases in ([], [r(H * hd), r(KH * hd), r(KH * hd)]):
+        q, k, v = ext.linear_group(ext.rms_norm(h, ln, 1e-5), ws, biases)
+        want = [ext.rope(q.reshape(rows, H, 1, hd), *rope, offsets),
+                ext.rope(k.reshape(rows, KH, 1, hd), *rope, offsets), v.reshape(rows, KH, 1, hd)]
+        got = ext.attn_in(h, ln, 1e-5, ws, biases, H, KH, *rope, offsets)
+        assert [g.shape for g in got] == [(rows, H, 1, hd), (rows, KH, 1, hd), (rows, KH, 1, hd)]
+        for g, w in zip(got, want):
+            assert mx.array_equal(g, w).item()
+
+
+def test_attn_in_refuses_bad_input_clearly():
+    ext = _ext_with_mlp_block()
+    h, ln, off = mx.zeros((2, 1, 8)), mx.zeros((8,)), mx.array([0, 1])
+    ws = [mx.zeros((8, 8)), mx.zeros((4, 8)), mx.zeros((4, 8))]
+    with pytest.raises(ValueError, match="h must be float32 \\(B, 1, D\\)"):
+        ext.attn_in(mx.zeros((2, 3, 8)), ln, 1e-5, ws, [], 2, 1, 4, False, 1e4, 1.0, off)
+    with pytest.raises(ValueError, match="one head dim"):
+        ext.attn_in(h, ln, 1e-5, ws, [], 4, 1, 2, False, 1e4, 1.0, off)
+    with pytest.raises(ValueError, match="rope dims"):
+        ext.attn_in(h, ln, 1e-5, ws, [], 2, 1, 6, False, 1e4, 1.0, off)
+    with pytest.raises(ValueError, match="offsets"):
+        ext.attn_in(h, ln, 1e-5, ws, [], 2, 1, 4, False, 1e4, 1.0, mx.array([0, 1, 2]))

@@ -72,7 +72,8 @@ class DecodeForward:
         inner = model.model
         self.embed, self.norm = inner.embed_tokens, inner.norm
         self.layers = [_Layer(x) for x in inner.layers]
-        self.mlp_block = ext.mlp_block if mlp_block_exact(ext) else None
+        self.attn_in = ext.attn_in if fused_exact(ext, "attn_in") else None
+        self.mlp_block = ext.mlp_block if fused_exact(ext, "mlp_block") else None
 
     @classmethod
     def build(cls, model, pool: KVPool, backend) -> tuple[Optional["DecodeForward"], str]:
@@ -85,8 +86,9 @@ class DecodeForward:
         ext = cpu_extension()
         fwd = cls(model, pool, backend, ext)
         how = "the extension's ops straight, one reshape per view"
-        if fwd.mlp_block is not None:
-            how += ", each layer's half after the attention one op (mlp_block)"
+        fused = [name for name in ("attn_in", "mlp_block") if getattr(fwd, name) is not None]
+        if fused:
+            how += f"; fused: {', '.join(fused)}"
         return fwd, how
 
     @staticmethod
@@ -138,18 +140,23 @@ class DecodeForward:
     def __call__(self, rows: list[BatchRow], inputs: mx.array) -> mx.array:
         """The last hidden state (B, D), normed, of ``inputs`` (B, 1): each row's next token (``rows``:
         each feeds one token). The caller applies the model's vocabulary head (ModelRunner.head)."""
-        ext, pool, mlp = self.ext, self.pool, self.mlp_block
+        ext, pool, attn_in, mlp = self.ext, self.pool, self.attn_in, self.mlp_block
         rms_norm, linear, group, rope, swiglu = ext.rms_norm, ext.linear, ext.linear_group, ext.rope, ext.swiglu
         view = BatchView(rows, pool.block_size, pool.scratch_block)
         B = inputs.shape[0]
         h = self.embed["weight"][inputs]  # (B, 1, D), what nn.Embedding computes
         offsets, slots = view.q_offsets, view.write_slots
         for i, L in enumerate(self.layers):
-            x = rms_norm(h, L.ln_in["weight"], L.ln_in.eps)
-            q, k, v = group(x, [m["weight"] for m in L.qkv], _biases(L.qkv))
-            q = rope(q.reshape(B, L.heads, 1, -1), *L.rope, offsets)
-            k = rope(k.reshape(B, L.kv_heads, 1, -1), *L.rope, offsets)
-            pool.write_rows(i, k, v.reshape(B, L.kv_heads, 1, -1), slots)
+            if attn_in is not None:  # the same ops in one primitive: the same bits
+                q, k, v = attn_in(h, L.ln_in["weight"], L.ln_in.eps, [m["weight"] for m in L.qkv], _biases(L.qkv),
+                                  L.heads, L.kv_heads, *L.rope, offsets)
+            else:
+                x = rms_norm(h, L.ln_in["weight"], L.ln_in.eps)
+                q, k, v = group(x, [m["weight"] for m in L.qkv], _biases(L.qkv))
+                q = rope(q.reshape(B, L.heads, 1, -1), *L.rope, offsets)
+                k = rope(k.reshape(B, L.kv_heads, 1, -1), *L.rope, offsets)
+                v = v.reshape(B, L.kv_heads, 1, -1)
+            pool.write_rows(i, k, v, slots)
             o = pool.attention(q, pool.keys[i], pool.values[i], view.tables, view.q_offsets, view.kv_lens,
                                L.scale, None, **pool.quant_kwargs(i))
             if mlp is not None:  # the same ops in one primitive: the same bits
@@ -163,25 +170,31 @@ class DecodeForward:
         return rms_norm(h, self.norm["weight"], self.norm.eps)[:, 0, :]
 
 
-_MLP_BLOCK_EXACT: dict[int, bool] = {}
+_EXACT: dict[tuple[int, str], bool] = {}
 
 
-def mlp_block_exact(ext) -> bool:
-    """Whether the extension's ``mlp_block`` gives, bit for bit, what its separate ops give one
-    after another (the add is MLX's), with and without biases, at one row and at several; once a
-    process. False (logged): the layers keep the separate ops."""
-    key = id(ext)
-    if key not in _MLP_BLOCK_EXACT:
-        _MLP_BLOCK_EXACT[key] = _check_mlp_block(ext)
-    return _MLP_BLOCK_EXACT[key]
+def fused_exact(ext, name: str) -> bool:
+    """Whether the extension's fused op ``name`` (``attn_in`` or ``mlp_block``) gives, bit for bit,
+    what its separate ops give one after another (the adds are MLX's), with and without biases,
+    at one row and at several; checked once a process. False (logged): the layers keep the
+    separate ops."""
+    key = (id(ext), name)
+    if key not in _EXACT:
+        ok = hasattr(ext, name) and _CHECKS[name](ext)
+        if hasattr(ext, name) and not ok:
+            log.warning("the extension's %s differs from its separate ops; decode steps keep those", name)
+        _EXACT[key] = ok
+    return _EXACT[key]
+
+
+def _random(seed: int):
+    keys = iter(mx.random.split(mx.random.key(seed), 32))
+    return lambda *shape: mx.random.normal(shape, key=next(keys))
 
 
 def _check_mlp_block(ext) -> bool:
-    if not hasattr(ext, "mlp_block"):
-        return False
     D, K, I = 48, 40, 72
-    keys = iter(mx.random.split(mx.random.key(7), 16))
-    r = lambda *shape: mx.random.normal(shape, key=next(keys))  # noqa: E731
+    r = _random(7)
     w_o, ln, w_g, w_u, w_d = r(D, K), r(D), r(I, D), r(I, D), r(D, I)
     b = [r(D), r(I), r(I), r(D)]
     ok = True
@@ -193,6 +206,25 @@ def _check_mlp_block(ext) -> bool:
             want = h1 + ext.linear(ext.swiglu(gate, up), w_d, biases[3])
             got = ext.mlp_block(h, o, w_o, ln, 1e-5, w_g, w_u, w_d, biases)
             ok = ok and mx.array_equal(got, want).item()
-    if not ok:
-        log.warning("the extension's mlp_block differs from its separate ops; decode steps keep those")
     return ok
+
+
+def _check_attn_in(ext) -> bool:
+    D, H, KH, hd = 48, 4, 2, 16
+    r = _random(8)
+    ln, ws, b = r(D), [r(H * hd, D), r(KH * hd, D), r(KH * hd, D)], [r(H * hd), r(KH * hd), r(KH * hd)]
+    ok = True
+    for rows, dims, traditional in ((1, hd, False), (9, hd // 2, True)):
+        h = r(rows, 1, D)
+        offsets = mx.array([(977 * i) % 70000 for i in range(rows)], dtype=mx.int32)  # past RoPE's table too
+        rope = (dims, traditional, 10000.0, 1.0)
+        for biases in ([], b):
+            q, k, v = ext.linear_group(ext.rms_norm(h, ln, 1e-5), ws, biases)
+            want = [ext.rope(q.reshape(rows, H, 1, hd), *rope, offsets),
+                    ext.rope(k.reshape(rows, KH, 1, hd), *rope, offsets), v.reshape(rows, KH, 1, hd)]
+            got = ext.attn_in(h, ln, 1e-5, ws, biases, H, KH, *rope, offsets)
+            ok = ok and all(g.shape == w.shape and mx.array_equal(g, w).item() for g, w in zip(got, want))
+    return ok
+
+
+_CHECKS = {"mlp_block": _check_mlp_block, "attn_in": _check_attn_in}

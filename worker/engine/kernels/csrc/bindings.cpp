@@ -109,6 +109,24 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "x (..., K) @ w (N, K)^T (+ bias), float32, split over the pool's threads: our own "
       "loops where the CPU has AVX2+FMA (linear_isa), else single-threaded BLAS calls (set_blas).");
   m.def(
+      "attn_in",
+      &mlxq::attn_in,
+      "h"_a,
+      "norm_weight"_a,
+      "eps"_a,
+      "ws"_a,
+      "biases"_a,
+      "heads"_a,
+      "kv_heads"_a,
+      "dims"_a,
+      "traditional"_a,
+      "base"_a,
+      "scale"_a,
+      "offsets"_a,
+      "A llama/qwen2 layer's first half at one token a row, one primitive: x = rms_norm(h (B, 1, D)); "
+      "q, k, v = linear_group(x, ws, biases); [rope(q as (B, heads, 1, hd)), rope(k as (B, kv_heads, 1, "
+      "hd)), v as (B, kv_heads, 1, hd)]. Bit for bit those ops one after another.");
+  m.def(
       "mlp_block",
       &mlxq::mlp_block,
       "h"_a,

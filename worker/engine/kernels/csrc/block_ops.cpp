@@ -31,6 +31,111 @@ void add_run(const float* h, const float* y, float* out, int64_t n) {
 
 } // namespace
 
+std::vector<mx::array> attn_in(
+    const mx::array& h,
+    const mx::array& norm_weight,
+    float eps,
+    const std::vector<mx::array>& ws,
+    const std::vector<mx::array>& biases,
+    int heads,
+    int kv_heads,
+    int dims,
+    bool traditional,
+    float base,
+    float scale,
+    const mx::array& offsets) {
+  if (!has_blas())
+    throw std::runtime_error("attn_in: no BLAS set (set_blas)");
+  if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1 || h.shape(2) == 0)
+    throw std::invalid_argument("attn_in: h must be float32 (B, 1, D)");
+  const int B = h.shape(0), D = h.shape(2);
+  if (norm_weight.dtype() != mx::float32 || norm_weight.ndim() != 1 || norm_weight.shape(0) != D)
+    throw std::invalid_argument("attn_in: norm_weight must be float32 (D,)");
+  if (ws.size() != 3 || (!biases.empty() && biases.size() != 3))
+    throw std::invalid_argument("attn_in: ws is [w_q, w_k, w_v]; biases the same three, or none");
+  if (heads <= 0 || kv_heads <= 0)
+    throw std::invalid_argument("attn_in: heads and kv_heads must be positive");
+  const int hs[3] = {heads, kv_heads, kv_heads};
+  std::vector<mx::Shape> shapes;
+  for (int i = 0; i < 3; ++i) {
+    const auto& w = ws[i];
+    if (w.dtype() != mx::float32 || w.ndim() != 2 || w.shape(1) != D || w.shape(0) % hs[i] != 0)
+      throw std::invalid_argument("attn_in: w_q, w_k, w_v must be float32 (heads * head_dim, D)");
+    if (!biases.empty() && (biases[i].dtype() != mx::float32 || biases[i].ndim() != 1 ||
+                            biases[i].shape(0) != w.shape(0)))
+      throw std::invalid_argument("attn_in: a bias must be float32 (N,) for its weight");
+    shapes.push_back({B, hs[i], 1, w.shape(0) / hs[i]});
+  }
+  if (ws[0].shape(0) / heads != ws[1].shape(0) / kv_heads)
+    throw std::invalid_argument("attn_in: queries and keys must have one head dim");
+  const int hd = ws[0].shape(0) / heads;
+  if (dims <= 0 || dims % 2 != 0 || dims > hd)
+    throw std::invalid_argument("attn_in: rope dims must be even, positive and at most the head dim");
+  if (offsets.size() != 1 && offsets.size() != (size_t)B)
+    throw std::invalid_argument("attn_in: offsets must be a scalar or one per row");
+  if (!mx::issubdtype(offsets.dtype(), mx::integer))
+    throw std::invalid_argument("attn_in: offsets must be an integer");
+  auto s = mx::default_stream(mx::Device(mx::Device::cpu));
+  std::vector<mx::array> inputs = {h, norm_weight, mx::astype(mx::reshape(offsets, {-1}, s), mx::int32, s)};
+  inputs.insert(inputs.end(), ws.begin(), ws.end());
+  inputs.insert(inputs.end(), biases.begin(), biases.end());
+  auto prim = std::make_shared<AttnIn>(s, eps, !biases.empty(), dims, traditional, base, scale);
+  return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32}, prim, std::move(inputs));
+}
+
+void AttnIn::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  const mx::array h = row_contiguous(inputs[0], encoder);
+  const mx::array off = row_contiguous(inputs[2], encoder);
+  const auto& nw = inputs[1];
+  encoder.set_input_array(h);
+  encoder.set_input_array(nw);
+  encoder.set_input_array(off);
+  const int B = h.shape(0), D = h.shape(2);
+  LinearTarget t[3];
+  for (int i = 0; i < 3; ++i) {
+    t[i] = linear_target(inputs[3 + i], has_bias_ ? &inputs[6 + i] : nullptr, D, encoder);
+    auto& out = outputs[i];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+  }
+  t[2].y = outputs[2].data<float>(); // v as the projection leaves it: (B, 1, kv_heads * hd) is (B, kv_heads, 1, hd)
+  const int H = outputs[0].shape(1), KH = outputs[1].shape(1), hd = outputs[0].shape(3);
+  const float* hp = h.data<float>();
+  const float* wn = nw.data<float>();
+  const int64_t wns = nw.strides()[0];
+  const int32_t* op = off.data<int32_t>();
+  const int n_off = off.size();
+  float* qp = outputs[0].data<float>();
+  float* kp = outputs[1].data<float>();
+  const float eps = eps_, base = base_, scale = scale_;
+  const int dims = dims_;
+  const bool traditional = traditional_;
+  const LinearTarget tq = t[0], tk = t[1], tv = t[2];
+  encoder.dispatch([=]() {
+    thread_local std::vector<float> buf;
+    thread_local std::vector<int64_t> starts;
+    const int64_t nq = (int64_t)B * H * hd, nk = (int64_t)B * KH * hd;
+    buf.resize((size_t)((int64_t)B * D + nq + nk));
+    float* x = buf.data();
+    float* q = x + (int64_t)B * D; // the projections before RoPE
+    float* k = q + nq;
+    starts.resize(B);
+    for (int r = 0; r < B; ++r)
+      starts[r] = (int64_t)r * D;
+    rms_norm_run(hp, starts.data(), 1, wn, wns, x, B, D, eps);
+    LinearTarget a = tq, b = tk;
+    a.y = q;
+    b.y = k;
+    linear_run({a, b, tv}, x, B, D);
+    // (B, 1, heads * hd) read as (B, heads, 1, hd): strides (heads * hd, hd, hd)
+    rope_run(q, (int64_t)H * hd, hd, hd, B, H, 1, hd, op, n_off, dims, traditional, base, scale, qp);
+    rope_run(k, (int64_t)KH * hd, hd, hd, B, KH, 1, hd, op, n_off, dims, traditional, base, scale, kp);
+  });
+}
+
 mx::array mlp_block(
     const mx::array& h,
     const mx::array& o,

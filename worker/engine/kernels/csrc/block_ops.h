@@ -24,6 +24,55 @@ mx::array mlp_block(
     const mx::array& w_down,
     const std::vector<std::optional<mx::array>>& biases);
 
+// The first half of a llama/qwen2 decoder layer at one token a row, as one primitive:
+//   x = rms_norm(h);  q, k, v = q_proj(x), k_proj(x), v_proj(x)
+//   q, k = rope(q as (B, heads, 1, hd)), rope(k as (B, kv_heads, 1, hd));  v as (B, kv_heads, 1, hd)
+// h is (B, 1, D); offsets (B,) or a scalar: each row's position. The same tasks as those ops
+// (rms_norm_run, linear_run, rope_run), so the same bits. biases: q, k, v, all or none.
+std::vector<mx::array> attn_in(
+    const mx::array& h,
+    const mx::array& norm_weight,
+    float eps,
+    const std::vector<mx::array>& ws,
+    const std::vector<mx::array>& biases,
+    int heads,
+    int kv_heads,
+    int dims,
+    bool traditional,
+    float base,
+    float scale,
+    const mx::array& offsets);
+
+class AttnIn : public CpuPrimitive {
+ public:
+  AttnIn(mx::Stream stream, float eps, bool has_bias, int dims, bool traditional, float base, float scale)
+      : CpuPrimitive(stream),
+        eps_(eps),
+        has_bias_(has_bias),
+        dims_(dims),
+        traditional_(traditional),
+        base_(base),
+        scale_(scale) {}
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "MlxqAttnIn";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const AttnIn&>(other);
+    return eps_ == o.eps_ && has_bias_ == o.has_bias_ && dims_ == o.dims_ && traditional_ == o.traditional_ &&
+        base_ == o.base_ && scale_ == o.scale_;
+  }
+
+ private:
+  float eps_;
+  bool has_bias_;
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
+};
+
 class MlpBlock : public CpuPrimitive {
  public:
   MlpBlock(mx::Stream stream, float eps, unsigned bias_mask)
