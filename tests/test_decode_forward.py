@@ -210,3 +210,23 @@ def test_attn_in_refuses_bad_input_clearly():
         ext.attn_in(h, ln, 1e-5, ws, [], 2, 1, 6, False, 1e4, 1.0, off)
     with pytest.raises(ValueError, match="offsets"):
         ext.attn_in(h, ln, 1e-5, ws, [], 2, 1, 4, False, 1e4, 1.0, mx.array([0, 1, 2]))
+
+
+def test_a_fused_op_that_fails_its_check_is_not_used(monkeypatch, caplog):
+    """A fused op whose check raises (or differs) leaves the layers on the separate ops: the
+    engine still builds, logs why, and gives the model file's bits."""
+    import mlxq.worker.engine.decode_forward as df
+
+    def broken(ext):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(df, "_EXACT", {})
+    monkeypatch.setitem(df._CHECKS, "attn_in", broken)
+    monkeypatch.setitem(df._CHECKS, "mlp_block", lambda ext: False)
+    eng = engine_with_fast_path(random_qwen2(19))
+    fwd = eng.runner.decode_forward
+    assert fwd.attn_in is None and fwd.mlp_block is None and "fused" not in eng.decode_path
+    assert "attn_in failed its check" in caplog.text and "mlp_block differs" in caplog.text
+    seqs = decoding(eng, [[(3 * i + n) % 250 + 1 for i in range(n)] for n in (9, 40)])
+    stock, fast = both_logits(eng, seqs)
+    assert mx.array_equal(stock, fast).item()
