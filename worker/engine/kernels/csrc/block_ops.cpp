@@ -68,17 +68,10 @@ std::vector<mx::array> attn_in(
   }
   if (ws[0].shape(0) / heads != ws[1].shape(0) / kv_heads)
     throw std::invalid_argument("attn_in: queries and keys must have one head dim");
-  const int hd = ws[0].shape(0) / heads;
-  if (dims <= 0 || dims % 2 != 0 || dims > hd)
-    throw std::invalid_argument("attn_in: rope dims must be even, positive and at most the head dim");
-  if (offsets.size() != 1 && offsets.size() != (size_t)B)
-    throw std::invalid_argument("attn_in: offsets must be a scalar or one per row");
-  if (!mx::issubdtype(offsets.dtype(), mx::integer))
-    throw std::invalid_argument("attn_in: offsets must be an integer");
-  auto s = mx::default_stream(mx::Device(mx::Device::cpu));
-  std::vector<mx::array> inputs = {h, norm_weight, mx::astype(mx::reshape(offsets, {-1}, s), mx::int32, s)};
+  std::vector<mx::array> inputs = {h, norm_weight, rope_offsets("attn_in", dims, ws[0].shape(0) / heads, offsets, B)};
   inputs.insert(inputs.end(), ws.begin(), ws.end());
   inputs.insert(inputs.end(), biases.begin(), biases.end());
+  auto s = mx::default_stream(mx::Device(mx::Device::cpu));
   auto prim = std::make_shared<AttnIn>(s, eps, !biases.empty(), dims, traditional, base, scale);
   return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32}, prim, std::move(inputs));
 }
@@ -116,16 +109,12 @@ void AttnIn::eval_cpu(
   const LinearTarget tq = t[0], tk = t[1], tv = t[2];
   encoder.dispatch([=]() {
     thread_local std::vector<float> buf;
-    thread_local std::vector<int64_t> starts;
     const int64_t nq = (int64_t)B * H * hd, nk = (int64_t)B * KH * hd;
     buf.resize((size_t)((int64_t)B * D + nq + nk));
     float* x = buf.data();
     float* q = x + (int64_t)B * D; // the projections before RoPE
     float* k = q + nq;
-    starts.resize(B);
-    for (int r = 0; r < B; ++r)
-      starts[r] = (int64_t)r * D;
-    rms_norm_run(hp, starts.data(), 1, wn, wns, x, B, D, eps);
+    rms_norm_rows_run(hp, wn, wns, x, B, D, eps);
     LinearTarget a = tq, b = tk;
     a.y = q;
     b.y = k;
@@ -210,7 +199,6 @@ void MlpBlock::eval_cpu(
     // Scratch kept by this thread (MLX's stream thread runs one op at a time): the layer's
     // intermediate activations, which as separate ops were an MLX buffer each.
     thread_local std::vector<float> buf;
-    thread_local std::vector<int64_t> starts;
     const int64_t md = (int64_t)M * D, mi = (int64_t)M * I;
     buf.resize((size_t)(3 * md + 3 * mi));
     float* y = buf.data();   // o_proj(o), then down_proj(...)
@@ -219,16 +207,11 @@ void MlpBlock::eval_cpu(
     float* gate = x + md;
     float* up = gate + mi;
     float* act = up + mi;    // swiglu(gate, up)
-    if ((int64_t)starts.size() < M) {
-      starts.resize(M);
-    }
-    for (int r = 0; r < M; ++r)
-      starts[r] = (int64_t)r * D;
     LinearTarget t = to;
     t.y = y;
     linear_run({t}, op, M, Ko);
     add_run(hp, y, h1, md);
-    rms_norm_run(h1, starts.data(), 1, wn, wns, x, M, D, eps);
+    rms_norm_rows_run(h1, wn, wns, x, M, D, eps);
     LinearTarget g = tg, u = tu;
     g.y = gate;
     u.y = up;

@@ -257,18 +257,24 @@ mx::array rope(
     throw std::invalid_argument("rope: float32 only");
   if (x.ndim() != 4)
     throw std::invalid_argument("rope: x must be (B, H, T, D)");
-  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(3))
-    throw std::invalid_argument("rope: dims must be even, positive and at most D");
-  if (offset.size() != 1 && offset.size() != (size_t)x.shape(0))
-    throw std::invalid_argument("rope: offset must be a scalar or one per row");
-  if (!mx::issubdtype(offset.dtype(), mx::integer))
-    throw std::invalid_argument("rope: offset must be an integer");
   auto s = cpu_stream();
   return mx::array(
       x.shape(),
       mx::float32,
       std::make_shared<RoPE>(s, dims, traditional, base, scale),
-      {x, mx::astype(mx::reshape(offset, {-1}, s), mx::int32, s)});
+      {x, rope_offsets("rope", dims, x.shape(3), offset, x.shape(0))});
+}
+
+mx::array rope_offsets(const char* op, int dims, int head_dim, const mx::array& offsets, int rows) {
+  const std::string who(op);
+  if (dims <= 0 || dims % 2 != 0 || dims > head_dim)
+    throw std::invalid_argument(who + ": rope dims must be even, positive and at most the head dim");
+  if (offsets.size() != 1 && offsets.size() != (size_t)rows)
+    throw std::invalid_argument(who + ": offsets must be a scalar or one per row");
+  if (!mx::issubdtype(offsets.dtype(), mx::integer))
+    throw std::invalid_argument(who + ": offsets must be an integer");
+  auto s = cpu_stream();
+  return mx::astype(mx::reshape(offsets, {-1}, s), mx::int32, s);
 }
 
 std::vector<mx::array> paged_kv_write(

@@ -41,6 +41,10 @@ void swiglu_run(const float* gate, const float* up, float* out, int64_t n);
 // fallback) taking 70-140 us per call; this computes a position's cos/sin with
 // MLX's own exp and sincos (its shipped simd headers) once, and keeps it for the
 // positions below 2^16 (every layer, queries and keys, asks for the same ones).
+// RoPE's checks of dims and offsets (op: the caller, named in the messages) and the offsets as
+// RoPE's task reads them: int32, one per row or one for all.
+mx::array rope_offsets(const char* op, int dims, int head_dim, const mx::array& offsets, int rows);
+
 // RoPE's task: x (B, H, T, D) at strides (sb, sh, st, 1) into y (B, H, T, D) contiguous, offsets
 // op (n_off: 1 or B), on the pool where large. For fused ops: the same bits.
 void rope_run(const float* xp, int64_t sb, int64_t sh, int64_t st, int B, int H, int T, int D,

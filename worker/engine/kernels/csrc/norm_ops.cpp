@@ -2,6 +2,7 @@
 #include "norm_ops.h"
 
 #include <cmath>
+#include <vector>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -104,6 +105,15 @@ void rms_norm_run(const float* xp, const int64_t* starts, int64_t xs, const floa
   // Large calls (a batch-64 decode step: 64 x 512 floats) on the pool's threads, in parts of
   // whole groups of kRows rows.
   split_ranges(pool(), rows, rows * D, kRows, run);
+}
+
+void rms_norm_rows_run(const float* xp, const float* wp, int64_t ws, float* op, int64_t rows, int64_t D,
+                       float eps) {
+  thread_local std::vector<int64_t> starts;
+  starts.resize(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    starts[r] = r * D;
+  rms_norm_run(xp, starts.data(), 1, wp, ws, op, rows, D, eps);
 }
 
 } // namespace mlxq

@@ -23,6 +23,10 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
 void rms_norm_run(const float* xp, const int64_t* starts, int64_t xs, const float* wp, int64_t ws, float* op,
                   int64_t rows, int64_t D, float eps);
 
+// The same over contiguous rows (row r at xp + r * D), as the fused ops hold them.
+void rms_norm_rows_run(const float* xp, const float* wp, int64_t ws, float* op, int64_t rows, int64_t D,
+                       float eps);
+
 class RMSNormOp : public CpuPrimitive {
  public:
   RMSNormOp(mx::Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
