@@ -37,6 +37,7 @@ the ops are small.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Optional
 
 import mlx.core as mx
@@ -154,34 +155,41 @@ class DecodeForward:
     def __call__(self, rows: list[BatchRow], inputs: mx.array) -> mx.array:
         """The last hidden state (B, D), normed, of ``inputs`` (B, 1): each row's next token (``rows``:
         each feeds one token). The caller applies the model's vocabulary head (ModelRunner.head)."""
-        ext, pool, attn_in, mlp = self.ext, self.pool, self.attn_in, self.mlp_block
-        rms_norm, linear, group, rope, swiglu = ext.rms_norm, ext.linear, ext.linear_group, ext.rope, ext.swiglu
+        ext, pool = self.ext, self.pool
+        attn_in = self.attn_in or partial(attn_in_ops, ext)
+        mlp = self.mlp_block or partial(mlp_block_ops, ext)
         view = BatchView(rows, pool.block_size, pool.scratch_block)
         B = inputs.shape[0]
         h = self.embed["weight"][inputs]  # (B, 1, D), what nn.Embedding computes
         offsets, slots = view.q_offsets, view.write_slots
         for i, L in enumerate(self.layers):
-            if attn_in is not None:  # the same ops in one primitive: the same bits
-                q, k, v = attn_in(h, L.ln_in["weight"], L.ln_in.eps, [m["weight"] for m in L.qkv], _biases(L.qkv),
-                                  L.heads, L.kv_heads, *L.rope, offsets)
-            else:
-                x = rms_norm(h, L.ln_in["weight"], L.ln_in.eps)
-                q, k, v = group(x, [m["weight"] for m in L.qkv], _biases(L.qkv))
-                q = rope(q.reshape(B, L.heads, 1, -1), *L.rope, offsets)
-                k = rope(k.reshape(B, L.kv_heads, 1, -1), *L.rope, offsets)
-                v = v.reshape(B, L.kv_heads, 1, -1)
+            # each half: one fused primitive, or the same ops one by one (the same bits)
+            q, k, v = attn_in(h, L.ln_in["weight"], L.ln_in.eps, [m["weight"] for m in L.qkv], _biases(L.qkv),
+                              L.heads, L.kv_heads, *L.rope, offsets)
             pool.write_rows(i, k, v, slots)
             o = pool.attention(q, pool.keys[i], pool.values[i], view.tables, view.q_offsets, view.kv_lens,
                                L.scale, None, **pool.quant_kwargs(i))
-            if mlp is not None:  # the same ops in one primitive: the same bits
-                h = mlp(h, o.reshape(B, 1, -1), L.o["weight"], L.ln_post["weight"], L.ln_post.eps,
-                        L.gate_up[0]["weight"], L.gate_up[1]["weight"], L.down["weight"], L.mlp_biases)
-                continue
-            h = h + linear(o.reshape(B, 1, -1), L.o["weight"], _bias(L.o))
-            x = rms_norm(h, L.ln_post["weight"], L.ln_post.eps)
-            gate, up = group(x, [m["weight"] for m in L.gate_up], _biases(L.gate_up))
-            h = h + linear(swiglu(gate, up), L.down["weight"], _bias(L.down))
-        return rms_norm(h, self.norm["weight"], self.norm.eps)[:, 0, :]
+            h = mlp(h, o.reshape(B, 1, -1), L.o["weight"], L.ln_post["weight"], L.ln_post.eps,
+                    L.gate_up[0]["weight"], L.gate_up[1]["weight"], L.down["weight"], L.mlp_biases)
+        return ext.rms_norm(h, self.norm["weight"], self.norm.eps)[:, 0, :]
+
+
+def attn_in_ops(ext, h, norm_weight, eps, ws, biases, heads, kv_heads, dims, traditional, base, scale, offsets):
+    """What ``ext.attn_in`` computes, as the extension's separate ops (the model file's): q, k, v."""
+    B = h.shape[0]
+    q, k, v = ext.linear_group(ext.rms_norm(h, norm_weight, eps), ws, biases)
+    rope = (dims, traditional, base, scale, offsets)
+    return (ext.rope(q.reshape(B, heads, 1, -1), *rope), ext.rope(k.reshape(B, kv_heads, 1, -1), *rope),
+            v.reshape(B, kv_heads, 1, -1))
+
+
+def mlp_block_ops(ext, h, o, w_o, norm_weight, eps, w_gate, w_up, w_down, biases):
+    """What ``ext.mlp_block`` computes, as the extension's separate ops and MLP's adds (the model
+    file's); biases: o, gate, up, down, each an array or None."""
+    h = h + ext.linear(o, w_o, biases[0])
+    gate, up = ext.linear_group(ext.rms_norm(h, norm_weight, eps), [w_gate, w_up],
+                                [b for b in biases[1:3] if b is not None])
+    return h + ext.linear(ext.swiglu(gate, up), w_down, biases[3])
 
 
 _EXACT: dict[tuple[int, str], bool] = {}
@@ -221,11 +229,8 @@ def _check_mlp_block(ext) -> bool:
     for rows in (1, 9):
         h, o = r(rows, 1, D), r(rows, 1, K)
         for biases in ([None] * 4, b):
-            h1 = h + ext.linear(o, w_o, biases[0])
-            gate, up = ext.linear_group(ext.rms_norm(h1, ln, 1e-5), [w_g, w_u], [x for x in biases[1:3] if x is not None])
-            want = h1 + ext.linear(ext.swiglu(gate, up), w_d, biases[3])
-            got = ext.mlp_block(h, o, w_o, ln, 1e-5, w_g, w_u, w_d, biases)
-            ok = ok and mx.array_equal(got, want).item()
+            args = (h, o, w_o, ln, 1e-5, w_g, w_u, w_d, biases)
+            ok = ok and mx.array_equal(ext.mlp_block(*args), mlp_block_ops(ext, *args)).item()
     return ok
 
 
@@ -239,10 +244,8 @@ def _check_attn_in(ext) -> bool:
         offsets = mx.array([65530 + 977 * i for i in range(rows)], dtype=mx.int32)  # past RoPE's 2^16 table too
         rope = (dims, traditional, 10000.0, 1.0)
         for biases in ([], b):
-            q, k, v = ext.linear_group(ext.rms_norm(h, ln, 1e-5), ws, biases)
-            want = [ext.rope(q.reshape(rows, H, 1, hd), *rope, offsets),
-                    ext.rope(k.reshape(rows, KH, 1, hd), *rope, offsets), v.reshape(rows, KH, 1, hd)]
-            got = ext.attn_in(h, ln, 1e-5, ws, biases, H, KH, *rope, offsets)
+            args = (h, ln, 1e-5, ws, biases, H, KH, *rope, offsets)
+            got, want = ext.attn_in(*args), attn_in_ops(ext, *args)
             ok = ok and all(g.shape == w.shape and mx.array_equal(g, w).item() for g, w in zip(got, want))
     return ok
 
