@@ -248,9 +248,11 @@ class ScriptCalls:
             [job_id, owner, status, result, self.s.result_ttl_s, final_delta, self.pubcmd],
         )
 
-    def requeue(self, job_id: str, owner: str, resume: bytes = b""):
+    def requeue(self, job_id: str, owner: str, resume: bytes = b"", error: str = ""):
+        """``error``: the worker failed while it held the job; the attempt counts and its lease ends
+        now (requeue.lua), for ``reap`` to requeue or dead-letter it."""
         k = self.k
-        return ("requeue", [k.job(job_id), k.inflight, k.queue, k.counts, k.wake], [job_id, owner, resume])
+        return ("requeue", [k.job(job_id), k.inflight, k.queue, k.counts, k.wake], [job_id, owner, resume, error])
 
     def cancel(self, job_id: str, mode: str = "queue"):
         """``mode``: 'queue' (workers, trusted clients) or 'worker' (acting on a cancel request)."""
@@ -388,8 +390,8 @@ class Queue:
     def complete(self, job_id, owner, status, result: bytes, final_delta: bytes = b"", client=None):
         return self.run(self.calls.complete(job_id, owner, status, result, final_delta), client)
 
-    def requeue(self, job_id, owner, resume: bytes = b"", client=None):
-        return self.run(self.calls.requeue(job_id, owner, resume), client)
+    def requeue(self, job_id, owner, resume: bytes = b"", client=None, error: str = ""):
+        return self.run(self.calls.requeue(job_id, owner, resume, error), client)
 
     def cancel(self, job_id: str, mode: str = "queue") -> str:
         if not self.functions:

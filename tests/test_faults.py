@@ -331,3 +331,40 @@ def test_a_retried_enqueue_after_a_lost_reply_is_the_same_job(redis_url):
     assert q.counts()["submitted"] == 1 and r.zcard(K.queue) == 1
     with pytest.raises(JobRefused):  # a different request under a taken id is still refused
         q.enqueue(job_id, b"another request", global_redis=r)
+
+
+def test_a_job_that_fails_every_worker_ends_dead_lettered_with_its_error(tiny_model, redis_url):
+    """A job that makes the engine raise (here a step raises whenever it holds that job) does not go
+    round the workers for ever: each worker it fails stops, as an engine failure leaves the engine's
+    state unknown, and gives it back with the attempt counted; at max_attempts the job is
+    dead-lettered with the error, its caller gets that error, and a fresh worker serves the queue."""
+    from mlxq.worker.runner import Worker
+
+    settings = fast_settings(redis_url, max_attempts=2)
+    client = Client(redis_url, model="tiny", settings=settings)
+    poison = client.submit(prompt_tokens=[3, 1, 4, 1, 5], max_tokens=8)
+    for attempt in (1, 2):
+        w = Worker(redis.Redis.from_url(redis_url), tiny_model, settings)
+        real_step = w.engine.step
+
+        def step(w=w, real_step=real_step):
+            if any(j.id == poison.id for j in w.active.values()):
+                raise RuntimeError("boom in a step")
+            return real_step()
+
+        w.engine.step = step
+        with pytest.raises(RuntimeError, match="boom in a step"):
+            w.run(burst=True)
+        assert w.processed["abandoned"] == 1 and w.processed["requeued"] == 0
+        h = client.redis.hgetall(K.job(poison.id))
+        if attempt == 1:  # back in the queue at once (this worker reaped it), the attempt counted
+            assert h[b"status"] == b"queued" and h[b"attempts"] == b"1", h
+            assert client.redis.zscore(K.queue, poison.id) is not None
+    res = poison.result(timeout=30)
+    assert res.finish_reason == "error", res
+    assert "2 attempts" in res.error and "RuntimeError: boom in a step" in res.error, res.error
+    assert client.redis.zscore(K.dead, poison.id) is not None
+    assert client.redis.zcard(K.inflight) == 0 and client.redis.zcard(K.queue) == 0
+    other = client.submit(prompt_tokens=[2, 7, 1, 8], max_tokens=5)
+    with running_worker(tiny_model, redis_url, settings):
+        assert other.result(timeout=60).finish_reason in ("stop", "length")

@@ -150,6 +150,24 @@ def test_expired_lease_is_requeued_then_dead_lettered(rr):
     assert rr.zscore(q.keys.dead, a) is not None
 
 
+def test_requeue_with_an_error_counts_the_attempt_and_ends_the_lease_for_the_reaper(rr):
+    q = make_queue(rr, max_attempts=2)
+    [a] = ids(1)
+    first = enq(q, a, "normal")
+    q.pull(1, "w")
+    assert q.requeue(a, "w:9", error="x") == 0  # fenced on the owner: nothing changes
+    assert rr.zscore(q.keys.inflight, a) > 0 and rr.hget(q.keys.job(a), "error") is None
+    assert q.requeue(a, "w:1", error="worker w failed: boom") == 1
+    assert rr.zscore(q.keys.inflight, a) == 0  # the lease ended now, the job still in flight
+    assert q.reap() == (1, 0, 0)  # the attempt counted
+    [p] = q.pull(1, "w")
+    assert p.attempt == 2 and p.score == pytest.approx(first.score)
+    assert q.requeue(a, "w:2", error="worker w failed: boom again") == 1
+    assert q.reap() == (0, 1, 0)
+    h = rr.hgetall(q.keys.job(a))
+    assert h[b"status"] == b"dead" and b"last error: worker w failed: boom again" in h[b"error"]
+
+
 def test_requeue_keeps_score_and_gives_the_attempt_back(rr):
     q = make_queue(rr)
     [a] = ids(1)

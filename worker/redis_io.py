@@ -57,6 +57,8 @@ class StepOutput:
     deltas: list[tuple[str, str, bytes, bool]] = field(default_factory=list)
     completions: list[tuple[str, str, str, bytes, bytes]] = field(default_factory=list)
     requeues: list[tuple[str, str, bytes]] = field(default_factory=list)
+    # (job id, owner token, error): jobs given up by a worker whose engine raised; the attempt counts
+    abandons: list[tuple[str, str, str]] = field(default_factory=list)
     # job id -> [owner, wire deltas, first]: what add_delta gathered, packed by seal()
     _staged: dict[str, list] = field(default_factory=dict, repr=False)
 
@@ -79,7 +81,7 @@ class StepOutput:
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.deltas or self.completions or self.requeues)
+        return bool(self.deltas or self.completions or self.requeues or self.abandons)
 
 
 class Publisher(threading.Thread):
@@ -162,12 +164,14 @@ class Publisher(threading.Thread):
 
         for out in batch:
             deltas.extend(out.deltas)
-            if out.completions or out.requeues:
+            if out.completions or out.requeues or out.abandons:
                 flush()
             for job_id, owner, status, result, final in out.completions:
                 calls.append((self.q.calls.complete(job_id, owner, status, result, final), job_id, "complete"))
             for job_id, owner, resume in out.requeues:
                 calls.append((self.q.calls.requeue(job_id, owner, resume), job_id, "requeue"))
+            for job_id, owner, error in out.abandons:
+                calls.append((self.q.calls.requeue(job_id, owner, b"", error), job_id, "abandon"))
         flush()
         return calls
 

@@ -82,7 +82,7 @@ class Worker:
 
         self.started_at = time.time()
         self.tokens_generated = 0
-        self.processed = {"done": 0, "failed": 0, "cancelled": 0, "requeued": 0}
+        self.processed = {"done": 0, "failed": 0, "cancelled": 0, "requeued": 0, "abandoned": 0}
         self.busy_s = 0.0
         self._window: list[tuple[float, int]] = []
         self._snap: dict = {}
@@ -190,6 +190,7 @@ class Worker:
         """Serve until stopped. ``burst``: return once the queue is empty and all work is done."""
         self.start_threads()
         idle_since: Optional[float] = None
+        failure: Optional[str] = None
         try:
             while True:
                 self.host.check()
@@ -214,8 +215,17 @@ class Worker:
                 self._hand_over(events, preempted)
                 self.busy_s += time.perf_counter() - t0
                 self._refresh_snapshot()
+        except Exception as exc:
+            # The engine (or the host thread) raised: its state is unknown, so this worker stops, and a
+            # supervisor starts a fresh one. What it held goes back with the attempt counted, so that a
+            # job that fails every worker ends in the dead-letter set with this error after max_attempts
+            # instead of sending workers down one after another for ever.
+            failure = f"worker {self.worker_id} failed while it held the job: {type(exc).__name__}: {exc}"
+            log.exception("the serving loop failed; unfinished jobs go back with this attempt counted "
+                          "(dead-lettered after %d attempts)", self.settings.max_attempts)
+            raise
         finally:
-            self._shutdown()
+            self._shutdown(failure)
 
     def _queue_empty(self) -> bool:
         try:
@@ -482,7 +492,9 @@ class Worker:
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, failure: Optional[str] = None) -> None:
+        """Stop: publish what is left, give the unfinished jobs back (``failure``: the loop raised, and
+        their attempt counts; see ``run``), stop the threads."""
         self.fetcher.paused.set()
         try:
             self.host.drain()  # every step's tokens published before the leftovers are requeued
@@ -496,17 +508,27 @@ class Worker:
             leftovers += list(self.ready.items)
             self.ready.items.clear()
         self._drop(leftovers)
-        for job in {j.id: j for j in leftovers}.values():  # once per job, whatever its samples
-            out.requeues.append((job.id, job.owner, job.resume_state()))
-            self.processed["requeued"] += 1
-        if leftovers:
-            log.warning("requeued %d unfinished jobs at their original scores", len(leftovers))
+        jobs = list({j.id: j for j in leftovers}.values())  # once per job, whatever its samples
+        for job in jobs:
+            if failure:
+                out.abandons.append((job.id, job.owner, failure))
+            else:
+                out.requeues.append((job.id, job.owner, job.resume_state()))
+            self.processed["abandoned" if failure else "requeued"] += 1
+        if jobs and not failure:
+            log.warning("requeued %d unfinished jobs at their original scores", len(jobs))
         self.active.clear()
         self.publisher.submit(out)
         self._snap_at = 0.0
         self._refresh_snapshot()
         if not self.publisher.drain(timeout=30.0):
             log.error("could not flush all output to Redis before exit")
+        elif failure and jobs:
+            try:  # now, not when another worker's reaper comes by: requeued (attempt counted) or dead
+                requeued, dead, _ = self.q.reap()
+                log.warning("gave up %d unfinished jobs: %d requeued, %d dead-lettered", len(jobs), requeued, dead)
+            except Exception:  # noqa: BLE001 - any worker's reaper does it later
+                log.exception("could not reap the jobs given up; another worker's reaper will")
         self.stop_event.set()
         self.fetcher.join(timeout=self.settings.idle_block_s + 2)
         self.control.join(timeout=2)
