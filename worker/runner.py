@@ -220,7 +220,7 @@ class Worker:
             # supervisor starts a fresh one. What it held goes back with the attempt counted, so that a
             # job that fails every worker ends in the dead-letter set with this error after max_attempts
             # instead of sending workers down one after another for ever.
-            failure = f"worker {self.worker_id} failed while it held the job: {type(exc).__name__}: {exc}"
+            failure = f"worker {self.worker_id} failed while it held the job: {type(exc).__name__}: {exc}"[:1000]
             log.exception("the serving loop failed; unfinished jobs go back with this attempt counted "
                           "(dead-lettered after %d attempts)", self.settings.max_attempts)
             raise
@@ -507,26 +507,31 @@ class Worker:
         with self.ready.lock:
             leftovers += list(self.ready.items)
             self.ready.items.clear()
+        # After a failure, the jobs the engine held are the suspects: their attempt counts. Jobs pulled
+        # but not yet handed to it go back as at any stop (a job with n > 1 is a suspect if any of its
+        # samples was in the engine).
+        suspects = {j.id for j in self.active.values()} if failure else set()
         self._drop(leftovers)
         jobs = list({j.id: j for j in leftovers}.values())  # once per job, whatever its samples
         for job in jobs:
-            if failure:
+            if job.id in suspects:
                 out.abandons.append((job.id, job.owner, failure))
+                self.processed["abandoned"] += 1
             else:
                 out.requeues.append((job.id, job.owner, job.resume_state()))
-            self.processed["abandoned" if failure else "requeued"] += 1
-        if jobs and not failure:
-            log.warning("requeued %d unfinished jobs at their original scores", len(jobs))
+                self.processed["requeued"] += 1
+        if len(jobs) > len(suspects):
+            log.warning("requeued %d unfinished jobs at their original scores", len(jobs) - len(suspects))
         self.active.clear()
         self.publisher.submit(out)
         self._snap_at = 0.0
         self._refresh_snapshot()
         if not self.publisher.drain(timeout=30.0):
             log.error("could not flush all output to Redis before exit")
-        elif failure and jobs:
+        elif suspects:
             try:  # now, not when another worker's reaper comes by: requeued (attempt counted) or dead
                 requeued, dead, _ = self.q.reap()
-                log.warning("gave up %d unfinished jobs: %d requeued, %d dead-lettered", len(jobs), requeued, dead)
+                log.warning("gave up %d jobs: %d requeued, %d dead-lettered", len(suspects), requeued, dead)
             except Exception:  # noqa: BLE001 - any worker's reaper does it later
                 log.exception("could not reap the jobs given up; another worker's reaper will")
         self.stop_event.set()
