@@ -159,6 +159,8 @@ def test_requeue_with_an_error_counts_the_attempt_and_ends_the_lease_for_the_rea
     assert rr.zscore(q.keys.inflight, a) > 0 and rr.hget(q.keys.job(a), "error") is None
     assert q.requeue(a, "w:1", error="worker w failed: boom") == 1
     assert rr.zscore(q.keys.inflight, a) == 0  # the lease ended now, the job still in flight
+    assert q.renew({a: "w:1"})[0] == [a]  # given up: its worker's heartbeat cannot renew it
+    assert rr.zscore(q.keys.inflight, a) == 0
     assert q.reap() == (1, 0, 0)  # the attempt counted
     [p] = q.pull(1, "w")
     assert p.attempt == 2 and p.score == pytest.approx(first.score)

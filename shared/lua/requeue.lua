@@ -1,14 +1,16 @@
 -- Put a running job back in the queue at its original score (preemption, warm shutdown).
 -- Fenced on the lease owner. The attempt is given back: it did not fail.
 -- With an error (ARGV 4, a worker whose engine raised while it held the job): the attempt counts
--- instead. The job keeps the error and its lease ends now, so that reap.lua requeues it, or
--- dead-letters it with that error once it has used max attempts: a job that fails every worker it
--- meets ends in the dead-letter set instead of going round the workers for ever.
+-- instead. The job keeps the error and its lease ends now (no owner left, so a heartbeat of that
+-- worker still under way cannot renew it), so that reap.lua requeues it, or dead-letters it with
+-- that error once it has used max attempts: a job that fails every worker it meets ends in the
+-- dead-letter set instead of going round the workers for ever.
 -- KEYS: 1 job, 2 inflight, 3 queue, 4 counts, 5 wake
 -- ARGV: 1 id, 2 owner token, 3 resume state (msgpack, '' for none), 4 error ('' for none)
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
 if ARGV[4] and ARGV[4] ~= '' then
   redis.call('HSET', KEYS[1], 'error', ARGV[4])
+  redis.call('HDEL', KEYS[1], 'owner')
   redis.call('ZADD', KEYS[2], 'XX', 0, ARGV[1])
   return 1
 end
