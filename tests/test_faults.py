@@ -368,3 +368,34 @@ def test_a_job_that_fails_every_worker_ends_dead_lettered_with_its_error(tiny_mo
     other = client.submit(prompt_tokens=[2, 7, 1, 8], max_tokens=5)
     with running_worker(tiny_model, redis_url, settings):
         assert other.result(timeout=60).finish_reason in ("stop", "length")
+
+
+def test_a_job_pulled_while_the_worker_stops_goes_back_at_once(tiny_model, redis_url):
+    """A stop that comes while the fetcher is between a pull and handing the job over (tokenizing it)
+    waits for it, so the job goes back with the others, its attempt given back. Before, it stayed
+    leased to the stopped worker until the lease expired, and the reaper then counted an attempt."""
+    import threading
+
+    from mlxq.worker.runner import Worker
+
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    w = Worker(redis.Redis.from_url(redis_url), tiny_model, settings)
+    real_prepare, pulled = w.fetcher.prepare, threading.Event()
+
+    def prepare(entry):
+        pulled.set()
+        time.sleep(0.5)  # the stop below lands while this job is leased but not yet ready
+        real_prepare(entry)
+
+    w.fetcher.prepare = prepare
+    job = client.submit(prompt_tokens=[5, 6, 7], max_tokens=4)
+    t = threading.Thread(target=w.run)
+    t.start()
+    assert pulled.wait(30)
+    w.request_stop(0)
+    t.join(60)
+    assert not t.is_alive()
+    h = client.redis.hgetall(K.job(job.id))
+    assert h[b"status"] == b"queued" and h[b"attempts"] == b"0", h
+    assert client.redis.zcard(K.inflight) == 0 and client.redis.zscore(K.queue, job.id) is not None

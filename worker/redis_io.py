@@ -207,6 +207,7 @@ class Fetcher(threading.Thread):
         self.prepare = prepare
         self.stop_event = stop
         self.paused = threading.Event()  # set on warm shutdown: pull nothing more
+        self.pulling = threading.Lock()  # held from a pull until its jobs are prepared (pause)
         self.gather_s = gather_s
         self.idle_block_s = idle_block_s
         self.kick = threading.Event()  # set by the MLX thread when slots free up
@@ -235,14 +236,17 @@ class Fetcher(threading.Thread):
                     want = self.free_slots()
                     if want <= 0:
                         continue
-                local = time.time()
-                pulled = self.q.pull(want, self.worker_id)
-                self.backoff.ok()
-                if pulled:
-                    self.clock_offset = pulled[0].now - local
-                    self.pulls += 1
-                    for entry in pulled:
-                        self.prepare(entry)
+                with self.pulling:
+                    if self.paused.is_set():
+                        break
+                    local = time.time()
+                    pulled = self.q.pull(want, self.worker_id)
+                    self.backoff.ok()
+                    if pulled:
+                        self.clock_offset = pulled[0].now - local
+                        self.pulls += 1
+                        for entry in pulled:
+                            self.prepare(entry)
                 # Under load (we got a full pull) never wait; otherwise go idle, unless the pull came
                 # back short because it dropped stale members and the queue still holds more.
                 idle = len(pulled) < want and self.q.redis.zcard(self.q.keys.queue) == 0
@@ -254,6 +258,16 @@ class Fetcher(threading.Thread):
                 log.exception("fetcher error")
                 time.sleep(0.1)
 
+
+    def pause(self, timeout: float = 10.0) -> None:
+        """Pull nothing more, and wait until a pull under way has handed its jobs over (``prepare``):
+        a job leased but not yet in the ready queue when the worker gives its jobs back would otherwise
+        wait for its lease to expire, and then count an attempt it never had."""
+        self.paused.set()
+        if self.pulling.acquire(timeout=timeout):
+            self.pulling.release()
+        else:
+            log.warning("a pull still under way after %.0fs; its jobs come back when their leases expire", timeout)
 
     def _urgent_waiting(self) -> bool:
         """True when the head of the queue is urgent enough to preempt a running job here."""

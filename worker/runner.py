@@ -495,7 +495,7 @@ class Worker:
     def _shutdown(self, failure: Optional[str] = None) -> None:
         """Stop: publish what is left, give the unfinished jobs back (``failure``: the loop raised, and
         their attempt counts; see ``run``), stop the threads."""
-        self.fetcher.paused.set()
+        self.fetcher.pause()  # a pull under way hands its jobs over first: they are given back too
         try:
             self.host.drain()  # every step's tokens published before the leftovers are requeued
         except Exception:
