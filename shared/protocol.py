@@ -110,6 +110,9 @@ class Pulled:
     queued_at: float
     resume: bytes
     now: float
+    # The error a failed worker gave this job back with ("" if none): it was held by an engine that
+    # raised, so the worker runs it alone (a job that fails alone fails for itself, not its batch-mates).
+    suspect: str = ""
 
 
 def _s(x: Any) -> str:
@@ -150,7 +153,7 @@ def parse_check(reply: list) -> str:
 def parse_pull(reply: list) -> list[Pulled]:
     out = []
     for row in reply:
-        job_id, kind, req, attempt, tier, score, queued_at, resume, now = row
+        job_id, kind, req, attempt, tier, score, queued_at, resume, now, suspect = row
         out.append(
             Pulled(
                 job_id=_s(job_id),
@@ -162,6 +165,7 @@ def parse_pull(reply: list) -> list[Pulled]:
                 queued_at=_f(queued_at),
                 resume=resume if isinstance(resume, bytes) else _s(resume).encode(),
                 now=_f(now),
+                suspect=_s(suspect),
             )
         )
     return out

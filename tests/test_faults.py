@@ -370,6 +370,73 @@ def test_a_job_that_fails_every_worker_ends_dead_lettered_with_its_error(tiny_mo
         assert other.result(timeout=60).finish_reason in ("stop", "length")
 
 
+def test_a_job_given_back_by_a_failed_engine_runs_alone_so_its_batch_mate_completes(tiny_model, redis_url):
+    """The jobs an engine held when it raised are suspects: the next worker runs each alone. Here the
+    step raises whenever the poison job is in it. The first worker holds it with an innocent job, so
+    both go back with the attempt counted; had the next worker batched them again, the innocent one
+    would share the poison's last attempt and be dead-lettered with it (max_attempts=2). Alone, the
+    poison fails for itself (dead, with its error) and the innocent one completes, its tokens the
+    greedy answer for its prompt; no engine ever held a suspect with another job."""
+    from mlxq.worker.runner import Worker
+
+    settings = fast_settings(redis_url, max_attempts=2)
+    client = Client(redis_url, model="tiny", settings=settings)
+    poison = client.submit(prompt_tokens=[3, 1, 4, 1, 5], max_tokens=8)
+    innocent_prompt = [2, 7, 1, 8, 2, 8]
+    innocent = client.submit(prompt_tokens=innocent_prompt, max_tokens=12, ignore_eos=True)
+    batches: list[set] = []
+    for n in (1, 2, 3):
+        w = Worker(redis.Redis.from_url(redis_url), tiny_model, settings)
+        real_step = w.engine.step
+
+        def step(w=w, real_step=real_step, n=n):
+            held = {j.id for j in w.active.values()}
+            batches.append((n, frozenset(held)))
+            if poison.id in held:
+                if n == 1 and innocent.id not in held:
+                    return [], []  # the first worker fails with both in its engine
+                raise RuntimeError("boom in a step")
+            return real_step()
+
+        w.engine.step = step
+        if n < 3:
+            with pytest.raises(RuntimeError, match="boom in a step"):
+                w.run(burst=True)
+        else:
+            w.run(burst=True)
+        if n == 1:  # both given back with the attempt counted and the failure kept
+            assert w.processed["abandoned"] == 2, w.processed
+            for job in (poison, innocent):
+                h = client.redis.hgetall(K.job(job.id))
+                assert h[b"status"] == b"queued" and h[b"attempts"] == b"1" and b"boom" in h[b"error"], h
+    res = poison.result(timeout=30)
+    assert res.finish_reason == "error" and "2 attempts" in res.error, res
+    ok = innocent.result(timeout=30)
+    assert ok.finish_reason == "length", ok
+    assert ok.token_ids == reference_tokens(tiny_model, innocent_prompt, 12, ignore_eos=True)
+    later = [held for n, held in batches if n > 1 and held]
+    assert later and all(len(held) == 1 for held in later), batches
+    assert client.redis.zcard(K.inflight) == 0 and client.redis.zcard(K.queue) == 0
+
+
+def test_admit_now_runs_a_suspect_alone_and_never_strands_a_running_jobs_samples():
+    from types import SimpleNamespace as J
+
+    from mlxq.worker.jobs import admit_now
+
+    a, b, s0, s1, t = J(id="a", suspect=""), J(id="b", suspect=""), J(id="s", suspect="boom"), \
+        J(id="s", suspect="boom"), J(id="t", suspect="boom")
+    assert admit_now([a, b], []) == ([a, b], False)
+    assert admit_now([b], [a]) == ([b], False)
+    # a suspect waits while the engine drains; a running job's preempted sample still goes back in
+    a2 = J(id="a", suspect="")
+    assert admit_now([s0, s1, a2, b], [a]) == ([a2], True)
+    # drained: the suspect's samples alone; the next suspect and the others wait
+    assert admit_now([b, s0, t, s1], []) == ([s0, s1], True)
+    # running alone: only its own samples join it
+    assert admit_now([t, b, s1], [s0]) == ([s1], True)
+
+
 def test_a_job_pulled_while_the_worker_stops_goes_back_at_once(tiny_model, redis_url):
     """A stop that comes while the fetcher is between a pull and handing the job over (tokenizing it)
     waits for it, so the job goes back with the others, its attempt given back. Before, it stayed

@@ -164,6 +164,7 @@ def test_requeue_with_an_error_counts_the_attempt_and_ends_the_lease_for_the_rea
     assert q.reap() == (1, 0, 0)  # the attempt counted
     [p] = q.pull(1, "w")
     assert p.attempt == 2 and p.score == pytest.approx(first.score)
+    assert p.suspect == "worker w failed: boom"  # the worker runs it alone (worker.jobs.admit_now)
     assert q.requeue(a, "w:2", error="worker w failed: boom again") == 1
     assert q.reap() == (0, 1, 0)
     h = rr.hgetall(q.keys.job(a))
@@ -178,6 +179,7 @@ def test_requeue_keeps_score_and_gives_the_attempt_back(rr):
     assert q.requeue(a, "w:1", b"state") == 1
     [p] = q.pull(1, "w")
     assert p.attempt == 1 and p.resume == b"state" and p.score == pytest.approx(first.score)
+    assert p.suspect == ""  # a plain requeue (preemption, a stop) is no failure
 
 
 def test_garbage_members_are_moved_aside(rr):

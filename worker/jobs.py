@@ -84,6 +84,9 @@ class ActiveJob:
     grammar: Optional[str] = None  # the llguidance grammar its output follows (None: free text)
     sample: Optional[int] = None  # the sample index of a job with n > 1 (None: n == 1)
     group: Optional[SampleGroup] = None  # n > 1: the job's samples
+    # the error it was given back with after an engine raised while holding it (Pulled.suspect; ""
+    # for none): the worker runs this job alone (admit_now)
+    suspect: str = ""
 
     @property
     def uid(self) -> str:
@@ -203,6 +206,25 @@ class ActiveJob:
         head = outputs[0]
         return Result(id=self.id, **head.model_dump(exclude={"index"}), stats=stats,
                       samples=outputs if self.group is not None else None)
+
+
+def admit_now(ready: list[ActiveJob], active: list[ActiveJob]) -> tuple[list[ActiveJob], bool]:
+    """Which of the ready samples the engine takes now, and whether the worker is isolating a suspect
+    (then it pulls nothing more). A suspect job (``ActiveJob.suspect``: it was in the engine of a worker
+    whose serving loop raised) runs alone, so that if it fails again it fails for itself and its
+    attempts count against it, not against batch-mates: while one runs, only its own samples join it;
+    one that waits goes in once the engine has drained, and until then only the samples of jobs
+    already running do (preempted samples of a job with n > 1)."""
+    running = {j.id for j in active}
+    alone = {j.id for j in active if j.suspect}
+    if alone:
+        return [j for j in ready if j.id in alone], True
+    waiting = next((j.id for j in ready if j.suspect and j.id not in running), None)
+    if waiting is None:
+        return list(ready), False
+    if running:
+        return [j for j in ready if j.id in running], True
+    return [j for j in ready if j.id == waiting], True
 
 
 def call_id(job_id: str, k: int, sample: Optional[int] = None) -> str:
@@ -420,7 +442,7 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
             owner=owner_token(worker_id, pulled.attempt), tier=pulled.tier, score=pulled.score,
             queued_at=pulled.queued_at, started_at=pulled.now, prompt=prompt, seed=seed,
             text=chat_stream(tokenizer, req, prompt), clock_offset=clock_offset, grammar=grammar,
-            sample=i if group else None, group=group,
+            sample=i if group else None, group=group, suspect=pulled.suspect,
         )
         if isinstance(resume.get("started_at"), (int, float)):  # queue_wait_s: until the job first started
             job.started_at = resume["started_at"]

@@ -30,8 +30,8 @@ from ..shared.protocol import Pulled, Queue
 from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, MAX_N, Delta, Result
 from ..shared.settings import TIERS, Settings
 from . import blas
-from .jobs import (ActiveJob, JobError, Published, check_token_ids, decode_request, job_grammar, read_samples,
-                   sample_uid, start_job, tokenize)
+from .jobs import (ActiveJob, JobError, Published, admit_now, check_token_ids, decode_request, job_grammar,
+                   read_samples, sample_uid, start_job, tokenize)
 from .hostwork import HostWork
 from .model import LoadedModel
 from .engine.engine import make_engine
@@ -73,6 +73,7 @@ class Worker:
         self.host = HostWork(inline=not self.settings.host_thread)
         self._removals: deque[str] = deque()  # host thread -> MLX thread: sequences a stop string ended
         self.ready = ReadyQueue()
+        self._isolating = False  # a suspect job waits for the engine to drain, or runs alone (admit_now)
         self._engine_free = self.engine.free_slots()
         self._engine_urgent_below = float("-inf")
         self._control_q: "queue.Queue[tuple[str, list[str]]]" = queue.Queue()
@@ -102,14 +103,14 @@ class Worker:
 
     # -- shared with the I/O threads ----------------------------------------
     def _free_slots(self) -> int:
-        if self.draining.is_set():
+        if self.draining.is_set() or self._isolating:  # a suspect job runs alone (admit_now)
             return 0
         with self.ready.lock:
             return self._engine_free - len(self.ready.items)
 
     def _urgent_below(self) -> float:
         """Fetcher thread: a queued job scoring below this would preempt (engine value, refreshed per pass)."""
-        if self.draining.is_set() or len(self.ready.items):
+        if self.draining.is_set() or self._isolating or len(self.ready.items):
             return float("-inf")
         return self._engine_urgent_below
 
@@ -235,10 +236,16 @@ class Worker:
 
     def _admit(self) -> None:
         with self.ready.lock:
-            jobs = list(self.ready.items)
+            jobs, self._isolating = admit_now(list(self.ready.items), list(self.active.values()))
+            taken = {id(j) for j in jobs}
+            held = [j for j in self.ready.items if id(j) not in taken]  # wait for a suspect's turn (admit_now)
             self.ready.items.clear()
+            self.ready.items.extend(held)
             self.ready.event.clear()
             if jobs:
+                if self._isolating and not self.active:
+                    log.warning("job=%s attempt=%d runs alone: it was in the engine of a worker that failed (%s)",
+                                jobs[0].id, jobs[0].attempt, jobs[0].suspect[:200])
                 for job in jobs:
                     self.active[job.uid] = job
                 done = [j for j in jobs if len(j.tokens) >= j.request.max_tokens]

@@ -4,8 +4,10 @@
 --       job, events, done list, job channel
 -- ARGV: 1 unused, 2 lease (s), 3 worker id, 4 ttl (s), 5 publish command (PUBLISH | SPUBLISH on a cluster),
 --       6.. the members
--- Returns a list of {id, kind, req, attempt, tier, score, queued_at, resume, now}
+-- Returns a list of {id, kind, req, attempt, tier, score, queued_at, resume, now, suspect}
 -- kind 'job' is leased to this worker; 'garbage' was moved to the dead-letter set.
+-- suspect: the error a failed worker gave the job back with (requeue.lua with an error), '' if none:
+-- the job was in a batch when an engine raised, so the worker runs it alone (PROTOCOL.md section 7).
 -- Anything may sit in Redis (bugs, hostile writers): a member that is not a job id, a job key
 -- that is not a hash, or a record with unusable fields is moved aside with the reason, never
 -- raised as a script error (that would lose the rest of the batch).
@@ -63,7 +65,7 @@ for _, entry in ipairs(popped) do
     redis.call('ZADD', KEYS[4], now, id)
     redis.call('HSET', KEYS[5], id, why)
     redis.call('HINCRBY', KEYS[3], 'garbage', 1)
-    table.insert(out, {id, 'garbage', '', '0', '', entry[2], '', '', nowstr})
+    table.insert(out, {id, 'garbage', '', '0', '', entry[2], '', '', nowstr, ''})
   elseif status ~= 'queued' then
     -- a stale or forged member for a job that is not waiting: never run a job twice
     redis.call('HSET', KEYS[5], id, 'queue member for a job in status ' .. status)
@@ -77,9 +79,9 @@ for _, entry in ipairs(popped) do
     redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), id)
     redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, -1)
     redis.call('HINCRBY', KEYS[3], 'running', 1)
-    local f = redis.call('HMGET', jk, 'req', 'score', 'queued_at', 'resume')
+    local f = redis.call('HMGET', jk, 'req', 'score', 'queued_at', 'resume', 'error')
     table.insert(out, {id, 'job', f[1] or '', tostring(attempt), tier, f[2] or '', f[3] or '',
-      f[4] or '', nowstr})
+      f[4] or '', nowstr, f[5] or ''})
   end
 end
 return out
