@@ -258,7 +258,6 @@ class Fetcher(threading.Thread):
                 log.exception("fetcher error")
                 time.sleep(0.1)
 
-
     def pause(self, timeout: float = 10.0) -> None:
         """Pull nothing more, and wait until a pull under way has handed its jobs over (``prepare``):
         a job leased but not yet in the ready queue when the worker gives its jobs back would otherwise
