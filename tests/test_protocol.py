@@ -150,6 +150,28 @@ def test_expired_lease_is_requeued_then_dead_lettered(rr):
     assert rr.zscore(q.keys.dead, a) is not None
 
 
+def test_a_job_whose_lease_expired_twice_comes_back_a_suspect(rr):
+    """One worker dying (kill -9, a lost node) says nothing about its jobs: they come back as they were.
+    A job whose second lease in a row expired comes back a suspect, which the next worker runs alone."""
+    q = make_queue(rr, lease_s=0.05, heartbeat_s=0.01, max_attempts=3)
+    [a] = ids(1)
+    enq(q, a, "normal")
+    q.pull(1, "w1")
+    time.sleep(0.1)
+    assert q.reap() == (1, 0, 0)
+    [p] = q.pull(1, "w2")
+    assert p.attempt == 2 and p.suspect == ""
+    time.sleep(0.1)
+    assert q.reap() == (1, 0, 0)
+    [p] = q.pull(1, "w3")
+    assert p.attempt == 3 and p.suspect == "a worker died or hung while it held the job (attempt 2)"
+    time.sleep(0.1)
+    assert q.reap() == (0, 1, 0)
+    err = rr.hget(q.keys.job(a), "error")
+    assert err == (b"lease expired after 3 attempts (worker died or hung); "
+                   b"last error: a worker died or hung while it held the job (attempt 2)")
+
+
 def test_requeue_with_an_error_counts_the_attempt_and_ends_the_lease_for_the_reaper(rr):
     q = make_queue(rr, max_attempts=2)
     [a] = ids(1)

@@ -1,5 +1,6 @@
 -- Requeue jobs whose lease expired (their worker died or hung), at their original score.
--- After max attempts a job goes to the dead-letter set with its last error.
+-- After max attempts a job goes to the dead-letter set with its last error. A job requeued after its
+-- second expired lease keeps an error, which makes it a suspect (pull.lua): the next worker runs it alone.
 -- Any worker may run this.
 -- KEYS: 1 inflight, 2 queue, 3 counts, 4 dead, 5 deadinfo, 6 wake, then four per candidate (the caller
 --       read in-flight members whose lease looked expired, in ARGV order): job, events, done list, channel
@@ -54,6 +55,11 @@ for i = 4, #ARGV do
       else
         local tier = f[3] or 'normal'
         redis.call('HSET', jk, 'status', 'queued')
+        if attempts >= 2 and not f[5] then
+          -- the second worker in a row that died holding it (a crash the worker could not report,
+          -- such as a segfault or the OOM killer): a suspect, which the next worker runs alone
+          redis.call('HSET', jk, 'error', 'a worker died or hung while it held the job (attempt ' .. attempts .. ')')
+        end
         redis.call('ZADD', KEYS[2], score, id)
         redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
         redis.call('HINCRBY', KEYS[3], 'requeued', 1)
