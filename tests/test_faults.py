@@ -333,26 +333,32 @@ def test_a_retried_enqueue_after_a_lost_reply_is_the_same_job(redis_url):
         q.enqueue(job_id, b"another request", global_redis=r)
 
 
+def _worker_with_step(tiny_model, redis_url, settings, step):
+    """A worker (in this process) whose engine step is ``step(worker, real_step)``."""
+    from mlxq.worker.runner import Worker
+
+    w = Worker(redis.Redis.from_url(redis_url), tiny_model, settings)
+    real_step = w.engine.step
+    w.engine.step = lambda: step(w, real_step)
+    return w
+
+
 def test_a_job_that_fails_every_worker_ends_dead_lettered_with_its_error(tiny_model, redis_url):
     """A job that makes the engine raise (here a step raises whenever it holds that job) does not go
     round the workers for ever: each worker it fails stops, as an engine failure leaves the engine's
     state unknown, and gives it back with the attempt counted; at max_attempts the job is
     dead-lettered with the error, its caller gets that error, and a fresh worker serves the queue."""
-    from mlxq.worker.runner import Worker
-
     settings = fast_settings(redis_url, max_attempts=2)
     client = Client(redis_url, model="tiny", settings=settings)
     poison = client.submit(prompt_tokens=[3, 1, 4, 1, 5], max_tokens=8)
+
+    def step(w, real_step):
+        if any(j.id == poison.id for j in w.active.values()):
+            raise RuntimeError("boom in a step")
+        return real_step()
+
     for attempt in (1, 2):
-        w = Worker(redis.Redis.from_url(redis_url), tiny_model, settings)
-        real_step = w.engine.step
-
-        def step(w=w, real_step=real_step):
-            if any(j.id == poison.id for j in w.active.values()):
-                raise RuntimeError("boom in a step")
-            return real_step()
-
-        w.engine.step = step
+        w = _worker_with_step(tiny_model, redis_url, settings, step)
         with pytest.raises(RuntimeError, match="boom in a step"):
             w.run(burst=True)
         assert w.processed["abandoned"] == 1 and w.processed["requeued"] == 0
@@ -377,28 +383,36 @@ def test_a_job_given_back_by_a_failed_engine_runs_alone_so_its_batch_mate_comple
     would share the poison's last attempt and be dead-lettered with it (max_attempts=2). Alone, the
     poison fails for itself (dead, with its error) and the innocent one completes, its tokens the
     greedy answer for its prompt; no engine ever held a suspect with another job."""
-    from mlxq.worker.runner import Worker
-
     settings = fast_settings(redis_url, max_attempts=2)
     client = Client(redis_url, model="tiny", settings=settings)
     poison = client.submit(prompt_tokens=[3, 1, 4, 1, 5], max_tokens=8)
     innocent_prompt = [2, 7, 1, 8, 2, 8]
     innocent = client.submit(prompt_tokens=innocent_prompt, max_tokens=12, ignore_eos=True)
     batches: list[set] = []
+    # the second worker fails only once the innocent job is in its hands: in its engine (as a worker
+    # without isolation would batch it), or held back in its ready queue for 3 of the poison's steps
+    second = {"seen": False, "held_back": 0, "until": time.monotonic() + 30}
     for n in (1, 2, 3):
-        w = Worker(redis.Redis.from_url(redis_url), tiny_model, settings)
-        real_step = w.engine.step
 
-        def step(w=w, real_step=real_step, n=n):
+        def step(w, real_step, n=n):
             held = {j.id for j in w.active.values()}
             batches.append((n, frozenset(held)))
             if poison.id in held:
                 if n == 1 and innocent.id not in held:
                     return [], []  # the first worker fails with both in its engine
+                if n == 2 and innocent.id not in held:
+                    waiting = any(j.id == innocent.id for j in list(w.ready.items))
+                    second["seen"] |= waiting
+                    second["held_back"] = second["held_back"] + 1 if waiting else 0
+                    if (waiting and second["held_back"] < 3) or (
+                            not second["seen"] and time.monotonic() < second["until"]):
+                        return [], []
                 raise RuntimeError("boom in a step")
+            if n == 2 and innocent.id in held:
+                second["seen"] = True  # the innocent job ran first (alone)
             return real_step()
 
-        w.engine.step = step
+        w = _worker_with_step(tiny_model, redis_url, settings, step)
         if n < 3:
             with pytest.raises(RuntimeError, match="boom in a step"):
                 w.run(burst=True)
@@ -414,6 +428,7 @@ def test_a_job_given_back_by_a_failed_engine_runs_alone_so_its_batch_mate_comple
     ok = innocent.result(timeout=30)
     assert ok.finish_reason == "length", ok
     assert ok.token_ids == reference_tokens(tiny_model, innocent_prompt, 12, ignore_eos=True)
+    assert second["seen"], "the second worker never had the innocent job in its hands"
     later = [held for n, held in batches if n > 1 and held]
     assert later and all(len(held) == 1 for held in later), batches
     assert client.redis.zcard(K.inflight) == 0 and client.redis.zcard(K.queue) == 0
