@@ -246,9 +246,11 @@ def result_from_hash(job_id: str, h: dict) -> Optional[Result]:
         return None
     if h.get("result"):
         return Result.model_validate(codec.unpack(h["result"]))
-    err = h.get("error")
-    err = err.decode() if isinstance(err, bytes) else err
     reason = "cancelled" if status == "cancelled" else "error"
+    # A queued job's ``error`` is the failure it was given back with (a suspect, PROTOCOL.md's
+    # job hash); a cancel ends it before any worker runs it again, and that was no error of its.
+    err = h.get("error") if reason == "error" else None
+    err = err.decode() if isinstance(err, bytes) else err
     stats = JobStats(queued_at=_f(h.get("queued_at")), finished_at=_f(h.get("finished_at")),
                      attempts=int(_f(h.get("attempts")) or 0))
     return Result(id=job_id, finish_reason=reason, error=err, stats=stats)

@@ -193,6 +193,24 @@ def test_requeue_with_an_error_counts_the_attempt_and_ends_the_lease_for_the_rea
     assert h[b"status"] == b"dead" and b"last error: worker w failed: boom again" in h[b"error"]
 
 
+def test_a_suspect_cancelled_in_the_queue_ends_cancelled_without_the_old_failure(rr):
+    from mlxq.producer.common import result_from_hash
+
+    q = make_queue(rr)
+    a, b = ids(2)
+    for j in (a, b):
+        enq(q, j, "normal")
+    q.pull(2, "w")
+    for j in (a, b):
+        assert q.requeue(j, "w:1", error="worker w failed: boom") == 1
+    assert q.reap() == (2, 0, 0)
+    assert q.cancel(a) == "cancelled"
+    done = result_from_hash(a, rr.hgetall(q.keys.job(a)))
+    assert done.finish_reason == "cancelled" and done.error is None
+    rr.hset(q.keys.job(b), "status", "dead")  # a job that failed still says why
+    assert result_from_hash(b, rr.hgetall(q.keys.job(b))).error == "worker w failed: boom"
+
+
 def test_requeue_keeps_score_and_gives_the_attempt_back(rr):
     q = make_queue(rr)
     [a] = ids(1)
