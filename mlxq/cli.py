@@ -9,7 +9,7 @@ import sys
 from typing import Optional
 
 from .shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
-from .shared.settings import TIERS
+from .shared.settings import TIERS, Settings
 from .shared.cliopts import Parser, add_shared
 from .shared.genopts import add_output_options, error_text, output_params
 
@@ -86,23 +86,29 @@ def _say_if_no_worker(job) -> None:
               file=sys.stderr, flush=True)
 
 
+def _global_keys():
+    """The deployment's keys that belong to no model, under its ``MLXQ_PREFIX`` (as the workers')."""
+    from .shared.keys import GlobalKeys
+
+    return GlobalKeys(Settings.from_env().prefix)
+
+
 def cmd_stats(args) -> int:
     from .producer import stats
     from .producer.client import connect
 
-    data = stats.collect(connect(args.redis_url))
+    data = stats.collect(connect(args.redis_url), _global_keys().prefix)
     print(json.dumps(data, indent=2, default=str) if args.json else stats.render(data))
     return 0
 
 
 def cmd_keys(args) -> int:
     from .shared import apikeys
-    from .shared.keys import GlobalKeys
 
     from .producer.client import connect
 
     r = connect(args.redis_url)
-    reg = GlobalKeys().api_keys
+    reg = _global_keys().api_keys
     if args.action == "add":
         apikeys.add_key(r, reg, args.key, args.tier)
         print(f"key added at tier {args.tier} (stored as sha256 {apikeys.key_hash(args.key)[:12]}…)")
@@ -121,11 +127,11 @@ def cmd_tiers(args) -> int:
     """Tier offsets, the per-tier queue bound and the tier of key-less callers, stored in Redis
     (the enqueue script reads them there; every model's slot gets a copy)."""
     from .shared import apikeys
-    from .shared.keys import GlobalKeys
 
     from .producer.client import connect
 
     r = connect(args.redis_url)
+    gk = _global_keys()
     offsets = {}
     for part in args.offsets or []:
         name, _, value = part.partition("=")
@@ -133,9 +139,9 @@ def cmd_tiers(args) -> int:
             raise ValueError(f"expected tier=seconds with tier in {TIERS}, got {part!r}")
         offsets[name] = float(value)
     if offsets or args.max_queued is not None or args.anonymous is not None:
-        policy = apikeys.set_policy(r, GlobalKeys(), offsets, args.max_queued, args.anonymous)
+        policy = apikeys.set_policy(r, gk, offsets, args.max_queued, args.anonymous)
     else:
-        policy = apikeys.get_policy(r, GlobalKeys())
+        policy = apikeys.get_policy(r, gk)
     print(json.dumps(policy, indent=2))
     return 0
 
@@ -144,7 +150,7 @@ def cmd_acl(args) -> int:
     """Print the ACL SETUSER line of the producer recipe (mlxq.shared.acl)."""
     from .shared.acl import producer_acl_line
 
-    print(producer_acl_line(args.user, args.password))
+    print(producer_acl_line(args.user, args.password, _global_keys().prefix))
     return 0
 
 

@@ -76,6 +76,24 @@ def test_keys_add_with_the_url_after_the_command(redis_url, capsys):
     r.close()
 
 
+def test_admin_commands_follow_the_deployments_prefix(redis_url, capsys, monkeypatch):
+    """keys, tiers, stats and acl-producer write and read under MLXQ_PREFIX, where the workers look."""
+    monkeypatch.setenv("MLXQ_PREFIX", "acme")
+    r = redis.Redis.from_url(redis_url)
+    assert main(["keys", "add", "an-acme-prefixed-key", "--tier", "high", "--redis-url", redis_url]) == 0
+    assert apikeys.resolve_tier(r, GlobalKeys("acme").api_keys, "an-acme-prefixed-key") == "high"
+    assert not r.exists(GlobalKeys().api_keys)  # nothing under the default prefix
+    assert main(["tiers", "--max-queued", "77", "--redis-url", redis_url]) == 0
+    assert apikeys.get_policy(r, GlobalKeys("acme"))["max_queued"] == 77
+    r.hset(GlobalKeys("acme").models, "acme-model", b"")
+    capsys.readouterr()
+    assert main(["stats", "--json", "--redis-url", redis_url]) == 0
+    assert "acme-model" in capsys.readouterr().out
+    assert main(["acl-producer", "u", "a-long-password"]) == 0
+    assert "%R~acme:models" in capsys.readouterr().out
+    r.close()
+
+
 def test_key_rules_are_in_the_help(capsys):
     for argv in (["keys", "--help"], ["keys", "add", "--help"]):
         with pytest.raises(SystemExit):
