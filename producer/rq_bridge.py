@@ -108,7 +108,8 @@ def generate(prompt: Optional[str] = None, **kwargs: Any) -> dict:
     rq_job = get_current_job()
     settings = Settings.from_env()
     if rq_job is not None:
-        client = Client(settings=settings, redis_client=rq_job.connection)
+        # the bridge's own key, as under a worker's --rq-queues (the queue name is a floor on its tier)
+        client = Client(settings=settings, redis_client=rq_job.connection, api_key=settings.rq_api_key)
         tier, idem = tier_for_queue(rq_job.origin), f"rq:{rq_job.id}"
     else:  # called directly
         client = Client(settings=settings, api_key=os.environ.get("MLXQ_API_KEY"))

@@ -98,18 +98,23 @@ def test_cancel_in_rq_cancels_the_mlxq_job(bridged):
     assert wait_for(lambda: mlxq_job(r, job).get("status") == b"cancelled", timeout=60)
 
 
-def test_plain_rq_worker_runs_generate_through_the_client(tiny_model, redis_url):
-    """No bridge: an ordinary rq worker performs generate(), which submits to mlxq and waits."""
+def test_plain_rq_worker_runs_generate_through_the_client(tiny_model, redis_url, monkeypatch):
+    """No bridge: an ordinary rq worker performs generate(), which submits to mlxq and waits, with
+    the bridge's own key (MLXQ_RQ_API_KEY) as a worker's --rq-queues does."""
     r = redis.Redis.from_url(redis_url)
+    apikeys.add_key(r, GK, "rq-plain-key-0001", "high")
+    monkeypatch.setenv("MLXQ_RQ_API_KEY", "rq-plain-key-0001")
     with running_worker(tiny_model, redis_url, fast_settings(redis_url)):
         assert wait_for(lambda: r.hexists(GK.models, "tiny"), timeout=60)
-        q = Queue("mlxq-normal", connection=r)
+        q = Queue("mlxq-high", connection=r)
         job = q.enqueue(FUNC_PATH, prompt="hello", max_tokens=4, ignore_eos=True)
         SimpleWorker([q], connection=r).work(burst=True, with_scheduler=False)
     job = Job.fetch(job.id, connection=r)
     assert job.get_status() == JobStatus.FINISHED
     assert job.return_value()["usage"]["completion_tokens"] == 4
     assert r.hgetall(GK.model_keys("tiny").counts)[b"done"] == b"1"
+    [key] = r.keys(GK.model_keys("tiny").job("*"))
+    assert r.hget(key, "tier") == b"high"  # the key's tier: key-less, mlxq-high would run at normal
     r.close()
 
 
