@@ -313,6 +313,7 @@ def cmd_build_ext(args) -> int:
 def _build_ext_command(sub) -> None:
     """``mlxq build-ext``: compile the paged-attention CPU extension now rather than on first use."""
     p = sub.add_parser("build-ext", help="build the paged-attention CPU extension (else built on first use)")
+    add_shared(p)
     p.add_argument("--force", action="store_true", help="rebuild even if built (also retries a failed build)")
     p.set_defaults(func=cmd_build_ext)
 

@@ -21,6 +21,9 @@ COMMANDS = [
     (["demo"], ("redis_url", "model")),
     (["gateway"], ("redis_url",)),
     (["batch", "in.jsonl", "-o", "out.jsonl"], ("redis_url", "model", "api_key")),
+    (["build-ext"], ()),
+    (["tiers"], ("redis_url",)),
+    (["acl-producer", "u", "p" * 9], ()),
 ]
 VALUES = {"redis_url": ("--redis-url", "redis://h:1/0"), "model": ("--model", "m1"), "api_key": ("--api-key", "k" * 9)}
 
