@@ -93,6 +93,9 @@ class Gateway:
         self.drain = DrainRate()
         # a finished job's result is read once more: allow for a link that drops just then
         self.result_wait_s = max(10.0, self.settings.redis_outage_s)
+        # JSON carries a request in up to ~4x the bytes of its packed form (token ids as digits and
+        # commas), so the body may be that much larger than the cap on the packed request.
+        self.max_body_bytes = 4 * self.settings.max_prompt_bytes
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -202,7 +205,7 @@ class Gateway:
         try:
             client = self.client(request)
             tier = await client.tier(floor)  # 401 before anything else
-            body = await _json_body(request)
+            body = await _json_body(request, self.max_body_bytes)
             try:
                 req = schema.model_validate(body)
             except ValidationError as exc:
@@ -524,9 +527,20 @@ def bearer(request: Request) -> Optional[str]:
     return None
 
 
-async def _json_body(request: Request) -> dict:
+async def _json_body(request: Request, limit: int) -> dict:
+    """The body as a JSON object, read no further than ``limit`` bytes (413 past it)."""
+    too_large = OpenAIError(413, f"the request body is over {limit} bytes", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
     try:
-        body = await request.json()
+        body = json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError):
         raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):

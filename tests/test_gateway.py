@@ -162,6 +162,42 @@ def test_validation_errors_are_openai_shaped(stack, body, param):
     assert out["error"]["type"] == "invalid_request_error" and out["error"]["param"] == param
 
 
+def test_a_body_over_the_limit_is_refused_before_it_is_read_whole():
+    """413 on a declared length over the limit without reading it, and on a streamed body as soon
+    as it passes the limit; a body within it parses."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from mlxq.producer.gateway import _json_body
+    from mlxq.producer.openai_api import OpenAIError
+
+    def request(chunks, length=None):
+        sent = []
+
+        async def receive():
+            body = chunks[len(sent)] if len(sent) < len(chunks) else b""
+            sent.append(body)
+            return {"type": "http.request", "body": body, "more_body": len(sent) < len(chunks)}
+
+        headers = [(b"content-length", str(length).encode())] if length is not None else []
+        return Request({"type": "http", "method": "POST", "headers": headers}, receive), sent
+
+    def read(req, limit):
+        return asyncio.run(_json_body(req, limit))
+
+    req, sent = request([b"{}"], length=10_000)
+    with pytest.raises(OpenAIError) as e:
+        read(req, 1000)
+    assert e.value.status == 413 and e.value.code == "request_too_large" and sent == []
+    req, sent = request([b"[" + b"1," * 400] * 10)  # no length given: 8 KB in 10 chunks
+    with pytest.raises(OpenAIError) as e:
+        read(req, 1000)
+    assert e.value.status == 413 and len(sent) == 2  # stopped at the chunk that passed the limit
+    req, _ = request([b'{"prompt": ', b'"hi"}'], length=17)
+    assert read(req, 1000) == {"prompt": "hi"}
+
+
 def test_bad_json_unknown_model_and_openai_client_errors(stack):
     url, _ = stack
     status, out = raw_post(url, "/v1/completions", b"{not json")
