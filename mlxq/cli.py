@@ -86,29 +86,28 @@ def _say_if_no_worker(job) -> None:
               file=sys.stderr, flush=True)
 
 
-def _global_keys():
-    """The deployment's keys that belong to no model, under its ``MLXQ_PREFIX`` (as the workers')."""
-    from .shared.keys import GlobalKeys
-
-    return GlobalKeys(Settings.from_env().prefix)
+def _prefix() -> str:
+    """The deployment's key prefix, ``MLXQ_PREFIX``, as the workers and clients read it."""
+    return Settings.from_env().prefix
 
 
 def cmd_stats(args) -> int:
     from .producer import stats
     from .producer.client import connect
 
-    data = stats.collect(connect(args.redis_url), _global_keys().prefix)
+    data = stats.collect(connect(args.redis_url), _prefix())
     print(json.dumps(data, indent=2, default=str) if args.json else stats.render(data))
     return 0
 
 
 def cmd_keys(args) -> int:
     from .shared import apikeys
+    from .shared.keys import GlobalKeys
 
     from .producer.client import connect
 
     r = connect(args.redis_url)
-    reg = _global_keys().api_keys
+    reg = GlobalKeys(_prefix()).api_keys
     if args.action == "add":
         apikeys.add_key(r, reg, args.key, args.tier)
         print(f"key added at tier {args.tier} (stored as sha256 {apikeys.key_hash(args.key)[:12]}…)")
@@ -127,11 +126,12 @@ def cmd_tiers(args) -> int:
     """Tier offsets, the per-tier queue bound and the tier of key-less callers, stored in Redis
     (the enqueue script reads them there; every model's slot gets a copy)."""
     from .shared import apikeys
+    from .shared.keys import GlobalKeys
 
     from .producer.client import connect
 
     r = connect(args.redis_url)
-    gk = _global_keys()
+    gk = GlobalKeys(_prefix())
     offsets = {}
     for part in args.offsets or []:
         name, _, value = part.partition("=")
@@ -150,7 +150,7 @@ def cmd_acl(args) -> int:
     """Print the ACL SETUSER line of the producer recipe (mlxq.shared.acl)."""
     from .shared.acl import producer_acl_line
 
-    print(producer_acl_line(args.user, args.password, _global_keys().prefix))
+    print(producer_acl_line(args.user, args.password, _prefix()))
     return 0
 
 
