@@ -195,6 +195,8 @@ class ChatCompletionRequest(_Params):
             kw["max_tokens"] = max_tokens
         if self.logprobs:
             kw["logprobs"] = max(1, self.top_logprobs or 0)
+        elif self.top_logprobs:  # as OpenAI: it asks for alternatives of logprobs that were not asked for
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         kw["messages"] = [m.to_mlxq(i) for i, m in enumerate(self.messages)]
         return kw
 

@@ -151,6 +151,7 @@ def test_auth_tiers_and_batch_floor(stack):
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 3.5}, "temperature"),
     ({"model": "tiny", "messages": []}, "messages"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
     ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content"),
 ])
