@@ -125,9 +125,18 @@ def check_tools(req, fmt: Optional[ModelFormat] = None) -> None:
 
 
 def check_format(req, fmt: ModelFormat) -> None:
-    """A required or named tool choice on a model whose call format cannot be enforced: refused."""
+    """What a model whose call format cannot be enforced cannot do, refused: a required or named tool
+    choice; with "auto", an answer held to a response_format, or parallel_tool_calls false."""
     choice = effective_choice(req)
-    if choice in ("none", "auto"):
+    if choice == "none" or can_constrain(fmt):
+        return
+    if choice == "auto":
+        why = ("response_format" if compile_format(req.response_format) is not None else
+               "parallel_tool_calls false" if req.parallel_tool_calls is False else None)
+        if why is not None:
+            raise ToolError(f"{why} with tools cannot be enforced for this model's tool-call format "
+                            f"({fmt.tool_parser or 'none known to mlx-lm'}; enforced: {', '.join(CONSTRAINABLE)}): "
+                            "the calls are parsed only, so nothing would hold the answer to it")
         return
     if not fmt.tool_parser:
         raise ToolError(f"tool_choice {_choice_text(choice)}: this model's chat template has no tool-call "

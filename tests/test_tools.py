@@ -309,6 +309,13 @@ def test_bad_tools_are_refused_before_queueing(tiny_model):
         with pytest.raises(ToolError, match="pythonic"):
             check_tools(request(tool_choice=choice), fmt)
     assert tool_grammar(request(), fmt) is None
+    # ... and with auto, nothing could hold the answer to a response_format or to one call
+    for extra in ({"response_format": {"type": "json_object"}}, {"parallel_tool_calls": False}):
+        with pytest.raises(ToolError, match="pythonic"):
+            check_tools(request(**extra), fmt)
+        with pytest.raises(ToolError, match="pythonic"):
+            tool_grammar(request(**extra), fmt)
+        assert tool_grammar(request(**extra), chat_format(tiny_model.tokenizer)) is not None  # enforced there
     assert tool_grammar(request(tool_choice="none"), chat_format(tiny_model.tokenizer)) is None
     # the format a worker publishes reads back the same (msgpack turns tuples into lists)
     info = {"chat_format": json.loads(json.dumps(format_info(chat_format(tiny_model.tokenizer))))}
