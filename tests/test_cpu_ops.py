@@ -464,3 +464,18 @@ def test_argmax_equals_mlx(ext):
     assert ext.argmax(wide[::2, 10:]).tolist() == mx.argmax(wide[::2, 10:], axis=-1).tolist()
     with pytest.raises(ValueError, match="argmax"):
         ext.argmax(mx.zeros((2, 3, 4)))
+
+
+def test_a_top_k_at_or_over_the_vocabulary_keeps_every_token():
+    """top_k of the vocabulary's size or more (a common way to say "off") filters nothing; mlx-lm's
+    apply_top_k raises there, which took the whole engine step down."""
+    from mlxq.shared.schemas import SamplingParams
+    from mlxq.worker.engine.sampler import RowSampler, sample_rows
+
+    lps = mx.log(mx.softmax(mx.random.normal((1, 64), key=mx.random.key(3)), axis=-1))
+    draws = {}
+    for k in (64, 65, 1_000_000):
+        params = SamplingParams(temperature=1.0, top_k=k)
+        draws[k] = [sample_rows(lps, [RowSampler(params, 7, step)]).item() for step in range(20)]
+    assert draws[64] == draws[65] == draws[1_000_000]
+    assert len(set(draws[64])) > 1  # really sampled, not collapsed to one token

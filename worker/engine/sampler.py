@@ -131,7 +131,7 @@ def sample_rows(logprobs: mx.array, samplers: list[RowSampler]) -> mx.array:
         logprobs = apply_top_p(logprobs, s.top_p)
     if s.min_p is not None:
         logprobs = apply_min_p(logprobs, s.min_p, 1)
-    if s.top_k is not None:
+    if s.top_k is not None and s.top_k < logprobs.shape[-1]:  # k >= the vocabulary keeps every token
         logprobs = apply_top_k(logprobs, s.top_k)
     inv_temp = mx.full((len(samplers),), s.inv_temp, dtype=mx.float32)
     u = mx.array([r.next_uniform() for r in samplers], dtype=mx.float32)
