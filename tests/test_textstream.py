@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from mlxq.worker.textstream import IncrementalDecoder, TextStream, decode_fn
+from mlxq.worker.textstream import MAX_HELD, IncrementalDecoder, TextStream, decode_fn, parse_calls
 
 
 def stream_all(tokenizer, text, stop=None):
@@ -49,6 +49,46 @@ def test_pieces_concatenate_to_the_decoded_tokens_for_any_ids(tiny_model):
         pieces = [dec.add(t) for t in ids] + [dec.finish()]
         assert "".join(pieces) == decode(ids), ids
         assert not any(p.endswith("\ufffd") for p in pieces[:-1]), ids
+
+
+def test_runs_of_invalid_bytes_are_decoded_in_linear_work(tiny_model):
+    """Tokens that decode to U+FFFD alone (invalid or lone UTF-8 bytes; a logit_bias can make a model
+    write nothing else) are held at most MAX_HELD at a time: the work per token stays bounded (the
+    whole held tail was decoded again at every token before, quadratic on the worker's host thread),
+    and the pieces still concatenate to the decode of all ids, mixed with other tokens too."""
+    tok = tiny_model.tokenizer
+    decode = decode_fn(tok)
+    vocab = len(tok._tokenizer)
+    bad = [i for i in range(vocab) if decode([i]) == "\ufffd"]
+    assert bad, "the test tokenizer has byte tokens that are no character alone"
+    decoded = 0
+
+    def counting(ids):
+        nonlocal decoded
+        decoded += len(ids)
+        return decode(ids)
+
+    rng = random.Random(1)
+    lone = next(b for b in bad if decode([b] * 3) == "\ufffd" * 3)  # e.g. a byte 0xff: never valid
+    ids = [lone] * 3000
+    dec = IncrementalDecoder(counting)
+    pieces = [dec.add(t) for t in ids] + [dec.finish()]
+    assert "".join(pieces) == decode(ids)
+    assert decoded < 8 * MAX_HELD * len(ids)  # quadratic: ~4.5 million
+    for _ in range(200):
+        ids = [rng.choice(bad) if rng.random() < 0.5 else rng.randrange(vocab) for _ in range(rng.randrange(1, 200))]
+        dec = IncrementalDecoder(decode)
+        assert "".join([dec.add(t) for t in ids] + [dec.finish()]) == decode(ids), ids
+
+
+def test_a_parsed_call_whose_arguments_are_no_json_stays_text():
+    """A literal_eval parser (pythonic, ...) can give arguments JSON cannot write (a set, bytes): the
+    block stays text, as for any call that does not parse (json.dumps raised out of the worker's
+    host step before, and the worker stopped)."""
+    assert parse_calls(lambda text, tools: {"name": "f", "arguments": {1, 2}}, "f(a={1, 2})", None) is None
+    assert parse_calls(lambda text, tools: [{"name": "f", "arguments": b"x"}], "f(b'x')", None) is None
+    assert parse_calls(lambda text, tools: {"name": "f", "arguments": {"a": [1, 2]}}, "f(a=[1, 2])", None) == [
+        {"name": "f", "arguments": '{"a": [1, 2]}'}]
 
 
 def test_stop_string_is_cut_and_never_leaks(tiny_model):

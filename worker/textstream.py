@@ -32,6 +32,11 @@ from ..shared.constraints import ModelFormat
 log = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"
+# Tokens held for an incomplete character at most: a UTF-8 character is 4 bytes, so a tail that
+# still ends in U+FFFD after this many is invalid bytes, not a character to come, and goes out as
+# it decodes. Without the cap, a model made to write such bytes (a logit_bias on a byte-fallback
+# token) decoded its whole tail again at every token: quadratic work on the host thread.
+MAX_HELD = 8
 
 
 def vocab_size(tokenizer) -> int:
@@ -63,12 +68,31 @@ class IncrementalDecoder:
     def add(self, token: int) -> str:
         self.ids.append(token)
         text = self._decode(self.ids[self._prefix:])
-        if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT):
-            return ""  # nothing new yet, or an incomplete multi-byte character
+        if len(text) <= len(self._prefix_text):
+            return ""  # nothing new yet
+        if text.endswith(REPLACEMENT):  # an incomplete multi-byte character, or invalid bytes
+            if len(self.ids) - self._read <= MAX_HELD:
+                return ""
+            return self._emit(*self._boundary())
+        return self._emit(text, len(self.ids))
+
+    def _emit(self, text: str, upto: int) -> str:
+        """``text`` (the decode of ids[_prefix:upto]) past what was emitted; ids before ``upto`` are done."""
         new = text[len(self._prefix_text):]
-        self._prefix, self._read = self._read, len(self.ids)
+        self._prefix, self._read = self._read, upto
         self._prefix_text = self._decode(self.ids[self._prefix:self._read])
         return new
+
+    def _boundary(self) -> tuple[str, int]:
+        """Past MAX_HELD: the longest held run that decodes without a trailing U+FFFD (it ends on a
+        character's boundary, so what follows decodes the same on its own), else all but the last 4
+        tokens (a run of invalid bytes: an incomplete character at its end is at most 3 bytes)."""
+        for upto in range(len(self.ids) - 1, self._read, -1):
+            text = self._decode(self.ids[self._prefix:upto])
+            if len(text) > len(self._prefix_text) and not text.endswith(REPLACEMENT):
+                return text, upto
+        upto = len(self.ids) - 4
+        return self._decode(self.ids[self._prefix:upto]), upto
 
     def finish(self) -> str:
         """Whatever is still held (an incomplete character at the very end decodes as U+FFFD)."""
@@ -245,6 +269,10 @@ def parse_calls(parse, text: str, tool_defs: Optional[list]) -> Optional[list[di
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         args = call.get("arguments", {})
-        calls.append({"name": call["name"],
-                      "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)})
+        if not isinstance(args, str):
+            try:  # a literal_eval parser (pythonic, ...) may give a set, bytes or a complex: no JSON
+                args = json.dumps(args, ensure_ascii=False)
+            except (TypeError, ValueError):
+                return None
+        calls.append({"name": call["name"], "arguments": args})
     return calls
