@@ -236,6 +236,23 @@ def test_garbage_members_are_moved_aside(rr):
     assert q.pull(5, "w") == []
 
 
+def test_a_record_with_a_hex_score_is_moved_aside_and_its_batch_mates_still_run(rr):
+    """Lua's tonumber reads '0x10' (and ' 5' with its space), Python's float not the first: such a record passed the
+    script's check and its float() raised in the worker, which lost every job of that pull (leased,
+    never run, back only when their leases expired, with an attempt counted)."""
+    q = make_queue(rr)
+    a, b, c = ids(3)
+    for j in (a, b, c):
+        enq(q, j, "normal")
+    rr.hset(q.keys.job(a), "score", "0x10")
+    rr.hset(q.keys.job(b), "queued_at", " 5")
+    pulled = q.pull(5, "w")
+    assert sorted((p.job_id, p.kind) for p in pulled) == sorted([(a, "garbage"), (b, "garbage"), (c, "job")])
+    assert rr.hget(q.keys.job(a), "error") == b"malformed job record: score is not a number"
+    assert rr.hget(q.keys.job(b), "error") == b"malformed job record: queued_at is not a number"
+    assert rr.hget(q.keys.job(c), "status") == b"running"
+
+
 def test_all_keys_of_a_model_share_one_hash_tag():
     k = ModelKeys("qwen-0.5b")
     keys = [k.queue, k.inflight, k.dead, k.counts, k.wake, k.job("ab"), k.events("ab"), k.idempotency("x")]

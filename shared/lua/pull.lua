@@ -23,12 +23,20 @@ for i = 6, #ARGV do
 end
 local out = {}
 local TIERS = {high = true, normal = true, low = true}
+-- a decimal number as the worker reads it (Lua's tonumber also takes hex, '0x10', and spaces)
+local function decimal(s)
+  if not s or #s > 40 or not string.match(s, '^%-?%d+%.?%d*$') and not string.match(s, '^%-?%d*%.?%d+[eE][-+]?%d+$') then
+    return nil
+  end
+  local x = tonumber(s)
+  if not x or x ~= x or x == math.huge or x == -math.huge then return nil end
+  return x
+end
 local function malformed(f)
   if f[2] and (#f[2] > 15 or not string.match(f[2], '^%d+$')) then return 'attempts is not a count' end
   if not TIERS[f[3] or 'normal'] then return 'unknown tier' end
-  local sc = tonumber(f[4])
-  if not sc or sc ~= sc or sc == math.huge or sc == -math.huge then return 'score is not a number' end
-  if f[5] and not tonumber(f[5]) then return 'queued_at is not a number' end
+  if not decimal(f[4]) then return 'score is not a number' end
+  if f[5] and not decimal(f[5]) then return 'queued_at is not a number' end
   return nil
 end
 for _, entry in ipairs(popped) do
