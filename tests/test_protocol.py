@@ -253,6 +253,36 @@ def test_a_record_with_a_hex_score_is_moved_aside_and_its_batch_mates_still_run(
     assert rr.hget(q.keys.job(c), "status") == b"running"
 
 
+def test_one_entry_whose_preparing_raises_costs_the_rest_of_its_pull_nothing(rr):
+    """The fetcher prepares a pull's entries one by one: what escapes ``prepare`` for one of them
+    (a bug, or a panic from a Rust library: a BaseException) leaves that one to its lease, and the
+    rest are still prepared; before, the whole pull was skipped (leased, never run)."""
+    import threading
+
+    from mlxq.worker.redis_io import Fetcher
+
+    class Panic(BaseException):  # what pyo3 raises for a Rust panic
+        pass
+
+    q = make_queue(rr)
+    jobs = ids(3)
+    for j in jobs:
+        enq(q, j, "normal")
+    prepared, stop = [], threading.Event()
+
+    def prepare(entry):
+        if entry.job_id == jobs[0]:
+            raise Panic("called `Option::unwrap()` on a `None` value")
+        prepared.append(entry.job_id)
+        if len(prepared) == 2:
+            stop.set()
+
+    fetcher = Fetcher(q, "w", lambda: 0 if stop.is_set() else 3, prepare, stop, gather_s=0, idle_block_s=0.1)
+    fetcher.start()
+    fetcher.join(30)
+    assert not fetcher.is_alive() and sorted(prepared) == sorted(jobs[1:])
+
+
 def test_all_keys_of_a_model_share_one_hash_tag():
     k = ModelKeys("qwen-0.5b")
     keys = [k.queue, k.inflight, k.dead, k.counts, k.wake, k.job("ab"), k.events("ab"), k.idempotency("x")]

@@ -178,3 +178,40 @@ def test_publisher_sends_again_what_a_lost_script_cache_refused(redis_url):
     pub._send([StepOutput(deltas=[(job, "w:1", b"d2", False), (job, "zombie:1", b"dz", False)])])
     assert [f[b"d"] for _, f in r.xrange(K.events(job))] == [b"d1", b"d2"]
     r.close()
+
+
+def test_a_write_the_client_cannot_send_costs_its_own_step_only(redis_url):
+    """A step's writes that fail with what no reconnect cures (here a payload redis-py cannot
+    encode, a DataError) are tried alone, and given up: the other steps of the batch still reach
+    Redis and the publisher thread lives on (the exception ended it before, and nothing more was
+    published while the worker ran on)."""
+    import threading
+
+    import redis
+
+    from mlxq.shared.protocol import Queue
+    from mlxq.shared.settings import Settings
+    from mlxq.worker.redis_io import Publisher, StepOutput
+
+    r = redis.Redis.from_url(redis_url)
+    q = Queue(r, K, Settings())
+    good, bad, later = "cd" * 16, "ef" * 16, "01" * 16
+    for job in (good, bad, later):
+        r.hset(K.job(job), "owner", "w:1")
+    stop = threading.Event()
+    pub = Publisher(q, stop)
+    pub.start()
+    try:
+        pub.inbox.put(StepOutput(deltas=[(good, "w:1", b"g1", True)]))
+        pub.inbox.put(StepOutput(deltas=[(bad, "w:1", {"not": "bytes"}, True)]))
+        pub.inbox.put(StepOutput(deltas=[(good, "w:1", b"g2", False)]))
+        assert pub.drain(30)
+        pub.submit(StepOutput(deltas=[(later, "w:1", b"l1", True)]))
+        assert pub.drain(30) and pub.is_alive()
+    finally:
+        stop.set()
+        pub.join(5)
+    assert [f[b"d"] for _, f in r.xrange(K.events(good))] == [b"g1", b"g2"]
+    assert [f[b"d"] for _, f in r.xrange(K.events(later))] == [b"l1"]
+    assert r.xlen(K.events(bad)) == 0
+    r.close()

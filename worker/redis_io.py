@@ -120,9 +120,36 @@ class Publisher(threading.Thread):
                     batch.append(self.inbox.get_nowait())
                 except queue.Empty:
                     break
-            self._send(batch)
+            self._send_safely(batch)
             for _ in batch:
                 self.inbox.task_done()
+
+    SEND_TRIES = 3
+
+    def _send_safely(self, batch: list[StepOutput]) -> None:
+        """``_send``, which retries through lost links for as long as they last; when it raises what
+        no reconnect cures (a reply the client cannot read, an ACL refusal, a value it cannot
+        encode), each output is sent alone, a few tries each, so one bad write costs only its own
+        jobs: they are left to their leases, which lapse, and the reaper queues them again. Before,
+        the exception ended this thread, and nothing more reached Redis while the worker ran on."""
+        try:
+            self._send(batch)
+            return
+        except Exception:
+            log.exception("publishing %d step(s)' writes failed; trying each alone", len(batch))
+        for out in batch:
+            for attempt in range(1, self.SEND_TRIES + 1):
+                try:
+                    self._send([out])
+                    break
+                except Exception:
+                    log.exception("publishing a step's writes failed (try %d)", attempt)
+                    time.sleep(0.1 * attempt)
+            else:
+                jobs = sorted({d[0] for d in out.deltas} | {c[0] for c in out.completions}
+                              | {r[0] for r in out.requeues} | {a[0] for a in out.abandons})
+                log.error("gave up on a step's writes for job(s) %s: they come back when their leases lapse",
+                          ", ".join(jobs) or "(none)")
 
     # deltas per script call: one fenced append + publish for a whole step (or several coalesced)
     DELTAS_PER_CALL = 512
@@ -189,7 +216,10 @@ class Publisher(threading.Thread):
         if not ok:
             log.warning("job=%s %s refused: the lease is no longer ours", job_id, kind)
         if self.on_fenced is not None:
-            self.on_fenced(job_id, kind, ok)
+            try:
+                self.on_fenced(job_id, kind, ok)
+            except Exception:  # the worker's bookkeeping: never a reason to send the writes again
+                log.exception("job=%s: handling the %s reply failed", job_id, kind)
 
 
 class Fetcher(threading.Thread):
@@ -246,7 +276,7 @@ class Fetcher(threading.Thread):
                         self.clock_offset = pulled[0].now - local
                         self.pulls += 1
                         for entry in pulled:
-                            self.prepare(entry)
+                            self._prepare_one(entry)
                 # Under load (we got a full pull) never wait; otherwise go idle, unless the pull came
                 # back short because it dropped stale members and the queue still holds more.
                 idle = len(pulled) < want and self.q.redis.zcard(self.q.keys.queue) == 0
@@ -257,6 +287,20 @@ class Fetcher(threading.Thread):
             except Exception:  # never let the fetcher die on one bad entry
                 log.exception("fetcher error")
                 time.sleep(0.1)
+
+    def _prepare_one(self, entry) -> None:
+        """``prepare``, whose failure costs this entry alone, not the rest of its pull: those are
+        leased to this worker and, skipped, would wait for their leases to lapse and count an
+        attempt. ``prepare`` fails a bad job itself; what still escapes (a bug, or a panic from a
+        Rust library, which is a BaseException) leaves this one to its lease."""
+        try:
+            self.prepare(entry)
+        except REDIS_ERRORS:
+            raise  # the worker is stopping (prepare retries through lost links until then)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:
+            log.exception("job=%s: preparing it failed; it comes back when its lease lapses", entry.job_id)
 
     def pause(self, timeout: float = 10.0) -> None:
         """Pull nothing more, and wait until a pull under way has handed its jobs over (``prepare``):
