@@ -200,6 +200,19 @@ def test_a_grammar_the_model_cannot_start_fails_at_add(tiny_model):
     assert out["y"][1] in ("stop", "length")
 
 
+def test_a_grammar_library_failure_at_start_fails_that_job_only(tiny_model):
+    """Whatever starting a constraint raises (not only a GrammarError: the library's own bug)
+    ends that job with "error"; it raised out of the engine's add before, on the worker's MLX
+    thread, and the worker stopped."""
+    engine = _engine(tiny_model)
+    engine.scheduler.start_grammar = lambda g, resume: {}["no such key"]
+    grammar = compile_format({"type": "regex", "pattern": "[a-z]{4}"})
+    prompt = _encode(tiny_model, "hi")
+    out = _drive(engine, [SeqSpec("x", prompt, 4, grammar=grammar), SeqSpec("y", prompt, 4)])
+    assert out["x"][1] == "error" and "no such key" in out["x"][2] and out["x"][0] == []
+    assert out["y"][1] in ("stop", "length")
+
+
 def test_an_engine_without_a_usable_tokenizer_fails_constrained_jobs_only(tiny_model):
     grammar = compile_format({"type": "regex", "pattern": "[a-z]{4}"})
     prompt = _encode(tiny_model, "hi")

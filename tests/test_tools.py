@@ -383,3 +383,22 @@ def push_raw(client, fields: dict) -> str:
     raw = {"id": job_id, "model": "tiny", "max_tokens": 8, "source": "client", **fields}
     Queue(client.redis, ModelKeys("tiny"), client.settings).enqueue(job_id, codec.pack(raw), global_redis=client.redis)
     return job_id
+
+
+def test_a_chat_template_that_renders_nothing_is_refused_for_that_job(tiny_model):
+    """A template (user code) that renders the messages as no tokens: the job is refused with a
+    clear error; the empty prompt reached the engine's add before, which raised on the worker's
+    MLX thread and stopped the worker."""
+    from mlxq.worker.jobs import JobError
+
+    class Silent:
+        chat_template = "{# renders nothing #}"
+
+        def __getattr__(self, name):
+            return getattr(tiny_model.tokenizer, name)
+
+        def apply_chat_template(self, *a, **kw):
+            return []
+
+    with pytest.raises(JobError, match="empty prompt"):
+        tokenize(request(messages=[{"role": "user", "content": "hi"}]), Silent())

@@ -282,7 +282,10 @@ def tokenize(req: GenerateRequest, tokenizer) -> list[int]:
             ids = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # templates are user code
             raise JobError(f"chat template failed: {exc}") from None
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        if not ids:  # the engine takes no empty prompt (it raised there, on the worker's MLX thread)
+            raise JobError("the chat template rendered these messages as an empty prompt")
+        return ids
     return _encode(tokenizer, req.prompt)
 
 

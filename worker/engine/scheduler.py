@@ -186,6 +186,10 @@ class Scheduler:
             log.warning("%s: %s", seq.uid, exc)
             self._events.append(TokenEvent(seq.uid, None, "error", error=str(exc)))
             return False
+        except Exception as exc:  # the grammar library's own failure: this job's, not the engine's
+            log.exception("%s: starting its constraint failed", seq.uid)
+            self._events.append(TokenEvent(seq.uid, None, "error", error=f"starting the constraint failed: {exc}"))
+            return False
 
     def remove(self, uids: list[str]) -> None:
         """Drop these sequences; a job id also drops its samples (``job_id#i``)."""
