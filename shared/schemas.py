@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, StrictStr, field_serializer, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_serializer, field_validator, model_serializer, model_validator
 
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
 MAX_STOP_STRINGS = 16
@@ -95,7 +95,7 @@ class FunctionDef(BaseModel):
     name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: Optional[StrictStr] = Field(None, max_length=16384)
     parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments (an object)
-    strict: Optional[bool] = None
+    strict: Optional[StrictBool] = None  # true: the arguments' objects are closed (tools.tool_schema)
 
 
 class Tool(BaseModel):

@@ -27,7 +27,7 @@ import json
 from dataclasses import asdict, fields, replace
 from typing import Any, Optional
 
-from .constraints import (ConstraintError, ModelFormat, _marker, after_thinking, canonical, compile_format,
+from .constraints import (ConstraintError, ModelFormat, _marker, after_thinking, canonical, closed, compile_format,
                           grammar_list)
 
 # families whose tool-call format tool_grammar writes (mlx-lm's parser names); json_tools (Hermes,
@@ -117,7 +117,7 @@ def check_tools(req, fmt: Optional[ModelFormat] = None) -> None:
     if not uses_tools(req):
         return
     for tool in req.tools:
-        error = _parameters_error(canonical(parameters_schema(tool.function.parameters)))
+        error = _parameters_error(canonical(tool_schema(tool.function)))
         if error:
             raise ToolError(f"tools: function {tool.function.name!r}: {error}")
     if fmt is not None:
@@ -150,6 +150,14 @@ def check_format(req, fmt: ModelFormat) -> None:
 def parameters_schema(parameters: Optional[dict]) -> dict:
     """A tool's parameter schema as the grammar uses it (none given: any JSON object)."""
     return dict(parameters) if parameters else {"type": "object"}
+
+
+def tool_schema(function) -> dict:
+    """The schema a tool's arguments are held to: its parameters, closed (every object
+    ``additionalProperties: false`` unless it says otherwise) when ``function.strict`` is true, as
+    OpenAI's strict function calling and a ``response_format`` with ``strict: true`` mean."""
+    schema = parameters_schema(function.parameters)
+    return closed(schema) if function.strict is True else schema
 
 
 @functools.lru_cache(maxsize=512)
@@ -191,7 +199,7 @@ def tool_grammar(req, fmt: ModelFormat) -> Optional[str]:
     if not can_constrain(fmt):
         check_format(req, fmt)  # required/named: refused; auto: parsed only
         return None
-    tools = {t.function.name: t.function.parameters for t in req.tools}
+    tools = {t.function.name: tool_schema(t.function) for t in req.tools}
     named = forced_name(req)
     if named is not None:
         tools = {named: tools[named]}
@@ -230,7 +238,7 @@ def _free_text_with_calls(fmt: ModelFormat, many: bool, rules: list[str]) -> str
     return "call* TAIL" if many else "call? TAIL"
 
 
-def _tool_rule(i: int, name: str, parameters: Optional[dict]) -> str:
+def _tool_rule(i: int, name: str, schema: dict) -> str:
     head = json.dumps('{"name": ' + json.dumps(name) + ', "arguments": ')
-    return f'tool_{i}: {head} %json {json.dumps(_styled(parameters_schema(parameters)))} "}}"'
+    return f'tool_{i}: {head} %json {json.dumps(_styled(schema))} "}}"'
 
