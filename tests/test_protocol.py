@@ -283,6 +283,40 @@ def test_one_entry_whose_preparing_raises_costs_the_rest_of_its_pull_nothing(rr)
     assert not fetcher.is_alive() and sorted(prepared) == sorted(jobs[1:])
 
 
+def test_leases_are_renewed_while_the_rest_of_the_control_loop_fails(rr):
+    """The control thread renews leases first and on its own: a failure in the rest of its loop
+    (here every policy sync raising) does not starve the renewal; before, the renewal came after
+    it in one try, never ran, and the reaper queued the running jobs again."""
+    import threading
+
+    from mlxq.worker.redis_io import Control
+
+    q = make_queue(rr, lease_s=2.0, heartbeat_s=0.1)
+    [a] = ids(1)
+    enq(q, a, "normal")
+    [p] = q.pull(1, "w")
+    first = rr.zscore(q.keys.inflight, a)
+    stop, renewed = threading.Event(), threading.Event()
+    control = Control(q, "w", lambda: {a: "w:1"}, on_lost=lambda ids: None, on_cancel=lambda ids: None,
+                      snapshot=lambda: {}, model_info={}, registry_key=GK.models, stop=stop)
+
+    def broken():
+        raise RuntimeError("the policy sync fails every time")
+
+    control.prepare = broken
+    control.start()
+    try:
+        for _ in range(300):
+            if rr.zscore(q.keys.inflight, a) > first:
+                renewed.set()
+                break
+            stop.wait(0.05)
+    finally:
+        stop.set()
+        control.join(5)
+    assert renewed.is_set()
+
+
 def test_all_keys_of_a_model_share_one_hash_tag():
     k = ModelKeys("qwen-0.5b")
     keys = [k.queue, k.inflight, k.dead, k.counts, k.wake, k.job("ab"), k.events("ab"), k.idempotency("x")]

@@ -349,9 +349,21 @@ class Control(threading.Thread):
 
     def run(self) -> None:
         s = self.q.settings
-        next_beat = next_stats = next_reap = 0.0
+        next_beat = next_admit = next_stats = next_reap = 0.0
         pubsub = None
         while not self.stop_event.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                # First and on its own: no failure of the rest of the loop (a policy sync, a cancel,
+                # stats) may keep the leases from being renewed (they would lapse, and the reaper
+                # would queue running jobs again).
+                try:
+                    self.renew()
+                    next_beat = now + s.heartbeat_s
+                except REDIS_ERRORS:
+                    pass  # the loop below meets it too, reports it and backs off
+                except Exception:
+                    log.exception("renewing the leases failed")
             try:
                 if not self._prepared:
                     self.prepare()
@@ -368,9 +380,9 @@ class Control(threading.Thread):
                     self.q.cancel(job_id, mode="worker")
                     self.on_cancel([job_id])
                 now = time.monotonic()
-                if now >= next_beat:
-                    self.beat()
-                    next_beat = now + s.heartbeat_s
+                if now >= next_admit:
+                    self.q.admit()  # jobs from producers that may not write the queue, placed within a beat
+                    next_admit = now + s.heartbeat_s
                 if now >= next_stats or self.publish_soon.is_set():
                     self.publish_soon.clear()
                     self.publish_stats()
@@ -400,8 +412,8 @@ class Control(threading.Thread):
         except Exception:
             pass
 
-    def beat(self) -> None:
-        self.q.admit()  # jobs from producers that may not write the queue, placed within a beat
+    def renew(self) -> None:
+        """Renew this worker's leases; tell the worker of those it lost and of cancelled jobs."""
         lost, cancel = self.q.renew(self.leases())
         if lost:
             log.warning("leases lost for %d jobs: %s", len(lost), lost[:5])
