@@ -12,6 +12,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 1024
 MAX_N = 16  # samples per job (``n``): each is an engine sequence
+# a temperature under this samples greedily (as vLLM's _SAMPLING_EPS): 1 / temperature overflows
+# float32 below ~3e-39 (inf, then NaN probabilities), and far sooner the draw is the argmax anyway
+GREEDY_BELOW = 1e-5
 
 
 def new_job_id() -> str:
@@ -87,7 +90,8 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether the job takes the argmax: temperature 0, or under :data:`GREEDY_BELOW`."""
+        return self.temperature < GREEDY_BELOW
 
 
 class FunctionDef(BaseModel):

@@ -48,3 +48,29 @@ def test_a_non_boolean_strict_is_refused():
     for bad in ("true", 1, "yes"):
         with pytest.raises(ValueError, match="strict"):
             _tool_request(bad)
+
+
+# -- a temperature too small to divide by -----------------------------------------------------------------
+
+def test_a_tiny_temperature_samples_greedily():
+    """A temperature under 1e-5 (as vLLM) is greedy: 1e-40 passed validation, and 1 / temperature
+    overflowed float32 to inf, so the probabilities were NaN and the tokens garbage."""
+    from mlxq.shared.schemas import GREEDY_BELOW, SamplingParams
+    from mlxq.worker.engine import PagedEngine
+    from mlxq.worker.engine.sampler import RowSampler
+    from mlxq.worker.engine_api import SeqSpec
+    from mlxq.worker.sampling import make_sampler
+    from test_engine import drive, tiny_llama
+
+    model = tiny_llama()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = {}
+    for temp in (0.0, 1e-40, 1e-30, GREEDY_BELOW / 2):
+        params = SamplingParams(temperature=temp, seed=5)
+        assert params.greedy
+        spec = SeqSpec(uid="x", prompt=prompt, max_tokens=12, sampler=make_sampler(params, 5))
+        out[temp] = drive(PagedEngine(model, num_blocks=64), {0: [spec]})["x"]
+    assert len(out[0.0]) == 12 and all(toks == out[0.0] for toks in out.values()), out
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
+    with pytest.raises(ValueError, match="greedily"):
+        RowSampler(SamplingParams(temperature=1e-40), 5)

@@ -103,6 +103,8 @@ class RowSampler:
         self.top_p = params.top_p if 0.0 < params.top_p < 1.0 else None
         self.min_p = params.min_p if params.min_p > 0.0 else None
         self.top_k = params.top_k if params.top_k > 0 else None
+        if params.greedy:  # temperature under GREEDY_BELOW: 1 / temperature would overflow float32
+            raise ValueError(f"temperature {params.temperature!r} samples greedily: no RowSampler (make_sampler)")
         self.inv_temp = 1.0 / params.temperature
         self.config = (self.top_p, self.min_p, self.top_k, self.inv_temp)
         self.seed = seed
