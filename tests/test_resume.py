@@ -215,3 +215,37 @@ def test_a_write_the_client_cannot_send_costs_its_own_step_only(redis_url):
     assert [f[b"d"] for _, f in r.xrange(K.events(later))] == [b"l1"]
     assert r.xlen(K.events(bad)) == 0
     r.close()
+
+
+def test_a_clobbered_key_costs_its_own_job_only(redis_url):
+    """A job whose events key holds another type (forged or clobbered) has its deltas refused, as a
+    lost lease is; the other jobs' deltas of the same script call still land (the WRONGTYPE error
+    failed the whole call before, and the step's deltas of every job were dropped). Completing such
+    a job still records its result, and a job key that is no hash counts as a lost lease."""
+    import threading
+
+    import redis
+
+    from mlxq.shared.protocol import Queue
+    from mlxq.shared.settings import Settings
+    from mlxq.worker.redis_io import Publisher, StepOutput
+
+    r = redis.Redis.from_url(redis_url)
+    q = Queue(r, K, Settings())
+    good, bad, forged = "23" * 16, "45" * 16, "67" * 16
+    for job in (good, bad):
+        r.hset(K.job(job), "owner", "w:1")
+    r.set(K.events(bad), "clobbered")
+    r.set(K.job(forged), "not a hash")
+    fenced = []
+    pub = Publisher(q, threading.Event())
+    pub.on_fenced = lambda job, kind, ok: fenced.append((job, kind, ok))
+    pub._send([StepOutput(deltas=[(good, "w:1", b"g1", True), (bad, "w:1", b"b1", True),
+                                  (good, "w:1", b"g2", False)])])
+    assert [f[b"d"] for _, f in r.xrange(K.events(good))] == [b"g1", b"g2"]
+    assert r.get(K.events(bad)) == b"clobbered"
+    pub._send([StepOutput(completions=[(bad, "w:1", "done", b"result", b"final"),
+                                       (forged, "w:1", "done", b"result", b"final")])])
+    assert r.hget(K.job(bad), "status") == b"done" and r.hget(K.job(bad), "result") == b"result"
+    assert fenced == [(bad, "complete", True), (forged, "complete", False)]
+    r.close()

@@ -2,8 +2,10 @@
 -- KEYS: 1 job, 2 inflight, 3 counts, 4 events, 5 done list, 6 job channel (declared for cluster routing)
 -- ARGV: 1 id, 2 owner token, 3 status (done|failed|cancelled), 4 result (msgpack),
 --       5 ttl (s), 6 final delta (msgpack, may be ''), 7 publish command (PUBLISH | SPUBLISH on a cluster)
--- Returns 1, or 0 when the lease was lost.
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
+-- Returns 1, or 0 when the lease was lost (a job key that is not a hash counts as lost: pcall).
+-- An events stream or done list of another type (clobbered) is skipped: the result is in the hash.
+local owner = redis.pcall('HGET', KEYS[1], 'owner')
+if type(owner) ~= 'string' or owner ~= ARGV[2] then return 0 end
 local t = redis.call('TIME')
 local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'result', ARGV[4], 'finished_at', now)
@@ -15,10 +17,10 @@ redis.call('HINCRBY', KEYS[3], 'processed', 1)
 local ttl = tonumber(ARGV[5])
 redis.call('EXPIRE', KEYS[1], ttl)
 if ARGV[6] ~= '' then
-  redis.call('XADD', KEYS[4], '*', 'd', ARGV[6])
+  redis.pcall('XADD', KEYS[4], '*', 'd', ARGV[6])
   redis.call(ARGV[7], KEYS[6], ARGV[6])
 end
 redis.call('EXPIRE', KEYS[4], ttl)
-redis.call('RPUSH', KEYS[5], '1')
+redis.pcall('RPUSH', KEYS[5], '1')
 redis.call('EXPIRE', KEYS[5], ttl)
 return 1

@@ -4,19 +4,34 @@
 -- KEYS: three per delta: job, events, job channel
 -- ARGV: 1 ttl (s), 2 publish command (PUBLISH | SPUBLISH on a cluster), then three per delta:
 --       owner token, delta (msgpack), '1' when it is its attempt's first delta (the stream gets its TTL)
--- Returns the ids of the jobs whose deltas were refused (lease lost).
+-- Returns the ids of the jobs whose deltas were refused (lease lost, or a job key or events key
+-- that is not a hash / a stream: clobbered, as a lost lease; pcall, so that one such job never
+-- fails the call, which carries the deltas of every job of the step).
 local owners, seen, refused = {}, {}, {}
+local function refuse(jk)
+  owners[jk] = false
+  if not seen[jk] then
+    seen[jk] = true
+    table.insert(refused, jk)
+  end
+end
 for i = 1, #KEYS / 3 do
   local jk, ek, ch = KEYS[i * 3 - 2], KEYS[i * 3 - 1], KEYS[i * 3]
   local owner, payload, first = ARGV[i * 3], ARGV[i * 3 + 1], ARGV[i * 3 + 2]
-  if owners[jk] == nil then owners[jk] = redis.call('HGET', jk, 'owner') end
+  if owners[jk] == nil then
+    local o = redis.pcall('HGET', jk, 'owner')
+    owners[jk] = type(o) == 'string' and o or false
+  end
   if owners[jk] == owner then
-    redis.call('XADD', ek, '*', 'd', payload)
-    redis.call(ARGV[2], ch, payload)
-    if first == '1' then redis.call('EXPIRE', ek, tonumber(ARGV[1])) end
-  elseif not seen[jk] then
-    seen[jk] = true
-    table.insert(refused, jk)
+    local r = redis.pcall('XADD', ek, '*', 'd', payload)
+    if type(r) == 'table' and r.err then
+      refuse(jk)
+    else
+      redis.call(ARGV[2], ch, payload)
+      if first == '1' then redis.call('EXPIRE', ek, tonumber(ARGV[1])) end
+    end
+  else
+    refuse(jk)
   end
 end
 return refused
