@@ -60,6 +60,10 @@ def check_fits(req: GenerateRequest, info: Optional[dict], count_tokens=None) ->
         n, what = len(text.encode()) // max(1, int(info.get("max_token_bytes") or 1)), "of at least"
     if n >= ctx:
         raise ContextLengthError(f"prompt {what} {n} tokens can never fit the model's context of {ctx} tokens")
+    if "max_tokens" in req.model_fields_set and n + req.max_tokens > ctx:  # n is exact or a lower bound
+        has = f"at least {n}" if what != "of" else str(n)
+        raise ContextLengthError(f"this model's context is {ctx} tokens; the prompt has {has} and max_tokens asks "
+                                 f"for {req.max_tokens} more: lower max_tokens, or shorten the prompt")
 
 
 class ContextLengthError(ValueError):

@@ -97,7 +97,10 @@ def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes:
         kwargs["response_format"] = schema_format(schema)
     req = build_request(model, kwargs)
     check_fits(req, info, count_tokens)
-    payload = codec.pack(req.model_dump(mode="json", exclude_none=True))
+    # a max_tokens the caller did not give stays off the wire: the worker then ends the job at the
+    # model's context, where an explicit one that cannot fit is refused
+    default_max = set() if "max_tokens" in req.model_fields_set else {"max_tokens"}
+    payload = codec.pack(req.model_dump(mode="json", exclude_none=True, exclude=default_max))
     if len(payload) > max_bytes:
         raise ValueError(f"request of {len(payload)} bytes exceeds the {max_bytes}-byte limit")
     return Prepared(req, payload, schema)

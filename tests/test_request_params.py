@@ -74,3 +74,58 @@ def test_a_tiny_temperature_samples_greedily():
     assert not SamplingParams(temperature=GREEDY_BELOW).greedy
     with pytest.raises(ValueError, match="greedily"):
         RowSampler(SamplingParams(temperature=1e-40), 5)
+
+
+# -- max_tokens beyond the model's context ---------------------------------------------------------------
+
+def _req(**kw):
+    return GenerateRequest.model_validate({"model": "tiny", "prompt": "x", **kw})
+
+
+def test_max_tokens_past_the_context_is_refused_when_given_and_cut_when_not():
+    """An explicit max_tokens the context cannot hold after the prompt is refused, naming both (as
+    vLLM); it was accepted, and the job ran past the model's context.  The default is cut to the
+    context, so the job ends with "length" there."""
+    from mlxq.producer.common import ContextLengthError, check_fits
+    from mlxq.producer.core import prepare
+    from mlxq.shared import codec
+    from mlxq.worker.jobs import JobError
+    from mlxq.worker.runner import fit_context
+
+    with pytest.raises(JobError, match="context is 64 tokens; the prompt has 60 and max_tokens asks for 10"):
+        fit_context(_req(max_tokens=10), 60, 64)
+    with pytest.raises(JobError, match="exceeds the model's context of 64"):
+        fit_context(_req(max_tokens=1), 64, 64)
+    given = _req(max_tokens=4)
+    fit_context(given, 60, 64)
+    assert given.max_tokens == 4
+    default = _req()
+    fit_context(default, 60, 64)
+    assert default.max_tokens == 4  # 256 by default, cut to what the context leaves
+    # the producer refuses what it can count (exact ids here), and sends no max_tokens not given
+    info = {"context_length": 64, "vocab_size": 100, "max_token_bytes": 8}
+    with pytest.raises(ContextLengthError, match="prompt has 60 and max_tokens asks for 10"):
+        check_fits(GenerateRequest(model="tiny", prompt_tokens=[1] * 60, max_tokens=10), info)
+    check_fits(GenerateRequest(model="tiny", prompt_tokens=[1] * 60), info)
+    assert "max_tokens" not in codec.unpack(prepare("tiny", {"prompt_tokens": [1] * 60}, info, 1 << 20).payload)
+    assert codec.unpack(prepare("tiny", {"prompt": "x", "max_tokens": 7}, info, 1 << 20).payload)["max_tokens"] == 7
+
+
+def test_the_worker_refuses_an_explicit_max_tokens_past_the_context(tiny_model, redis_url):
+    """Through a worker (submitted before any registered, so only the worker can check): an explicit
+    max_tokens past the context is an invalid_request naming prompt and max_tokens; without one the
+    job generates to the context's end and finishes with "length"."""
+    from mlxq import Client
+    from workerkit import fast_settings, running_worker
+
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    ctx = tiny_model.context_length
+    prompt = [5] * (ctx - 6)
+    over = client.submit(prompt_tokens=prompt, max_tokens=10, ignore_eos=True)
+    capped = client.submit(prompt_tokens=prompt, ignore_eos=True)
+    with running_worker(tiny_model, redis_url, settings):
+        res_over, res_capped = over.result(timeout=60), capped.result(timeout=60)
+    assert res_over.finish_reason == "error"
+    assert f"context is {ctx} tokens; the prompt has {ctx - 6} and max_tokens asks for 10" in res_over.error
+    assert res_capped.finish_reason == "length" and len(res_capped.token_ids) == 6

@@ -40,6 +40,22 @@ from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQ
 log = logging.getLogger(__name__)
 
 
+def fit_context(req, prompt_len: int, ctx: int) -> None:
+    """Hold a job to the model's context of ``ctx`` tokens: a prompt that fills it, or a ``max_tokens``
+    the caller gave that the rest of it cannot hold, is refused (:class:`JobError`, as vLLM does);
+    the default ``max_tokens`` (the caller gave none) is cut to what the context leaves, so the job
+    ends with "length" there."""
+    if prompt_len >= ctx:
+        raise JobError(f"prompt of {prompt_len} tokens exceeds the model's context of {ctx} tokens")
+    if prompt_len + req.max_tokens <= ctx:
+        return
+    if "max_tokens" in req.model_fields_set:
+        raise JobError(f"this model's context is {ctx} tokens; the prompt has {prompt_len} and max_tokens "
+                       f"asks for {req.max_tokens} more ({prompt_len + req.max_tokens} in all): lower "
+                       f"max_tokens to at most {ctx - prompt_len}, or shorten the prompt")
+    req.max_tokens = ctx - prompt_len
+
+
 def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
 
@@ -133,11 +149,10 @@ class Worker:
             prompt = tokenize(req, self.loaded.tokenizer)
             check_token_ids(req, self.loaded.tokenizer)
             grammar = job_grammar(req, prompt, self.loaded.tokenizer)
-            ctx = self.loaded.context_length
-            if len(prompt) >= ctx:
-                raise JobError(f"prompt of {len(prompt)} tokens exceeds the model's context of {ctx} tokens")
+            fit_context(req, len(prompt), self.loaded.context_length)
             if not self.engine.can_admit(len(prompt), req.max_tokens):
-                raise JobError(f"prompt of {len(prompt)} tokens can never fit this worker's KV memory")
+                raise JobError(f"prompt of {len(prompt)} tokens plus max_tokens {req.max_tokens} can never fit "
+                               "this worker's KV memory")
             samples = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset, published,
                                 grammar=grammar)
         except JobError as exc:
