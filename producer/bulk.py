@@ -11,7 +11,8 @@ as jobs finish (any order)::
     {"id": <job id>, "custom_id": ..., "line": 3,
      "response": {"status_code": 200, "request_id": <job id>,
                   "body": <a chat.completion or text_completion object: choices (n of them for a
-                           line with "n"), each with its finish_reason,
+                           line with "n"), each with its finish_reason and, for a line that
+                           asks for them, its logprobs (as the gateway returns them),
                            usage (with prompt_tokens_details.cached_tokens), and mlxq's "stats">},
      "error": null}
 
@@ -42,9 +43,9 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
-from ..shared.schemas import INVALID_REQUEST, Result, SampleOutput
+from ..shared.schemas import INVALID_REQUEST, Result
 from ..shared.cliopts import add_shared
 from ..shared.genopts import add_output_options, check_defaults, error_text, output_params
 from .bulkmap import BULK_TIER_FLOOR, as_params, submit_with_backoff
@@ -55,8 +56,10 @@ log = logging.getLogger(__name__)
 OPENAI_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
 
 
-def _line_params(item: Any) -> tuple[dict, Optional[str], bool]:
-    """(submit arguments, custom_id, chat?) of one input line; ValueError when it cannot run."""
+def _line_params(item: Any) -> tuple[dict, dict, Optional[str], bool, int]:
+    """(submit arguments, endpoint defaults, custom_id, chat?, top logprobs shown) of one input line;
+    ValueError when it cannot run.  The endpoint defaults (``max_tokens`` 16 of a /v1/completions
+    line that does not set it) give way to the run's defaults (``mlxq batch --max-tokens``)."""
     if isinstance(item, dict) and "body" in item and "url" in item:  # an OpenAI Batch request line
         from .openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 
@@ -71,15 +74,23 @@ def _line_params(item: Any) -> tuple[dict, Optional[str], bool]:
             raise ValueError(exc.message) from None
         if req.model:
             params["model"] = req.model
-        return params, item.get("custom_id"), url == "/v1/chat/completions"
+        fallback = {}
+        if "max_tokens" not in req.model_fields_set and params.get("max_tokens") is not None:
+            fallback["max_tokens"] = params.pop("max_tokens")  # CompletionRequest's default, not the line's
+        return params, fallback, item.get("custom_id"), url == "/v1/chat/completions", req.top_n
     params = as_params(item)
     custom_id = params.pop("custom_id", None)
-    return params, custom_id, params.get("messages") is not None
+    return params, {}, custom_id, params.get("messages") is not None, -1  # -1: top_n is the line's logprobs
 
 
-def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: bool, res: Result) -> dict:
-    """One output line in OpenAI's Batch output format (plus ``line``)."""
-    from .openai_api import usage
+def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: bool, res: Result,
+               fmt=None) -> dict:
+    """One output line in OpenAI's Batch output format (plus ``line``): the body the gateway would
+    answer, logprobs included (``fmt``: a ``LogprobFormatter``; token ids as ``"<id>"`` without one)."""
+    from .openai_api import LogprobFormatter, choice, usage
+
+    if fmt is None:
+        fmt = LogprobFormatter(lambda i: f"<{i}>", 0)
 
     if res.finish_reason == "error":
         status = 400 if res.error_code == INVALID_REQUEST else 500
@@ -91,26 +102,10 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
         body = {"id": ("chatcmpl-" if chat else "cmpl-") + job_id,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(res.stats.finished_at or time.time()), "model": model,
-                "choices": [batch_choice(chat, out) for out in res.outputs],
+                "choices": [choice(chat, out, fmt) for out in res.outputs],
                 "usage": usage(res), "stats": res.stats.model_dump()}
     return {"id": job_id, "custom_id": custom_id, "line": n,
             "response": {"status_code": status, "request_id": job_id, "body": body}, "error": None}
-
-
-def batch_choice(chat: bool, out: SampleOutput) -> dict:
-    """One choice of a line's body: one of the job's samples (a line with ``n`` > 1 has n)."""
-    if chat:
-        return {"index": out.index, "message": chat_message(out), "logprobs": None, "finish_reason": out.finish_reason}
-    return {"index": out.index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-
-
-def chat_message(res: Union[Result, SampleOutput]) -> dict:
-    """The assistant message of a chat line (of one sample): its text, and its tool calls when the
-    model made some (then ``content`` is null when there is no text, as OpenAI sends it)."""
-    if not res.tool_calls:
-        return {"role": "assistant", "content": res.text}
-    return {"role": "assistant", "content": res.text or None,
-            "tool_calls": [c.model_dump() for c in res.tool_calls]}
 
 
 def refused_line(n: int, custom_id: Optional[str], message: str) -> dict:
@@ -168,6 +163,19 @@ class BatchRun:
         self.window, self.poll_s, self.progress = window, poll_s, progress
         self.stop = stop or threading.Event()
         self.defaults = defaults
+        self._names: dict[str, Any] = {}  # model -> token id -> text, as the gateway shows them
+        self._token_names = None  # an openai_api.TokenNames, made on the first line with logprobs
+
+    def _formatter(self, model: str, top_n: int):
+        """The job's logprobs formatter: token texts from the model's tokenizer.json when its directory
+        is readable here (the registry's ``source``), as the gateway does; otherwise ``"<id>"``."""
+        from .openai_api import LogprobFormatter, TokenNames
+
+        if model not in self._names:
+            if self._token_names is None:
+                self._token_names = TokenNames()
+            self._names[model] = self._token_names.for_model(self.client._registry_entry(model))
+        return LogprobFormatter(self._names[model], top_n)
 
     def _lines(self, skip: set[int]) -> Iterator[tuple[int, str]]:
         with open(self.input_path, encoding="utf-8") as f:
@@ -186,7 +194,7 @@ class BatchRun:
         tier = self.client.tier(BULK_TIER_FLOOR)
         bar = tqdm(total=total, initial=len(done), unit="line", disable=not self.progress, dynamic_ncols=True)
         summary = BatchSummary(total=total, skipped=len(done), written=0, duplicates=0, interrupted=False)
-        inflight: dict[str, tuple[int, Optional[str], str, bool]] = {}  # job id -> (line, custom_id, model, chat)
+        inflight: dict[str, tuple] = {}  # job id -> (line, custom_id, model, chat, top logprobs shown)
         lines = self._lines(done)
         exhausted = False
         with open(self.output_path, "a", encoding="utf-8") as out:
@@ -215,8 +223,8 @@ class BatchRun:
         try:
             item = json.loads(raw)
             custom_id = item.get("custom_id") if isinstance(item, dict) else None
-            params, custom_id, chat = _line_params(item)
-            params = {**self.defaults, **params}
+            params, fallback, custom_id, chat, top_n = _line_params(item)
+            params = {**fallback, **self.defaults, **params}
             sub = submit_with_backoff(self.client, params, tier, f"batch:{ident}:{n}", self.stop)
         except ValueError as exc:
             self._write(out, refused_line(n, custom_id, f"invalid request: {error_text(exc)}"), summary, bar)
@@ -224,7 +232,9 @@ class BatchRun:
         if sub is None:  # stopped while the queue was full
             return
         summary.duplicates += sub.duplicate
-        inflight[sub.job_id] = (n, custom_id, sub.model, chat)
+        if top_n < 0:  # a plain line: its logprobs k (validated by the submit) is the alternatives shown
+            top_n = int(params.get("logprobs") or 0)
+        inflight[sub.job_id] = (n, custom_id, sub.model, chat, top_n)
 
     def _reap(self, inflight, out, summary, bar) -> bool:
         if not inflight:
@@ -240,8 +250,9 @@ class BatchRun:
             res = result_from_hash(job_id, h) if h else None
             if res is None:
                 continue
-            n, custom_id, model, chat = inflight.pop(job_id)
-            self._write(out, batch_line(n, custom_id, job_id, model, chat, res), summary, bar)
+            n, custom_id, model, chat, top_n = inflight.pop(job_id)
+            fmt = self._formatter(model, top_n) if any(o.logprobs is not None for o in res.outputs) or top_n else None
+            self._write(out, batch_line(n, custom_id, job_id, model, chat, res, fmt), summary, bar)
             reaped = True
         return reaped
 
@@ -271,7 +282,8 @@ def add_command(sub) -> None:
     p.add_argument("input", help="JSONL: a prompt string or an object of submit arguments per line")
     p.add_argument("-o", "--output", required=True, help="JSONL results (appended; finished lines are skipped)")
     p.add_argument("--max-tokens", type=int,
-                   help="max_tokens of lines that do not set it (default: the request's default, 256)")
+                   help="max_tokens of lines that do not set it (default: the request's default, 256; "
+                        "16 for a /v1/completions line, as OpenAI's)")
     p.add_argument("--temperature", type=float,
                    help="temperature of lines that do not set it (default: the request's default, 0: greedy)")
     add_output_options(p, "Defaults for every line (these and the penalties): a line's own response_format, tools, "

@@ -41,14 +41,14 @@ from ..shared.connection import LINK_ERRORS, RedisUnreachable, close_pins, conne
 from ..shared.apikeys import AuthError
 from ..shared.keys import GlobalKeys
 from ..shared.protocol import JobRefused, OverloadError
-from ..shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result, SampleOutput
+from ..shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result
 from ..shared.settings import TIERS, Settings
 from .aclient import AsyncClient, AsyncJob
 from ..shared.cliopts import add_shared
 from .common import ContextLengthError, NoModelError, has_live_worker
 from ..shared.tools import check_format, format_from_info, uses_tools
 from .openai_api import (ChatCompletionRequest, ChatDeltas, CompletionRequest, LogprobFormatter, OpenAIError,
-                         TokenNames, chat_message, check_bias_vocab, finish_reason, now_s, usage, validation_error)
+                         TokenNames, check_bias_vocab, choice, finish_reason, now_s, usage, validation_error)
 
 log = logging.getLogger("mlxq.gateway")
 
@@ -489,16 +489,6 @@ def job_error(res: Result) -> OpenAIError:
     if res.error_code == INVALID_REQUEST:
         return OpenAIError(400, res.error or "invalid request", code="invalid_request")
     return OpenAIError(500, res.error or "generation failed", "server_error", code="job_failed")
-
-
-def choice(chat: bool, out: SampleOutput, fmt: LogprobFormatter) -> dict:
-    """One choice of a finished job: its sample ``out``'s output, in OpenAI's chat or completion shape."""
-    if chat:
-        return {"index": out.index, "message": chat_message(out),
-                "logprobs": fmt.chat(out.logprobs) if fmt.top_n or out.logprobs else None,
-                "finish_reason": finish_reason(out.finish_reason)}
-    return {"index": out.index, "text": out.text, "logprobs": fmt.completion(out.logprobs),
-            "finish_reason": finish_reason(out.finish_reason)}
 
 
 def job_stats(res: Result) -> dict:

@@ -359,5 +359,16 @@ class LogprobFormatter:
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def choice(chat: bool, out: SampleOutput, fmt: LogprobFormatter) -> dict:
+    """One choice of a finished job: its sample ``out``'s output, in OpenAI's chat or completion shape
+    (the gateway's replies and ``mlxq batch``'s output lines)."""
+    if chat:
+        return {"index": out.index, "message": chat_message(out),
+                "logprobs": fmt.chat(out.logprobs) if fmt.top_n or out.logprobs else None,
+                "finish_reason": finish_reason(out.finish_reason)}
+    return {"index": out.index, "text": out.text, "logprobs": fmt.completion(out.logprobs),
+            "finish_reason": finish_reason(out.finish_reason)}
+
+
 def now_s() -> int:
     return int(time.time())

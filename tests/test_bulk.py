@@ -262,3 +262,82 @@ def test_the_gateways_batch_endpoint_takes_a_response_format(tiny_model, redis_u
                                            response_format=BAD_FORMATS[0])
         assert int(r.hget(KEYS.counts, "submitted")) == queued
     r.close()
+
+
+def test_batch_lines_carry_the_logprobs_the_gateway_would_return(tiny_model, redis_url, tmp_path):
+    """A line that asks for logprobs (a chat line's ``logprobs``/``top_logprobs``, a completion line's
+    ``logprobs: k``, a plain line's ``logprobs: k``) gets them in OpenAI's shape, with the token texts of
+    the model's tokenizer (readable here, as for the gateway); a line that does not gets null."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [
+        {"custom_id": "chat-lp", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                  "ignore_eos": True, "logprobs": True, "top_logprobs": 2}},
+        {"custom_id": "chat-lp0", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                  "ignore_eos": True, "logprobs": True}},
+        {"custom_id": "cmpl-lp", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": CMPL_PROMPT, "max_tokens": 4, "ignore_eos": True, "logprobs": 3}},
+        {"custom_id": "plain-lp", "prompt": CMPL_PROMPT, "max_tokens": 4, "ignore_eos": True, "logprobs": 2},
+        {"custom_id": "chat-none", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}},
+        {"custom_id": "plain-none", "prompt": CMPL_PROMPT, "max_tokens": 2},
+    ]
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    settings = fast_settings(redis_url)
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        client = Client(redis_url, model="tiny", settings=settings)
+        assert wait_for(lambda: "tiny" in client.models(), timeout=10)
+        summary = BatchRun(client, str(src), str(out), progress=False).run()
+    assert summary.written == len(lines)
+    recs = {rec["custom_id"]: rec["response"]["body"] for rec in _records(out)}
+    for cid, top_n in (("chat-lp", 2), ("chat-lp0", 0)):
+        body = recs[cid]
+        content = body["choices"][0]["logprobs"]["content"]
+        assert len(content) == body["usage"]["completion_tokens"] == 4, cid
+        assert "".join(c["token"] for c in content) == body["choices"][0]["message"]["content"] or any(
+            "\ufffd" in c["token"] for c in content), cid
+        for c in content:
+            assert c["logprob"] <= 0 and c["bytes"] == list(c["token"].encode())
+            assert len(c["top_logprobs"]) == top_n and not re.fullmatch(r"<\d+>", c["token"])  # a text, not an id
+            assert all(t["logprob"] <= 0 and t["bytes"] == list(t["token"].encode()) for t in c["top_logprobs"])
+    for cid, top_n in (("cmpl-lp", 3), ("plain-lp", 2)):
+        body = recs[cid]
+        lp = body["choices"][0]["logprobs"]
+        assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == body["usage"]["completion_tokens"] == 4, cid
+        assert all(len(t) == top_n for t in lp["top_logprobs"]), cid
+        assert not any(re.fullmatch(r"<\d+>", t) for t in lp["tokens"])
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:k]) for k in range(4)]
+        assert "".join(lp["tokens"]) == body["choices"][0]["text"] or any("\ufffd" in t for t in lp["tokens"]), cid
+    # greedy: the same prompt and length give the same tokens, named by the model's tokenizer
+    assert recs["cmpl-lp"]["choices"][0]["logprobs"]["tokens"] == recs["plain-lp"]["choices"][0]["logprobs"]["tokens"]
+    assert recs["chat-lp"]["choices"][0]["logprobs"]["content"][0]["token"] == \
+        recs["chat-lp0"]["choices"][0]["logprobs"]["content"][0]["token"]
+    assert recs["chat-none"]["choices"][0]["logprobs"] is None
+    assert recs["plain-none"]["choices"][0]["logprobs"] is None
+
+
+def test_batch_max_tokens_fills_in_for_completion_lines_that_do_not_set_it(tiny_model, redis_url, tmp_path, capsys):
+    """``mlxq batch --max-tokens N`` is the max_tokens of every line that does not set its own, an OpenAI
+    /v1/completions line too (whose request model defaults to 16); without the flag that line gets 16."""
+    src, out, out16 = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "out16.jsonl"
+    cmpl = {"method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": CMPL_PROMPT, "ignore_eos": True}}
+    lines = [{"custom_id": "cmpl-default", **cmpl},
+             {"custom_id": "cmpl-own", **cmpl, "body": {**cmpl["body"], "max_tokens": 3}},
+             {"custom_id": "chat-default", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}},
+             {"custom_id": "plain-default", "prompt": CMPL_PROMPT, "ignore_eos": True}]
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    settings = fast_settings(redis_url)
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        assert mlxq_main(["batch", str(src), "-o", str(out), "--redis-url", redis_url, "--model", "tiny", "-q",
+                          "--max-tokens", "5"]) == 0
+        client = Client(redis_url, model="tiny", settings=settings)
+        src16 = tmp_path / "in16.jsonl"
+        src16.write_text(json.dumps(lines[0]) + "\n")
+        BatchRun(client, str(src16), str(out16), progress=False).run()
+    capsys.readouterr()
+    got = {rec["custom_id"]: rec["response"]["body"]["usage"]["completion_tokens"] for rec in _records(out)}
+    assert got == {"cmpl-default": 5, "cmpl-own": 3, "chat-default": 5, "plain-default": 5}
+    assert _records(out16)[0]["response"]["body"]["usage"]["completion_tokens"] == 16  # the endpoint's default
