@@ -481,3 +481,108 @@ def test_a_job_pulled_while_the_worker_stops_goes_back_at_once(tiny_model, redis
     h = client.redis.hgetall(K.job(job.id))
     assert h[b"status"] == b"queued" and h[b"attempts"] == b"0", h
     assert client.redis.zcard(K.inflight) == 0 and client.redis.zscore(K.queue, job.id) is not None
+
+
+def test_a_job_whose_host_step_raises_ends_alone_and_the_worker_serves_on(tiny_model, redis_url):
+    """What handling one job's tokens raises on the host thread (a tool parser, the detokenizer)
+    ends that job with an internal error; its batch-mate completes with the greedy answer and the
+    worker serves on. Before, the exception stopped the worker and every job it held went back."""
+    from mlxq.shared.schemas import INTERNAL_ERROR
+    from mlxq.worker.runner import Worker
+
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    poison = client.submit(prompt_tokens=[3, 1, 4, 1, 5], max_tokens=8)
+    prompt = [2, 7, 1, 8, 2, 8]
+    innocent = client.submit(prompt_tokens=prompt, max_tokens=12, ignore_eos=True)
+    w = Worker(redis.Redis.from_url(redis_url), tiny_model, settings)
+    real = w._take_event
+
+    def take_event(job, ev, top, out):
+        if job.id == poison.id and job.tokens:
+            raise TypeError("Object of type set is not JSON serializable")
+        return real(job, ev, top, out)
+
+    w._take_event = take_event
+    w.run(burst=True)  # returns: the worker did not stop on it
+    res = poison.result(timeout=30)
+    assert res.finish_reason == "error" and res.error_code == INTERNAL_ERROR and "JSON serializable" in res.error
+    ok = innocent.result(timeout=30)
+    assert ok.finish_reason == "length" and ok.token_ids == reference_tokens(tiny_model, prompt, 12, ignore_eos=True)
+    assert client.redis.zcard(K.inflight) == 0 and w.engine.stats()["running"] == 0
+
+
+def test_a_result_over_the_readers_limit_ends_the_job_with_an_error_that_says_so(tiny_model, redis_url,
+                                                                                 monkeypatch):
+    """A result larger than a reader takes (codec.MAX_MESSAGE_BYTES; here lowered, so that a short
+    job with log-probabilities passes it) ends the job with an error naming the size, its final
+    delta too: the caller got "done" and then only a CodecError reading it."""
+    from mlxq.shared import codec
+
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    big = client.submit(prompt_tokens=[3, 1, 4], max_tokens=16, ignore_eos=True, logprobs=5)
+    small = client.submit(prompt_tokens=[3, 1, 4], max_tokens=2, ignore_eos=True)
+    monkeypatch.setattr(codec, "MAX_MESSAGE_BYTES", 2000)
+    with running_worker(tiny_model, redis_url, settings):
+        res = big.result(timeout=60)
+        assert res.finish_reason == "error" and "over the 2,000 a result may be" in res.error, res
+        [(_, last)] = client.redis.xrevrange(K.events(big.id), count=1)
+        assert codec.unpack(last[b"d"])["f"] == "error"
+        assert small.result(timeout=60).finish_reason == "length"
+
+
+def test_a_worker_whose_io_thread_died_stops(tiny_model, redis_url):
+    """An I/O thread that died anyway (a bug past every guard) leaves a worker that looks alive and
+    serves nothing: the worker stops with an error, as when its engine fails."""
+    from mlxq.worker.runner import Worker
+
+    import threading
+
+    w = Worker(redis.Redis.from_url(redis_url), tiny_model, fast_settings(redis_url))
+    w.control.run = lambda: None  # the thread ends at once
+    raised = []
+
+    def serve():
+        try:
+            w.run()
+        except RuntimeError as exc:
+            raised.append(str(exc))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    t.join(60)
+    if t.is_alive():  # (it served on for ever before)
+        w.request_stop(grace_s=0)
+        t.join(30)
+    assert raised and "mlxq-control thread died" in raised[0], raised
+
+
+def test_jobs_of_a_pull_are_renewed_while_it_is_prepared(tiny_model, redis_url):
+    """A pull's jobs are leased before they are prepared one by one (tokenizing large prompts can
+    take longer than a lease): the heartbeat renews the ones still waiting their turn. Here the
+    first job's preparing waits until the second's lease is renewed; before, it never was."""
+    import threading
+
+    from mlxq.worker.runner import Worker
+
+    settings = fast_settings(redis_url, lease_s=2.0, heartbeat_s=0.2)
+    client = Client(redis_url, model="tiny", settings=settings)
+    first = client.submit(prompt_tokens=[3, 1, 4], max_tokens=2)
+    second = client.submit(prompt_tokens=[2, 7, 1], max_tokens=2)
+    w = Worker(redis.Redis.from_url(redis_url), tiny_model, settings)
+    real, renewed = w.fetcher.prepare, threading.Event()
+
+    def prepare(entry):
+        if entry.job_id == first.id:
+            leased = client.redis.zscore(K.inflight, second.id)
+            renewed.set() if wait_for(lambda: (client.redis.zscore(K.inflight, second.id) or 0) > leased,
+                                      timeout=30) else None
+        return real(entry)
+
+    w.fetcher.prepare = prepare
+    w.run(burst=True)
+    assert renewed.is_set()
+    for job in (first, second):
+        res = job.result(timeout=30)
+        assert res.finish_reason in ("stop", "length") and res.stats.attempts == 1, res

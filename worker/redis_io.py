@@ -26,7 +26,7 @@ from redis.exceptions import NoScriptError
 from ..shared import apikeys, codec
 from ..shared.connection import RESLOT_ERRORS
 from ..shared.keys import GlobalKeys
-from ..shared.protocol import Queue, load_functions
+from ..shared.protocol import Queue, load_functions, owner_token
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,10 @@ class Fetcher(threading.Thread):
         self.backoff = Backoff()
         self.pulls = 0
         self.clock_offset = 0.0
+        # job id -> owner: jobs of the pull being prepared, leased here but in no queue of the
+        # worker yet; the heartbeat renews them too (a pull of large prompts can take longer to
+        # tokenize than a lease lasts, and the reaper would queue jobs this worker goes on to run)
+        self.preparing: dict[str, str] = {}
 
     def run(self) -> None:
         idle = True
@@ -275,8 +279,14 @@ class Fetcher(threading.Thread):
                     if pulled:
                         self.clock_offset = pulled[0].now - local
                         self.pulls += 1
-                        for entry in pulled:
-                            self._prepare_one(entry)
+                        self.preparing.update({e.job_id: owner_token(self.worker_id, e.attempt)
+                                               for e in pulled if e.kind == "job"})
+                        try:
+                            for entry in pulled:
+                                self._prepare_one(entry)
+                                self.preparing.pop(entry.job_id, None)
+                        finally:
+                            self.preparing.clear()
                 # Under load (we got a full pull) never wait; otherwise go idle, unless the pull came
                 # back short because it dropped stale members and the queue still holds more.
                 idle = len(pulled) < want and self.q.redis.zcard(self.q.keys.queue) == 0

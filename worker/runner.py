@@ -131,8 +131,9 @@ class Worker:
         return self._engine_urgent_below
 
     def _leases(self) -> dict[str, str]:
+        preparing = dict(self.fetcher.preparing)  # a copy: the fetcher thread changes it
         jobs = list(self.active.values()) + list(self.ready.items)
-        return {j.id: j.owner for j in jobs if isinstance(j, ActiveJob)}
+        return {**preparing, **{j.id: j.owner for j in jobs if isinstance(j, ActiveJob)}}
 
     def _prepare(self, entry: Pulled) -> None:
         """Fetcher thread: validate and tokenize; failures end the job with an error."""
@@ -143,7 +144,14 @@ class Worker:
         # outside the try below: reading the record retries through lost links and raises only when the
         # worker stops; that is no fault of the job, which must not be failed for it (its lease brings
         # it back)
-        published = self._published(entry)
+        try:
+            published = self._published(entry)
+        except REDIS_ERRORS:
+            raise
+        except Exception as exc:  # e.g. the events key holds another type: the record cannot be read
+            log.exception("job=%s attempt=%d: reading its durable record failed", entry.job_id, entry.attempt)
+            self.publisher.submit(self._failure(entry, f"its durable record cannot be read: {exc}", INTERNAL_ERROR))
+            return
         try:
             req = decode_request(entry, self.loaded.name, self.settings.max_new_tokens)
             prompt = tokenize(req, self.loaded.tokenizer)
@@ -159,7 +167,9 @@ class Worker:
             log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
             self.publisher.submit(self._failure(entry, str(exc), INVALID_REQUEST))
             return
-        except Exception as exc:  # a tokenizer bug must not kill the worker
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # a tokenizer bug, or a Rust panic (a BaseException), must not kill the worker
             log.exception("job=%s attempt=%d failed to prepare", entry.job_id, entry.attempt)
             self.publisher.submit(self._failure(entry, f"internal error preparing the job: {exc}", INTERNAL_ERROR))
             return
@@ -210,6 +220,7 @@ class Worker:
         try:
             while True:
                 self.host.check()
+                self._check_threads()
                 self._apply_removals()
                 self._handle_control()
                 self._admit()
@@ -243,6 +254,16 @@ class Worker:
         finally:
             self._shutdown(failure)
 
+    def _check_threads(self) -> None:
+        """MLX thread: the I/O threads catch what they can; one that died anyway (a bug) leaves a
+        worker that looks alive and serves nothing (no pulls, no output, leases lapsing), so the
+        worker stops with it, as when the engine fails, and a supervisor starts a fresh one."""
+        if self.stop_event.is_set():
+            return
+        for thread in (self.fetcher, self.publisher, self.control):
+            if not thread.is_alive() and not (thread is self.fetcher and self.fetcher.paused.is_set()):
+                raise RuntimeError(f"the worker's {thread.name} thread died")
+
     def _queue_empty(self) -> bool:
         try:
             return self.q.redis.zcard(self.keys.queue) == 0
@@ -266,7 +287,8 @@ class Worker:
                 done = [j for j in jobs if len(j.tokens) >= j.request.max_tokens]
                 if done:  # an earlier attempt published every token, then died before finishing
                     self.host.submit(partial(self._finish_done, done))
-                self.engine.add([self._spec(job) for job in jobs if job.uid in self.active])
+                finished = {id(j) for j in done}  # nothing left to generate: no prefill for them
+                self.engine.add([self._spec(job) for job in jobs if job.uid in self.active and id(job) not in finished])
             self._engine_free = self.engine.free_slots()
             self._engine_urgent_below = self.engine.urgent_below()
         if jobs:
@@ -276,7 +298,10 @@ class Worker:
         """Host thread: end jobs whose every token an earlier attempt published."""
         out = StepOutput()
         for job in jobs:
-            self._finish(job, "length", out, job.text.finish())
+            try:
+                self._finish(job, "length", out, job.text.finish())
+            except Exception as exc:
+                self._fail_alone(job, out, exc)
         self.publisher.submit(out)
 
     def _spec(self, job: ActiveJob):
@@ -317,38 +342,10 @@ class Worker:
             job = self.active.get(ev.uid)
             if job is None:
                 continue
-            if job.first_token_at is None:
-                job.first_token_at = job.now()
-            if ev.cached_tokens is not None:  # prefix-cache hit tokens (engines that know)
-                job.cached_tokens = min(ev.cached_tokens, len(job.prompt))
-            finish = ev.finish_reason
-            ids: list[int] = []
-            text = ""
-            lp = None
-            if ev.token is None:  # the engine ended the job with no token: its constraint failed
-                self._finish(job, finish or "error", out, job.text.finish(), error=ev.error,
-                             error_code=INVALID_REQUEST)
-                continue
-            if not (finish == "stop" and ev.token in self.eos):
-                self._notify("on_token", job, 1, time.monotonic())
-                ids = [ev.token]
-                job.tokens.append(ev.token)
-                self.tokens_generated += 1
-                text = job.text.add(ev.token)
-                if job.request.logprobs:
-                    lp = [top or {"token": ev.token, "logprob": None, "top": []}]
-                    job.logprobs.extend(lp)
-            if job.text.stopped:  # a stop string, also on the token that reached max_tokens
-                if finish is None:
-                    self._remove_soon(job.uid)
-                finish = "stop"
-            if finish:
-                text += job.text.finish()
-                self._finish(job, finish, out, text, ids, lp)
-            elif text or ids:
-                delta = job.emit(text, ids, logprobs=lp)
-                out.add_delta(job.id, job.owner, job.wire_dict(delta), job.seq == 1 or job.resumed)
-                job.resumed = False
+            try:
+                self._take_event(job, ev, top, out)
+            except Exception as exc:  # this job's own trouble (a parser, a detokenizer): its own end
+                self._fail_alone(job, out, exc)
         for p in preempted:
             job = self.active.get(p.uid)
             if job is not None and job.group is not None:
@@ -363,6 +360,59 @@ class Worker:
                 self.processed["requeued"] += 1
         self.publisher.submit(out)
 
+    def _take_event(self, job: ActiveJob, ev, top, out: StepOutput) -> None:
+        """Host thread: one sequence's token (or its end) of a step: text, a delta or the job's result."""
+        if job.first_token_at is None:
+            job.first_token_at = job.now()
+        if ev.cached_tokens is not None:  # prefix-cache hit tokens (engines that know)
+            job.cached_tokens = min(ev.cached_tokens, len(job.prompt))
+        finish = ev.finish_reason
+        ids: list[int] = []
+        text = ""
+        lp = None
+        if ev.token is None:  # the engine ended the job with no token: its constraint failed
+            self._finish(job, finish or "error", out, job.text.finish(), error=ev.error,
+                         error_code=INVALID_REQUEST)
+            return
+        if not (finish == "stop" and ev.token in self.eos):
+            self._notify("on_token", job, 1, time.monotonic())
+            ids = [ev.token]
+            job.tokens.append(ev.token)
+            self.tokens_generated += 1
+            text = job.text.add(ev.token)
+            if job.request.logprobs:
+                lp = [top or {"token": ev.token, "logprob": None, "top": []}]
+                job.logprobs.extend(lp)
+        if job.text.stopped:  # a stop string, also on the token that reached max_tokens
+            if finish is None:
+                self._remove_soon(job.uid)
+            finish = "stop"
+        if finish:
+            text += job.text.finish()
+            self._finish(job, finish, out, text, ids, lp)
+        elif text or ids:
+            delta = job.emit(text, ids, logprobs=lp)
+            out.add_delta(job.id, job.owner, job.wire_dict(delta), job.seq == 1 or job.resumed)
+            job.resumed = False
+
+    def _fail_alone(self, job: ActiveJob, out: StepOutput, exc: BaseException) -> None:
+        """Host thread: handling one job's step raised. That job ends with an internal error (out of
+        the engine too), and the rest of the step goes on: before, the exception stopped the worker,
+        and every job it held went back with an attempt counted. Where even ending it fails, it goes
+        back to the queue with this error (the attempt counts; after max_attempts it is dead-lettered)."""
+        error = f"internal error in the worker's host step: {type(exc).__name__}: {exc}"[:1000]
+        log.exception("job=%s attempt=%d: %s", job.uid, job.attempt, error)
+        self._remove_soon(job.uid)
+        try:
+            self._finish(job, "error", out, error=error, error_code=INTERNAL_ERROR)
+        except Exception:
+            log.exception("job=%s: ending it failed too; it goes back to the queue", job.uid)
+            for sample in self._samples(job.id):
+                self.active.pop(sample.uid, None)
+                self._remove_soon(sample.uid)
+            self.active.pop(job.uid, None)
+            out.abandons.append((job.id, job.owner, error))
+
     def _finish(self, job: ActiveJob, finish: str, out: StepOutput, text: str = "", ids=(), lp=None,
                 error: Optional[str] = None, error_code: Optional[str] = None) -> None:
         if finish == "length" and job.text.stopped:
@@ -375,12 +425,32 @@ class Worker:
         if result is None:  # other samples of the job still run: this one's last delta is a delta
             out.add_delta(job.id, job.owner, job.wire_dict(delta), job.seq == 1 or job.resumed)
             return
+        packed = codec.pack(result.model_dump())
+        if len(packed) > codec.MAX_MESSAGE_BYTES:
+            result, delta, packed = self._too_large(job, result, delta, len(packed))
         status = {"cancelled": "cancelled", "error": "failed"}.get(result.finish_reason, "done")
-        out.completions.append((job.id, job.owner, status, codec.pack(result.model_dump()), job.wire(delta)))
+        out.completions.append((job.id, job.owner, status, packed, job.wire(delta)))
         self.processed[status] += 1
         self._snap_due = True
         self._notify("on_finish", job, result)
         log.info("job=%s attempt=%d finished: %s, %d tokens", job.id, job.attempt, finish, len(job.tokens))
+
+    @staticmethod
+    def _too_large(job: ActiveJob, result: Result, delta: Delta, size: int) -> tuple[Result, Delta, bytes]:
+        """A result larger than any reader takes (``codec.MAX_MESSAGE_BYTES``: every token's
+        log-probabilities of a long job with many samples) ends the job with an error that says so,
+        and its final delta with it: a caller got the job "done" and then only a CodecError reading
+        it. Its stream still holds every token that went out."""
+        limit = codec.MAX_MESSAGE_BYTES
+        error = (f"the result is {size:,} bytes, over the {limit:,} a result may be "
+                 f"(n {job.request.n}, {len(job.tokens)} tokens a sample"
+                 + (f", {job.request.logprobs} log-probabilities a token" if job.request.logprobs else "")
+                 + "): ask for fewer tokens, samples or log-probabilities, or read the stream")
+        log.warning("job=%s: %s", job.id, error)
+        failed = Result(id=result.id, finish_reason="error", error=error, error_code=INVALID_REQUEST,
+                        stats=result.stats)
+        delta = delta.model_copy(update={"finish_reason": "error", "error": error})
+        return failed, delta, codec.pack(failed.model_dump())
 
     def _notify(self, method: str, *args) -> None:
         for obs in self.observers:
@@ -427,7 +497,10 @@ class Worker:
             if running and self.active.get(job.uid) is not job:
                 continue
             if kind == "cancel":
-                self._finish(job, "cancelled", out)
+                try:
+                    self._finish(job, "cancelled", out)
+                except Exception as exc:
+                    self._fail_alone(job, out, exc)
             else:  # lost lease: another worker owns the job now; write nothing
                 self.active.pop(job.uid, None)
                 log.warning("job=%s attempt=%d dropped: lease lost", job.uid, job.attempt)
