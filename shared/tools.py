@@ -126,21 +126,24 @@ def check_tools(req, fmt: Optional[ModelFormat] = None) -> None:
 
 def check_format(req, fmt: ModelFormat) -> None:
     """What a model whose call format cannot be enforced cannot do, refused: a required or named tool
-    choice; with "auto", an answer held to a response_format, or parallel_tool_calls false."""
+    choice; with "auto", an answer held to a response_format, or parallel_tool_calls false. A model
+    whose template has no call format mlx-lm knows cannot take tools at all: its calls could not be
+    parsed, and would come back as text in the answer."""
     choice = effective_choice(req)
     if choice == "none" or can_constrain(fmt):
         return
+    if not fmt.tool_parser:
+        raise ToolError(f"tools with tool_choice {_choice_text(choice)}: this model's chat template has no "
+                        "tool-call format mlx-lm knows, so its calls could be neither enforced nor parsed (they "
+                        'would come back as text); send no tools, or tool_choice "none"')
     if choice == "auto":
         why = ("response_format" if compile_format(req.response_format) is not None else
                "parallel_tool_calls false" if req.parallel_tool_calls is False else None)
         if why is not None:
             raise ToolError(f"{why} with tools cannot be enforced for this model's tool-call format "
-                            f"({fmt.tool_parser or 'none known to mlx-lm'}; enforced: {', '.join(CONSTRAINABLE)}): "
+                            f"({fmt.tool_parser!r}; enforced: {', '.join(CONSTRAINABLE)}): "
                             "the calls are parsed only, so nothing would hold the answer to it")
         return
-    if not fmt.tool_parser:
-        raise ToolError(f"tool_choice {_choice_text(choice)}: this model's chat template has no tool-call "
-                        "format mlx-lm knows, so calls can be neither enforced nor parsed")
     if not can_constrain(fmt):
         raise ToolError(f"tool_choice {_choice_text(choice)} cannot be enforced for this model's tool-call "
                         f"format ({fmt.tool_parser!r}; enforced: {', '.join(CONSTRAINABLE)}); use tool_choice "

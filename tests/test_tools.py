@@ -317,6 +317,15 @@ def test_bad_tools_are_refused_before_queueing(tiny_model):
             tool_grammar(request(**extra), fmt)
         assert tool_grammar(request(**extra), chat_format(tiny_model.tokenizer)) is not None  # enforced there
     assert tool_grammar(request(tool_choice="none"), chat_format(tiny_model.tokenizer)) is None
+    # a template with no call format mlx-lm knows takes no tools, auto included (its calls would come
+    # back as text); "none" stays allowed
+    bare = dataclasses.replace(chat_format(tiny_model.tokenizer), tool_parser=None)
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_time"}}):
+        with pytest.raises(ToolError, match="no tool-call format mlx-lm knows"):
+            check_tools(request(tool_choice=choice), bare)
+        with pytest.raises(ToolError, match="no tool-call format mlx-lm knows"):
+            tool_grammar(request(tool_choice=choice), bare)
+    check_tools(request(tool_choice="none"), bare)
     # the format a worker publishes reads back the same (msgpack turns tuples into lists)
     info = {"chat_format": json.loads(json.dumps(format_info(chat_format(tiny_model.tokenizer))))}
     assert format_from_info(info) == chat_format(tiny_model.tokenizer)
