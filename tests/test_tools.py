@@ -411,3 +411,23 @@ def test_a_chat_template_that_renders_nothing_is_refused_for_that_job(tiny_model
 
     with pytest.raises(JobError, match="empty prompt"):
         tokenize(request(messages=[{"role": "user", "content": "hi"}]), Silent())
+
+
+def test_token_ids_past_the_models_embedding_are_refused(tiny_model):
+    """A tokenizer with more ids than the model has embedding rows (tokens added without a resize):
+    prompt_tokens and logit_bias are held to the fewer, where an id in between indexed the embedding
+    out of bounds."""
+    from mlxq.worker.jobs import JobError, check_token_ids, token_limit
+
+    tok = tiny_model.tokenizer
+    rows = token_limit(tok) - 10
+    assert token_limit(tok, rows) == rows and token_limit(tok, None) == rows + 10
+    req = GenerateRequest.model_validate({"model": "tiny", "prompt_tokens": [1, rows]})
+    assert tokenize(req, tok) == [1, rows]
+    with pytest.raises(JobError, match="outside the vocabulary"):
+        tokenize(req, tok, rows)
+    bias = GenerateRequest.model_validate({"model": "tiny", "prompt": "hi", "logit_bias": {str(rows): 1}})
+    check_token_ids(bias, tok)
+    with pytest.raises(JobError, match="outside the vocabulary"):
+        check_token_ids(bias, tok, rows)
+

@@ -263,9 +263,12 @@ def _short(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def tokenize(req: GenerateRequest, tokenizer) -> list[int]:
+def tokenize(req: GenerateRequest, tokenizer, model_vocab: Optional[int] = None) -> list[int]:
+    """The job's prompt as token ids. ``model_vocab``: the model's embedding rows, where they may be
+    fewer than the tokenizer's ids (added tokens without a resize): an id past them would index the
+    embedding out of bounds."""
     if req.prompt_tokens is not None:
-        vocab = vocab_size(tokenizer)
+        vocab = token_limit(tokenizer, model_vocab)
         if any(t >= vocab for t in req.prompt_tokens):
             raise JobError(f"prompt_tokens contains ids outside the vocabulary (size {vocab})")
         return list(req.prompt_tokens)
@@ -318,9 +321,15 @@ def _template_tools(req: GenerateRequest, tokenizer) -> Optional[list[dict]]:
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
-def check_token_ids(req: GenerateRequest, tokenizer) -> None:
-    """logit_bias names token ids of this model's vocabulary."""
+def token_limit(tokenizer, model_vocab: Optional[int] = None) -> int:
+    """One past the largest token id a job may name: the tokenizer's and the model's, the fewer."""
     vocab = vocab_size(tokenizer)
+    return min(vocab, model_vocab) if model_vocab else vocab
+
+
+def check_token_ids(req: GenerateRequest, tokenizer, model_vocab: Optional[int] = None) -> None:
+    """logit_bias names token ids of this model's vocabulary."""
+    vocab = token_limit(tokenizer, model_vocab)
     bad = sorted(t for t in (req.logit_bias or {}) if t >= vocab)
     if bad:
         raise JobError(f"logit_bias names token ids outside the vocabulary (size {vocab}): {bad[:5]}")

@@ -106,6 +106,8 @@ class Worker:
         self._snap_at = 0.0
         self._snap_due = False  # a job finished since the last snapshot: refresh and publish it at once
 
+        # the embedding's rows (mlx-lm's model args), which bound the token ids a job may name too
+        self._model_vocab: Optional[int] = getattr(getattr(loaded.model, "args", None), "vocab_size", None)
         self.publisher = Publisher(self.q, self.stop_event)
         self.fetcher = Fetcher(self.q, self.worker_id, self._free_slots, self._prepare, self.stop_event,
                                self.settings.gather_ms / 1000.0, self.settings.idle_block_s,
@@ -154,8 +156,8 @@ class Worker:
             return
         try:
             req = decode_request(entry, self.loaded.name, self.settings.max_new_tokens)
-            prompt = tokenize(req, self.loaded.tokenizer)
-            check_token_ids(req, self.loaded.tokenizer)
+            prompt = tokenize(req, self.loaded.tokenizer, self._model_vocab)
+            check_token_ids(req, self.loaded.tokenizer, self._model_vocab)
             grammar = job_grammar(req, prompt, self.loaded.tokenizer)
             fit_context(req, len(prompt), self.loaded.context_length)
             if not self.engine.can_admit(len(prompt), req.max_tokens):
