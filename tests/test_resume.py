@@ -249,3 +249,45 @@ def test_a_clobbered_key_costs_its_own_job_only(redis_url):
     assert r.hget(K.job(bad), "status") == b"done" and r.hget(K.job(bad), "result") == b"result"
     assert fenced == [(bad, "complete", True), (forged, "complete", False)]
     r.close()
+
+
+def test_a_write_refused_for_now_is_sent_again_not_dropped(redis_url):
+    """A reply that only says "not now" (READONLY from a demoted master, MOVED, TRYAGAIN,
+    CLUSTERDOWN, LOADING: the call never ran) is sent again, in order, as after a lost link; it was
+    logged and dropped before, and that step's deltas were missing from the job's stream."""
+    import threading
+
+    import redis
+
+    from mlxq.shared.protocol import Queue
+    from mlxq.shared.settings import Settings
+    from mlxq.worker.redis_io import Publisher, StepOutput
+
+    r = redis.Redis.from_url(redis_url)
+    q = Queue(r, K, Settings())
+    job = "89" * 16
+    r.hset(K.job(job), "owner", "w:1")
+    refusals = [2]  # the first two round trips are refused
+    real_pipeline = r.pipeline
+
+    def pipeline(*a, **kw):
+        pipe = real_pipeline(*a, **kw)
+        execute = pipe.execute
+
+        def flaky(raise_on_error=True):
+            if refusals[0] > 0:
+                refusals[0] -= 1
+                n = len(pipe.command_stack)
+                pipe.reset()
+                return [redis.exceptions.ReadOnlyError("You can't write against a read only replica.")] * n
+            return execute(raise_on_error=raise_on_error)
+
+        pipe.execute = flaky
+        return pipe
+
+    q.redis.pipeline = pipeline
+    pub = Publisher(q, threading.Event())
+    pub._send([StepOutput(deltas=[(job, "w:1", b"d1", True), (job, "w:1", b"d2", False)])])
+    assert refusals == [0]
+    assert [f[b"d"] for _, f in r.xrange(K.events(job))] == [b"d1", b"d2"]
+    r.close()

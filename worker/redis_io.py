@@ -169,14 +169,26 @@ class Publisher(threading.Thread):
                 log.warning("publish failed (%s); retrying in %.2fs with the batch kept", exc, delay)
                 time.sleep(delay)
                 continue
-            refused = [item for item, reply in zip(todo, replies) if isinstance(reply, NoScriptError)]
-            for (_, job_id, kind), reply in zip(todo, replies):
-                if not isinstance(reply, NoScriptError):
+            # Refused calls never ran: a lost script cache (NOSCRIPT), or a reply that only says "not
+            # now" (READONLY from a demoted master, MOVED, TRYAGAIN, CLUSTERDOWN, LOADING); they go
+            # again, in order, as on a lost link. Before, the second kind was logged and dropped: a
+            # job's deltas of that step were lost from its stream.
+            again = [isinstance(reply, (NoScriptError,) + REDIS_ERRORS) for reply in replies]
+            for (_, job_id, kind), reply, retry in zip(todo, replies, again):
+                if not retry:
                     self._settled(job_id, kind, reply)
-            todo = refused
-            if todo:  # Redis lost its script cache (a restart): load them and send what was refused
+            refused = [r for r, retry in zip(replies, again) if retry]
+            todo = [item for item, retry in zip(todo, again) if retry]
+            if any(isinstance(r, NoScriptError) for r in refused):
+                # Redis lost its script cache (a restart): load them and send what was refused
                 log.info("Redis does not have mlxq's scripts (a new or restarted server): loading them")
                 self.q.load_scripts()
+            elif refused:
+                delay = self.backoff.fail()
+                log.warning("publish refused for now (%s); retrying in %.2fs with the calls kept", refused[0], delay)
+                if hasattr(self.q.redis, "invalidate"):  # a cluster: find the slot's master again
+                    self.q.redis.invalidate()
+                time.sleep(delay)
 
     def _calls(self, batch: list[StepOutput]) -> list[tuple[tuple, str, str]]:
         """The batch's writes as (script call, job id, kind), in order: a job's deltas come before
