@@ -324,7 +324,9 @@ class TokenNames:
 
     def for_model(self, info: Optional[dict]):
         tok = self.tokenizer(info)
-        return (lambda i: tok.decode([i])) if tok is not None else (lambda i: f"<{i}>")
+        # special tokens kept, as the worker's text keeps them (an EOS under ignore_eos): a special
+        # token's name was "" before, so the names no longer joined to the text nor text_offset to it
+        return (lambda i: tok.decode([i], skip_special_tokens=False)) if tok is not None else (lambda i: f"<{i}>")
 
 
 @dataclass

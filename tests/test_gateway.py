@@ -374,3 +374,18 @@ def test_a_failed_sample_ends_the_stream_and_cancels_the_samples_still_running()
     last = Job([Delta(sample=0, text="a", finish_reason="stop"), Delta(sample=1, finish_reason="error", error="x")])
     asyncio.run(stream(last, 2))
     assert last.cancelled == 0
+
+
+def test_logprob_token_names_keep_special_tokens_as_the_text_does(tiny_model, tiny_model_dir):
+    """A token's name in logprobs is its text as the worker's text has it, special tokens included
+    (an EOS generated under ignore_eos): it was "" before, so the names stopped joining to the text
+    and text_offset drifted from it."""
+    from mlxq.producer.openai_api import TokenNames
+    from mlxq.worker.textstream import decode_fn
+
+    names = TokenNames().for_model({"source": str(tiny_model_dir)})
+    decode = decode_fn(tiny_model.tokenizer)
+    special = sorted(tiny_model.eos_token_ids)[0]
+    assert names(special) == decode([special]) != ""
+    for i in (5, 50, 500):
+        assert names(i) == decode([i])
