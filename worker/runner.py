@@ -300,10 +300,7 @@ class Worker:
         """Host thread: end jobs whose every token an earlier attempt published."""
         out = StepOutput()
         for job in jobs:
-            try:
-                self._finish(job, "length", out, job.text.finish())
-            except Exception as exc:
-                self._fail_alone(job, out, exc)
+            self._alone(job, out, lambda j=job: self._finish(j, "length", out, j.text.finish()))
         self.publisher.submit(out)
 
     def _spec(self, job: ActiveJob):
@@ -344,10 +341,8 @@ class Worker:
             job = self.active.get(ev.uid)
             if job is None:
                 continue
-            try:
-                self._take_event(job, ev, top, out)
-            except Exception as exc:  # this job's own trouble (a parser, a detokenizer): its own end
-                self._fail_alone(job, out, exc)
+            # this job's own trouble (a parser, a detokenizer): its own end
+            self._alone(job, out, partial(self._take_event, job, ev, top, out))
         for p in preempted:
             job = self.active.get(p.uid)
             if job is not None and job.group is not None:
@@ -397,6 +392,13 @@ class Worker:
             out.add_delta(job.id, job.owner, job.wire_dict(delta), job.seq == 1 or job.resumed)
             job.resumed = False
 
+    def _alone(self, job: ActiveJob, out: StepOutput, handle) -> None:
+        """Host thread: ``handle()``, one job's part of a step; what it raises ends that job alone."""
+        try:
+            handle()
+        except Exception as exc:
+            self._fail_alone(job, out, exc)
+
     def _fail_alone(self, job: ActiveJob, out: StepOutput, exc: BaseException) -> None:
         """Host thread: handling one job's step raised. That job ends with an internal error (out of
         the engine too), and the rest of the step goes on: before, the exception stopped the worker,
@@ -409,10 +411,9 @@ class Worker:
             self._finish(job, "error", out, error=error, error_code=INTERNAL_ERROR)
         except Exception:
             log.exception("job=%s: ending it failed too; it goes back to the queue", job.uid)
-            for sample in self._samples(job.id):
+            for sample in self._samples(job.id):  # this job too, unless _finish took it out already
                 self.active.pop(sample.uid, None)
                 self._remove_soon(sample.uid)
-            self.active.pop(job.uid, None)
             out.abandons.append((job.id, job.owner, error))
 
     def _finish(self, job: ActiveJob, finish: str, out: StepOutput, text: str = "", ids=(), lp=None,
@@ -499,10 +500,7 @@ class Worker:
             if running and self.active.get(job.uid) is not job:
                 continue
             if kind == "cancel":
-                try:
-                    self._finish(job, "cancelled", out)
-                except Exception as exc:
-                    self._fail_alone(job, out, exc)
+                self._alone(job, out, partial(self._finish, job, "cancelled", out))
             else:  # lost lease: another worker owns the job now; write nothing
                 self.active.pop(job.uid, None)
                 log.warning("job=%s attempt=%d dropped: lease lost", job.uid, job.attempt)
