@@ -111,7 +111,7 @@ class AsyncJob:
         s = decode_status(await self._client._retry(lambda: self._redis.hget(self._keys.job(self.id), "status")))
         if s != "queued":
             return s
-        return status_text(s, self._keys.model, await self._client._registry_entry(self._keys.model),
+        return status_text(s, self._keys.model, await self._client.model_info(self._keys.model),
                            self._client.settings.live_worker_s)
 
     async def _ensure_pubsub(self) -> asyncio.Queue:
@@ -239,7 +239,9 @@ class AsyncClient:
             registry_unreadable(exc)
             return None
 
-    async def _registry_entry(self, model: str) -> Optional[dict]:
+    async def model_info(self, model: str) -> Optional[dict]:
+        """One model's entry in the workers' registry (as ``models()`` gives it): {} when no worker
+        registered it, None when this Redis user may not read the registry (ACL)."""
         registry = await self._registry()
         return None if registry is None else registry.get(model, {})
 

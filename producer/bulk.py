@@ -174,7 +174,7 @@ class BatchRun:
         if model not in self._names:
             if self._token_names is None:
                 self._token_names = TokenNames()
-            self._names[model] = self._token_names.for_model(self.client._registry_entry(model))
+            self._names[model] = self._token_names.for_model(self.client.model_info(model))
         return LogprobFormatter(self._names[model], top_n)
 
     def _lines(self, skip: set[int]) -> Iterator[tuple[int, str]]:

@@ -124,7 +124,7 @@ class Job:
         s = decode_status(self._client._retry(lambda: self._client.redis.hget(self._keys.job(self.id), "status")))
         if s != "queued":
             return s
-        return status_text(s, self._keys.model, self._client._registry_entry(self._keys.model),
+        return status_text(s, self._keys.model, self._client.model_info(self._keys.model),
                            self._client.settings.live_worker_s)
 
     def _ensure_pubsub(self):
@@ -189,7 +189,9 @@ class Client:
             registry_unreadable(exc)
             return None
 
-    def _registry_entry(self, model: str) -> Optional[dict]:
+    def model_info(self, model: str) -> Optional[dict]:
+        """One model's entry in the workers' registry (as ``models()`` gives it): {} when no worker
+        registered it, None when this Redis user may not read the registry (ACL)."""
         registry = self._registry()
         return None if registry is None else registry.get(model, {})
 

@@ -92,6 +92,22 @@ def test_a_registry_entry_that_cannot_be_decoded_still_names_a_model():
     assert decode_registry({b"m": b"", b"n": codec.pack({"name": "n"})}) == {"m": {}, "n": {"name": "n"}}
 
 
+def test_model_info_is_one_registry_entry_from_the_sync_and_the_async_client(redis_url, rr):
+    register(rr, "tiny", FOREVER)
+
+    async def infos():
+        async with AsyncClient(redis_url) as c:
+            return await c.model_info("tiny"), await c.model_info("nope")
+
+    c = Client(redis_url)
+    try:
+        sync, models = (c.model_info("tiny"), c.model_info("nope")), c.models()
+    finally:
+        c.close()
+    assert sync == asyncio.run(infos()) == (models["tiny"], {})
+    assert sync[0]["context_length"] == 4096
+
+
 def test_a_producer_that_may_not_read_the_registry_submits_unchecked(redis_url, rr, caplog):
     """Fail open: a Redis user without read access to the model registry still submits (no check)."""
     register(rr, "tiny")
@@ -106,6 +122,7 @@ def test_a_producer_that_may_not_read_the_registry_submits_unchecked(redis_url, 
         with caplog.at_level(logging.INFO, logger="mlxq.producer"):
             job = Client(url, model="tiny").submit("hi", max_tokens=2)
         assert job.status() == "queued"  # no registry: the bare status
+        assert Client(url).model_info("tiny") is None  # unreadable, not "no such model"
     finally:
         rr.execute_command("ACL", "DELUSER", "blind")
 
