@@ -54,8 +54,9 @@ class AsyncJob:
                 yield d
         finally:
             self._streaming = False
-            if self._core.state.done:
-                await self._close_pubsub()
+            # left early too (a break, a cancel): unsubscribe, or the channel stayed subscribed for
+            # as long as the client lived; a later stream() subscribes again and replays the record
+            await self._close_pubsub()
 
     async def result(self, timeout: Optional[float] = None) -> Result:
         """As ``Job.result``: waits on the job's done list (nothing per generated token)."""

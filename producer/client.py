@@ -63,8 +63,9 @@ class Job:
             yield from self._drive(Steps(self._core.stream(timeout)))
         finally:
             self._streaming = False
-            if self._core.state.done:
-                self._close_pubsub()
+            # left early too (a break): unsubscribe; a later stream() subscribes again and replays
+            # what it missed from the durable record
+            self._close_pubsub()
 
     def result(self, timeout: Optional[float] = None) -> Result:
         """Wait for the final result (kept in Redis: it survives disconnects).

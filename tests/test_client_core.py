@@ -275,3 +275,52 @@ def test_prepare_leaves_dict_formats_alone():
     assert prep.schema is Weather and prep.request.response_format == schema_format(Weather)
     with pytest.raises(ValueError, match="byte limit"):
         prepare("tiny", {"prompt": "a" * 100}, None, 50)
+
+
+def test_a_stream_left_early_unsubscribes_and_the_next_one_goes_on(side, redis_url):
+    """A caller that leaves a stream before its end (a break, or the gateway ending an SSE when one
+    of n samples fails) unsubscribes the job's channel: it stayed subscribed for as long as the
+    client lived. The next stream() subscribes again and goes on where the last one stopped, each
+    delta once. No worker serves "ghost": the test writes the job's durable record itself."""
+    import time
+
+    from mlxq.shared.schemas import Delta
+
+    register_model(redis_url, "ghost", seen_at=time.time() + 10 * 365 * 86400)
+    keys = GlobalKeys().model_keys("ghost")
+    r = redis.Redis.from_url(redis_url)
+    try:
+        job = side.call("submit", prompt="a", model="ghost", max_tokens=4)
+        chan = keys.channel(job.id)
+
+        def subscribers() -> int:
+            return r.pubsub_numsub(chan)[0][1]
+
+        def write(d: Delta) -> None:
+            r.xadd(keys.events(job.id), {"d": codec.pack(d.to_wire())})
+
+        assert subscribers() == 1  # subscribed before the job was queued
+        write(Delta(seq=1, text="a", token_ids=[5]))
+        if side.kind == "sync":
+            def first():
+                deltas = job.stream(timeout=30)
+                try:
+                    return next(deltas)
+                finally:
+                    deltas.close()
+        else:
+            async def first():
+                deltas = job.stream(timeout=30)
+                try:
+                    return await deltas.__anext__()
+                finally:
+                    await deltas.aclose()
+        assert side.start(first).result(timeout=60).text == "a"
+        assert wait_for(lambda: subscribers() == 0, timeout=10)
+        write(Delta(seq=2, index=1, offset=1, text="b", token_ids=[6], finish_reason="stop"))
+        rest = side.stream(job, timeout=30).result(timeout=60)
+        assert "".join(d.text for d in rest) == "b" and rest[-1].finish_reason == "stop"
+        assert subscribers() == 0
+    finally:
+        r.hdel(GlobalKeys().models, "ghost")
+        r.close()
