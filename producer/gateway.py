@@ -32,6 +32,7 @@ import redis.asyncio as aredis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -353,6 +354,10 @@ class Gateway:
             self.metrics.latency.labels(meta.endpoint).observe(time.monotonic() - meta.started)
         finally:
             self.metrics.inflight.dec()
+            # the job's stream ends here however this one does (a sample's error breaks out of it):
+            # its channel is unsubscribed now, not whenever the generator is collected
+            with contextlib.suppress(Exception):
+                await deltas.aclose()
             if not finished:  # the client went away (the request task is being cancelled)
                 self.spawn(self._cancel(job, "client disconnected from the stream", attempt))
 
@@ -403,6 +408,21 @@ class Gateway:
     async def unreachable(self, request: Request, exc: RedisUnreachable) -> Response:
         """Any endpoint, when Redis stayed unreachable past ``redis_outage_s``: 503 + Retry-After."""
         return self._error(request.url.path, unreachable_error(exc))
+
+    async def http_error(self, request: Request, exc: HTTPException) -> Response:
+        """A path no route serves (404) or a method it does not take (405), in OpenAI's error shape
+        (Starlette's own answer is plain text, which OpenAI clients cannot read as an error)."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", param=None, code=code)
+        # a 404's path is whatever was asked for: one metrics label for all of them
+        response = self._error("(no route)" if exc.status_code == 404 else request.url.path, err)
+        response.headers.update(exc.headers or {})
+        return response
+
+    async def internal_error(self, request: Request, exc: Exception) -> Response:
+        """What no handler caught: a 500 in OpenAI's error shape (Starlette logs the traceback)."""
+        return self._error(request.url.path, OpenAIError(500, f"internal error: {type(exc).__name__}",
+                                                         "server_error", code="internal_error"))
 
 
 class NoLiveWorker(OpenAIError):
@@ -497,12 +517,17 @@ def job_stats(res: Result) -> dict:
     return res.stats.model_dump()
 
 
-async def _prepend(first: Optional[Delta], rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-    if first is None:
-        return
-    yield first
-    async for d in rest:
-        yield d
+async def _prepend(first: Optional[Delta], rest) -> AsyncIterator[Delta]:
+    """``first``, then ``rest`` (an async generator), which is closed when this one is: an
+    ``async for`` left early does not close the generator it reads."""
+    try:
+        if first is None:
+            return
+        yield first
+        async for d in rest:
+            yield d
+    finally:
+        await rest.aclose()
 
 
 def _event(obj: dict) -> str:
@@ -533,6 +558,8 @@ async def _json_body(request: Request, limit: int) -> dict:
         body = json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError):
         raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    except RecursionError:
+        raise OpenAIError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
     return body
@@ -556,7 +583,8 @@ def create_app(redis_url: Optional[str] = None, settings: Optional[Settings] = N
         Route("/metrics", gw.prometheus, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={RedisUnreachable: gw.unreachable})
+    handlers = {RedisUnreachable: gw.unreachable, HTTPException: gw.http_error, Exception: gw.internal_error}
+    app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers=handlers)
     app.state.gateway = gw
     return app
 

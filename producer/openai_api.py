@@ -97,6 +97,9 @@ class _Params(BaseModel):
                 _log_harmless(name)
             elif value is not None:
                 raise unsupported(name, "mlxq does not implement it, and it would change the output")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options",
+                              code="invalid_value")
         for name, value in (self.stream_options or {}).items():  # what the stream carries
             if name != "include_usage" and value is not None:
                 raise unsupported(f"stream_options.{name}", "only include_usage is implemented")
@@ -151,11 +154,19 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[list[dict]] = None  # an assistant's calls, as the API returned them
     tool_call_id: Optional[StrictStr] = None  # a tool message: the call it answers
     refusal: Optional[StrictStr] = None  # an assistant message as returned: dropped
+    # an assistant message as this gateway returns it (a model that thinks): dropped, so that the
+    # usual loop (append the reply's message, ask again) works; chat templates that keep earlier
+    # turns' thoughts (Qwen3's, DeepSeek-R1's) leave them out before the last user message anyway
+    reasoning_content: Optional[StrictStr] = None
+    reasoning: Optional[StrictStr] = None
 
     def to_mlxq(self, index: int) -> dict:
         for name, value in (self.model_extra or {}).items():
             if value is not None:
                 raise unsupported(f"messages.{index}.{name}")
+        for name in ("reasoning_content", "reasoning"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise unsupported(f"messages.{index}.{name}", "only an assistant message carries it")
         role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
         content = self.content
         if isinstance(content, list):
@@ -207,7 +218,7 @@ class ChatCompletionRequest(_Params):
 
 class CompletionRequest(_Params):
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
-    max_tokens: Optional[StrictInt] = Field(16, ge=1)  # OpenAI's default for this endpoint
+    max_tokens: Optional[StrictInt] = Field(16, ge=1)  # OpenAI's default for this endpoint, null too
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
     echo: Optional[bool] = None
     suffix: Optional[StrictStr] = None
@@ -222,7 +233,8 @@ class CompletionRequest(_Params):
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
         kw = self.sampling()
-        kw["max_tokens"] = self.max_tokens
+        # null is the default too, as OpenAI's API takes it (before, null ran to the context's end)
+        kw["max_tokens"] = 16 if self.max_tokens is None else self.max_tokens
         if self.logprobs is not None:
             kw["logprobs"] = max(1, self.logprobs)
         prompt = self.prompt
@@ -329,6 +341,19 @@ class TokenNames:
         return (lambda i: tok.decode([i], skip_special_tokens=False)) if tok is not None else (lambda i: f"<{i}>")
 
 
+# What a token the sampler could not draw (logprob -inf: a grammar's mask, a logit_bias of -100 and
+# less) is shown as: JSON has no -Infinity, so strict parsers refused the stream and the reply
+# could not be written at all (a 500). vLLM's OpenAI server shows -9999.0 too.
+MIN_LOGPROB = -9999.0
+
+
+def finite(logprob: Optional[float]) -> Optional[float]:
+    """A logprob as JSON can carry it: -inf (or NaN) as MIN_LOGPROB, None kept."""
+    if logprob is None or logprob > MIN_LOGPROB:
+        return logprob
+    return MIN_LOGPROB
+
+
 @dataclass
 class LogprobFormatter:
     """mlxq logprob entries ({token, logprob, top: [[id, lp]]}) in OpenAI's two shapes."""
@@ -342,9 +367,10 @@ class LogprobFormatter:
         content = []
         for e in entries:
             s = self.name(e["token"])
-            tops = [{"token": self.name(i), "logprob": v, "bytes": list(self.name(i).encode())}
+            tops = [{"token": self.name(i), "logprob": finite(v), "bytes": list(self.name(i).encode())}
                     for i, v in (e.get("top") or [])[: self.top_n]]
-            content.append({"token": s, "logprob": e.get("logprob"), "bytes": list(s.encode()), "top_logprobs": tops})
+            content.append({"token": s, "logprob": finite(e.get("logprob")), "bytes": list(s.encode()),
+                            "top_logprobs": tops})
         return {"content": content}
 
     def completion(self, entries: Optional[list], offset: int = 0) -> Optional[dict]:
@@ -354,8 +380,8 @@ class LogprobFormatter:
         for e in entries:
             s = self.name(e["token"])
             tokens.append(s)
-            lps.append(e.get("logprob"))
-            tops.append({self.name(i): v for i, v in (e.get("top") or [])[: self.top_n]})
+            lps.append(finite(e.get("logprob")))
+            tops.append({self.name(i): finite(v) for i, v in (e.get("top") or [])[: self.top_n]})
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

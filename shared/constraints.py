@@ -130,16 +130,25 @@ def _schema_of(fmt: dict) -> dict:
 
 
 def closed(schema: Any) -> Any:
+    """``_closed(schema)``; a schema nested too deeply for it is a ConstraintError (a 400), where the
+    RecursionError was an unhandled 500."""
+    try:
+        return _closed(schema)
+    except RecursionError:
+        raise ConstraintError("the JSON schema is nested too deeply to close for strict: true") from None
+
+
+def _closed(schema: Any) -> Any:
     """A copy of ``schema`` where every object that does not say otherwise has
     ``additionalProperties: false``: what ``strict: true`` means in OpenAI's structured outputs
     (its SDK closes a pydantic class's objects the same way).  Without it a model may write keys
     the schema never named, and a pydantic class with its default ``extra="ignore"`` would still
     validate, but only after the model spent its tokens on them."""
     if isinstance(schema, list):
-        return [closed(x) for x in schema]
+        return [_closed(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed(v) for k, v in schema.items()}
+    out = {k: _closed(v) for k, v in schema.items()}
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -206,7 +215,7 @@ def canonical(fmt: Any) -> str:
     order is its output's order, so it is part of the constraint)."""
     try:
         return json.dumps(fmt, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise ConstraintError(f"response_format must be JSON: {exc}") from None
 
 

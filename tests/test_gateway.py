@@ -344,7 +344,7 @@ def test_a_failed_sample_ends_the_stream_and_cancels_the_samples_still_running()
         id = "j1"
 
         def __init__(self, deltas):
-            self.deltas, self.cancelled = deltas, 0
+            self.deltas, self.cancelled, self.closed = deltas, 0, False
 
         async def cancel(self):
             self.cancelled += 1
@@ -359,10 +359,16 @@ def test_a_failed_sample_ends_the_stream_and_cancels_the_samples_still_running()
                      include_usage=False, n=n)
 
         async def deltas():
-            for d in job.deltas:
-                yield d
+            try:
+                for d in job.deltas:
+                    yield d
+            finally:
+                job.closed = True  # as AsyncJob.stream's own finally: it unsubscribes the job's channel
 
         events = [e async for e in gw._sse(job, meta, None, deltas())]
+        # the job's stream is closed when the SSE ends, not when the generator is collected: left
+        # open, its channel stayed subscribed for as long as the gateway ran
+        assert job.closed
         await asyncio.gather(*gw._background)
         return events
 
@@ -389,3 +395,95 @@ def test_logprob_token_names_keep_special_tokens_as_the_text_does(tiny_model, ti
     assert names(special) == decode([special]) != ""
     for i in (5, 50, 500):
         assert names(i) == decode([i])
+
+
+def _strict_json(text: str):
+    """JSON as strict parsers read it: -Infinity, Infinity and NaN are errors."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def raw_request(url: str, method: str, path: str, body=None) -> tuple[int, str, str]:
+    """(status, content type, body text) of one request, the body sent as JSON text if given."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request(method, path, data, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = resp.status, resp.getheader("content-type") or "", resp.read().decode()
+    conn.close()
+    return out
+
+
+def test_logprobs_of_tokens_a_grammar_forbids_are_valid_json(stack):
+    """A constraint masks forbidden tokens to -inf before log-probabilities are taken, so the top
+    alternatives at the first position of a JSON answer are mostly -inf. JSON has no -Infinity: the
+    reply was a 500 and the stream carried -Infinity, which strict parsers refuse. They read
+    -9999.0 now (as vLLM shows them), streamed or not, on both endpoints."""
+    url, _ = stack
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "logprobs": True, "top_logprobs": 20, "response_format": {"type": "json_object"}}
+    status, _, text = raw_request(url, "POST", "/v1/chat/completions", chat)
+    assert status == 200, text
+    first = _strict_json(text)["choices"][0]["logprobs"]["content"][0]
+    alternatives = [t["logprob"] for t in first["top_logprobs"]]
+    assert len(alternatives) == 20 and -9999.0 in alternatives  # a 20-token JSON start is impossible
+    assert all(v >= -9999.0 for v in alternatives) and first["logprob"] > -9999.0  # the drawn token is allowed
+    status, _, text = raw_request(url, "POST", "/v1/chat/completions", dict(chat, stream=True))
+    assert status == 200
+    chunks = [_strict_json(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    tops = [t["logprob"] for c in chunks for ch in c["choices"] for e in ((ch.get("logprobs") or {}).get("content") or [])
+            for t in e["top_logprobs"]]
+    assert -9999.0 in tops
+    completion = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "logprobs": 20,
+                  "response_format": {"type": "json_object"}}
+    status, _, text = raw_request(url, "POST", "/v1/completions", completion)
+    assert status == 200, text
+    assert -9999.0 in _strict_json(text)["choices"][0]["logprobs"]["top_logprobs"][0].values()
+
+
+def test_errors_outside_the_routes_are_in_openais_shape(stack):
+    """A path no route serves, a method a route does not take, and a body nested deeper than the
+    JSON parser goes: OpenAI's error object, not Starlette's plain text or an unhandled 500."""
+    url, _ = stack
+    for method, path, body, status in (("POST", "/v1/nothing", {}, 404), ("GET", "/v1/chat/completions", None, 405),
+                                       ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400)):
+        got, ctype, text = raw_request(url, method, path, body)
+        assert got == status and ctype.startswith("application/json"), (method, path, got, text[:200])
+        assert set(_strict_json(text)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_strict_schema_nested_too_deeply_is_a_400(stack):
+    url, _ = stack
+    schema: dict = {"type": "string"}
+    for _ in range(400):  # 800 dicts deep: JSON writes it, the recursive closing did not get through it
+        schema = {"type": "object", "properties": {"a": schema}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "strict": True, "schema": schema}}}
+    status, _, text = raw_request(url, "POST", "/v1/chat/completions", body)
+    assert status == 400 and "nested too deeply" in _strict_json(text)["error"]["message"], text[:300]
+
+
+def test_an_assistant_message_as_the_gateway_returned_it_is_accepted(stack):
+    """The usual agent loop appends the reply's message and asks again: its reasoning_content (a model
+    that thinks) is dropped, not refused; on a user message it is still refused."""
+    url, _ = stack
+    turn = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "reasoning_content": "a greeting", "refusal": None},
+            {"role": "user", "content": "again"}]
+    status, body = raw_post(url, "/v1/chat/completions", {"model": "tiny", "messages": turn, "max_tokens": 2})
+    assert status == 200, body
+    turn[0]["reasoning_content"] = "no"
+    status, body = raw_post(url, "/v1/chat/completions", {"model": "tiny", "messages": turn, "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "messages.0.reasoning_content"
+
+
+def test_stream_options_without_stream_is_refused_and_a_null_max_tokens_is_the_default(stack):
+    url, _ = stack
+    status, body = raw_post(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                     "stream_options": {"include_usage": True}})
+    assert status == 400 and body["error"]["param"] == "stream_options"
+    status, body = raw_post(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": None,
+                                                     "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 16  # OpenAI's default for the endpoint
