@@ -129,6 +129,21 @@ class AsyncJob:
             await self._client.subscriber.unsubscribe(self._keys.channel(self.id))
 
 
+# A prompt longer than this (characters) is prepared on a worker thread, not on the event loop.
+OFF_LOOP_CHARS = 32 * 1024
+
+
+def _text_size(prompt, messages) -> int:
+    """Characters of a submission's prompt or messages' contents (any shape they come in)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    total = 0
+    for m in messages or ():
+        content = m.get("content") if isinstance(m, dict) else getattr(m, "content", None)
+        total += len(content) if isinstance(content, (str, list)) else 0
+    return total
+
+
 class AsyncClient:
     """``Client`` for asyncio code (web backends, agents)."""
 
@@ -267,8 +282,14 @@ class AsyncClient:
                      subscribe: bool = True, _floor: Optional[str] = None, _source: str = "client",
                      _count_tokens=None, **params: Any) -> AsyncJob:
         model = model or await self.model()
-        prep = prepare(model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
-                       known_model(model, await self._registry()), self.settings.max_prompt_bytes, _count_tokens)
+        args = (model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
+                known_model(model, await self._registry()), self.settings.max_prompt_bytes, _count_tokens)
+        if _text_size(prompt, messages) > OFF_LOOP_CHARS:
+            # validating, packing and (the gateway) tokenizing a long prompt: seconds for a few MiB, in
+            # which every other request and stream on this loop stood still
+            prep = await asyncio.to_thread(prepare, *args)
+        else:
+            prep = prepare(*args)
         keys = self.gkeys.model_keys(model)
         job = AsyncJob(self, prep.request.id, keys, None, None, prep.schema)
         deadline = time.monotonic() + self.settings.redis_outage_s

@@ -324,3 +324,38 @@ def test_a_stream_left_early_unsubscribes_and_the_next_one_goes_on(side, redis_u
     finally:
         r.hdel(GlobalKeys().models, "ghost")
         r.close()
+
+
+def test_a_long_prompt_is_prepared_off_the_event_loop(redis_url):
+    """AsyncClient.submit validates, packs and (the gateway) tokenizes a long prompt on a worker thread:
+    on the loop, a few MiB took seconds in which every other request and stream of the loop stood
+    still. Here the prompt's token counter returns only once the loop has run a task of its own, which
+    it can do only if the counter is not running on it."""
+    import time
+
+    from mlxq.producer.aclient import OFF_LOOP_CHARS
+
+    register_model(redis_url, "ghost", seen_at=time.time() + 10 * 365 * 86400)
+    loop_ran = threading.Event()
+    counted = []
+
+    def count(text: str) -> int:
+        loop.call_soon_threadsafe(loop_ran.set)  # runs only when the loop is free to run it
+        counted.append(loop_ran.wait(30))  # False after 30 s: the loop was blocked by this very call
+        return 5
+
+    async def run():
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        async with AsyncClient(redis_url, model="ghost") as c:
+            job = await c.submit(prompt="x" * (OFF_LOOP_CHARS + 1), max_tokens=4, _count_tokens=count)
+            await job.cancel()
+
+    loop = None
+    try:
+        asyncio.run(run())
+    finally:
+        r = redis.Redis.from_url(redis_url)
+        r.hdel(GlobalKeys().models, "ghost")
+        r.close()
+    assert counted == [True]

@@ -397,6 +397,17 @@ def test_logprob_token_names_keep_special_tokens_as_the_text_does(tiny_model, ti
         assert names(i) == decode([i])
 
 
+def test_the_gateways_prompt_count_is_the_workers(tiny_model, tiny_model_dir):
+    """The gateway counts a text prompt's tokens (to refuse one that cannot fit before queueing it)
+    with the tokenizer's encode_batch, which lets go of the GIL: the same count as the worker's
+    encoding of the same text."""
+    from mlxq.producer.openai_api import TokenNames
+
+    count = TokenNames().counter({"source": str(tiny_model_dir)})
+    for text in ("", "hello", "Once upon a time, " * 50, "naïve café — 東京 🙂\n\t"):
+        assert count(text) == len(tiny_model.tokenizer.encode(text))
+
+
 def _strict_json(text: str):
     """JSON as strict parsers read it: -Infinity, Infinity and NaN are errors."""
     def refuse(name):
