@@ -292,8 +292,9 @@ class Gateway:
             self.metrics.inflight.dec()
         jlog(logging.INFO, job.id, res.stats.attempts, "finished: %s, %d tokens", res.finish_reason,
              res.stats.generated_tokens)
-        if res.finish_reason == "error":
-            return self._error(meta.endpoint, job_error(res))
+        failed = [out for out in res.outputs if out.finish_reason == "error"]
+        if failed:  # any sample's, as a stream ends with the first sample that fails
+            return self._error(meta.endpoint, job_error(failed[0]))
         self.metrics.tokens.inc(res.stats.generated_tokens)
         self.metrics.latency.labels(meta.endpoint).observe(time.monotonic() - meta.started)
         self.metrics.requests.labels(meta.endpoint, "200").inc()
@@ -504,8 +505,9 @@ def _check_for_model(model: str, kwargs: dict, info: Optional[dict]) -> bool:
     return uses_tools(req)
 
 
-def job_error(res: Result) -> OpenAIError:
-    """A failed job as an HTTP error: 400 when the request can never run, else 500."""
+def job_error(res) -> OpenAIError:
+    """A failed job (a Result, or the SampleOutput of its sample that failed) as an HTTP error: 400
+    when the request can never run, else 500."""
     if res.error_code == INVALID_REQUEST:
         return OpenAIError(400, res.error or "invalid request", code="invalid_request")
     return OpenAIError(500, res.error or "generation failed", "server_error", code="job_failed")

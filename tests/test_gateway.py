@@ -382,6 +382,42 @@ def test_a_failed_sample_ends_the_stream_and_cancels_the_samples_still_running()
     assert last.cancelled == 0
 
 
+def test_a_failed_sample_fails_a_request_without_stream_as_it_ends_a_stream():
+    """n > 1 without streaming: any sample's error is the request's error, as a stream ends with it
+    (before, only sample 0's was: a later sample's failure came back as a 200 with that choice's
+    text cut short)."""
+    import asyncio
+
+    from mlxq.producer.gateway import Gateway, _Meta
+    from mlxq.shared.schemas import JobStats, Result, SampleOutput
+    from mlxq.shared.settings import Settings
+
+    outputs = [SampleOutput(index=0, text="fine", finish_reason="stop"),
+               SampleOutput(index=1, text="cut", finish_reason="error", error="boom", error_code="internal_error")]
+
+    class Job:
+        id = "j1"
+
+        async def result(self, timeout=None):
+            return Result(id="j1", text="fine", finish_reason="stop", samples=outputs,
+                          stats=JobStats(queued_at=0, started_at=0, finished_at=0, attempts=1))
+
+    class Request:
+        async def receive(self):
+            await asyncio.Event().wait()  # the client stays
+
+    async def answer():
+        gw = Gateway(settings=Settings(redis_url="redis://unused"))
+        meta = _Meta(id="c1", model="m", created=0, chat=False, endpoint="/v1/completions", started=0.0,
+                     include_usage=False, n=2)
+        return await gw._complete(Request(), Job(), meta, None)
+
+    response = asyncio.run(answer())
+    assert response.status_code == 500
+    assert json.loads(response.body)["error"] == {"message": "boom", "type": "server_error", "param": None,
+                                                  "code": "job_failed"}
+
+
 def test_logprob_token_names_keep_special_tokens_as_the_text_does(tiny_model, tiny_model_dir):
     """A token's name in logprobs is its text as the worker's text has it, special tokens included
     (an EOS generated under ignore_eos): it was "" before, so the names stopped joining to the text
