@@ -92,11 +92,13 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
     if fmt is None:
         fmt = LogprobFormatter(lambda i: f"<{i}>", 0)
 
-    if res.finish_reason == "error":
-        status = 400 if res.error_code == INVALID_REQUEST else 500
+    failed = [out for out in res.outputs if out.finish_reason == "error"]
+    if failed:  # any sample's failure, as the gateway answers it
+        err = failed[0]
+        status = 400 if err.error_code == INVALID_REQUEST else 500
         kind = "invalid_request_error" if status == 400 else "server_error"
-        body = {"error": {"message": res.error or "generation failed", "type": kind, "param": None,
-                          "code": res.error_code or "job_failed"}}
+        body = {"error": {"message": err.error or "generation failed", "type": kind, "param": None,
+                          "code": err.error_code or "job_failed"}}
     else:
         status = 200
         body = {"id": ("chatcmpl-" if chat else "cmpl-") + job_id,

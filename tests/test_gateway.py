@@ -416,6 +416,11 @@ def test_a_failed_sample_fails_a_request_without_stream_as_it_ends_a_stream():
     assert response.status_code == 500
     assert json.loads(response.body)["error"] == {"message": "boom", "type": "server_error", "param": None,
                                                   "code": "job_failed"}
+    # mlxq batch writes the line the gateway would answer
+    from mlxq.producer.bulk import batch_line
+
+    line = batch_line(1, "c1", "j1", "m", False, asyncio.run(Job().result()))["response"]
+    assert line["status_code"] == 500 and line["body"]["error"]["message"] == "boom"
 
 
 def test_logprob_token_names_keep_special_tokens_as_the_text_does(tiny_model, tiny_model_dir):
