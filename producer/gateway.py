@@ -346,11 +346,8 @@ class Gateway:
                 res = await job.result(timeout=self.result_wait_s)
                 yield _event(meta.usage_chunk(usage(res), job_stats(res)))
             yield "data: [DONE]\n\n"
-            res = await job.result(timeout=self.result_wait_s) if finished else None
-            if res is not None:
-                self.metrics.tokens.inc(res.stats.generated_tokens)
-                jlog(logging.INFO, job.id, res.stats.attempts, "streamed: %s, %d tokens", res.finish_reason,
-                     res.stats.generated_tokens)
+            if finished:  # its tokens and log line, off the response: it ends at [DONE], not a read later
+                self.spawn(self._streamed(job))
             self.metrics.requests.labels(meta.endpoint, "200").inc()
             self.metrics.latency.labels(meta.endpoint).observe(time.monotonic() - meta.started)
         finally:
@@ -361,6 +358,17 @@ class Gateway:
                 await deltas.aclose()
             if not finished:  # the client went away (the request task is being cancelled)
                 self.spawn(self._cancel(job, "client disconnected from the stream", attempt))
+
+    async def _streamed(self, job: AsyncJob) -> None:
+        """A streamed job's result, for the token counter and the log (its stream has ended)."""
+        try:
+            res = await job.result(timeout=self.result_wait_s)
+        except Exception as exc:  # the response went out whole; only the accounting misses it
+            jlog(logging.WARNING, job.id, 0, "streamed; its result could not be read: %s", exc)
+            return
+        self.metrics.tokens.inc(res.stats.generated_tokens)
+        jlog(logging.INFO, job.id, res.stats.attempts, "streamed: %s, %d tokens", res.finish_reason,
+             res.stats.generated_tokens)
 
     def _delta_chunk(self, meta: "_Meta", d: Delta, delta, fmt: LogprobFormatter, offset: int) -> dict:
         """``delta``: the chunk's chat delta (``ChatDeltas``), or a completion's text."""

@@ -382,6 +382,42 @@ def test_a_failed_sample_ends_the_stream_and_cancels_the_samples_still_running()
     assert last.cancelled == 0
 
 
+def test_a_stream_ends_at_done_without_waiting_for_the_result():
+    """The SSE response ends right after [DONE]; reading the job's result (for the token counter and
+    the log) happens after it. The response used to wait for it, and a result that did not come cut
+    the response off with an error after [DONE], which the openai client reads to the end."""
+    import asyncio
+
+    from mlxq.producer.gateway import Gateway, _Meta
+    from mlxq.shared.schemas import Delta
+    from mlxq.shared.settings import Settings
+
+    class Job:
+        id = "j1"
+
+        async def result(self, timeout=None):
+            await asyncio.Event().wait()  # never comes
+
+    async def stream():
+        gw = Gateway(settings=Settings(redis_url="redis://unused"))
+        meta = _Meta(id="c1", model="m", created=0, chat=False, endpoint="/v1/completions", started=0.0,
+                     include_usage=False, n=1)
+
+        async def deltas():
+            yield Delta(seq=1, text="hi", token_ids=[5], finish_reason="stop")
+
+        events = await asyncio.wait_for(_collect(gw._sse(Job(), meta, None, deltas())), 30)
+        for task in list(gw._background):
+            task.cancel()
+        return events
+
+    async def _collect(gen):
+        return [e async for e in gen]
+
+    events = asyncio.run(stream())
+    assert events[-1] == "data: [DONE]\n\n" and '"hi"' in events[0]
+
+
 def test_a_failed_sample_fails_a_request_without_stream_as_it_ends_a_stream():
     """n > 1 without streaming: any sample's error is the request's error, as a stream ends with it
     (before, only sample 0's was: a later sample's failure came back as a 200 with that choice's
