@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -230,6 +230,9 @@ class Gateway:
                                   code="context_length_exceeded") from None
         except OpenAIError as exc:
             return self._error(endpoint, exc)
+        except ClientDisconnect:  # gone while its body was still coming: nothing was queued
+            self.metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
         except AuthError as exc:
             return self._error(endpoint, OpenAIError(401, str(exc), "authentication_error", code="invalid_api_key"))
         except OverloadError as exc:

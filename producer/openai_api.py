@@ -45,11 +45,20 @@ def validation_error(exc) -> OpenAIError:
     errors = getattr(exc, "errors", None)
     if callable(errors):
         first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body",) and not _union_tag(p)]
         param = ".".join(loc) or _param_of(first.get("ctx", {}).get("error"))
         msg = first.get("msg", str(exc)).removeprefix("Value error, ")
         return OpenAIError(400, f"{param}: {msg}" if loc else msg, param=param, code="invalid_value")
     return OpenAIError(400, str(exc), param=_param_of(exc), code="invalid_value")
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
+
+
+def _union_tag(part) -> bool:
+    """Whether a pydantic error location part names the member of a union it tried ('str',
+    "list[dict[any,any]]", "literal['none','auto','required']"), not a request field."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
 
 
 def _param_of(exc) -> Optional[str]:

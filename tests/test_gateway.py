@@ -575,3 +575,38 @@ def test_stream_options_without_stream_is_refused_and_a_null_max_tokens_is_the_d
     status, body = raw_post(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": None,
                                                      "ignore_eos": True})
     assert status == 200 and body["usage"]["completion_tokens"] == 16  # OpenAI's default for the endpoint
+
+
+def test_a_bad_field_is_named_as_the_request_names_it(stack):
+    """A 400's param is the request's field path, without the union member pydantic tried
+    ("messages.0.content.str", "tool_choice.literal[...]")."""
+    url, _ = stack
+    for extra, param in (({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+                         ({"tool_choice": 5}, "tool_choice"), ({"stop": [1]}, "stop")):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+        status, got = raw_post(url, "/v1/chat/completions", body)
+        assert status == 400 and got["error"]["param"] == param, got
+
+
+def test_a_client_gone_before_its_body_ended_is_a_499_not_a_500(stack):
+    """A client that disconnects while its body is still coming: nothing is queued, and the gateway
+    counts a 499 (it was an unhandled ClientDisconnect: a 500 and a traceback)."""
+    import socket
+
+    url, _ = stack
+    u = urlparse(url)
+
+    def count_499() -> float:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("mlxq_gateway_requests_total{") and 'status="499"' in line
+                   and 'endpoint="/v1/completions"' in line)
+
+    before = count_499()
+    with socket.create_connection((u.hostname, u.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"model\"")
+    assert wait_for(lambda: count_499() > before, timeout=15)
