@@ -278,6 +278,7 @@ class Gateway:
             first = None
         if (first is not None and first.finish_reason == "error" and not first.text and not first.token_ids
                 and first.sample is None):  # the job was refused (not one sample of several failing)
+            await deltas.aclose()  # its channel unsubscribed now, not when the generator is collected
             res = await job.result(timeout=self.result_wait_s)
             jlog(logging.INFO, job.id, res.stats.attempts, "failed before streaming: %s", res.error)
             return self._error(meta.endpoint, job_error(res))
