@@ -41,8 +41,9 @@ from rq.results import Result as RqResult
 from rq.utils import now as rq_now, utcformat
 
 from ..shared import codec
+from ..shared.apikeys import AuthError
 from ..shared.keys import GlobalKeys
-from ..shared.protocol import OverloadError
+from ..shared.protocol import JobRefused, OverloadError
 from ..shared.schemas import Result
 from ..shared.settings import TIERS, Settings
 
@@ -224,12 +225,19 @@ class RqBridge:
             func_name, kwargs = rq_job.func_name, rq_job.kwargs
             if func_name != FUNC_PATH:
                 raise ValueError(f"mlxq rq queues run only {FUNC_PATH}, not {func_name}")
+            callbacks = [name for name in ("success", "failure", "stopped")
+                         if getattr(rq_job, f"_{name}_callback_name", None)]
+            if callbacks:  # the bridge runs no code named by the queue (it unpickles with SafePickle)
+                raise ValueError(f"mlxq does not run rq callbacks (on_{', on_'.join(callbacks)}): enqueue a job "
+                                 "with depends_on=<this job> to act on its result")
             if rq_job.args:
                 kwargs = {"prompt": rq_job.args[0], **kwargs} if len(rq_job.args) == 1 else None
                 if kwargs is None:
                     raise ValueError("generate() takes the prompt as its only positional argument")
             enq = enqueue_generation(self.client, kwargs, tier_for_queue(rq_job.origin), f"rq:{rq_id}")
-        except (DeserializationError, ValueError) as exc:
+        except (DeserializationError, ValueError, AuthError, JobRefused) as exc:
+            # refused for good: an rq caller waits on this job's status, and it stayed in the intake,
+            # ahead of every job after it, where the error was not one of these (an AuthError)
             log.warning("rq job %s refused: %s", rq_id, exc)
             self._mirror_failure(rq_job, f"mlxq refused the job: {exc}")
             return
@@ -300,7 +308,7 @@ class RqBridge:
         except NoSuchJobError:
             self.redis.hdel(self.gkeys.rq_pending, p.rq_id)
             return
-        if res.finish_reason in ("stop", "length"):
+        if res.finish_reason not in ("error", "cancelled"):  # stop, length, tool_calls: an answer
             self._mirror_success(rq_job, result_payload(res))
         elif res.finish_reason == "cancelled":
             self._mirror_cancel(rq_job)
@@ -333,6 +341,7 @@ class RqBridge:
                 rq_job.finished_job_registry.add(rq_job, ttl, pipe)
             rq_job.cleanup(ttl, pipeline=pipe)
             pipe.execute()
+        self._release_dependents(rq_job)
 
     def _mirror_failure(self, rq_job: RqJob, message: str) -> None:
         ttl = rq_job.failure_ttl or DEFAULT_FAILURE_TTL
@@ -342,6 +351,15 @@ class RqBridge:
             rq_job.failed_job_registry.add(rq_job, ttl=ttl, exc_string=message, pipeline=pipe)
             RqResult.create_failure(rq_job, ttl, exc_string=message, worker_name=self.worker_name, pipeline=pipe)
             pipe.execute()
+        self._release_dependents(rq_job)  # those that allow a failed dependency (rq's worker does the same)
+
+    def _release_dependents(self, rq_job: RqJob) -> None:
+        """Enqueue the jobs that depend on this one and may now run (rq's ``depends_on``), as rq's worker
+        does when a job ends: they stayed deferred forever. Their data is not unpickled here."""
+        try:
+            RqQueue(rq_job.origin, connection=self.redis, serializer=SafePickle).enqueue_dependents(rq_job)
+        except Exception:  # noqa: BLE001 - the job's own end is recorded; rq's registry cleanup can retry
+            log.exception("rq job %s: enqueueing the jobs that depend on it failed", rq_job.id)
 
     def _mirror_cancel(self, rq_job: RqJob) -> None:
         with self.redis.pipeline() as pipe:

@@ -160,3 +160,51 @@ def test_rq_record_contract(redis_url):
     assert q.canceled_job_registry.key == "rq:canceled:mlxq-low"
     assert codec.unpack(codec.pack({"ok": 1})) == {"ok": 1}
     r.close()
+
+
+def _report(rq_job):
+    return f"mlxq job j1 ended: {rq_job}"
+
+
+def test_rq_dependents_run_after_a_bridged_job_and_callbacks_are_refused(bridged):
+    """A job that depends_on a bridged one is enqueued once it ends, as rq's own worker does (it stayed
+    deferred forever); a job with an rq callback is refused with a clear error (the bridge runs no code
+    the queue names)."""
+    r, _ = bridged
+    first = Queue("mlxq-low", connection=r).enqueue(FUNC_PATH, prompt="hi", max_tokens=3)
+    then = Queue("post", connection=r).enqueue("os.getcwd", depends_on=first)
+    assert then.get_status() == JobStatus.DEFERRED
+    assert wait_for(lambda: then.get_status() == JobStatus.QUEUED, timeout=30), then.get_status()
+    assert first.get_status() == JobStatus.FINISHED and then.id in Queue("post", connection=r).get_job_ids()
+    with_callback = Queue("mlxq-low", connection=r).enqueue(FUNC_PATH, prompt="hi", max_tokens=3,
+                                                            on_success=rq.Callback(_report))
+    assert wait_for(lambda: finished(with_callback), timeout=30)
+    assert with_callback.get_status() == JobStatus.FAILED
+    assert "does not run rq callbacks (on_success)" in with_callback.latest_result().exc_string
+
+
+def test_a_tool_call_answer_is_a_success_and_a_refused_key_fails_the_job_not_the_intake(redis_url):
+    """finish_reason tool_calls is an answer (it was mirrored as a failure); a job the tier policy
+    refuses (anonymous producers refused, no key) fails in rq, and the jobs behind it still move
+    (the AuthError stayed in the intake and jammed it)."""
+    from mlxq.producer.rq_bridge import Pending
+    from mlxq.shared.schemas import JobStats, Result
+
+    r = redis.Redis.from_url(redis_url)
+    settings = fast_settings(redis_url)
+    bridge = RqBridge(r, "tiny", settings, poll_s=0.05)
+    q = Queue("mlxq-low", connection=r)
+    job = Queue("elsewhere", connection=r).enqueue(FUNC_PATH, prompt="x", max_tokens=2)  # not for the bridge
+    res = Result(id="j1", finish_reason="tool_calls", stats=JobStats(queued_at=0, started_at=0, finished_at=0))
+    bridge._mirror_result(Pending(job.id, "tiny", "j1"), res)
+    assert job.get_status() == JobStatus.FINISHED
+    apikeys.set_policy(r, GK, {}, None, "refuse")
+    try:
+        a, b = q.enqueue(FUNC_PATH, prompt="a", max_tokens=2), q.enqueue(FUNC_PATH, prompt="b", max_tokens=2)
+        assert bridge.move_once() and bridge.move_once()
+        for j in (a, b):
+            assert j.get_status() == JobStatus.FAILED and "mlxq refused the job" in j.latest_result().exc_string
+        assert r.llen(GK.rq_intake) == 0
+    finally:
+        apikeys.set_policy(r, GK, {}, None, "normal")
+        r.close()
