@@ -330,7 +330,9 @@ def _user_errors() -> tuple:
 
     from .producer.common import JobTimeout, NoModelError
 
-    return (AuthError, OverloadError, JobRefused, NoModelError, JobTimeout, ValueError, redis.ConnectionError)
+    # OSError: an input file that is missing or unreadable (mlxq batch IN.jsonl)
+    return (AuthError, OverloadError, JobRefused, NoModelError, JobTimeout, ValueError, redis.ConnectionError,
+            OSError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,13 +29,17 @@ line (a ``refused_line``, like any line that cannot run) and the other lines run
 10,000 does not hold up the rest, and its line number says which to fix.  Identical constraints cost
 one grammar compile (the grammar engine caches them).
 
-Resuming: a line's idempotency key is ``batch:<sha256 of the input file>:<line>``.  A rerun skips
-lines already in the output and re-submits the rest with the same keys, so a job submitted
-before the interruption is waited for, not run again (within the idempotency TTL, 24 h by default).
+Resuming: a line's idempotency key is ``batch:<sha256 of the input file>:<sha256 of the run's
+options>:<line>``.  A rerun with the same options skips lines already in the output and re-submits
+the rest with the same keys, so a job submitted before the interruption is waited for, not run again
+(within the idempotency TTL, 24 h by default); a run with other options runs every line anew.  A
+line whose job was cancelled is written as an error (code ``cancelled``); like any line in the
+output, a rerun skips it: delete its output line to run it again.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -54,6 +58,8 @@ from .common import result_from_hash
 log = logging.getLogger(__name__)
 
 OPENAI_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+# run-wide options (mlxq batch --json-schema, --tools...) that a line's explicit null turns off
+CLEARABLE = frozenset({"response_format", "tools", "tool_choice"})
 
 
 def _line_params(item: Any) -> tuple[dict, dict, Optional[str], bool, int]:
@@ -74,6 +80,9 @@ def _line_params(item: Any) -> tuple[dict, dict, Optional[str], bool, int]:
             raise ValueError(exc.message) from None
         if req.model:
             params["model"] = req.model
+        for name in CLEARABLE & req.model_fields_set:  # an explicit null clears the run's option, as on
+            if getattr(req, name) is None:            # a plain line (the body's own parsing drops nulls)
+                params[name] = None
         fallback = {}
         if "max_tokens" not in req.model_fields_set and params.get("max_tokens") is not None:
             fallback["max_tokens"] = params.pop("max_tokens")  # CompletionRequest's default, not the line's
@@ -99,6 +108,10 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
         kind = "invalid_request_error" if status == 400 else "server_error"
         body = {"error": {"message": err.error or "generation failed", "type": kind, "param": None,
                           "code": err.error_code or "job_failed"}}
+    elif res.finish_reason == "cancelled":  # not an answer: it was written as a 200 with no text
+        status = 500
+        body = {"error": {"message": "the job was cancelled (mlxq cancel, or its queue purged) before it ended",
+                          "type": "server_error", "param": None, "code": "cancelled"}}
     else:
         status = 200
         body = {"id": ("chatcmpl-" if chat else "cmpl-") + job_id,
@@ -160,6 +173,8 @@ class BatchRun:
 
     def __init__(self, client, input_path: str, output_path: str, *, window: int = 256, poll_s: float = 0.05,
                  progress: bool = True, stop: Optional[threading.Event] = None, **defaults: Any):
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
         self.client = client
         self.input_path, self.output_path = input_path, output_path
         self.window, self.poll_s, self.progress = window, poll_s, progress
@@ -179,19 +194,28 @@ class BatchRun:
             self._names[model] = self._token_names.for_model(self.client.model_info(model))
         return LogprobFormatter(self._names[model], top_n)
 
-    def _lines(self, skip: set[int]) -> Iterator[tuple[int, str]]:
-        with open(self.input_path, encoding="utf-8") as f:
+    def _lines(self, skip: set[int]) -> Iterator[tuple[int, bytes]]:
+        """The lines to run, as bytes: each decoded on its own, so a line that is not UTF-8 is refused
+        alone (read as text, it ended the whole run before anything was queued)."""
+        with open(self.input_path, "rb") as f:
             for n, raw in enumerate(f, start=1):
                 if raw.strip() and n not in skip:
                     yield n, raw
+
+    def _key_prefix(self, ident: str) -> str:
+        """The idempotency key prefix of this run's lines: the input file and the run's options, so a
+        resumed run finds its jobs again and a run with other options (--max-tokens, --model, a
+        schema...) gets new ones, where it got the earlier run's results."""
+        options = json.dumps(self.defaults, sort_keys=True, default=repr, separators=(",", ":"))
+        return f"batch:{ident}:{hashlib.sha256(options.encode()).hexdigest()[:12]}"
 
     def run(self) -> BatchSummary:
         from tqdm import tqdm
 
         check_defaults(self.defaults)
-        ident = file_identity(self.input_path)
+        prefix = self._key_prefix(file_identity(self.input_path))
         done = finished_lines(self.output_path)
-        with open(self.input_path, encoding="utf-8") as f:
+        with open(self.input_path, "rb") as f:
             total = sum(1 for raw in f if raw.strip())
         tier = self.client.tier(BULK_TIER_FLOOR)
         bar = tqdm(total=total, initial=len(done), unit="line", disable=not self.progress, dynamic_ncols=True)
@@ -208,7 +232,7 @@ class BatchRun:
                             exhausted = True
                             break
                         n, raw = nxt
-                        self._submit(n, raw, ident, tier, inflight, out, summary, bar)
+                        self._submit(n, raw, prefix, tier, inflight, out, summary, bar)
                     if exhausted and not inflight:
                         break
                     if not self._reap(inflight, out, summary, bar):
@@ -220,14 +244,14 @@ class BatchRun:
         summary.interrupted = self.stop.is_set() and (not exhausted or bool(inflight))
         return summary
 
-    def _submit(self, n, raw, ident, tier, inflight, out, summary, bar) -> None:
+    def _submit(self, n, raw, prefix, tier, inflight, out, summary, bar) -> None:
         custom_id, chat = None, False
         try:
-            item = json.loads(raw)
+            item = json.loads(raw)  # bytes: UTF-8 or a UnicodeDecodeError (a ValueError): this line refused
             custom_id = item.get("custom_id") if isinstance(item, dict) else None
             params, fallback, custom_id, chat, top_n = _line_params(item)
             params = {**fallback, **self.defaults, **params}
-            sub = submit_with_backoff(self.client, params, tier, f"batch:{ident}:{n}", self.stop)
+            sub = submit_with_backoff(self.client, params, tier, f"{prefix}:{n}", self.stop)
         except ValueError as exc:
             self._write(out, refused_line(n, custom_id, f"invalid request: {error_text(exc)}"), summary, bar)
             return
@@ -266,11 +290,20 @@ class BatchRun:
         bar.update(1)
 
 
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def cmd_batch(args) -> int:
     from .client import Client
 
     defaults = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
     defaults.update(output_params(args))  # files read (and refused) before connecting
+    with open(args.input, "rb"):  # the input too: a missing file is one line at once, not after Redis
+        pass
     client = Client(args.redis_url, api_key=args.api_key, model=args.model)
     summary = BatchRun(client, args.input, args.output, window=args.window, progress=not args.quiet,
                        **defaults).run()
@@ -290,6 +323,6 @@ def add_command(sub) -> None:
                    help="temperature of lines that do not set it (default: the request's default, 0: greedy)")
     add_output_options(p, "Defaults for every line (these and the penalties): a line's own response_format, tools, "
                           "tool_choice, presence_penalty, frequency_penalty or logit_bias wins.")
-    p.add_argument("--window", type=int, default=256, help="most jobs in flight (default 256)")
+    p.add_argument("--window", type=_at_least_one, default=256, help="most jobs in flight (default 256)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_batch)

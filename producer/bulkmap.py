@@ -13,6 +13,7 @@ from typing import Any, Iterable, Iterator, Optional
 from ..shared.genopts import check_defaults, error_text
 from ..shared.protocol import OverloadError
 from ..shared.schemas import Result
+from .common import NoModelError, known_model
 from .core import prepare
 
 log = logging.getLogger(__name__)
@@ -32,10 +33,15 @@ class Submitted:
 def enqueue_request(client, params: dict, tier: str, idempotency_key: Optional[str] = None,
                     source: str = "bulk") -> Submitted:
     """Validate and enqueue one request without holding a channel subscription per job
-    (bulk callers wait by polling job records).  ValueError: invalid; OverloadError: queue full."""
+    (bulk callers wait by polling job records).  ValueError: invalid (NoModelError, a ValueError here:
+    a model no worker ever registered, which would wait forever); OverloadError: queue full."""
     params = dict(params)
     model = params.pop("model", None) or client.model
-    prep = prepare(model, {**params, "source": source, "submitted_at": time.time()}, client.models().get(model),
+    try:
+        info = known_model(model, client._registry())
+    except NoModelError as exc:
+        raise ValueError(str(exc)) from None
+    prep = prepare(model, {**params, "source": source, "submitted_at": time.time()}, info,
                    client.settings.max_prompt_bytes)
     # ``tier`` is a floor: the tier itself is decided in Redis from the client's key
     enq = client.queue_for(model).enqueue(prep.request.id, prep.payload, client.key_hash, tier, idempotency_key,
@@ -71,28 +77,43 @@ def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Opti
     """Submit each item (a prompt or a dict of submit arguments; ``params`` are defaults) at the
     low tier, keeping up to ``window`` jobs queued; yield Results in input order.  An invalid item
     yields a Result with ``finish_reason="error"`` rather than stopping the iteration; invalid
-    ``params`` raise ValueError before anything is queued."""
+    ``params`` raise ValueError before anything is queued.  Left before its end (a break, an error),
+    its jobs still queued are cancelled, unless an ``idempotency_prefix`` lets a later call find them."""
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
     check_defaults(params)
     tier = client.tier(BULK_TIER_FLOOR)
     it = enumerate(items)
     inflight: deque = deque()  # (index, Submitted | Result)
     exhausted = False
-    while True:
-        while not exhausted and len(inflight) < window:
-            try:
-                i, item = next(it)
-            except StopIteration:
-                exhausted = True
-                break
-            key = f"{idempotency_prefix}:{i}" if idempotency_prefix else None
-            try:
-                inflight.append((i, submit_with_backoff(client, {**params, **as_params(item)}, tier, key, None)))
-            except ValueError as exc:
-                inflight.append((i, Result(id="", finish_reason="error", error=f"invalid request: {error_text(exc)}")))
-        if not inflight:
-            return
-        _, sub = inflight.popleft()
-        if isinstance(sub, Result):
-            yield sub
-        else:
-            yield client.job(sub.job_id, sub.model, sub.schema).result(timeout=timeout)
+    try:
+        while True:
+            while not exhausted and len(inflight) < window:
+                try:
+                    i, item = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                key = f"{idempotency_prefix}:{i}" if idempotency_prefix else None
+                try:
+                    inflight.append((i, submit_with_backoff(client, {**params, **as_params(item)}, tier, key, None)))
+                except ValueError as exc:
+                    inflight.append((i, Result(id="", finish_reason="error",
+                                               error=f"invalid request: {error_text(exc)}")))
+            if not inflight:
+                return
+            _, sub = inflight[0]
+            res = sub if isinstance(sub, Result) else client.job(sub.job_id, sub.model, sub.schema).result(timeout=timeout)
+            inflight.popleft()
+            yield res
+    finally:
+        if inflight and not idempotency_prefix:  # nobody can find these jobs again: they would run for nobody
+            _cancel_all(client, [sub for _, sub in inflight if isinstance(sub, Submitted)])
+
+
+def _cancel_all(client, subs: list) -> None:
+    for sub in subs:
+        try:
+            client.queue_for(sub.model).cancel(sub.job_id)
+        except Exception as exc:  # noqa: BLE001 - best effort: the caller's own exception matters more
+            log.warning("job=%s: cancelling it after map() stopped failed: %s", sub.job_id, exc)

@@ -275,5 +275,7 @@ class Client:
     def map(self, items, **params: Any) -> Iterator[Result]:
         """Submit many prompts (strings or dicts of submit arguments) at the low tier; yield their
         Results in input order.  Options: window= (jobs kept queued, default 64), timeout=,
-        idempotency_prefix=; other params are defaults for every item.  See ``mlxq.producer.bulkmap``."""
+        idempotency_prefix=; other params are defaults for every item.  Left before its end, it cancels
+        the jobs it still had queued, unless an idempotency_prefix lets a later call find them.  See
+        ``mlxq.producer.bulkmap``."""
         return map_results(self, items, **params)

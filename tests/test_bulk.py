@@ -51,9 +51,9 @@ def test_batch_resumes_after_interruption_without_duplicates(tiny_model, redis_u
         client = Client(redis_url, model="tiny", settings=settings)
         stop = threading.Event()
         first: dict = {}
+        # the run's options as the rerun's command line gives them (none): a line's key holds them
         t = threading.Thread(target=lambda: first.setdefault("s", BatchRun(
-            client, str(src), str(out), window=2, poll_s=0.005, progress=False, stop=stop,
-            ignore_eos=True).run()))
+            client, str(src), str(out), window=2, poll_s=0.005, progress=False, stop=stop).run()))
         t.start()
         assert wait_for(lambda: out.exists() and len(out.read_text().splitlines()) >= 3, timeout=30, interval=0.002)
         stop.set()  # interrupted: up to `window` jobs stay queued, later lines were never submitted
@@ -343,3 +343,84 @@ def test_batch_max_tokens_fills_in_for_completion_lines_that_do_not_set_it(tiny_
     got = {rec["custom_id"]: rec["response"]["body"]["usage"]["completion_tokens"] for rec in _records(out)}
     assert got == {"cmpl-default": 5, "cmpl-own": 3, "chat-default": 5, "plain-default": 5}
     assert _records(out16)[0]["response"]["body"]["usage"]["completion_tokens"] == 16  # the endpoint's default
+
+
+def test_batch_runs_again_with_other_options_and_refuses_what_would_wait_forever(tiny_model, redis_url, tmp_path):
+    """A rerun of one input with other options runs every line anew (it got the earlier run's
+    results: a line's key held only the file); a line naming a model no worker registered is refused
+    on its line (it was queued for nobody and the run never ended); a line that is not UTF-8 is
+    refused alone (it ended the run before anything was queued); an explicit null in a Batch body
+    turns a run-wide constraint off for that line; a window under 1 is refused."""
+    from mlxq.producer.bulk import _line_params
+
+    src = tmp_path / "in.jsonl"
+    good = json.dumps({"custom_id": "g", "prompt": "hello", "ignore_eos": True}).encode()
+    ghost = json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": "gpt-4o-mini", "prompt": "hello", "max_tokens": 4}}).encode()
+    src.write_bytes(good + b"\n" + ghost + b"\n" + b'{"prompt": "caf\xe9"}\n')
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    with running_worker(tiny_model, redis_url, settings, max_batch=2):
+        assert wait_for(lambda: "tiny" in client.models(), timeout=60)  # a registry that names the models
+        runs = []
+        for k, max_tokens in enumerate((2, 5)):
+            out = tmp_path / f"out{k}.jsonl"
+            runs.append((BatchRun(client, str(src), str(out), progress=False, max_tokens=max_tokens).run(),
+                         {rec["line"]: rec for rec in _records(out)}))
+    for (summary, recs), max_tokens in zip(runs, (2, 5)):
+        assert summary.duplicates == 0 and not summary.interrupted and sorted(recs) == [1, 2, 3]
+        assert recs[1]["response"]["body"]["usage"]["completion_tokens"] == max_tokens
+        assert recs[2]["response"] is None and "gpt-4o-mini" in recs[2]["error"]["message"]
+        assert recs[3]["response"] is None and "invalid request" in recs[3]["error"]["message"]
+    body = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "x", "response_format": None, "max_tokens": 4}}
+    params, fallback, *_ = _line_params(body)
+    assert {**fallback, "response_format": {"type": "regex", "pattern": "[0-9]+"}, **params}["response_format"] is None
+    with pytest.raises(ValueError, match="window"):
+        BatchRun(client, str(src), str(tmp_path / "o.jsonl"), window=0)
+    with pytest.raises(ValueError, match="window"):
+        list(client.map(["a"], window=0))
+
+
+def test_a_cancelled_line_is_an_error_and_a_map_left_early_cancels_its_queued_jobs(redis_url, tmp_path):
+    """No worker serves "tiny" here: jobs stay queued. A line whose job is cancelled is written as an
+    error (it was a 200 with no text); map() left before its end cancels the jobs it had queued, which
+    nobody could find again without an idempotency_prefix."""
+    from mlxq import JobTimeout
+
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    r = redis.Redis.from_url(redis_url)
+    before = set(r.zrange(KEYS.queue, 0, -1))
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('"a"\n')
+    done: dict = {}
+    t = threading.Thread(target=lambda: done.setdefault("s", BatchRun(client, str(src), str(out), progress=False,
+                                                                       poll_s=0.01).run()))
+    t.start()
+    assert wait_for(lambda: set(r.zrange(KEYS.queue, 0, -1)) - before, timeout=10)
+    (job_id,) = [m.decode() for m in set(r.zrange(KEYS.queue, 0, -1)) - before]
+    client.job(job_id).cancel()
+    t.join(timeout=30)
+    (rec,) = _records(out)
+    assert rec["response"]["status_code"] == 500 and rec["response"]["body"]["error"]["code"] == "cancelled"
+    def cancelled() -> int:
+        return sum(r.hget(k, "status") == b"cancelled" for k in r.scan_iter(match=KEYS.job("*")) if r.type(k) == b"hash")
+
+    was = cancelled()
+    results = client.map([f"p{i}" for i in range(6)], window=4, timeout=0.3)
+    with pytest.raises(JobTimeout):  # the first job never ends: the map stops with its 4 jobs queued
+        next(results)
+    assert cancelled() == was + 4 and set(r.zrange(KEYS.queue, 0, -1)) <= before
+    r.close()
+
+
+def test_batch_command_line_errors_are_one_line(tmp_path, capsys):
+    """A missing input file and a window under 1: a one-line error and a non-zero exit, no traceback."""
+    rc = mlxq_main(["batch", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl"),
+                    "--redis-url", "redis://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "FileNotFoundError" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_:
+        mlxq_main(["batch", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--window", "0"])
+    assert exit_.value.code == 2 and "must be at least 1" in capsys.readouterr().err
