@@ -204,8 +204,8 @@ class BatchRun:
 
     def _key_prefix(self, ident: str) -> str:
         """The idempotency key prefix of this run's lines: the input file and the run's options, so a
-        resumed run finds its jobs again and a run with other options (--max-tokens, --model, a
-        schema...) gets new ones, where it got the earlier run's results."""
+        resumed run finds its jobs again and a run with other options (--max-tokens, a schema...) gets
+        new ones, where it got the earlier run's results (each model's keys are its own already)."""
         options = json.dumps(self.defaults, sort_keys=True, default=repr, separators=(",", ":"))
         return f"batch:{ident}:{hashlib.sha256(options.encode()).hexdigest()[:12]}"
 
