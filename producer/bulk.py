@@ -96,14 +96,13 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
                fmt=None) -> dict:
     """One output line in OpenAI's Batch output format (plus ``line``): the body the gateway would
     answer, logprobs included (``fmt``: a ``LogprobFormatter``; token ids as ``"<id>"`` without one)."""
-    from .openai_api import LogprobFormatter, choice, usage
+    from .openai_api import LogprobFormatter, choice, failed_output, usage
 
     if fmt is None:
         fmt = LogprobFormatter(lambda i: f"<{i}>", 0)
 
-    failed = [out for out in res.outputs if out.finish_reason == "error"]
-    if failed:  # any sample's failure, as the gateway answers it
-        err = failed[0]
+    err = failed_output(res)
+    if err is not None:
         status = 400 if err.error_code == INVALID_REQUEST else 500
         kind = "invalid_request_error" if status == 400 else "server_error"
         body = {"error": {"message": err.error or "generation failed", "type": kind, "param": None,

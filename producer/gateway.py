@@ -49,7 +49,8 @@ from ..shared.cliopts import add_shared
 from .common import ContextLengthError, NoModelError, has_live_worker
 from ..shared.tools import check_format, format_from_info, uses_tools
 from .openai_api import (ChatCompletionRequest, ChatDeltas, CompletionRequest, LogprobFormatter, OpenAIError,
-                         TokenNames, check_bias_vocab, choice, finish_reason, now_s, usage, validation_error)
+                         TokenNames, check_bias_vocab, choice, failed_output, finish_reason, now_s, usage,
+                         validation_error)
 
 log = logging.getLogger("mlxq.gateway")
 
@@ -296,9 +297,9 @@ class Gateway:
             self.metrics.inflight.dec()
         jlog(logging.INFO, job.id, res.stats.attempts, "finished: %s, %d tokens", res.finish_reason,
              res.stats.generated_tokens)
-        failed = [out for out in res.outputs if out.finish_reason == "error"]
-        if failed:  # any sample's, as a stream ends with the first sample that fails
-            return self._error(meta.endpoint, job_error(failed[0]))
+        failed = failed_output(res)
+        if failed is not None:
+            return self._error(meta.endpoint, job_error(failed))
         self.metrics.tokens.inc(res.stats.generated_tokens)
         self.metrics.latency.labels(meta.endpoint).observe(time.monotonic() - meta.started)
         self.metrics.requests.labels(meta.endpoint, "200").inc()

@@ -398,6 +398,12 @@ class LogprobFormatter:
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def failed_output(res: Result) -> Optional[SampleOutput]:
+    """The first of a finished job's outputs that failed, or None: any sample's failure is the
+    request's (the gateway's reply and ``mlxq batch``'s line), as a stream ends with it."""
+    return next((out for out in res.outputs if out.finish_reason == "error"), None)
+
+
 def choice(chat: bool, out: SampleOutput, fmt: LogprobFormatter) -> dict:
     """One choice of a finished job: its sample ``out``'s output, in OpenAI's chat or completion shape
     (the gateway's replies and ``mlxq batch``'s output lines)."""
