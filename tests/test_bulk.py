@@ -308,7 +308,10 @@ def test_batch_lines_carry_the_logprobs_the_gateway_would_return(tiny_model, red
         lp = body["choices"][0]["logprobs"]
         assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == body["usage"]["completion_tokens"] == 4, cid
-        assert all(len(t) == top_n for t in lp["top_logprobs"]), cid
+        # keyed by token text (OpenAI's completions shape): alternatives that are bytes of one UTF-8
+        # character are all named "\ufffd" and count once, so an entry may hold fewer, for some weights
+        assert all(len(t) == top_n or (0 < len(t) < top_n and "\ufffd" in t) for t in lp["top_logprobs"]), \
+            (cid, json.dumps(lp["top_logprobs"]))
         assert not any(re.fullmatch(r"<\d+>", t) for t in lp["tokens"])
         assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:k]) for k in range(4)]
         assert "".join(lp["tokens"]) == body["choices"][0]["text"] or any("\ufffd" in t for t in lp["tokens"]), cid

@@ -106,7 +106,10 @@ def test_completions_streaming_non_streaming_and_logprobs(stack):
                                      extra_body={"ignore_eos": True})
     choice = resp.choices[0]
     assert resp.object == "text_completion" and resp.usage.completion_tokens == 5
-    assert len(choice.logprobs.tokens) == 5 and len(choice.logprobs.top_logprobs[0]) == 2
+    # top_logprobs is keyed by token text: alternatives that are bytes of one UTF-8 character are all
+    # named "\ufffd" and count once (for some weights)
+    top = choice.logprobs.top_logprobs[0]
+    assert len(choice.logprobs.tokens) == 5 and (len(top) == 2 or (len(top) == 1 and "\ufffd" in top))
     assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
     chunks = list(client.completions.create(model="tiny", prompt="once upon a time", max_tokens=5, stream=True,
                                             extra_body={"ignore_eos": True}))
