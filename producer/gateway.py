@@ -221,6 +221,8 @@ class Gateway:
             if floor is None:  # interactive: a model no worker serves now is a 503, nothing queued
                 models = await self._wait_for_worker(client, model, models)
             tools = _check_for_model(model, kwargs, models.get(model))
+            if not self.token_names.loaded(models.get(model)):  # read tokenizer.json off the event loop
+                await asyncio.to_thread(self.token_names.tokenizer, models.get(model))
             try:
                 job = await client.submit(model=model, _floor=floor, _source="gateway",
                                           _count_tokens=self.token_names.counter(models.get(model)), **kwargs)

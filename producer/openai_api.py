@@ -321,22 +321,35 @@ class TokenNames:
 
     def __init__(self):
         self._cache: dict[str, Any] = {}
+        # one load per model, whichever thread asks first; the others wait for it (the gateway loads
+        # on a worker thread: a large tokenizer.json held its event loop, every stream, ~0.1-1 s)
+        self._lock = threading.Lock()
 
     def tokenizer(self, info: Optional[dict]):
         """The model's ``tokenizers.Tokenizer`` when its directory is readable here, else None."""
         source = (info or {}).get("source") or ""
-        if source not in self._cache:
-            self._cache[source] = None
-            path = os.path.join(source, "tokenizer.json") if source else ""
-            if path and os.path.isfile(path):
-                try:
-                    from tokenizers import Tokenizer
+        with self._lock:
+            if source not in self._cache:
+                self._cache[source] = self._load(source)
+            return self._cache[source]
 
-                    self._cache[source] = Tokenizer.from_file(path)
-                except Exception as exc:
-                    log.warning("cannot load %s (%s): logprobs show token ids, prompt lengths are checked "
-                                "by the worker", path, exc)
-        return self._cache[source]
+    def loaded(self, info: Optional[dict]) -> bool:
+        """Whether ``tokenizer(info)`` returns at once (the model's file already read, or unreadable)."""
+        return ((info or {}).get("source") or "") in self._cache
+
+    @staticmethod
+    def _load(source: str):
+        path = os.path.join(source, "tokenizer.json") if source else ""
+        if not (path and os.path.isfile(path)):
+            return None
+        try:
+            from tokenizers import Tokenizer
+
+            return Tokenizer.from_file(path)
+        except Exception as exc:
+            log.warning("cannot load %s (%s): logprobs show token ids, prompt lengths are checked "
+                        "by the worker", path, exc)
+            return None
 
     def counter(self, info: Optional[dict]):
         """``text -> prompt token count`` (as the worker encodes a prompt), or None."""

@@ -220,3 +220,39 @@ def test_jobs_that_cannot_run_get_400_before_streaming(open_stack, tiny_model, r
                 oai(url2).completions.create(model="plain", prompt=long_prompt, max_tokens=2, stream=stream)
             assert err.value.body["code"] == "invalid_request" and "context" in err.value.body["message"]
 
+
+
+def test_a_models_tokenizer_is_read_off_the_event_loop(open_stack, redis_server, plain_model):
+    """The gateway reads a model's tokenizer.json (for prompt counts and logprob names) on a worker
+    thread: on the event loop, a large one held every other request and stream of the gateway while
+    it loaded. Here the load returns only once the gateway has answered another request meanwhile,
+    which it can do only if the load is not running on its loop."""
+    import threading
+
+    from mlxq.producer.openai_api import TokenNames
+
+    gw_app = create_app(redis_server.url, fast_settings(redis_server.url))
+    names = gw_app.state.gateway.token_names
+    loading, answered, seen = threading.Event(), threading.Event(), []
+
+    def load(source: str):
+        loading.set()
+        seen.append(answered.wait(30))  # False after 30 s: the loop was blocked by this very load
+        return TokenNames._load(source)
+
+    names._load = load
+    with ServerThread(gw_app) as url2:
+        reply = []
+        t = threading.Thread(target=lambda: reply.append(oai(url2).completions.create(
+            model="plain", prompt="hello", max_tokens=2)))
+        t.start()
+        assert loading.wait(30)
+        u = urlparse(url2)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.request("GET", "/health")
+        if conn.getresponse().status == 200:
+            answered.set()
+        conn.close()
+        t.join(60)
+    assert seen == [True] and reply and reply[0].usage.prompt_tokens == len(plain_model.tokenizer.encode("hello"))
+    assert names.tokenizer({"source": plain_model.source}) is not None
