@@ -292,7 +292,11 @@ class RqBridge:
             if rq_status is None:  # the rq job was deleted: nobody waits for it
                 self.redis.hdel(self.gkeys.rq_pending, p.rq_id)
                 continue
-            res = result_from_hash(p.job_id, job_hash) if job_hash else None
+            if not job_hash:  # the mlxq record is gone: the rq job would stay "started" forever
+                self._mirror_gone(p, rq_status.decode())
+                done += 1
+                continue
+            res = result_from_hash(p.job_id, job_hash)
             if res is None:
                 if rq_status.decode() in (JobStatus.CANCELED.value, JobStatus.STOPPED.value):
                     status = self.client.queue_for(p.model).cancel(p.job_id)
@@ -301,6 +305,23 @@ class RqBridge:
             self._mirror_result(p, res)
             done += 1
         return done
+
+    def _mirror_gone(self, p: Pending, rq_status: str) -> None:
+        """The job's mlxq record no longer exists (it is written before the job is pending here, so it
+        expired, e.g. its result TTL ran out while the bridge was down, or it was deleted): its result
+        cannot be read any more, so the rq job fails with a message saying so, or ends cancelled if it
+        was cancelled in rq."""
+        try:
+            rq_job = RqJob.fetch(p.rq_id, connection=self.redis, serializer=SafePickle)
+        except NoSuchJobError:
+            self.redis.hdel(self.gkeys.rq_pending, p.rq_id)
+            return
+        if rq_status in (JobStatus.CANCELED.value, JobStatus.STOPPED.value):
+            self._mirror_cancel(rq_job)
+        else:
+            self._mirror_failure(rq_job, f"mlxq job {p.job_id}: its record in Redis is gone (expired before the "
+                                         "bridge read its result, or deleted); its result is lost")
+        log.warning("job=%s attempt=%d record gone before it was mirrored into rq job %s", p.job_id, 0, p.rq_id)
 
     def _mirror_result(self, p: Pending, res: Result) -> None:
         try:

@@ -208,3 +208,27 @@ def test_a_tool_call_answer_is_a_success_and_a_refused_key_fails_the_job_not_the
     finally:
         apikeys.set_policy(r, GK, {}, None, "normal")
         r.close()
+
+
+def test_a_job_whose_mlxq_record_is_gone_fails_in_rq(redis_url):
+    """A bridged job whose mlxq record expired before the bridge read its result (the bridge down
+    longer than the result TTL) fails in rq with a message saying so; it stayed "started" forever,
+    with its rq callers waiting."""
+    import time
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(GK.models, "ghostrq", codec.pack({"vocab_size": 64, "context_length": 64,
+                                             "seen_at": time.time() + 10 * 365 * 86400}))
+    bridge = RqBridge(r, "ghostrq", fast_settings(redis_url), poll_s=0.05)
+    try:
+        job = Queue("mlxq-low", connection=r).enqueue(FUNC_PATH, prompt="x", max_tokens=2)
+        assert bridge.move_once()
+        record = GK.model_keys("ghostrq").job(job.get_meta()["mlxq_job_id"])
+        assert bridge.mirror_once() == 0 and job.get_status() == JobStatus.STARTED  # queued, no worker
+        r.delete(record)  # as its TTL would
+        assert bridge.mirror_once() == 1
+        assert job.get_status() == JobStatus.FAILED and "record in Redis is gone" in job.latest_result().exc_string
+        assert not r.hexists(GK.rq_pending, job.id) and bridge.mirror_once() == 0
+    finally:
+        r.hdel(GK.models, "ghostrq")
+        r.close()
