@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Any, Literal, Optional, Union
 
@@ -20,6 +21,10 @@ GREEDY_BELOW = 1e-5
 def new_job_id() -> str:
     """128 random bits as hex: channels and keys cannot be guessed."""
     return secrets.token_hex(16)
+
+
+# What a job id looks like (new_job_id's form); the queue scripts take no other.
+JOB_ID = re.compile(r"[0-9a-f]{32}")
 
 
 class Message(BaseModel):

@@ -323,3 +323,44 @@ def test_all_keys_of_a_model_share_one_hash_tag():
     assert all("{mlxq:qwen-0.5b}" in key for key in keys)
     with pytest.raises(ValueError):
         ModelKeys("bad{name}")
+
+
+def test_junk_on_the_cancel_channel_is_dropped_and_a_real_cancel_still_works(rr, caplog):
+    """Anyone who may publish on the cancel channel (every ACL producer) can send anything: bytes that
+    are not UTF-8, text that is no job id, the id of a key that is not a job record. Each is logged
+    and dropped; before, each raised into the control loop, which then skipped admission, stats and
+    the reaper and slept half a second (a burst stopped them on every worker). A real cancel after
+    them still takes its queued job out."""
+    import logging
+    import threading
+
+    from mlxq.worker.redis_io import Control
+
+    q = make_queue(rr, heartbeat_s=0.1)
+    a, forged = ids(2)
+    enq(q, a, "normal")
+    rr.set(q.keys.job(forged), b"not a hash")  # WRONGTYPE for the cancel script
+    stop, cancelled = threading.Event(), []
+    control = Control(q, "w", lambda: {}, on_lost=lambda ids: None, on_cancel=cancelled.extend,
+                      snapshot=lambda: {}, model_info={"name": "m"}, registry_key=GK.models, stop=stop)
+    control.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mlxq"):
+            for _ in range(300):  # subscribed (the loop's first pass) before anything is published
+                if rr.pubsub_numsub(q.keys.cancel_channel)[0][1]:
+                    break
+                stop.wait(0.05)
+            for junk in (b"\xff\xfe\x00", b"not a job", forged.encode(), b"A" * 32):
+                rr.publish(q.keys.cancel_channel, junk)
+            rr.hset(q.keys.job(a), "cancel", "1")  # as cancel_request flags it
+            rr.publish(q.keys.cancel_channel, a)
+            for _ in range(300):
+                if cancelled:
+                    break
+                stop.wait(0.05)
+    finally:
+        stop.set()
+        control.join(5)
+    assert cancelled == [a] and rr.hget(q.keys.job(a), "status") == b"cancelled"
+    assert not [r for r in caplog.records if "control loop error" in r.getMessage()]
+    assert sum("cancel" in r.getMessage() for r in caplog.records) == 4  # each junk message named once

@@ -27,6 +27,7 @@ from ..shared import apikeys, codec
 from ..shared.connection import RESLOT_ERRORS
 from ..shared.keys import GlobalKeys
 from ..shared.protocol import Queue, load_functions, owner_token
+from ..shared.schemas import JOB_ID
 
 log = logging.getLogger(__name__)
 
@@ -397,10 +398,7 @@ class Control(threading.Thread):
                         pubsub.subscribe(self.q.keys.cancel_channel)
                 msg = pubsub.get_message(timeout=0.1)
                 if msg and msg.get("type") in ("message", "smessage"):
-                    job_id = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
-                    # a producer without queue access flags a queued job: a worker takes it out
-                    self.q.cancel(job_id, mode="worker")
-                    self.on_cancel([job_id])
+                    self._cancel_message(msg["data"])
                 now = time.monotonic()
                 if now >= next_admit:
                     self.q.admit()  # jobs from producers that may not write the queue, placed within a beat
@@ -433,6 +431,25 @@ class Control(threading.Thread):
                 pubsub.close()
         except Exception:
             pass
+
+    def _cancel_message(self, data) -> None:
+        """A job id on the cancel channel: a producer without queue access flagged a queued job (a
+        worker takes it out) or a running one (its worker ends it). Anyone who may publish there can
+        send anything: what is not a job id, or fails as one (a record that is not a job's), is logged
+        and dropped here. Raised into the loop, each such message skipped admission, stats and the
+        reaper for half a second."""
+        job_id = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
+        if not JOB_ID.fullmatch(job_id):
+            log.warning("cancel channel: %r is not a job id; ignored", job_id[:80])
+            return
+        try:
+            self.q.cancel(job_id, mode="worker")
+        except REDIS_ERRORS:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. WRONGTYPE: a key that is not a job record
+            log.warning("job=%s attempt=%d cancel request failed: %s", job_id, 0, exc)
+            return
+        self.on_cancel([job_id])
 
     def renew(self) -> None:
         """Renew this worker's leases; tell the worker of those it lost and of cancelled jobs."""
