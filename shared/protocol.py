@@ -22,7 +22,7 @@ SCRIPT_NAMES = ("enqueue", "admit", "pull", "deltas", "complete", "requeue", "ca
                 "check", "submit", "cancel_request")
 # shared helpers put ahead of a script's body: _tier decides a tier, _end ends a job's record
 _PRELUDES = {"enqueue": ("_tier",), "admit": ("_tier", "_end"), "check": ("_tier",),
-             "pull": ("_end",), "reap": ("_end",), "cancel": ("_end",), "cancel_request": ("_end",)}
+             "pull": ("_end",), "reap": ("_end",), "requeue": ("_end",), "cancel": ("_end",), "cancel_request": ("_end",)}
 _READ_ONLY = ("check",)  # registered with the no-writes flag: callable with FCALL_RO
 FUNCTION_LIBRARY = "mlxq"
 
@@ -256,7 +256,8 @@ class ScriptCalls:
         """``error``: the worker failed while it held the job; the attempt counts and its lease ends
         now (requeue.lua), for ``reap`` to requeue or dead-letter it."""
         k = self.k
-        return ("requeue", [k.job(job_id), k.inflight, k.queue, k.counts, k.wake], [job_id, owner, resume, error])
+        return ("requeue", [k.job(job_id), k.inflight, k.queue, k.counts, k.wake, k.events(job_id), k.done(job_id),
+                            k.channel(job_id)], [job_id, owner, resume, error, self.s.result_ttl_s, self.pubcmd])
 
     def cancel(self, job_id: str, mode: str = "queue"):
         """``mode``: 'queue' (workers, trusted clients) or 'worker' (acting on a cancel request)."""

@@ -364,3 +364,27 @@ def test_junk_on_the_cancel_channel_is_dropped_and_a_real_cancel_still_works(rr,
     assert cancelled == [a] and rr.hget(q.keys.job(a), "status") == b"cancelled"
     assert not [r for r in caplog.records if "control loop error" in r.getMessage()]
     assert sum("cancel" in r.getMessage() for r in caplog.records) == 4  # each junk message named once
+
+
+def test_a_job_flagged_for_cancelling_is_never_leased_again(rr):
+    """A cancel that comes while a job runs flags it (cancel.lua, cancel_request.lua); if the worker
+    hands the job back before its next renew tells it (a preemption, a warm shutdown), the requeue
+    ends it cancelled: queued again, the next worker leased it and ran it on. And a queued job
+    flagged by a cancel request no worker acted on ends cancelled when pulled, instead of running."""
+    q = make_queue(rr)
+    a, b = ids(2)
+    enq(q, a, "normal")
+    [p] = q.pull(1, "w")
+    assert q.cancel(a) == "cancelling"
+    assert q.requeue(a, f"w:{p.attempt}", resume=b"state") == 1
+    enq(q, b, "normal")
+    rr.hset(q.keys.job(b), "cancel", "1")  # as cancel_request.lua flags a queued, admitted job
+    assert q.pull(2, "w2") == []
+    for job_id in (a, b):
+        assert rr.hget(q.keys.job(job_id), "status") == b"cancelled"
+        assert not rr.hexists(q.keys.job(job_id), "resume")
+        last = rr.xrevrange(q.keys.events(job_id), count=1)[0][1]
+        assert last[b"f"] == b"cancelled"
+    assert rr.zcard(q.keys.queue) == 0 and rr.zcard(q.keys.inflight) == 0
+    counts = {k.decode(): int(v) for k, v in rr.hgetall(q.keys.counts).items()}
+    assert counts["queued:normal"] == 0 and counts["running"] == 0 and counts["cancelled"] == 2

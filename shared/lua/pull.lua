@@ -5,7 +5,8 @@
 -- ARGV: 1 unused, 2 lease (s), 3 worker id, 4 ttl (s), 5 publish command (PUBLISH | SPUBLISH on a cluster),
 --       6.. the members
 -- Returns a list of {id, kind, req, attempt, tier, score, queued_at, resume, now, suspect}
--- kind 'job' is leased to this worker; 'garbage' was moved to the dead-letter set.
+-- kind 'job' is leased to this worker; 'garbage' was moved to the dead-letter set. A job flagged for
+-- cancelling (cancel_request.lua) ends cancelled here instead of being leased.
 -- suspect: the error a failed worker gave the job back with (requeue.lua with an error), '' if none:
 -- the job was in a batch when an engine raised, so the worker runs it alone (PROTOCOL.md section 7).
 -- Anything may sit in Redis (bugs, hostile writers): a member that is not a job id, a job key
@@ -78,6 +79,14 @@ for _, entry in ipairs(popped) do
     -- a stale or forged member for a job that is not waiting: never run a job twice
     redis.call('HSET', KEYS[5], id, 'queue member for a job in status ' .. status)
     redis.call('HINCRBY', KEYS[3], 'garbage', 1)
+  elseif redis.call('HGET', jk, 'cancel') == '1' then
+    -- flagged by a cancel request no worker acted on yet: it ends here and never runs
+    redis.call('HSET', jk, 'status', 'cancelled', 'finished_at', nowstr)
+    redis.call('HDEL', jk, 'resume')
+    redis.call('HINCRBY', KEYS[3], 'queued:' .. (redis.call('HGET', jk, 'tier') or 'normal'), -1)
+    redis.call('HINCRBY', KEYS[3], 'cancelled', 1)
+    redis.call('HINCRBY', KEYS[3], 'processed', 1)
+    mlxq_end_record(ARGV[5], jk, ek, dk, ch, tonumber(ARGV[4]), 'f', 'cancelled')
   else
     local tier = redis.call('HGET', jk, 'tier') or 'normal'
     local attempt = redis.call('HINCRBY', jk, 'attempts', 1)

@@ -5,8 +5,11 @@
 -- worker still under way cannot renew it), so that reap.lua requeues it, or dead-letters it with
 -- that error once it has used max attempts: a job that fails every worker it meets ends in the
 -- dead-letter set instead of going round the workers for ever.
--- KEYS: 1 job, 2 inflight, 3 queue, 4 counts, 5 wake
--- ARGV: 1 id, 2 owner token, 3 resume state (msgpack, '' for none), 4 error ('' for none)
+-- A job flagged for cancelling (cancel_request.lua, after the worker's last renew) ends cancelled
+-- instead: queued again, it would be leased and run by the next worker.
+-- KEYS: 1 job, 2 inflight, 3 queue, 4 counts, 5 wake, 6 events, 7 done list, 8 job channel
+-- ARGV: 1 id, 2 owner token, 3 resume state (msgpack, '' for none), 4 error ('' for none), 5 ttl (s),
+--       6 publish command (PUBLISH | SPUBLISH on a cluster)
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
 if ARGV[4] and ARGV[4] ~= '' then
   redis.call('HSET', KEYS[1], 'error', ARGV[4])
@@ -18,6 +21,16 @@ local f = redis.call('HMGET', KEYS[1], 'score', 'tier', 'cancel')
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[4], 'running', -1)
 redis.call('HDEL', KEYS[1], 'owner')
+if f[3] == '1' then
+  local t = redis.call('TIME')
+  redis.call('HDEL', KEYS[1], 'resume')
+  redis.call('HSET', KEYS[1], 'status', 'cancelled',
+    'finished_at', string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000))
+  redis.call('HINCRBY', KEYS[4], 'cancelled', 1)
+  redis.call('HINCRBY', KEYS[4], 'processed', 1)
+  mlxq_end_record(ARGV[6], KEYS[1], KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[5]), 'f', 'cancelled')
+  return 1
+end
 redis.call('HINCRBY', KEYS[1], 'attempts', -1)
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'resume', ARGV[3]) end
 redis.call('HSET', KEYS[1], 'status', 'queued')
