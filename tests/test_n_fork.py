@@ -126,16 +126,18 @@ def test_a_fork_that_ends_on_its_first_token_leaves_the_queue():
     assert s.bm.num_used == 0
 
 
-def test_a_fork_preempted_as_it_is_admitted_makes_no_copy():
-    """priority_gap 0: a job of the same priority preempts the fork admitted just before it."""
+def test_a_fork_with_no_room_behind_a_more_urgent_job_waits_and_pins_nothing():
+    """priority_gap 0: a job only a little more urgent goes first; the fork waits, with no copy and no
+    pin on its sibling's blocks. (A job of the same priority that arrives later no longer preempts
+    the fork admitted before it: the two preempted each other for ever; test_scheduler.py.)"""
     s = Scheduler(BlockManager(9, 4, "m"), SchedulerConfig(priority_gap=0.0, pressure=1.0))
     s.add(job("j", list(range(1, 11)), 2, 5, stop_token_ids=()))
     plan = s.schedule_prefill()
     s.postprocess_prefill(plan, [Sampled(q, 7) for q in plan.ending_seqs()])
-    s.add([SeqSpec("x", [3] * 20, 1, stop_token_ids=())])
+    s.add([SeqSpec("x", [3] * 20, 1, priority=-0.5, stop_token_ids=())])
     plan = s.schedule_prefill()
     assert [q.uid for q, _ in plan.rows] == ["x"] and plan.copies == []
-    assert [p.uid for p in s.take_output()[1]] == ["j#1"]
+    assert s.take_output()[1] == [] and [q.uid for q in s.waiting] == ["j#1"]
     j0 = s.running["j#0"]
     assert [s.bm.blocks[b].ref_count for b in j0.block_table] == [1, 1, 1]  # the pin is gone too
     assert s.bm.num_used == 3 + 5

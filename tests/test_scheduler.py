@@ -177,6 +177,35 @@ def test_a_small_priority_difference_does_not_preempt():
     assert preempted == [] and h.scheduler.stats()["waiting"] == 1
 
 
+def test_with_no_priority_gap_equals_never_preempt_each_other():
+    """priority_gap 0 (allowed: a job only a little more urgent preempts) lets a job preempt one of
+    the same priority only if it ranks first (it arrived earlier): before, two of one priority (the
+    n samples of a job share its score) preempted each other at every step, and neither finished.
+    A pool that holds one of them at a time; each goes back to the waiting list when preempted, as
+    the worker re-adds it."""
+    from dataclasses import replace
+
+    h = Harness(num_blocks=6, priority_gap=0.0, max_batch=2, pressure=1.0, decode_reserve_blocks=0,
+                chunk_schedule=((None, 4),), step_token_budget=4)
+    specs = {u: SeqSpec(u, [i + 1] * 13, 4, priority=7.0, stop_token_ids=()) for i, u in enumerate(("a", "b"))}
+    h.scheduler.add(list(specs.values()))
+    tokens, preemptions = {}, 0
+    for _ in range(400):
+        if not h.scheduler.has_work():
+            break
+        events, pre = h.step()
+        for e in events:
+            tokens.setdefault(e.uid, []).append(e.token)
+        for p in pre:
+            preemptions += 1
+            s = specs[p.uid]
+            h.scheduler.add([replace(s, resume_tokens=list(p.tokens), max_tokens=s.max_tokens - len(p.tokens))])
+    assert not h.scheduler.has_work(), f"still working after 400 steps, {preemptions} preemptions"
+    assert {u: len(t) for u, t in tokens.items()} == {"a": 4, "b": 4} and tokens["a"] == _solo(specs["a"].prompt, 4)
+    h.bm.check_invariants()
+    assert h.bm.num_used == 0
+
+
 def test_a_full_pool_mid_decode_preempts_and_the_victim_resumes_exactly():
     prompt_a, prompt_b = [1] * 7, [2] * 7
     h = Harness(num_blocks=6, pressure=1.0, decode_reserve_blocks=0)

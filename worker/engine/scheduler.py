@@ -394,7 +394,9 @@ class Scheduler:
         if not self.running:
             return False
         victim = self._victim()
-        if victim.spec.priority - waiting.spec.priority < self.config.priority_gap:
+        # ranked strictly after it too: with priority_gap 0, two sequences of one priority (the n
+        # samples of a job, two jobs of one score) preempted each other at every step, for ever
+        if victim.spec.priority - waiting.spec.priority < self.config.priority_gap or victim.rank() <= waiting.rank():
             return False
         self._preempt(victim)
         return True
