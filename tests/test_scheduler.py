@@ -206,6 +206,21 @@ def test_with_no_priority_gap_equals_never_preempt_each_other():
     assert h.bm.num_used == 0
 
 
+def test_a_context_larger_than_the_pool_ends_at_once_and_blocks_nobody():
+    """A sequence whose context alone cannot fit the pool ends with "error" when added (the worker
+    refuses such a job through can_admit; the engine's own callers did not): waiting, it was never
+    admitted and the sequences behind it waited for ever."""
+    h = Harness(num_blocks=6, decode_reserve_blocks=1)
+    assert not h.scheduler.can_admit(25, 1)
+    h.scheduler.add([SeqSpec("big", [1] * 25, 2, stop_token_ids=()), SeqSpec("small", [2] * 3, 2, stop_token_ids=())])
+    events, _ = h.step()
+    big = [e for e in events if e.uid == "big"]
+    assert len(big) == 1 and big[0].finish_reason == "error" and "do not fit" in big[0].error
+    first = [e.token for e in events if e.uid == "small"]
+    tokens, finished, _ = h.run()
+    assert finished == {"small": "length"} and first + tokens["small"] == _solo([2] * 3, 2)
+
+
 def test_a_full_pool_mid_decode_preempts_and_the_victim_resumes_exactly():
     prompt_a, prompt_b = [1] * 7, [2] * 7
     h = Harness(num_blocks=6, pressure=1.0, decode_reserve_blocks=0)

@@ -137,6 +137,15 @@ class Scheduler:
                 raise ValueError(f"{spec.uid}: empty prompt")
             ctx = list(spec.prompt) + list(spec.resume_tokens)
             fits = (self.bm.num_blocks - self.config.decode_reserve_blocks) * self.block_size
+            if len(ctx) + 1 > fits:
+                # Its context alone cannot fit the pool: waiting, it would never be admitted, and
+                # every sequence behind it would wait too. It ends now (the worker asks can_admit
+                # first and refuses such a job; a caller of the engine itself meets this).
+                why = (f"{len(ctx)} context tokens (and one to generate) do not fit this KV pool "
+                       f"({fits} tokens)")
+                log.warning("%s: %s", spec.uid, why)
+                self._events.append(TokenEvent(spec.uid, None, "error", error=why))
+                continue
             if len(ctx) + spec.max_tokens > fits:
                 # Alone it would exhaust the pool mid-decode: finish it with
                 # "length" where the pool ends (the worker should have asked
