@@ -293,6 +293,22 @@ def test_sessions_stay_hot_spill_under_pressure_and_come_back_from_disk():
     assert plan.rows[0][0].num_computed == 12
 
 
+def test_without_the_prefix_cache_sessions_pin_nothing():
+    """With the prefix cache off, no turn can use a session's blocks (the lookup is off): a finished
+    turn pins none and writes no file. Before, it pinned its blocks (pressure, spills) for nothing."""
+    files = FakeSessionFiles()
+    h = Harness(num_blocks=10, session_files=files, pressure=1.0, prefix_cache=False)
+    turn1 = list(range(1, 11))
+    h.scheduler.add([SeqSpec("t1", turn1, 3, session_id="chat", stop_token_ids=())])
+    out1 = h.run()[0]["t1"]
+    assert not h.scheduler.hot_sessions and h.bm.num_used == 0
+    h.scheduler.add([SeqSpec("big", [40] * 30, 2, stop_token_ids=())])
+    h.scheduler.add([SeqSpec("t2", turn1 + out1 + [5], 2, session_id="chat", stop_token_ids=())])
+    h.run()
+    st = h.scheduler.stats()
+    assert st["session_spills"] == 0 and st["session_restores"] == 0 and not files.files and h.bm.num_used == 0
+
+
 def test_removed_and_finished_rows_waste_their_in_flight_token_only():
     h = Harness(num_blocks=64)
     h.scheduler.add([SeqSpec("a", [1] * 5, 50, stop_token_ids=()),

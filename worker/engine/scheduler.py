@@ -317,7 +317,7 @@ class Scheduler:
         if sibling is not None:
             hit, computed = self._fork_hit(seq, sibling)
         else:
-            if seq.spec.session_id and not seq.session_checked:
+            if seq.spec.session_id and cfg.prefix_cache and not seq.session_checked:
                 seq.session_checked = True
                 self._restore_session(seq)
             hit = bm.lookup(seq.tokens, n - 1) if cfg.prefix_cache else PrefixHit()
@@ -614,7 +614,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.running.pop(seq.uid, None)
         self._unregister(seq)
-        if seq.spec.session_id:
+        if seq.spec.session_id and self.config.prefix_cache:  # (without it, the next turn would not use them)
             self._keep_session(seq)
         self._release(seq)
 
