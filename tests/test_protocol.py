@@ -131,6 +131,10 @@ def test_overload_refuses_past_the_bound(rr):
     with pytest.raises(OverloadError):
         enq(q, c, "low")
     enq(q, d, "high")  # the bound is per tier
+    # a retry of b after a lost reply, at the bound: b is queued, so the answer is ok, not overload
+    # (a client told overload would give up on a job that runs all the same)
+    again = enq(q, b, "low")
+    assert again.status == "ok" and again.job_id == b and q.counts()["queued:low"] == 2
 
 
 def test_expired_lease_is_requeued_then_dead_lettered(rr):

@@ -14,16 +14,17 @@ if ARGV[5] == '1' then
   local existing = redis.call('GET', KEYS[4])
   if existing then return {'duplicate', existing, '', ''} end
 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  -- the same request again (a client retry after a lost reply): the same job, not an error, and
+  -- before the bound (a retry told "overload" would drop a job that is queued all the same)
+  local f = redis.pcall('HMGET', KEYS[1], 'req', 'score', 'queued_at')
+  if type(f) == 'table' and not f.err and f[1] == ARGV[2] then return {'ok', id, f[2] or '', f[3] or ''} end
+  return {'exists', id, '', ''}
+end
 local queued = tonumber(redis.call('HGET', KEYS[2], 'queued:' .. tier) or '0')
 local maxq = tonumber(redis.call('HGET', KEYS[8], 'max_queued') or '') or 10000
 if queued >= maxq then
   return {'overload', id, tostring(queued), ''}
-end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  -- the same request again (a client retry after a lost reply): the same job, not an error
-  local f = redis.pcall('HMGET', KEYS[1], 'req', 'score', 'queued_at')
-  if type(f) == 'table' and not f.err and f[1] == ARGV[2] then return {'ok', id, f[2] or '', f[3] or ''} end
-  return {'exists', id, '', ''}
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
