@@ -135,6 +135,8 @@ def parse_enqueue(reply: list) -> Enqueued:
         raise OverloadError(f"queue full: {score} jobs already waiting at this tier")
     if status == "exists":
         raise JobRefused(f"job id {job_id} already exists")
+    if status == "invalid_id":
+        raise JobRefused(f"job id {job_id!r} is not 32 lowercase hex digits")
     return Enqueued(status, job_id, float(score) if score else None, float(now) if now else None)
 
 

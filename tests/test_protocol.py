@@ -392,3 +392,22 @@ def test_a_job_flagged_for_cancelling_is_never_leased_again(rr):
     assert rr.zcard(q.keys.queue) == 0 and rr.zcard(q.keys.inflight) == 0
     counts = {k.decode(): int(v) for k, v in rr.hgetall(q.keys.counts).items()}
     assert counts["queued:normal"] == 0 and counts["running"] == 0 and counts["cancelled"] == 2
+
+
+def test_a_job_id_that_is_not_32_lowercase_hex_digits_is_refused(rr):
+    """pull and admit take only new_job_id's form; a job enqueued or submitted under another id (a
+    producer in another language writing upper-case hex, a uuid with dashes) was accepted, then
+    dropped as garbage: its caller waited for ever with no error. Now enqueue and submit refuse it."""
+    from mlxq.shared.protocol import JobRefused, function_name, load_functions
+
+    q = make_queue(rr)
+    for bad in ("A" * 32, "0123", "1b4e28ba-2fa1-11d2-883f-0016d3cca427", "g" * 32):
+        with pytest.raises(JobRefused, match="hex"):
+            q.enqueue(bad, b"x", apikeys.key_hash(TIER_KEYS["normal"]), None, None)
+        assert not rr.exists(q.keys.job(bad))
+    load_functions(rr)
+    k = q.keys
+    reply = rr.fcall(function_name("submit"), 2, k.job("A" * 32), k.job("A" * 32), "A" * 32, b"req", "", "", "0", 60,
+                     k.intake, k.wake)
+    assert reply[0] == b"invalid_id" and not rr.exists(k.job("A" * 32)) and rr.llen(k.intake) == 0
+    assert q.counts().get("queued:normal", 0) == 0
