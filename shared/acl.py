@@ -13,7 +13,9 @@ What a producer can still do, and why it is harmless:
 * write fields of a job record whose 128-bit id it knows (its own): admission
   recomputes tier and score, so nothing it writes raises its priority;
 * push ids on the intake list: admission only places a queued, not yet admitted
-  job, for the key hash its record names (which must be a valid key);
+  job, for the key hash its record names (which must be a valid key); it cannot
+  trim the list or set its TTL (no LTRIM, and EXPIRE only on job keys), which would
+  drop other producers' waiting jobs;
 * read the slot copies of the key registry: their fields are sha1(sha256(key)),
   which do not let anyone present a key they do not hold.
 """
@@ -26,7 +28,7 @@ PRODUCER_COMMANDS = (
     "+ping", "+client|setinfo", "+client|setname", "+time",
     "+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command",  # cluster clients (slot map, command table)
     "+get", "+exists", "+hget", "+hgetall", "+hmget", "+hkeys", "+xrange", "+blpop",  # reads (blpop: its done list)
-    "+hset", "+hdel", "+set", "+rpush", "+lpush", "+ltrim", "+expire", "+xadd",  # writes inside the functions
+    "+hset", "+hdel", "+set", "+rpush", "+lpush", "+xadd",  # writes inside the functions (+expire: below)
     "+publish", "+spublish", "+subscribe", "+unsubscribe", "+ssubscribe", "+sunsubscribe",
 )
 
@@ -40,6 +42,10 @@ def producer_key_rules(prefix: str = "mlxq") -> tuple[str, ...]:
         f"~{base}:job:*", f"~{base}:idem:*", f"~{base}:events:*", f"~{base}:done:*",  # its own jobs
         f"%W~{base}:intake", f"%W~{base}:wake",  # hand jobs to the workers
         f"&{base}:chan:*", f"&{base}:cancel",  # token deltas; cancel requests
+        # EXPIRE (a cancel request ends a job's record) on its own job's keys only, in a selector: with
+        # the write access to the intake list above, EXPIRE (like LTRIM, which no producer gets) could
+        # drop every other producer's jobs still waiting there
+        f"(+expire ~{base}:job:* ~{base}:events:* ~{base}:done:*)",
     )
 
 

@@ -136,6 +136,28 @@ def test_revocation_between_enqueue_and_admission_refuses_the_job(acl_setup, red
     producer.close()
 
 
+def test_a_producer_cannot_drop_other_producers_jobs_from_the_intake_list(acl_setup, redis_url):
+    """The recipe's write access to the intake list is for pushing: LTRIM and EXPIRE need no more than
+    write access, and with them any producer could drop every job other producers had submitted and
+    no worker had admitted yet (their records stayed queued, their callers waited for ever). EXPIRE
+    is granted on job keys only (a cancel request ends a job's record); a cancel request still works."""
+    admin, purl = acl_setup
+    settings = fast_settings(redis_url)
+    other = Client(redis_url.replace("redis://", "redis://producer:producer-pw@", 1), api_key=LOW_KEY,
+                   model="tiny", settings=settings)
+    waiting = other.submit(prompt_tokens=[5, 6, 7], max_tokens=2)
+    raw = connect(purl)
+    for attempt in (lambda: raw.ltrim(K.intake, 1, 0), lambda: raw.expire(K.intake, 1),
+                    lambda: raw.expire(K.wake, 1), lambda: raw.expire(K.counts, 1)):
+        with pytest.raises(NoPermissionError):
+            attempt()
+    assert admin.lrange(K.intake, 0, -1) == [waiting.id.encode()] and admin.ttl(K.intake) == -1
+    assert raw.expire(K.job(waiting.id), 3600)  # its own job's keys: allowed
+    assert waiting.cancel() == "cancelled" and waiting.result(timeout=10).finish_reason == "cancelled"
+    other.close()
+    raw.close()
+
+
 def test_worker_copies_the_registry_into_a_new_models_slot(redis_url, tiny_model):
     """A model no admin command has seen: its worker copies registry and policy at start, and a
     change made by the admin afterwards reaches the copy (within a stats tick)."""

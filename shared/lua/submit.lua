@@ -30,6 +30,5 @@ if ARGV[5] == '1' then
   redis.call('HSET', KEYS[1], 'idem', KEYS[2])
 end
 redis.call('RPUSH', ARGV[7], id)
-redis.call('LPUSH', ARGV[8], '1')
-redis.call('LTRIM', ARGV[8], 0, 63)
+redis.call('LPUSH', ARGV[8], '1')  -- (no LTRIM: a producer may not trim; admit.lua keeps it short)
 return {'ok', id, '', now}
