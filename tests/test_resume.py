@@ -291,3 +291,27 @@ def test_a_write_refused_for_now_is_sent_again_not_dropped(redis_url):
     assert refusals == [0]
     assert [f[b"d"] for _, f in r.xrange(K.events(job))] == [b"d1", b"d2"]
     r.close()
+
+
+def test_a_record_with_token_ids_outside_the_vocabulary_fails_its_job_alone(tiny_model, redis_url):
+    """The tokens an earlier attempt published are prefilled on resume; the record is only as trusted
+    as whoever may write it (a producer under the ACL recipe may append to its own job's stream). An
+    id outside the vocabulary fails that job with an error that says so; it reached the embedding
+    before. The next job runs as usual."""
+    import redis
+
+    from workerkit import running_worker
+
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    r = redis.Redis.from_url(redis_url)
+    forged = client.submit(prompt_tokens=[5, 6, 7], max_tokens=4, ignore_eos=True)
+    r.hset(K.job(forged.id), "attempts", 1)  # as if an attempt had run: the next one resumes
+    r.xadd(K.events(forged.id), {"d": codec.pack(_d(0, [10**9, 3], 0, "xy").to_wire())})
+    with running_worker(tiny_model, redis_url, settings):
+        res = forged.result(timeout=60)
+        assert res.finish_reason == "error" and "outside the vocabulary" in res.error
+        after = client.submit(prompt_tokens=[5, 6, 7], max_tokens=3, ignore_eos=True).result(timeout=60)
+        assert after.finish_reason == "length" and after.token_ids == reference_tokens(tiny_model, [5, 6, 7], 3)
+    client.close()
+    r.close()

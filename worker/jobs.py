@@ -335,6 +335,18 @@ def check_token_ids(req: GenerateRequest, tokenizer, model_vocab: Optional[int] 
         raise JobError(f"logit_bias names token ids outside the vocabulary (size {vocab}): {bad[:5]}")
 
 
+def check_published_ids(published: Optional[dict], tokenizer, model_vocab: Optional[int] = None) -> None:
+    """The tokens an earlier attempt published (a resume prefills them) are ids of this model's
+    vocabulary: the record is only as trusted as whoever may write it (a producer under the ACL
+    recipe may append to its own job's), and an id past the embedding would index it out of bounds."""
+    vocab = token_limit(tokenizer, model_vocab)
+    for sample, p in sorted((published or {}).items()):
+        bad = [t for t in p.tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise JobError(f"the job's durable record holds token ids outside the vocabulary (size {vocab}) "
+                           f"in sample {sample}: {bad[:5]}; it cannot be resumed")
+
+
 def job_grammar(req: GenerateRequest, prompt: list[int], tokenizer) -> Optional[str]:
     """The grammar the job's output follows (None: free text), in the model's format
     (``chat_format``); a reasoning block the prompt opened (a chat template that starts the

@@ -30,8 +30,8 @@ from ..shared.protocol import Pulled, Queue
 from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, MAX_N, Delta, Result
 from ..shared.settings import TIERS, Settings
 from . import blas
-from .jobs import (ActiveJob, JobError, Published, admit_now, check_token_ids, decode_request, job_grammar,
-                   read_samples, sample_uid, start_job, tokenize)
+from .jobs import (ActiveJob, JobError, Published, admit_now, check_published_ids, check_token_ids, decode_request,
+                   job_grammar, read_samples, sample_uid, start_job, tokenize)
 from .hostwork import HostWork
 from .model import LoadedModel
 from .engine.engine import make_engine
@@ -158,6 +158,7 @@ class Worker:
             req = decode_request(entry, self.loaded.name, self.settings.max_new_tokens)
             prompt = tokenize(req, self.loaded.tokenizer, self._model_vocab)
             check_token_ids(req, self.loaded.tokenizer, self._model_vocab)
+            check_published_ids(published, self.loaded.tokenizer, self._model_vocab)
             grammar = job_grammar(req, prompt, self.loaded.tokenizer)
             fit_context(req, len(prompt), self.loaded.context_length)
             if not self.engine.can_admit(len(prompt), req.max_tokens):
