@@ -11,7 +11,9 @@ score there, from the key hash and the time of admission.
 
 What a producer can still do, and why it is harmless:
 * write fields of a job record whose 128-bit id it knows (its own): admission
-  recomputes tier and score, so nothing it writes raises its priority;
+  recomputes tier and score and keeps them, with the suspect flag, in a
+  worker-only hash (ModelKeys.sched) that requeues, the reaper and pull read, so
+  nothing it writes raises its priority or runs its job alone;
 * push ids on the intake list: admission only places a queued, not yet admitted
   job, for the key hash its record names (which must be a valid key); it cannot
   trim the list or set its TTL (no LTRIM, and EXPIRE only on job keys), which would

@@ -111,6 +111,14 @@ class ModelKeys:
         return f"{self._base}:policy"
 
     @property
+    def sched(self) -> str:
+        """hash: job id -> "<tier> <score> <suspect 0|1>" of each job a worker admitted from the intake
+        list, until it ends. Worker-only (no producer ACL rule names it): a requeue, the reaper and
+        pull take a job's tier, score and suspect flag from here, never from the job hash, which a
+        producer under the ACL recipe may write."""
+        return f"{self._base}:sched"
+
+    @property
     def cancel_channel(self) -> str:  # pub/sub: ids of running jobs to cancel
         return f"{self._base}:cancel"
 

@@ -21,8 +21,9 @@ from .settings import Settings
 SCRIPT_NAMES = ("enqueue", "admit", "pull", "deltas", "complete", "requeue", "cancel", "renew", "reap",
                 "check", "submit", "cancel_request")
 # shared helpers put ahead of a script's body: _tier decides a tier, _end ends a job's record
-_PRELUDES = {"enqueue": ("_tier",), "admit": ("_tier", "_end"), "check": ("_tier",),
-             "pull": ("_end",), "reap": ("_end",), "requeue": ("_end",), "cancel": ("_end",), "cancel_request": ("_end",)}
+_PRELUDES = {"enqueue": ("_tier",), "admit": ("_tier", "_end", "_sched"), "check": ("_tier",),
+             "pull": ("_end", "_sched"), "reap": ("_end", "_sched"), "requeue": ("_end", "_sched"),
+             "cancel": ("_end", "_sched"), "cancel_request": ("_end",)}
 _READ_ONLY = ("check",)  # registered with the no-writes flag: callable with FCALL_RO
 FUNCTION_LIBRARY = "mlxq"
 
@@ -44,7 +45,7 @@ def function_name(name: str) -> str:
 def function_library() -> str:
     """Every script as a Redis Function of one library (``FUNCTION LOAD``), so that an ACL can
     allow ``FCALL`` while refusing ``EVAL``/``EVALSHA`` (no new code can be run)."""
-    parts = [f"#!lua name={FUNCTION_LIBRARY}", _lua("_tier"), _lua("_end")]
+    parts = [f"#!lua name={FUNCTION_LIBRARY}", _lua("_tier"), _lua("_end"), _lua("_sched")]
     for name in SCRIPT_NAMES:
         flags = ", flags = {'no-writes'}" if name in _READ_ONLY else ""
         parts.append(f"redis.register_function{{function_name = '{function_name(name)}', "
@@ -226,13 +227,13 @@ class ScriptCalls:
     def admit(self, ids: list):
         """Admit ``ids``, the head of the intake list as the caller read it (LRANGE)."""
         k = self.k
-        return ("admit", [k.intake, k.queue, k.counts, k.key_copy, k.policy, k.wake, *self._per_member(ids)],
+        return ("admit", [k.intake, k.queue, k.counts, k.key_copy, k.policy, k.wake, k.sched, *self._per_member(ids)],
                 [self.s.result_ttl_s, self.pubcmd, *ids])
 
     def pull(self, members: list, worker_id: str):
         """Lease the jobs among ``members``, the head of the queue as the caller read it (ZRANGE)."""
         k = self.k
-        return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info, *self._per_member(members)],
+        return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info, k.sched, *self._per_member(members)],
                 [len(members), self.s.lease_s, worker_id, self.s.result_ttl_s, self.pubcmd, *members])
 
     def deltas(self, items: list[tuple[str, str, bytes, bool]]):
@@ -250,7 +251,7 @@ class ScriptCalls:
         k = self.k
         return (
             "complete",
-            [k.job(job_id), k.inflight, k.counts, k.events(job_id), k.done(job_id), k.channel(job_id)],
+            [k.job(job_id), k.inflight, k.counts, k.events(job_id), k.done(job_id), k.channel(job_id), k.sched],
             [job_id, owner, status, result, self.s.result_ttl_s, final_delta, self.pubcmd],
         )
 
@@ -259,7 +260,7 @@ class ScriptCalls:
         now (requeue.lua), for ``reap`` to requeue or dead-letter it."""
         k = self.k
         return ("requeue", [k.job(job_id), k.inflight, k.queue, k.counts, k.wake, k.events(job_id), k.done(job_id),
-                            k.channel(job_id)], [job_id, owner, resume, error, self.s.result_ttl_s, self.pubcmd])
+                            k.channel(job_id), k.sched], [job_id, owner, resume, error, self.s.result_ttl_s, self.pubcmd])
 
     def cancel(self, job_id: str, mode: str = "queue"):
         """``mode``: 'queue' (workers, trusted clients) or 'worker' (acting on a cancel request)."""
@@ -267,7 +268,7 @@ class ScriptCalls:
         return (
             "cancel",
             [k.queue, k.job(job_id), k.counts, k.events(job_id), k.done(job_id), k.cancel_channel,
-             k.channel(job_id)],
+             k.channel(job_id), k.sched],
             [job_id, self.pubcmd, mode, self.s.result_ttl_s],
         )
 
@@ -282,7 +283,8 @@ class ScriptCalls:
     def reap(self, candidates: list):
         """Requeue or dead-letter ``candidates`` (in-flight members whose lease looked expired)."""
         k = self.k
-        return ("reap", [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake, *self._per_member(candidates)],
+        return ("reap", [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake, k.sched,
+                         *self._per_member(candidates)],
                 [self.s.max_attempts, self.s.result_ttl_s, self.pubcmd, *candidates])
 
 

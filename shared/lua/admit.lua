@@ -2,8 +2,11 @@
 -- is decided again from the job's key hash and floor, and the score from the time of admission
 -- (nothing a producer wrote into its own job record can raise its priority).  Workers run this
 -- before each pull and on each heartbeat.
--- KEYS: 1 intake, 2 queue, 3 counts, 4 key registry copy, 5 policy copy, 6 wake, then four per id
---       (the caller read the ids with LRANGE, in ARGV order): job, events, done list, job channel
+-- KEYS: 1 intake, 2 queue, 3 counts, 4 key registry copy, 5 policy copy, 6 wake, 7 sched (worker-only:
+--       the tier and score given here, _sched.lua), then four per id (the caller read the ids with
+--       LRANGE, in ARGV order): job, events, done list, job channel
+-- A job is admitted once: one that has an entry in sched is queued or running already, whatever
+-- its hash says (its producer may write it: pushed again, it inflated the queue's counters).
 -- ARGV: 1 ttl (s), 2 publish command (PUBLISH | SPUBLISH on a cluster), 3.. the ids at the head of intake
 -- An id is taken only while it is still at the head (another worker may have admitted it).
 -- Returns {admitted, refused}
@@ -21,18 +24,19 @@ local nowstr = string.format('%.6f', now)
 local ttl = tonumber(ARGV[1])
 local admitted, refused = 0, 0
 for i, id in ipairs(ids) do
-  local base = 6 + (i - 1) * 4
+  local base = 7 + (i - 1) * 4
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   if #id == 32 and not string.find(id, '[^0-9a-f]') then
     local ktype = redis.call('TYPE', jk)
     if type(ktype) == 'table' then ktype = ktype['ok'] end
     if ktype == 'hash' then
       local f = redis.call('HMGET', jk, 'status', 'admitted', 'kh', 'floor')
-      if f[1] == 'queued' and not f[2] then
+      if f[1] == 'queued' and not f[2] and redis.call('HEXISTS', KEYS[7], id) == 0 then
         local tier, why = mlxq_tier(KEYS[4], KEYS[5], f[3] or '', f[4] or '')
         if tier then
           local score = now + mlxq_offset(KEYS[5], tier) + i * 0.000001
           redis.call('HSET', jk, 'tier', tier, 'score', string.format('%.6f', score), 'admitted', '1')
+          mlxq_sched_set(KEYS[7], id, tier, string.format('%.6f', score), false)
           redis.call('HDEL', jk, 'kh')  -- the key hash is a credential: kept no longer than needed
           redis.call('ZADD', KEYS[2], score, id)
           redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)

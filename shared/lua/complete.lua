@@ -1,5 +1,6 @@
 -- Finish a job, fenced on the lease owner: a worker that lost its lease writes nothing.
--- KEYS: 1 job, 2 inflight, 3 counts, 4 events, 5 done list, 6 job channel (declared for cluster routing)
+-- KEYS: 1 job, 2 inflight, 3 counts, 4 events, 5 done list, 6 job channel (declared for cluster routing),
+--       7 sched (the job's entry, if admitted, ends with it)
 -- ARGV: 1 id, 2 owner token, 3 status (done|failed|cancelled), 4 result (msgpack),
 --       5 ttl (s), 6 final delta (msgpack, may be ''), 7 publish command (PUBLISH | SPUBLISH on a cluster)
 -- Returns 1, or 0 when the lease was lost (a job key that is not a hash counts as lost: pcall).
@@ -11,6 +12,7 @@ local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'result', ARGV[4], 'finished_at', now)
 redis.call('HDEL', KEYS[1], 'owner', 'cancel', 'resume')
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[7], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'running', -1)
 redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
 redis.call('HINCRBY', KEYS[3], 'processed', 1)

@@ -1,7 +1,8 @@
 -- Take the given queue members (the caller read them with ZRANGE, lowest score first: highest
 -- priority first) and lease the jobs among them.  A member another worker took meanwhile is skipped.
--- KEYS: 1 queue, 2 inflight, 3 counts, 4 dead, 5 deadinfo, then four per member, in ARGV order:
---       job, events, done list, job channel
+-- KEYS: 1 queue, 2 inflight, 3 counts, 4 dead, 5 deadinfo, 6 sched (worker-only tier, score and suspect
+--       flag of admitted jobs, _sched.lua), then four per member, in ARGV order: job, events, done
+--       list, job channel
 -- ARGV: 1 unused, 2 lease (s), 3 worker id, 4 ttl (s), 5 publish command (PUBLISH | SPUBLISH on a cluster),
 --       6.. the members
 -- Returns a list of {id, kind, req, attempt, tier, score, queued_at, resume, now, suspect}
@@ -19,7 +20,7 @@ local popped = {}
 for i = 6, #ARGV do
   local sc = redis.call('ZSCORE', KEYS[1], ARGV[i])
   if sc and redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
-    table.insert(popped, {ARGV[i], sc, 5 + (i - 6) * 4})
+    table.insert(popped, {ARGV[i], sc, 6 + (i - 6) * 4})
   end
 end
 local out = {}
@@ -43,7 +44,7 @@ end
 for _, entry in ipairs(popped) do
   local id, base = entry[1], entry[3]
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
-  local why, status = nil, nil
+  local why, status, sd = nil, nil, nil
   if #id ~= 32 or string.find(id, '[^0-9a-f]') then
     why = 'queue member is not a job id (32 hex digits)'
   else
@@ -55,6 +56,8 @@ for _, entry in ipairs(popped) do
       why = 'job record is a ' .. tostring(ktype) .. ', not a hash'
     else
       local f = redis.call('HMGET', jk, 'status', 'attempts', 'tier', 'score', 'queued_at')
+      sd = mlxq_sched(KEYS[6], id)
+      if sd then f[3], f[4] = sd.tier, sd.score end  -- an admitted job's own, not its hash's
       status = f[1]
       if not status then
         why = 'job record without a status'
@@ -65,6 +68,10 @@ for _, entry in ipairs(popped) do
           local ttl = tonumber(ARGV[4])
           redis.call('HSET', jk, 'status', 'dead', 'error', why, 'finished_at', nowstr)
           redis.call('HDEL', jk, 'owner')
+          if sd then  -- admitted, so counted: its count goes with it (a forged member never was)
+            redis.call('HINCRBY', KEYS[3], 'queued:' .. sd.tier, -1)
+            redis.call('HDEL', KEYS[6], id)
+          end
           mlxq_end_record(ARGV[5], jk, ek, dk, ch, ttl, 'f', 'error', 'e', why)
         end
       end
@@ -83,12 +90,13 @@ for _, entry in ipairs(popped) do
     -- flagged by a cancel request no worker acted on yet: it ends here and never runs
     redis.call('HSET', jk, 'status', 'cancelled', 'finished_at', nowstr)
     redis.call('HDEL', jk, 'resume')
-    redis.call('HINCRBY', KEYS[3], 'queued:' .. (redis.call('HGET', jk, 'tier') or 'normal'), -1)
+    redis.call('HINCRBY', KEYS[3], 'queued:' .. (sd and sd.tier or redis.call('HGET', jk, 'tier') or 'normal'), -1)
+    redis.call('HDEL', KEYS[6], id)
     redis.call('HINCRBY', KEYS[3], 'cancelled', 1)
     redis.call('HINCRBY', KEYS[3], 'processed', 1)
     mlxq_end_record(ARGV[5], jk, ek, dk, ch, tonumber(ARGV[4]), 'f', 'cancelled')
   else
-    local tier = redis.call('HGET', jk, 'tier') or 'normal'
+    local tier = sd and sd.tier or redis.call('HGET', jk, 'tier') or 'normal'
     local attempt = redis.call('HINCRBY', jk, 'attempts', 1)
     local owner = ARGV[3] .. ':' .. attempt
     redis.call('HSET', jk, 'status', 'running', 'owner', owner, 'worker', ARGV[3],
@@ -97,6 +105,10 @@ for _, entry in ipairs(popped) do
     redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, -1)
     redis.call('HINCRBY', KEYS[3], 'running', 1)
     local f = redis.call('HMGET', jk, 'req', 'score', 'queued_at', 'resume', 'error')
+    if sd then  -- an admitted job: its score and suspect flag as a worker set them
+      f[2] = sd.score
+      f[5] = sd.suspect and (f[5] or 'a worker failed while it held the job') or nil
+    end
     table.insert(out, {id, 'job', f[1] or '', tostring(attempt), tier, f[2] or '', f[3] or '',
       f[4] or '', nowstr, f[5] or ''})
   end

@@ -2,8 +2,10 @@
 -- After max attempts a job goes to the dead-letter set with its last error. A job requeued after its
 -- second expired lease keeps an error, which makes it a suspect (pull.lua): the next worker runs it alone.
 -- Any worker may run this.
--- KEYS: 1 inflight, 2 queue, 3 counts, 4 dead, 5 deadinfo, 6 wake, then four per candidate (the caller
---       read in-flight members whose lease looked expired, in ARGV order): job, events, done list, channel
+-- An admitted job's score, tier and suspect flag come from sched (worker-only), never its hash.
+-- KEYS: 1 inflight, 2 queue, 3 counts, 4 dead, 5 deadinfo, 6 wake, 7 sched, then four per candidate (the
+--       caller read in-flight members whose lease looked expired, in ARGV order): job, events, done
+--       list, channel
 -- ARGV: 1 max attempts, 2 ttl (s), 3 publish command (PUBLISH | SPUBLISH on a cluster), 4.. the candidates
 -- A candidate whose lease is not expired by the server's clock (renewed meanwhile) is left alone.
 -- Returns {requeued, dead, cancelled}
@@ -14,7 +16,7 @@ local ttl = tonumber(ARGV[2])
 local requeued, dead, cancelled = 0, 0, 0
 for i = 4, #ARGV do
   local id = ARGV[i]
-  local base = 6 + (i - 4) * 4
+  local base = 7 + (i - 4) * 4
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local deadline = tonumber(redis.call('ZSCORE', KEYS[1], id))
   if deadline and deadline <= now then  -- (renewed meanwhile: left alone)
@@ -28,6 +30,9 @@ for i = 4, #ARGV do
     elseif ktype == 'hash' then
       redis.call('HINCRBY', KEYS[3], 'running', -1)
       local f = redis.call('HMGET', jk, 'attempts', 'score', 'tier', 'cancel', 'error')
+      local sd = mlxq_sched(KEYS[7], id)
+      local suspect = f[5] ~= nil and f[5] ~= false
+      if sd then f[2], f[3], suspect = sd.score, sd.tier, sd.suspect end
       local attempts = tonumber(f[1] or '0') or 0
       local score = tonumber(f[2])
       if not score or score ~= score or score == math.huge or score == -math.huge
@@ -40,6 +45,7 @@ for i = 4, #ARGV do
         redis.call('HSET', jk, 'status', 'cancelled', 'finished_at', nowstr)
         redis.call('HINCRBY', KEYS[3], 'cancelled', 1)
         redis.call('HINCRBY', KEYS[3], 'processed', 1)
+        redis.call('HDEL', KEYS[7], id)
         mlxq_end_record(ARGV[3], jk, ek, dk, ch, ttl, 'f', 'cancelled')
         cancelled = cancelled + 1
       elseif attempts >= tonumber(ARGV[1]) then
@@ -50,15 +56,17 @@ for i = 4, #ARGV do
         redis.call('HSET', KEYS[5], id, err)
         redis.call('HINCRBY', KEYS[3], 'dead', 1)
         redis.call('HINCRBY', KEYS[3], 'processed', 1)
+        redis.call('HDEL', KEYS[7], id)
         mlxq_end_record(ARGV[3], jk, ek, dk, ch, ttl, 'f', 'error', 'e', err)
         dead = dead + 1
       else
         local tier = f[3] or 'normal'
         redis.call('HSET', jk, 'status', 'queued')
-        if attempts >= 2 and not f[5] then
+        if attempts >= 2 and not suspect then
           -- the second worker in a row that died holding it (a crash the worker could not report,
           -- such as a segfault or the OOM killer): a suspect, which the next worker runs alone
           redis.call('HSET', jk, 'error', 'a worker died or hung while it held the job (attempt ' .. attempts .. ')')
+          if sd then mlxq_sched_set(KEYS[7], id, sd.tier, sd.score, true) end
         end
         redis.call('ZADD', KEYS[2], score, id)
         redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)

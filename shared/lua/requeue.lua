@@ -7,17 +7,23 @@
 -- dead-letter set instead of going round the workers for ever.
 -- A job flagged for cancelling (cancel_request.lua, after the worker's last renew) ends cancelled
 -- instead: queued again, it would be leased and run by the next worker.
--- KEYS: 1 job, 2 inflight, 3 queue, 4 counts, 5 wake, 6 events, 7 done list, 8 job channel
+-- An admitted job goes back at the score and tier a worker gave it (sched), never its hash's (which its
+-- producer may write: a forged score put it at the head of the queue), and a failure marks it a suspect
+-- there too.
+-- KEYS: 1 job, 2 inflight, 3 queue, 4 counts, 5 wake, 6 events, 7 done list, 8 job channel, 9 sched
 -- ARGV: 1 id, 2 owner token, 3 resume state (msgpack, '' for none), 4 error ('' for none), 5 ttl (s),
 --       6 publish command (PUBLISH | SPUBLISH on a cluster)
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
+local sd = mlxq_sched(KEYS[9], ARGV[1])
 if ARGV[4] and ARGV[4] ~= '' then
   redis.call('HSET', KEYS[1], 'error', ARGV[4])
+  if sd then mlxq_sched_set(KEYS[9], ARGV[1], sd.tier, sd.score, true) end
   redis.call('HDEL', KEYS[1], 'owner')
   redis.call('ZADD', KEYS[2], 'XX', 0, ARGV[1])
   return 1
 end
 local f = redis.call('HMGET', KEYS[1], 'score', 'tier', 'cancel')
+if sd then f[1], f[2] = sd.score, sd.tier end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[4], 'running', -1)
 redis.call('HDEL', KEYS[1], 'owner')
@@ -28,6 +34,7 @@ if f[3] == '1' then
     'finished_at', string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000))
   redis.call('HINCRBY', KEYS[4], 'cancelled', 1)
   redis.call('HINCRBY', KEYS[4], 'processed', 1)
+  redis.call('HDEL', KEYS[9], ARGV[1])
   mlxq_end_record(ARGV[6], KEYS[1], KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[5]), 'f', 'cancelled')
   return 1
 end
