@@ -201,6 +201,35 @@ def test_what_a_producer_writes_into_its_admitted_job_decides_nothing(acl_setup,
         raw.close()
 
 
+def test_an_admitted_job_whose_record_vanished_leaves_no_count_behind(acl_setup, redis_url):
+    """A producer may expire its own job's record (EXPIRE 0 deletes it). Queued, the job is then
+    garbage to pull, and its queued count goes with it; running, the reaper drops it and its running
+    count goes with it. Both counts stayed, one more each time (a tier read as fuller than it was)."""
+    admin, purl = acl_setup
+    settings = fast_settings(redis_url)
+    producer = Client(purl, api_key=LOW_KEY, model="tiny", settings=settings)
+    raw = connect(purl)
+    q = Queue(admin, K, settings)
+    try:
+        before = q.counts()
+        a, b = (producer.submit(prompt_tokens=[5, 6, i], max_tokens=2) for i in (7, 8))
+        assert q.admit() == (2, 0)
+        [p] = q.pull(1, "w")
+        assert p.job_id == a.id  # a runs, b waits
+        raw.expire(K.job(a.id), 0)
+        raw.expire(K.job(b.id), 0)
+        assert [x.kind for x in q.pull(1, "w")] == ["garbage"]  # b
+        admin.zadd(K.inflight, {a.id: 0}, xx=True)  # (a's lease expired)
+        q.reap()
+        after = q.counts()
+        for name in ("queued:low", "running"):
+            assert after.get(name, 0) == before.get(name, 0), name
+        assert not admin.hexists(K.sched, a.id) and not admin.hexists(K.sched, b.id)
+    finally:
+        producer.close()
+        raw.close()
+
+
 def test_worker_copies_the_registry_into_a_new_models_slot(redis_url, tiny_model):
     """A model no admin command has seen: its worker copies registry and policy at start, and a
     change made by the admin afterwards reaches the copy (within a stats tick)."""

@@ -68,16 +68,19 @@ for _, entry in ipairs(popped) do
           local ttl = tonumber(ARGV[4])
           redis.call('HSET', jk, 'status', 'dead', 'error', why, 'finished_at', nowstr)
           redis.call('HDEL', jk, 'owner')
-          if sd then  -- admitted, so counted: its count goes with it (a forged member never was)
-            redis.call('HINCRBY', KEYS[3], 'queued:' .. sd.tier, -1)
-            redis.call('HDEL', KEYS[6], id)
-          end
           mlxq_end_record(ARGV[5], jk, ek, dk, ch, ttl, 'f', 'error', 'e', why)
         end
       end
     end
   end
   if why then
+    -- an admitted job (so counted) whose record vanished (expired, deleted) or went bad: its count and
+    -- its entry go with it (a member forged into the queue has neither)
+    local gone = #id == 32 and not string.find(id, '[^0-9a-f]') and mlxq_sched(KEYS[6], id)
+    if gone then
+      redis.call('HINCRBY', KEYS[3], 'queued:' .. gone.tier, -1)
+      redis.call('HDEL', KEYS[6], id)
+    end
     redis.call('ZADD', KEYS[4], now, id)
     redis.call('HSET', KEYS[5], id, why)
     redis.call('HINCRBY', KEYS[3], 'garbage', 1)

@@ -23,6 +23,11 @@ for i = 4, #ARGV do
     redis.call('ZREM', KEYS[1], id)
     local ktype = redis.call('TYPE', jk)
     if type(ktype) == 'table' then ktype = ktype['ok'] end
+    local gone = ktype ~= 'hash' and mlxq_sched(KEYS[7], id)
+    if gone then  -- an admitted, running job whose record vanished (expired, deleted): it runs no more
+      redis.call('HINCRBY', KEYS[3], 'running', -1)
+      redis.call('HDEL', KEYS[7], id)
+    end
     if ktype ~= 'hash' and ktype ~= 'none' then  -- forged: never a script error (it would stop the reaper)
       redis.call('ZADD', KEYS[4], now, id)
       redis.call('HSET', KEYS[5], id, 'in-flight member whose job record is a ' .. tostring(ktype))
