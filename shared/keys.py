@@ -8,6 +8,8 @@ The price: one model's queue lives on one cluster shard (see README, scale-out).
 
 from __future__ import annotations
 
+import hashlib
+
 import re
 
 _BAD_MODEL_CHARS = re.compile(r"[{}\s]")
@@ -146,5 +148,11 @@ class ModelKeys:
     def done(self, job_id: str) -> str:  # list: one entry when the job ends (wakes result() waiters)
         return f"{self._base}:done:{job_id}"
 
-    def idempotency(self, key: str) -> str:  # string: idempotency key -> job id
-        return f"{self._base}:idem:{key}"
+    def idempotency(self, key: str, key_hash: str | None = None) -> str:
+        """string: idempotency key -> job id, scoped to the API key that used it (``key_hash``: its
+        sha256 hex, None for anonymous callers): ``B:idem:<sha1hex("idem:" + key_hash)>:<key>``. Two
+        producers that pick the same key get two jobs, and neither can name the other's key: the
+        scope comes from the API key itself, not from the registry copies' sha1(sha256(key)) names,
+        which a producer under the ACL recipe may read. The enqueue and submit scripts check it."""
+        scope = hashlib.sha1(("idem:" + (key_hash or "")).encode()).hexdigest()
+        return f"{self._base}:idem:{scope}:{key}"

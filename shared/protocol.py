@@ -138,6 +138,9 @@ def parse_enqueue(reply: list) -> Enqueued:
         raise JobRefused(f"job id {job_id} already exists")
     if status == "invalid_id":
         raise JobRefused(f"job id {job_id!r} is not 32 lowercase hex digits")
+    if status == "invalid_idempotency_key":
+        raise JobRefused("the idempotency key's name is not scoped to the caller's API key "
+                         "(B:idem:<sha1hex('idem:' + sha256hex(api key))>:<key>)")
     return Enqueued(status, job_id, float(score) if score else None, float(now) if now else None)
 
 
@@ -188,7 +191,7 @@ class ScriptCalls:
                 idempotency_key: str | None):
         """``key_hash``: sha256 of the caller's API key (None: anonymous); the tier is decided in Redis."""
         k, s = self.k, self.s
-        idem = k.idempotency(idempotency_key) if idempotency_key else k.job(job_id)
+        idem = k.idempotency(idempotency_key, key_hash) if idempotency_key else k.job(job_id)
         return (
             "enqueue",
             [k.job(job_id), k.counts, k.wake, idem, k.intake, k.queue, k.key_copy, k.policy],
@@ -203,7 +206,7 @@ class ScriptCalls:
     def submit(self, job_id: str, request: bytes, key_hash: str | None, floor: str | None,
                idempotency_key: str | None):
         k, s = self.k, self.s
-        idem = k.idempotency(idempotency_key) if idempotency_key else k.job(job_id)
+        idem = k.idempotency(idempotency_key, key_hash) if idempotency_key else k.job(job_id)
         return ("submit", [k.job(job_id), idem],
                 [job_id, request, key_hash or "", floor or "", "1" if idempotency_key else "0",
                  s.idempotency_ttl_s, k.intake, k.wake])

@@ -123,6 +123,33 @@ def test_idempotency_key_returns_the_same_job(rr):
     assert q.counts()["queued:low"] == 1
 
 
+def test_idempotency_keys_are_scoped_to_the_api_key(rr):
+    """Two producers (API keys) that pick the same idempotency key get two jobs, and neither learns the
+    other's job id (a duplicate reply named it: its prompt, result and stream were the other's to
+    read). A key named for another caller's scope is refused: no call can find, or squat, another
+    producer's entry."""
+    from mlxq.shared.protocol import JobRefused
+
+    q = make_queue(rr)
+    a, b, c, d = ids(4)
+    first = enq(q, a, "low", "order-1001")
+    other = enq(q, b, "high", "order-1001")
+    again = enq(q, c, "low", "order-1001")
+    assert first.status == other.status == "ok" and other.job_id == b
+    assert again.status == "duplicate" and again.job_id == a
+    mine = apikeys.key_hash(TIER_KEYS["high"])
+    job, counts, wake, _, intake, queue, key_copy, policy = q.calls.enqueue(
+        d, b"x", mine, None, "order-1001")[1]
+    theirs = q.keys.idempotency("order-1001", apikeys.key_hash(TIER_KEYS["low"]))
+    script = q._scripts["enqueue"]
+    reply = script(keys=[job, counts, wake, theirs, intake, queue, key_copy, policy],
+                   args=[d, b"x", mine, "", "1", 60])
+    assert reply[0] == b"invalid_idempotency_key" and not rr.exists(q.keys.job(d))
+    with pytest.raises(JobRefused, match="scoped"):
+        from mlxq.shared.protocol import parse_enqueue
+        parse_enqueue(reply)
+
+
 def test_overload_refuses_past_the_bound(rr):
     q = make_queue(rr, max_queued_per_tier=2)
     a, b, c, d = ids(4)

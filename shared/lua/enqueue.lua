@@ -5,7 +5,7 @@
 -- ARGV: 1 id, 2 request (msgpack), 3 sha256 of the API key ('' for none), 4 tier floor ('' for none),
 --       5 use idempotency key ('1'/'0'), 6 idempotency ttl (s)
 -- Returns {status, job id, score | reason, server time};
--- status in ok | duplicate | overload | exists | invalid_id | unauthorized | unsynced (no policy copy in this slot yet)
+-- status in ok | duplicate | overload | exists | invalid_id | invalid_idempotency_key | unauthorized | unsynced (no policy copy in this slot yet)
 local id = ARGV[1]
 -- a job id is 32 lowercase hex digits (pull and admit take no other: a job under any other id
 -- would wait for ever, queued for nobody)
@@ -14,6 +14,11 @@ if redis.call('EXISTS', KEYS[8]) == 0 then return {'unsynced', id, '', ''} end
 local tier, why = mlxq_tier(KEYS[7], KEYS[8], ARGV[3], ARGV[4])
 if not tier then return {'unauthorized', id, why, ''} end
 if ARGV[5] == '1' then
+  -- the key is scoped to the caller's API key (ModelKeys.idempotency): one named for another scope
+  -- would find, or squat, another producer's job
+  if not string.find(KEYS[4], ':idem:' .. redis.sha1hex('idem:' .. ARGV[3]) .. ':', 1, true) then
+    return {'invalid_idempotency_key', id, '', ''}
+  end
   local existing = redis.call('GET', KEYS[4])
   if existing then return {'duplicate', existing, '', ''} end
 end

@@ -7,12 +7,17 @@
 --       5 use idempotency key ('1'/'0'), 6 idempotency ttl (s), 7 intake list, 8 wake list
 -- ARGV 7 and 8 name write-only keys of the job's hash slot: under FCALL a declared key needs read
 -- permission too, and a producer that could read the intake list would learn other jobs' ids.
--- Returns {status, job id, '', server time}; status in ok | duplicate | exists | invalid_id
+-- Returns {status, job id, '', server time}; status in ok | duplicate | exists | invalid_id | invalid_idempotency_key
 local id = ARGV[1]
 -- a job id is 32 lowercase hex digits (pull and admit take no other: a job under any other id
 -- would wait for ever, queued for nobody)
 if #id ~= 32 or string.find(id, '[^0-9a-f]') then return {'invalid_id', id, '', ''} end
 if ARGV[5] == '1' then
+  -- the key is scoped to the caller's API key (ModelKeys.idempotency): one named for another scope
+  -- would find, or squat, another producer's job
+  if not string.find(KEYS[2], ':idem:' .. redis.sha1hex('idem:' .. ARGV[3]) .. ':', 1, true) then
+    return {'invalid_idempotency_key', id, '', ''}
+  end
   local existing = redis.call('GET', KEYS[2])
   if existing then return {'duplicate', existing, '', ''} end
 end
