@@ -230,6 +230,38 @@ def test_an_admitted_job_whose_record_vanished_leaves_no_count_behind(acl_setup,
         raw.close()
 
 
+def test_a_producer_that_skips_check_meets_the_bound_at_admission(acl_setup, redis_url):
+    """check refuses a submission when the tier's queue is full; a producer under the recipe may call
+    submit without it, and admission placed every such job (the tier's queue grew without bound).
+    Admission now refuses past twice the bound (room for producers that passed check before the
+    admissions), failing the job with an error that says so."""
+    from mlxq.shared.protocol import function_name
+
+    admin, purl = acl_setup
+    settings = fast_settings(redis_url)
+    q = Queue(admin, K, settings)
+    raw = connect(purl)
+    before = q.counts().get("queued:normal", 0)
+    bound = before + 2
+    apikeys.set_policy(admin, GK, max_queued=bound)
+    jobs = [f"{i:032x}" for i in range(0xb0, 0xb0 + 2 * bound - before + 1)]
+    try:
+        for job_id in jobs:  # anonymous: the normal tier
+            raw.fcall(function_name("submit"), 2, K.job(job_id), K.job(job_id), job_id, b"req", "", "", "0", 60,
+                      K.intake, K.wake)
+        assert q.admit() == (len(jobs) - 1, 1)
+        assert q.counts()["queued:normal"] == 2 * bound
+        err = admin.hget(K.job(jobs[-1]), "error").decode()
+        assert admin.hget(K.job(jobs[-1]), "status") == b"failed" and "queue is full" in err
+    finally:
+        admin.zrem(K.queue, *jobs)  # (not real requests: keep them from any worker)
+        admin.hincrby(K.counts, "queued:normal", -(len(jobs) - 1))
+        for job_id in jobs:
+            admin.hdel(K.sched, job_id)
+        apikeys.set_policy(admin, GK, max_queued=settings.max_queued_per_tier)
+        raw.close()
+
+
 def test_worker_copies_the_registry_into_a_new_models_slot(redis_url, tiny_model):
     """A model no admin command has seen: its worker copies registry and policy at start, and a
     change made by the admin afterwards reaches the copy (within a stats tick)."""

@@ -34,6 +34,15 @@ for i, id in ipairs(ids) do
       if f[1] == 'queued' and not f[2] and redis.call('HEXISTS', KEYS[7], id) == 0 then
         local tier, why = mlxq_tier(KEYS[4], KEYS[5], f[3] or '', f[4] or '')
         if tier then
+          -- the bound a producer's check applies (max_queued), with room for the producers that
+          -- passed their check before these admissions: a producer that skips check stops here
+          local queued = tonumber(redis.call('HGET', KEYS[3], 'queued:' .. tier) or '0') or 0
+          local maxq = tonumber(redis.call('HGET', KEYS[5], 'max_queued') or '') or 10000
+          if queued >= 2 * maxq then
+            tier, why = nil, 'the ' .. tier .. ' queue is full (' .. queued .. ' waiting; the bound is ' .. maxq .. ')'
+          end
+        end
+        if tier then
           local score = now + mlxq_offset(KEYS[5], tier) + i * 0.000001
           redis.call('HSET', jk, 'tier', tier, 'score', string.format('%.6f', score), 'admitted', '1')
           mlxq_sched_set(KEYS[7], id, tier, string.format('%.6f', score), false)
