@@ -82,9 +82,20 @@ class ModelFormat:
 
 
 def _special(tok, ids) -> bool:
-    """``ids`` is one token, and a special one."""
+    """``ids`` is one token that plain text never matches in a grammar: a special token, or any token
+    added to the vocabulary (llguidance treats every added token as special, whatever its "special"
+    flag: Qwen2.5's and Qwen3's ``<tool_call>`` is added with ``special: false``, and a text marker
+    for it matched neither the token nor the text, so tool_choice "auto" could never call)."""
     hf = getattr(tok, "_tokenizer", tok)
-    return bool(ids) and len(ids) == 1 and ids[0] in set(getattr(hf, "all_special_ids", None) or ())
+    if not ids or len(ids) != 1:
+        return False
+    if ids[0] in set(getattr(hf, "all_special_ids", None) or ()):
+        return True
+    try:
+        added = getattr(hf, "added_tokens_decoder", None) or {}
+    except Exception:  # noqa: BLE001 - a tokenizer without the table: not known to be added
+        added = {}
+    return ids[0] in added
 
 
 def _parser_name(parser) -> Optional[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import types
 
 import jsonschema
 import llguidance
@@ -268,6 +269,41 @@ def test_auto_is_free_text_until_a_call_starts_then_the_call_is_constrained(tiny
             assert len(calls) <= 1 or parallel
             n_calls += len(calls)
         assert n_calls  # the preferred start token opened calls, and they parsed
+
+
+def test_auto_calls_with_markers_added_as_tokens_not_flagged_special(tiny_model, tiny_model_dir):
+    """Qwen2.5's and Qwen3's ``<tool_call>`` is a token added to the vocabulary with ``special: false``.
+    llguidance treats every added token as special, so the marker is a token in the grammar, never
+    text: with it as text, tool_choice "auto" allowed neither the token nor the text, and the model
+    could never call. Here the tiny tokenizer with two such markers added: "auto" lets the start
+    token open a call, and the calls drawn parse and follow their schemas."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxq.shared.constraints import ModelFormat
+
+    t = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    t.add_tokens([AddedToken(x, special=False, normalized=False) for x in ("<tc>", "</tc>")])
+    eos = tiny_model.tokenizer.eos_token
+    hf = PreTrainedTokenizerFast(tokenizer_object=t, eos_token=eos)
+    start, end = hf.convert_tokens_to_ids("<tc>"), hf.convert_tokens_to_ids("</tc>")
+    assert start not in hf.all_special_ids
+    wrapper = types.SimpleNamespace(_tokenizer=hf, tool_call_start="<tc>", tool_call_end="</tc>",
+                                    tool_parser=tiny_model.tokenizer.tool_parser, tool_call_start_tokens=[start],
+                                    tool_call_end_tokens=[end])  # as mlx-lm's TokenizerWrapper holds it
+    fmt = ModelFormat.from_tokenizer(wrapper)
+    assert fmt.tool_markers_special and fmt.tool_call_start_ids == (start,) and not fmt.think_start
+    ll_tok = llguidance.hf.from_tokenizer(hf, eos_token=[hf.eos_token_id])
+    grammar = tool_grammar(request(parallel_tool_calls=False), fmt)
+    calls = []
+    for seed in range(8):
+        ids, _ = sample(ll_tok, grammar, seed, prefer=[start], eos=hf.eos_token_id, max_tokens=250)
+        if start in ids and end in ids:
+            body = hf.decode(ids[ids.index(start) + 1:ids.index(end)])
+            calls.append(json.loads(body))
+    assert calls  # before: the start token was never allowed
+    for call in calls:
+        jsonschema.validate(call["arguments"], SCHEMAS[call["name"]])
 
 
 def test_thinking_comes_first_and_is_free(tiny_model, ll_tokenizer):
