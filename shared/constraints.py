@@ -149,6 +149,11 @@ def closed(schema: Any) -> Any:
         raise ConstraintError("the JSON schema is nested too deeply to close for strict: true") from None
 
 
+# keywords whose values are data, not subschemas, and those that map names to subschemas
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
 def _closed(schema: Any) -> Any:
     """A copy of ``schema`` where every object that does not say otherwise has
     ``additionalProperties: false``: what ``strict: true`` means in OpenAI's structured outputs
@@ -159,7 +164,14 @@ def _closed(schema: Any) -> Any:
         return [_closed(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed(v) for k, v in schema.items()}
+    out = {}
+    for k, v in schema.items():
+        if k in _DATA_KEYWORDS:  # values, not schemas: {"const": {"type": "object"}} stays what it says
+            out[k] = v
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):  # name -> schema (a property may be named "const")
+            out[k] = {name: _closed(sub) for name, sub in v.items()}
+        else:
+            out[k] = _closed(v)
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -192,12 +204,37 @@ def _lark_of(text: str) -> str:
         raise ConstraintError(f"response_format.grammar: GBNF does not convert to Lark: {_one_line(exc)}") from None
 
 
+# The keys each response_format type takes, and json_schema's own: any other is refused, not ignored
+# (a {"type": "json_object", "schema": ...} as some providers write it constrained nothing but the
+# object; a "strict": "true" string was not strict).
+FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"},
+               "regex": {"type", "pattern"}, "choice": {"type", "choices"}, "grammar": {"type", "grammar"}}
+JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
 def _kind(fmt: Any) -> str:
     if not isinstance(fmt, dict):
         raise ConstraintError("response_format must be an object with a 'type'")
     kind = fmt.get("type")
     if kind not in FORMAT_TYPES:
         raise ConstraintError(f"response_format.type must be one of {', '.join(FORMAT_TYPES)} (got {kind!r})")
+    extra = sorted(set(fmt) - FORMAT_KEYS[kind])
+    if extra:
+        hint = ' (a schema goes in {"type": "json_schema", "json_schema": {"name": ..., "schema": ...}})' \
+            if kind == "json_object" and "schema" in extra else ""
+        raise ConstraintError(f"response_format type {kind!r} takes no {', '.join(map(repr, extra))}{hint}")
+    spec = fmt.get("json_schema")
+    if kind == "json_schema" and isinstance(spec, dict):
+        extra = sorted(set(spec) - JSON_SCHEMA_KEYS)
+        if extra:
+            raise ConstraintError(f"response_format.json_schema takes no {', '.join(map(repr, extra))} "
+                                  f"(it takes {', '.join(sorted(JSON_SCHEMA_KEYS))})")
+        if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
+            raise ConstraintError("response_format.json_schema.strict must be true or false")
+        name = spec.get("name")
+        if name is not None and not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
+            raise ConstraintError("response_format.json_schema.name must match [A-Za-z0-9_-]{1,64}")
     return kind
 
 

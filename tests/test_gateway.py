@@ -553,7 +553,9 @@ def test_a_strict_schema_nested_too_deeply_is_a_400(stack):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "strict": True, "schema": schema}}}
     status, _, text = raw_request(url, "POST", "/v1/chat/completions", body)
-    assert status == 400 and "nested too deeply" in _strict_json(text)["error"]["message"], text[:300]
+    message = _strict_json(text)["error"]["message"]
+    # refused by the closing (too deep for it) or by the grammar compiler (its recursion limit)
+    assert status == 400 and ("nested too deeply" in message or "recursion limit" in message), text[:300]
 
 
 def test_an_assistant_message_as_the_gateway_returned_it_is_accepted(stack):

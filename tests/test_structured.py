@@ -267,6 +267,13 @@ BAD_FORMATS = [
     ({"type": "grammar", "grammar": "root ::= ( "}, "GBNF"),
     ({"type": "choice", "choices": []}, "choices"),
     ({"type": "xml"}, "type"),
+    # keys a type does not take are refused, not ignored (the schema here constrained nothing)
+    ({"type": "json_object", "schema": {"type": "object"}}, "json_schema"),
+    ({"type": "text", "json_schema": {"name": "x", "schema": {}}}, "takes no"),
+    ({"type": "regex", "pattern": "a+", "flags": "i"}, "flags"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": "true"}}, "strict"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "stric": True}}, "stric"),
+    ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {"type": "object"}}}, "name"),
 ]
 
 
@@ -472,3 +479,13 @@ def test_strict_schema_closes_its_objects(tiny_model):
         row = book.start(compile_format(fmt), [])
         assert (row.matcher.consume_tokens(extra_inner) and row.matcher.is_accepting()) == accepted
     assert constraints.closed(schema)["properties"]["b"]["additionalProperties"] is False
+    # values are not schemas: a const, an enum, a default stay what they say; a property named like
+    # one of those keywords is a schema all the same
+    data = {"type": "object", "properties": {
+        "kind": {"const": {"type": "object"}}, "opts": {"enum": [{"properties": {}}]},
+        "cfg": {"type": "object", "default": {"type": "object"}},
+        "const": {"type": "object", "properties": {"d": {"type": "integer"}}}}}
+    c = constraints.closed(data)["properties"]
+    assert c["kind"] == {"const": {"type": "object"}} and c["opts"] == {"enum": [{"properties": {}}]}
+    assert c["cfg"]["default"] == {"type": "object"} and c["cfg"]["additionalProperties"] is False
+    assert c["const"]["additionalProperties"] is False
