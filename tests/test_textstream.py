@@ -3,6 +3,7 @@ characters never split, stop strings cut and held back."""
 
 from __future__ import annotations
 
+import json
 import random
 
 from mlxq.worker.textstream import MAX_HELD, IncrementalDecoder, TextStream, decode_fn, parse_calls
@@ -89,6 +90,17 @@ def test_a_parsed_call_whose_arguments_are_no_json_stays_text():
     assert parse_calls(lambda text, tools: [{"name": "f", "arguments": b"x"}], "f(b'x')", None) is None
     assert parse_calls(lambda text, tools: {"name": "f", "arguments": {"a": [1, 2]}}, "f(a=[1, 2])", None) == [
         {"name": "f", "arguments": '{"a": [1, 2]}'}]
+    # NaN and infinities (1e400 parses as one) have no JSON: json.dumps wrote NaN / Infinity, which
+    # strict parsers refuse; such a call stays text too
+    for bad in (float("nan"), float("inf")):
+        assert parse_calls(lambda text, tools: {"name": "f", "arguments": {"x": bad}}, "x", None) is None
+    # a lone surrogate ("\\ud800" in the model's JSON) stays escaped: the arguments must encode as UTF-8
+    [call] = parse_calls(lambda text, tools: {"name": "f", "arguments": json.loads('{"s": "a\\ud800b", "t": "é"}')},
+                         "x", None)
+    call["arguments"].encode("utf-8")
+    assert json.loads(call["arguments"]) == {"s": "a\ud800b", "t": "é"}
+    from mlxq.shared import codec
+    codec.pack(call)
 
 
 def test_stop_string_is_cut_and_never_leaks(tiny_model):

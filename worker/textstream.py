@@ -270,9 +270,25 @@ def parse_calls(parse, text: str, tool_defs: Optional[list]) -> Optional[list[di
             return None
         args = call.get("arguments", {})
         if not isinstance(args, str):
-            try:  # a literal_eval parser (pythonic, ...) may give a set, bytes or a complex: no JSON
-                args = json.dumps(args, ensure_ascii=False)
-            except (TypeError, ValueError):
+            args = _json_text(args)
+            if args is None:
                 return None
         calls.append({"name": call["name"], "arguments": args})
     return calls
+
+
+def _json_text(value) -> Optional[str]:
+    """A parsed call's arguments as strict JSON text, or None when they have none: a literal_eval
+    parser (pythonic, ...) may give a set, bytes or a complex, and a NaN or an infinity (a number past
+    a double, 1e400) has no JSON (json.dumps wrote NaN and Infinity, which strict parsers refuse).
+    A lone surrogate (a "\\ud800" escape the model wrote) stays escaped: unescaped, the text could not
+    be encoded as UTF-8, and the job failed when its result was packed."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, ensure_ascii=True, allow_nan=False)
+    return text
