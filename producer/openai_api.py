@@ -281,7 +281,9 @@ def finish_reason(reason: Optional[str]) -> Optional[str]:
 def chat_message(res: Union[Result, SampleOutput]) -> dict:
     """The assistant message of a finished chat job (or of one of its samples): its answer (None when
     it only made calls), its calls and its reasoning, as vLLM and mlx-lm's server return them."""
-    msg: dict[str, Any] = {"role": "assistant", "content": res.text or (None if res.tool_calls else "")}
+    # a call-only answer is None, as OpenAI's: the line between parallel calls is no answer
+    text = res.text if res.text and (res.text.strip() or not res.tool_calls) else ""
+    msg: dict[str, Any] = {"role": "assistant", "content": text or (None if res.tool_calls else "")}
     if res.tool_calls:
         msg["tool_calls"] = [c.model_dump() for c in res.tool_calls]
     if res.reasoning:

@@ -615,3 +615,18 @@ def test_a_client_gone_before_its_body_ended_is_a_499_not_a_500(stack):
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n{\"model\"")
     assert wait_for(lambda: count_499() > before, timeout=15)
+
+
+def test_a_call_only_answer_has_no_content():
+    """Parallel calls may be a line apart; that line is no answer: content is None, as OpenAI returns a
+    message that only calls (it was "\\n"). Text beside the calls stays; no calls, "" stays ""."""
+    from mlxq.producer.openai_api import chat_message
+    from mlxq.shared.schemas import Result, ToolCall
+
+    calls = [ToolCall(id=f"call_{i}", function={"name": "f", "arguments": "{}"}) for i in range(2)]
+    def result(text, **kw):
+        return Result(id="j", finish_reason="tool_calls" if kw else "stop", text=text, **kw)
+
+    assert chat_message(result("\n", tool_calls=calls))["content"] is None
+    assert chat_message(result("Let me check.\n", tool_calls=calls))["content"] == "Let me check.\n"
+    assert chat_message(result(""))["content"] == "" and chat_message(result(" "))["content"] == " "
