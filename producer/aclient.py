@@ -73,8 +73,9 @@ class AsyncJob:
         """As ``Job._drive``, each read awaited."""
         for op in steps:
             if isinstance(op, Emit):
-                for d in op.deltas:
-                    yield d
+                pending = self._core.undelivered
+                while pending:  # one at a time: a caller that leaves keeps the rest for its next stream()
+                    yield pending.popleft()
                 continue
             try:
                 steps.reply(await getattr(self, f"_io_{op.name}")(op))

@@ -88,7 +88,9 @@ class Job:
         """Do each read the core asks for; yield the deltas it emits."""
         for op in steps:
             if isinstance(op, Emit):
-                yield from op.deltas
+                pending = self._core.undelivered
+                while pending:  # one at a time: a caller that leaves keeps the rest for its next stream()
+                    yield pending.popleft()
                 continue
             try:
                 steps.reply(getattr(self, f"_io_{op.name}")(op))

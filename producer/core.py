@@ -22,6 +22,8 @@ set of assertions against both.
 
 from __future__ import annotations
 
+import collections
+
 import logging
 import time
 from dataclasses import dataclass
@@ -167,10 +169,12 @@ class Backoff:
 
 @dataclass(frozen=True)
 class Emit:
-    """Deltas for the caller of ``stream()`` (the drivers yield them; no I/O)."""
-    deltas: list
+    """Deltas for the caller of ``stream()``: the drivers hand out ``JobCore.undelivered`` one at a
+    time (no I/O). What a caller that left early did not take stays there for its next ``stream()``."""
+    name = "emit"
 
 
+EMIT = Emit()
 Step = Generator[Any, Any, Any]
 
 
@@ -186,6 +190,10 @@ class JobCore:
         self.state = StreamState()
         self.last_id = "0-0"
         self.result: Optional[Result] = None
+        # deltas read (the stream state already past them) but not yet handed to a caller: a stream()
+        # left after its first delta of a batch, or a read that failed after a live message was fed
+        # (a gap, n > 1), lost the rest before
+        self.undelivered: collections.deque = collections.deque()
 
     def replay_from(self) -> str:
         """XRANGE's ``min`` for the entries not read yet."""
@@ -201,7 +209,11 @@ class JobCore:
 
     def stream(self, timeout: Optional[float]) -> Step:
         """Deltas in order, each once (emitted), until the job ends."""
+        if self.undelivered:  # what an earlier stream() read and did not hand out
+            yield EMIT
         yield from self._until(self._next_batch, lambda: self.state.done, timeout)
+        if self.undelivered:
+            yield EMIT
 
     def wait_result(self, timeout: Optional[float]) -> Step:
         """The final result, read from the job's hash; waits on its done list in between."""
@@ -221,8 +233,9 @@ class JobCore:
                 continue
             delay = FIRST_DELAY_S
             self.watch.ok()
-            if out:
-                yield Emit(out)
+            self.undelivered.extend(out)
+            if self.undelivered:
+                yield EMIT
 
     def _next_batch(self, deadline: Optional[float]) -> Step:
         """The next deltas: the durable record when (re)subscribed, quiet, told to (``SYNC``) or a
@@ -231,7 +244,10 @@ class JobCore:
         if data is None or data == SYNC:
             return self.feed_record((yield READ_EVENTS))
         out = feed_message(self.state, data)
-        return out + self.feed_record((yield READ_EVENTS)) if self.state.gap else out
+        if not self.state.gap:
+            return out
+        self.undelivered.extend(out)  # kept if the read below fails: the state is past them
+        return self.feed_record((yield READ_EVENTS))
 
     def _poll_result(self, deadline: Optional[float]) -> Step:
         res = result_from_hash(self.id, (yield READ_RECORD))

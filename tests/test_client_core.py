@@ -326,6 +326,98 @@ def test_a_stream_left_early_unsubscribes_and_the_next_one_goes_on(side, redis_u
         r.close()
 
 
+def test_a_stream_left_mid_batch_keeps_the_rest_for_the_next_stream(side, redis_url):
+    """A record read hands several deltas at once (a late reader, a gap, a quiet spell); a caller that
+    takes one and leaves kept the stream state past all of them, so the next stream() started after
+    them: the rest of the text and the final delta were lost, and that stream waited for an end it had
+    already passed. Now they wait for the next stream(), each once, in order. No worker serves "ghost":
+    the test writes the job's durable record itself."""
+    import time
+
+    from mlxq.shared.schemas import Delta
+
+    register_model(redis_url, "ghost", seen_at=time.time() + 10 * 365 * 86400)
+    keys = GlobalKeys().model_keys("ghost")
+    r = redis.Redis.from_url(redis_url)
+    try:
+        job = side.call("submit", prompt="a", model="ghost", max_tokens=8, subscribe=False)
+        for i, ch in enumerate("abcde"):
+            r.xadd(keys.events(job.id), {"d": codec.pack(Delta(seq=i + 1, index=i, offset=i, text=ch,
+                                                                 token_ids=[5 + i]).to_wire())})
+        r.xadd(keys.events(job.id), {"d": codec.pack(Delta(seq=6, index=5, offset=5, text="",
+                                                             finish_reason="stop").to_wire())})
+        if side.kind == "sync":
+            def first():
+                deltas = job.stream(timeout=30)
+                try:
+                    return next(deltas)
+                finally:
+                    deltas.close()
+        else:
+            async def first():
+                deltas = job.stream(timeout=30)
+                try:
+                    return await deltas.__anext__()
+                finally:
+                    await deltas.aclose()
+        assert side.start(first).result(timeout=60).text == "a"
+        rest = side.stream(job, timeout=30).result(timeout=60)
+        assert [d.text for d in rest] == ["b", "c", "d", "e", ""] and rest[-1].finish_reason == "stop"
+    finally:
+        r.hdel(GlobalKeys().models, "ghost")
+        r.close()
+
+
+def test_a_live_delta_of_one_sample_survives_a_failed_read_after_a_gap_in_another(redis_url, monkeypatch):
+    """n = 2: a live payload carries sample 0's next delta and shows a gap in sample 1 (its previous
+    message never came); the record read that follows fails once (a lost link). Sample 0's delta was
+    fed (the state past it) and then dropped with the failed read: its text never reached the caller.
+    The test writes the job's durable record and messages itself; no worker serves "ghost"."""
+    import time
+
+    from mlxq.producer.client import Job
+    from mlxq.shared.schemas import Delta
+
+    register_model(redis_url, "ghost", seen_at=time.time() + 10 * 365 * 86400)
+    keys = GlobalKeys().model_keys("ghost")
+    r = redis.Redis.from_url(redis_url)
+    client = Client(redis_url, model="ghost")
+
+    def d(sample, i, text, **kw):
+        return Delta(seq=i + 1, index=i, offset=i, text=text, token_ids=[5] if text else [], sample=sample,
+                     **kw).to_wire()
+
+    def write(payload, publish=True):
+        data = codec.pack(payload)
+        r.xadd(keys.events(job.id), {"d": data})
+        if publish:
+            r.publish(keys.channel(job.id), data)
+
+    try:
+        job = client.submit(prompt="a", model="ghost", max_tokens=4, n=2)
+        write([d(0, 0, "A"), d(1, 0, "a")])
+        write(d(1, 1, "b"), publish=False)  # a live message that never came: a gap in sample 1
+        write([d(0, 1, "B"), d(1, 2, "c")])
+        write([d(0, 2, "", finish_reason="stop", n_samples=2), d(1, 3, "", finish_reason="stop", n_samples=2)])
+        real, failed = Job._io_read_events, []
+
+        def flaky(self, op):
+            if not failed:
+                failed.append(1)
+                raise redis.ConnectionError("link lost (forced, once)")
+            return real(self, op)
+
+        monkeypatch.setattr(Job, "_io_read_events", flaky)
+        got = {0: "", 1: ""}
+        for delta in job.stream(timeout=30):
+            got[delta.sample] += delta.text
+        assert got == {0: "AB", 1: "abc"} and failed
+    finally:
+        client.close()
+        r.hdel(GlobalKeys().models, "ghost")
+        r.close()
+
+
 def test_a_long_prompt_is_prepared_off_the_event_loop(redis_url):
     """AsyncClient.submit validates, packs and (the gateway) tokenizes a long prompt on a worker thread:
     on the loop, a few MiB took seconds in which every other request and stream of the loop stood
