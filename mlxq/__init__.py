@@ -19,6 +19,7 @@ try:
         AuthError,
         Client,
         Job,
+        JobNotFound,
         JobRefused,
         JobTimeout,
         NoModelError,
@@ -34,7 +35,7 @@ except ModuleNotFoundError as _exc:
     ) from None
 
 __all__ = ["Client", "AsyncClient", "Job", "AsyncJob", "OverloadError", "AuthError", "JobRefused",
-           "JobTimeout", "NoModelError", "generate"]
+           "JobTimeout", "JobNotFound", "NoModelError", "generate"]
 
 
 def __getattr__(name):

@@ -96,6 +96,9 @@ class AsyncJob:
     async def _io_read_events(self, op) -> list:
         return await self._redis.xrange(self._keys.events(self.id), min=self._core.replay_from())
 
+    async def _io_job_exists(self, op) -> bool:
+        return bool(await self._redis.exists(self._keys.job(self.id)))
+
     async def _io_read_record(self, op) -> dict:
         return await self._redis.hgetall(self._keys.job(self.id))
 

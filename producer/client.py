@@ -107,6 +107,9 @@ class Job:
     def _io_read_events(self, op) -> list:
         return self._client.redis.xrange(self._keys.events(self.id), min=self._core.replay_from())
 
+    def _io_job_exists(self, op) -> bool:
+        return bool(self._client.redis.exists(self._keys.job(self.id)))
+
     def _io_read_record(self, op) -> dict:
         return self._client.redis.hgetall(self._keys.job(self.id))
 

@@ -25,6 +25,15 @@ class JobTimeout(TimeoutError):
     pass
 
 
+class JobNotFound(LookupError):
+    """The job has no record in Redis: an id no producer submitted (on this model), or a job whose
+    record expired (``result_ttl_s`` after it ended). Its stream and result can never come."""
+
+    def __init__(self, job_id: str):
+        super().__init__(f"job {job_id} is unknown, or its record expired (results are kept for result_ttl_s)")
+        self.job_id = job_id
+
+
 def build_request(model: str, kwargs: dict[str, Any]) -> GenerateRequest:
     """Validate a submission before anything reaches Redis (pydantic raises ValueError)."""
     if kwargs.get("id") is not None:  # ids are 128 random bits, never the caller's choice (guessable)

@@ -36,7 +36,7 @@ from ..shared import codec
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result
-from .common import (JobTimeout, StreamState, build_request, check_fits, entry_deltas, payload_deltas,
+from .common import (JobNotFound, JobTimeout, StreamState, build_request, check_fits, entry_deltas, payload_deltas,
                      result_from_hash)
 
 log = logging.getLogger("mlxq.producer")
@@ -143,11 +143,13 @@ def parse_text(out, schema: type[BaseModel]) -> tuple[Any, Optional[str]]:
 class Op:
     """A read with no argument: ``receive`` (reply: the next live message, None after ``WAIT_S``
     quiet, ``SYNC`` to re-read the record; subscribes first when not subscribed), ``read_events``
-    (reply: the event-stream entries after ``JobCore.last_id``), ``read_record`` (the job's hash)."""
+    (reply: the event-stream entries after ``JobCore.last_id``), ``read_record`` (the job's hash),
+    ``job_exists`` (reply: whether the job's hash exists)."""
     name: str
 
 
 RECEIVE, READ_EVENTS, READ_RECORD = Op("receive"), Op("read_events"), Op("read_record")
+JOB_EXISTS = Op("job_exists")
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,11 @@ class JobCore:
         gap shows; else the live message."""
         data = yield RECEIVE
         if data is None or data == SYNC:
-            return self.feed_record((yield READ_EVENTS))
+            out = self.feed_record((yield READ_EVENTS))
+            # quiet and nothing new: a job with no record (unknown, expired) never ends; say so
+            if data is None and not out and not self.state.done and not (yield JOB_EXISTS):
+                raise JobNotFound(self.id)
+            return out
         out = feed_message(self.state, data)
         if not self.state.gap:
             return out
@@ -250,7 +256,10 @@ class JobCore:
         return self.feed_record((yield READ_EVENTS))
 
     def _poll_result(self, deadline: Optional[float]) -> Step:
-        res = result_from_hash(self.id, (yield READ_RECORD))
+        record = yield READ_RECORD
+        if not record:  # no hash at all: unknown or expired (a queued or running job has one)
+            raise JobNotFound(self.id)
+        res = result_from_hash(self.id, record)
         if res is not None:
             self.result = with_parsed(res, self.schema)
             return []

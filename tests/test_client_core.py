@@ -418,6 +418,19 @@ def test_a_live_delta_of_one_sample_survives_a_failed_read_after_a_gap_in_anothe
         r.close()
 
 
+def test_a_job_with_no_record_raises_job_not_found(side, redis_url):
+    """A handle on an id no producer submitted, or on a job whose record expired, waited for ever
+    (result(timeout=None)) or timed out as if the job were slow: an empty record was "not finished
+    yet". Now result() and stream() raise JobNotFound, a LookupError."""
+    from mlxq import JobNotFound
+
+    unknown = "0" * 32
+    job = side.call("job", unknown) if side.kind == "sync" else side.start(side.client.job, unknown).result(60)
+    for wait in (side.result(job), side.stream(job)):
+        err = wait.exception(timeout=60)
+        assert isinstance(err, JobNotFound) and isinstance(err, LookupError) and unknown in str(err)
+
+
 def test_a_long_prompt_is_prepared_off_the_event_loop(redis_url):
     """AsyncClient.submit validates, packs and (the gateway) tokenizes a long prompt on a worker thread:
     on the loop, a few MiB took seconds in which every other request and stream of the loop stood
