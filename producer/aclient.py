@@ -123,7 +123,11 @@ class AsyncJob:
         if self._pubsub is None:
             inbox: asyncio.Queue = asyncio.Queue()
             # returns once the server confirmed it: before the record is read (or the job enqueued)
-            await self._client.subscriber.subscribe(self._keys.channel(self.id), inbox)
+            try:
+                await self._client.subscriber.subscribe(self._keys.channel(self.id), inbox)
+            except BaseException:  # not confirmed (a cancel, a timeout): what was asked is undone
+                await self._client.subscriber.unsubscribe(self._keys.channel(self.id))
+                raise
             self._pubsub = inbox
         return self._pubsub
 
@@ -131,6 +135,19 @@ class AsyncJob:
         if self._pubsub is not None:
             self._pubsub = None
             await self._client.subscriber.unsubscribe(self._keys.channel(self.id))
+
+    def __del__(self):
+        # dropped while subscribed (fire and forget, or only status() polled): its messages piled up in
+        # an inbox for the client's lifetime. No await here: the inbox goes now, the server's
+        # subscription at the client's next submit (AsyncClient._unsubscribe_dropped)
+        try:
+            if self._pubsub is not None:
+                self._pubsub = None
+                channel = self._keys.channel(self.id)
+                self._client.subscriber.forget(channel)
+                self._client._dropped.append(channel)
+        except Exception:  # noqa: BLE001 - never from a finalizer
+            pass
 
 
 # A prompt longer than this (characters) is prepared on a worker thread, not on the event loop.
@@ -170,6 +187,7 @@ class AsyncClient:
         self._url = url
         self._pins: dict = {}  # per-slot pins, when the cluster client keeps none itself
         self._own_subscriber = subscriber is None  # a shared one (the gateway's) is closed by its owner
+        self._dropped: list = []  # channels of jobs dropped while subscribed (AsyncJob.__del__)
         # one pub/sub connection per node for every job of this client; made here, not on first use
         self.subscriber: AsyncSubscriber = subscriber if subscriber is not None else AsyncSubscriber(self.redis)
         self.watch = watch or link_watch("mlxq async client", self.redis)
@@ -285,6 +303,7 @@ class AsyncClient:
                      idempotency_key: Optional[str] = None, session_id: Optional[str] = None,
                      subscribe: bool = True, _floor: Optional[str] = None, _source: str = "client",
                      _count_tokens=None, **params: Any) -> AsyncJob:
+        await self._unsubscribe_dropped()
         model = model or await self.model()
         args = (model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
                 known_model(model, await self._registry()), self.settings.max_prompt_bytes, _count_tokens)
@@ -297,13 +316,13 @@ class AsyncClient:
         keys = self.gkeys.model_keys(model)
         job = AsyncJob(self, prep.request.id, keys, None, None, prep.schema)
         deadline = time.monotonic() + self.settings.redis_outage_s
-        if subscribe:  # subscribed before the job exists; stream() also replays the durable record
-            await self._retry(job._ensure_pubsub, deadline)
         try:
+            if subscribe:  # subscribed before the job exists; stream() also replays the durable record
+                await self._retry(job._ensure_pubsub, deadline)
             # the same request under the same id: a retry after a lost reply is the same job
             enq = await self._retry(lambda: self._enqueue(model, prep.request.id, prep.payload, _floor,
                                                           idempotency_key), deadline)
-        except Exception:
+        except BaseException:  # a cancel too (a gateway client gone mid-submit): the channel stayed subscribed
             await job._close_pubsub()
             raise
         if enq.status == "duplicate":
@@ -311,6 +330,13 @@ class AsyncClient:
             return AsyncJob(self, enq.job_id, keys, None, enq, prep.schema)
         job.enqueued = enq
         return job
+
+    async def _unsubscribe_dropped(self) -> None:
+        while self._dropped:
+            try:
+                await self.subscriber.unsubscribe(self._dropped.pop())
+            except Exception:  # noqa: BLE001 - a lost link drops the subscription anyway
+                pass
 
     async def job(self, job_id: str, model: Optional[str] = None, response_format=None) -> AsyncJob:
         """As ``Client.job``."""

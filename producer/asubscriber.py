@@ -140,6 +140,10 @@ class AsyncSubscriber(Inboxes):
             await self.unsubscribe(ch)
             raise
 
+    def forget(self, channel: str | bytes) -> None:
+        """Drop the channel's inbox now (no await; the server's subscription stays until unsubscribe)."""
+        self._inboxes.pop(channel_bytes(channel), None)
+
     async def unsubscribe(self, channel: str | bytes) -> None:
         ch = channel_bytes(channel)
         self._inboxes.pop(ch, None)

@@ -431,6 +431,56 @@ def test_a_job_with_no_record_raises_job_not_found(side, redis_url):
         assert isinstance(err, JobNotFound) and isinstance(err, LookupError) and unknown in str(err)
 
 
+def test_the_async_client_leaves_no_subscription_behind_a_cancelled_submit_or_a_dropped_job(redis_url):
+    """A submit cancelled while it enqueues (a gateway client gone mid-request: the handler's task is
+    cancelled) kept the channel it had subscribed (``except Exception`` does not see the cancel); an
+    AsyncJob dropped without stream() or result() (fire and forget, status() polled) kept its
+    subscription and an inbox that filled with every delta for the client's lifetime. Now the
+    cancelled submit unsubscribes, and a dropped job's inbox goes at once, its server subscription at
+    the client's next submit. No worker serves "ghost"."""
+    import gc
+    import time
+
+    register_model(redis_url, "ghost", seen_at=time.time() + 10 * 365 * 86400)
+    r = redis.Redis.from_url(redis_url)
+
+    async def run():
+        client = AsyncClient(redis_url, model="ghost", settings=fast_settings(redis_url))
+        real, entered = client._enqueue, asyncio.Event()
+
+        async def stuck(*a, **kw):
+            entered.set()
+            await asyncio.Event().wait()  # a Redis call that does not come back
+            return await real(*a, **kw)
+
+        client._enqueue = stuck
+        task = asyncio.ensure_future(client.submit(prompt="a", max_tokens=2))
+        await entered.wait()
+        assert len(client.subscriber._inboxes) == 1  # subscribed before the enqueue
+        [chan] = list(client.subscriber._inboxes)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        cancelled = (len(client.subscriber._inboxes), r.pubsub_numsub(chan)[0][1])
+        client._enqueue = real
+        job = await client.submit(prompt="a", max_tokens=2)
+        dropped = GlobalKeys().model_keys("ghost").channel(job.id)
+        del job
+        gc.collect()
+        inbox_after_drop = len(client.subscriber._inboxes)
+        await client.submit(prompt="b", max_tokens=2, subscribe=False)  # the next submit unsubscribes it
+        server_after = r.pubsub_numsub(dropped)[0][1]
+        await client.aclose()
+        return cancelled, inbox_after_drop, server_after
+
+    try:
+        cancelled, inbox_after_drop, server_after = asyncio.run(run())
+    finally:
+        r.hdel(GlobalKeys().models, "ghost")
+        r.close()
+    assert cancelled == (0, 0) and inbox_after_drop == 0 and server_after == 0
+
+
 def test_a_long_prompt_is_prepared_off_the_event_loop(redis_url):
     """AsyncClient.submit validates, packs and (the gateway) tokenizes a long prompt on a worker thread:
     on the loop, a few MiB took seconds in which every other request and stream of the loop stood
