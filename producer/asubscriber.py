@@ -49,7 +49,10 @@ class _NodeReader:
             raise
         if self.task is None:
             self.task = asyncio.ensure_future(self.run())
-        await asyncio.wait_for(asyncio.shield(fut), timeout)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:  # as the sync subscriber: a message, and a pause the caller retries
+            raise redis.TimeoutError(f"subscription to {channel!r} not confirmed within {timeout}s") from None
         if self.failed:
             raise redis.ConnectionError(f"the pub/sub link to {self.node} dropped while subscribing")
 

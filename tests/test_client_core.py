@@ -481,6 +481,43 @@ def test_the_async_client_leaves_no_subscription_behind_a_cancelled_submit_or_a_
     assert cancelled == (0, 0) and inbox_after_drop == 0 and server_after == 0
 
 
+def test_an_unconfirmed_subscription_is_a_pause_for_the_async_client_as_for_the_sync_one(redis_url, monkeypatch):
+    """A subscription the server does not confirm in time (here its confirmations are dropped): the
+    async subscriber raised a bare TimeoutError, with no message, which the client did not take for
+    a pause, so submit() failed at once; the sync one raises redis.TimeoutError, a pause retried for
+    redis_outage_s. Now both do the same: retried, then RedisUnreachable naming the nodes tried."""
+    import time
+
+    from mlxq.producer import core
+    from mlxq.shared.connection import RedisUnreachable
+
+    register_model(redis_url, "ghost", seen_at=time.time() + 10 * 365 * 86400)
+    real_route = core.Inboxes.route
+
+    def route(self, reader, msg):
+        if msg["type"] in ("subscribe", "ssubscribe"):
+            return None  # the confirmation is lost
+        return real_route(self, reader, msg)
+
+    monkeypatch.setattr(core.Inboxes, "route", route)
+
+    async def run():
+        client = AsyncClient(redis_url, model="ghost", settings=fast_settings(redis_url, redis_outage_s=1.0))
+        client.subscriber.confirm_timeout = 0.2
+        try:
+            with pytest.raises(RedisUnreachable):
+                await client.submit(prompt="a", max_tokens=2)
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        r = redis.Redis.from_url(redis_url)
+        r.hdel(GlobalKeys().models, "ghost")
+        r.close()
+
+
 def test_a_long_prompt_is_prepared_off_the_event_loop(redis_url):
     """AsyncClient.submit validates, packs and (the gateway) tokenizes a long prompt on a worker thread:
     on the loop, a few MiB took seconds in which every other request and stream of the loop stood
