@@ -263,7 +263,8 @@ class ScriptCalls:
         now (requeue.lua), for ``reap`` to requeue or dead-letter it."""
         k = self.k
         return ("requeue", [k.job(job_id), k.inflight, k.queue, k.counts, k.wake, k.events(job_id), k.done(job_id),
-                            k.channel(job_id), k.sched], [job_id, owner, resume, error, self.s.result_ttl_s, self.pubcmd])
+                            k.channel(job_id), k.sched],
+                [job_id, owner, resume, error, self.s.result_ttl_s, self.pubcmd])
 
     def cancel(self, job_id: str, mode: str = "queue"):
         """``mode``: 'queue' (workers, trusted clients) or 'worker' (acting on a cancel request)."""

@@ -43,6 +43,20 @@ def acl_setup(redis_url, tiny_model):
         admin.close()
 
 
+@pytest.fixture
+def as_producer(acl_setup, redis_url):
+    """(admin client, the producer user's Client with the low key, its raw connection, the admin's Queue)."""
+    admin, purl = acl_setup
+    settings = fast_settings(redis_url)
+    producer = Client(purl, api_key=LOW_KEY, model="tiny", settings=settings)
+    raw = connect(purl)
+    try:
+        yield admin, producer, raw, Queue(admin, K, settings)
+    finally:
+        producer.close()
+        raw.close()
+
+
 def test_producer_user_cannot_choose_its_priority(acl_setup, redis_url, tiny_model):
     admin, purl = acl_setup
     settings = fast_settings(redis_url)
@@ -158,76 +172,62 @@ def test_a_producer_cannot_drop_other_producers_jobs_from_the_intake_list(acl_se
     raw.close()
 
 
-def test_what_a_producer_writes_into_its_admitted_job_decides_nothing(acl_setup, redis_url):
+def test_what_a_producer_writes_into_its_admitted_job_decides_nothing(as_producer):
     """A producer under the recipe may write its own job hash. Once a worker admitted the job, its
     tier, score and suspect flag live in a worker-only hash (sched): a requeue and the reaper put it
     back at the score the worker gave it (they read the hash's, so a forged score of 0, and a lease
     ended by deleting its owner field, put a low job at the head of the queue); pushing it on the
     intake list again admits nothing (each push counted it again, until the tier read as full); a
     forged error makes no suspect (a suspect drains the worker's engine and runs alone)."""
-    admin, purl = acl_setup
-    settings = fast_settings(redis_url)
-    producer = Client(purl, api_key=LOW_KEY, model="tiny", settings=settings)
-    raw = connect(purl)
-    q = Queue(admin, K, settings)
-    try:
-        job = producer.submit(prompt_tokens=[5, 6, 7], max_tokens=2)
-        assert q.admit() == (1, 0)
-        score = admin.zscore(K.queue, job.id)
-        counts = q.counts()
-        forged = {"tier": "high", "score": "-1000000000", "error": "forged", "admitted": ""}
-        # pushed again while queued: not admitted twice, not counted twice
-        raw.hdel(K.job(job.id), "admitted")
-        raw.rpush(K.intake, job.id)
-        assert q.admit() == (0, 0) and q.counts()["queued:low"] == counts["queued:low"]
-        [p] = q.pull(1, "w")
-        assert p.score == pytest.approx(score, abs=1e-5) and p.tier == "low"
-        raw.hset(K.job(job.id), mapping=forged)
-        assert q.requeue(job.id, f"w:{p.attempt}") == 1  # a preemption
-        assert admin.zscore(K.queue, job.id) == pytest.approx(score, abs=1e-5) and q.counts()["queued:low"] == counts["queued:low"]
-        [p] = q.pull(1, "w")
-        assert p.suspect == "" and p.tier == "low" and p.score == pytest.approx(score, abs=1e-5)
-        raw.hset(K.job(job.id), mapping=forged)
-        raw.hdel(K.job(job.id), "owner")  # ends the lease: the reaper requeues it
-        admin.zadd(K.inflight, {job.id: 0}, xx=True)  # (its lease expired)
-        assert q.reap() == (1, 0, 0)
-        assert admin.zscore(K.queue, job.id) == pytest.approx(score, abs=1e-5) and q.counts()["queued:low"] == counts["queued:low"]
-        tier, kept, suspect = admin.hget(K.sched, job.id).split()
-        assert tier == b"low" and float(kept) == pytest.approx(score, abs=1e-5) and suspect == b"0"
-        assert job.cancel() == "cancelling" and q.cancel(job.id, mode="worker") == "cancelled"  # as a worker acts
-        assert not admin.hexists(K.sched, job.id)  # the entry ends with the job
-    finally:
-        producer.close()
-        raw.close()
+    admin, producer, raw, q = as_producer
+    job = producer.submit(prompt_tokens=[5, 6, 7], max_tokens=2)
+    assert q.admit() == (1, 0)
+    score = admin.zscore(K.queue, job.id)
+    counts = q.counts()
+    forged = {"tier": "high", "score": "-1000000000", "error": "forged", "admitted": ""}
+    # pushed again while queued: not admitted twice, not counted twice
+    raw.hdel(K.job(job.id), "admitted")
+    raw.rpush(K.intake, job.id)
+    assert q.admit() == (0, 0) and q.counts()["queued:low"] == counts["queued:low"]
+    [p] = q.pull(1, "w")
+    assert p.score == pytest.approx(score, abs=1e-5) and p.tier == "low"
+    raw.hset(K.job(job.id), mapping=forged)
+    assert q.requeue(job.id, f"w:{p.attempt}") == 1  # a preemption
+    assert admin.zscore(K.queue, job.id) == pytest.approx(score, abs=1e-5)
+    assert q.counts()["queued:low"] == counts["queued:low"]
+    [p] = q.pull(1, "w")
+    assert p.suspect == "" and p.tier == "low" and p.score == pytest.approx(score, abs=1e-5)
+    raw.hset(K.job(job.id), mapping=forged)
+    raw.hdel(K.job(job.id), "owner")  # ends the lease: the reaper requeues it
+    admin.zadd(K.inflight, {job.id: 0}, xx=True)  # (its lease expired)
+    assert q.reap() == (1, 0, 0)
+    assert admin.zscore(K.queue, job.id) == pytest.approx(score, abs=1e-5)
+    assert q.counts()["queued:low"] == counts["queued:low"]
+    tier, kept, suspect = admin.hget(K.sched, job.id).split()
+    assert tier == b"low" and float(kept) == pytest.approx(score, abs=1e-5) and suspect == b"0"
+    assert job.cancel() == "cancelling" and q.cancel(job.id, mode="worker") == "cancelled"  # as a worker acts
+    assert not admin.hexists(K.sched, job.id)  # the entry ends with the job
 
 
-def test_an_admitted_job_whose_record_vanished_leaves_no_count_behind(acl_setup, redis_url):
+def test_an_admitted_job_whose_record_vanished_leaves_no_count_behind(as_producer):
     """A producer may expire its own job's record (EXPIRE 0 deletes it). Queued, the job is then
     garbage to pull, and its queued count goes with it; running, the reaper drops it and its running
     count goes with it. Both counts stayed, one more each time (a tier read as fuller than it was)."""
-    admin, purl = acl_setup
-    settings = fast_settings(redis_url)
-    producer = Client(purl, api_key=LOW_KEY, model="tiny", settings=settings)
-    raw = connect(purl)
-    q = Queue(admin, K, settings)
-    try:
-        before = q.counts()
-        a, b = (producer.submit(prompt_tokens=[5, 6, i], max_tokens=2) for i in (7, 8))
-        assert q.admit() == (2, 0)
-        [p] = q.pull(1, "w")
-        assert p.job_id == a.id  # a runs, b waits
-        raw.expire(K.job(a.id), 0)
-        raw.expire(K.job(b.id), 0)
-        assert [x.kind for x in q.pull(1, "w")] == ["garbage"]  # b
-        admin.zadd(K.inflight, {a.id: 0}, xx=True)  # (a's lease expired)
-        q.reap()
-        after = q.counts()
-        for name in ("queued:low", "running"):
-            assert after.get(name, 0) == before.get(name, 0), name
-        assert not admin.hexists(K.sched, a.id) and not admin.hexists(K.sched, b.id)
-    finally:
-        producer.close()
-        raw.close()
+    admin, producer, raw, q = as_producer
+    before = q.counts()
+    a, b = (producer.submit(prompt_tokens=[5, 6, i], max_tokens=2) for i in (7, 8))
+    assert q.admit() == (2, 0)
+    [p] = q.pull(1, "w")
+    assert p.job_id == a.id  # a runs, b waits
+    raw.expire(K.job(a.id), 0)
+    raw.expire(K.job(b.id), 0)
+    assert [x.kind for x in q.pull(1, "w")] == ["garbage"]  # b
+    admin.zadd(K.inflight, {a.id: 0}, xx=True)  # (a's lease expired)
+    q.reap()
+    after = q.counts()
+    for name in ("queued:low", "running"):
+        assert after.get(name, 0) == before.get(name, 0), name
+    assert not admin.hexists(K.sched, a.id) and not admin.hexists(K.sched, b.id)
 
 
 def test_a_producer_that_skips_check_meets_the_bound_at_admission(acl_setup, redis_url):

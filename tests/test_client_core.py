@@ -111,6 +111,18 @@ def register_model(url: str, name: str, **info) -> None:
     r.close()
 
 
+@pytest.fixture
+def ghost(redis_url):
+    """Model "ghost" in the registry (seen for years to come), served by no worker; its keys."""
+    import time
+
+    register_model(redis_url, "ghost", seen_at=time.time() + 10 * 365 * 86400)
+    yield GlobalKeys().model_keys("ghost")
+    r = redis.Redis.from_url(redis_url)
+    r.hdel(GlobalKeys().models, "ghost")
+    r.close()
+
+
 def stored_request(url: str, job) -> dict:
     r = redis.Redis.from_url(url)
     try:
@@ -277,6 +289,25 @@ def test_prepare_leaves_dict_formats_alone():
         prepare("tiny", {"prompt": "a" * 100}, None, 50)
 
 
+def first_delta(side, job):
+    """The first delta of a new stream() of ``job``, the stream then left (closed)."""
+    if side.kind == "sync":
+        def first():
+            deltas = job.stream(timeout=30)
+            try:
+                return next(deltas)
+            finally:
+                deltas.close()
+    else:
+        async def first():
+            deltas = job.stream(timeout=30)
+            try:
+                return await deltas.__anext__()
+            finally:
+                await deltas.aclose()
+    return side.start(first).result(timeout=60)
+
+
 def test_a_stream_left_early_unsubscribes_and_the_next_one_goes_on(side, redis_url):
     """A caller that leaves a stream before its end (a break, or the gateway ending an SSE when one
     of n samples fails) unsubscribes the job's channel: it stayed subscribed for as long as the
@@ -301,21 +332,7 @@ def test_a_stream_left_early_unsubscribes_and_the_next_one_goes_on(side, redis_u
 
         assert subscribers() == 1  # subscribed before the job was queued
         write(Delta(seq=1, text="a", token_ids=[5]))
-        if side.kind == "sync":
-            def first():
-                deltas = job.stream(timeout=30)
-                try:
-                    return next(deltas)
-                finally:
-                    deltas.close()
-        else:
-            async def first():
-                deltas = job.stream(timeout=30)
-                try:
-                    return await deltas.__anext__()
-                finally:
-                    await deltas.aclose()
-        assert side.start(first).result(timeout=60).text == "a"
+        assert first_delta(side, job).text == "a"
         assert wait_for(lambda: subscribers() == 0, timeout=10)
         write(Delta(seq=2, index=1, offset=1, text="b", token_ids=[6], finish_reason="stop"))
         rest = side.stream(job, timeout=30).result(timeout=60)
@@ -346,21 +363,7 @@ def test_a_stream_left_mid_batch_keeps_the_rest_for_the_next_stream(side, redis_
                                                                  token_ids=[5 + i]).to_wire())})
         r.xadd(keys.events(job.id), {"d": codec.pack(Delta(seq=6, index=5, offset=5, text="",
                                                              finish_reason="stop").to_wire())})
-        if side.kind == "sync":
-            def first():
-                deltas = job.stream(timeout=30)
-                try:
-                    return next(deltas)
-                finally:
-                    deltas.close()
-        else:
-            async def first():
-                deltas = job.stream(timeout=30)
-                try:
-                    return await deltas.__anext__()
-                finally:
-                    await deltas.aclose()
-        assert side.start(first).result(timeout=60).text == "a"
+        assert first_delta(side, job).text == "a"
         rest = side.stream(job, timeout=30).result(timeout=60)
         assert [d.text for d in rest] == ["b", "c", "d", "e", ""] and rest[-1].finish_reason == "stop"
     finally:
@@ -481,17 +484,15 @@ def test_the_async_client_leaves_no_subscription_behind_a_cancelled_submit_or_a_
     assert cancelled == (0, 0) and inbox_after_drop == 0 and server_after == 0
 
 
-def test_an_unconfirmed_subscription_is_a_pause_for_the_async_client_as_for_the_sync_one(redis_url, monkeypatch):
+def test_an_unconfirmed_subscription_is_a_pause_for_the_async_client_as_for_the_sync_one(redis_url, ghost,
+                                                                                        monkeypatch):
     """A subscription the server does not confirm in time (here its confirmations are dropped): the
     async subscriber raised a bare TimeoutError, with no message, which the client did not take for
     a pause, so submit() failed at once; the sync one raises redis.TimeoutError, a pause retried for
     redis_outage_s. Now both do the same: retried, then RedisUnreachable naming the nodes tried."""
-    import time
-
     from mlxq.producer import core
     from mlxq.shared.connection import RedisUnreachable
 
-    register_model(redis_url, "ghost", seen_at=time.time() + 10 * 365 * 86400)
     real_route = core.Inboxes.route
 
     def route(self, reader, msg):
@@ -510,24 +511,16 @@ def test_an_unconfirmed_subscription_is_a_pause_for_the_async_client_as_for_the_
         finally:
             await client.aclose()
 
-    try:
-        asyncio.run(run())
-    finally:
-        r = redis.Redis.from_url(redis_url)
-        r.hdel(GlobalKeys().models, "ghost")
-        r.close()
+    asyncio.run(run())
 
 
-def test_a_long_prompt_is_prepared_off_the_event_loop(redis_url):
+def test_a_long_prompt_is_prepared_off_the_event_loop(redis_url, ghost):
     """AsyncClient.submit validates, packs and (the gateway) tokenizes a long prompt on a worker thread:
     on the loop, a few MiB took seconds in which every other request and stream of the loop stood
     still. Here the prompt's token counter returns only once the loop has run a task of its own, which
     it can do only if the counter is not running on it."""
-    import time
-
     from mlxq.producer.aclient import OFF_LOOP_CHARS
 
-    register_model(redis_url, "ghost", seen_at=time.time() + 10 * 365 * 86400)
     loop_ran = threading.Event()
     counted = []
 
@@ -544,10 +537,5 @@ def test_a_long_prompt_is_prepared_off_the_event_loop(redis_url):
             await job.cancel()
 
     loop = None
-    try:
-        asyncio.run(run())
-    finally:
-        r = redis.Redis.from_url(redis_url)
-        r.hdel(GlobalKeys().models, "ghost")
-        r.close()
+    asyncio.run(run())
     assert counted == [True]

@@ -5,7 +5,8 @@
 -- ARGV: 1 id, 2 request (msgpack), 3 sha256 of the API key ('' for none), 4 tier floor ('' for none),
 --       5 use idempotency key ('1'/'0'), 6 idempotency ttl (s)
 -- Returns {status, job id, score | reason, server time};
--- status in ok | duplicate | overload | exists | invalid_id | invalid_idempotency_key | unauthorized | unsynced (no policy copy in this slot yet)
+-- status in ok | duplicate | overload | exists | invalid_id | invalid_idempotency_key | unauthorized |
+-- unsynced (no policy copy in this slot yet)
 local id = ARGV[1]
 -- a job id is 32 lowercase hex digits (pull and admit take no other: a job under any other id
 -- would wait for ever, queued for nobody)
