@@ -26,7 +26,7 @@ local admitted, refused = 0, 0
 for i, id in ipairs(ids) do
   local base = 7 + (i - 1) * 4
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
-  if #id == 32 and not string.find(id, '[^0-9a-f]') then
+  if mlxq_is_job_id(id) then
     local ktype = redis.call('TYPE', jk)
     if type(ktype) == 'table' then ktype = ktype['ok'] end
     if ktype == 'hash' then

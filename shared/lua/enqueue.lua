@@ -10,7 +10,7 @@
 local id = ARGV[1]
 -- a job id is 32 lowercase hex digits (pull and admit take no other: a job under any other id
 -- would wait for ever, queued for nobody)
-if #id ~= 32 or string.find(id, '[^0-9a-f]') then return {'invalid_id', id, '', ''} end
+if not mlxq_is_job_id(id) then return {'invalid_id', id, '', ''} end
 if redis.call('EXISTS', KEYS[8]) == 0 then return {'unsynced', id, '', ''} end
 local tier, why = mlxq_tier(KEYS[7], KEYS[8], ARGV[3], ARGV[4])
 if not tier then return {'unauthorized', id, why, ''} end

@@ -45,7 +45,7 @@ for _, entry in ipairs(popped) do
   local id, base = entry[1], entry[3]
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local why, status, sd = nil, nil, nil
-  if #id ~= 32 or string.find(id, '[^0-9a-f]') then
+  if not mlxq_is_job_id(id) then
     why = 'queue member is not a job id (32 hex digits)'
   else
     local ktype = redis.call('TYPE', jk)
@@ -76,7 +76,7 @@ for _, entry in ipairs(popped) do
   if why then
     -- an admitted job (so counted) whose record vanished (expired, deleted) or went bad: its count and
     -- its entry go with it (a member forged into the queue has neither)
-    local gone = #id == 32 and not string.find(id, '[^0-9a-f]') and mlxq_sched(KEYS[6], id)
+    local gone = mlxq_is_job_id(id) and mlxq_sched(KEYS[6], id)
     if gone then
       redis.call('HINCRBY', KEYS[3], 'queued:' .. gone.tier, -1)
       redis.call('HDEL', KEYS[6], id)

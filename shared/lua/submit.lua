@@ -11,7 +11,7 @@
 local id = ARGV[1]
 -- a job id is 32 lowercase hex digits (pull and admit take no other: a job under any other id
 -- would wait for ever, queued for nobody)
-if #id ~= 32 or string.find(id, '[^0-9a-f]') then return {'invalid_id', id, '', ''} end
+if not mlxq_is_job_id(id) then return {'invalid_id', id, '', ''} end
 if ARGV[5] == '1' then
   -- the key is scoped to the caller's API key (ModelKeys.idempotency): one named for another scope
   -- would find, or squat, another producer's job
