@@ -103,7 +103,8 @@ def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Opti
             if not inflight:
                 return
             _, sub = inflight[0]
-            res = sub if isinstance(sub, Result) else client.job(sub.job_id, sub.model, sub.schema).result(timeout=timeout)
+            res = (sub if isinstance(sub, Result)
+                   else client.job(sub.job_id, sub.model, sub.schema).result(timeout=timeout))
             inflight.popleft()
             yield res
     finally:

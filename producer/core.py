@@ -23,7 +23,6 @@ set of assertions against both.
 from __future__ import annotations
 
 import collections
-
 import logging
 import time
 from dataclasses import dataclass
@@ -214,8 +213,6 @@ class JobCore:
         if self.undelivered:  # what an earlier stream() read and did not hand out
             yield EMIT
         yield from self._until(self._next_batch, lambda: self.state.done, timeout)
-        if self.undelivered:
-            yield EMIT
 
     def wait_result(self, timeout: Optional[float]) -> Step:
         """The final result, read from the job's hash; waits on its done list in between."""

@@ -311,10 +311,8 @@ class RqBridge:
         expired, e.g. its result TTL ran out while the bridge was down, or it was deleted): its result
         cannot be read any more, so the rq job fails with a message saying so, or ends cancelled if it
         was cancelled in rq."""
-        try:
-            rq_job = RqJob.fetch(p.rq_id, connection=self.redis, serializer=SafePickle)
-        except NoSuchJobError:
-            self.redis.hdel(self.gkeys.rq_pending, p.rq_id)
+        rq_job = self._rq_job(p)
+        if rq_job is None:
             return
         if rq_status in (JobStatus.CANCELED.value, JobStatus.STOPPED.value):
             self._mirror_cancel(rq_job)
@@ -323,11 +321,17 @@ class RqBridge:
                                          "bridge read its result, or deleted); its result is lost")
         log.warning("job=%s attempt=%d record gone before it was mirrored into rq job %s", p.job_id, 0, p.rq_id)
 
-    def _mirror_result(self, p: Pending, res: Result) -> None:
+    def _rq_job(self, p: Pending) -> Optional[RqJob]:
+        """The rq job ``p`` mirrors into, or None (and it is pending no more) once rq deleted it."""
         try:
-            rq_job = RqJob.fetch(p.rq_id, connection=self.redis, serializer=SafePickle)
+            return RqJob.fetch(p.rq_id, connection=self.redis, serializer=SafePickle)
         except NoSuchJobError:
             self.redis.hdel(self.gkeys.rq_pending, p.rq_id)
+            return None
+
+    def _mirror_result(self, p: Pending, res: Result) -> None:
+        rq_job = self._rq_job(p)
+        if rq_job is None:
             return
         if res.finish_reason not in ("error", "cancelled"):  # stop, length, tool_calls: an answer
             self._mirror_success(rq_job, result_payload(res))

@@ -9,7 +9,6 @@ The price: one model's queue lives on one cluster shard (see README, scale-out).
 from __future__ import annotations
 
 import hashlib
-
 import re
 
 _BAD_MODEL_CHARS = re.compile(r"[{}\s]")
