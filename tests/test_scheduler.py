@@ -104,6 +104,28 @@ class Harness(PagedEngine):
         self.bm.check_invariants()
         return tokens, finished, preempted
 
+    def run_resuming(self, specs, max_steps=400):
+        """Add ``specs`` and step; each preempted sequence comes back as the worker resumes it (all it
+        generated becomes context, the rest of max_tokens is still to come), its record holding every
+        token it emitted. (tokens per uid, the preempted records)."""
+        from dataclasses import replace
+
+        specs = {s.uid: s for s in specs}
+        self.scheduler.add(list(specs.values()))
+        tokens, preempted = {}, []
+        for _ in range(max_steps):
+            if not self.scheduler.has_work():
+                break
+            events, pre = self.step()
+            for e in events:
+                tokens.setdefault(e.uid, []).append(e.token)
+            for p in pre:
+                preempted.append(p)
+                assert p.tokens == tokens.get(p.uid, [])
+                s = specs[p.uid]
+                self.scheduler.add([replace(s, resume_tokens=list(p.tokens), max_tokens=s.max_tokens - len(p.tokens))])
+        return tokens, preempted
+
 
 def _solo(prompt, n):
     h = Harness(num_blocks=64)
@@ -183,24 +205,11 @@ def test_with_no_priority_gap_equals_never_preempt_each_other():
     n samples of a job share its score) preempted each other at every step, and neither finished.
     A pool that holds one of them at a time; each goes back to the waiting list when preempted, as
     the worker re-adds it."""
-    from dataclasses import replace
-
     h = Harness(num_blocks=6, priority_gap=0.0, max_batch=2, pressure=1.0, decode_reserve_blocks=0,
                 chunk_schedule=((None, 4),), step_token_budget=4)
     specs = {u: SeqSpec(u, [i + 1] * 13, 4, priority=7.0, stop_token_ids=()) for i, u in enumerate(("a", "b"))}
-    h.scheduler.add(list(specs.values()))
-    tokens, preemptions = {}, 0
-    for _ in range(400):
-        if not h.scheduler.has_work():
-            break
-        events, pre = h.step()
-        for e in events:
-            tokens.setdefault(e.uid, []).append(e.token)
-        for p in pre:
-            preemptions += 1
-            s = specs[p.uid]
-            h.scheduler.add([replace(s, resume_tokens=list(p.tokens), max_tokens=s.max_tokens - len(p.tokens))])
-    assert not h.scheduler.has_work(), f"still working after 400 steps, {preemptions} preemptions"
+    tokens, preempted = h.run_resuming(list(specs.values()))
+    assert not h.scheduler.has_work(), f"still working after 400 steps, {len(preempted)} preemptions"
     assert {u: len(t) for u, t in tokens.items()} == {"a": 4, "b": 4} and tokens["a"] == _solo(specs["a"].prompt, 4)
     h.bm.check_invariants()
     assert h.bm.num_used == 0
@@ -224,21 +233,8 @@ def test_a_context_larger_than_the_pool_ends_at_once_and_blocks_nobody():
 def test_a_full_pool_mid_decode_preempts_and_the_victim_resumes_exactly():
     prompt_a, prompt_b = [1] * 7, [2] * 7
     h = Harness(num_blocks=6, pressure=1.0, decode_reserve_blocks=0)
-    h.scheduler.add([SeqSpec("a", prompt_a, 12, stop_token_ids=()),
-                 SeqSpec("b", prompt_b, 12, stop_token_ids=(), priority=1.0)])
-    tokens, _, preempted = {}, {}, []
-    for _ in range(200):
-        if not h.scheduler.has_work():
-            break
-        events, pre = h.step()
-        for e in events:
-            tokens.setdefault(e.uid, []).append(e.token)
-        for p in pre:
-            preempted.append(p)
-            assert p.tokens == tokens.get(p.uid, [])
-            # the worker's resume: everything generated becomes context, the rest is still to come
-            h.scheduler.add([SeqSpec(p.uid, prompt_b, 12 - len(p.tokens), resume_tokens=p.tokens,
-                                 stop_token_ids=(), priority=1.0)])
+    tokens, preempted = h.run_resuming([SeqSpec("a", prompt_a, 12, stop_token_ids=()),
+                                        SeqSpec("b", prompt_b, 12, stop_token_ids=(), priority=1.0)], max_steps=200)
     assert preempted and {p.uid for p in preempted} == {"b"}
     assert tokens["a"] == _solo(prompt_a, 12)
     assert tokens["b"] == _solo(prompt_b, 12)
