@@ -1,6 +1,7 @@
 """PagedEngine end to end: greedy equality with dense mlx-lm, prefix cache,
 admission, preemption + resume, chunked prefill, sessions, no block leaks."""
 
+import os
 import random
 from dataclasses import replace
 
@@ -252,6 +253,60 @@ def test_session_hot_then_warm_across_restart(model, tmp_path):
     st = eng2.stats()
     assert st["session_restores"] == 1 and st["prefix_hit_tokens"] == 96
     assert out3["t3"] == dense(model, turn3, 5)
+
+
+def test_session_file_of_another_shape_is_ignored_not_fatal(model, tmp_path):
+    """A session file written by another model served under the same name (other heads), or one
+    whose metadata is damaged, is logged and ignored: the turn runs as if there were none."""
+    turn1 = _prompts(13, 1, 80, 80)[0]
+    other = PagedEngine(random_llama(1, hidden_size=64, heads=4, kv_heads=4), num_blocks=32,
+                        session_dir=str(tmp_path), model_id="tiny")
+    out, _, _ = run(other, [SeqSpec("t1", turn1, 20, session_id="chat")])
+    other.close()
+    assert other.sessions.warm_count() == 1
+    turn2 = turn1 + out["t1"] + [1, 2, 3]
+    eng = PagedEngine(model, num_blocks=32, session_dir=str(tmp_path), model_id="tiny")
+    out2, _, _ = run(eng, [SeqSpec("t2", turn2, 5, session_id="chat")])
+    assert out2["t2"] == dense(model, turn2, 5) and eng.stats()["session_restores"] == 0
+    _assert_no_leak(eng)
+
+    path = eng.sessions.path("chat")
+    data, meta = mx.load(path, return_metadata=True)
+    for bad in ({**meta, "tokens": "not json"}, {k: v for k, v in meta.items() if k != "tokens"},
+                {**meta, "tokens": "[1, 2, 3]"}):
+        mx.save_safetensors(path, data, metadata=bad)
+        assert eng.sessions.load("chat") is None
+
+
+def test_session_spill_survives_a_concurrent_spill_and_a_full_disk(model, tmp_path, monkeypatch):
+    """Two workers sharing the directory may spill one session at once: each writes its own
+    temporary, so both renames succeed. A spill that cannot be written is logged, not raised."""
+    from mlxq.worker.engine import sessions as sessions_mod
+
+    eng = PagedEngine(model, num_blocks=32, session_dir=str(tmp_path), model_id="tiny")
+    peer = sessions_mod.SessionFiles(str(tmp_path), "tiny", eng.pool)
+    run(eng, [SeqSpec("t1", _prompts(14, 1, 80, 80)[0], 20, session_id="chat")])
+    real_save, nested = mx.save_safetensors, []
+
+    def save_with_peer_inside(path, data, metadata):
+        real_save(path, data, metadata=metadata)
+        if not nested:  # the other worker's whole spill lands between this write and its rename
+            nested.append(path)
+            peer.save("chat", [1] * 32, eng.pool.read_blocks([0]))
+
+    monkeypatch.setattr(sessions_mod.mx, "save_safetensors", save_with_peer_inside)
+    eng.close()
+    assert nested and eng.sessions.load("chat") is not None
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(eng.sessions.path("chat"))]
+
+    def full_disk(path, data, metadata):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sessions_mod.mx, "save_safetensors", full_disk)
+    eng2 = PagedEngine(model, num_blocks=32, session_dir=str(tmp_path / "d2"), model_id="tiny")
+    run(eng2, [SeqSpec("t2", _prompts(15, 1, 80, 80)[0], 5, session_id="other")])
+    eng2.close()
+    assert eng2.stats()["blocks_used"] == 0 and os.listdir(tmp_path / "d2") == []
 
 
 def test_sessions_spill_under_pressure(model, tmp_path):
