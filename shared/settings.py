@@ -10,6 +10,8 @@ directory's default lives.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -23,6 +25,13 @@ MATMUL_MODES = ("auto", "pool", "mlx")
 BLOCK_SIZE = 32  # tokens per KV block: the only size the engine and its kernels are built and tested for
 # prefill chunk size by prompt position: (positions below this, chunk tokens); None: every later position
 DEFAULT_CHUNK_SCHEDULE = ((2048, 512), (8192, 256), (20480, 128), (None, 64))
+MAX_IDLE_BLOCK_S = 10.0  # connections read with a 20 s timeout (shared/connection.py)
+# MLXQ_* variables read elsewhere (the CLI's defaults, the BLAS set-up, the extension, the tests):
+# any other MLXQ_* name that is not a setting is reported as unknown (a misspelt setting)
+OTHER_ENV = frozenset({"MLXQ_MODEL", "MLXQ_API_KEY", "MLXQ_LOG_LEVEL", "MLXQ_LOG_FORMAT", "MLXQ_CACHE_DIR",
+                       "MLXQ_BLAS", "MLXQ_BLAS_LIB", "MLXQ_BLAS_THREADS", "MLXQ_ATTN_ISA", "MLXQ_ATTN_THREADS",
+                       "MLXQ_POOL_SPIN_US", "MLXQ_TEST_MODEL_SEED"})
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -224,14 +233,22 @@ class Settings:
             ("max_queued_per_tier", self.max_queued_per_tier >= 1, pos),
             ("lease_s", self.lease_s > 0, pos),
             ("max_attempts", self.max_attempts >= 1, pos),
+            ("heartbeat_s", self.heartbeat_s > 0, pos),
             ("heartbeat_s", self.heartbeat_s < self.lease_s, "heartbeat_s must be shorter than lease_s"),
+            ("tier_offsets", all(math.isfinite(v) for v in self.tier_offsets.values()), "offsets must be finite numbers"),
+            ("result_ttl_s", self.result_ttl_s >= 1, "must be at least 1 (seconds results and streams are kept)"),
+            ("idempotency_ttl_s", self.idempotency_ttl_s >= 1, "must be at least 1"),
+            ("idle_block_s", 0 < self.idle_block_s <= MAX_IDLE_BLOCK_S,
+             f"must be above 0 and at most {MAX_IDLE_BLOCK_S:g} (a blocking pull returns well inside the "
+             "connection's read timeout)"),
+            ("stats_interval_s", self.stats_interval_s > 0, pos),
             ("prefix", "{" not in self.prefix and "}" not in self.prefix,
              "prefix must not contain braces (they delimit Redis Cluster hash tags)"),
             ("max_new_tokens", self.max_new_tokens >= 1, pos),
             ("gather_ms", self.gather_ms >= 0, "must not be negative"),
             ("grace_s", self.grace_s >= 0, "must not be negative"),
-            ("metrics_port", self.metrics_port is None or 0 <= self.metrics_port <= 65535,
-             "must be a port number, 0 to 65535"),
+            ("metrics_port", self.metrics_port is None or 1 <= self.metrics_port <= 65535,
+             "must be a port number, 1 to 65535"),
             ("max_batch", self.max_batch is None or self.max_batch >= 1, "must be at least 1"),
             ("kv_memory_mb", self.kv_memory_mb is None or self.kv_memory_mb > 0, pos),
             ("kv_blocks", self.kv_blocks is None or self.kv_blocks >= 2, "must be at least 2"),
@@ -255,6 +272,11 @@ class Settings:
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
         """Settings from ``MLXQ_<NAME>`` variables; ``overrides`` (e.g. command-line values) win where not None."""
         env = os.environ if env is None else env
+        unknown = sorted(k for k in env if k.startswith("MLXQ_") and k not in OTHER_ENV
+                         and k[len("MLXQ_"):].lower() not in _FIELD_NAMES)
+        if unknown:
+            log.warning("unknown MLXQ_ variables ignored: %s (the settings' variables are in "
+                        "`mlxq worker --help` and README.md)", ", ".join(unknown))
         values: dict = {}
         for f in fields(cls):
             raw = env.get(env_var(f.name))
@@ -289,6 +311,9 @@ class Settings:
             value = mask_url(value)
         show = f.metadata.get("show")
         return show(value) if show and value is not None else str(value)
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(Settings))
 
 
 def _valid_chunks(schedule) -> bool:

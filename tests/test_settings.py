@@ -106,11 +106,30 @@ def test_old_flags_and_env_vars_still_work(clean_env):
     ({"MLXQ_ATTENTION": "fast"}, "must be one of auto, fused, gather"),
     ({"MLXQ_CHUNK_SCHEDULE": "*:64,512:128"}, "increasing positions"),
     ({"MLXQ_HEARTBEAT_S": "40"}, "heartbeat_s must be shorter than lease_s"),
+    # each of these was accepted and then broke the worker or lost data
+    ({"MLXQ_IDLE_BLOCK_S": "-1"}, "idle_block_s=-1.0 (MLXQ_IDLE_BLOCK_S / --idle-block-s): must be above 0"),
+    ({"MLXQ_IDLE_BLOCK_S": "0"}, "must be above 0 and at most 10"),
+    ({"MLXQ_IDLE_BLOCK_S": "30"}, "must be above 0 and at most 10"),
+    ({"MLXQ_RESULT_TTL_S": "0"}, "result_ttl_s=0 (MLXQ_RESULT_TTL_S / --result-ttl-s): must be at least 1"),
+    ({"MLXQ_IDEMPOTENCY_TTL_S": "0"}, "idempotency_ttl_s=0 (MLXQ_IDEMPOTENCY_TTL_S): must be at least 1"),
+    ({"MLXQ_HEARTBEAT_S": "0"}, "heartbeat_s=0.0 (MLXQ_HEARTBEAT_S / --heartbeat-s): must be positive"),
+    ({"MLXQ_STATS_INTERVAL_S": "-2"}, "stats_interval_s=-2.0 (MLXQ_STATS_INTERVAL_S / --stats-interval-s): must be"),
+    ({"MLXQ_TIER_OFFSETS": "high=nan"}, "offsets must be finite numbers"),
+    ({"MLXQ_METRICS_PORT": "0"}, "must be a port number, 1 to 65535"),
 ])
 def test_a_bad_value_is_refused_with_a_clear_message(env, words):
     with pytest.raises(ValueError) as err:
         Settings.from_env(env)
     assert words in str(err.value)
+
+
+def test_a_misspelt_variable_is_reported(caplog):
+    with caplog.at_level("WARNING", logger="mlxq.shared.settings"):
+        s = Settings.from_env({"MLXQ_LEASE": "60", "MLXQ_LEASE_S": "60", "MLXQ_CACHE_DIR": "/c", "MLXQ_BLAS": "off"})
+    assert s.lease_s == 60.0
+    assert [r.getMessage() for r in caplog.records if "unknown MLXQ_" in r.getMessage()] == [
+        "unknown MLXQ_ variables ignored: MLXQ_LEASE (the settings' variables are in `mlxq worker --help` "
+        "and README.md)"]
 
 
 def _worker(env_extra: dict, *argv: str) -> subprocess.CompletedProcess:
