@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -99,3 +100,40 @@ def test_the_host_thread_changes_no_output(tiny_model, redis_url):
     for (prompt, stop), (text, _, finish, _) in zip(cases, threaded):
         if stop:
             assert finish == "stop" and stop[0] not in text
+
+
+def test_admit_hands_work_to_the_host_only_after_letting_go_of_the_ready_lock(tiny_model, redis_url):
+    """The host thread puts preempted samples of a job with n > 1 back through ``ready.put``, and a
+    full host queue makes ``submit`` wait for that thread: ``_admit`` handing it a resumed job that
+    needs no generation (every token published by an earlier attempt) while it held the ready lock
+    deadlocked the two threads."""
+    import redis
+
+    from mlxq.worker.runner import Worker
+
+    class NoEngine:
+        def add(self, specs):
+            assert specs == []  # the job has nothing left to generate
+
+        def free_slots(self):
+            return 4
+
+        def urgent_below(self):
+            return float("inf")
+
+    worker = Worker(redis.Redis.from_url(redis_url), tiny_model, fast_settings(redis_url), engine=NoEngine())
+    done = SimpleNamespace(id="a" * 32, uid="a" * 32, suspect="", attempt=2, tokens=[5, 6],
+                           request=SimpleNamespace(max_tokens=2))
+    free = []
+
+    def submit(fn):  # what the host thread does meanwhile: take the ready lock
+        other = threading.Thread(target=lambda: free.append(worker.ready.put() or True))
+        other.start()
+        other.join(30)
+        free.append(not other.is_alive())
+
+    worker.host.submit = submit
+    worker.ready.put(done)
+    worker._admit()
+    assert free == [True, True] and worker.active == {done.uid: done}
+    worker.host.close()

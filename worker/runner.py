@@ -274,6 +274,10 @@ class Worker:
             return False
 
     def _admit(self) -> None:
+        done: list[ActiveJob] = []
+        # the host thread is handed work only after the lock is let go: it may be waiting for the lock
+        # itself (a preempted sample of a job with n > 1 goes back through ready.put), and a full host
+        # queue makes submit wait for it
         with self.ready.lock:
             jobs, self._isolating = admit_now(list(self.ready.items), list(self.active.values()))
             taken = {id(j) for j in jobs}
@@ -287,13 +291,14 @@ class Worker:
                                 jobs[0].id, jobs[0].attempt, jobs[0].suspect[:200])
                 for job in jobs:
                     self.active[job.uid] = job
+                # an earlier attempt published every token, then died before finishing
                 done = [j for j in jobs if len(j.tokens) >= j.request.max_tokens]
-                if done:  # an earlier attempt published every token, then died before finishing
-                    self.host.submit(partial(self._finish_done, done))
                 finished = {id(j) for j in done}  # nothing left to generate: no prefill for them
                 self.engine.add([self._spec(job) for job in jobs if job.uid in self.active and id(job) not in finished])
             self._engine_free = self.engine.free_slots()
             self._engine_urgent_below = self.engine.urgent_below()
+        if done:
+            self.host.submit(partial(self._finish_done, done))
         if jobs:
             self.fetcher.kick.set()
 
