@@ -33,6 +33,7 @@ FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "choice", "gramma
 # llguidance's JSON compiler options: compact separators, no whitespace between tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 MAX_CHOICES = 1024
+ANY_TEXT = "/(?s:.*)/"  # a Lark lexeme of any text
 MAX_MESSAGE = 300
 _LOCATION = re.compile(r"^at \d+\(\d+\): ")  # where in the Lark wrapper mlxq wrote: no use to the user
 
@@ -321,6 +322,11 @@ def grammar_for(req, fmt: Optional[ModelFormat] = None) -> Optional[str]:
 def _marker(text: Optional[str], ids: tuple[int, ...]) -> str:
     """A Lark item for a reasoning marker: its token by id when it is one token, else its text."""
     return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
+
+
+def without_text(text: str) -> str:
+    """A Lark lexeme body (llguidance's ``&`` and ``~``): any text that does not hold ``text``."""
+    return f"{ANY_TEXT} & ~({ANY_TEXT} {json.dumps(text)} {ANY_TEXT})"
 
 
 def grammar_list(grammar: str) -> list[dict]:

@@ -12,7 +12,8 @@ mlx-lm's tool parser for the family.  The worker publishes it with the model's i
   of the tools, its ``arguments`` valid for that tool's parameter schema;
 * a named function: exactly one call of that function;
 * ``"auto"``: free text; once the model starts a call (its start marker), the call is constrained as
-  above, then more calls (when parallel) or the end;
+  above, then more calls (when parallel) or the end (a marker that is text: text may follow, never
+  holding the marker when ``parallel_tool_calls`` is false);
 * ``"none"``: no grammar (tools are neither rendered nor parsed).
 
 Where the format has thinking markers, an optional thinking block may come first and is free text: a
@@ -28,7 +29,7 @@ from dataclasses import asdict, fields, replace
 from typing import Any, Optional
 
 from .constraints import (ConstraintError, ModelFormat, _marker, after_thinking, canonical, closed, compile_format,
-                          grammar_list)
+                          grammar_list, without_text)
 
 # families whose tool-call format tool_grammar writes (mlx-lm's parser names); json_tools (Hermes,
 # Qwen2.5): <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
@@ -235,10 +236,14 @@ def _free_text_with_calls(fmt: ModelFormat, many: bool, rules: list[str]) -> str
         rules += [f"call: <[{fmt.tool_call_start_ids[0]}]> call_body", f"TEXT: {TEXT_RULE}"]
         return f"TEXT? ({CALLS})?" if many else "TEXT? call?"
     # a marker that plain text can spell: a call starts where the text first holds it (a lazy lexeme,
-    # as llguidance's StructTag writes it); text may follow the calls
+    # as llguidance's StructTag writes it); text may follow the calls.  One call at most: the text
+    # after it never holds the marker (it would be a second call, unconstrained and parsed all the same)
     rules += [f"call_open[lazy]: TAIL {json.dumps(fmt.tool_call_start)}", "call: call_open call_body",
               f"TAIL: {TAIL_RULE}"]
-    return "call* TAIL" if many else "call? TAIL"
+    if many:
+        return "call* TAIL"
+    rules.append(f"REST: {without_text(fmt.tool_call_start)}")
+    return "call REST | TAIL"
 
 
 def _tool_rule(i: int, name: str, schema: dict) -> str:

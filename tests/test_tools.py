@@ -217,12 +217,15 @@ def ll_tokenizer(tiny_model):
     return llguidance.hf.from_tokenizer(tiny_model.tokenizer._tokenizer)
 
 
-def sample(ll_tok, grammar: str, seed: int, prefer=(), eos: int = 2, max_tokens: int = 2000) -> tuple[list[int], bool]:
+def sample(ll_tok, grammar: str, seed: int, prefer=(), eos: int = 2, max_tokens: int = 2000,
+           prefix=()) -> tuple[list[int], bool]:
     """Tokens drawn at random among those the grammar allows (``prefer``: taken half the time when
-    allowed; EOS a quarter of the time when allowed): a stand-in for any model's choices."""
+    allowed; EOS a quarter of the time when allowed): a stand-in for any model's choices.  ``prefix``:
+    tokens the model wrote first (the grammar must allow them)."""
     m = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
     assert not m.is_error(), m.get_error()
-    rng, out = random.Random(seed), []
+    assert m.consume_tokens(list(prefix)), m.get_error()
+    rng, out = random.Random(seed), list(prefix)
     for _ in range(max_tokens):
         allowed = np.nonzero(np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)[:ll_tok.vocab_size])[0].tolist()
         pref = [t for t in prefer if t in allowed]
@@ -304,6 +307,67 @@ def test_auto_calls_with_markers_added_as_tokens_not_flagged_special(tiny_model,
     assert calls  # before: the start token was never allowed
     for call in calls:
         jsonschema.validate(call["arguments"], SCHEMAS[call["name"]])
+
+
+# a Hermes-style call format whose markers are plain text (several tokens each in the tiny tokenizer)
+TEXT_START, TEXT_END = "<tc>", "</tc>"
+NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.fixture(scope="module")
+def text_markers(tiny_model, tiny_model_dir):
+    """(hf tokenizer, llguidance tokenizer, format) of the tiny tokenizer with text call markers."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tiny_model_dir / "tokenizer.json"),
+                                 eos_token=tiny_model.tokenizer.eos_token)
+    wrapper = types.SimpleNamespace(_tokenizer=hf, tool_call_start=TEXT_START, tool_call_end=TEXT_END,
+                                    tool_parser=tiny_model.tokenizer.tool_parser,
+                                    tool_call_start_tokens=hf.encode(TEXT_START, add_special_tokens=False),
+                                    tool_call_end_tokens=hf.encode(TEXT_END, add_special_tokens=False))
+    fmt = ModelFormat.from_tokenizer(wrapper)
+    assert len(fmt.tool_call_start_ids) > 1 and not fmt.tool_markers_special
+    return hf, llguidance.hf.from_tokenizer(hf, eos_token=[hf.eos_token_id]), fmt
+
+
+def text_split(hf, fmt, req, ids):
+    """(answer, reasoning, calls) of ``ids`` through a chat stream in format ``fmt``."""
+    from mlx_lm.tool_parsers import json_tools
+
+    from mlxq.worker.textstream import ChatStream, TextStream
+
+    stream = ChatStream(TextStream.for_tokenizer(types.SimpleNamespace(_tokenizer=hf)), fmt, tools=True, parse=json_tools.parse_tool_call,
+                        tool_defs=TOOLS)
+    answer = "".join(stream.add(t) for t in ids) + stream.finish()
+    return answer, stream.reasoning, stream.calls
+
+
+def accepts(ll_tok, grammar: str, ids) -> bool:
+    m = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
+    return m.consume_tokens(list(ids)) and not m.is_error()
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", NAMED_TIME])
+def test_one_call_at_most_without_parallel_calls_when_the_markers_are_text(text_markers, choice):
+    """parallel_tool_calls false holds for a format whose call marker is text: with "auto", the text
+    after a call could spell a second one, which the parser took as a call all the same."""
+    hf, ll_tok, fmt = text_markers
+    req = request(tool_choice=choice, parallel_tool_calls=False)
+    grammar = tool_grammar(req, fmt)
+    one = f'{TEXT_START}\n{{"name": "get_time", "arguments": {{"zone": "UTC", "utc": true}}}}\n{TEXT_END}'
+    assert accepts(ll_tok, grammar, hf.encode(one))
+    for two in (one + one, one + "\n" + one, one + " and " + one, one + " " + TEXT_START):
+        assert not accepts(ll_tok, grammar, hf.encode(two)), two
+    # whatever the model draws after a call (the marker's first token preferred): one call, parsed
+    start = fmt.tool_call_start_ids
+    for seed in range(8):
+        ids, _ = sample(ll_tok, grammar, seed, prefer=start[:1], eos=hf.eos_token_id, max_tokens=200,
+                        prefix=hf.encode(one))
+        answer, _, calls = text_split(hf, fmt, req, ids)
+        check_calls(calls)
+        assert len(calls) == 1 and TEXT_START not in answer
+    if choice == "auto":  # parallel calls still allowed when asked for
+        assert accepts(ll_tok, tool_grammar(request(), fmt), hf.encode(one + " and " + one))
 
 
 def test_thinking_comes_first_and_is_free(tiny_model, ll_tokenizer):
