@@ -370,6 +370,36 @@ def test_one_call_at_most_without_parallel_calls_when_the_markers_are_text(text_
         assert accepts(ll_tok, tool_grammar(request(), fmt), hf.encode(one + " and " + one))
 
 
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"], "additionalProperties": False}}}
+MARKED_TEXTS = [f"a {TOOL_CALL_END} b", f"{TEXT_END}", f'\\"{TOOL_CALL_END}{TEXT_END}"', "\\", f"{THINK_END} {TOOL_CALL_START}",
+                f'x" }}\n{TEXT_END}\n{TOOL_CALL_END}']
+
+
+@pytest.mark.parametrize("markers", ["special", "text"])
+def test_a_string_argument_may_hold_the_end_marker(tiny_model, ll_tokenizer, text_markers, markers):
+    """A call the grammar allows parses back exactly, whatever its string arguments hold: the call ended
+    at the first text that spelled its end marker, inside a JSON string, and came back cut (as text)."""
+    if markers == "special":
+        tok = tiny_model.tokenizer
+        hf, ll_tok, fmt = tok._tokenizer, ll_tokenizer, chat_format(tok)
+        start, end = list(fmt.tool_call_start_ids), list(fmt.tool_call_end_ids)
+    else:
+        hf, ll_tok, fmt = text_markers
+        start, end = hf.encode(TEXT_START), hf.encode(TEXT_END)
+    req = request(tools=[NOTE], tool_choice="required", parallel_tool_calls=False)
+    grammar = tool_grammar(req, fmt)
+    for text in MARKED_TEXTS:
+        args = json.dumps({"text": text}, ensure_ascii=False)
+        # the markers inside the string spelled by plain tokens, as the grammar lets a model write them
+        body = hf.encode('\n{"name": "note", "arguments": ' + args + '}\n', split_special_tokens=True)
+        ids = start + body + end
+        m = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
+        assert m.consume_tokens(ids) and m.is_accepting(), (text, m.get_error())
+        answer, _, calls = text_split(hf, fmt, req, ids)
+        assert calls == [{"name": "note", "arguments": args}] and answer == "", text
+
+
 def test_thinking_comes_first_and_is_free(tiny_model, ll_tokenizer):
     tok = tiny_model.tokenizer
     fmt = chat_format(tok)

@@ -15,7 +15,8 @@ might be the start of a stop string is held back until it is known not to be.
 A chat job's text then goes through :class:`ChatStream`, which splits it into the answer, the
 reasoning (``<think>``...``</think>``) and the tool calls, with mlx-lm's ``TextStateMachine`` (the
 markers are matched in the text, as mlx-lm's server does) and mlx-lm's tool parser for the model's
-family.
+family.  A call in JSON (the families whose calls mlxq constrains) ends at its end marker outside the
+JSON's strings: a string argument may hold the marker's text.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Callable, Optional
 from mlx_lm.generate import TextStateMachine
 
 from ..shared.constraints import ModelFormat
+from ..shared.tools import CONSTRAINABLE as JSON_CALLS
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +197,15 @@ class ChatStream:
         if fmt.think_start and fmt.think_end:
             transitions[CONTENT] = [(fmt.think_start, REASONING)]
             transitions[REASONING] = [(fmt.think_end, CONTENT)]
+        # a call in JSON ends at its end marker outside the JSON's strings (CallEnd), not at the first
+        # text that spells it: an argument may hold that text
+        self._call_end = CallEnd(fmt.tool_call_end) if fmt.tool_parser in JSON_CALLS and fmt.tool_call_end else None
         if tools and parse is not None and fmt.tool_call_start:
             transitions.setdefault(CONTENT, []).append((fmt.tool_call_start, TOOL))
             if REASONING in transitions:
                 transitions[REASONING].append((fmt.tool_call_start, TOOL))
-            transitions[TOOL] = [(fmt.tool_call_end, CONTENT)] if fmt.tool_call_end else []
+            ends = fmt.tool_call_end and self._call_end is None
+            transitions[TOOL] = [(fmt.tool_call_end, CONTENT)] if ends else []
         self._machine = TextStateMachine(transitions) if transitions else None
         self._state = self._machine.make_state(REASONING if in_thinking else CONTENT) if self._machine else None
         self._where = REASONING if in_thinking else CONTENT
@@ -242,13 +248,29 @@ class ChatStream:
                 self.reasoning += text
             elif where == TOOL:
                 self._call_text += text
+                answer.append(self._json_call_end())
             else:
                 answer.append(text)
         return "".join(answer)
 
+    def _json_call_end(self) -> str:
+        """A JSON call whose end marker has come (outside its strings): the call closed, and the answer
+        the text after the marker makes (fed back to the machine, from the answer state)."""
+        at = self._call_end.find(self._call_text) if self._call_end is not None else None
+        if at is None:
+            return ""
+        rest = self._call_text[at + len(self._fmt.tool_call_end):]
+        self._call_text = self._call_text[:at]
+        answer = self._close_call(complete=True)
+        self._where, self._state = CONTENT, self._machine.make_state(CONTENT)
+        self._state, segments = TextStateMachine.split(self._state, rest)
+        return answer + self._route(segments)
+
     def _close_call(self, complete: bool) -> str:
         """A call block ended: its calls, or (when it does not parse) its text back in the answer."""
         text, self._call_text = self._call_text, ""
+        if self._call_end is not None:
+            self._call_end = CallEnd(self._call_end.marker)
         calls = parse_calls(self._parse, text, self._tool_defs)
         if calls is not None:
             self.calls.extend(calls)
@@ -256,6 +278,33 @@ class ChatStream:
         log.warning("a tool call that does not parse was kept as text: %.200r", text)
         end = (self._fmt.tool_call_end or "") if complete else ""
         return self._fmt.tool_call_start + text + end
+
+
+class CallEnd:
+    """Where a call in JSON ends: the first end marker outside a JSON string, found as the call's text
+    grows (each character read once)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+        self._read = 0
+        self._in_string = self._escaped = False
+
+    def find(self, text: str) -> Optional[int]:
+        """Where the end marker starts in ``text`` (the call's text so far, grown since the last
+        call), or None when it has not come."""
+        for i in range(self._read, len(text)):
+            ch = text[i]
+            if self._escaped:
+                self._escaped = False
+            elif self._in_string:
+                self._escaped, self._in_string = ch == "\\", ch != '"'
+            elif ch == '"':
+                self._in_string = True
+            elif i + 1 >= len(self.marker) and text.startswith(self.marker, i + 1 - len(self.marker)):
+                self._read = i + 1
+                return i + 1 - len(self.marker)
+        self._read = len(text)
+        return None
 
 
 def parse_calls(parse, text: str, tool_defs: Optional[list]) -> Optional[list[dict]]:
