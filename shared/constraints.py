@@ -337,13 +337,21 @@ def grammar_list(grammar: str) -> list[dict]:
     return [{"lark_grammar": grammar}]
 
 
-def after_thinking(grammar: str, fmt: ModelFormat) -> str:
+def after_thinking(grammar: str, fmt: ModelFormat, never: Optional[str] = None) -> str:
     """``grammar`` placed after an optional reasoning block (already open when ``fmt.in_thinking``):
-    the constraint applies to the answer, not to the thinking."""
+    the constraint applies to the answer, not to the thinking.  An end marker that is one token ends
+    the thought where the model writes it (a text lexeme never matches it); one spelled by several
+    tokens ends it where the thought's text first holds it (a lazy lexeme), as the output's split
+    reads it.  ``never``: text the thought may not hold (a tool-call marker that is text: a call
+    written in the thought would be parsed, unconstrained)."""
     answer = grammar_list(grammar)
     start = _marker(fmt.think_start, fmt.think_start_ids)
-    end = _marker(fmt.think_end, fmt.think_end_ids)
-    head = f"think_body {end}" if fmt.in_thinking else f"({start} think_body {end})?"
-    top = {"lark_grammar": f"start: {head} @answer\nthink_body: /(?s:.*)/\n", "name": "start"}
+    text = without_text(never) if never else ANY_TEXT
+    if len(fmt.think_end_ids) == 1:
+        rules = f"thought: THOUGHT <[{fmt.think_end_ids[0]}]>\n"
+    else:
+        rules = f"thought[lazy]: THOUGHT {json.dumps(fmt.think_end)}\n"
+    head = "thought" if fmt.in_thinking else f"({start} thought)?"
+    top = {"lark_grammar": f"start: {head} @answer\n{rules}THOUGHT: {text}\n", "name": "start"}
     answer[0] = dict(answer[0], name="answer")
     return json.dumps({"grammars": [top] + answer})

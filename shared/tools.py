@@ -17,7 +17,8 @@ mlx-lm's tool parser for the family.  The worker publishes it with the model's i
 * ``"none"``: no grammar (tools are neither rendered nor parsed).
 
 Where the format has thinking markers, an optional thinking block may come first and is free text: a
-constraint applies to the answer, not to the thinking (``constraints.after_thinking``).  With "auto"
+constraint applies to the answer, not to the thinking (``constraints.after_thinking``); a thought
+never holds a call (a start marker that is text is kept out of it).  With "auto"
 and a ``response_format``, the answer is either that format or calls.
 """
 
@@ -225,12 +226,19 @@ def tool_grammar(req, fmt: ModelFormat) -> Optional[str]:
         sub = grammar_list(answer)
         grammars += [dict(sub[0], name="format")] + sub[1:]
     grammar = json.dumps({"grammars": grammars})
-    return after_thinking(grammar, fmt) if fmt.think_start else grammar
+    if not fmt.think_start:
+        return grammar
+    return after_thinking(grammar, fmt, never=None if _start_is_token(fmt) else fmt.tool_call_start)
+
+
+def _start_is_token(fmt: ModelFormat) -> bool:
+    """The call's start marker is one special token, which free text never matches."""
+    return len(fmt.tool_call_start_ids) == 1 and fmt.tool_markers_special
 
 
 def _free_text_with_calls(fmt: ModelFormat, many: bool, rules: list[str]) -> str:
     """``tool_choice`` "auto": free text, and a call wherever the model starts one."""
-    if len(fmt.tool_call_start_ids) == 1 and fmt.tool_markers_special:
+    if _start_is_token(fmt):
         # the start marker is a special token, which free text never matches; after a call, only
         # more calls (when parallel) or the end
         rules += [f"call: <[{fmt.tool_call_start_ids[0]}]> call_body", f"TEXT: {TEXT_RULE}"]

@@ -20,8 +20,8 @@ from mlxq.devkit.make_model import TOOL_CALL_END, TOOL_CALL_START, THINK_END, TH
 from mlxq.shared.constraints import ModelFormat
 from mlxq.shared.schemas import GenerateRequest
 from mlxq.shared.tools import ToolError, check_tools, format_from_info, format_info, tool_grammar
-from mlxq.worker.jobs import ActiveJob, Published, chat_stream, read_published, tokenize
-from mlxq.worker.textstream import chat_format
+from mlxq.worker.jobs import ActiveJob, Published, chat_stream, job_grammar, prompt_in_thinking, read_published, tokenize
+from mlxq.worker.textstream import ChatStream, TextStream, chat_format
 from workerkit import fast_settings, running_worker
 
 WEATHER = {
@@ -334,8 +334,6 @@ def text_split(hf, fmt, req, ids):
     """(answer, reasoning, calls) of ``ids`` through a chat stream in format ``fmt``."""
     from mlx_lm.tool_parsers import json_tools
 
-    from mlxq.worker.textstream import ChatStream, TextStream
-
     stream = ChatStream(TextStream.for_tokenizer(types.SimpleNamespace(_tokenizer=hf)), fmt, tools=True, parse=json_tools.parse_tool_call,
                         tool_defs=TOOLS)
     answer = "".join(stream.add(t) for t in ids) + stream.finish()
@@ -398,6 +396,79 @@ def test_a_string_argument_may_hold_the_end_marker(tiny_model, ll_tokenizer, tex
         assert m.consume_tokens(ids) and m.is_accepting(), (text, m.get_error())
         answer, _, calls = text_split(hf, fmt, req, ids)
         assert calls == [{"name": "note", "arguments": args}] and answer == "", text
+
+
+THINK_TEXT_START, THINK_TEXT_END = "<th>", "</th>"
+LABEL = {"type": "json_schema", "json_schema": {"name": "label", "strict": True, "schema": {
+    "type": "object", "properties": {"label": {"type": "string", "enum": ["spam", "ham"]}}, "required": ["label"]}}}
+
+
+@pytest.fixture(scope="module")
+def text_thinking(tiny_model, text_markers):
+    """A tokenizer wrapper (as mlx-lm's holds it) and its format: thinking and call markers all text."""
+    hf, ll_tok, _ = text_markers
+    ids = {m: hf.encode(m, add_special_tokens=False) for m in (TEXT_START, TEXT_END, THINK_TEXT_START, THINK_TEXT_END)}
+    wrapper = types.SimpleNamespace(
+        _tokenizer=hf, has_thinking=True, think_start=THINK_TEXT_START, think_end=THINK_TEXT_END,
+        think_start_tokens=ids[THINK_TEXT_START], think_end_tokens=ids[THINK_TEXT_END], tool_call_start=TEXT_START,
+        tool_call_end=TEXT_END, tool_call_start_tokens=ids[TEXT_START], tool_call_end_tokens=ids[TEXT_END],
+        tool_parser=tiny_model.tokenizer.tool_parser)
+    fmt = chat_format(wrapper)
+    assert len(fmt.think_end_ids) > 1 and fmt.tool_parser == "json_tools"
+    return wrapper, hf, ll_tok, fmt
+
+
+def test_a_constraint_after_a_thought_whose_markers_are_text(text_thinking):
+    """Reasoning markers spelled by several tokens: the thought ends where its text first holds the end
+    marker, and the answer after it follows the response_format. The thought's free text ran past the
+    marker before, so the answer was never constrained (and could not end: EOS was never allowed)."""
+    from mlxq.shared.constraints import grammar_for
+
+    wrapper, hf, ll_tok, fmt = text_thinking
+    req = GenerateRequest.model_validate({"model": "tiny", "messages": MESSAGES, "response_format": LABEL})
+    grammar = grammar_for(req, fmt)
+    schema = LABEL["json_schema"]["schema"]
+    for seed in range(6):
+        ids, ended = sample(ll_tok, grammar, seed, eos=hf.eos_token_id, max_tokens=100,
+                            prefix=hf.encode(f"{THINK_TEXT_START}a {{ plan{THINK_TEXT_END}"))
+        assert ended
+        stream = ChatStream(TextStream.for_tokenizer(wrapper), fmt)
+        answer = "".join(stream.add(t) for t in ids) + stream.finish()
+        assert stream.reasoning == "a { plan"
+        jsonschema.validate(json.loads(answer), schema)
+    # the first end marker ends the thought: more thought after it is refused
+    assert not accepts(ll_tok, grammar, hf.encode(f'{THINK_TEXT_START}a{THINK_TEXT_END} b{THINK_TEXT_END}{{"label":"ham"}}'))
+    # a prompt that opened the thought (found in its text): the output starts as thought
+    opened = hf.encode(f"<|user|>hi\n<|assistant|>\n{THINK_TEXT_START}\n")
+    closed = hf.encode(f"<|user|>hi\n<|assistant|>\n{THINK_TEXT_START}\nok{THINK_TEXT_END}\n")
+    assert prompt_in_thinking(opened, fmt, wrapper) and not prompt_in_thinking(closed, fmt, wrapper)
+    assert not prompt_in_thinking(hf.encode("hi"), fmt, wrapper)
+    in_thought = job_grammar(req, opened, wrapper)
+    assert accepts(ll_tok, in_thought, hf.encode(f'more{THINK_TEXT_END}{{"label":"spam"}}'))
+    m = llguidance.LLMatcher(ll_tok, in_thought, log_level=0)
+    assert m.consume_tokens(hf.encode('{"label":"spam"}')) and not m.is_accepting()  # still the thought
+    assert job_grammar(req, closed, wrapper) == grammar
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_tool_calls_after_a_thought_whose_markers_are_text(text_thinking, choice):
+    """Tools, with thinking and call markers all text: a thought comes first and ends at its marker;
+    it may not hold a call (the output's split would parse it, unconstrained: a second call with
+    parallel_tool_calls false)."""
+    wrapper, hf, ll_tok, fmt = text_thinking
+    req = request(tool_choice=choice, parallel_tool_calls=False)
+    grammar = tool_grammar(req, fmt)
+    call = f'{TEXT_START}\n{{"name": "get_time", "arguments": {{"zone": "UTC", "utc": true}}}}\n{TEXT_END}'
+    thought = f"{THINK_TEXT_START}plan{THINK_TEXT_END}"
+    assert accepts(ll_tok, grammar, hf.encode(thought + call))
+    assert not accepts(ll_tok, grammar, hf.encode(f"{THINK_TEXT_START}plan {call}{THINK_TEXT_END}{call}"))
+    for seed in range(6):
+        ids, _ = sample(ll_tok, grammar, seed, eos=hf.eos_token_id, max_tokens=150, prefix=hf.encode(thought + call))
+        stream = ChatStream(TextStream.for_tokenizer(wrapper), fmt, tools=True, parse=wrapper.tool_parser,
+                            tool_defs=TOOLS)
+        "".join(stream.add(t) for t in ids) + stream.finish()
+        assert stream.reasoning == "plan" and len(stream.calls) == 1
+        check_calls(stream.calls)
 
 
 def test_thinking_comes_first_and_is_free(tiny_model, ll_tokenizer):

@@ -19,7 +19,7 @@ from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, SampleOut
 from ..shared.tools import check_tools, uses_tools
 from .engine_api import SeqSpec
 from .sampling import make_sampler, repetition_penalty, resolve_seed
-from .textstream import ChatStream, TextStream, chat_format, vocab_size
+from .textstream import ChatStream, TextStream, chat_format, decode_fn, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -352,7 +352,7 @@ def job_grammar(req: GenerateRequest, prompt: list[int], tokenizer) -> Optional[
     (``chat_format``); a reasoning block the prompt opened (a chat template that starts the
     answer thinking) comes first."""
     fmt = chat_format(tokenizer)
-    if fmt.think_start and prompt_in_thinking(prompt, fmt):
+    if prompt_in_thinking(prompt, fmt, tokenizer):
         fmt = dataclasses.replace(fmt, in_thinking=True)
     try:
         return grammar_for(req, fmt)
@@ -360,15 +360,20 @@ def job_grammar(req: GenerateRequest, prompt: list[int], tokenizer) -> Optional[
         raise JobError(str(exc)) from None
 
 
-def prompt_in_thinking(prompt: list[int], fmt: ModelFormat) -> bool:
-    """The prompt's last reasoning marker opens a block (one-token markers only)."""
-    if len(fmt.think_start_ids) != 1 or len(fmt.think_end_ids) != 1:
+def prompt_in_thinking(prompt: list[int], fmt: ModelFormat, tokenizer) -> bool:
+    """The prompt's last reasoning marker opens a block: found by token when each marker is one, else
+    in the prompt's text (a marker spelled by several tokens, which may merge with their neighbours)."""
+    if not (fmt.think_start and fmt.think_end):
         return False
-    start, end = fmt.think_start_ids[0], fmt.think_end_ids[0]
-    for tok in reversed(prompt):
-        if tok in (start, end):
-            return tok == start
-    return False
+    if len(fmt.think_start_ids) == 1 and len(fmt.think_end_ids) == 1:
+        start, end = fmt.think_start_ids[0], fmt.think_end_ids[0]
+        for tok in reversed(prompt):
+            if tok in (start, end):
+                return tok == start
+        return False
+    text = decode_fn(tokenizer)(list(prompt))
+    opened, closed = text.rfind(fmt.think_start), text.rfind(fmt.think_end)
+    return opened >= 0 and (closed < 0 or opened >= closed + len(fmt.think_end))
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -529,4 +534,4 @@ def chat_stream(tokenizer, req: GenerateRequest, prompt: list[int]) -> ChatStrea
     tools = uses_tools(req)
     return ChatStream(text, fmt, tools=tools, parse=getattr(tokenizer, "tool_parser", None),
                       tool_defs=[t.model_dump(exclude_none=True) for t in req.tools] if tools else None,
-                      in_thinking=prompt_in_thinking(prompt, fmt))
+                      in_thinking=prompt_in_thinking(prompt, fmt, tokenizer))
