@@ -102,28 +102,64 @@ def test_the_host_thread_changes_no_output(tiny_model, redis_url):
             assert finish == "stop" and stop[0] not in text
 
 
+class NoEngine:
+    """Enough of an engine for a Worker whose serving loop never runs."""
+
+    def __init__(self):
+        self.removed = []
+
+    def add(self, specs):
+        assert specs == []  # the tests' jobs have nothing left to generate
+
+    def remove(self, uids):
+        self.removed += uids
+
+    def free_slots(self):
+        return 4
+
+    def urgent_below(self):
+        return float("inf")
+
+
+def _idle_worker(tiny_model, redis_url):
+    import redis
+
+    from mlxq.worker.runner import Worker
+
+    return Worker(redis.Redis.from_url(redis_url), tiny_model, fast_settings(redis_url), engine=NoEngine())
+
+
+def _job(owner="w:1", **kw):
+    return SimpleNamespace(id="a" * 32, uid="a" * 32, owner=owner, suspect="", attempt=2, tokens=[5, 6],
+                           request=SimpleNamespace(max_tokens=2), **kw)
+
+
+def test_a_lost_lease_ends_only_the_attempt_that_lost_it(tiny_model, redis_url):
+    """Renew reports a lease lost; before the worker acts on it, another worker's reaper requeued the
+    job and this worker pulled it again (a newer owner token): that attempt goes on. Before, the
+    worker matched the report by job id and dropped the new attempt too, whose lease then lapsed."""
+    worker = _idle_worker(tiny_model, redis_url)
+    worker.host.submit = lambda fn: fn()
+    again, ready = _job(owner="w:2"), _job(owner="w:2")
+    worker.active[again.uid] = again
+    worker.ready.items.append(ready)
+    worker._control_q.put(("lost", [(again.id, "w:1")]))
+    worker._handle_control()
+    assert worker.active == {again.uid: again} and list(worker.ready.items) == [ready]
+    assert worker.engine.removed == []
+    worker._control_q.put(("lost", [(again.id, "w:2")]))
+    worker._handle_control()
+    assert worker.active == {} and list(worker.ready.items) == [] and worker.engine.removed == [again.uid] * 2
+    worker.host.close()
+
+
 def test_admit_hands_work_to_the_host_only_after_letting_go_of_the_ready_lock(tiny_model, redis_url):
     """The host thread puts preempted samples of a job with n > 1 back through ``ready.put``, and a
     full host queue makes ``submit`` wait for that thread: ``_admit`` handing it a resumed job that
     needs no generation (every token published by an earlier attempt) while it held the ready lock
     deadlocked the two threads."""
-    import redis
-
-    from mlxq.worker.runner import Worker
-
-    class NoEngine:
-        def add(self, specs):
-            assert specs == []  # the job has nothing left to generate
-
-        def free_slots(self):
-            return 4
-
-        def urgent_below(self):
-            return float("inf")
-
-    worker = Worker(redis.Redis.from_url(redis_url), tiny_model, fast_settings(redis_url), engine=NoEngine())
-    done = SimpleNamespace(id="a" * 32, uid="a" * 32, suspect="", attempt=2, tokens=[5, 6],
-                           request=SimpleNamespace(max_tokens=2))
+    worker = _idle_worker(tiny_model, redis_url)
+    done = _job()
     free = []
 
     def submit(fn):  # what the host thread does meanwhile: take the ready lock

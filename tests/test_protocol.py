@@ -9,7 +9,7 @@ import redis
 
 from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys, ModelKeys
-from mlxq.shared.protocol import OverloadError, Queue
+from mlxq.shared.protocol import OverloadError, Queue, owner_token
 from mlxq.shared.settings import Settings
 
 GK = GlobalKeys()
@@ -438,3 +438,22 @@ def test_a_job_id_that_is_not_32_lowercase_hex_digits_is_refused(rr):
                      k.intake, k.wake)
     assert reply[0] == b"invalid_id" and not rr.exists(k.job("A" * 32)) and rr.llen(k.intake) == 0
     assert q.counts().get("queued:normal", 0) == 0
+
+
+def test_a_lost_lease_is_reported_with_the_owner_token_that_lost_it(rr):
+    """Control.renew names the owner token with each lost job, so the worker can tell that lease from a
+    newer one it took since (see test_hostwork's test_a_lost_lease_ends_only_the_attempt_that_lost_it)."""
+    import threading
+
+    from mlxq.worker.redis_io import Control
+
+    q = make_queue(rr)
+    a, b = ids(2)
+    for job_id in (a, b):
+        enq(q, job_id, "normal")
+    pulled = {p.job_id: owner_token("w", p.attempt) for p in q.pull(2, "w")}
+    lost = []
+    control = Control(q, "w", lambda: {a: "w:9", b: pulled[b]}, on_lost=lost.extend, on_cancel=lambda ids: None,
+                      snapshot=lambda: {}, model_info={}, registry_key=GK.models, stop=threading.Event())
+    control.renew()
+    assert lost == [(a, "w:9")]

@@ -350,7 +350,7 @@ class Control(threading.Thread):
     """Heartbeat, lease renewal, reaping, stats and the model registry."""
 
     def __init__(self, q: Queue, worker_id: str, leases: Callable[[], dict[str, str]],
-                 on_lost: Callable[[list[str]], None], on_cancel: Callable[[list[str]], None],
+                 on_lost: Callable[[list[tuple[str, str]]], None], on_cancel: Callable[[list[str]], None],
                  snapshot: Callable[[], dict], model_info: dict, registry_key: str, stop: threading.Event,
                  global_redis=None):
         super().__init__(name="mlxq-control", daemon=True)
@@ -452,11 +452,14 @@ class Control(threading.Thread):
         self.on_cancel([job_id])
 
     def renew(self) -> None:
-        """Renew this worker's leases; tell the worker of those it lost and of cancelled jobs."""
-        lost, cancel = self.q.renew(self.leases())
+        """Renew this worker's leases; tell the worker of those it lost (job id and the owner token that
+        lost it: by the time the worker acts, it may hold the job again under a newer lease) and of
+        cancelled jobs."""
+        leases = self.leases()
+        lost, cancel = self.q.renew(leases)
         if lost:
             log.warning("leases lost for %d jobs: %s", len(lost), lost[:5])
-            self.on_lost(lost)
+            self.on_lost([(job_id, leases[job_id]) for job_id in lost if job_id in leases])
         if cancel:
             self.on_cancel(cancel)
 

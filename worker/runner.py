@@ -92,7 +92,8 @@ class Worker:
         self._isolating = False  # a suspect job waits for the engine to drain, or runs alone (admit_now)
         self._engine_free = self.engine.free_slots()
         self._engine_urgent_below = float("-inf")
-        self._control_q: "queue.Queue[tuple[str, list[str]]]" = queue.Queue()
+        # ("cancel", job ids) or ("lost", (job id, owner token) pairs)
+        self._control_q: "queue.Queue[tuple[str, list]]" = queue.Queue()
         self.stop_event = threading.Event()  # threads exit
         self.draining = threading.Event()  # warm shutdown: finish or requeue, pull nothing
         self._sigterms = 0
@@ -489,9 +490,12 @@ class Worker:
             except queue.Empty:
                 return
             ended = []
-            for job_id in ids:
-                running = self._samples(job_id)
-                waiting = self._take_ready(job_id)
+            for item in ids:
+                # a lost lease names its owner token: the worker may have pulled the job again since
+                # (another worker's reaper requeued it), and that newer lease is not the one lost
+                job_id, owner = item if kind == "lost" else (item, None)
+                running = [s for s in self._samples(job_id) if owner is None or s.owner == owner]
+                waiting = self._take_ready(job_id, owner)
                 if running or waiting:
                     self.engine.remove([s.uid for s in running + waiting])
                 ended += [(s, True) for s in running] + [(s, False) for s in waiting]
@@ -526,9 +530,9 @@ class Worker:
         for s in samples:
             self.active.pop(s.uid, None)
 
-    def _take_ready(self, job_id: str) -> list[ActiveJob]:
+    def _take_ready(self, job_id: str, owner: Optional[str] = None) -> list[ActiveJob]:
         with self.ready.lock:
-            taken = [item for item in self.ready.items if item.id == job_id]
+            taken = [item for item in self.ready.items if item.id == job_id and owner in (None, item.owner)]
             for item in taken:
                 self.ready.items.remove(item)
         return taken
