@@ -16,8 +16,10 @@ What a producer can still do, and why it is harmless:
   nothing it writes raises its priority or runs its job alone;
 * push ids on the intake list: admission only places a queued, not yet admitted
   job, for the key hash its record names (which must be a valid key); it cannot
-  trim the list or set its TTL (no LTRIM, and EXPIRE only on job keys), which would
-  drop other producers' waiting jobs;
+  trim, overwrite or pop the list or set its TTL (no LTRIM; EXPIRE only on job keys,
+  SET only on idempotency keys, BLPOP only on done lists), which would drop other
+  producers' waiting jobs or show their ids (submit declares the list, so the user
+  may read it: no command it has reads a list but BLPOP);
 * read the slot copies of the key registry: their fields are sha1(sha256(key)),
   which do not let anyone present a key they do not hold.
 """
@@ -29,8 +31,8 @@ PRODUCER_COMMANDS = (
     "+fcall", "+fcall_ro",  # mlxq's loaded functions; no +eval/+evalsha/+script/+function
     "+ping", "+client|setinfo", "+client|setname", "+time",
     "+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command",  # cluster clients (slot map, command table)
-    "+get", "+exists", "+hget", "+hgetall", "+hmget", "+hkeys", "+xrange", "+blpop",  # reads (blpop: its done list)
-    "+hset", "+hdel", "+set", "+rpush", "+lpush", "+xadd",  # writes inside the functions (+expire: below)
+    "+get", "+exists", "+hget", "+hgetall", "+hmget", "+hkeys", "+xrange",  # reads (+blpop: below)
+    "+hset", "+hdel", "+rpush", "+lpush", "+xadd",  # writes inside the functions (+set, +expire: below)
     "+publish", "+spublish", "+subscribe", "+unsubscribe", "+ssubscribe", "+sunsubscribe",
 )
 
@@ -42,12 +44,17 @@ def producer_key_rules(prefix: str = "mlxq") -> tuple[str, ...]:
         f"%R~{prefix}:models",  # which models are served
         f"%R~{base}:counts", f"%R~{base}:apikeys", f"%R~{base}:policy",  # read by enqueue
         f"~{base}:job:*", f"~{base}:idem:*", f"~{base}:events:*", f"~{base}:done:*",  # its own jobs
-        f"%W~{base}:intake", f"%W~{base}:wake",  # hand jobs to the workers
+        # hand jobs to the workers: submit declares both lists, and under FCALL a declared key needs read
+        # access too; no command the user has reads a list (BLPOP: done lists only, below)
+        f"~{base}:intake", f"~{base}:wake",
         f"&{base}:chan:*", f"&{base}:cancel",  # token deltas; cancel requests
-        # EXPIRE (a cancel request ends a job's record) on its own job's keys only, in a selector: with
-        # the write access to the intake list above, EXPIRE (like LTRIM, which no producer gets) could
-        # drop every other producer's jobs still waiting there
+        # EXPIRE (a cancel request ends a job's record), SET (an idempotency key) and BLPOP (a job's done
+        # list) on those keys only, each in a selector: with the access to the intake list above, EXPIRE
+        # or SET (like LTRIM, which no producer gets) could drop every other producer's jobs still
+        # waiting there, and BLPOP would pop them, and show their ids
         f"(+expire ~{base}:job:* ~{base}:events:* ~{base}:done:*)",
+        f"(+set ~{base}:idem:*)",
+        f"(+blpop ~{base}:done:*)",
     )
 
 

@@ -208,9 +208,9 @@ class ScriptCalls:
                idempotency_key: str | None):
         k, s = self.k, self.s
         idem = k.idempotency(idempotency_key, key_hash) if idempotency_key else k.job(job_id)
-        return ("submit", [k.job(job_id), idem],
+        return ("submit", [k.job(job_id), idem, k.intake, k.wake],
                 [job_id, request, key_hash or "", floor or "", "1" if idempotency_key else "0",
-                 s.idempotency_ttl_s, k.intake, k.wake])
+                 s.idempotency_ttl_s])
 
     def cancel_request(self, job_id: str):
         k = self.k

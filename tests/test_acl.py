@@ -93,8 +93,8 @@ def test_producer_user_cannot_choose_its_priority(acl_setup, redis_url, tiny_mod
     reply = raw.fcall_ro(function_name("check"), 3, K.key_copy, K.policy, K.counts, "high", "")
     assert reply == [b"unauthorized", b"unknown API key"]
     refused += 1
-    raw.fcall(function_name("submit"), 2, K.job(job_id), K.job(job_id), job_id, b"req", "", "high", "0", 60,
-              K.intake, K.wake, "high", 0)
+    raw.fcall(function_name("submit"), 4, K.job(job_id), K.job(job_id), K.intake, K.wake, job_id, b"req", "", "high",
+              "0", 60, "high", 0)
     assert Queue(admin, K, settings).admit() == (1, 0)
     assert admin.hget(K.job(job_id), "tier") == b"normal"
     admin.zrem(K.queue, job_id)  # (not a real request: keep it away from the worker below)
@@ -151,10 +151,12 @@ def test_revocation_between_enqueue_and_admission_refuses_the_job(acl_setup, red
 
 
 def test_a_producer_cannot_drop_other_producers_jobs_from_the_intake_list(acl_setup, redis_url):
-    """The recipe's write access to the intake list is for pushing: LTRIM and EXPIRE need no more than
-    write access, and with them any producer could drop every job other producers had submitted and
-    no worker had admitted yet (their records stayed queued, their callers waited for ever). EXPIRE
-    is granted on job keys only (a cancel request ends a job's record); a cancel request still works."""
+    """The recipe's write access to the intake list is for pushing: LTRIM, EXPIRE and SET need no more
+    than write access, and with them any producer could drop every job other producers had submitted
+    and no worker had admitted yet (their records stayed queued, their callers waited for ever). EXPIRE
+    is granted on job keys only (a cancel request ends a job's record), SET on idempotency keys only,
+    and BLPOP on done lists only: submit declares the intake list, so the recipe grants reading it,
+    and BLPOP would have popped (and shown) other producers' job ids. A cancel request still works."""
     admin, purl = acl_setup
     settings = fast_settings(redis_url)
     other = Client(redis_url.replace("redis://", "redis://producer:producer-pw@", 1), api_key=LOW_KEY,
@@ -162,10 +164,14 @@ def test_a_producer_cannot_drop_other_producers_jobs_from_the_intake_list(acl_se
     waiting = other.submit(prompt_tokens=[5, 6, 7], max_tokens=2)
     raw = connect(purl)
     for attempt in (lambda: raw.ltrim(K.intake, 1, 0), lambda: raw.expire(K.intake, 1),
-                    lambda: raw.expire(K.wake, 1), lambda: raw.expire(K.counts, 1)):
+                    lambda: raw.expire(K.wake, 1), lambda: raw.expire(K.counts, 1),
+                    lambda: raw.set(K.intake, "x"), lambda: raw.set(K.wake, "x"),
+                    lambda: raw.blpop([K.intake], timeout=1), lambda: raw.blpop([K.wake], timeout=1)):
         with pytest.raises(NoPermissionError):
             attempt()
     assert admin.lrange(K.intake, 0, -1) == [waiting.id.encode()] and admin.ttl(K.intake) == -1
+    admin.rpush(K.done(waiting.id), "1")
+    assert raw.blpop([K.done(waiting.id)], timeout=1)  # its own job's done list: allowed
     assert raw.expire(K.job(waiting.id), 3600)  # its own job's keys: allowed
     assert waiting.cancel() == "cancelled" and waiting.result(timeout=10).finish_reason == "cancelled"
     other.close()
@@ -247,8 +253,8 @@ def test_a_producer_that_skips_check_meets_the_bound_at_admission(acl_setup, red
     jobs = [f"{i:032x}" for i in range(0xb0, 0xb0 + 2 * bound - before + 1)]
     try:
         for job_id in jobs:  # anonymous: the normal tier
-            raw.fcall(function_name("submit"), 2, K.job(job_id), K.job(job_id), job_id, b"req", "", "", "0", 60,
-                      K.intake, K.wake)
+            raw.fcall(function_name("submit"), 4, K.job(job_id), K.job(job_id), K.intake, K.wake, job_id, b"req",
+                      "", "", "0", 60)
         assert q.admit() == (len(jobs) - 1, 1)
         assert q.counts()["queued:normal"] == 2 * bound
         err = admin.hget(K.job(jobs[-1]), "error").decode()
@@ -277,3 +283,4 @@ def test_worker_copies_the_registry_into_a_new_models_slot(redis_url, tiny_model
         admin.hset(K.policy, "version", "stale")
         assert wait_for(lambda: admin.hget(K.policy, "version") == admin.get(GK.policy_version), timeout=20)
     admin.close()
+

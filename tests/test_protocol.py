@@ -434,8 +434,8 @@ def test_a_job_id_that_is_not_32_lowercase_hex_digits_is_refused(rr):
         assert not rr.exists(q.keys.job(bad))
     load_functions(rr)
     k = q.keys
-    reply = rr.fcall(function_name("submit"), 2, k.job("A" * 32), k.job("A" * 32), "A" * 32, b"req", "", "", "0", 60,
-                     k.intake, k.wake)
+    reply = rr.fcall(function_name("submit"), 4, k.job("A" * 32), k.job("A" * 32), k.intake, k.wake, "A" * 32, b"req",
+                     "", "", "0", 60)
     assert reply[0] == b"invalid_id" and not rr.exists(k.job("A" * 32)) and rr.llen(k.intake) == 0
     assert q.counts().get("queued:normal", 0) == 0
 
@@ -457,3 +457,22 @@ def test_a_lost_lease_is_reported_with_the_owner_token_that_lost_it(rr):
                       snapshot=lambda: {}, model_info={}, registry_key=GK.models, stop=threading.Event())
     control.renew()
     assert lost == [(a, "w:9")]
+
+
+def test_every_key_a_script_touches_is_declared_in_keys(rr):
+    """A Redis Cluster routes a script by its declared keys and may refuse one that touches another:
+    no script call names a key of the model among its arguments (channels are not keys). submit named
+    the intake and wake lists in ARGV."""
+    q = make_queue(rr)
+    k = q.keys
+    [a] = ids(1)
+    kh = apikeys.key_hash(TIER_KEYS["low"])
+    calls = [q.calls.enqueue(a, b"x", kh, None, "i"), q.calls.check(kh, None), q.calls.submit(a, b"x", kh, None, "i"),
+             q.calls.cancel_request(a), q.calls.admit([a]), q.calls.pull([a], "w"),
+             q.calls.deltas([(a, "w:1", b"d", True)]), q.calls.complete(a, "w:1", "done", b"r", b""),
+             q.calls.requeue(a, "w:1"), q.calls.cancel(a), q.calls.renew({a: "w:1"}), q.calls.reap([a])]
+    channels = (k.channel(a), k.cancel_channel)
+    for name, _, args in calls:
+        named = [x for x in args if isinstance(x, str) and x.startswith(k.prefix + ":") and x not in channels]
+        assert named == [], name
+

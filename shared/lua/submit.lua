@@ -2,11 +2,12 @@
 -- mlxq.shared.acl).  Nothing here decides priority: a worker's ``admit`` reads the key hash and
 -- floor from the record, decides the tier, scores the job at the time of admission and deletes
 -- the key hash.
--- KEYS: 1 job, 2 idempotency key (ignored unless ARGV[5] == '1')
+-- KEYS: 1 job, 2 idempotency key (ignored unless ARGV[5] == '1'), 3 intake list, 4 wake list
 -- ARGV: 1 id, 2 request (msgpack), 3 sha256 of the API key ('' for none), 4 tier floor ('' for none),
---       5 use idempotency key ('1'/'0'), 6 idempotency ttl (s), 7 intake list, 8 wake list
--- ARGV 7 and 8 name write-only keys of the job's hash slot: under FCALL a declared key needs read
--- permission too, and a producer that could read the intake list would learn other jobs' ids.
+--       5 use idempotency key ('1'/'0'), 6 idempotency ttl (s)
+-- Under FCALL a declared key needs read permission too: the ACL recipe grants it on the intake and
+-- wake lists, and no command that reads a list (its BLPOP is for done lists only, in a selector),
+-- so a producer still cannot learn other jobs' ids from the intake list.
 -- Returns {status, job id, '', server time}; status in ok | duplicate | exists | invalid_id | invalid_idempotency_key
 local id = ARGV[1]
 -- a job id is 32 lowercase hex digits (pull and admit take no other: a job under any other id
@@ -34,6 +35,6 @@ if ARGV[5] == '1' then
   redis.call('SET', KEYS[2], id, 'EX', tonumber(ARGV[6]))
   redis.call('HSET', KEYS[1], 'idem', KEYS[2])
 end
-redis.call('RPUSH', ARGV[7], id)
-redis.call('LPUSH', ARGV[8], '1')  -- (no LTRIM: a producer may not trim; admit.lua keeps it short)
+redis.call('RPUSH', KEYS[3], id)
+redis.call('LPUSH', KEYS[4], '1')  -- (no LTRIM: a producer may not trim; admit.lua keeps it short)
 return {'ok', id, '', now}
