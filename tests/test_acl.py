@@ -284,3 +284,15 @@ def test_worker_copies_the_registry_into_a_new_models_slot(redis_url, tiny_model
         assert wait_for(lambda: admin.hget(K.policy, "version") == admin.get(GK.policy_version), timeout=20)
     admin.close()
 
+
+def test_a_stale_idempotency_key_is_no_duplicate_for_a_producer_under_the_recipe(as_producer):
+    """submit answered ``duplicate`` for an idempotency key whose job's record was gone (expired, or
+    deleted): a job nobody could read. Such a key now counts as absent: the new job is submitted."""
+    admin, producer, raw, q = as_producer
+    first = producer.submit(prompt_tokens=[5, 6, 7], max_tokens=2, idempotency_key="retry-me")
+    assert producer.submit(prompt_tokens=[5, 6, 7], max_tokens=2, idempotency_key="retry-me").id == first.id
+    admin.lrem(K.intake, 0, first.id)
+    admin.delete(K.job(first.id))  # (expired)
+    again = producer.submit(prompt_tokens=[5, 6, 7], max_tokens=2, idempotency_key="retry-me")
+    assert not again.duplicate and again.id != first.id
+    assert admin.lrange(K.intake, 0, -1) == [again.id.encode()]

@@ -476,3 +476,19 @@ def test_every_key_a_script_touches_is_declared_in_keys(rr):
         named = [x for x in args if isinstance(x, str) and x.startswith(k.prefix + ":") and x not in channels]
         assert named == [], name
 
+
+def test_an_idempotency_key_whose_job_is_gone_is_no_duplicate(rr):
+    """A key that names a job whose record expired or was deleted answered ``duplicate`` with that
+    job's id: its caller waited on a job nobody can read. Such a key is treated as absent."""
+    q = make_queue(rr)
+    a, b, c = ids(3)
+    assert enq(q, a, "low", "order-7").status == "ok"
+    assert enq(q, b, "low", "order-7").status == "duplicate"
+    rr.zrem(q.keys.queue, a)
+    rr.delete(q.keys.job(a))  # (expired)
+    again = enq(q, b, "low", "order-7")
+    assert again.status == "ok" and again.job_id == b and rr.exists(q.keys.job(b))
+    idem = q.keys.idempotency("order-7", apikeys.key_hash(TIER_KEYS["low"]))
+    assert rr.get(idem) == b.encode() and rr.hget(q.keys.job(b), "idem") == idem.encode()
+    dup = enq(q, c, "low", "order-7")
+    assert dup.status == "duplicate" and dup.job_id == b
