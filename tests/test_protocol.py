@@ -477,6 +477,43 @@ def test_every_key_a_script_touches_is_declared_in_keys(rr):
         assert named == [], name
 
 
+def test_a_requeued_job_keeps_its_record_while_it_waits(rr):
+    """A job handed back (preemption, warm shutdown) or requeued by the reaper may wait in the queue
+    longer than the record's TTL: its stream of what was already emitted, which its resume reads,
+    expired while it waited. Queued, the stream has no TTL (as the job hash); each delta of a run
+    sets it again, so a run longer than the TTL keeps it too; a record whose job vanished expires."""
+    q = make_queue(rr, lease_s=0.05, heartbeat_s=0.01, max_attempts=3)
+    a, b = ids(2)
+    enq(q, a, "normal")
+    ek = q.keys.events(a)
+    q.pull(1, "w")
+    q.publish_deltas([(a, "w:1", b"d1", True)])
+    assert 0 < rr.ttl(ek) <= q.settings.result_ttl_s
+    rr.expire(ek, 5)  # (a run that went on past most of the TTL)
+    q.publish_deltas([(a, "w:1", b"d2", False)])
+    assert rr.ttl(ek) > 5
+    assert q.requeue(a, "w:1", b"state") == 1  # a preemption
+    assert rr.ttl(ek) == -1
+    [p] = q.pull(1, "w")
+    q.publish_deltas([(a, f"w:{p.attempt}", b"d3", True)])
+    assert rr.ttl(ek) > 0
+    rr.zadd(q.keys.inflight, {a: 0}, xx=True)  # (its lease expired)
+    assert q.reap() == (1, 0, 0)
+    assert rr.ttl(ek) == -1
+    assert [f[b"d"] for _, f in rr.xrange(ek)] == [b"d1", b"d2", b"d3"]
+    rr.delete(q.keys.job(a))  # the record of a waiting job vanished: garbage, and its stream expires
+    assert [x.kind for x in q.pull(1, "w")] == ["garbage"]
+    assert rr.ttl(ek) > 0
+    enq(q, b, "normal")  # a running job whose record vanished: the reaper drops it, and its stream expires
+    q.pull(1, "w")
+    q.publish_deltas([(b, "w:1", b"d1", True)])
+    rr.persist(q.keys.events(b))
+    rr.delete(q.keys.job(b))
+    rr.zadd(q.keys.inflight, {b: 0}, xx=True)
+    q.reap()
+    assert rr.ttl(q.keys.events(b)) > 0
+
+
 def test_an_idempotency_key_whose_job_is_gone_is_no_duplicate(rr):
     """A key that names a job whose record expired or was deleted answered ``duplicate`` with that
     job's id: its caller waited on a job nobody can read. Such a key is treated as absent."""

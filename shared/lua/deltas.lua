@@ -3,7 +3,9 @@
 -- writes nothing, so a job's stream holds exactly one delta for each stretch of its output.
 -- KEYS: three per delta: job, events, job channel
 -- ARGV: 1 ttl (s), 2 publish command (PUBLISH | SPUBLISH on a cluster), then three per delta:
---       owner token, delta (msgpack), '1' when it is its attempt's first delta (the stream gets its TTL)
+--       owner token, delta (msgpack), unused
+-- Each delta sets the stream's TTL again: the record outlives a run longer than the TTL (it was set
+-- by an attempt's first delta only). Queued again, the stream has none (requeue.lua, reap.lua).
 -- Returns the ids of the jobs whose deltas were refused (lease lost, or a job key or events key
 -- that is not a hash / a stream: clobbered, as a lost lease; pcall, so that one such job never
 -- fails the call, which carries the deltas of every job of the step).
@@ -17,7 +19,7 @@ local function refuse(jk)
 end
 for i = 1, #KEYS / 3 do
   local jk, ek, ch = KEYS[i * 3 - 2], KEYS[i * 3 - 1], KEYS[i * 3]
-  local owner, payload, first = ARGV[i * 3], ARGV[i * 3 + 1], ARGV[i * 3 + 2]
+  local owner, payload = ARGV[i * 3], ARGV[i * 3 + 1]
   if owners[jk] == nil then
     local o = redis.pcall('HGET', jk, 'owner')
     owners[jk] = type(o) == 'string' and o or false
@@ -28,7 +30,7 @@ for i = 1, #KEYS / 3 do
       refuse(jk)
     else
       redis.call(ARGV[2], ch, payload)
-      if first == '1' then redis.call('EXPIRE', ek, tonumber(ARGV[1])) end
+      redis.call('EXPIRE', ek, tonumber(ARGV[1]))
     end
   else
     refuse(jk)

@@ -81,6 +81,8 @@ for _, entry in ipairs(popped) do
       redis.call('HINCRBY', KEYS[3], 'queued:' .. gone.tier, -1)
       redis.call('HDEL', KEYS[6], id)
     end
+    -- the stream of a job requeued has no TTL while it waits (requeue.lua): nothing will end it now
+    if mlxq_is_job_id(id) then redis.call('EXPIRE', ek, tonumber(ARGV[4])) end
     redis.call('ZADD', KEYS[4], now, id)
     redis.call('HSET', KEYS[5], id, why)
     redis.call('HINCRBY', KEYS[3], 'garbage', 1)

@@ -28,6 +28,7 @@ for i = 4, #ARGV do
       redis.call('HINCRBY', KEYS[3], 'running', -1)
       redis.call('HDEL', KEYS[7], id)
     end
+    if ktype ~= 'hash' then redis.call('EXPIRE', ek, ttl) end  -- nothing will end its stream now
     if ktype ~= 'hash' and ktype ~= 'none' then  -- forged: never a script error (it would stop the reaper)
       redis.call('ZADD', KEYS[4], now, id)
       redis.call('HSET', KEYS[5], id, 'in-flight member whose job record is a ' .. tostring(ktype))
@@ -74,6 +75,7 @@ for i = 4, #ARGV do
           if sd then mlxq_sched_set(KEYS[7], id, sd.tier, sd.score, true) end
         end
         redis.call('ZADD', KEYS[2], score, id)
+        redis.call('PERSIST', ek)  -- kept while it waits, however long (as requeue.lua)
         redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
         redis.call('HINCRBY', KEYS[3], 'requeued', 1)
         redis.call('LPUSH', KEYS[6], '1')
