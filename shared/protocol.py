@@ -240,15 +240,16 @@ class ScriptCalls:
         return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info, k.sched, *self._per_member(members)],
                 [len(members), self.s.lease_s, worker_id, self.s.result_ttl_s, self.pubcmd, *members])
 
-    def deltas(self, items: list[tuple[str, str, bytes, bool]]):
-        """Append and publish ``(job id, owner token, delta, first of its attempt)`` items, each
-        fenced on its job's lease owner."""
+    def deltas(self, items: list[tuple[str, str, bytes, int]]):
+        """Append and publish ``(job id, owner token, delta, sequence number)`` items, each fenced on
+        its job's lease owner; a delta numbered no higher than the last its owner wrote is skipped
+        (deltas.lua: a resend)."""
         k = self.k
         keys: list = []
         args: list = [self.s.result_ttl_s, self.pubcmd]
-        for job_id, owner, payload, first in items:
+        for job_id, owner, payload, seq in items:
             keys += [k.job(job_id), k.events(job_id), k.channel(job_id)]
-            args += [owner, payload, "1" if first else "0"]
+            args += [owner, payload, seq]
         return ("deltas", keys, args)
 
     def complete(self, job_id: str, owner: str, status: str, result: bytes, final_delta: bytes):
@@ -396,7 +397,7 @@ class Queue:
             return []
         return parse_pull(self.run(self.calls.pull(members, worker_id)))
 
-    def publish_deltas(self, items: list[tuple[str, str, bytes, bool]], client=None):
+    def publish_deltas(self, items: list[tuple[str, str, bytes, int]], client=None):
         """Fenced append + publish of token deltas; returns the job keys whose lease was lost
         (with a pipeline as ``client``: its reply)."""
         return self.run(self.calls.deltas(items), client)

@@ -95,8 +95,8 @@ def test_deltas_are_fenced_on_the_lease_owner(rr):
     enq(q, a, "normal")
     enq(q, b, "normal")
     q.pull(2, "w1")
-    refused = q.publish_deltas([(a, "w1:1", b"d1", True), (b, "zombie:1", b"d2", True), (b, "zombie:1", b"d3", False),
-                                (a, "w1:1", b"d4", False)])
+    refused = q.publish_deltas([(a, "w1:1", b"d1", 1), (b, "zombie:1", b"d2", 2), (b, "zombie:1", b"d3", 3),
+                                (a, "w1:1", b"d4", 4)])
     assert [k.decode() for k in refused] == [q.keys.job(b)]
     assert [f[b"d"] for _, f in rr.xrange(q.keys.events(a))] == [b"d1", b"d4"]
     assert rr.xlen(q.keys.events(b)) == 0
@@ -469,7 +469,7 @@ def test_every_key_a_script_touches_is_declared_in_keys(rr):
     kh = apikeys.key_hash(TIER_KEYS["low"])
     calls = [q.calls.enqueue(a, b"x", kh, None, "i"), q.calls.check(kh, None), q.calls.submit(a, b"x", kh, None, "i"),
              q.calls.cancel_request(a), q.calls.admit([a]), q.calls.pull([a], "w"),
-             q.calls.deltas([(a, "w:1", b"d", True)]), q.calls.complete(a, "w:1", "done", b"r", b""),
+             q.calls.deltas([(a, "w:1", b"d", 1)]), q.calls.complete(a, "w:1", "done", b"r", b""),
              q.calls.requeue(a, "w:1"), q.calls.cancel(a), q.calls.renew({a: "w:1"}), q.calls.reap([a])]
     channels = (k.channel(a), k.cancel_channel)
     for name, _, args in calls:
@@ -487,15 +487,15 @@ def test_a_requeued_job_keeps_its_record_while_it_waits(rr):
     enq(q, a, "normal")
     ek = q.keys.events(a)
     q.pull(1, "w")
-    q.publish_deltas([(a, "w:1", b"d1", True)])
+    q.publish_deltas([(a, "w:1", b"d1", 1)])
     assert 0 < rr.ttl(ek) <= q.settings.result_ttl_s
     rr.expire(ek, 5)  # (a run that went on past most of the TTL)
-    q.publish_deltas([(a, "w:1", b"d2", False)])
+    q.publish_deltas([(a, "w:1", b"d2", 2)])
     assert rr.ttl(ek) > 5
     assert q.requeue(a, "w:1", b"state") == 1  # a preemption
     assert rr.ttl(ek) == -1
     [p] = q.pull(1, "w")
-    q.publish_deltas([(a, f"w:{p.attempt}", b"d3", True)])
+    q.publish_deltas([(a, f"w:{p.attempt}", b"d3", 3)])
     assert rr.ttl(ek) > 0
     rr.zadd(q.keys.inflight, {a: 0}, xx=True)  # (its lease expired)
     assert q.reap() == (1, 0, 0)
@@ -506,7 +506,7 @@ def test_a_requeued_job_keeps_its_record_while_it_waits(rr):
     assert rr.ttl(ek) > 0
     enq(q, b, "normal")  # a running job whose record vanished: the reaper drops it, and its stream expires
     q.pull(1, "w")
-    q.publish_deltas([(b, "w:1", b"d1", True)])
+    q.publish_deltas([(b, "w:1", b"d1", 1)])
     rr.persist(q.keys.events(b))
     rr.delete(q.keys.job(b))
     rr.zadd(q.keys.inflight, {b: 0}, xx=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import redis
+
 from mlxq import Client
 from mlxq.producer.common import StreamState
 from mlxq.producer.core import feed_message
@@ -166,16 +168,16 @@ def test_publisher_sends_again_what_a_lost_script_cache_refused(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput
+    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
     job = "ab" * 16
     r.hset(K.job(job), "owner", "w:1")
     pub = Publisher(q, threading.Event())
-    pub._send([StepOutput(deltas=[(job, "w:1", b"d1", True)])])
+    pub._send([StepOutput(deltas=[(job, "w:1", b"d1", next_delta_seq())])])
     r.script_flush()
-    pub._send([StepOutput(deltas=[(job, "w:1", b"d2", False), (job, "zombie:1", b"dz", False)])])
+    pub._send([StepOutput(deltas=[(job, "w:1", b"d2", next_delta_seq()), (job, "zombie:1", b"dz", next_delta_seq())])])
     assert [f[b"d"] for _, f in r.xrange(K.events(job))] == [b"d1", b"d2"]
     r.close()
 
@@ -191,7 +193,7 @@ def test_a_write_the_client_cannot_send_costs_its_own_step_only(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput
+    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -202,11 +204,11 @@ def test_a_write_the_client_cannot_send_costs_its_own_step_only(redis_url):
     pub = Publisher(q, stop)
     pub.start()
     try:
-        pub.inbox.put(StepOutput(deltas=[(good, "w:1", b"g1", True)]))
-        pub.inbox.put(StepOutput(deltas=[(bad, "w:1", {"not": "bytes"}, True)]))
-        pub.inbox.put(StepOutput(deltas=[(good, "w:1", b"g2", False)]))
+        pub.inbox.put(StepOutput(deltas=[(good, "w:1", b"g1", next_delta_seq())]))
+        pub.inbox.put(StepOutput(deltas=[(bad, "w:1", {"not": "bytes"}, next_delta_seq())]))
+        pub.inbox.put(StepOutput(deltas=[(good, "w:1", b"g2", next_delta_seq())]))
         assert pub.drain(30)
-        pub.submit(StepOutput(deltas=[(later, "w:1", b"l1", True)]))
+        pub.submit(StepOutput(deltas=[(later, "w:1", b"l1", next_delta_seq())]))
         assert pub.drain(30) and pub.is_alive()
     finally:
         stop.set()
@@ -228,7 +230,7 @@ def test_a_clobbered_key_costs_its_own_job_only(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput
+    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -240,8 +242,8 @@ def test_a_clobbered_key_costs_its_own_job_only(redis_url):
     fenced = []
     pub = Publisher(q, threading.Event())
     pub.on_fenced = lambda job, kind, ok: fenced.append((job, kind, ok))
-    pub._send([StepOutput(deltas=[(good, "w:1", b"g1", True), (bad, "w:1", b"b1", True),
-                                  (good, "w:1", b"g2", False)])])
+    pub._send([StepOutput(deltas=[(good, "w:1", b"g1", next_delta_seq()), (bad, "w:1", b"b1", next_delta_seq()),
+                                  (good, "w:1", b"g2", next_delta_seq())])])
     assert [f[b"d"] for _, f in r.xrange(K.events(good))] == [b"g1", b"g2"]
     assert r.get(K.events(bad)) == b"clobbered"
     pub._send([StepOutput(completions=[(bad, "w:1", "done", b"result", b"final"),
@@ -261,7 +263,7 @@ def test_a_write_refused_for_now_is_sent_again_not_dropped(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput
+    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -287,7 +289,7 @@ def test_a_write_refused_for_now_is_sent_again_not_dropped(redis_url):
 
     q.redis.pipeline = pipeline
     pub = Publisher(q, threading.Event())
-    pub._send([StepOutput(deltas=[(job, "w:1", b"d1", True), (job, "w:1", b"d2", False)])])
+    pub._send([StepOutput(deltas=[(job, "w:1", b"d1", next_delta_seq()), (job, "w:1", b"d2", next_delta_seq())])])
     assert refusals == [0]
     assert [f[b"d"] for _, f in r.xrange(K.events(job))] == [b"d1", b"d2"]
     r.close()
@@ -314,4 +316,73 @@ def test_a_record_with_token_ids_outside_the_vocabulary_fails_its_job_alone(tiny
         after = client.submit(prompt_tokens=[5, 6, 7], max_tokens=3, ignore_eos=True).result(timeout=60)
         assert after.finish_reason == "length" and after.token_ids == reference_tokens(tiny_model, [5, 6, 7], 3)
     client.close()
+    r.close()
+
+
+class _ReplyLost:
+    """A client whose next pipelines run on Redis, then raise as a link lost before the reply came."""
+
+    def __init__(self, redis, losses: int):
+        self._redis, self.losses = redis, losses
+
+    def __getattr__(self, name):
+        return getattr(self._redis, name)
+
+    def pipeline(self, *args, **kwargs):
+        pipe, owner = self._redis.pipeline(*args, **kwargs), self
+
+        class Pipe:
+            def __getattr__(self, name):
+                return getattr(pipe, name)
+
+            def execute(self, *a, **kw):
+                replies = pipe.execute(*a, **kw)
+                if owner.losses:
+                    owner.losses -= 1
+                    raise redis.ConnectionError("connection lost after the write (test)")
+                return replies
+
+        return Pipe()
+
+
+def test_a_step_sent_again_after_its_reply_was_lost_is_written_once(redis_url):
+    """The publisher sends a step again when the link fails; when the first send had landed (the
+    reply was lost, not the request), its deltas were appended to the stream twice, and a reader of
+    the record saw those tokens twice. A delta already written is skipped (deltas.lua, its sequence
+    number): the stream and the channel get each delta once, through any number of resends, and the
+    same worker's later deltas (a preempted job it leased again, same owner token) still go out."""
+    import threading
+
+    from mlxq.shared.protocol import Queue
+    from mlxq.shared.settings import Settings
+    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+
+    r = redis.Redis.from_url(redis_url)
+    q = Queue(r, K, Settings())
+    job, other = "ab" * 16, "cd" * 16
+    for j in (job, other):
+        r.hset(K.job(j), "owner", "w:1")
+    sub = r.pubsub()
+    sub.subscribe(K.channel(job))
+    assert sub.get_message(timeout=5)["type"] == "subscribe"
+    q.load_scripts()  # (as a worker does at start: the sends below land, then lose their replies)
+    q.redis = _ReplyLost(r, losses=2)
+    pub = Publisher(q, threading.Event())
+    pub.backoff.first = pub.backoff.cap = 0.0
+    first = StepOutput()
+    first.add_delta(job, "w:1", {"s": 1})
+    first.add_delta(other, "w:1", {"s": 1})
+    first.seal()  # (numbered in the order the steps go out, as Publisher.submit does)
+    second = StepOutput(deltas=[(job, "w:1", b"d2", next_delta_seq()), (job, "w:1", b"d3", next_delta_seq())])
+    pub._send([first, second])
+    assert q.redis.losses == 0  # (sent three times)
+    q.redis = r
+    pub._send([StepOutput(deltas=[(job, "w:1", b"d4", next_delta_seq())])])
+    assert [f[b"d"] for _, f in r.xrange(K.events(job))] == [codec.pack({"s": 1}), b"d2", b"d3", b"d4"]
+    assert r.xlen(K.events(other)) == 1
+    live = []
+    while (m := sub.get_message(timeout=0.5)) is not None:
+        live.append(m["data"])
+    assert live == [codec.pack({"s": 1}), b"d2", b"d3", b"d4"]
+    sub.close()
     r.close()

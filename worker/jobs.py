@@ -80,7 +80,6 @@ class ActiveJob:
     first_token_at: Optional[float] = None
     logprobs: list = field(default_factory=list)
     cached_tokens: int = 0
-    resumed: bool = False
     grammar: Optional[str] = None  # the llguidance grammar its output follows (None: free text)
     sample: Optional[int] = None  # the sample index of a job with n > 1 (None: n == 1)
     group: Optional[SampleGroup] = None  # n > 1: the job's samples
@@ -511,7 +510,6 @@ def _job_seed(req: GenerateRequest, published: dict[int, Published], resume: dic
 
 def _restore(job: ActiveJob, published: Published, resume: dict) -> None:
     """Rebuild a sample's text state silently; only text beyond what was published goes out."""
-    job.resumed = True
     job.tokens = list(published.tokens)
     job.logprobs = list(published.logprobs)
     for t in job.tokens:

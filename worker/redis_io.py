@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -49,35 +50,44 @@ class Backoff:
         self.delay = 0.0
 
 
+# Each delta's sequence number (deltas.lua skips one its owner wrote already: a publish sent again after
+# its reply was lost). One counter for the process, from the clock in microseconds, so that a worker
+# restarted under the same id and owner token still counts above what it wrote before.
+_delta_seq = itertools.count(time.time_ns() // 1000)
+
+
+def next_delta_seq() -> int:
+    return next(_delta_seq)
+
+
 @dataclass
 class StepOutput:
     """What one engine step hands to Redis, in order."""
 
-    # (job id, owner token, msgpack payload, first of its attempt): appended and published fenced on the
-    # lease; the payload is one delta, or the list of a job's samples' deltas of this step (add_delta)
-    deltas: list[tuple[str, str, bytes, bool]] = field(default_factory=list)
+    # (job id, owner token, msgpack payload, sequence number): appended and published fenced on the
+    # lease, once; the payload is one delta, or the list of a job's samples' deltas of this step (add_delta)
+    deltas: list[tuple[str, str, bytes, int]] = field(default_factory=list)
     completions: list[tuple[str, str, str, bytes, bytes]] = field(default_factory=list)
     requeues: list[tuple[str, str, bytes]] = field(default_factory=list)
     # (job id, owner token, error): jobs given up by a worker whose engine raised; the attempt counts
     abandons: list[tuple[str, str, str]] = field(default_factory=list)
-    # job id -> [owner, wire deltas, first]: what add_delta gathered, packed by seal()
+    # job id -> [owner, wire deltas]: what add_delta gathered, packed by seal()
     _staged: dict[str, list] = field(default_factory=dict, repr=False)
 
-    def add_delta(self, job_id: str, owner: str, wire: dict, first: bool) -> None:
+    def add_delta(self, job_id: str, owner: str, wire: dict) -> None:
         """A job's delta of this step. The samples of a job with n > 1 each make one a step: they go
         out as one payload (a msgpack list, ``shared.schemas.wire_deltas``), so one stream entry and
         one pub/sub message, not n, and a subscriber wakes once a step for the job."""
         staged = self._staged.get(job_id)
         if staged is None:
-            self._staged[job_id] = [owner, [wire], first]
+            self._staged[job_id] = [owner, [wire]]
         else:
             staged[1].append(wire)
-            staged[2] = staged[2] or first
 
     def seal(self) -> "StepOutput":
-        """Pack what add_delta gathered into ``deltas`` (Publisher.submit does it)."""
-        for job_id, (owner, wires, first) in self._staged.items():
-            self.deltas.append((job_id, owner, codec.pack(wires[0] if len(wires) == 1 else wires), first))
+        """Pack what add_delta gathered into ``deltas``, numbered (Publisher.submit does it)."""
+        for job_id, (owner, wires) in self._staged.items():
+            self.deltas.append((job_id, owner, codec.pack(wires[0] if len(wires) == 1 else wires), next_delta_seq()))
         self._staged.clear()
         return self
 

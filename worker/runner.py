@@ -396,8 +396,7 @@ class Worker:
             self._finish(job, finish, out, text, ids, lp)
         elif text or ids:
             delta = job.emit(text, ids, logprobs=lp)
-            out.add_delta(job.id, job.owner, job.wire_dict(delta), job.seq == 1 or job.resumed)
-            job.resumed = False
+            out.add_delta(job.id, job.owner, job.wire_dict(delta))
 
     def _alone(self, job: ActiveJob, out: StepOutput, handle) -> None:
         """Host thread: ``handle()``, one job's part of a step; what it raises ends that job alone."""
@@ -433,7 +432,7 @@ class Worker:
         self.active.pop(job.uid, None)
         result = job.end(finish, error, error_code)
         if result is None:  # other samples of the job still run: this one's last delta is a delta
-            out.add_delta(job.id, job.owner, job.wire_dict(delta), job.seq == 1 or job.resumed)
+            out.add_delta(job.id, job.owner, job.wire_dict(delta))
             return
         packed = codec.pack(result.model_dump())
         if len(packed) > codec.MAX_MESSAGE_BYTES:

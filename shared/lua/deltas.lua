@@ -1,15 +1,19 @@
 -- Append token deltas to their jobs' durable streams and publish them, fenced on the lease owner:
 -- a worker that lost a job's lease (it hung past the lease, and another worker resumed the job)
 -- writes nothing, so a job's stream holds exactly one delta for each stretch of its output.
+-- Each delta carries its sequence number, from one counter of its worker process (which only
+-- grows); the job hash keeps the owner and number of the last one written (field 'sent'), and a
+-- delta of that owner numbered no higher was written already and is skipped: a worker that sends a
+-- call again because its reply was lost (the call had landed) appends and publishes nothing twice.
 -- KEYS: three per delta: job, events, job channel
 -- ARGV: 1 ttl (s), 2 publish command (PUBLISH | SPUBLISH on a cluster), then three per delta:
---       owner token, delta (msgpack), unused
+--       owner token, delta (msgpack), sequence number ('' for none: never skipped)
 -- Each delta sets the stream's TTL again: the record outlives a run longer than the TTL (it was set
 -- by an attempt's first delta only). Queued again, the stream has none (requeue.lua, reap.lua).
 -- Returns the ids of the jobs whose deltas were refused (lease lost, or a job key or events key
 -- that is not a hash / a stream: clobbered, as a lost lease; pcall, so that one such job never
 -- fails the call, which carries the deltas of every job of the step).
-local owners, seen, refused = {}, {}, {}
+local owners, sent, seen, refused = {}, {}, {}, {}
 local function refuse(jk)
   owners[jk] = false
   if not seen[jk] then
@@ -19,18 +23,28 @@ local function refuse(jk)
 end
 for i = 1, #KEYS / 3 do
   local jk, ek, ch = KEYS[i * 3 - 2], KEYS[i * 3 - 1], KEYS[i * 3]
-  local owner, payload = ARGV[i * 3], ARGV[i * 3 + 1]
+  local owner, payload, seq = ARGV[i * 3], ARGV[i * 3 + 1], tonumber(ARGV[i * 3 + 2])
   if owners[jk] == nil then
-    local o = redis.pcall('HGET', jk, 'owner')
-    owners[jk] = type(o) == 'string' and o or false
+    local f = redis.pcall('HMGET', jk, 'owner', 'sent')
+    owners[jk] = type(f) == 'table' and not f.err and f[1] or false
+    if owners[jk] then
+      local o, n = string.match(f[2] or '', '^(.*) (%d+)$')
+      sent[jk] = o == owners[jk] and tonumber(n) or -1
+    end
   end
   if owners[jk] == owner then
-    local r = redis.pcall('XADD', ek, '*', 'd', payload)
-    if type(r) == 'table' and r.err then
-      refuse(jk)
-    else
-      redis.call(ARGV[2], ch, payload)
-      redis.call('EXPIRE', ek, tonumber(ARGV[1]))
+    if not (seq and seq <= sent[jk]) then  -- (written already: a resend)
+      local r = redis.pcall('XADD', ek, '*', 'd', payload)
+      if type(r) == 'table' and r.err then
+        refuse(jk)
+      else
+        redis.call(ARGV[2], ch, payload)
+        redis.call('EXPIRE', ek, tonumber(ARGV[1]))
+        if seq then
+          sent[jk] = seq
+          redis.call('HSET', jk, 'sent', owner .. ' ' .. ARGV[i * 3 + 2])
+        end
+      end
     end
   else
     refuse(jk)
