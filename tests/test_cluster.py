@@ -236,6 +236,13 @@ def test_acl_producer_user_on_the_cluster(cluster, cluster_workers):
         client.queue_for(MODELS[0]).redis.zadd(ModelKeys(MODELS[0]).queue, {"f" * 32: 0})
     with pytest.raises(NoPermissionError):
         client.queue_for(MODELS[1]).redis.eval("return 1", 0)
+    # an idempotency key whose job's record is gone counts as absent (submit reads that record, in the slot)
+    kw = dict(prompt_tokens=PROMPTS[0], model=MODELS[0], max_tokens=2, idempotency_key="cluster-once")
+    first = client.submit(**kw)
+    assert client.submit(**kw).duplicate and first.result(timeout=120).text
+    connect(cluster.url).delete(ModelKeys(MODELS[0]).job(first.id))
+    again = client.submit(**kw)
+    assert not again.duplicate and again.id != first.id and again.result(timeout=120).text
     client.close()
 
 
