@@ -60,7 +60,8 @@ def producer_key_rules(prefix: str = "mlxq") -> tuple[str, ...]:
 
 def producer_rules(password: str, prefix: str = "mlxq") -> list[str]:
     """``ACL SETUSER <name> <rules...>`` for a producer service."""
-    return ["on", f">{password}", "resetkeys", "resetchannels", "-@all",
+    # clearselectors: applied again to an existing user (an upgrade), the rule replaces its selectors
+    return ["on", f">{password}", "resetkeys", "resetchannels", "clearselectors", "-@all",
             *PRODUCER_COMMANDS, *producer_key_rules(prefix)]
 
 
