@@ -386,3 +386,87 @@ def test_a_step_sent_again_after_its_reply_was_lost_is_written_once(redis_url):
     assert live == [codec.pack({"s": 1}), b"d2", b"d3", b"d4"]
     sub.close()
     r.close()
+
+
+def test_deltas_a_full_server_refuses_are_sent_again_not_dropped(redis_url):
+    """At maxmemory with noeviction, Redis refuses the stream append (OOM). deltas.lua reported that
+    as a lost lease and the publisher dropped the step, so the job ran on past a hole in its stream
+    that no reader could fill. Now the call fails with the server's error and goes again once the
+    server takes writes: the stream holds every delta, once, in order."""
+    import threading
+
+    from mlxq.shared.protocol import Queue
+    from mlxq.shared.settings import Settings
+    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+
+    r = redis.Redis.from_url(redis_url)
+    q = Queue(r, K, Settings())
+    job, other = "ef" * 16, "01" * 16
+    for j in (job, other):
+        r.hset(K.job(j), "owner", "w:1")
+    q.load_scripts()
+    pub = Publisher(q, threading.Event())
+    pub.backoff.first = pub.backoff.cap = 0.01
+    gave_up, refused = [], threading.Event()
+    pub.on_gave_up = gave_up.extend
+    fail = pub.backoff.fail
+    pub.backoff.fail = lambda: (refused.set(), fail())[1]
+    pub._send([StepOutput(deltas=[(job, "w:1", b"d1", next_delta_seq())])])
+    policy = r.config_get("maxmemory-policy")["maxmemory-policy"]
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", int(r.info("memory")["used_memory"]) - 1000)
+    try:
+        step = StepOutput(deltas=[(other, "w:1", b"o2", next_delta_seq()), (job, "w:1", b"d2", next_delta_seq())])
+        sending = threading.Thread(target=pub._send, args=([step],))
+        sending.start()
+        assert refused.wait(60)
+        assert sending.is_alive() and r.xlen(K.events(job)) == 1
+    finally:
+        r.config_set("maxmemory", 0)
+        r.config_set("maxmemory-policy", policy)
+    sending.join(60)
+    assert not sending.is_alive() and gave_up == []
+    pub._send([StepOutput(deltas=[(job, "w:1", b"d3", next_delta_seq())])])
+    assert [f[b"d"] for _, f in r.xrange(K.events(job))] == [b"d1", b"d2", b"d3"]
+    assert [f[b"d"] for _, f in r.xrange(K.events(other))] == [b"o2"]
+    r.close()
+
+
+def test_deltas_no_resend_can_write_drop_their_jobs(redis_url):
+    """A deltas call that fails for good (an error reply no resend cures) hands its jobs to the worker
+    (Publisher.on_gave_up), which drops them as on a lost lease: their leases lapse and the next
+    attempt resumes from what the stream holds, where before they ran on past the hole."""
+    import threading
+
+    from mlxq.shared.protocol import Queue
+    from mlxq.shared.settings import Settings
+    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+
+    r = redis.Redis.from_url(redis_url)
+    q = Queue(r, K, Settings())
+    q.load_scripts()
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(r, name)
+
+        def pipeline(self, *args, **kwargs):
+            pipe = r.pipeline(*args, **kwargs)
+
+            class Pipe:
+                def __getattr__(self, name):
+                    return getattr(pipe, name)
+
+                def execute(self, *a, **kw):
+                    return [redis.ResponseError("ERR refused for good (test)") for _ in pipe.execute(*a, **kw)]
+
+            return Pipe()
+
+    q.redis = Refusing()
+    pub = Publisher(q, threading.Event())
+    gave_up = []
+    pub.on_gave_up = gave_up.extend
+    pub._send([StepOutput(deltas=[("ab" * 16, "w:3", b"x", next_delta_seq()), ("cd" * 16, "w:1", b"y", next_delta_seq()),
+                                  ("ab" * 16, "w:3", b"z", next_delta_seq())])])
+    assert gave_up == [("ab" * 16, "w:3"), ("cd" * 16, "w:1")]
+    r.close()

@@ -34,6 +34,17 @@ log = logging.getLogger(__name__)
 
 # A lost link, a restarting Redis, or a cluster failover (MOVED, CLUSTERDOWN, READONLY): retry with backoff.
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError) + RESLOT_ERRORS
+# Error replies by which the server refuses a write for its own state, not the call's: at maxmemory
+# with noeviction (OOM), after a failed background save (MISCONF), a script running too long (BUSY),
+# too few replicas (NOREPLICAS). They pass; the publisher sends the call again later.
+SERVER_NOT_NOW = ("OOM", "MISCONF", "BUSY", "NOREPLICAS")
+
+
+def _not_now(reply) -> bool:
+    """A reply that refused the call for now (it never ran, or ran only where a resend skips it)."""
+    if isinstance(reply, (NoScriptError, redis.exceptions.OutOfMemoryError) + REDIS_ERRORS):
+        return True  # (redis-py takes the OOM code off the message: its own class says it)
+    return isinstance(reply, redis.ResponseError) and str(reply).split(" ", 1)[0] in SERVER_NOT_NOW
 
 
 class Backoff:
@@ -104,6 +115,10 @@ class Publisher(threading.Thread):
         self.round_trips = 0
         self.backoff = Backoff()
         self.on_fenced: Optional[Callable[[str, str, bool], None]] = None
+        # (job id, owner token) of jobs whose deltas could not be written at all (an error no resend
+        # cures): the worker drops them, so that their leases lapse and the next attempt resumes from
+        # what the stream holds. Publishing past the hole left their streams with a gap no reader fills.
+        self.on_gave_up: Optional[Callable[[list[tuple[str, str]]], None]] = None
 
     def submit(self, out: StepOutput) -> None:
         if out.seal():
@@ -161,6 +176,14 @@ class Publisher(threading.Thread):
                               | {r[0] for r in out.requeues} | {a[0] for a in out.abandons})
                 log.error("gave up on a step's writes for job(s) %s: they come back when their leases lapse",
                           ", ".join(jobs) or "(none)")
+                self._gave_up(sorted({(d[0], d[1]) for d in out.deltas}))
+
+    def _gave_up(self, leases: list[tuple[str, str]]) -> None:
+        if leases and self.on_gave_up is not None:
+            try:
+                self.on_gave_up(leases)
+            except Exception:
+                log.exception("handing over the jobs whose deltas were not written failed")
 
     # deltas per script call: one fenced append + publish for a whole step (or several coalesced)
     DELTAS_PER_CALL = 512
@@ -170,7 +193,7 @@ class Publisher(threading.Thread):
         while todo:
             try:
                 pipe = self.q.redis.pipeline(transaction=False)
-                for call, _, _ in todo:
+                for call, *_ in todo:
                     self.q.queue_call(pipe, call)
                 replies = pipe.execute(raise_on_error=False)
                 self.round_trips += 1
@@ -181,19 +204,24 @@ class Publisher(threading.Thread):
                 time.sleep(delay)
                 continue
             # Refused calls never ran: a lost script cache (NOSCRIPT), or a reply that only says "not
-            # now" (READONLY from a demoted master, MOVED, TRYAGAIN, CLUSTERDOWN, LOADING); they go
-            # again, in order, as on a lost link. Before, the second kind was logged and dropped: a
-            # job's deltas of that step were lost from its stream.
-            again = [isinstance(reply, (NoScriptError,) + REDIS_ERRORS) for reply in replies]
-            for (_, job_id, kind), reply, retry in zip(todo, replies, again):
+            # now" (READONLY from a demoted master, MOVED, TRYAGAIN, CLUSTERDOWN, LOADING, and the
+            # server's own OOM, MISCONF, BUSY); they go again, in order, as on a lost link. Before, the
+            # second kind was logged and dropped: a job's deltas of that step were lost from its stream.
+            again = [_not_now(reply) for reply in replies]
+            for (_, job_id, kind, leases), reply, retry in zip(todo, replies, again):
                 if not retry:
-                    self._settled(job_id, kind, reply)
+                    self._settled(job_id, kind, reply, leases)
             refused = [r for r, retry in zip(replies, again) if retry]
             todo = [item for item, retry in zip(todo, again) if retry]
             if any(isinstance(r, NoScriptError) for r in refused):
                 # Redis lost its script cache (a restart): load them and send what was refused
                 log.info("Redis does not have mlxq's scripts (a new or restarted server): loading them")
-                self.q.load_scripts()
+                try:
+                    self.q.load_scripts()
+                except REDIS_ERRORS as exc:  # lost again: as any lost link, retried with the calls kept
+                    delay = self.backoff.fail()
+                    log.warning("loading the scripts failed (%s); retrying in %.2fs", exc, delay)
+                    time.sleep(delay)
             elif refused:
                 delay = self.backoff.fail()
                 log.warning("publish refused for now (%s); retrying in %.2fs with the calls kept", refused[0], delay)
@@ -201,15 +229,16 @@ class Publisher(threading.Thread):
                     self.q.redis.invalidate()
                 time.sleep(delay)
 
-    def _calls(self, batch: list[StepOutput]) -> list[tuple[tuple, str, str]]:
-        """The batch's writes as (script call, job id, kind), in order: a job's deltas come before
-        its completion or requeue."""
-        calls: list[tuple[tuple, str, str]] = []
+    def _calls(self, batch: list[StepOutput]) -> list[tuple[tuple, str, str, list]]:
+        """The batch's writes as (script call, job id, kind, the (job id, owner) of a deltas call's
+        deltas), in order: a job's deltas come before its completion or requeue."""
+        calls: list[tuple[tuple, str, str, list]] = []
         deltas: list = []
 
         def flush() -> None:
             for i in range(0, len(deltas), self.DELTAS_PER_CALL):
-                calls.append((self.q.calls.deltas(deltas[i:i + self.DELTAS_PER_CALL]), "", "deltas"))
+                part = deltas[i:i + self.DELTAS_PER_CALL]
+                calls.append((self.q.calls.deltas(part), "", "deltas", sorted({(d[0], d[1]) for d in part})))
             deltas.clear()
 
         for out in batch:
@@ -217,17 +246,19 @@ class Publisher(threading.Thread):
             if out.completions or out.requeues or out.abandons:
                 flush()
             for job_id, owner, status, result, final in out.completions:
-                calls.append((self.q.calls.complete(job_id, owner, status, result, final), job_id, "complete"))
+                calls.append((self.q.calls.complete(job_id, owner, status, result, final), job_id, "complete", []))
             for job_id, owner, resume in out.requeues:
-                calls.append((self.q.calls.requeue(job_id, owner, resume), job_id, "requeue"))
+                calls.append((self.q.calls.requeue(job_id, owner, resume), job_id, "requeue", []))
             for job_id, owner, error in out.abandons:
-                calls.append((self.q.calls.requeue(job_id, owner, b"", error), job_id, "abandon"))
+                calls.append((self.q.calls.requeue(job_id, owner, b"", error), job_id, "abandon", []))
         flush()
         return calls
 
-    def _settled(self, job_id: str, kind: str, reply) -> None:
+    def _settled(self, job_id: str, kind: str, reply, leases: list) -> None:
         if isinstance(reply, Exception):
-            log.error("redis command failed in a publish batch: %s", reply)
+            log.error("redis command failed in a publish batch (%s%s): %s", kind, f" of job={job_id}" if job_id else "",
+                      reply)
+            self._gave_up(leases)  # (a completion or requeue not written: the job's lease lapses)
             return
         if kind == "deltas":
             for key in reply:

@@ -110,6 +110,9 @@ class Worker:
         # the embedding's rows (mlx-lm's model args), which bound the token ids a job may name too
         self._model_vocab: Optional[int] = getattr(getattr(loaded.model, "args", None), "vocab_size", None)
         self.publisher = Publisher(self.q, self.stop_event)
+        # deltas Redis would not take (an error no resend cures): the job is dropped as on a lost lease;
+        # its lease lapses and the next attempt resumes from what its stream holds
+        self.publisher.on_gave_up = lambda leases: self._control_q.put(("lost", leases))
         self.fetcher = Fetcher(self.q, self.worker_id, self._free_slots, self._prepare, self.stop_event,
                                self.settings.gather_ms / 1000.0, self.settings.idle_block_s,
                                urgent_below=self._urgent_below)

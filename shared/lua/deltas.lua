@@ -12,7 +12,8 @@
 -- by an attempt's first delta only). Queued again, the stream has none (requeue.lua, reap.lua).
 -- Returns the ids of the jobs whose deltas were refused (lease lost, or a job key or events key
 -- that is not a hash / a stream: clobbered, as a lost lease; pcall, so that one such job never
--- fails the call, which carries the deltas of every job of the step).
+-- fails the call, which carries the deltas of every job of the step). A write the server refuses
+-- for itself (OOM, MISCONF) fails the call with that error instead (see below).
 local owners, sent, seen, refused = {}, {}, {}, {}
 local function refuse(jk)
   owners[jk] = false
@@ -36,14 +37,23 @@ for i = 1, #KEYS / 3 do
     if not (seq and seq <= sent[jk]) then  -- (written already: a resend)
       local r = redis.pcall('XADD', ek, '*', 'd', payload)
       if type(r) == 'table' and r.err then
+        -- an events key that is not a stream (clobbered): this job's deltas are refused, as a lost
+        -- lease. Any other error (OOM at maxmemory, MISCONF after a failed save) is the server's
+        -- trouble, not the job's: the call fails with it and the worker sends it again later; what
+        -- this call wrote before is numbered in 'sent', so the resend skips it.
+        if string.sub(r.err, 1, 9) ~= 'WRONGTYPE' then return redis.error_reply(r.err) end
         refuse(jk)
       else
+        if seq then
+          local h = redis.pcall('HSET', jk, 'sent', owner .. ' ' .. ARGV[i * 3 + 2])
+          if type(h) == 'table' and h.err then
+            redis.call('XDEL', ek, r)  -- unrecorded, it would be appended again by the resend
+            return redis.error_reply(h.err)
+          end
+          sent[jk] = seq
+        end
         redis.call(ARGV[2], ch, payload)
         redis.call('EXPIRE', ek, tonumber(ARGV[1]))
-        if seq then
-          sent[jk] = seq
-          redis.call('HSET', jk, 'sent', owner .. ' ' .. ARGV[i * 3 + 2])
-        end
       end
     end
   else
