@@ -246,7 +246,7 @@ class ScriptCalls:
         (deltas.lua: a resend)."""
         k = self.k
         keys: list = []
-        args: list = [self.s.result_ttl_s, self.pubcmd]
+        args: list = [self.pubcmd]
         for job_id, owner, payload, seq in items:
             keys += [k.job(job_id), k.events(job_id), k.channel(job_id)]
             args += [owner, payload, seq]

@@ -6,10 +6,11 @@
 -- delta of that owner numbered no higher was written already and is skipped: a worker that sends a
 -- call again because its reply was lost (the call had landed) appends and publishes nothing twice.
 -- KEYS: three per delta: job, events, job channel
--- ARGV: 1 ttl (s), 2 publish command (PUBLISH | SPUBLISH on a cluster), then three per delta:
+-- ARGV: 1 publish command (PUBLISH | SPUBLISH on a cluster), then three per delta:
 --       owner token, delta (msgpack), sequence number ('' for none: never skipped)
--- Each delta sets the stream's TTL again: the record outlives a run longer than the TTL (it was set
--- by an attempt's first delta only). Queued again, the stream has none (requeue.lua, reap.lua).
+-- The stream has no TTL while its job lives (queued, running: as the job hash); every end of the
+-- job sets it (complete.lua, _end.lua; pull.lua and reap.lua for a record that vanished). It was set
+-- by an attempt's first delta, and ran out under a job that waited or ran past it.
 -- Returns the ids of the jobs whose deltas were refused (lease lost, or a job key or events key
 -- that is not a hash / a stream: clobbered, as a lost lease; pcall, so that one such job never
 -- fails the call, which carries the deltas of every job of the step). A write the server refuses
@@ -24,7 +25,7 @@ local function refuse(jk)
 end
 for i = 1, #KEYS / 3 do
   local jk, ek, ch = KEYS[i * 3 - 2], KEYS[i * 3 - 1], KEYS[i * 3]
-  local owner, payload, seq = ARGV[i * 3], ARGV[i * 3 + 1], tonumber(ARGV[i * 3 + 2])
+  local owner, payload, seq = ARGV[i * 3 - 1], ARGV[i * 3], tonumber(ARGV[i * 3 + 1])
   if owners[jk] == nil then
     local f = redis.pcall('HMGET', jk, 'owner', 'sent')
     owners[jk] = type(f) == 'table' and not f.err and f[1] or false
@@ -45,15 +46,14 @@ for i = 1, #KEYS / 3 do
         refuse(jk)
       else
         if seq then
-          local h = redis.pcall('HSET', jk, 'sent', owner .. ' ' .. ARGV[i * 3 + 2])
+          local h = redis.pcall('HSET', jk, 'sent', owner .. ' ' .. ARGV[i * 3 + 1])
           if type(h) == 'table' and h.err then
             redis.call('XDEL', ek, r)  -- unrecorded, it would be appended again by the resend
             return redis.error_reply(h.err)
           end
           sent[jk] = seq
         end
-        redis.call(ARGV[2], ch, payload)
-        redis.call('EXPIRE', ek, tonumber(ARGV[1]))
+        redis.call(ARGV[1], ch, payload)
       end
     end
   else
