@@ -18,6 +18,7 @@ try:
         AsyncJob,
         AuthError,
         Client,
+        ClientClosed,
         Job,
         JobNotFound,
         JobRefused,
@@ -35,7 +36,7 @@ except ModuleNotFoundError as _exc:
     ) from None
 
 __all__ = ["Client", "AsyncClient", "Job", "AsyncJob", "OverloadError", "AuthError", "JobRefused",
-           "JobTimeout", "JobNotFound", "NoModelError", "generate"]
+           "JobTimeout", "JobNotFound", "ClientClosed", "NoModelError", "generate"]
 
 
 def __getattr__(name):

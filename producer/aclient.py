@@ -35,7 +35,7 @@ class AsyncJob:
         self._pubsub = pubsub
         self._redis = client.at(keys.job(job_id))  # the model's slot (its master, pinned, on a cluster)
         self.enqueued = enqueued
-        self._core = JobCore(job_id, keys, client.watch, schema)
+        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed)
         self._streaming = False  # a stream() is reading the subscription
 
     def __repr__(self) -> str:
@@ -186,6 +186,7 @@ class AsyncClient:
         self._functions = False  # set when this Redis user may FCALL but not EVALSHA
         self._url = url
         self._pins: dict = {}  # per-slot pins, when the cluster client keeps none itself
+        self.closed = False  # set by aclose(): every job's wait then raises ClientClosed
         self._own_subscriber = subscriber is None  # a shared one (the gateway's) is closed by its owner
         self._dropped: list = []  # channels of jobs dropped while subscribed (AsyncJob.__del__)
         # one pub/sub connection per node for every job of this client; made here, not on first use
@@ -344,6 +345,9 @@ class AsyncClient:
         return AsyncJob(self, job_id, keys, None, Enqueued("existing", job_id, None, None), schema_of(response_format))
 
     async def aclose(self) -> None:
+        """As ``Client.close``: a ``result()`` or ``stream()`` waiting in another task raises
+        ``ClientClosed``."""
+        self.closed = True
         if self._own_subscriber:
             await self.subscriber.aclose()
         for pin in self._pins.values():

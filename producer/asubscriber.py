@@ -12,6 +12,7 @@ import redis
 from ..shared.connection import LINK_ERRORS, LinkWatch, is_cluster, is_link_error, node_client_async, \
     nodes_tried, refresh_topology_async
 
+from .common import ClientClosed
 from .core import Inboxes, channel_bytes
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class AsyncSubscriber(Inboxes):
     async def _reader_for(self, channel: bytes) -> _NodeReader:
         async with self._lock:
             if self._closed:
-                raise RuntimeError("client is closed")
+                raise ClientClosed("the client is closed")
             if self.sharded:
                 node = self.client.get_node_from_key(channel.decode(errors="replace"))
                 name = f"{node.host}:{node.port}"

@@ -41,7 +41,7 @@ class Job:
         self._keys = keys
         self._pubsub = pubsub  # this job's inbox on the client's shared subscriber, or None
         self.enqueued = enqueued
-        self._core = JobCore(job_id, keys, client.watch, schema)
+        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed)
         self._streaming = False  # a stream() is reading the subscription
 
     def __repr__(self) -> str:
@@ -170,6 +170,7 @@ class Client:
         # Every shared resource is made here or under _lock (threads share a Client), and a lost
         # link is rebuilt by the one subscriber reader that saw it fail (see subscriber.py).
         self._lock = threading.RLock()
+        self.closed = False  # set by close(): every job's wait then raises ClientClosed
         self._queues: dict[str, Queue] = {}
         cluster = is_cluster(self.redis)
         self.watch = LinkWatch("mlxq client", lambda: nodes_tried(self.redis),
@@ -268,6 +269,9 @@ class Client:
         return Job(self, job_id, keys, None, Enqueued("existing", job_id, None, None), schema_of(response_format))
 
     def close(self) -> None:
+        """Close the links; a ``result()`` or ``stream()`` waiting in another thread raises
+        ``ClientClosed``."""
+        self.closed = True
         self.subscriber.close()
         self.redis.close()
 

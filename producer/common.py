@@ -25,6 +25,11 @@ class JobTimeout(TimeoutError):
     pass
 
 
+class ClientClosed(RuntimeError):
+    """The client was closed (``close()`` / ``aclose()``) before or while one of its jobs' waits ran:
+    ``result()`` and ``stream()`` raise it, in every thread or task waiting on them."""
+
+
 class JobNotFound(LookupError):
     """The job has no record in Redis: an id no producer submitted (on this model), or a job whose
     record expired (``result_ttl_s`` after it ended). Its stream and result can never come."""

@@ -26,7 +26,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Generator, Optional
+from typing import Any, Callable, Generator, Optional
 
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import NoScriptError
@@ -35,7 +35,7 @@ from ..shared import codec
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result
-from .common import (JobNotFound, JobTimeout, StreamState, build_request, check_fits, entry_deltas, payload_deltas,
+from .common import (ClientClosed, JobNotFound, JobTimeout, StreamState, build_request, check_fits, entry_deltas, payload_deltas,
                      result_from_hash)
 
 log = logging.getLogger("mlxq.producer")
@@ -183,11 +183,12 @@ class JobCore:
     """One job's reading state and the decisions of its waits (see the module's docstring)."""
 
     def __init__(self, job_id: str, keys: ModelKeys, watch: LinkWatch,
-                 schema: Optional[type[BaseModel]] = None):
+                 schema: Optional[type[BaseModel]] = None, closed: Callable[[], bool] = lambda: False):
         self.id = job_id
         self.keys = keys
         self.watch = watch
         self.schema = schema
+        self.closed = closed  # whether the client was closed (close() / aclose())
         self.state = StreamState()
         self.last_id = "0-0"
         self.result: Optional[Result] = None
@@ -224,10 +225,12 @@ class JobCore:
         deadline = deadline_of(timeout)
         delay = FIRST_DELAY_S
         while not finished():
+            self._check_open()
             check_deadline(self.watch, deadline, f"job {self.id} did not finish within {timeout}s")
             try:
                 out = yield from attempt(deadline)
             except Exception as exc:
+                self._check_open(exc)  # what a read fails with once its socket was closed under it
                 delay = yield Backoff(exc, deadline, delay)
                 continue
             delay = FIRST_DELAY_S
@@ -235,6 +238,10 @@ class JobCore:
             self.undelivered.extend(out)
             if self.undelivered:
                 yield EMIT
+
+    def _check_open(self, cause: Optional[BaseException] = None) -> None:
+        if self.closed():
+            raise ClientClosed(f"job {self.id}: the client was closed while waiting on it") from cause
 
     def _next_batch(self, deadline: Optional[float]) -> Step:
         """The next deltas: the durable record when (re)subscribed, quiet, told to (``SYNC``) or a

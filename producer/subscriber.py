@@ -21,6 +21,7 @@ from typing import Optional
 import redis
 
 from ..shared.connection import LINK_ERRORS, LinkWatch, SlotRedis, nodes_tried, refresh_topology
+from .common import ClientClosed
 from .core import Inboxes, channel_bytes
 
 log = logging.getLogger(__name__)
@@ -186,7 +187,7 @@ class Subscriber(Inboxes):
         name, node = self._node_client(channel)
         with self._lock:
             if self._closed:
-                raise RuntimeError("client is closed")
+                raise ClientClosed("the client is closed")
             reader = self._readers.get(name)
             if reader is not None and reader.failed.is_set() and not reader.started:
                 reader.close()  # it failed before it read anything: nothing else will close it

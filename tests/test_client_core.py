@@ -539,3 +539,36 @@ def test_a_long_prompt_is_prepared_off_the_event_loop(redis_url, ghost):
     loop = None
     asyncio.run(run())
     assert counted == [True]
+
+
+# -- a job's waits end: the client closed, Redis gone, a short timeout -------------------------------
+
+def close_client(side) -> None:
+    if side.kind == "sync":
+        side.client.close()
+    else:
+        side.start(side.client.aclose).result(timeout=60)
+
+
+def test_closing_the_client_ends_every_wait_with_client_closed(side, redis_url, ghost):
+    """A thread (a task) waits on a job's result and another on its stream when the client is
+    closed: the result's wait raised a raw ValueError ("I/O operation on closed file") from inside
+    redis-py, and the stream's waited for ever. Now both raise ClientClosed (a RuntimeError) saying
+    so, and so does a wait begun after the close. No worker serves "ghost": the job stays queued."""
+    from mlxq import ClientClosed
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        job = side.call("submit", prompt="a", model="ghost", max_tokens=4, subscribe=False)
+        other = side.call("job", job.id, "ghost") if side.kind == "sync" else \
+            side.start(side.client.job, job.id, "ghost").result(60)
+        waits = [side.result(job), side.stream(other)]
+        assert wait_for(lambda: any(c.get("cmd") == "blpop" for c in r.client_list()), timeout=60)
+        assert wait_for(lambda: r.pubsub_numsub(ghost.channel(job.id))[0][1] == 1, timeout=60)
+        close_client(side)
+        errors = [w.exception(timeout=60) for w in waits] + [side.result(job).exception(timeout=60)]
+    finally:
+        r.close()
+    for err in errors:
+        assert isinstance(err, ClientClosed) and isinstance(err, RuntimeError), repr(err)
+        assert "closed" in str(err) and job.id in str(err)
