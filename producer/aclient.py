@@ -47,7 +47,8 @@ class AsyncJob:
 
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
         """As ``Job.stream``: a lost link is a pause; past ``timeout``, ``JobTimeout`` or
-        ``RedisUnreachable`` while no Redis node answers."""
+        ``RedisUnreachable`` while no Redis node answers; ``RedisUnreachable`` also once none has
+        answered for ``settings.redis_outage_s``."""
         self._streaming = True
         try:
             async for d in self._drive(Steps(self._core.stream(timeout))):
@@ -191,7 +192,8 @@ class AsyncClient:
         self._dropped: list = []  # channels of jobs dropped while subscribed (AsyncJob.__del__)
         # one pub/sub connection per node for every job of this client; made here, not on first use
         self.subscriber: AsyncSubscriber = subscriber if subscriber is not None else AsyncSubscriber(self.redis)
-        self.watch = watch or link_watch("mlxq async client", self.redis)
+        # a wait with no timeout ends too: RedisUnreachable once the links stayed down redis_outage_s
+        self.watch = watch or link_watch("mlxq async client", self.redis, give_up_s=self.settings.redis_outage_s)
 
     async def _retry(self, fn, deadline: Optional[float] = None):
         """``await fn()``, retried through a lost link for up to ``settings.redis_outage_s``."""

@@ -57,7 +57,9 @@ class Job:
 
         A lost link (a Redis restart, a failover) is a pause: the job resubscribes and reads
         what it missed from its durable record.  Past ``timeout``: ``JobTimeout``, or
-        ``RedisUnreachable`` (a ``ConnectionError``) while no Redis node answers."""
+        ``RedisUnreachable`` (a ``ConnectionError``) while no Redis node answers; with no
+        ``timeout`` too, ``RedisUnreachable`` once no node has answered for ``settings.redis_outage_s``
+        (``MLXQ_REDIS_OUTAGE_S``, 30 s).  ``ClientClosed`` once the client is closed."""
         self._streaming = True
         try:
             yield from self._drive(Steps(self._core.stream(timeout)))
@@ -173,8 +175,10 @@ class Client:
         self.closed = False  # set by close(): every job's wait then raises ClientClosed
         self._queues: dict[str, Queue] = {}
         cluster = is_cluster(self.redis)
+        # a wait with no timeout ends too: RedisUnreachable once the links stayed down redis_outage_s
         self.watch = LinkWatch("mlxq client", lambda: nodes_tried(self.redis),
-                               (lambda: refresh_topology(self.redis)) if cluster else None)
+                               (lambda: refresh_topology(self.redis)) if cluster else None,
+                               give_up_s=self.settings.redis_outage_s)
         self.subscriber = Subscriber(self.redis)  # one pub/sub connection per node for every job's deltas
 
     def _retry(self, fn, deadline: Optional[float] = None):

@@ -11,7 +11,9 @@ The two clients only do I/O.  Everything they must agree on lives here, with no 
   (its method ``_io_<name>``), with its own socket and its own way of waiting, and sends back the
   reply or throws in the error;
 - **retries**: which errors are a pause (``retryable``), the deadline and what is raised past it
-  (``JobTimeout``, or ``RedisUnreachable`` while the links are down);
+  (``JobTimeout``, or ``RedisUnreachable`` while the links are down; with no deadline,
+  ``RedisUnreachable`` once the client's ``LinkWatch`` has seen the links down for its give-up
+  time, ``redis_outage_s``), and ``ClientClosed`` once the client is closed;
 - **stream state**: what a live message or a record entry adds (``StreamState``), when to re-read
   the durable record (quiet, ``SYNC`` after a lost link, a gap);
 - **structured results**: ``parsed`` and ``parse_error`` of a job submitted with a pydantic class.

@@ -572,3 +572,32 @@ def test_closing_the_client_ends_every_wait_with_client_closed(side, redis_url, 
     for err in errors:
         assert isinstance(err, ClientClosed) and isinstance(err, RuntimeError), repr(err)
         assert "closed" in str(err) and job.id in str(err)
+
+
+@pytest.mark.parametrize("kind", sorted(SIDES))
+def test_a_wait_with_no_timeout_gives_up_once_redis_stayed_down_past_the_outage_limit(kind):
+    """Redis stopped for good while a result() and a stream() wait with timeout=None: they waited
+    for ever (the client's link watch had no give-up). Now, once the links have been down for
+    redis_outage_s, both raise RedisUnreachable, a redis.ConnectionError naming the node."""
+    import time
+
+    from mlxq.shared.connection import RedisUnreachable
+    from mlxq.shared.embedded import EmbeddedRedis
+
+    srv = EmbeddedRedis().start()
+    try:
+        register_model(srv.url, "ghost", seen_at=time.time() + 10 * 365 * 86400)
+        side = SIDES[kind](srv.url, model="ghost", settings=fast_settings(srv.url, redis_outage_s=1.0))
+        job = side.call("submit", prompt="a", max_tokens=4)
+        other = side.call("job", job.id) if kind == "sync" else side.start(side.client.job, job.id).result(60)
+    except BaseException:
+        srv.stop()
+        raise
+    srv.stop()
+    try:
+        errors = [side.result(other).exception(timeout=120), side.stream(job).exception(timeout=120)]
+    finally:
+        side.close()
+    for err in errors:
+        assert isinstance(err, RedisUnreachable) and isinstance(err, redis.ConnectionError), repr(err)
+        assert str(srv.port) in str(err)
