@@ -19,7 +19,7 @@ from ..shared.settings import Settings
 
 from .asubscriber import AsyncSubscriber, link_watch
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (SYNC, WAIT_S, Backoff, Emit, JobCore, Steps, WaitDone, decode_status, prepare, retryable,
+from .core import (SYNC, Backoff, Emit, JobCore, Receive, Steps, WaitDone, decode_status, prepare, retryable,
                    schema_of, submit_kwargs)
 
 log = logging.getLogger(__name__)
@@ -85,12 +85,12 @@ class AsyncJob:
                 steps.fail(exc)
 
     # -- the reads of the core's requests ---------------------------------------------------------
-    async def _io_receive(self, op) -> Optional[bytes]:
+    async def _io_receive(self, op: Receive) -> Optional[bytes]:
         if self._pubsub is None:
-            await self._ensure_pubsub()
+            await self._ensure_pubsub(op.confirm_s)
             return SYNC
         try:
-            return await asyncio.wait_for(self._pubsub.get(), WAIT_S)
+            return await asyncio.wait_for(self._pubsub.get(), op.seconds)
         except asyncio.TimeoutError:
             return None
 
@@ -120,12 +120,12 @@ class AsyncJob:
         return status_text(s, self._keys.model, await self._client.model_info(self._keys.model),
                            self._client.settings.live_worker_s)
 
-    async def _ensure_pubsub(self) -> asyncio.Queue:
+    async def _ensure_pubsub(self, confirm_s: Optional[float] = None) -> asyncio.Queue:
         if self._pubsub is None:
             inbox: asyncio.Queue = asyncio.Queue()
             # returns once the server confirmed it: before the record is read (or the job enqueued)
             try:
-                await self._client.subscriber.subscribe(self._keys.channel(self.id), inbox)
+                await self._client.subscriber.subscribe(self._keys.channel(self.id), inbox, confirm_s)
             except BaseException:  # not confirmed (a cancel, a timeout): what was asked is undone
                 await self._client.subscriber.unsubscribe(self._keys.channel(self.id))
                 raise

@@ -134,12 +134,13 @@ class AsyncSubscriber(Inboxes):
         self.watch = link_watch("pub/sub", client)
         self._lock = asyncio.Lock()
 
-    async def subscribe(self, channel: str | bytes, inbox: asyncio.Queue) -> None:
+    async def subscribe(self, channel: str | bytes, inbox: asyncio.Queue, confirm_s: Optional[float] = None) -> None:
+        """As ``Subscriber.subscribe``."""
         ch = channel_bytes(channel)
         self._inboxes[ch] = inbox
         try:
             reader = await self._reader_for(ch)
-            await reader.add(ch, self.confirm_timeout)
+            await reader.add(ch, self.confirm_s(confirm_s))
         except BaseException:
             await self.unsubscribe(ch)
             raise

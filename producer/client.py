@@ -16,7 +16,7 @@ from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
 from .bulkmap import map_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (SYNC, WAIT_S, Backoff, Emit, JobCore, Steps, WaitDone, decode_status, prepare, retryable,
+from .core import (SYNC, Backoff, Emit, JobCore, Receive, Steps, WaitDone, decode_status, prepare, retryable,
                    schema_of, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
@@ -100,11 +100,11 @@ class Job:
                 steps.fail(exc)
 
     # -- the reads of the core's requests ---------------------------------------------------------
-    def _io_receive(self, op) -> Optional[bytes]:
+    def _io_receive(self, op: Receive) -> Optional[bytes]:
         if self._pubsub is None:
-            self._ensure_pubsub()
+            self._ensure_pubsub(op.confirm_s)
             return SYNC
-        return get(self._pubsub, timeout=WAIT_S)
+        return get(self._pubsub, timeout=op.seconds)
 
     def _io_read_events(self, op) -> list:
         return self._client.redis.xrange(self._keys.events(self.id), min=self._core.replay_from())
@@ -135,11 +135,11 @@ class Job:
         return status_text(s, self._keys.model, self._client.model_info(self._keys.model),
                            self._client.settings.live_worker_s)
 
-    def _ensure_pubsub(self):
+    def _ensure_pubsub(self, confirm_s: Optional[float] = None):
         if self._pubsub is None:
             inbox = new_inbox()
             # returns once the server confirmed it: before the record is read (or the job enqueued)
-            self._client.subscriber.subscribe(self._keys.channel(self.id), inbox)
+            self._client.subscriber.subscribe(self._keys.channel(self.id), inbox, confirm_s)
             self._pubsub = inbox
         return self._pubsub
 

@@ -5,7 +5,7 @@ The two clients only do I/O.  Everything they must agree on lives here, with no 
 - **requests**: ``prepare`` validates a submission, turns a pydantic ``response_format`` class into
   its JSON schema and packs the payload (the size limit included);
 - **a job's two waits** (``JobCore.stream`` and ``JobCore.wait_result``) are generators that say
-  which Redis read they need next (``RECEIVE``, ``READ_EVENTS``, ``READ_RECORD``, ``WaitDone``), what
+  which Redis read they need next (``Receive``, ``READ_EVENTS``, ``READ_RECORD``, ``WaitDone``), what
   to hand the caller (``Emit``) and when to back off (``Backoff``).  Each job class runs them with
   one short loop (``Job._drive`` / ``AsyncJob._drive`` over ``Steps``) that does the read it is told
   (its method ``_io_<name>``), with its own socket and its own way of waiting, and sends back the
@@ -55,6 +55,18 @@ def retryable(exc: BaseException) -> bool:
 
 def deadline_of(timeout: Optional[float]) -> Optional[float]:
     return None if timeout is None else time.monotonic() + timeout
+
+
+def time_left(deadline: Optional[float]) -> Optional[float]:
+    """Seconds to ``deadline`` (at least 0.01: a wait of 0 may not even look), None for no deadline."""
+    return None if deadline is None else max(0.01, deadline - time.monotonic())
+
+
+def wait_s(deadline: Optional[float]) -> float:
+    """How long one wait on a job's inbox or done list may take: ``WAIT_S``, less when the deadline
+    comes sooner, so a timeout shorter than ``WAIT_S`` is honoured."""
+    left = time_left(deadline)
+    return WAIT_S if left is None else min(WAIT_S, left)
 
 
 def check_deadline(watch: LinkWatch, deadline: Optional[float], message: str) -> None:
@@ -142,15 +154,23 @@ def parse_text(out, schema: type[BaseModel]) -> tuple[Any, Optional[str]]:
 
 @dataclass(frozen=True)
 class Op:
-    """A read with no argument: ``receive`` (reply: the next live message, None after ``WAIT_S``
-    quiet, ``SYNC`` to re-read the record; subscribes first when not subscribed), ``read_events``
-    (reply: the event-stream entries after ``JobCore.last_id``), ``read_record`` (the job's hash),
-    ``job_exists`` (reply: whether the job's hash exists)."""
+    """A read with no argument: ``read_events`` (reply: the event-stream entries after
+    ``JobCore.last_id``), ``read_record`` (the job's hash), ``job_exists`` (reply: whether the job's
+    hash exists)."""
     name: str
 
 
-RECEIVE, READ_EVENTS, READ_RECORD = Op("receive"), Op("read_events"), Op("read_record")
-JOB_EXISTS = Op("job_exists")
+READ_EVENTS, READ_RECORD, JOB_EXISTS = Op("read_events"), Op("read_record"), Op("job_exists")
+
+
+@dataclass(frozen=True)
+class Receive:
+    """The next live message, waited for up to ``seconds`` (reply: None after that, quiet); when not
+    subscribed, subscribe first (its confirmation waited for at most ``confirm_s``, None: the
+    subscriber's own limit) and reply ``SYNC`` to re-read the record."""
+    seconds: float
+    confirm_s: Optional[float]
+    name = "receive"
 
 
 @dataclass(frozen=True)
@@ -225,14 +245,17 @@ class JobCore:
     def _until(self, attempt, finished, timeout: Optional[float]) -> Step:
         """``attempt`` until ``finished()``: a lost link is a pause (backoff), within ``timeout``."""
         deadline = deadline_of(timeout)
+        late = f"job {self.id} did not finish within {timeout}s"
         delay = FIRST_DELAY_S
         while not finished():
             self._check_open()
-            check_deadline(self.watch, deadline, f"job {self.id} did not finish within {timeout}s")
+            check_deadline(self.watch, deadline, late)
             try:
                 out = yield from attempt(deadline)
             except Exception as exc:
                 self._check_open(exc)  # what a read fails with once its socket was closed under it
+                if retryable(exc):  # a wait cut short by the deadline (a confirmation) is no lost link
+                    check_deadline(self.watch, deadline, late)
                 delay = yield Backoff(exc, deadline, delay)
                 continue
             delay = FIRST_DELAY_S
@@ -248,7 +271,7 @@ class JobCore:
     def _next_batch(self, deadline: Optional[float]) -> Step:
         """The next deltas: the durable record when (re)subscribed, quiet, told to (``SYNC``) or a
         gap shows; else the live message."""
-        data = yield RECEIVE
+        data = yield Receive(wait_s(deadline), time_left(deadline))
         if data is None or data == SYNC:
             out = self.feed_record((yield READ_EVENTS))
             # quiet and nothing new: a job with no record (unknown, expired) never ends; say so
@@ -269,9 +292,7 @@ class JobCore:
         if res is not None:
             self.result = with_parsed(res, self.schema)
             return []
-        wait = WAIT_S if deadline is None else min(WAIT_S, deadline - time.monotonic())
-        if wait > 0:
-            yield WaitDone(max(0.01, wait))
+        yield WaitDone(wait_s(deadline))
         return []
 
 
@@ -342,6 +363,10 @@ class Inboxes:
         self._readers: dict = {}  # node name -> its reader
         self._inboxes: dict[bytes, Any] = {}  # channel -> a queue.Queue or asyncio.Queue
         self._closed = False
+
+    def confirm_s(self, limit: Optional[float]) -> float:
+        """How long a subscription's confirmation is waited for: ``confirm_timeout``, or less."""
+        return self.confirm_timeout if limit is None else min(self.confirm_timeout, limit)
 
     def connections(self) -> int:
         """Pub/sub connections held now (one per node with subscribed channels)."""

@@ -147,13 +147,14 @@ class Subscriber(Inboxes):
         self._lock = threading.RLock()
 
     # -- the jobs' side -----------------------------------------------------
-    def subscribe(self, channel: str | bytes, inbox: "queue.Queue[bytes]") -> None:
-        """Route ``channel``'s messages to ``inbox``; returns once the server confirmed it."""
+    def subscribe(self, channel: str | bytes, inbox: "queue.Queue[bytes]", confirm_s: Optional[float] = None) -> None:
+        """Route ``channel``'s messages to ``inbox``; returns once the server confirmed it (waited for
+        at most ``confirm_s``, and never past ``confirm_timeout``)."""
         ch = channel_bytes(channel)
         with self._lock:
             self._inboxes[ch] = inbox
         try:
-            self._reader_for(ch).add(ch, self.confirm_timeout)
+            self._reader_for(ch).add(ch, self.confirm_s(confirm_s))
         except Exception:
             self.unsubscribe(ch)
             raise

@@ -601,3 +601,22 @@ def test_a_wait_with_no_timeout_gives_up_once_redis_stayed_down_past_the_outage_
     for err in errors:
         assert isinstance(err, RedisUnreachable) and isinstance(err, redis.ConnectionError), repr(err)
         assert str(srv.port) in str(err)
+
+
+def test_a_timeout_shorter_than_the_inner_waits_is_honoured(side, redis_url, ghost):
+    """result(timeout=0.2) and stream(timeout=0.2) on a job that cannot start (no worker serves
+    "ghost"): stream() waited on its inbox a whole WAIT_S (and, subscribing, up to the 10 s
+    confirmation) before it looked at its deadline. Now every inner wait ends at the deadline:
+    both raise JobTimeout well before WAIT_S, subscribed at submit or not."""
+    import time
+
+    from mlxq.producer.core import WAIT_S
+
+    for subscribe in (True, False):
+        job = side.call("submit", prompt="a", model="ghost", max_tokens=4, subscribe=subscribe)
+        for wait in (side.result, side.stream):
+            t0 = time.monotonic()
+            err = wait(job, timeout=0.2).exception(timeout=60)
+            took = time.monotonic() - t0
+            assert isinstance(err, JobTimeout), repr(err)
+            assert took < WAIT_S, (wait.__name__, subscribe, took)
