@@ -127,15 +127,15 @@ class AsyncJob:
             try:
                 await self._client.subscriber.subscribe(self._keys.channel(self.id), inbox, confirm_s)
             except BaseException:  # not confirmed (a cancel, a timeout): what was asked is undone
-                await self._client.subscriber.unsubscribe(self._keys.channel(self.id))
+                await self._client.subscriber.unsubscribe(self._keys.channel(self.id), inbox)
                 raise
             self._pubsub = inbox
         return self._pubsub
 
     async def _close_pubsub(self) -> None:
         if self._pubsub is not None:
-            self._pubsub = None
-            await self._client.subscriber.unsubscribe(self._keys.channel(self.id))
+            inbox, self._pubsub = self._pubsub, None
+            await self._client.subscriber.unsubscribe(self._keys.channel(self.id), inbox)
 
     def __del__(self):
         # dropped while subscribed (fire and forget, or only status() polled): its messages piled up in
@@ -143,10 +143,10 @@ class AsyncJob:
         # subscription at the client's next submit (AsyncClient._unsubscribe_dropped)
         try:
             if self._pubsub is not None:
-                self._pubsub = None
+                inbox, self._pubsub = self._pubsub, None
                 channel = self._keys.channel(self.id)
-                self._client.subscriber.forget(channel)
-                self._client._dropped.append(channel)
+                if self._client.subscriber.drop(channel, inbox):  # the job's last handle
+                    self._client._dropped.append(channel)
         except Exception:  # noqa: BLE001 - never from a finalizer
             pass
 

@@ -33,9 +33,21 @@ class _NodeReader:
     async def add(self, channel: bytes, timeout: float) -> None:
         if self.failed:
             raise self._down()
-        fut = asyncio.get_running_loop().create_future()
-        self.confirm[channel] = fut
-        self.channels.add(channel)
+        fut = self.confirm.get(channel)
+        if fut is None:  # else another handle on the job subscribed it: its confirmation is this one's
+            fut = self.confirm[channel] = asyncio.get_running_loop().create_future()
+            self.channels.add(channel)
+            await self._subscribe(channel)
+        if self.task is None:
+            self.task = asyncio.ensure_future(self.run())
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:  # as the sync subscriber: a message, and a pause the caller retries
+            raise redis.TimeoutError(f"subscription to {channel!r} not confirmed within {timeout}s") from None
+        if self.failed:
+            raise redis.ConnectionError(f"the pub/sub link to {self.node} dropped while subscribing")
+
+    async def _subscribe(self, channel: bytes) -> None:
         try:
             async with self.lock:
                 if self.failed:  # it failed while this one waited: no connect attempt per waiting channel
@@ -48,14 +60,6 @@ class _NodeReader:
             if is_link_error(exc):
                 self.fail()
             raise
-        if self.task is None:
-            self.task = asyncio.ensure_future(self.run())
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except asyncio.TimeoutError:  # as the sync subscriber: a message, and a pause the caller retries
-            raise redis.TimeoutError(f"subscription to {channel!r} not confirmed within {timeout}s") from None
-        if self.failed:
-            raise redis.ConnectionError(f"the pub/sub link to {self.node} dropped while subscribing")
 
     def _down(self) -> redis.ConnectionError:
         return redis.ConnectionError(f"the pub/sub link to {self.node} is down")
@@ -137,21 +141,25 @@ class AsyncSubscriber(Inboxes):
     async def subscribe(self, channel: str | bytes, inbox: asyncio.Queue, confirm_s: Optional[float] = None) -> None:
         """As ``Subscriber.subscribe``."""
         ch = channel_bytes(channel)
-        self._inboxes[ch] = inbox
+        self.add_inbox(ch, inbox)
         try:
             reader = await self._reader_for(ch)
             await reader.add(ch, self.confirm_s(confirm_s))
         except BaseException:
-            await self.unsubscribe(ch)
+            await self.unsubscribe(ch, inbox)
             raise
 
-    def forget(self, channel: str | bytes) -> None:
-        """Drop the channel's inbox now (no await; the server's subscription stays until unsubscribe)."""
-        self._inboxes.pop(channel_bytes(channel), None)
+    def drop(self, channel: str | bytes, inbox: asyncio.Queue) -> bool:
+        """Drop ``inbox`` now (no await); True when it was the channel's last, whose server subscription
+        stays until ``unsubscribe``."""
+        return self.drop_inbox(channel_bytes(channel), inbox)
 
-    async def unsubscribe(self, channel: str | bytes) -> None:
+    async def unsubscribe(self, channel: str | bytes, inbox: Optional[asyncio.Queue] = None) -> None:
+        """As ``Subscriber.unsubscribe``; ``inbox`` None: the server's subscription goes if no handle's
+        inbox is left."""
         ch = channel_bytes(channel)
-        self._inboxes.pop(ch, None)
+        if not self.drop_inbox(ch, inbox):
+            return
         for r in list(self._readers.values()):
             await r.remove(ch)
 

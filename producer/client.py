@@ -145,8 +145,8 @@ class Job:
 
     def _close_pubsub(self) -> None:
         if self._pubsub is not None:
-            self._pubsub = None
-            self._client.subscriber.unsubscribe(self._keys.channel(self.id))
+            inbox, self._pubsub = self._pubsub, None
+            self._client.subscriber.unsubscribe(self._keys.channel(self.id), inbox)
 
     def __del__(self):
         try:

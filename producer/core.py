@@ -353,15 +353,18 @@ def channel_bytes(channel: str | bytes) -> bytes:
 
 class Inboxes:
     """What ``Subscriber`` and ``AsyncSubscriber`` share (they differ only in threads vs tasks): the
-    inbox of each job's channel, the node readers, what a pub/sub message means (``route``), and the
-    ``SYNC`` each job of a lost link gets once its channel is subscribed again (``resync``)."""
+    inboxes of each job's channel (one per handle on the job: each gets every message), the node
+    readers, what a pub/sub message means (``route``), and the ``SYNC`` each job of a lost link gets
+    once its channel is subscribed again (``resync``)."""
 
     def __init__(self, client, confirm_timeout: float):
         self.client = client
         self.sharded = is_cluster(client)
         self.confirm_timeout = confirm_timeout
         self._readers: dict = {}  # node name -> its reader
-        self._inboxes: dict[bytes, Any] = {}  # channel -> a queue.Queue or asyncio.Queue
+        # channel -> its handles' inboxes (queue.Queue or asyncio.Queue), a tuple replaced on each
+        # change: a reader thread delivers without the lock
+        self._inboxes: dict[bytes, tuple] = {}
         self._closed = False
 
     def confirm_s(self, limit: Optional[float]) -> float:
@@ -381,9 +384,21 @@ class Inboxes:
             self.deliver(channel, msg["data"])
 
     def deliver(self, channel: bytes, data: bytes) -> None:
-        inbox = self._inboxes.get(channel)
-        if inbox is not None:
+        for inbox in self._inboxes.get(channel, ()):
             inbox.put_nowait(data)
+
+    def add_inbox(self, channel: bytes, inbox) -> None:
+        self._inboxes[channel] = (*self._inboxes.get(channel, ()), inbox)
+
+    def drop_inbox(self, channel: bytes, inbox=None) -> bool:
+        """Stop routing ``channel`` to ``inbox`` (None: to none); True when no handle is left on the
+        channel, so its subscription may go."""
+        left = tuple(i for i in self._inboxes.get(channel, ()) if i is not inbox)
+        if left:
+            self._inboxes[channel] = left
+            return False
+        self._inboxes.pop(channel, None)
+        return True
 
     def forget(self, reader, exc: Optional[BaseException]) -> None:
         """A reader's link dropped: it serves no new subscription (its channels move to a fresh one)."""

@@ -47,20 +47,21 @@ class _NodeReader(threading.Thread):
         self.wakeup = threading.Event()  # set when a channel is added (an idle reader sleeps on it)
 
     def add(self, channel: bytes, timeout: float) -> None:
-        ev = threading.Event()
         with self.lock:
             if self.failed.is_set():
                 raise redis.ConnectionError(f"the pub/sub link to {self.node} is down")
-            self.confirm[channel] = ev
-            self.channels.add(channel)
-            try:
-                if self.owner.sharded:
-                    self.pubsub.ssubscribe(channel)
-                else:
-                    self.pubsub.subscribe(channel)
-            except LINK_ERRORS as exc:
-                self.fail(exc)
-                raise
+            ev = self.confirm.get(channel)
+            if ev is None:  # else another handle on the job subscribed it: its confirmation is this one's
+                ev = self.confirm[channel] = threading.Event()
+                self.channels.add(channel)
+                try:
+                    if self.owner.sharded:
+                        self.pubsub.ssubscribe(channel)
+                    else:
+                        self.pubsub.subscribe(channel)
+                except LINK_ERRORS as exc:
+                    self.fail(exc)
+                    raise
             if not self.started:  # many threads subscribe at once: one of them starts the reader
                 self.started = True
                 self.start()
@@ -152,20 +153,22 @@ class Subscriber(Inboxes):
         at most ``confirm_s``, and never past ``confirm_timeout``)."""
         ch = channel_bytes(channel)
         with self._lock:
-            self._inboxes[ch] = inbox
+            self.add_inbox(ch, inbox)
         try:
             self._reader_for(ch).add(ch, self.confirm_s(confirm_s))
         except Exception:
-            self.unsubscribe(ch)
+            self.unsubscribe(ch, inbox)
             raise
 
-    def unsubscribe(self, channel: str | bytes) -> None:
+    def unsubscribe(self, channel: str | bytes, inbox: "Optional[queue.Queue[bytes]]" = None) -> None:
+        """Stop routing ``channel`` to ``inbox``; the server's subscription goes with the last handle's
+        inbox (under the lock: a handle subscribing the channel meanwhile goes after it)."""
         ch = channel_bytes(channel)
         with self._lock:
-            self._inboxes.pop(ch, None)
-            readers = list(self._readers.values())
-        for r in readers:
-            r.remove(ch)
+            if not self.drop_inbox(ch, inbox):
+                return
+            for r in list(self._readers.values()):
+                r.remove(ch)
 
     def close(self) -> None:
         with self._lock:

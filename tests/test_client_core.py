@@ -620,3 +620,42 @@ def test_a_timeout_shorter_than_the_inner_waits_is_honoured(side, redis_url, gho
             took = time.monotonic() - t0
             assert isinstance(err, JobTimeout), repr(err)
             assert took < WAIT_S, (wait.__name__, subscribe, took)
+
+
+def test_every_handle_on_a_job_gets_every_delta_once(side, redis_url, ghost):
+    """Three handles on one job (the submit's, and two from job(id)): the client kept one inbox per
+    channel, so the last handle to subscribe took the live deltas from the others, and the first to
+    leave unsubscribed the channel under them. Now each handle has its own inbox and the channel stays
+    subscribed while any handle is on it: a handle that leaves after its first delta takes nothing
+    from the two that stay, which each get every delta once. The deltas after the first are only
+    published (not in the durable record), so a handle gets them live or never. No worker serves
+    "ghost": the test writes the job's record and messages itself."""
+    from mlxq.shared.schemas import Delta
+
+    r = redis.Redis.from_url(redis_url)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        first = side.call("submit", prompt="a", model="ghost", max_tokens=4)
+        if side.kind == "sync":
+            second, leaver = side.call("job", first.id, "ghost"), side.call("job", first.id, "ghost")
+        else:
+            second, leaver = (side.start(side.client.job, first.id, "ghost").result(60) for _ in range(2))
+        streams = [side.stream(first, timeout=60), side.stream(second, timeout=60)]
+        left = pool.submit(first_delta, side, leaver)
+        assert wait_for(lambda: second._pubsub is not None and leaver._pubsub is not None, timeout=60)
+
+        def send(i, text, record=False, **kw):
+            data = codec.pack(Delta(seq=i + 1, index=i, offset=i, text=text, token_ids=[5 + i], **kw).to_wire())
+            if record:
+                r.xadd(ghost.events(first.id), {"d": data})
+            r.publish(ghost.channel(first.id), data)
+
+        send(0, "a", record=True)
+        assert left.result(timeout=60).text == "a"  # and that handle left: its stream is closed
+        send(1, "b")
+        send(2, "c", finish_reason="stop")
+        got = [[d.text for d in s.result(timeout=90)] for s in streams]
+    finally:
+        pool.shutdown()
+        r.close()
+    assert got == [["a", "b", "c"]] * 2
