@@ -157,8 +157,8 @@ class Settings:
                                worker=False)
     no_worker_wait_s: float = opt(3.0, "the gateway waits this long for a live worker, then answers 503",
                                   worker=False)
-    redis_outage_s: float = opt(30.0, "producers retry an unreachable Redis this long (then: ConnectionError, "
-                                "HTTP 503)", worker=False)
+    redis_outage_s: float = opt(30.0, "producers retry an unreachable Redis this long, a job's result() or stream() "
+                                "with no timeout included (then: ConnectionError, HTTP 503)", worker=False)
 
     # -- the worker process -----------------------------------------------------------------------------------
     keep_dtype: bool = opt(False, "keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
