@@ -37,8 +37,8 @@ from ..shared import codec
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result
-from .common import (ClientClosed, JobNotFound, JobTimeout, StreamState, build_request, check_fits, entry_deltas, payload_deltas,
-                     result_from_hash)
+from .common import (ClientClosed, JobNotFound, JobTimeout, StreamState, build_request, check_fits, entry_deltas,
+                     payload_deltas, result_from_hash)
 
 log = logging.getLogger("mlxq.producer")
 
@@ -266,7 +266,7 @@ class JobCore:
 
     def _check_open(self, cause: Optional[BaseException] = None) -> None:
         if self.closed():
-            raise ClientClosed(f"job {self.id}: the client was closed while waiting on it") from cause
+            raise ClientClosed(f"job {self.id}: the client was closed (close() / aclose()); its waits end") from cause
 
     def _next_batch(self, deadline: Optional[float]) -> Step:
         """The next deltas: the durable record when (re)subscribed, quiet, told to (``SYNC``) or a
