@@ -16,10 +16,12 @@ What a producer can still do, and why it is harmless:
   nothing it writes raises its priority or runs its job alone;
 * push ids on the intake list: admission only places a queued, not yet admitted
   job, for the key hash its record names (which must be a valid key); it cannot
-  trim, overwrite or pop the list or set its TTL (no LTRIM; EXPIRE only on job keys,
+  trim, overwrite, pop or retype the list or set its TTL (the intake and wake
+  lists only in a selector of FCALL, RPUSH and LPUSH; EXPIRE only on job keys,
   SET only on idempotency keys, BLPOP only on done lists), which would drop other
-  producers' waiting jobs or show their ids (submit declares the list, so the user
-  may read it: no command it has reads a list but BLPOP);
+  producers' waiting jobs, show their ids, or make every submit fail (submit
+  declares the lists, so the user may read them: no command it has reads a list
+  but BLPOP);
 * read the slot copies of the key registry: their fields are sha1(sha256(key)),
   which do not let anyone present a key they do not hold.
 """
@@ -44,10 +46,12 @@ def producer_key_rules(prefix: str = "mlxq") -> tuple[str, ...]:
         f"%R~{prefix}:models",  # which models are served
         f"%R~{base}:counts", f"%R~{base}:apikeys", f"%R~{base}:policy",  # read by enqueue
         f"~{base}:job:*", f"~{base}:idem:*", f"~{base}:events:*", f"~{base}:done:*",  # its own jobs
-        # hand jobs to the workers: submit declares both lists, and under FCALL a declared key needs read
-        # access too; no command the user has reads a list (BLPOP: done lists only, below)
-        f"~{base}:intake", f"~{base}:wake",
         f"&{base}:chan:*", f"&{base}:cancel",  # token deltas; cancel requests
+        # hand jobs to the workers, in a selector of their own: submit declares both lists (and under
+        # FCALL a declared key needs read access too), and it pushes on them; no other command reaches
+        # them (in the root rule, HSET or XADD made a hash or a stream of an empty list, and every
+        # producer's submit then failed with WRONGTYPE, and the workers' pushes to wake)
+        f"(+fcall +rpush +lpush ~{base}:job:* ~{base}:idem:* ~{base}:intake ~{base}:wake)",
         # EXPIRE (a cancel request ends a job's record), SET (an idempotency key) and BLPOP (a job's done
         # list) on those keys only, each in a selector: with the access to the intake list above, EXPIRE
         # or SET (like LTRIM, which no producer gets) could drop every other producer's jobs still

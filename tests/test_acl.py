@@ -156,7 +156,8 @@ def test_a_producer_cannot_drop_other_producers_jobs_from_the_intake_list(acl_se
     and no worker had admitted yet (their records stayed queued, their callers waited for ever). EXPIRE
     is granted on job keys only (a cancel request ends a job's record), SET on idempotency keys only,
     and BLPOP on done lists only: submit declares the intake list, so the recipe grants reading it,
-    and BLPOP would have popped (and shown) other producers' job ids. A cancel request still works."""
+    and BLPOP would have popped (and shown) other producers' job ids. HSET and XADD, which the
+    producer has for its job keys, may not touch the lists either. A cancel request still works."""
     admin, purl = acl_setup
     settings = fast_settings(redis_url)
     other = Client(redis_url.replace("redis://", "redis://producer:producer-pw@", 1), api_key=LOW_KEY,
@@ -166,7 +167,10 @@ def test_a_producer_cannot_drop_other_producers_jobs_from_the_intake_list(acl_se
     for attempt in (lambda: raw.ltrim(K.intake, 1, 0), lambda: raw.expire(K.intake, 1),
                     lambda: raw.expire(K.wake, 1), lambda: raw.expire(K.counts, 1),
                     lambda: raw.set(K.intake, "x"), lambda: raw.set(K.wake, "x"),
-                    lambda: raw.blpop([K.intake], timeout=1), lambda: raw.blpop([K.wake], timeout=1)):
+                    lambda: raw.blpop([K.intake], timeout=1), lambda: raw.blpop([K.wake], timeout=1),
+                    # a hash or a stream where an empty list was: every submit failed with WRONGTYPE
+                    lambda: raw.hset(K.intake, "x", "1"), lambda: raw.hset(K.wake, "x", "1"),
+                    lambda: raw.xadd(K.intake, {"x": "1"}), lambda: raw.xadd(K.wake, {"x": "1"})):
         with pytest.raises(NoPermissionError):
             attempt()
     assert admin.lrange(K.intake, 0, -1) == [waiting.id.encode()] and admin.ttl(K.intake) == -1
