@@ -528,3 +528,18 @@ def test_an_idempotency_key_whose_job_is_gone_is_no_duplicate(rr):
     assert rr.get(idem) == b.encode() and rr.hget(q.keys.job(b), "idem") == idem.encode()
     dup = enq(q, c, "low", "order-7")
     assert dup.status == "duplicate" and dup.job_id == b
+
+
+def test_a_submit_from_an_older_producer_is_refused_before_any_write(rr):
+    """A producer older than the function library named the intake and wake lists in ARGV (2 KEYS):
+    the record was written, then the push failed, and the job stayed queued for no worker while the
+    producer's retry was told "ok". Now the call is refused first, saying what to do."""
+    from mlxq.shared.protocol import function_name, load_functions
+
+    q = make_queue(rr)
+    load_functions(rr)
+    k = q.keys
+    [a] = ids(1)
+    with pytest.raises(redis.ResponseError, match="older than the workers; upgrade it"):
+        rr.fcall(function_name("submit"), 2, k.job(a), k.job(a), a, b"req", "", "", "0", 60, k.intake, k.wake)
+    assert not rr.exists(k.job(a)) and rr.llen(k.intake) == 0

@@ -470,3 +470,30 @@ def test_deltas_no_resend_can_write_drop_their_jobs(redis_url):
                                   ("ab" * 16, "w:3", b"z", next_delta_seq())])])
     assert gave_up == [("ab" * 16, "w:3"), ("cd" * 16, "w:1")]
     r.close()
+
+
+def test_a_stream_its_producer_broke_costs_only_its_own_job(redis_url):
+    """A producer may write its own job's stream: an entry at the last possible id makes every later
+    append fail. That job's deltas are refused (and the job handed back to the worker to drop); the
+    other jobs of the same call are written. Before, any append error but WRONGTYPE failed the whole
+    call and dropped every job in it."""
+    import threading
+
+    from mlxq.shared.protocol import Queue
+    from mlxq.shared.settings import Settings
+    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+
+    r = redis.Redis.from_url(redis_url)
+    q = Queue(r, K, Settings())
+    broken, fine = "a1" * 16, "b2" * 16
+    for j in (broken, fine):
+        r.hset(K.job(j), "owner", "w:1")
+    r.xadd(K.events(broken), {"d": "x"}, id="18446744073709551615-18446744073709551615")
+    q.load_scripts()
+    pub = Publisher(q, threading.Event())
+    gave_up = []
+    pub.on_gave_up = gave_up.extend
+    pub._send([StepOutput(deltas=[(broken, "w:1", b"x1", next_delta_seq()), (fine, "w:1", b"f1", next_delta_seq())])])
+    assert gave_up == [(broken, "w:1")]
+    assert [f[b"d"] for _, f in r.xrange(K.events(fine))] == [b"f1"]
+    r.close()

@@ -261,10 +261,15 @@ class Publisher(threading.Thread):
             self._gave_up(leases)  # (a completion or requeue not written: the job's lease lapses)
             return
         if kind == "deltas":
+            refused = set()
             for key in reply:
                 key = key.decode() if isinstance(key, bytes) else key
-                log.warning("job=%s deltas refused: the lease is no longer ours",
-                            key.removeprefix(self.q.keys.job_prefix))
+                refused.add(key.removeprefix(self.q.keys.job_prefix))
+                log.warning("job=%s deltas refused: the lease is no longer ours, or its stream takes no "
+                            "writes; the job is dropped here", key.removeprefix(self.q.keys.job_prefix))
+            # (a lost lease: the job is another worker's now; a stream that takes no writes: its lease
+            # lapses and the next attempt meets it again, until the job is dead-lettered)
+            self._gave_up([lease for lease in leases if lease[0] in refused])
             return
         ok = reply == 1
         if not ok:

@@ -16,6 +16,11 @@
 -- fails the call, which carries the deltas of every job of the step). A write the server refuses
 -- for itself (OOM, MISCONF) fails the call with that error instead (see below).
 local owners, sent, seen, refused = {}, {}, {}, {}
+local function server_not_now(err)
+  local code = string.match(err, '^(%u+)')
+  return code == 'OOM' or code == 'MISCONF' or code == 'BUSY' or code == 'NOREPLICAS' or code == 'READONLY'
+    or code == 'LOADING' or code == 'TRYAGAIN' or code == 'CLUSTERDOWN' or code == 'MASTERDOWN'
+end
 local function refuse(jk)
   owners[jk] = false
   if not seen[jk] then
@@ -38,11 +43,12 @@ for i = 1, #KEYS / 3 do
     if not (seq and seq <= sent[jk]) then  -- (written already: a resend)
       local r = redis.pcall('XADD', ek, '*', 'd', payload)
       if type(r) == 'table' and r.err then
-        -- an events key that is not a stream (clobbered): this job's deltas are refused, as a lost
-        -- lease. Any other error (OOM at maxmemory, MISCONF after a failed save) is the server's
-        -- trouble, not the job's: the call fails with it and the worker sends it again later; what
-        -- this call wrote before is numbered in 'sent', so the resend skips it.
-        if string.sub(r.err, 1, 9) ~= 'WRONGTYPE' then return redis.error_reply(r.err) end
+        -- the server's own trouble (OOM at maxmemory, MISCONF after a failed save, ...), not the
+        -- job's: the call fails with it and the worker sends it again later; what this call wrote
+        -- before is numbered in 'sent', so the resend skips it. Any other error is this job's own
+        -- (an events key that is not a stream, or a stream at its last possible id: its producer
+        -- may write it): its deltas are refused, as a lost lease, and the other jobs' go on.
+        if server_not_now(r.err) then return redis.error_reply(r.err) end
         refuse(jk)
       else
         if seq then

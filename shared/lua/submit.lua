@@ -9,6 +9,12 @@
 -- wake lists, and no command that reads a list (its BLPOP is for done lists only, in a selector),
 -- so a producer still cannot learn other jobs' ids from the intake list.
 -- Returns {status, job id, '', server time}; status in ok | duplicate | exists | invalid_id | invalid_idempotency_key
+-- a producer older than the library (it named the lists in ARGV) is refused before any write: its
+-- job's record was written, then the push failed, and the record stayed queued for no worker
+if #KEYS ~= 4 then
+  return redis.error_reply('ERR mlxq_submit takes 4 keys (job, idempotency key, intake, wake): '
+    .. 'this producer is older than the workers; upgrade it')
+end
 local id = ARGV[1]
 -- a job id is 32 lowercase hex digits (pull and admit take no other: a job under any other id
 -- would wait for ever, queued for nobody)
