@@ -193,7 +193,8 @@ class AsyncClient:
         # one pub/sub connection per node for every job of this client; made here, not on first use
         self.subscriber: AsyncSubscriber = subscriber if subscriber is not None else AsyncSubscriber(self.redis)
         # a wait with no timeout ends too: RedisUnreachable once the links stayed down redis_outage_s
-        self.watch = watch or link_watch("mlxq async client", self.redis, give_up_s=self.settings.redis_outage_s)
+        self.watch = watch or link_watch("mlxq async client", self.redis, give_up_s=self.settings.redis_outage_s,
+                                         give_up_timed=False)
 
     async def _retry(self, fn, deadline: Optional[float] = None):
         """``await fn()``, retried through a lost link for up to ``settings.redis_outage_s``."""

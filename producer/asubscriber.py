@@ -37,9 +37,13 @@ class _NodeReader:
         if fut is None:  # else another handle on the job subscribed it: its confirmation is this one's
             fut = self.confirm[channel] = asyncio.get_running_loop().create_future()
             self.channels.add(channel)
-            await self._subscribe(channel)
-        if self.task is None:
-            self.task = asyncio.ensure_future(self.run())
+            try:
+                await self._subscribe(channel)
+            except BaseException:  # (a cancel too) not sent: the handles sharing it retry now, not at the timeout
+                self._not_sent(channel, fut)
+                raise
+            if self.task is None:  # (reading starts once a SUBSCRIBE went out)
+                self.task = asyncio.ensure_future(self.run())
         try:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:  # as the sync subscriber: a message, and a pause the caller retries
@@ -60,6 +64,14 @@ class _NodeReader:
             if is_link_error(exc):
                 self.fail()
             raise
+
+    def _not_sent(self, channel: bytes, fut: asyncio.Future) -> None:
+        if self.confirm.get(channel) is fut:
+            del self.confirm[channel]
+            self.channels.discard(channel)
+        if not fut.done():
+            fut.set_exception(redis.ConnectionError(f"the subscription to {channel!r} was not sent"))
+            fut.exception()  # (retrieved: no sharer may be waiting on it)
 
     def _down(self) -> redis.ConnectionError:
         return redis.ConnectionError(f"the pub/sub link to {self.node} is down")
@@ -145,9 +157,12 @@ class AsyncSubscriber(Inboxes):
         try:
             reader = await self._reader_for(ch)
             await reader.add(ch, self.confirm_s(confirm_s))
-        except BaseException:
+        except BaseException as exc:
             await self.unsubscribe(ch, inbox)
-            raise
+            cut = self.cut_short(exc, confirm_s)
+            if cut is exc:
+                raise
+            raise cut from exc
 
     def drop(self, channel: str | bytes, inbox: asyncio.Queue) -> bool:
         """Drop ``inbox`` now (no await); True when it was the channel's last, whose server subscription
@@ -209,8 +224,8 @@ def _resubscribe_again(exc: BaseException) -> bool:
     return isinstance(exc, asyncio.TimeoutError) or is_link_error(exc)
 
 
-def link_watch(what: str, redis_client, give_up_s: Optional[float] = None) -> LinkWatch:
+def link_watch(what: str, redis_client, give_up_s: Optional[float] = None, give_up_timed: bool = True) -> LinkWatch:
     """A LinkWatch for an asyncio client (a topology refresh per failure on a cluster)."""
     refresh = (lambda: refresh_topology_async(redis_client)) if is_cluster(redis_client) else None
-    return LinkWatch(what, lambda: nodes_tried(redis_client), refresh, give_up_s)
+    return LinkWatch(what, lambda: nodes_tried(redis_client), refresh, give_up_s, give_up_timed)
 

@@ -178,7 +178,7 @@ class Client:
         # a wait with no timeout ends too: RedisUnreachable once the links stayed down redis_outage_s
         self.watch = LinkWatch("mlxq client", lambda: nodes_tried(self.redis),
                                (lambda: refresh_topology(self.redis)) if cluster else None,
-                               give_up_s=self.settings.redis_outage_s)
+                               give_up_s=self.settings.redis_outage_s, give_up_timed=False)
         self.subscriber = Subscriber(self.redis)  # one pub/sub connection per node for every job's deltas
 
     def _retry(self, fn, deadline: Optional[float] = None):

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import redis
+
 from ..shared import codec
 from ..shared.schemas import Delta, GenerateRequest, JobStats, Result
 
@@ -23,6 +25,11 @@ class NoModelError(LookupError):
 
 class JobTimeout(TimeoutError):
     pass
+
+
+class ConfirmCut(redis.TimeoutError):
+    """A subscription's confirmation not waited for to its end: the caller's deadline came first. Not a
+    lost link (the job's wait ends with ``JobTimeout``, not ``RedisUnreachable``)."""
 
 
 class ClientClosed(RuntimeError):

@@ -31,13 +31,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Optional
 
 from pydantic import BaseModel, ValidationError
+import redis
 from redis.exceptions import NoScriptError
 
 from ..shared import codec
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result
-from .common import (ClientClosed, JobNotFound, JobTimeout, StreamState, build_request, check_fits, entry_deltas,
+from .common import (ClientClosed, ConfirmCut, JobNotFound, JobTimeout, StreamState, build_request, check_fits, entry_deltas,
                      payload_deltas, result_from_hash)
 
 log = logging.getLogger("mlxq.producer")
@@ -254,7 +255,7 @@ class JobCore:
                 out = yield from attempt(deadline)
             except Exception as exc:
                 self._check_open(exc)  # what a read fails with once its socket was closed under it
-                if retryable(exc):  # a wait cut short by the deadline (a confirmation) is no lost link
+                if isinstance(exc, ConfirmCut):  # a wait the deadline cut short is no lost link
                     check_deadline(self.watch, deadline, late)
                 delay = yield Backoff(exc, deadline, delay)
                 continue
@@ -370,6 +371,15 @@ class Inboxes:
     def confirm_s(self, limit: Optional[float]) -> float:
         """How long a subscription's confirmation is waited for: ``confirm_timeout``, or less."""
         return self.confirm_timeout if limit is None else min(self.confirm_timeout, limit)
+
+    def cut_short(self, exc: BaseException, limit: Optional[float]) -> BaseException:
+        """``exc`` as ``ConfirmCut`` when it is a confirmation's timeout that ``limit`` (the caller's
+        deadline) made shorter than ``confirm_timeout``; else ``exc``."""
+        if isinstance(exc, redis.TimeoutError) and limit is not None and limit < self.confirm_timeout:
+            cut = ConfirmCut(str(exc))
+            cut.__cause__ = exc
+            return cut
+        return exc
 
     def connections(self) -> int:
         """Pub/sub connections held now (one per node with subscribed channels)."""

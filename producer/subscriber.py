@@ -62,6 +62,10 @@ class _NodeReader(threading.Thread):
                 except LINK_ERRORS as exc:
                     self.fail(exc)
                     raise
+                except BaseException:  # not sent: a later handle must not wait on its confirmation
+                    del self.confirm[channel]
+                    self.channels.discard(channel)
+                    raise
             if not self.started:  # many threads subscribe at once: one of them starts the reader
                 self.started = True
                 self.start()
@@ -156,9 +160,12 @@ class Subscriber(Inboxes):
             self.add_inbox(ch, inbox)
         try:
             self._reader_for(ch).add(ch, self.confirm_s(confirm_s))
-        except Exception:
+        except Exception as exc:
             self.unsubscribe(ch, inbox)
-            raise
+            cut = self.cut_short(exc, confirm_s)
+            if cut is exc:
+                raise
+            raise cut from exc
 
     def unsubscribe(self, channel: str | bytes, inbox: "Optional[queue.Queue[bytes]]" = None) -> None:
         """Stop routing ``channel`` to ``inbox``; the server's subscription goes with the last handle's

@@ -137,13 +137,22 @@ class LinkWatch:
     work again, however many threads or tasks notice at once; the retry loops of its calls
     (backoff, a deadline, a topology refresh per failure on a cluster, at most one at a time)."""
 
+    # A failure this long after the one before starts a new outage: no retry loop ran in between (their
+    # backoff is at most 2 s, a call on a hung server at most the 20 s read timeout), so the links
+    # worked, unseen, and an outage long over does not count against the give-up.
+    STALE_S = 30.0
+
     def __init__(self, what: str, nodes: Callable[[], str], refresh: Optional[Callable[[], Any]] = None,
-                 give_up_s: Optional[float] = None):
+                 give_up_s: Optional[float] = None, give_up_timed: bool = True):
         self.what, self._nodes, self._refresh = what, nodes, refresh
         self.give_up_s = give_up_s  # past this long down, every retrying call fails (the gateway's 503)
+        # whether a call with a deadline of its own gives up too (False: the clients' job waits, which
+        # honour their timeout; the give-up ends a wait with none)
+        self.give_up_timed = give_up_timed
         self._lock = threading.Lock()
         self._refreshing = threading.Lock()
         self._down_since: Optional[float] = None
+        self._failed_at = 0.0
         self.last_error: Optional[BaseException] = None
 
     @property
@@ -152,10 +161,12 @@ class LinkWatch:
 
     def failed(self, exc: BaseException) -> None:
         with self._lock:
+            now = time.monotonic()
             self.last_error = exc
-            if self._down_since is not None:
+            stale, self._failed_at = now - self._failed_at > self.STALE_S, now
+            if self._down_since is not None and not stale:
                 return
-            self._down_since = time.monotonic()
+            self._down_since = now
         log.warning("%s: Redis link lost (%s: %s); retrying with backoff (nodes: %s)", self.what,
                     type(exc).__name__, exc, self._nodes())
 
@@ -203,7 +214,8 @@ class LinkWatch:
         now, since = time.monotonic(), self._down_since
         if deadline is not None and now + delay > deadline:
             raise self.unreachable(exc) from None
-        if self.give_up_s is not None and since is not None and now - since > self.give_up_s:
+        if self.give_up_s is not None and since is not None and now - since > self.give_up_s \
+                and (deadline is None or self.give_up_timed):
             raise self.unreachable(exc) from None
         return min(2.0, delay * 2)
 

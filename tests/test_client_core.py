@@ -661,3 +661,97 @@ def test_every_handle_on_a_job_gets_every_delta_once(side, redis_url, ghost):
         pool.shutdown()
         r.close()
     assert got == [["a", "b", "c"]] * 2
+
+
+def test_the_give_up_counts_only_the_outage_under_way_and_spares_timed_waits(monkeypatch):
+    """The clients' give-up (redis_outage_s) ends a wait with no timeout. It counted from a failure long
+    over: a client whose last call failed, then idle for an hour while Redis worked, gave up at the
+    first error of the next blip. And it cut waits that had a timeout of their own (an rq-bridged
+    job's result(timeout=3600) failed on a 31 s restart)."""
+    from mlxq.shared import connection
+    from mlxq.shared.connection import RedisUnreachable
+
+    clock = [1000.0]
+    monkeypatch.setattr(connection.time, "monotonic", lambda: clock[0])
+    watch = connection.LinkWatch("t", lambda: "n0", give_up_s=30.0, give_up_timed=False)
+    down = redis.ConnectionError("down")
+
+    def retry_for(seconds, deadline=None):
+        """A retry loop's failures, one every 2 s (the longest backoff)."""
+        end = clock[0] + seconds
+        while clock[0] < end:
+            watch._next_delay(down, deadline, 2.0, None)
+            clock[0] += 2.0
+
+    retry_for(20)
+    watch._next_delay(down, clock[0] + 3600, 2.0, None)  # a timed wait: within its timeout, no give-up
+    retry_for(20, deadline=clock[0] + 3600)
+    with pytest.raises(RedisUnreachable):
+        watch._next_delay(down, None, 2.0, None)  # a wait with no timeout: 40 s down, past 30
+    clock[0] += 3600  # idle, the links working unseen; then a blip
+    assert watch._next_delay(down, None, 0.1, None) == 0.2  # retried, not given up
+    retry_for(20)  # the blip's own 20 s: within the give-up
+
+
+def test_a_link_failing_past_the_deadline_is_redis_unreachable_not_a_timeout(redis_url, ghost, monkeypatch):
+    """A read that fails on a lost link after the caller's deadline (a hung server answers nothing
+    until the socket times out): JobTimeout said the job was slow, and no link loss was logged."""
+    import time
+
+    from mlxq.producer.client import Job
+    from mlxq.shared.connection import RedisUnreachable
+
+    client = Client(redis_url, model="ghost")
+    try:
+        job = client.submit(prompt="a", max_tokens=4)
+
+        def hung(self, op):
+            time.sleep(0.3)
+            raise redis.TimeoutError("Timeout reading from socket (forced)")
+
+        for name in ("_io_read_record", "_io_wait_done", "_io_read_events", "_io_receive"):
+            monkeypatch.setattr(Job, name, hung)
+        for wait in (lambda: job.result(timeout=0.1), lambda: list(job.stream(timeout=0.1))):
+            with pytest.raises(RedisUnreachable):
+                wait()
+    finally:
+        client.close()
+
+
+def test_a_handle_sharing_a_subscription_its_first_handle_never_sent_retries_at_once(redis_url, ghost,
+                                                                                     monkeypatch):
+    """Two async handles on one job: the second shares the first's pending subscription. The first is
+    cancelled (a gateway client hung up) before its SUBSCRIBE went out: the second waited out the whole
+    confirmation time, then failed, and a reader task with no connection logged an error every 0.1 s.
+    Now it hears at once that nothing was sent, and its stream goes on."""
+    from redis.asyncio.client import PubSub
+
+    real = PubSub.subscribe
+    gate = asyncio.Event()
+
+    async def slow_subscribe(self, *args, **kwargs):  # (connecting to a far Redis)
+        await gate.wait()
+        return await real(self, *args, **kwargs)
+
+    async def run():
+        client = AsyncClient(redis_url, model="ghost")
+        client.subscriber.confirm_timeout = 600.0
+        try:
+            job = await client.submit(prompt="a", max_tokens=4, subscribe=False)
+            first, second = await client.job(job.id), await client.job(job.id)
+            monkeypatch.setattr(PubSub, "subscribe", slow_subscribe)
+            a = asyncio.ensure_future(first._ensure_pubsub())
+            await asyncio.sleep(0)  # (a is in its SUBSCRIBE)
+            b = asyncio.ensure_future(second._ensure_pubsub())
+            for _ in range(100):
+                await asyncio.sleep(0)
+            a.cancel()
+            with pytest.raises(redis.ConnectionError, match="not sent"):
+                await asyncio.wait_for(b, 60)
+            monkeypatch.setattr(PubSub, "subscribe", real)
+            gate.set()
+            await asyncio.wait_for(second._ensure_pubsub(), 60)  # subscribes afresh
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
