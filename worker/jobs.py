@@ -346,12 +346,15 @@ def check_published_ids(published: Optional[dict], tokenizer, model_vocab: Optio
                            f"in sample {sample}: {bad[:5]}; it cannot be resumed")
 
 
-def job_grammar(req: GenerateRequest, prompt: list[int], tokenizer) -> Optional[str]:
+def job_grammar(req: GenerateRequest, prompt: list[int], tokenizer,
+                in_thinking: Optional[bool] = None) -> Optional[str]:
     """The grammar the job's output follows (None: free text), in the model's format
     (``chat_format``); a reasoning block the prompt opened (a chat template that starts the
-    answer thinking) comes first."""
+    answer thinking; ``in_thinking``, None: found here) comes first."""
     fmt = chat_format(tokenizer)
-    if prompt_in_thinking(prompt, fmt, tokenizer):
+    if in_thinking is None:
+        in_thinking = prompt_in_thinking(prompt, fmt, tokenizer)
+    if in_thinking:
         fmt = dataclasses.replace(fmt, in_thinking=True)
     try:
         return grammar_for(req, fmt)
@@ -454,11 +457,14 @@ def read_published(entries: list) -> Published:
 
 def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer, worker_id: str,
               clock_offset: float, published: Optional[dict[int, Published]] = None,
-              grammar: Optional[str] = None) -> list[ActiveJob]:
+              grammar: Optional[str] = None, in_thinking: Optional[bool] = None) -> list[ActiveJob]:
     """A pulled job's samples still to run (one for an n == 1 job), each resumed from what it published
     (``published``: its durable record by sample) when an earlier attempt streamed part of it: a
     new attempt continues after the last published token, and never sends again what was sent.
-    A sample whose end is in the record already (n > 1) waits in the group, done."""
+    A sample whose end is in the record already (n > 1) waits in the group, done. ``in_thinking``:
+    whether the prompt opened a reasoning block (None: found here, once for every sample)."""
+    if in_thinking is None:
+        in_thinking = prompt_in_thinking(prompt, chat_format(tokenizer), tokenizer)
     resume = _resume_state(pulled)
     published = published or {}
     seed = _job_seed(req, published, resume)
@@ -469,7 +475,7 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
             id=pulled.job_id, request=req, attempt=pulled.attempt,
             owner=owner_token(worker_id, pulled.attempt), tier=pulled.tier, score=pulled.score,
             queued_at=pulled.queued_at, started_at=pulled.now, prompt=prompt, seed=seed,
-            text=chat_stream(tokenizer, req, prompt), clock_offset=clock_offset, grammar=grammar,
+            text=chat_stream(tokenizer, req, prompt, in_thinking), clock_offset=clock_offset, grammar=grammar,
             sample=i if group else None, group=group, suspect=pulled.suspect,
         )
         if isinstance(resume.get("started_at"), (int, float)):  # queue_wait_s: until the job first started
@@ -522,9 +528,10 @@ def _restore(job: ActiveJob, published: Published, resume: dict) -> None:
     log.info("job=%s attempt=%d resumes after %d published tokens", job.uid, job.attempt, len(job.tokens))
 
 
-def chat_stream(tokenizer, req: GenerateRequest, prompt: list[int]) -> ChatStream:
+def chat_stream(tokenizer, req: GenerateRequest, prompt: list[int], in_thinking: Optional[bool] = None) -> ChatStream:
     """The job's output stream: a chat job's answer split from its reasoning (where the model's
-    template marks thinking) and from its tool calls (when it has tools); other jobs' text as is."""
+    template marks thinking; ``in_thinking``: the prompt opened a block, None: found here) and from
+    its tool calls (when it has tools); other jobs' text as is."""
     text = TextStream.for_tokenizer(tokenizer, req.stop)
     fmt = chat_format(tokenizer)
     if req.messages is None:
@@ -532,4 +539,4 @@ def chat_stream(tokenizer, req: GenerateRequest, prompt: list[int]) -> ChatStrea
     tools = uses_tools(req)
     return ChatStream(text, fmt, tools=tools, parse=getattr(tokenizer, "tool_parser", None),
                       tool_defs=[t.model_dump(exclude_none=True) for t in req.tools] if tools else None,
-                      in_thinking=prompt_in_thinking(prompt, fmt, tokenizer))
+                      in_thinking=prompt_in_thinking(prompt, fmt, tokenizer) if in_thinking is None else in_thinking)

@@ -31,8 +31,9 @@ from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, MAX_N, Delta, Resu
 from ..shared.settings import TIERS, Settings
 from . import blas
 from .jobs import (ActiveJob, JobError, Published, admit_now, check_published_ids, check_token_ids, decode_request,
-                   job_grammar, read_samples, sample_uid, start_job, tokenize)
+                   job_grammar, prompt_in_thinking, read_samples, sample_uid, start_job, tokenize)
 from .hostwork import HostWork
+from .textstream import chat_format
 from .model import LoadedModel
 from .engine.engine import make_engine
 from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQueue, StepOutput
@@ -163,13 +164,16 @@ class Worker:
             prompt = tokenize(req, self.loaded.tokenizer, self._model_vocab)
             check_token_ids(req, self.loaded.tokenizer, self._model_vocab)
             check_published_ids(published, self.loaded.tokenizer, self._model_vocab)
-            grammar = job_grammar(req, prompt, self.loaded.tokenizer)
+            # whether the prompt opened a reasoning block: read once (a marker of several tokens takes a
+            # decode of the whole prompt) for the grammar and every sample's output stream
+            thinking = prompt_in_thinking(prompt, chat_format(self.loaded.tokenizer), self.loaded.tokenizer)
+            grammar = job_grammar(req, prompt, self.loaded.tokenizer, thinking)
             fit_context(req, len(prompt), self.loaded.context_length)
             if not self.engine.can_admit(len(prompt), req.max_tokens):
                 raise JobError(f"prompt of {len(prompt)} tokens plus max_tokens {req.max_tokens} can never fit "
                                "this worker's KV memory")
             samples = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset, published,
-                                grammar=grammar)
+                                grammar=grammar, in_thinking=thinking)
         except JobError as exc:
             log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
             self.publisher.submit(self._failure(entry, str(exc), INVALID_REQUEST))
