@@ -20,15 +20,9 @@ if ARGV[5] == '1' then
   if not string.find(KEYS[4], ':idem:' .. redis.sha1hex('idem:' .. ARGV[3]) .. ':', 1, true) then
     return {'invalid_idempotency_key', id, '', ''}
   end
-  local existing = redis.call('GET', KEYS[4])
-  if existing and mlxq_is_job_id(existing)
-      and redis.call('EXISTS', string.sub(KEYS[1], 1, #KEYS[1] - #id) .. existing) == 1 then
-    return {'duplicate', existing, '', ''}
-  end
-  -- a key whose job's record is gone (expired, deleted) is stale: it counts as absent, and names the
-  -- new job below (a duplicate reply named a job nobody could read). That record is the one key read
-  -- here that is not declared (the caller cannot know its id): its name is KEYS[1]'s, the earlier id
-  -- in place of this one, so it has KEYS[1]'s hash tag (one slot) and the caller's ACL applies to it
+  -- (a stale key, whose job's record is gone, counts as absent: it names the new job below)
+  local existing = mlxq_live_job(KEYS[1], id, redis.call('GET', KEYS[4]))
+  if existing then return {'duplicate', existing, '', ''} end
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   -- the same request again (a client retry after a lost reply): the same job, not an error, and

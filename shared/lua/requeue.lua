@@ -10,8 +10,8 @@
 -- An admitted job goes back at the score and tier a worker gave it (sched), never its hash's (which its
 -- producer may write: a forged score put it at the head of the queue), and a failure marks it a suspect
 -- there too.
--- Requeued, the job's event stream loses its TTL until the job runs or ends (it waited past it, and
--- its resume lost what it had emitted).
+-- Requeued, the job's event stream loses its TTL until the job ends (it waited past it, and its
+-- resume lost what it had emitted).
 -- KEYS: 1 job, 2 inflight, 3 queue, 4 counts, 5 wake, 6 events, 7 done list, 8 job channel, 9 sched
 -- ARGV: 1 id, 2 owner token, 3 resume state (msgpack, '' for none), 4 error ('' for none), 5 ttl (s),
 --       6 publish command (PUBLISH | SPUBLISH on a cluster)
@@ -44,7 +44,7 @@ redis.call('HINCRBY', KEYS[1], 'attempts', -1)
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'resume', ARGV[3]) end
 redis.call('HSET', KEYS[1], 'status', 'queued')
 -- what it emitted so far, which its resume reads, is kept while it waits (as its record: no TTL), however
--- long; its next run's deltas, or its end, set the TTL again
+-- long; the job's end sets the TTL again
 redis.call('PERSIST', KEYS[6])
 redis.call('ZADD', KEYS[3], tonumber(f[1]), ARGV[1])
 redis.call('HINCRBY', KEYS[4], 'queued:' .. (f[2] or 'normal'), 1)
