@@ -160,7 +160,7 @@ class AsyncSubscriber(Inboxes):
         except BaseException as exc:
             await self.unsubscribe(ch, inbox)
             cut = self.cut_short(exc, confirm_s)
-            if cut is exc:
+            if cut is None:
                 raise
             raise cut from exc
 

@@ -38,8 +38,8 @@ from ..shared import codec
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result
-from .common import (ClientClosed, ConfirmCut, JobNotFound, JobTimeout, StreamState, build_request, check_fits, entry_deltas,
-                     payload_deltas, result_from_hash)
+from .common import (ClientClosed, ConfirmCut, JobNotFound, JobTimeout, StreamState, build_request, check_fits,
+                     entry_deltas, payload_deltas, result_from_hash)
 
 log = logging.getLogger("mlxq.producer")
 
@@ -372,14 +372,12 @@ class Inboxes:
         """How long a subscription's confirmation is waited for: ``confirm_timeout``, or less."""
         return self.confirm_timeout if limit is None else min(self.confirm_timeout, limit)
 
-    def cut_short(self, exc: BaseException, limit: Optional[float]) -> BaseException:
-        """``exc`` as ``ConfirmCut`` when it is a confirmation's timeout that ``limit`` (the caller's
-        deadline) made shorter than ``confirm_timeout``; else ``exc``."""
+    def cut_short(self, exc: BaseException, limit: Optional[float]) -> Optional[ConfirmCut]:
+        """A ``ConfirmCut`` for ``exc`` when it is a confirmation's timeout that ``limit`` (the caller's
+        deadline) made shorter than ``confirm_timeout``; else None."""
         if isinstance(exc, redis.TimeoutError) and limit is not None and limit < self.confirm_timeout:
-            cut = ConfirmCut(str(exc))
-            cut.__cause__ = exc
-            return cut
-        return exc
+            return ConfirmCut(str(exc))
+        return None
 
     def connections(self) -> int:
         """Pub/sub connections held now (one per node with subscribed channels)."""

@@ -163,7 +163,7 @@ class Subscriber(Inboxes):
         except Exception as exc:
             self.unsubscribe(ch, inbox)
             cut = self.cut_short(exc, confirm_s)
-            if cut is exc:
+            if cut is None:
                 raise
             raise cut from exc
 

@@ -29,8 +29,8 @@ import json
 from dataclasses import asdict, fields, replace
 from typing import Any, Optional
 
-from .constraints import (ConstraintError, ModelFormat, _marker, after_thinking, canonical, closed, compile_format,
-                          grammar_list, without_text)
+from .constraints import (ANY_TEXT, ConstraintError, ModelFormat, _marker, after_thinking, canonical, closed,
+                          compile_format, grammar_list, without_text)
 
 # families whose tool-call format tool_grammar writes (mlx-lm's parser names); json_tools (Hermes,
 # Qwen2.5): <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
@@ -38,7 +38,6 @@ CONSTRAINABLE = ("json_tools",)
 # arguments as chat templates render them (json.dumps's separators), with no free whitespace
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TEXT_RULE = r"/(.|\n)+/"  # free text: llguidance never lets a special token match a text lexeme
-TAIL_RULE = r"/(.|\n)*/"
 CALLS = 'call ("\\n"? call)*'  # parallel calls, one after another or a line apart
 
 
@@ -247,7 +246,7 @@ def _free_text_with_calls(fmt: ModelFormat, many: bool, rules: list[str]) -> str
     # as llguidance's StructTag writes it); text may follow the calls.  One call at most: the text
     # after it never holds the marker (it would be a second call, unconstrained and parsed all the same)
     rules += [f"call_open[lazy]: TAIL {json.dumps(fmt.tool_call_start)}", "call: call_open call_body",
-              f"TAIL: {TAIL_RULE}"]
+              f"TAIL: {ANY_TEXT}"]
     if many:
         return "call* TAIL"
     rules.append(f"REST: {without_text(fmt.tool_call_start)}")

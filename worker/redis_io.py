@@ -71,6 +71,11 @@ def next_delta_seq() -> int:
     return next(_delta_seq)
 
 
+def _leases_of(deltas) -> list[tuple[str, str]]:
+    """The (job id, owner token) of each job among ``StepOutput.deltas`` items, once."""
+    return sorted({(d[0], d[1]) for d in deltas})
+
+
 @dataclass
 class StepOutput:
     """What one engine step hands to Redis, in order."""
@@ -176,7 +181,7 @@ class Publisher(threading.Thread):
                               | {r[0] for r in out.requeues} | {a[0] for a in out.abandons})
                 log.error("gave up on a step's writes for job(s) %s: they come back when their leases lapse",
                           ", ".join(jobs) or "(none)")
-                self._gave_up(sorted({(d[0], d[1]) for d in out.deltas}))
+                self._gave_up(_leases_of(out.deltas))
 
     def _gave_up(self, leases: list[tuple[str, str]]) -> None:
         if leases and self.on_gave_up is not None:
@@ -238,7 +243,7 @@ class Publisher(threading.Thread):
         def flush() -> None:
             for i in range(0, len(deltas), self.DELTAS_PER_CALL):
                 part = deltas[i:i + self.DELTAS_PER_CALL]
-                calls.append((self.q.calls.deltas(part), "", "deltas", sorted({(d[0], d[1]) for d in part})))
+                calls.append((self.q.calls.deltas(part), "", "deltas", _leases_of(part)))
             deltas.clear()
 
         for out in batch:
@@ -264,9 +269,10 @@ class Publisher(threading.Thread):
             refused = set()
             for key in reply:
                 key = key.decode() if isinstance(key, bytes) else key
-                refused.add(key.removeprefix(self.q.keys.job_prefix))
+                job = key.removeprefix(self.q.keys.job_prefix)
+                refused.add(job)
                 log.warning("job=%s deltas refused: the lease is no longer ours, or its stream takes no "
-                            "writes; the job is dropped here", key.removeprefix(self.q.keys.job_prefix))
+                            "writes; the job is dropped here", job)
             # (a lost lease: the job is another worker's now; a stream that takes no writes: its lease
             # lapses and the next attempt meets it again, until the job is dead-lettered)
             self._gave_up([lease for lease in leases if lease[0] in refused])
