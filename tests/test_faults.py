@@ -516,12 +516,14 @@ def test_a_result_over_the_readers_limit_ends_the_job_with_an_error_that_says_so
                                                                                  monkeypatch):
     """A result larger than a reader takes (codec.MAX_MESSAGE_BYTES; here lowered, so that a short
     job with log-probabilities passes it) ends the job with an error naming the size, its final
-    delta too: the caller got "done" and then only a CodecError reading it."""
+    delta too: the caller got "done" and then only a CodecError reading it. 48 tokens with five
+    alternatives each pass the limit whatever the text (every token's log-probabilities take 85 bytes
+    and more); 16 did only with the text some weights give."""
     from mlxq.shared import codec
 
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
-    big = client.submit(prompt_tokens=[3, 1, 4], max_tokens=16, ignore_eos=True, logprobs=5)
+    big = client.submit(prompt_tokens=[3, 1, 4], max_tokens=48, ignore_eos=True, logprobs=5)
     small = client.submit(prompt_tokens=[3, 1, 4], max_tokens=2, ignore_eos=True)
     monkeypatch.setattr(codec, "MAX_MESSAGE_BYTES", 2000)
     with running_worker(tiny_model, redis_url, settings):
