@@ -59,16 +59,18 @@ def _is_cpu() -> bool:
 
 
 def to_fp32(model: nn.Module) -> str:
-    """Dequantize and cast to float32: on the CPU, fp32 matmul is many times faster."""
+    """Dequantize and cast to float32: on the CPU, fp32 matmul is many times faster.  The cast comes
+    first: quantization scales and biases (float16 in a GGUF, often bfloat16 in MLX checkpoints) in
+    float32 make the dequantized weights exactly the blocks' values, not those rounded to float16."""
     notes = []
-    quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
-    if quantized:
+    cast = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16)})
+    if cast:
+        model.set_dtype(mx.float32)  # floating parameters only: packed weights stay uint32
+    if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()):
         dequantize_model(model)
         notes.append("dequantized")
-    dtypes = {v.dtype for _, v in tree_flatten(model.parameters())}
-    if any(d in (mx.float16, mx.bfloat16) for d in dtypes):
-        model.set_dtype(mx.float32)
-        notes.append(f"cast {sorted(str(d) for d in dtypes)} to float32")
+    if cast:
+        notes.append(f"cast {', '.join(d.removeprefix('mlx.core.') for d in cast)} to float32")
     mx.eval(model.parameters())
     return ", ".join(notes) or "already float32"
 
