@@ -18,8 +18,9 @@ log = logging.getLogger(__name__)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .shared.cliopts import add_shared
 
-    add_shared(p, "redis_url", "model", required=("model",), help={"model": "an mlx-lm model directory or hub id"})
-    p.add_argument("--name", help="the queue name (default: the model directory's base name or the hub id)")
+    add_shared(p, "redis_url", "model", required=("model",), help={"model": "an mlx-lm model directory, a hub id, or a GGUF file"})
+    p.add_argument("--name", help="the queue name (default: the model directory's base name, the GGUF file's "
+                                  "stem, or the hub id)")
     for f in worker_flags():
         if f.is_bool:  # --keep-dtype / --no-keep-dtype; None: not given, the environment decides
             p.add_argument(f.flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f.help)

@@ -15,9 +15,11 @@ _BAD_MODEL_CHARS = re.compile(r"[{}\s]")
 
 
 def model_name(raw: str) -> str:
-    """The queue name for a model path or hub id (braces and spaces are not allowed)."""
+    """The queue name for a model directory, GGUF file or hub id (braces and spaces are not allowed)."""
     name = raw.rstrip("/")
-    if "/" in name and name.startswith(("/", ".", "~")):
+    if name.lower().endswith(".gguf"):
+        name = name.rsplit("/", 1)[-1][: -len(".gguf")]  # a GGUF file: its stem
+    elif "/" in name and name.startswith(("/", ".", "~")):
         name = name.rsplit("/", 1)[-1]  # a local directory: its base name
     name = _BAD_MODEL_CHARS.sub("_", name)
     if not name:

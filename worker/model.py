@@ -1,4 +1,5 @@
-"""Load a model the normal mlx-lm way (a directory or a hub id) and make it CPU-fast."""
+"""Load a model the normal mlx-lm way (a directory or a hub id), or a GGUF file (:mod:`.gguf`), and
+make it CPU-fast."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from mlx_lm.utils import dequantize_model
 
 from ..shared.keys import model_name
 from ..shared.tools import format_info
+from .gguf import GGUFError, GGUFInfo, load_gguf
 from .textstream import chat_format, vocab_size
 
 log = logging.getLogger(__name__)
@@ -59,16 +61,18 @@ def _is_cpu() -> bool:
 
 
 def to_fp32(model: nn.Module) -> str:
-    """Dequantize and cast to float32: on the CPU, fp32 matmul is many times faster."""
+    """Dequantize and cast to float32: on the CPU, fp32 matmul is many times faster.  The cast comes
+    first: quantization scales and biases (float16 in a GGUF, often bfloat16 in MLX checkpoints) in
+    float32 make the dequantized weights exactly the blocks' values, not those rounded to float16."""
     notes = []
-    quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
-    if quantized:
+    cast = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16)})
+    if cast:
+        model.set_dtype(mx.float32)  # floating parameters only: packed weights stay uint32
+    if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()):
         dequantize_model(model)
         notes.append("dequantized")
-    dtypes = {v.dtype for _, v in tree_flatten(model.parameters())}
-    if any(d in (mx.float16, mx.bfloat16) for d in dtypes):
-        model.set_dtype(mx.float32)
-        notes.append(f"cast {sorted(str(d) for d in dtypes)} to float32")
+    if cast:
+        notes.append(f"cast {', '.join(d.removeprefix('mlx.core.') for d in cast)} to float32")
     mx.eval(model.parameters())
     return ", ".join(notes) or "already float32"
 
@@ -132,14 +136,58 @@ def _mlx_load(source: str):
         raise missing_model(source, exc) from None
 
 
+class BadModelFile(ModelNotFound):
+    """The model file is there but cannot be used (a corrupt GGUF, an architecture or tensor type
+    not handled): the message says which file and what is wrong.  A ``ModelNotFound``, so every
+    caller that reports one reports this too."""
+
+
+def is_gguf(source: str) -> bool:
+    return source.lower().endswith(".gguf")
+
+
+def _gguf_load(source: str):
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ModelNotFound(f"no GGUF file at {path.resolve()}: it does not exist")
+    try:
+        return load_gguf(path)
+    except GGUFError as exc:
+        raise BadModelFile(f"{path}: {exc}") from None
+
+
+def _mb(nbytes: int) -> str:
+    mb = nbytes / 1e6
+    return f"{mb:,.0f} MB" if mb >= 100 else f"{mb:.3g} MB"
+
+
+def _log_gguf(source: str, info: GGUFInfo) -> None:
+    log.info("GGUF %s: %s, tensors %s", source, info.architecture, info.types())
+    if info.widened:
+        log.warning(
+            "GGUF %s: the %s tensors arrived as float16, because MLX reads these types unquantized: "
+            "%s in the file -> %s as float16",
+            source, info.widened_types(),
+            _mb(info.widened_disk_bytes), _mb(info.widened_mem_bytes),
+        )
+
+
 def load_model(source: str, *, name: str | None = None, keep_dtype: bool = False) -> LoadedModel:
-    """``mlx_lm.load`` of a directory or hub id, then fp32 on the CPU unless ``keep_dtype``."""
+    """``mlx_lm.load`` of a directory or hub id, or a GGUF file, then fp32 on the CPU unless ``keep_dtype``."""
     t0 = time.perf_counter()
-    model, tokenizer, config = _mlx_load(source)
+    gguf_info = None
+    if is_gguf(source):
+        model, tokenizer, config, gguf_info = _gguf_load(source)
+        _log_gguf(source, gguf_info)
+    else:
+        model, tokenizer, config = _mlx_load(source)
     if keep_dtype or not _is_cpu():
         note = "dtype kept" + ("" if keep_dtype else " (not on the CPU)")
     else:
         note = to_fp32(model)
+    if gguf_info is not None:  # what the policy costs: a quantized file may grow many times in fp32
+        in_memory = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        note += f": {_mb(gguf_info.file_bytes)} on disk -> {_mb(in_memory)} in memory"
     num_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     loaded = LoadedModel(
         model=model,
