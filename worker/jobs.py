@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from ..shared import codec
 from ..shared.protocol import Pulled, owner_token
-from ..shared.constraints import ConstraintError, ModelFormat, grammar_for
+from ..shared.constraints import ConstraintError, ModelFormat
+from ..shared.grammars import grammar_for
 from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, SampleOutput, ToolCall, wire_deltas
 from ..shared.tools import check_tools, uses_tools
 from .engine_api import SeqSpec
