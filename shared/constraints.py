@@ -49,7 +49,9 @@ class ModelFormat:
     ``think_*``: the reasoning markers (a constraint applies to the answer after them);
     ``*_ids``: their token ids when each is one token; ``in_thinking``: the prompt ends
     inside a reasoning block (the template opened it); ``tool_*``: the model's tool-call
-    markers and mlx-lm's parser name for them.
+    markers and mlx-lm's parser name for them; ``mlxq_tools``: they are mlxq's own call format,
+    not the template's (a template with no tool slot: mlxq describes the tools in the prompt itself,
+    ``mlxq.shared.tools.own_format``).
     """
 
     think_start: Optional[str] = None
@@ -63,6 +65,7 @@ class ModelFormat:
     tool_call_start_ids: tuple[int, ...] = ()
     tool_call_end_ids: tuple[int, ...] = ()
     tool_markers_special: bool = False  # the tool-call markers are special tokens (never plain text)
+    mlxq_tools: bool = False
 
     @classmethod
     def from_tokenizer(cls, tok) -> "ModelFormat":
