@@ -131,7 +131,8 @@ def call_block(fn: dict) -> str:
     args = fn.get("arguments")
     if not isinstance(args, str):
         args = json.dumps(args if args is not None else {}, ensure_ascii=False)
-    return f'{OWN_CALL_START}\n{{"name": {json.dumps(fn.get("name"), ensure_ascii=False)}, "arguments": {args}}}\n{OWN_CALL_END}'
+    name = json.dumps(fn.get("name"), ensure_ascii=False)
+    return f'{OWN_CALL_START}\n{{"name": {name}, "arguments": {args}}}\n{OWN_CALL_END}'
 
 
 def tools_text(tools: list[dict], choice, named: Optional[str], parallel: bool) -> str:
