@@ -13,17 +13,17 @@
 * ``{"type": "grammar", "grammar": ...}``: a Lark grammar (llguidance's dialect) or a
   GBNF one (llama.cpp's), converted with ``llguidance.gbnf_to_lark``.
 
-:func:`check_request` (run by ``GenerateRequest``'s validation, so every producer
-surface refuses a bad constraint before queueing) compiles and validates the grammar
-without a tokenizer; results are cached by the response_format's compact JSON, so
-10,000 identical bulk jobs cost one compile.  The worker turns a request into its
-grammar with :func:`grammar_for`, given the model's output format (:class:`ModelFormat`).
+:func:`compile_format` (run by ``GenerateRequest``'s validation through
+``mlxq.shared.grammars.check_request``, so every producer surface refuses a bad constraint before
+queueing) compiles and validates the grammar without a tokenizer; results are cached by the
+response_format's compact JSON, so 10,000 identical bulk jobs cost one compile.
+:func:`grammar_for` places it after the model's reasoning block (:class:`ModelFormat`); tool calls
+are ``mlxq.shared.tools``'s, and ``mlxq.shared.grammars`` picks between the two.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import re
 from dataclasses import dataclass
@@ -49,7 +49,9 @@ class ModelFormat:
     ``think_*``: the reasoning markers (a constraint applies to the answer after them);
     ``*_ids``: their token ids when each is one token; ``in_thinking``: the prompt ends
     inside a reasoning block (the template opened it); ``tool_*``: the model's tool-call
-    markers and mlx-lm's parser name for them.
+    markers and mlx-lm's parser name for them; ``mlxq_tools``: they are mlxq's own call format,
+    not the template's (a template with no tool slot: mlxq describes the tools in the prompt itself,
+    ``mlxq.shared.tools.own_format``).
     """
 
     think_start: Optional[str] = None
@@ -63,6 +65,7 @@ class ModelFormat:
     tool_call_start_ids: tuple[int, ...] = ()
     tool_call_end_ids: tuple[int, ...] = ()
     tool_markers_special: bool = False  # the tool-call markers are special tokens (never plain text)
+    mlxq_tools: bool = False
 
     @classmethod
     def from_tokenizer(cls, tok) -> "ModelFormat":
@@ -279,40 +282,11 @@ def compile_format(fmt: Optional[dict]) -> Optional[str]:
 
 
 # ================================================================ requests
-def wants_tools(req) -> bool:
-    return bool(req.tools) and req.tool_choice != "none"
-
-
-def _tools_module():
-    """``mlxq.shared.tools`` (tool calling, built on this module), or None while it does not exist."""
-    try:
-        return importlib.import_module(".tools", __package__)
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__}.tools":
-            raise
-        return None
-
-
-def check_request(req) -> None:
-    """Refuse (ConstraintError, one line) a request whose constraint cannot compile."""
-    compile_format(req.response_format)
-    tools = _tools_module() if req.tools else None
-    if tools is not None and hasattr(tools, "check_tools"):
-        tools.check_tools(req)
-
-
 def grammar_for(req, fmt: Optional[ModelFormat] = None) -> Optional[str]:
-    """The grammar a job's output follows (None: free text), for a model whose format is ``fmt``.
-
-    Tool calls (``tools`` given, ``tool_choice`` not "none") are ``mlxq.shared.tools``'s
-    (``tool_grammar(req, fmt)``); otherwise the response_format's, after the model's
-    reasoning block when it has one.
-    """
+    """The grammar of ``req``'s response_format (None: free text), after the model's reasoning block
+    when its format (``fmt``) has one.  Tool calls are not this module's: a request with tools takes
+    its grammar from ``mlxq.shared.grammars.grammar_for``."""
     fmt = fmt or ModelFormat()
-    if wants_tools(req):
-        tools = _tools_module()
-        if tools is not None:
-            return tools.tool_grammar(req, fmt)
     grammar = compile_format(req.response_format)
     if grammar is None or not fmt.think_start or req.messages is None:  # a raw prompt's output is all answer
         return grammar

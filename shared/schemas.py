@@ -182,9 +182,9 @@ class GenerateRequest(SamplingParams):
         # a bad schema, regex or grammar is refused here, before anything is queued (compiled once per
         # distinct response_format)
         if self.response_format is not None or self.tools:
-            from . import constraints
+            from . import grammars
 
-            constraints.check_request(self)
+            grammars.check_request(self)
         return self
 
     def params(self) -> SamplingParams:

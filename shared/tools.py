@@ -5,6 +5,15 @@ thinking and tool calls: the markers mlx-lm infers when it loads the tokenizer, 
 mlx-lm's tool parser for the family.  The worker publishes it with the model's info
 (:func:`format_info`), so a producer can refuse what the model cannot do before anything is queued.
 
+A chat template with no tool slot (it renders no ``tools``; ChatML as SmolLM2's, Gemma's, Phi's), one
+whose calls mlx-lm cannot parse, and a model with no template at all take tools through mlxq's own
+call format (:func:`own_format`, ``mlxq_tools``): the worker describes the tools to the model itself
+(``mlxq.worker.toolprompt``) and the grammar holds it to Hermes's format, the markers plain text::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
 :func:`tool_grammar` is the llguidance grammar (Lark) of an answer under ``tools`` and
 ``tool_choice``, for the families whose call format it knows (:data:`CONSTRAINABLE`):
 
@@ -29,12 +38,15 @@ import json
 from dataclasses import asdict, fields, replace
 from typing import Any, Optional
 
-from .constraints import (ANY_TEXT, ConstraintError, ModelFormat, _marker, after_thinking, canonical, closed,
-                          compile_format, grammar_list, without_text)
+from .constraints import (ANY_TEXT, ConstraintError, ModelFormat, _marker, _special, after_thinking, canonical,
+                          closed, compile_format, grammar_list, without_text)
 
 # families whose tool-call format tool_grammar writes (mlx-lm's parser names); json_tools (Hermes,
 # Qwen2.5): <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
 CONSTRAINABLE = ("json_tools",)
+# mlxq's own call format, for a model whose template has none: Hermes's (json_tools), which the grammar
+# writes and mlx-lm's json_tools parser reads; the markers are plain text (whatever tokens spell them)
+OWN_CALL_START, OWN_CALL_END, OWN_PARSER = "<tool_call>", "</tool_call>", "json_tools"
 # arguments as chat templates render them (json.dumps's separators), with no free whitespace
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TEXT_RULE = r"/(.|\n)+/"  # free text: llguidance never lets a special token match a text lexeme
@@ -50,6 +62,17 @@ class ToolError(ConstraintError):
 def can_constrain(fmt: ModelFormat) -> bool:
     """``tool_choice`` "required" and named functions can be enforced for this model's family."""
     return fmt.tool_parser in CONSTRAINABLE and bool(fmt.tool_call_start and fmt.tool_call_end)
+
+
+def own_format(fmt: ModelFormat, tokenizer) -> ModelFormat:
+    """``fmt`` (the reasoning markers kept) with mlxq's own call format in place of the template's:
+    the markers' token ids as ``tokenizer`` (an mlx-lm ``TokenizerWrapper`` or a Hugging Face
+    tokenizer) spells them; a marker that happens to be one added token stays that token."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    start, end = (tuple(hf.encode(m, add_special_tokens=False)) for m in (OWN_CALL_START, OWN_CALL_END))
+    return replace(fmt, tool_call_start=OWN_CALL_START, tool_call_end=OWN_CALL_END, tool_parser=OWN_PARSER,
+                   tool_call_start_ids=start, tool_call_end_ids=end, tool_markers_special=_special(tokenizer, start),
+                   mlxq_tools=True)
 
 
 def format_info(fmt: ModelFormat) -> dict:

@@ -14,12 +14,14 @@ from pydantic import ValidationError
 
 from ..shared import codec
 from ..shared.protocol import Pulled, owner_token
-from ..shared.constraints import ConstraintError, ModelFormat, grammar_for
+from ..shared.constraints import ConstraintError, ModelFormat
+from ..shared.grammars import grammar_for
 from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, SampleOutput, ToolCall, wire_deltas
 from ..shared.tools import check_tools, uses_tools
 from .engine_api import SeqSpec
 from .sampling import make_sampler, repetition_penalty, resolve_seed
 from .textstream import ChatStream, TextStream, chat_format, decode_fn, vocab_size
+from .toolprompt import call_parser, own_tool_messages, serving_format, traits
 
 log = logging.getLogger(__name__)
 
@@ -273,13 +275,17 @@ def tokenize(req: GenerateRequest, tokenizer, model_vocab: Optional[int] = None)
         return list(req.prompt_tokens)
     if req.messages is not None:
         msgs = [template_message(m) for m in req.messages]
+        fmt = serving_format(tokenizer)
+        tools = _template_tools(req, fmt)
+        if fmt.mlxq_tools and (tools or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs)):
+            # no tool slot in the template: mlxq describes the tools, and renders calls and results as text
+            msgs, tools = own_tool_messages(msgs, req, traits(tokenizer)), None
         if not getattr(tokenizer, "chat_template", None):
             if id(tokenizer) not in _warned_no_template:
                 _warned_no_template.add(id(tokenizer))
                 log.warning("this model has no chat template: chat messages are sent as role-prefixed plain "
                             "text (USER: ... ASSISTANT:), as mlx-lm's server does")
             return _encode(tokenizer, plain_chat_prompt(msgs))
-        tools = _template_tools(req, tokenizer)
         try:
             ids = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # templates are user code
@@ -305,18 +311,15 @@ def template_message(m) -> dict:
     return d
 
 
-def _template_tools(req: GenerateRequest, tokenizer) -> Optional[list[dict]]:
-    """The tools rendered into the prompt: none for tool_choice "none"; a family whose required or
-    named choice cannot be enforced refuses the job (the gateway and clients refuse it first)."""
+def _template_tools(req: GenerateRequest, fmt: ModelFormat) -> Optional[list[dict]]:
+    """The tools the prompt describes: none for tool_choice "none"; a job its model's format cannot
+    serve is refused (the gateway refuses it first)."""
     if not uses_tools(req):
         return None
     try:
-        check_tools(req, chat_format(tokenizer))
+        check_tools(req, fmt)
     except ConstraintError as exc:  # a ToolError
         raise JobError(str(exc)) from None
-    if not getattr(tokenizer, "has_tool_calling", False):
-        log.warning("job=%s: tools given, but mlx-lm knows no tool-call format for this model's chat "
-                    "template: they are rendered, calls are not parsed", req.id)
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
@@ -349,9 +352,9 @@ def check_published_ids(published: Optional[dict], tokenizer, model_vocab: Optio
 def job_grammar(req: GenerateRequest, prompt: list[int], tokenizer,
                 in_thinking: Optional[bool] = None) -> Optional[str]:
     """The grammar the job's output follows (None: free text), in the model's format
-    (``chat_format``); a reasoning block the prompt opened (a chat template that starts the
+    (``serving_format``); a reasoning block the prompt opened (a chat template that starts the
     answer thinking; ``in_thinking``, None: found here) comes first."""
-    fmt = chat_format(tokenizer)
+    fmt = serving_format(tokenizer)
     if in_thinking is None:
         in_thinking = prompt_in_thinking(prompt, fmt, tokenizer)
     if in_thinking:
@@ -533,10 +536,10 @@ def chat_stream(tokenizer, req: GenerateRequest, prompt: list[int], in_thinking:
     template marks thinking; ``in_thinking``: the prompt opened a block, None: found here) and from
     its tool calls (when it has tools); other jobs' text as is."""
     text = TextStream.for_tokenizer(tokenizer, req.stop)
-    fmt = chat_format(tokenizer)
+    fmt = serving_format(tokenizer)
     if req.messages is None:
         return ChatStream(text, ModelFormat())
     tools = uses_tools(req)
-    return ChatStream(text, fmt, tools=tools, parse=getattr(tokenizer, "tool_parser", None),
+    return ChatStream(text, fmt, tools=tools, parse=call_parser(tokenizer, fmt),
                       tool_defs=[t.model_dump(exclude_none=True) for t in req.tools] if tools else None,
                       in_thinking=prompt_in_thinking(prompt, fmt, tokenizer) if in_thinking is None else in_thinking)

@@ -19,7 +19,8 @@ from mlx_lm.utils import dequantize_model
 from ..shared.keys import model_name
 from ..shared.tools import format_info
 from .gguf import GGUFError, GGUFInfo, load_gguf
-from .textstream import chat_format, vocab_size
+from .textstream import vocab_size
+from .toolprompt import serving_format
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,9 @@ class LoadedModel:
             "num_params": self.num_params,
             "has_chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
             "vocab_size": vocab_size(self.tokenizer),
-            # thinking and tool-call markers, the tool parser's family (mlxq.shared.tools.format_info)
-            "chat_format": format_info(chat_format(self.tokenizer)),
+            # thinking and tool-call markers, the tool parser's family, mlxq's own call format for a
+            # template with no tool slot (mlxq.shared.tools.format_info)
+            "chat_format": format_info(serving_format(self.tokenizer)),
         }
 
 
