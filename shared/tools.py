@@ -181,10 +181,15 @@ def parameters_schema(parameters: Optional[dict]) -> dict:
 
 def tool_schema(function) -> dict:
     """The schema a tool's arguments are held to: its parameters, closed (every object
-    ``additionalProperties: false`` unless it says otherwise) when ``function.strict`` is true, as
-    OpenAI's strict function calling and a ``response_format`` with ``strict: true`` mean."""
+    ``additionalProperties: false`` unless it says otherwise) unless ``function.strict`` is false.
+
+    Closed by default, as vLLM's grammar backend holds tool arguments: a call's arguments are what a
+    library parses into its own class, and a small model shown the schema in its prompt goes on
+    writing schema keywords as keys until max_tokens cuts the call (LangChain's function_calling
+    structured output on SmolLM2 did).  ``strict: false`` keeps the schema as written, open objects
+    and all."""
     schema = parameters_schema(function.parameters)
-    return closed(schema) if function.strict is True else schema
+    return schema if function.strict is False else closed(schema)
 
 
 @functools.lru_cache(maxsize=512)

@@ -109,10 +109,10 @@ def test_pydantic_ai_function_tool_then_output(gateway):
 
     class WeatherFirst(AbstractCapability):
         """The library's way to vary tool_choice per step: the first step must call the function
-        tool; the next ones may give the output."""
+        tool, the next ones give the output (pydantic-ai's "none" keeps its output tool)."""
 
         def get_model_settings(self):
-            return lambda ctx: {"tool_choice": ["weather"]} if ctx.run_step <= 1 else {}
+            return lambda ctx: {"tool_choice": ["weather"] if ctx.run_step <= 1 else "none"}
 
     calls = []
 
@@ -164,7 +164,8 @@ def test_openai_agents_required_function_tool(gateway):
 
     agent = Agent(name="weather", instructions=SYSTEM, model=_agents_model(gateway), tools=[get_weather],
                   tool_use_behavior="stop_on_first_tool",
-                  model_settings=ModelSettings(temperature=0, max_tokens=80, tool_choice="required"))
+                  model_settings=ModelSettings(temperature=0, max_tokens=80, tool_choice="required",
+                                               parallel_tool_calls=False))
     result = Runner.run_sync(agent, "What is the weather in Paris?")
     assert len(calls) == 1 and result.final_output == weather(calls[0])
 
