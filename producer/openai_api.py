@@ -294,12 +294,16 @@ def chat_message(res: Union[Result, SampleOutput]) -> dict:
 @dataclass
 class ChatDeltas:
     """A chat stream's deltas in OpenAI's chunk shape: the answer as ``content``, the reasoning as
-    ``reasoning_content``, each completed call as one ``tool_calls`` entry (index, id, type, name and
-    the whole arguments), which the openai library's stream helpers reassemble.  Reasoning and calls
-    are kept once each by their absolute positions, as ``StreamState`` keeps tokens and text."""
+    ``reasoning_content``, and the calls as OpenAI streams them: a call's first ``tool_calls`` entry
+    has its index, id, type and name, the next ones more of its ``arguments`` as the model writes
+    them (a call that did not stream comes whole), which the openai library's stream helpers
+    reassemble.  Reasoning, calls and arguments are kept once each by their absolute positions, as
+    ``StreamState`` keeps tokens and text."""
 
     reasoning: int = 0  # reasoning characters sent
-    calls: int = 0  # calls sent
+    calls: int = 0  # calls ended and sent
+    opened: int = -1  # the call whose arguments are streaming (its index), -1: none
+    args: int = 0  # characters of its arguments sent
 
     def delta(self, d: Delta) -> dict:
         out: dict[str, Any] = {}
@@ -309,12 +313,36 @@ class ChatDeltas:
             self.reasoning = d.reasoning_offset + len(d.reasoning)
         if d.text:
             out["content"] = d.text
-        calls = [{"index": d.tool_call_index + i, **c.model_dump()} for i, c in enumerate(d.tool_calls or ())]
-        calls = [c for c in calls if c["index"] >= self.calls]
+        calls = [self._ended(d.tool_call_index + i, c) for i, c in enumerate(d.tool_calls or ())
+                 if d.tool_call_index + i >= self.calls]
+        self.calls = max(self.calls, d.tool_call_index + len(d.tool_calls or ()))
+        if d.partial_call_name is not None and self.calls <= (k := d.tool_call_index + len(d.tool_calls or ())):
+            calls.append(self._streaming(k, d))
+        calls = [c for c in calls if c is not None]
         if calls:
             out["tool_calls"] = calls
-            self.calls = calls[-1]["index"] + 1
         return out
+
+    def _ended(self, k: int, call) -> Optional[dict]:
+        """A call that ended: whole, or the rest of its arguments when they were streaming."""
+        if k != self.opened:
+            return {"index": k, **call.model_dump()}
+        rest = call.function.get("arguments", "")[self.args:]
+        self.opened, self.args = -1, 0
+        return {"index": k, "function": {"arguments": rest}} if rest else None
+
+    def _streaming(self, k: int, d: Delta) -> Optional[dict]:
+        """More of the arguments of call ``k``, headed by its id and name the first time."""
+        entry: dict[str, Any] = {"index": k}
+        if k != self.opened:
+            self.opened, self.args = k, 0
+            entry.update(id=d.partial_call_id, type="function", function={"name": d.partial_call_name})
+        piece = d.partial_args[max(0, self.args - d.partial_args_offset):]
+        self.args = max(self.args, d.partial_args_offset + len(d.partial_args))
+        if not piece and "id" not in entry:
+            return None
+        entry.setdefault("function", {})["arguments"] = piece
+        return entry
 
 
 class TokenNames:

@@ -229,6 +229,13 @@ class Delta(BaseModel):
     reasoning_offset: int = 0
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_index: int = 0
+    # the call being written after those (number tool_call_index + len(tool_calls)): its id and name,
+    # and its arguments' text at its absolute offset in them, as they stream; the call, when it ends,
+    # comes in tool_calls with exactly the arguments streamed
+    partial_call_id: Optional[str] = None
+    partial_call_name: Optional[str] = None
+    partial_args: str = ""
+    partial_args_offset: int = 0
     # the sample this delta belongs to (wire ``x``), on every delta of a job with n > 1; None (absent)
     # for an n == 1 job, and on a delta that ends a whole job (a failure before any sample ran)
     sample: Optional[int] = None
@@ -247,6 +254,10 @@ class Delta(BaseModel):
             d["r"], d["rc"] = self.reasoning, self.reasoning_offset
         if self.tool_calls:
             d["tc"], d["k"] = [c.model_dump() for c in self.tool_calls], self.tool_call_index
+        if self.partial_call_name is not None:
+            d["k"] = self.tool_call_index
+            d["pi"], d["pn"], d["pa"], d["po"] = (self.partial_call_id, self.partial_call_name, self.partial_args,
+                                                  self.partial_args_offset)
         if self.sample is not None:
             d["x"] = self.sample
         if self.n_samples is not None:
@@ -274,6 +285,10 @@ class Delta(BaseModel):
             reasoning_offset=int(d.get("rc", 0)),
             tool_calls=d.get("tc") or None,
             tool_call_index=int(d.get("k", 0)),
+            partial_call_id=d.get("pi"),
+            partial_call_name=d.get("pn"),
+            partial_args=d.get("pa", "") or "",
+            partial_args_offset=int(d.get("po", 0)),
             sample=int(d["x"]) if d.get("x") is not None else None,
             n_samples=int(d["xn"]) if d.get("xn") is not None else None,
         )

@@ -142,10 +142,17 @@ def test_streamed_tool_calls_reassemble_in_the_openai_library(stack):
     assert [(c.id != "", c.function.name, c.function.arguments) for c in msg.tool_calls] == \
         [(True, c.function.name, c.function.arguments) for c in want]
     assert any(ev.type == "tool_calls.function.arguments.done" for ev in chunks)
-    # the raw chunks: OpenAI's tool-call delta shape
+    assert sum(ev.type == "tool_calls.function.arguments.delta" for ev in chunks) > 1  # they streamed
+    # the raw chunks: OpenAI's tool-call delta shape: a call's first entry names it (index, id, name),
+    # the next ones carry more of its arguments only, and the pieces add up to the whole call's
     raw = list(oai(url).chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **kw))
     deltas = [tc for c in raw if c.choices for tc in c.choices[0].delta.tool_calls or ()]
-    assert [d.index for d in deltas] == list(range(len(deltas))) and all(d.id and d.function.name for d in deltas)
+    for k, call in enumerate(want):
+        mine = [d for d in deltas if d.index == k]
+        assert mine[0].id and mine[0].function.name == call.function.name and mine[0].type == "function"
+        assert all(d.id is None and d.function.name is None for d in mine[1:]) and len(mine) > 1
+        assert "".join(d.function.arguments or "" for d in mine) == call.function.arguments
+    assert sorted({d.index for d in deltas}) == list(range(len(want)))
     assert raw[-1].choices[0].finish_reason == "tool_calls"
 
 

@@ -156,11 +156,35 @@ def test_deltas_resume_exactly_after_a_crash_at_any_token(tiny_model):
     req = request()
     whole = run_job(tok, req, ids, [])
     assert whole[2] and whole[1] == "Plan: call it." and len(whole[3]) == 2
+    assert streamed_calls(whole[5]) == whole[3]
     for cut in range(1, len(ids)):
         first = run_job(tok, req, ids[:cut], [], finish=False)
         again = run_job(tok, req, ids, first[4])
         merged = (first[0] + again[0], first[1] + again[1], None, first[3] + again[3])
         assert merged[0] == whole[0] and merged[1] == whole[1] and merged[3] == whole[3], cut
+        # the gateway's stream of both runs: each call's streamed arguments add up to it, once
+        assert streamed_calls(first[5] + again[5]) == whole[3], cut
+
+
+def streamed_calls(deltas) -> list[dict]:
+    """The calls as a client reassembles the gateway's chunks (the openai library's rule: a call's
+    first entry names it, the arguments of its entries are joined)."""
+    from mlxq.producer.openai_api import ChatDeltas
+
+    chat, calls, pieces = ChatDeltas(), {}, {}
+    for d in deltas:
+        if d.partial_call_name is not None:  # mlxq's own deltas: each piece of arguments once, in order
+            k = d.tool_call_index + len(d.tool_calls or ())
+            assert d.partial_args and d.partial_args_offset == len(pieces.get(k, ""))
+            pieces[k] = pieces.get(k, "") + d.partial_args
+        for entry in chat.delta(d).get("tool_calls", ()):
+            k, fn = entry["index"], entry["function"]
+            if "id" in entry:  # a call's first entry, once, in order
+                assert k == len(calls)
+                calls[k] = {"id": entry["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}
+            calls[k]["function"]["arguments"] += fn.get("arguments", "")
+    assert all(calls[k]["function"]["arguments"] == args for k, args in pieces.items())
+    return [calls[k] for k in sorted(calls)]
 
 
 def run_job(tok, req, ids, record, finish=True):
@@ -182,7 +206,7 @@ def run_job(tok, req, ids, record, finish=True):
     calls = [c.model_dump() for d in out for c in d.tool_calls or ()]
     reason = out[-1].finish_reason if out else None
     assert all(isinstance(Delta.from_wire(json_round(d.to_wire())), Delta) for d in out)
-    return "".join(d.text for d in out), "".join(d.reasoning for d in out), reason, calls, wire
+    return "".join(d.text for d in out), "".join(d.reasoning for d in out), reason, calls, wire, out
 
 
 def resume_from(job, published: Published) -> None:
@@ -194,6 +218,7 @@ def resume_from(job, published: Published) -> None:
         job.full_text += job.text.add(t)
     job.sent_chars, job.seq = published.chars, published.seq
     job.sent_reasoning, job.sent_calls = published.reasoning_chars, published.calls
+    job.sent_args = published.args_chars
 
 
 def json_round(d: dict) -> dict:

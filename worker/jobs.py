@@ -78,6 +78,7 @@ class ActiveJob:
     sent_chars: int = 0  # how much of full_text has been published
     sent_reasoning: int = 0  # how much of text.reasoning has been published
     sent_calls: int = 0  # how many of text.calls have been published
+    sent_args: int = 0  # how much of the arguments of the call being written (number sent_calls) went out
     seq: int = 0  # the last published delta's sequence number
     first_token_at: Optional[float] = None
     logprobs: list = field(default_factory=list)
@@ -130,12 +131,21 @@ class ActiveJob:
         self.sent_chars = max(offset, len(self.full_text))
         r_offset, k = self.sent_reasoning, self.sent_calls
         reasoning, calls = self.text.reasoning[r_offset:], self.tool_calls()[k:]
+        if calls:  # the call that streamed ended: the next one starts from its first character
+            self.sent_args = 0
         self.sent_reasoning, self.sent_calls = r_offset + len(reasoning), k + len(calls)
+        partial, a_offset = self.text.partial_call(), self.sent_args
+        args = partial[1][a_offset:] if partial else ""
+        self.sent_args = a_offset + len(args)
+        opened = bool(args)  # a head comes with its arguments' first character
         self.seq += 1
         return Delta(attempt=self.attempt, seq=self.seq, index=len(self.tokens) - len(ids), offset=offset,
                      text=text, token_ids=list(ids), finish_reason=self.final_reason(finish), error=error,
                      logprobs=logprobs, reasoning=reasoning, reasoning_offset=r_offset,
                      tool_calls=calls or None, tool_call_index=k, sample=self.sample,
+                     partial_call_id=call_id(self.id, self.sent_calls, self.sample) if opened else None,
+                     partial_call_name=partial[0] if opened else None, partial_args=args,
+                     partial_args_offset=a_offset,
                      n_samples=self.group.n if finish and self.group else None)
 
     def tool_calls(self) -> list[ToolCall]:
@@ -403,6 +413,7 @@ class Published:
     chars: int = 0  # characters of text published
     reasoning_chars: int = 0  # characters of reasoning published
     calls: int = 0  # tool calls published
+    args_chars: int = 0  # characters of the arguments of the call being written (number calls) published
     seq: int = 0  # the last delta's sequence number
     seed: Optional[int] = None
     first_token_at: Optional[float] = None  # server time of the first delta with a token
@@ -425,7 +436,11 @@ class Published:
             self.logprobs += d.logprobs[skip:]
         self.chars = max(self.chars, d.offset + len(d.text))
         self.reasoning_chars = max(self.reasoning_chars, d.reasoning_offset + len(d.reasoning))
-        self.calls = max(self.calls, d.tool_call_index + len(d.tool_calls or ()))
+        calls = d.tool_call_index + len(d.tool_calls or ())
+        if calls > self.calls:
+            self.calls, self.args_chars = calls, 0
+        if d.partial_call_name is not None and calls == self.calls:
+            self.args_chars = max(self.args_chars, d.partial_args_offset + len(d.partial_args))
         self.seq = max(self.seq, d.seq)
         self.finish, self.error = self.finish or d.finish_reason, self.error or d.error
         if self.seed is None and isinstance(wire.get("sd"), int):
@@ -526,6 +541,7 @@ def _restore(job: ActiveJob, published: Published, resume: dict) -> None:
     job.sent_chars = published.chars
     job.sent_reasoning = published.reasoning_chars
     job.sent_calls = published.calls
+    job.sent_args = published.args_chars
     job.seq = published.seq
     job.first_token_at = resume.get("first_token_at") or published.first_token_at
     log.info("job=%s attempt=%d resumes after %d published tokens", job.uid, job.attempt, len(job.tokens))

@@ -16,13 +16,17 @@ A chat job's text then goes through :class:`ChatStream`, which splits it into th
 reasoning (``<think>``...``</think>``) and the tool calls, with mlx-lm's ``TextStateMachine`` (the
 markers are matched in the text, as mlx-lm's server does) and mlx-lm's tool parser for the model's
 family.  A call in JSON (the families whose calls mlxq constrains) ends at its end marker outside the
-JSON's strings: a string argument may hold the marker's text.
+JSON's strings: a string argument may hold the marker's text.  Once such a call's head
+(``{"name": "f", "arguments": ``) has come, its arguments stream as they are written
+(:meth:`ChatStream.partial_call`), as OpenAI streams ``tool_calls[].function.arguments``; the call
+when it ends carries exactly the text that streamed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import weakref
 from typing import Callable, Optional
 
@@ -210,8 +214,17 @@ class ChatStream:
         self._state = self._machine.make_state(REASONING if in_thinking else CONTENT) if self._machine else None
         self._where = REASONING if in_thinking else CONTENT
         self._call_text = ""
+        self._args = CallArgs() if self._call_end is not None else None
         self.reasoning = ""
         self.calls: list[dict] = []  # {"name": ..., "arguments": "<JSON>"}
+
+    def partial_call(self) -> Optional[tuple[str, str]]:
+        """The call being written, as (name, its arguments so far), once its head has come; None
+        outside a call, or for a call that does not open with mlxq's JSON head (it goes out whole
+        when it ends)."""
+        if self._where != TOOL or self._args is None:
+            return None
+        return self._args.read(self._call_text)
 
     @property
     def stopped(self) -> bool:
@@ -269,15 +282,75 @@ class ChatStream:
     def _close_call(self, complete: bool) -> str:
         """A call block ended: its calls, or (when it does not parse) its text back in the answer."""
         text, self._call_text = self._call_text, ""
+        streamed = self._args.complete(text) if self._args is not None else None
         if self._call_end is not None:
-            self._call_end = CallEnd(self._call_end.marker)
+            self._call_end, self._args = CallEnd(self._call_end.marker), CallArgs()
         calls = parse_calls(self._parse, text, self._tool_defs)
         if calls is not None:
+            if streamed is not None and len(calls) == 1 and _same_json(streamed, calls[0]["arguments"]):
+                calls[0]["arguments"] = streamed  # what streamed, so the pieces add up to the call
             self.calls.extend(calls)
             return ""
         log.warning("a tool call that does not parse was kept as text: %.200r", text)
         end = (self._fmt.tool_call_end or "") if complete else ""
         return self._fmt.tool_call_start + text + end
+
+
+# the head of a call in mlxq's JSON: its name, then where its arguments start
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=[{\[])')
+
+
+class CallArgs:
+    """A JSON call's arguments as they arrive: its name once the head has come, then the arguments'
+    text up to where their JSON value ends (each character read once)."""
+
+    def __init__(self):
+        self.name: Optional[str] = None
+        self._start = self._read = self._depth = 0
+        self._end: Optional[int] = None
+        self._in_string = self._escaped = False
+
+    def read(self, text: str) -> Optional[tuple[str, str]]:
+        """(name, arguments so far) of the call whose text so far is ``text``; None before its head."""
+        if self.name is None:
+            m = _CALL_HEAD.match(text)
+            try:
+                name = json.loads(m.group(1)) if m else None
+            except ValueError:
+                name = None
+            if not isinstance(name, str):
+                return None
+            self.name, self._start = name, m.end()
+            self._read = self._start
+        for i in range(self._read, len(text) if self._end is None else self._read):
+            ch = text[i]
+            if self._escaped:
+                self._escaped = False
+            elif self._in_string:
+                self._escaped, self._in_string = ch == "\\", ch != '"'
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._end = i + 1
+                    break
+        self._read = self._end if self._end is not None else len(text)
+        return self.name, text[self._start:self._read]
+
+    def complete(self, text: str) -> Optional[str]:
+        """The arguments' whole text when the call ``text`` opened with the head and they ended."""
+        got = self.read(text)
+        return got[1] if got is not None and self._end is not None else None
+
+
+def _same_json(a: str, b: str) -> bool:
+    try:
+        return json.loads(a) == json.loads(b)
+    except ValueError:
+        return False
 
 
 class CallEnd:
