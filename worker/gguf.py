@@ -15,7 +15,6 @@ Every refusal is a :class:`GGUFError` whose message is one line naming what is w
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import mmap
@@ -28,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.utils import infer_quant_config
 
 # GGML tensor types by id (ggml.h, enum ggml_type): the names llama.cpp and its users know.
@@ -150,6 +150,7 @@ def _parse_header(buf) -> tuple[dict[str, TensorInfo], int, dict[str, int]]:
 # The architectures this loader maps, and whether llama.cpp's converter permuted their q/k rows for
 # GGML's interleaved rotation (then mlx-lm runs them with rope_traditional=True; qwen's are NEOX).
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+MODULES = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3}  # mlx-lm's model file of each
 
 
 def _value(meta: dict, key: str, default: Any = KeyError) -> Any:
@@ -233,7 +234,7 @@ def mlx_name(name: str) -> str:
 def build_model(config: dict, weights: dict[str, mx.array]) -> nn.Module:
     """The mlx-lm model of ``config`` with ``weights`` (mlx-lm names) loaded strictly; the layers whose
     weights arrived quantized become QuantizedLinear/QuantizedEmbedding with their own bits."""
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    arch = MODULES[config["model_type"]]
     model = arch.Model(arch.ModelArgs.from_dict(config))
 
     def quantized(path: str, module: nn.Module):
