@@ -641,7 +641,7 @@ class Worker:
             log.error("could not flush all output to Redis before exit")
         elif suspects:
             try:  # now, not when another worker's reaper comes by: requeued (attempt counted) or dead
-                requeued, dead, _ = self.q.reap()
+                requeued, dead, *_ = self.q.reap()
                 log.warning("gave up %d jobs: %d requeued, %d dead-lettered", len(suspects), requeued, dead)
             except Exception:  # noqa: BLE001 - any worker's reaper does it later
                 log.exception("could not reap the jobs given up; another worker's reaper will")

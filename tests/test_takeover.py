@@ -1,0 +1,118 @@
+"""A dead or stuck worker's jobs move to a live worker within a few heartbeats, long before their
+leases run out: two ``mlxq worker`` subprocesses on a real Valkey, leases of two minutes and a
+heartbeat of half a second. What is asserted is the order of events (every job of the dead worker
+runs and finishes on the other before the lease it held could have expired); the seconds from the
+kill to the takeover are printed in the FIGURES line."""
+
+from __future__ import annotations
+
+import time
+
+from mlxq import Client
+from mlxq.shared.keys import ModelKeys
+from workerkit import fast_settings, wait_for
+from faultkit import WorkerProc, record, reference_tokens, submit_and_follow, wait_registered
+from test_faults import _check_results, _specs, _xlen
+
+K = ModelKeys("tiny")
+LEASE = dict(lease_s=120, heartbeat_s=0.5)  # takeover after 2.5 beats: 1.25 s
+
+
+def _worker_id(r, proc) -> str:
+    """A worker subprocess's id (``<host>-<pid>-<hex>``) from the registry."""
+    [wid] = [w.decode() for w in r.zrange(K.workers, 0, -1) if f"-{proc.pid}-" in w.decode()]
+    return wid
+
+
+def _held_by(r, jobs, wid) -> list:
+    return [j for j in jobs if r.hget(K.job(j.id), "worker") == wid.encode()
+            and r.hget(K.job(j.id), "status") == b"running"]
+
+
+def _two_workers(url, model_dir, tmp_path, **extra):
+    a = WorkerProc(url, model_dir, tmp_path, max_batch=3, **LEASE, **extra)
+    b = WorkerProc(url, model_dir, tmp_path, max_batch=3, **LEASE)
+    return a, b
+
+
+def test_a_killed_workers_jobs_are_taken_over_long_before_their_leases_expire(tiny_model, tiny_model_dir,
+                                                                            redis_url, tmp_path):
+    specs = [(p, 300, True) for p, _, _ in _specs(66, 6, 300)]
+    refs = [reference_tokens(tiny_model, p, n, ignore_eos=ie) for p, n, ie in specs]
+    client = Client(redis_url, model="tiny", settings=fast_settings(redis_url, **LEASE))
+    r = client.redis
+    a, b = _two_workers(redis_url, tiny_model_dir, tmp_path)
+    try:
+        assert wait_registered(redis_url, n=2), a.log() + b.log()
+        a_id, b_id = _worker_id(r, a), _worker_id(r, b)
+        jobs, collectors = submit_and_follow(client, specs)
+        # each worker holds three (max_batch 3): A is frozen once each of its jobs streamed a few deltas
+        assert a.run_until(lambda: len(_held_by(r, jobs, a_id)) == 3
+                           and all(_xlen(r, j.id) >= 3 for j in _held_by(r, jobs, a_id))), a.log()
+        victims = _held_by(r, jobs, a_id)
+        sec, usec = r.time()
+        killed_at = sec + usec / 1e6
+        deadlines = {j.id: r.zscore(K.inflight, j.id) for j in victims}
+        assert all(d > killed_at + 60 for d in deadlines.values())  # their leases run for minutes yet
+        a.kill9()
+        t_kill = time.monotonic()
+        assert wait_for(lambda: all(r.hget(K.job(j.id), "worker") == b_id.encode() for j in victims),
+                        timeout=60, interval=0.01), b.log()
+        takeover_s = time.monotonic() - t_kill
+        results = [j.result(timeout=120) for j in jobs]
+        for c in collectors:
+            c.join(timeout=30)
+        ok, lost, dup = _check_results(tiny_model, results, refs, collectors)
+        by_id = {res.id: res for res in results}
+        for j in victims:
+            res = by_id[j.id]
+            # run and finished by B, before the lease A held could have expired
+            assert res.stats.worker == b_id and res.stats.attempts == 2, res.stats
+            assert res.stats.started_at < res.stats.finished_at < deadlines[j.id]
+        assert "of a worker whose heartbeat was overdue" in b.log()  # taken over, not expired
+        record("worker kill -9, lease 120 s, heartbeat 0.5 s (3 of 6 jobs taken over)", len(jobs), ok, lost, dup,
+               kill_to_takeover_s=round(takeover_s, 2),
+               kill_to_restart_server_s=round(min(by_id[j.id].stats.started_at for j in victims) - killed_at, 2))
+        assert (ok, lost, dup) == (len(jobs), 0, 0)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_worker_judged_dead_while_only_slow_loses_those_jobs_and_serves_on(tiny_model, tiny_model_dir,
+                                                                           redis_url, tmp_path):
+    """SIGSTOP past the takeover: B takes A's jobs; A, thawed, has its late writes refused, logs that
+    its heartbeat was late and that it dropped the jobs, and serves the next job once B is gone."""
+    specs = [(p, 300, True) for p, _, _ in _specs(67, 6, 300)]
+    refs = [reference_tokens(tiny_model, p, n, ignore_eos=ie) for p, n, ie in specs]
+    client = Client(redis_url, model="tiny", settings=fast_settings(redis_url, **LEASE))
+    r = client.redis
+    a, b = _two_workers(redis_url, tiny_model_dir, tmp_path)
+    try:
+        assert wait_registered(redis_url, n=2), a.log() + b.log()
+        a_id, b_id = _worker_id(r, a), _worker_id(r, b)
+        jobs, collectors = submit_and_follow(client, specs)
+        assert a.run_until(lambda: len(_held_by(r, jobs, a_id)) == 3
+                           and all(_xlen(r, j.id) >= 3 for j in _held_by(r, jobs, a_id))), a.log()
+        victims = _held_by(r, jobs, a_id)
+        # A stays frozen until B runs every one of its jobs
+        assert wait_for(lambda: all(r.hget(K.job(j.id), "worker") == b_id.encode() for j in victims),
+                        timeout=60, interval=0.01), b.log()
+        a.thaw()
+        assert a.wait_log("dropped: lease lost", timeout=60), a.log()
+        assert "heartbeat" in a.log() and "late" in a.log()
+        results = [j.result(timeout=120) for j in jobs]
+        for c in collectors:
+            c.join(timeout=30)
+        ok, lost, dup = _check_results(tiny_model, results, refs, collectors)
+        assert (ok, lost, dup) == (len(jobs), 0, 0)  # nothing A wrote late reached a stream
+        assert all(res.stats.worker == b_id for res in results if res.id in {j.id for j in victims})
+        b.kill9()
+        [(prompt, _, _)] = _specs(68, 1, 20)
+        again = client.submit(prompt_tokens=prompt, max_tokens=20, ignore_eos=True)
+        res = again.result(timeout=120)
+        assert res.stats.worker == a_id and res.token_ids == reference_tokens(tiny_model, prompt, 20, True)
+        assert a.proc.poll() is None, a.log()
+    finally:
+        a.stop()
+        b.stop()
