@@ -15,7 +15,7 @@ from faultkit import WorkerProc, record, reference_tokens, submit_and_follow, wa
 from test_faults import _check_results, _specs, _xlen
 
 K = ModelKeys("tiny")
-LEASE = dict(lease_s=120, heartbeat_s=0.5)  # takeover after 2.5 beats: 1.25 s
+LEASE = dict(lease_s=120, heartbeat_s=0.5, takeover_s=1.25)  # takeover after 2.5 beats (the default)
 
 
 def _worker_id(r, proc) -> str:
