@@ -29,7 +29,7 @@ def worker_env(**settings) -> dict:
     base.update(settings)
     base.setdefault("takeover_s", max(3.0, 2.5 * float(base["heartbeat_s"])))
     for k, v in base.items():
-        env[f"MLXQ_{k.upper()}"] = str(v)
+        env[k if k.startswith("MLXQ_") else f"MLXQ_{k.upper()}"] = str(v)
     return env
 
 

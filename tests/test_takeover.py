@@ -116,3 +116,56 @@ def test_a_worker_judged_dead_while_only_slow_loses_those_jobs_and_serves_on(tin
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_worker_whose_engine_is_stuck_stops_renewing_and_exits_and_its_jobs_move(tiny_model, tiny_model_dir,
+                                                                                  redis_url, tmp_path):
+    """A's engine freezes in its 12th step (the test hook MLXQ_TEST_FREEZE_STEP) with three jobs in it. Its
+    leases would be renewed for ever by the control thread; the watchdog (stall_s 2) stops that: A logs
+    why, withdraws its heartbeat, exits with 70, and B finishes A's jobs, every stream exact."""
+    specs = [(p, 200, True) for p, _, _ in _specs(69, 6, 200)]
+    refs = [reference_tokens(tiny_model, p, n, ignore_eos=ie) for p, n, ie in specs]
+    client = Client(redis_url, model="tiny", settings=fast_settings(redis_url, **LEASE))
+    r = client.redis
+    a = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=3, stall_s=2, **LEASE,
+                   MLXQ_TEST_FREEZE_STEP="12")
+    b = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=3, **LEASE)
+    try:
+        assert wait_registered(redis_url, n=2), a.log() + b.log()
+        a_id, b_id = _worker_id(r, a), _worker_id(r, b)
+        jobs, collectors = submit_and_follow(client, specs)
+        assert a.wait_log("step 12 never returns"), a.log()
+        victims = _held_by(r, jobs, a_id)
+        assert victims, a.log()
+        assert a.wait(timeout=60) == 70, a.log()
+        assert "is stuck: no engine step completed" in a.log()
+        results = [j.result(timeout=120) for j in jobs]
+        for c in collectors:
+            c.join(timeout=30)
+        ok, lost, dup = _check_results(tiny_model, results, refs, collectors)
+        assert (ok, lost, dup) == (len(jobs), 0, 0)
+        by_id = {res.id: res for res in results}
+        assert all(by_id[j.id].stats.worker == b_id and by_id[j.id].stats.attempts == 2 for j in victims)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_the_watchdog_times_a_stall_from_the_last_step_and_only_while_jobs_run():
+    from mlxq.worker.watchdog import Watchdog
+
+    now = [0.0]
+    w = Watchdog(10.0, clock=lambda: now[0])
+    now[0] = 100.0
+    assert w.check() and w.healthy  # idle for long: no stall
+    w.step_started()
+    now[0] = 105.0
+    w.step_done()
+    w.step_started()
+    now[0] = 115.0
+    assert w.check()  # 10 s since the last step completed: not yet past stall_s
+    now[0] = 115.5
+    assert not w.check() and not w.healthy
+    assert w.reason.startswith("no engine step completed in 10.5s while jobs were running")
+    w.step_done()
+    assert not w.check()  # unhealthy for good: the worker is exiting

@@ -405,7 +405,7 @@ class Control(threading.Thread):
     def __init__(self, q: Queue, worker_id: str, leases: Callable[[], dict[str, str]],
                  on_lost: Callable[[list[tuple[str, str]]], None], on_cancel: Callable[[list[str]], None],
                  snapshot: Callable[[], dict], model_info: dict, registry_key: str, stop: threading.Event,
-                 global_redis=None):
+                 global_redis=None, watchdog=None, on_stall: Optional[Callable[[], None]] = None):
         super().__init__(name="mlxq-control", daemon=True)
         self.q = q
         self.worker_id = worker_id
@@ -422,6 +422,10 @@ class Control(threading.Thread):
         self._seeded = False
         self._prepared = False
         self.publish_soon = threading.Event()  # set by the worker when a job finished: publish stats now
+        # a stuck engine (worker.watchdog): no more beats or renewals, and on_stall (once)
+        self.watchdog = watchdog
+        self.on_stall = on_stall
+        self.stalled = False
 
     def run(self) -> None:
         s = self.q.settings
@@ -429,7 +433,14 @@ class Control(threading.Thread):
         pubsub = None
         while not self.stop_event.is_set():
             now = time.monotonic()
-            if now >= next_beat:
+            if self.watchdog is not None and not self.watchdog.check():
+                if not self.stalled and self.on_stall is not None:
+                    try:
+                        self.on_stall()
+                    except Exception:
+                        log.exception("handling the stuck engine failed; no lease is renewed from now on")
+                self.stalled = True
+            elif now >= next_beat:
                 # First and on its own: no failure of the rest of the loop (a policy sync, a cancel,
                 # stats) may keep the leases from being renewed (they would lapse, and the reaper
                 # would queue running jobs again).

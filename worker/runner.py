@@ -37,8 +37,11 @@ from .textstream import chat_format
 from .model import LoadedModel
 from .engine.engine import make_engine
 from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQueue, StepOutput
+from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
+
+STALL_EXIT_CODE = 70  # (EX_SOFTWARE) the watchdog found the engine stuck: a supervisor restarts the worker
 
 
 def fit_context(req, prompt_len: int, ctx: int) -> None:
@@ -110,6 +113,9 @@ class Worker:
 
         # the embedding's rows (mlx-lm's model args), which bound the token ids a job may name too
         self._model_vocab: Optional[int] = getattr(getattr(loaded.model, "args", None), "vocab_size", None)
+        # no step completing for stall_s while jobs run: renew nothing more, exit (_stalled)
+        self.watchdog = Watchdog(self.settings.stall_s)
+        self._exit = os._exit  # (a test that runs the worker in its own process replaces it)
         self.publisher = Publisher(self.q, self.stop_event)
         # deltas Redis would not take (an error no resend cures): the job is dropped as on a lost lease;
         # its lease lapses and the next attempt resumes from what its stream holds
@@ -122,7 +128,8 @@ class Worker:
                                on_cancel=lambda ids: self._control_q.put(("cancel", ids)),
                                snapshot=lambda: self._snap,
                                model_info={**loaded.info(), "max_new_tokens": self.settings.max_new_tokens},
-                               registry_key=gk.models, stop=self.stop_event, global_redis=redis_client)
+                               registry_key=gk.models, stop=self.stop_event, global_redis=redis_client,
+                               watchdog=self.watchdog, on_stall=self._stalled)
 
     # -- shared with the I/O threads ----------------------------------------
     def _free_slots(self) -> int:
@@ -238,6 +245,7 @@ class Worker:
                 if self.draining.is_set() and (not self.active or time.monotonic() > self._drain_deadline):
                     break
                 if not self.engine.has_work():
+                    self.watchdog.idle()
                     self._refresh_snapshot()
                     if burst and not len(self.ready) and self._queue_empty():
                         idle_since = idle_since or time.monotonic()
@@ -249,8 +257,10 @@ class Worker:
                     continue
                 idle_since = None
                 t0 = time.perf_counter()
+                self.watchdog.step_started()
                 events, preempted = self.engine.step()
                 self._hand_over(events, preempted)
+                self.watchdog.step_done()
                 self.busy_s += time.perf_counter() - t0
                 self._refresh_snapshot()
         except Exception as exc:
@@ -264,6 +274,21 @@ class Worker:
             raise
         finally:
             self._shutdown(failure)
+
+    def _stalled(self) -> None:
+        """Control thread: the watchdog found the engine stuck. The MLX thread cannot be stopped from
+        here, and what it holds cannot be trusted: the process exits, with no warm shutdown. Its beat
+        is withdrawn first, so that other workers take its jobs over at their next reap (not a
+        takeover_s later); anything it still sends after that is fenced out."""
+        log.error("worker %s is stuck: %s; it renews nothing more and exits (%d) for its supervisor to restart "
+                  "it, and other workers take its jobs over", self.worker_id, self.watchdog.reason, STALL_EXIT_CODE)
+        try:
+            self.q.redis.zadd(self.keys.beats, {self.worker_id: 0})
+        except Exception:  # noqa: BLE001 - its beat then runs out by itself
+            log.warning("could not withdraw the heartbeat; other workers take the jobs over when it runs out")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        self._exit(STALL_EXIT_CODE)
 
     def _check_threads(self) -> None:
         """MLX thread: the I/O threads catch what they can; one that died anyway (a bug) leaves a
