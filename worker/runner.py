@@ -96,7 +96,7 @@ class Worker:
         self._isolating = False  # a suspect job waits for the engine to drain, or runs alone (admit_now)
         self._engine_free = self.engine.free_slots()
         self._engine_urgent_below = float("-inf")
-        # ("cancel", job ids) or ("lost", (job id, owner token) pairs)
+        # ("cancel" | "timeout", job ids) or ("lost", (job id, owner token) pairs)
         self._control_q: "queue.Queue[tuple[str, list]]" = queue.Queue()
         self.stop_event = threading.Event()  # threads exit
         self.draining = threading.Event()  # warm shutdown: finish or requeue, pull nothing
@@ -240,6 +240,7 @@ class Worker:
                 self.host.check()
                 self._check_threads()
                 self._apply_removals()
+                self._expire()
                 self._handle_control()
                 self._admit()
                 if self.draining.is_set() and (not self.active or time.monotonic() > self._drain_deadline):
@@ -514,6 +515,18 @@ class Worker:
         ids, vals = top[order].tolist(), top_vals[order].tolist()
         return {"token": ev.token, "logprob": lp[ev.token].item(), "top": [[i, v] for i, v in zip(ids, vals)]}
 
+    def _expire(self) -> None:
+        """MLX thread: jobs past their ``timeout_s`` (running or waiting to be admitted) end, as a
+        cancel does, with finish reason "timeout" and their tokens so far."""
+        now = time.monotonic()
+        with self.ready.lock:
+            jobs = list(self.active.values()) + [j for j in self.ready.items if isinstance(j, ActiveJob)]
+        late = [j for j in jobs if j.deadline is not None and not j.timed_out and now >= j.deadline]
+        for job in late:
+            job.timed_out = True
+        if late:
+            self._control_q.put(("timeout", sorted({j.id for j in late})))
+
     def _handle_control(self) -> None:
         while True:
             try:
@@ -534,14 +547,17 @@ class Worker:
                 self.host.submit(partial(self._end_by_control, kind, ended))
 
     def _end_by_control(self, kind: str, ended: list) -> None:
-        """Host thread: end cancelled jobs (every sample), drop jobs whose lease another worker took (after
-        the tokens of every earlier step; a sample the host thread finished meanwhile stays finished)."""
+        """Host thread: end cancelled and timed-out jobs (every sample), drop jobs whose lease another
+        worker took (after the tokens of every earlier step; a sample the host thread finished meanwhile
+        stays finished)."""
         out = StepOutput()
         for job, running in ended:
             if running and self.active.get(job.uid) is not job:
                 continue
             if kind == "cancel":
                 self._alone(job, out, partial(self._finish, job, "cancelled", out))
+            elif kind == "timeout":  # its tokens so far, and the text they make (nothing held back)
+                self._alone(job, out, lambda j=job: self._finish(j, "timeout", out, j.text.finish()))
             else:  # lost lease: another worker owns the job now; write nothing
                 self.active.pop(job.uid, None)
                 log.warning("job=%s attempt=%d dropped: lease lost", job.uid, job.attempt)
