@@ -30,7 +30,8 @@ MAX_IDLE_BLOCK_S = 10.0  # connections read with a 20 s timeout (shared/connecti
 # any other MLXQ_* name that is not a setting is reported as unknown (a misspelt setting)
 OTHER_ENV = frozenset({"MLXQ_MODEL", "MLXQ_API_KEY", "MLXQ_LOG_LEVEL", "MLXQ_LOG_FORMAT", "MLXQ_CACHE_DIR",
                        "MLXQ_BLAS", "MLXQ_BLAS_LIB", "MLXQ_BLAS_THREADS", "MLXQ_ATTN_ISA", "MLXQ_ATTN_THREADS",
-                       "MLXQ_POOL_SPIN_US", "MLXQ_TEST_MODEL_SEED", "MLXQ_TEST_FREEZE_STEP"})
+                       "MLXQ_POOL_SPIN_US", "MLXQ_TEST_MODEL_SEED", "MLXQ_TEST_FREEZE_STEP",
+                       "MLXQ_TIMEOUT_S"})  # (the last: examples/node/producer.mjs reads it)
 log = logging.getLogger(__name__)
 
 
