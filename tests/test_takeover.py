@@ -6,7 +6,9 @@ kill to the takeover are printed in the FIGURES line."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from types import SimpleNamespace
 
 from mlxq import Client
 from mlxq.shared.keys import ModelKeys
@@ -35,87 +37,82 @@ def _two_workers(url, model_dir, tmp_path, **extra):
     return a, b
 
 
+@contextlib.contextmanager
+def _a_frozen_mid_stream(tiny_model, tiny_model_dir, url, tmp_path, seed):
+    """Workers A and B (max_batch 3 each) run six 300-token jobs; A is left frozen (SIGSTOP) once each
+    of its three jobs (the victims) streamed a few deltas."""
+    specs = [(p, 300, True) for p, _, _ in _specs(seed, 6, 300)]
+    t = SimpleNamespace(refs=[reference_tokens(tiny_model, p, n, ignore_eos=ie) for p, n, ie in specs],
+                        client=Client(url, model="tiny", settings=fast_settings(url, **LEASE)))
+    t.r = r = t.client.redis
+    t.a, t.b = _two_workers(url, tiny_model_dir, tmp_path)
+    try:
+        assert wait_registered(url, n=2), t.a.log() + t.b.log()
+        t.a_id, t.b_id = _worker_id(r, t.a), _worker_id(r, t.b)
+        t.jobs, t.collectors = submit_and_follow(t.client, specs)
+        assert t.a.run_until(lambda: len(_held_by(r, t.jobs, t.a_id)) == 3
+                             and all(_xlen(r, j.id) >= 3 for j in _held_by(r, t.jobs, t.a_id))), t.a.log()
+        t.victims = _held_by(r, t.jobs, t.a_id)
+        yield t
+    finally:
+        t.a.stop()
+        t.b.stop()
+
+
+def _taken_by_b(t) -> bool:
+    return wait_for(lambda: all(t.r.hget(K.job(j.id), "worker") == t.b_id.encode() for j in t.victims),
+                    timeout=60, interval=0.01)
+
+
+def _results(tiny_model, t):
+    results = [j.result(timeout=120) for j in t.jobs]
+    for c in t.collectors:
+        c.join(timeout=30)
+    return results, _check_results(tiny_model, results, t.refs, t.collectors)
+
+
 def test_a_killed_workers_jobs_are_taken_over_long_before_their_leases_expire(tiny_model, tiny_model_dir,
                                                                             redis_url, tmp_path):
-    specs = [(p, 300, True) for p, _, _ in _specs(66, 6, 300)]
-    refs = [reference_tokens(tiny_model, p, n, ignore_eos=ie) for p, n, ie in specs]
-    client = Client(redis_url, model="tiny", settings=fast_settings(redis_url, **LEASE))
-    r = client.redis
-    a, b = _two_workers(redis_url, tiny_model_dir, tmp_path)
-    try:
-        assert wait_registered(redis_url, n=2), a.log() + b.log()
-        a_id, b_id = _worker_id(r, a), _worker_id(r, b)
-        jobs, collectors = submit_and_follow(client, specs)
-        # each worker holds three (max_batch 3): A is frozen once each of its jobs streamed a few deltas
-        assert a.run_until(lambda: len(_held_by(r, jobs, a_id)) == 3
-                           and all(_xlen(r, j.id) >= 3 for j in _held_by(r, jobs, a_id))), a.log()
-        victims = _held_by(r, jobs, a_id)
-        sec, usec = r.time()
+    with _a_frozen_mid_stream(tiny_model, tiny_model_dir, redis_url, tmp_path, 66) as t:
+        sec, usec = t.r.time()
         killed_at = sec + usec / 1e6
-        deadlines = {j.id: r.zscore(K.inflight, j.id) for j in victims}
+        deadlines = {j.id: t.r.zscore(K.inflight, j.id) for j in t.victims}
         assert all(d > killed_at + 60 for d in deadlines.values())  # their leases run for minutes yet
-        a.kill9()
+        t.a.kill9()
         t_kill = time.monotonic()
-        assert wait_for(lambda: all(r.hget(K.job(j.id), "worker") == b_id.encode() for j in victims),
-                        timeout=60, interval=0.01), b.log()
+        assert _taken_by_b(t), t.b.log()
         takeover_s = time.monotonic() - t_kill
-        results = [j.result(timeout=120) for j in jobs]
-        for c in collectors:
-            c.join(timeout=30)
-        ok, lost, dup = _check_results(tiny_model, results, refs, collectors)
+        results, (ok, lost, dup) = _results(tiny_model, t)
         by_id = {res.id: res for res in results}
-        for j in victims:
+        for j in t.victims:
             res = by_id[j.id]
             # run and finished by B, before the lease A held could have expired
-            assert res.stats.worker == b_id and res.stats.attempts == 2, res.stats
+            assert res.stats.worker == t.b_id and res.stats.attempts == 2, res.stats
             assert res.stats.started_at < res.stats.finished_at < deadlines[j.id]
-        assert "of a worker whose heartbeat was overdue" in b.log()  # taken over, not expired
-        record("worker kill -9, lease 120 s, heartbeat 0.5 s (3 of 6 jobs taken over)", len(jobs), ok, lost, dup,
-               kill_to_takeover_s=round(takeover_s, 2),
-               kill_to_restart_server_s=round(min(by_id[j.id].stats.started_at for j in victims) - killed_at, 2))
-        assert (ok, lost, dup) == (len(jobs), 0, 0)
-    finally:
-        a.stop()
-        b.stop()
+        assert "of a worker whose heartbeat was overdue" in t.b.log()  # taken over, not expired
+        record("worker kill -9, lease 120 s, heartbeat 0.5 s (3 of 6 jobs taken over)", len(t.jobs), ok, lost,
+               dup, kill_to_takeover_s=round(takeover_s, 2),
+               kill_to_restart_server_s=round(min(by_id[j.id].stats.started_at for j in t.victims) - killed_at, 2))
+        assert (ok, lost, dup) == (len(t.jobs), 0, 0)
 
 
 def test_a_worker_judged_dead_while_only_slow_loses_those_jobs_and_serves_on(tiny_model, tiny_model_dir,
                                                                            redis_url, tmp_path):
     """SIGSTOP past the takeover: B takes A's jobs; A, thawed, has its late writes refused, logs that
     its heartbeat was late and that it dropped the jobs, and serves the next job once B is gone."""
-    specs = [(p, 300, True) for p, _, _ in _specs(67, 6, 300)]
-    refs = [reference_tokens(tiny_model, p, n, ignore_eos=ie) for p, n, ie in specs]
-    client = Client(redis_url, model="tiny", settings=fast_settings(redis_url, **LEASE))
-    r = client.redis
-    a, b = _two_workers(redis_url, tiny_model_dir, tmp_path)
-    try:
-        assert wait_registered(redis_url, n=2), a.log() + b.log()
-        a_id, b_id = _worker_id(r, a), _worker_id(r, b)
-        jobs, collectors = submit_and_follow(client, specs)
-        assert a.run_until(lambda: len(_held_by(r, jobs, a_id)) == 3
-                           and all(_xlen(r, j.id) >= 3 for j in _held_by(r, jobs, a_id))), a.log()
-        victims = _held_by(r, jobs, a_id)
-        # A stays frozen until B runs every one of its jobs
-        assert wait_for(lambda: all(r.hget(K.job(j.id), "worker") == b_id.encode() for j in victims),
-                        timeout=60, interval=0.01), b.log()
-        a.thaw()
-        assert a.wait_log("dropped: lease lost", timeout=60), a.log()
-        assert "heartbeat" in a.log() and "late" in a.log()
-        results = [j.result(timeout=120) for j in jobs]
-        for c in collectors:
-            c.join(timeout=30)
-        ok, lost, dup = _check_results(tiny_model, results, refs, collectors)
-        assert (ok, lost, dup) == (len(jobs), 0, 0)  # nothing A wrote late reached a stream
-        assert all(res.stats.worker == b_id for res in results if res.id in {j.id for j in victims})
-        b.kill9()
+    with _a_frozen_mid_stream(tiny_model, tiny_model_dir, redis_url, tmp_path, 67) as t:
+        assert _taken_by_b(t), t.b.log()  # A stays frozen until B runs every one of its jobs
+        t.a.thaw()
+        assert t.a.wait_log("dropped: lease lost", timeout=60), t.a.log()
+        assert "heartbeat" in t.a.log() and "late" in t.a.log()
+        results, (ok, lost, dup) = _results(tiny_model, t)
+        assert (ok, lost, dup) == (len(t.jobs), 0, 0)  # nothing A wrote late reached a stream
+        assert all(res.stats.worker == t.b_id for res in results if res.id in {j.id for j in t.victims})
+        t.b.kill9()
         [(prompt, _, _)] = _specs(68, 1, 20)
-        again = client.submit(prompt_tokens=prompt, max_tokens=20, ignore_eos=True)
-        res = again.result(timeout=120)
-        assert res.stats.worker == a_id and res.token_ids == reference_tokens(tiny_model, prompt, 20, True)
-        assert a.proc.poll() is None, a.log()
-    finally:
-        a.stop()
-        b.stop()
+        res = t.client.submit(prompt_tokens=prompt, max_tokens=20, ignore_eos=True).result(timeout=120)
+        assert res.stats.worker == t.a_id and res.token_ids == reference_tokens(tiny_model, prompt, 20, True)
+        assert t.a.proc.poll() is None, t.a.log()
 
 
 def test_a_worker_whose_engine_is_stuck_stops_renewing_and_exits_and_its_jobs_move(tiny_model, tiny_model_dir,
