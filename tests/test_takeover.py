@@ -92,7 +92,7 @@ def test_a_killed_workers_jobs_are_taken_over_long_before_their_leases_expire(ti
         assert "of a worker whose heartbeat was overdue" in t.b.log()  # taken over, not expired
         record("worker kill -9, lease 120 s, heartbeat 0.5 s (3 of 6 jobs taken over)", len(t.jobs), ok, lost,
                dup, kill_to_takeover_s=round(takeover_s, 2),
-               kill_to_restart_server_s=round(min(by_id[j.id].stats.started_at for j in t.victims) - killed_at, 2))
+               kill_to_first_resumed_start_s=round(min(by_id[j.id].stats.started_at for j in t.victims) - killed_at, 2))
         assert (ok, lost, dup) == (len(t.jobs), 0, 0)
 
 
