@@ -7,6 +7,7 @@ now (as if its time had passed), and then the step goes on."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -77,10 +78,22 @@ def test_a_job_past_its_timeout_ends_timeout_with_its_tokens_so_far(tiny_model, 
         due()
         res = job.result(timeout=60)
         follower.join(timeout=30)
+        quick = asyncio.run(_async_submit(redis_url, settings, timeout_s=60))  # well within its limit
     assert res.finish_reason == "timeout" and job.status() == "done"
     _check_prefix(tiny_model, res.token_ids, res.text)
     assert follower.error is None and follower.ids == res.token_ids and follower.text == res.text
     assert follower.finishes == ["timeout"]
+    assert quick.finish_reason == "length" and len(quick.token_ids) == 3
+    with pytest.raises(ValueError, match="timeout_s"):
+        asyncio.run(_async_submit(redis_url, settings, timeout_s=-1))
+
+
+async def _async_submit(url, settings, **params):
+    from mlxq import AsyncClient
+
+    async with AsyncClient(url, model="tiny", settings=settings) as client:
+        job = await client.submit(prompt_tokens=PROMPT, max_tokens=3, ignore_eos=True, **params)
+        return await job.result(timeout=60)
 
 
 @pytest.mark.parametrize("value", [0, -1.5, math.nan, math.inf, "5", "soon", True, [1]])
