@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import threading
 
 from .shared.settings import Settings, worker_flags
 
@@ -87,6 +89,8 @@ def run(args) -> int:
         bridge = RqBridge(redis_client, loaded.name, settings, queues)
         observers.append(bridge)
     worker = Worker(redis_client, loaded, settings, engine=make_engine(loaded, settings), observers=observers)
+    if os.environ.get("MLXQ_TEST_FREEZE_STEP"):
+        _freeze_at_step(worker.engine, int(os.environ["MLXQ_TEST_FREEZE_STEP"]))
     worker.install_signal_handlers()
     if bridge is not None:
         bridge.start()
@@ -96,3 +100,18 @@ def run(args) -> int:
         if bridge is not None:
             bridge.stop()
     return 0
+
+
+def _freeze_at_step(engine, n: int) -> None:
+    """A test hook (``MLXQ_TEST_FREEZE_STEP=n``): the engine's n-th step never returns, as a hung
+    kernel's would, so that a test sees the worker's watchdog notice it (tests/test_takeover.py)."""
+    step, count = engine.step, [0]
+
+    def frozen_step():
+        count[0] += 1
+        if count[0] >= n:
+            log.warning("MLXQ_TEST_FREEZE_STEP: step %d never returns", count[0])
+            threading.Event().wait()
+        return step()
+
+    engine.step = frozen_step

@@ -49,7 +49,7 @@ from ..shared.cliopts import add_shared
 from .common import ContextLengthError, NoModelError, has_live_worker
 from ..shared.tools import check_format, format_from_info, uses_tools
 from .openai_api import (ChatCompletionRequest, ChatDeltas, CompletionRequest, LogprobFormatter, OpenAIError,
-                         TokenNames, check_bias_vocab, choice, failed_output, finish_reason, now_s, usage,
+                         TokenNames, check_bias_vocab, choice, failed_output, finish_fields, now_s, usage,
                          validation_error)
 
 log = logging.getLogger("mlxq.gateway")
@@ -379,7 +379,7 @@ class Gateway:
 
     def _delta_chunk(self, meta: "_Meta", d: Delta, delta, fmt: LogprobFormatter, offset: int) -> dict:
         """``delta``: the chunk's chat delta (``ChatDeltas``), or a completion's text."""
-        reason, i = finish_reason(d.finish_reason), d.sample or 0
+        reason, i = d.finish_reason, d.sample or 0
         if meta.chat:
             lp = fmt.chat(d.logprobs) if d.logprobs else None
             return meta.chunk(delta, reason, lp, index=i)
@@ -460,12 +460,12 @@ class _Meta:
         self.n = n  # choices (the job's samples)
 
     def chunk(self, delta, reason: Optional[str], logprobs: Optional[dict] = None, index: int = 0) -> dict:
-        """A chunk of choice ``index`` (the job's sample)."""
+        """A chunk of choice ``index`` (the job's sample); ``reason``: mlxq's finish reason."""
         if self.chat:
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, **finish_fields(reason)}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "text": delta, "logprobs": logprobs, **finish_fields(reason)}
             obj = "text_completion"
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
         if self.include_usage:

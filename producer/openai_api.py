@@ -99,6 +99,7 @@ class _Params(BaseModel):
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[dict[str, Any]] = None
+    timeout_s: Any = None  # mlxq's: the job's time limit (checked with the request, GenerateRequest)
 
     def check_common(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -123,7 +124,7 @@ class _Params(BaseModel):
                    top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                    ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                    frequency_penalty=self.frequency_penalty, logit_bias=_token_bias(self.logit_bias),
-                   response_format=self.response_format, n=self.n)
+                   response_format=self.response_format, n=self.n, timeout_s=self.timeout_s)
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -274,8 +275,13 @@ def usage(res: Result) -> dict:
             "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def finish_reason(reason: Optional[str]) -> Optional[str]:
-    return reason  # stop | length | tool_calls | cancelled (mlxq's own; OpenAI has no word for it)
+def finish_fields(reason: Optional[str]) -> dict[str, Optional[str]]:
+    """A choice's ``finish_reason`` for mlxq's: stop | length | tool_calls as they are, cancelled and
+    error as mlxq's own words (OpenAI has none); a job past its ``timeout_s`` ends as OpenAI's
+    clients know a cut-short answer, "length", and ``mlxq_finish_reason`` says why."""
+    if reason == "timeout":
+        return {"finish_reason": "length", "mlxq_finish_reason": "timeout"}
+    return {"finish_reason": reason}
 
 
 def chat_message(res: Union[Result, SampleOutput]) -> dict:
@@ -453,9 +459,9 @@ def choice(chat: bool, out: SampleOutput, fmt: LogprobFormatter) -> dict:
     if chat:
         return {"index": out.index, "message": chat_message(out),
                 "logprobs": fmt.chat(out.logprobs) if fmt.top_n or out.logprobs else None,
-                "finish_reason": finish_reason(out.finish_reason)}
+                **finish_fields(out.finish_reason)}
     return {"index": out.index, "text": out.text, "logprobs": fmt.completion(out.logprobs),
-            "finish_reason": finish_reason(out.finish_reason)}
+            **finish_fields(out.finish_reason)}
 
 
 def now_s() -> int:

@@ -1,9 +1,10 @@
-"""Output options of ``mlxq submit`` and ``mlxq batch``: one constraint, tools, penalties, logit bias.
+"""Output options of ``mlxq submit`` and ``mlxq batch``: one constraint, tools, penalties, logit bias,
+a time limit.
 
 ``add_output_options`` declares them on a sub-command's parser (the constraints are mutually
 exclusive: argparse refuses two of them with a usage error); ``output_params`` turns the parsed
 flags into request fields (``response_format``, ``tools``, ``tool_choice``, ``presence_penalty``,
-``frequency_penalty``, ``logit_bias``), reading the files they name.  A file that cannot be read or
+``frequency_penalty``, ``logit_bias``, ``timeout_s``), reading the files they name.  A file that cannot be read or
 is not the JSON it should be raises ValueError naming the flag; whether a schema, regex or grammar
 is usable is decided by the request's own validation (``GenerateRequest``), before anything is
 queued.
@@ -62,6 +63,10 @@ def add_output_options(p: argparse.ArgumentParser, note: Optional[str] = None) -
         "--n", type=int, metavar="N",
         help=f"samples of the prompt (1..{MAX_N}), each its own output; they share the prompt's KV "
              "(default: 1)")
+    p.add_argument_group("time limit").add_argument(
+        "--timeout-s", type=float, metavar="SECONDS",
+        help="end the job with finish_reason timeout and its tokens so far once it has run this long "
+             "(execution time, from when a worker takes it; above 0) (default: no limit)")
     s = p.add_argument_group("penalties")
     s.add_argument("--presence-penalty", type=float, metavar="P",
                    help="subtracted once from the logit of every token already generated (-2..2) (default: 0)")
@@ -86,7 +91,7 @@ def output_params(args: argparse.Namespace) -> dict[str, Any]:
         if args.tools is None:
             raise ValueError("--tool-choice needs --tools")
         out["tool_choice"] = tool_choice(args.tool_choice)
-    for name in ("presence_penalty", "frequency_penalty", "n"):
+    for name in ("presence_penalty", "frequency_penalty", "n", "timeout_s"):
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)
     if args.logit_bias:

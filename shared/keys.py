@@ -129,6 +129,13 @@ class ModelKeys:
     def workers(self) -> str:  # zset: worker id -> last heartbeat
         return f"{self._base}:workers"
 
+    @property
+    def beats(self) -> str:
+        """zset: worker id -> the server time until which its last heartbeat vouches for it (renew.lua
+        sets it to now + that worker's ``takeover_after_s`` at every beat). Past it, any worker's
+        reaper takes over the jobs the worker holds (reap.lua), without waiting for their leases."""
+        return f"{self._base}:beats"
+
     def worker(self, worker_id: str) -> str:  # hash: one worker's stats (expires)
         return f"{self._base}:worker:{worker_id}"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from redis.exceptions import NoPermissionError, ResponseError
 
@@ -278,24 +278,40 @@ class ScriptCalls:
             [job_id, self.pubcmd, mode, self.s.result_ttl_s],
         )
 
-    def renew(self, leases: dict[str, str]):
-        args: list = [self.s.lease_s, ""]
-        keys = [self.k.inflight]
+    def renew(self, leases: dict[str, str], worker_id: str = ""):
+        """Renew ``leases``; with ``worker_id``, beat for that worker too (``ModelKeys.beats``)."""
+        args: list = [self.s.lease_s, worker_id, self.s.takeover_after_s]
+        keys = [self.k.inflight, self.k.beats]
         for job_id, owner in leases.items():
             args += [job_id, owner]
             keys.append(self.k.job(job_id))
         return ("renew", keys, args)
 
-    def reap(self, candidates: list):
-        """Requeue or dead-letter ``candidates`` (in-flight members whose lease looked expired)."""
+    def reap(self, candidates: list, forget: list = ()):
+        """Requeue or dead-letter ``candidates`` (in-flight members whose lease looked expired, or
+        whose owner's beat looked overdue); drop the beats of ``forget`` (overdue workers that hold
+        nothing)."""
         k = self.k
-        return ("reap", [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake, k.sched,
+        return ("reap", [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake, k.sched, k.beats,
                          *self._per_member(candidates)],
-                [self.s.max_attempts, self.s.result_ttl_s, self.pubcmd, *candidates])
+                [self.s.max_attempts, self.s.result_ttl_s, self.pubcmd, len(forget), *forget, *candidates])
 
 
 def owner_token(worker_id: str, attempt: int) -> str:
     return f"{worker_id}:{attempt}"
+
+
+def owner_worker(token: str) -> str:
+    """The worker id in an owner token ('' for a token that is none)."""
+    wid, _, attempt = token.rpartition(":")
+    return wid if attempt.isdigit() else ""
+
+
+class Reaped(NamedTuple):
+    requeued: int
+    dead: int
+    cancelled: int
+    taken_over: int  # of those three, the jobs taken from a worker whose heartbeat was overdue
 
 
 class Queue:
@@ -419,21 +435,49 @@ class Queue:
     def renew(self, leases: dict[str, str]) -> tuple[list[str], list[str]]:
         if not leases:
             return [], []
-        lost, cancel = self.run(self.calls.renew(leases))
-        return [_s(x) for x in lost], [_s(x) for x in cancel]
+        lost, cancel, _ = self.heartbeat("", leases)
+        return lost, cancel
 
-    def reap(self, limit: int = 100) -> tuple[int, int, int]:
-        """Requeue (or dead-letter) jobs whose lease expired by the server's clock."""
+    def heartbeat(self, worker_id: str, leases: dict[str, str]) -> tuple[list[str], list[str], float]:
+        """Beat for ``worker_id`` (it vouches for the worker for ``takeover_after_s``) and renew its
+        leases: (lost ids, ids flagged for cancelling, seconds the beat came after its last one had
+        run out, 0 when on time)."""
+        lost, cancel, late = self.run(self.calls.renew(leases, worker_id))
+        return [_s(x) for x in lost], [_s(x) for x in cancel], _f(late)
+
+    # past this many running jobs, a takeover scan reads only the leases that run out first
+    TAKEOVER_SCAN = 10_000
+
+    def reap(self, limit: int = 100) -> Reaped:
+        """Requeue (or dead-letter) jobs whose lease expired by the server's clock, and take over the
+        jobs of workers whose heartbeat is overdue (``ModelKeys.beats``): those are read only while a
+        worker is overdue, which is rare (a death), and its beat is forgotten once it holds nothing."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.time()
         pipe.zrange(self.keys.inflight, 0, limit - 1, withscores=True)
-        (sec, usec), leases = pipe.execute()
+        pipe.zrange(self.keys.beats, 0, -1, withscores=True)  # one member a worker of this model
+        (sec, usec), leases, beats = pipe.execute()
         now = sec + usec / 1e6
         candidates = [m for m, deadline in leases if deadline <= now]
-        if not candidates:
-            return 0, 0, 0
-        requeued, dead, cancelled = self.run(self.calls.reap(candidates))
-        return int(requeued), int(dead), int(cancelled)
+        overdue = {_s(w) for w, vouched in beats if vouched <= now}
+        forget: list[str] = []
+        if overdue:
+            running = self.redis.zrangebyscore(self.keys.inflight, f"({now}", "+inf", 0, self.TAKEOVER_SCAN)
+            pipe = self.redis.pipeline(transaction=False)
+            for m in running:
+                pipe.hget(self.keys.job_prefix.encode() + (m if isinstance(m, bytes) else str(m).encode()), "owner")
+            # (a job key of another type, forged: no owner; the reaper's lease check meets it)
+            holders = [owner_worker("" if isinstance(o, Exception) else _s(o))
+                       for o in pipe.execute(raise_on_error=False)] if running else []
+            candidates += [m for m, wid in zip(running, holders) if wid in overdue]
+            forget = sorted(overdue - set(holders))
+        if not candidates and not forget:
+            return Reaped(0, 0, 0, 0)
+        total = [0, 0, 0, 0]
+        for i in range(0, max(1, len(candidates)), limit):
+            reply = self.run(self.calls.reap(candidates[i:i + limit], forget if i == 0 else ()))
+            total = [a + int(b) for a, b in zip(total, reply)]
+        return Reaped(*total)
 
     def counts(self) -> dict[str, int]:
         return {_s(k): int(v) for k, v in self.redis.hgetall(self.keys.counts).items()}

@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_serializer, field_validator, model_serializer, model_validator
 
-FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "timeout", "error"]
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 1024
@@ -158,6 +158,18 @@ class GenerateRequest(SamplingParams):
     # samples of this prompt (OpenAI's ``n``): they share the prompt's KV blocks; sample i draws its
     # randomness from (seed, i, position), so a seeded job is reproducible
     n: StrictInt = Field(1, ge=1, le=MAX_N)
+    # the most seconds the job may run (as rq's job_timeout, execution time): from when a worker
+    # takes it; a requeue that hands the job back (preemption, warm shutdown) keeps what it ran, a
+    # new attempt after its worker died starts again. Past it the job ends "timeout" with its
+    # tokens so far
+    timeout_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
+
+    @field_validator("timeout_s", mode="before")
+    @classmethod
+    def _seconds(cls, v):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"must be a number of seconds above 0, not {type(v).__name__} {v!r:.40}")
+        return v
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":

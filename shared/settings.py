@@ -30,7 +30,8 @@ MAX_IDLE_BLOCK_S = 10.0  # connections read with a 20 s timeout (shared/connecti
 # any other MLXQ_* name that is not a setting is reported as unknown (a misspelt setting)
 OTHER_ENV = frozenset({"MLXQ_MODEL", "MLXQ_API_KEY", "MLXQ_LOG_LEVEL", "MLXQ_LOG_FORMAT", "MLXQ_CACHE_DIR",
                        "MLXQ_BLAS", "MLXQ_BLAS_LIB", "MLXQ_BLAS_THREADS", "MLXQ_ATTN_ISA", "MLXQ_ATTN_THREADS",
-                       "MLXQ_POOL_SPIN_US", "MLXQ_TEST_MODEL_SEED"})
+                       "MLXQ_POOL_SPIN_US", "MLXQ_TEST_MODEL_SEED", "MLXQ_TEST_FREEZE_STEP",
+                       "MLXQ_TIMEOUT_S"})  # (the last: examples/node/producer.mjs reads it)
 log = logging.getLogger(__name__)
 
 
@@ -145,6 +146,13 @@ class Settings:
     max_queued_per_tier: int = opt(10_000, "past this, submit fails with an overload error")
     lease_s: float = opt(30.0, "a pulled job's lease in seconds; the heartbeat renews it")
     heartbeat_s: float = opt(2.0, "seconds between lease renewals (shorter than the lease)")
+    takeover_s: Optional[float] = opt(
+        None, "a worker whose last heartbeat is this many seconds old is judged dead: any live worker's reaper "
+        "requeues its jobs then, fenced (its late writes are refused), without waiting for their leases",
+        shown_default="2.5 x heartbeat_s")
+    stall_s: float = opt(120.0, "a worker whose engine completes no step this many seconds while it runs jobs is "
+                         "stuck: it renews nothing more, logs why and exits (code 70) for its supervisor to "
+                         "restart it; other workers take its jobs over")
     max_attempts: int = opt(3, "leases that may expire before a job goes to the dead-letter set")
     result_ttl_s: int = opt(24 * 3600, "seconds results and token streams are kept")
     gather_ms: float = opt(5.0, "an idle worker, once woken, waits this long to gather a batch")
@@ -235,6 +243,10 @@ class Settings:
             ("max_attempts", self.max_attempts >= 1, pos),
             ("heartbeat_s", self.heartbeat_s > 0, pos),
             ("heartbeat_s", self.heartbeat_s < self.lease_s, "heartbeat_s must be shorter than lease_s"),
+            ("takeover_s", self.takeover_s is None or (math.isfinite(self.takeover_s)
+                                                       and self.takeover_s > self.heartbeat_s),
+             "must be longer than heartbeat_s (a live worker beats within it)"),
+            ("stall_s", self.stall_s > 0 and math.isfinite(self.stall_s), "must be a positive number of seconds"),
             ("tier_offsets", all(math.isfinite(v) for v in self.tier_offsets.values()),
              "offsets must be finite numbers"),
             ("result_ttl_s", self.result_ttl_s >= 1, "must be at least 1 (seconds results and streams are kept)"),
@@ -268,6 +280,12 @@ class Settings:
             ("kv_bits", self.kv_bits in (None, 4, 8), "only 4 or 8 bit KV blocks are supported"),
             ("kv_group_size", self.kv_group_size in (32, 64, 128), "must be 32, 64 or 128"),
         )
+
+    @property
+    def takeover_after_s(self) -> float:
+        """How long a worker's heartbeat vouches for it: ``takeover_s``, else two and a half heartbeats
+        (a worker that missed two beats in a row is dead, or too stalled to serve its jobs)."""
+        return self.takeover_s if self.takeover_s is not None else 2.5 * self.heartbeat_s
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":

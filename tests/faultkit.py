@@ -23,10 +23,13 @@ FIGURES: list[dict] = []  # one row per fault test, printed at the end of each t
 
 def worker_env(**settings) -> dict:
     env = dict(os.environ)
+    # takeover_s: a live worker on a loaded machine is not judged dead at 2.5 beats of 0.5 s (a test that
+    # measures the takeover sets its own)
     base = dict(gather_ms=2, idle_block_s=0.2, stats_interval_s=0.2, heartbeat_s=0.5, lease_s=5)
     base.update(settings)
+    base.setdefault("takeover_s", max(3.0, 2.5 * float(base["heartbeat_s"])))
     for k, v in base.items():
-        env[f"MLXQ_{k.upper()}"] = str(v)
+        env[k if k.startswith("MLXQ_") else f"MLXQ_{k.upper()}"] = str(v)
     return env
 
 

@@ -210,7 +210,7 @@ def test_what_a_producer_writes_into_its_admitted_job_decides_nothing(as_produce
     raw.hset(K.job(job.id), mapping=forged)
     raw.hdel(K.job(job.id), "owner")  # ends the lease: the reaper requeues it
     admin.zadd(K.inflight, {job.id: 0}, xx=True)  # (its lease expired)
-    assert q.reap() == (1, 0, 0)
+    assert q.reap() == (1, 0, 0, 0)
     assert admin.zscore(K.queue, job.id) == pytest.approx(score, abs=1e-5)
     assert q.counts()["queued:low"] == counts["queued:low"]
     tier, kept, suspect = admin.hget(K.sched, job.id).split()

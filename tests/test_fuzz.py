@@ -360,6 +360,6 @@ def test_reaper_and_heartbeat_survive_clobbered_records(redis_url):
     assert lost == [a] and cancel == []  # the other lease is still renewed
     r.hset(q.keys.job(b), "score", "nan")
     time.sleep(0.1)
-    assert q.reap() == (0, 1, 0)  # b cannot be requeued at a NaN score: dead-lettered with the reason
+    assert q.reap() == (0, 1, 0, 0)  # b cannot be requeued at a NaN score: dead-lettered with the reason
     assert b"malformed" in r.hget(q.keys.job(b), "error")
     assert r.zscore(q.keys.dead, a) is not None and r.zscore(q.keys.dead, b) is not None

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from mlxq import Client
+from mlxq.shared import codec
 from mlxq.shared.keys import GlobalKeys
 from workerkit import fast_settings, running_worker, wait_for
 from refkit import greedy, pick_prompt
@@ -45,8 +46,8 @@ def test_the_example_in_the_protocol_doc_is_the_tested_file():
 
 
 def run_node(node_dir: Path, url: str, prompt: str, max_tokens: int, api_key: str | None = None,
-             schema: dict | None = None) -> dict:
-    env = {**os.environ, "MLXQ_REDIS_URL": url, "MLXQ_MODEL": "tiny"}
+             schema: dict | None = None, **extra_env: str) -> dict:
+    env = {**os.environ, "MLXQ_REDIS_URL": url, "MLXQ_MODEL": "tiny", **extra_env}
     env.pop("MLXQ_API_KEY", None)
     if api_key:
         env["MLXQ_API_KEY"] = api_key
@@ -110,3 +111,18 @@ def test_node_producer_submits_a_json_schema_job(node_dir, tiny_model, redis_url
     assert out["finish_reason"] == "stop", out
     jsonschema.validate(out["parsed"], SEA)
     assert out["streamed"] == out["text"] == py.text and out["parsed"] == json.loads(py.text)
+
+
+def test_node_producer_sends_a_time_limit(node_dir, tiny_model, redis_url):
+    """MLXQ_TIMEOUT_S goes in the request as ``timeout_s``; a value the request refuses (0) fails the job
+    at the worker with a message that names the field (a producer in another language relies on it)."""
+    settings = fast_settings(redis_url)
+    r = redis.Redis.from_url(redis_url)
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        out = run_node(node_dir, redis_url, "hello", 2, MLXQ_TIMEOUT_S="60")
+        assert out["finish_reason"] in ("stop", "length")
+        req = codec.unpack(r.hget(GlobalKeys().model_keys("tiny").job(out["id"]), "req"))
+        assert req["timeout_s"] == 60
+        out = run_node(node_dir, redis_url, "hello", 2, MLXQ_TIMEOUT_S="0")
+        assert out["finish_reason"] == "error" and "timeout_s" in out["error"], out
+    r.close()

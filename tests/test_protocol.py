@@ -170,15 +170,55 @@ def test_expired_lease_is_requeued_then_dead_lettered(rr):
     first = enq(q, a, "normal")
     q.pull(1, "w1")
     time.sleep(0.1)
-    assert q.reap() == (1, 0, 0)
+    assert q.reap() == (1, 0, 0, 0)
     [p] = q.pull(1, "w2")
     assert p.attempt == 2 and p.score == pytest.approx(first.score)  # original score kept
     assert q.complete(a, "w1:1", "done", b"late") == 0  # the old owner is fenced out
     time.sleep(0.1)
-    assert q.reap() == (0, 1, 0)
+    assert q.reap() == (0, 1, 0, 0)
     h = rr.hgetall(q.keys.job(a))
     assert h[b"status"] == b"dead" and b"lease expired" in h[b"error"]
     assert rr.zscore(q.keys.dead, a) is not None
+
+
+def test_a_dead_workers_jobs_are_taken_over_before_their_leases_expire(rr):
+    """A worker's beat vouches for it for takeover_s; past that, any reaper requeues the jobs it holds
+    (their leases would run for a minute yet), fenced: the old owner's late writes are refused, and its
+    late beat finds those leases lost. A live worker's jobs are left alone, and so is a job whose
+    owner beat after the reaper looked (the script checks the beat again)."""
+    q = make_queue(rr, lease_s=60, heartbeat_s=0.02, takeover_s=0.1)
+    a, b = ids(2)
+    enq(q, a, "normal")
+    enq(q, b, "normal")
+    q.pull(1, "w1")
+    q.pull(1, "w2")
+    assert q.heartbeat("w1", {a: "w1:1"}) == ([], [], 0.0)
+    assert q.heartbeat("w2", {b: "w2:1"}) == ([], [], 0.0)
+    assert q.reap() == (0, 0, 0, 0)
+    time.sleep(0.15)
+    q.heartbeat("w2", {b: "w2:1"})
+    assert q.run(q.calls.reap([b])) == [0, 0, 0, 0]  # handed as a candidate, but w2 beat in time
+    assert q.reap() == (1, 0, 0, 1)
+    assert rr.hget(q.keys.job(a), "status") == b"queued" and rr.zscore(q.keys.inflight, a) is None
+    assert rr.hget(q.keys.job(b), "owner") == b"w2:1"
+    assert q.publish_deltas([(a, "w1:1", b"late", 1)]) == [q.keys.job(a).encode()]  # fenced out
+    assert q.complete(a, "w1:1", "done", b"late") == 0
+    lost, _, late = q.heartbeat("w1", {a: "w1:1"})
+    assert lost == [a] and late > 0  # it was only slow: it drops the job and serves on
+    [p] = q.pull(1, "w2")
+    assert p.job_id == a and p.attempt == 2  # the attempt counted, as for a lease that expired
+    assert q.reap() == (0, 0, 0, 0)
+
+
+def test_an_overdue_worker_that_holds_nothing_is_forgotten(rr):
+    q = make_queue(rr, lease_s=60, heartbeat_s=0.02, takeover_s=0.05)
+    q.heartbeat("w1", {})
+    q.heartbeat("w2", {})
+    assert rr.zcard(q.keys.beats) == 2
+    time.sleep(0.1)
+    q.heartbeat("w2", {})
+    assert q.reap() == (0, 0, 0, 0)
+    assert [m for m in rr.zrange(q.keys.beats, 0, -1)] == [b"w2"]
 
 
 def test_a_job_whose_lease_expired_twice_comes_back_a_suspect(rr):
@@ -189,15 +229,15 @@ def test_a_job_whose_lease_expired_twice_comes_back_a_suspect(rr):
     enq(q, a, "normal")
     q.pull(1, "w1")
     time.sleep(0.1)
-    assert q.reap() == (1, 0, 0)
+    assert q.reap() == (1, 0, 0, 0)
     [p] = q.pull(1, "w2")
     assert p.attempt == 2 and p.suspect == ""
     time.sleep(0.1)
-    assert q.reap() == (1, 0, 0)
+    assert q.reap() == (1, 0, 0, 0)
     [p] = q.pull(1, "w3")
     assert p.attempt == 3 and p.suspect == "a worker died or hung while it held the job (attempt 2)"
     time.sleep(0.1)
-    assert q.reap() == (0, 1, 0)
+    assert q.reap() == (0, 1, 0, 0)
     err = rr.hget(q.keys.job(a), "error")
     assert err == (b"lease expired after 3 attempts (worker died or hung); "
                    b"last error: a worker died or hung while it held the job (attempt 2)")
@@ -214,12 +254,12 @@ def test_requeue_with_an_error_counts_the_attempt_and_ends_the_lease_for_the_rea
     assert rr.zscore(q.keys.inflight, a) == 0  # the lease ended now, the job still in flight
     assert q.renew({a: "w:1"})[0] == [a]  # given up: its worker's heartbeat cannot renew it
     assert rr.zscore(q.keys.inflight, a) == 0
-    assert q.reap() == (1, 0, 0)  # the attempt counted
+    assert q.reap() == (1, 0, 0, 0)  # the attempt counted
     [p] = q.pull(1, "w")
     assert p.attempt == 2 and p.score == pytest.approx(first.score)
     assert p.suspect == "worker w failed: boom"  # the worker runs it alone (worker.jobs.admit_now)
     assert q.requeue(a, "w:2", error="worker w failed: boom again") == 1
-    assert q.reap() == (0, 1, 0)
+    assert q.reap() == (0, 1, 0, 0)
     h = rr.hgetall(q.keys.job(a))
     assert h[b"status"] == b"dead" and b"last error: worker w failed: boom again" in h[b"error"]
 
@@ -234,7 +274,7 @@ def test_a_suspect_cancelled_in_the_queue_ends_cancelled_without_the_old_failure
     q.pull(2, "w")
     for j in (a, b):
         assert q.requeue(j, "w:1", error="worker w failed: boom") == 1
-    assert q.reap() == (2, 0, 0)
+    assert q.reap() == (2, 0, 0, 0)
     assert q.cancel(a) == "cancelled"
     done = result_from_hash(a, rr.hgetall(q.keys.job(a)))
     assert done.finish_reason == "cancelled" and done.error is None
@@ -497,7 +537,7 @@ def test_a_requeued_job_keeps_its_record_while_it_waits(rr):
     assert rr.ttl(ek) == -1
     rr.expire(ek, 5)
     rr.zadd(q.keys.inflight, {a: 0}, xx=True)  # (its lease expired)
-    assert q.reap() == (1, 0, 0)
+    assert q.reap() == (1, 0, 0, 0)
     assert rr.ttl(ek) == -1
     assert [f[b"d"] for _, f in rr.xrange(ek)] == [b"d1", b"d2", b"d3"]
     rr.delete(q.keys.job(a))  # the record of a waiting job vanished: garbage, and its stream expires

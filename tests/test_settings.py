@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (a new setting needs one here: the test below fails until it has one).
 SAMPLES = {
     "prefix": "other", "tier_offsets": "low=120", "max_queued_per_tier": "50", "lease_s": "12.5",
-    "heartbeat_s": "0.5", "max_attempts": "5", "result_ttl_s": "600", "gather_ms": "2.5", "idle_block_s": "0.25",
+    "heartbeat_s": "0.5", "takeover_s": "6", "stall_s": "300", "max_attempts": "5", "result_ttl_s": "600", "gather_ms": "2.5", "idle_block_s": "0.25",
     "stats_interval_s": "0.5", "max_new_tokens": "1000", "keep_dtype": True, "grace_s": "4", "burst": True,
     "host_thread": False,
     "rq_queues": "mlxq-high,mlxq-low", "metrics_port": "9100", "metrics_host": "0.0.0.0", "max_batch": "6",
@@ -116,6 +116,10 @@ def test_old_flags_and_env_vars_still_work(clean_env):
     ({"MLXQ_STATS_INTERVAL_S": "-2"}, "stats_interval_s=-2.0 (MLXQ_STATS_INTERVAL_S / --stats-interval-s): must be"),
     ({"MLXQ_TIER_OFFSETS": "high=nan"}, "offsets must be finite numbers"),
     ({"MLXQ_METRICS_PORT": "0"}, "must be a port number, 1 to 65535"),
+    ({"MLXQ_TAKEOVER_S": "1"}, "takeover_s=1.0 (MLXQ_TAKEOVER_S / --takeover-s): must be longer than heartbeat_s"),
+    ({"MLXQ_STALL_S": "0"}, "stall_s=0.0 (MLXQ_STALL_S / --stall-s): must be a positive number of seconds"),
+    ({"MLXQ_STALL_S": "-5"}, "stall_s=-5.0"),
+    ({"MLXQ_STALL_S": "inf"}, "must be a positive number of seconds"),
 ])
 def test_a_bad_value_is_refused_with_a_clear_message(env, words):
     with pytest.raises(ValueError) as err:

@@ -31,6 +31,9 @@ def neutral_cwd() -> str:
 def fast_settings(url: str, **kw) -> Settings:
     base = dict(redis_url=url, gather_ms=2.0, idle_block_s=0.2, heartbeat_s=0.5, lease_s=5.0, stats_interval_s=0.2)
     base.update(kw)
+    # a live worker on a loaded machine is not judged dead at 2.5 beats of 0.5 s (a test that measures
+    # the takeover sets its own)
+    base.setdefault("takeover_s", max(3.0, 2.5 * base["heartbeat_s"]))
     return Settings(**base)
 
 

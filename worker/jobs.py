@@ -89,6 +89,10 @@ class ActiveJob:
     # the error it was given back with after an engine raised while holding it (Pulled.suspect; ""
     # for none): the worker runs this job alone (admit_now)
     suspect: str = ""
+    # the request's timeout_s as a time.monotonic() deadline (None: no limit), and whether the worker
+    # has ended the job for it already (the MLX thread asks once)
+    deadline: Optional[float] = None
+    timed_out: bool = False
 
     @property
     def uid(self) -> str:
@@ -170,8 +174,11 @@ class ActiveJob:
 
     def resume_state(self) -> bytes:
         """What a later attempt needs besides the durable record (which holds tokens and text)."""
-        return codec.pack({"seed": self.seed, "first_token_at": self.first_token_at, "attempt": self.attempt,
-                           "started_at": self.started_at})
+        state = {"seed": self.seed, "first_token_at": self.first_token_at, "attempt": self.attempt,
+                 "started_at": self.started_at}
+        if self.deadline is not None:  # what it ran of its timeout_s: a requeue does not give it back
+            state["ran_s"] = self.request.timeout_s - max(0.0, self.deadline - time.monotonic())
+        return codec.pack(state)
 
     def output(self, finish: str, error: Optional[str] = None, error_code: Optional[str] = None) -> SampleOutput:
         """This sample's output as it ends."""
@@ -487,6 +494,11 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
     published = published or {}
     seed = _job_seed(req, published, resume)
     group = SampleGroup(req.n) if req.n > 1 else None
+    deadline = None
+    if req.timeout_s is not None:  # execution time: this attempt's, plus what a requeue of it had run
+        ran = resume.get("ran_s")
+        ran = ran if isinstance(ran, (int, float)) and 0 <= ran <= req.timeout_s else 0.0
+        deadline = time.monotonic() + req.timeout_s - ran
     samples = []
     for i in range(req.n):
         job = ActiveJob(
@@ -494,7 +506,7 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
             owner=owner_token(worker_id, pulled.attempt), tier=pulled.tier, score=pulled.score,
             queued_at=pulled.queued_at, started_at=pulled.now, prompt=prompt, seed=seed,
             text=chat_stream(tokenizer, req, prompt, in_thinking), clock_offset=clock_offset, grammar=grammar,
-            sample=i if group else None, group=group, suspect=pulled.suspect,
+            sample=i if group else None, group=group, suspect=pulled.suspect, deadline=deadline,
         )
         if isinstance(resume.get("started_at"), (int, float)):  # queue_wait_s: until the job first started
             job.started_at = resume["started_at"]

@@ -6,8 +6,9 @@
 * ``Fetcher``: pulls as many jobs as there are free slots, decodes, validates
   and tokenizes them off the MLX thread; when idle it blocks on the queue's
   wake-up list, then waits a short window to gather a batch.
-* ``Control``: lease heartbeat, reaping of expired leases, stats, the model
-  registry, and the cancel channel.
+* ``Control``: the heartbeat (which vouches for the worker and renews its
+  leases), reaping of expired leases and of overdue workers' jobs, stats, the
+  model registry, and the cancel channel.
 """
 
 from __future__ import annotations
@@ -404,7 +405,7 @@ class Control(threading.Thread):
     def __init__(self, q: Queue, worker_id: str, leases: Callable[[], dict[str, str]],
                  on_lost: Callable[[list[tuple[str, str]]], None], on_cancel: Callable[[list[str]], None],
                  snapshot: Callable[[], dict], model_info: dict, registry_key: str, stop: threading.Event,
-                 global_redis=None):
+                 global_redis=None, watchdog=None, on_stall: Optional[Callable[[], None]] = None):
         super().__init__(name="mlxq-control", daemon=True)
         self.q = q
         self.worker_id = worker_id
@@ -421,6 +422,10 @@ class Control(threading.Thread):
         self._seeded = False
         self._prepared = False
         self.publish_soon = threading.Event()  # set by the worker when a job finished: publish stats now
+        # a stuck engine (worker.watchdog): no more beats or renewals, and on_stall (once)
+        self.watchdog = watchdog
+        self.on_stall = on_stall
+        self.stalled = False
 
     def run(self) -> None:
         s = self.q.settings
@@ -428,7 +433,14 @@ class Control(threading.Thread):
         pubsub = None
         while not self.stop_event.is_set():
             now = time.monotonic()
-            if now >= next_beat:
+            if self.watchdog is not None and not self.watchdog.check():
+                if not self.stalled and self.on_stall is not None:
+                    try:
+                        self.on_stall()
+                    except Exception:
+                        log.exception("handling the stuck engine failed; no lease is renewed from now on")
+                self.stalled = True
+            elif now >= next_beat:
                 # First and on its own: no failure of the rest of the loop (a policy sync, a cancel,
                 # stats) may keep the leases from being renewed (they would lapse, and the reaper
                 # would queue running jobs again).
@@ -461,7 +473,10 @@ class Control(threading.Thread):
                     next_stats = now + s.stats_interval_s
                 if now >= next_reap:
                     self.reap()
-                    next_reap = now + max(1.0, s.lease_s / 4)
+                    # often enough that a dead worker's jobs are taken over within a second or a beat
+                    # of its heartbeat running out (takeover_after_s): a pass that finds nothing due is
+                    # one round trip of three reads
+                    next_reap = now + min(1.0, s.heartbeat_s)
                 self.backoff.ok()
             except REDIS_ERRORS as exc:
                 delay = self.backoff.fail()
@@ -508,7 +523,12 @@ class Control(threading.Thread):
         lost it: by the time the worker acts, it may hold the job again under a newer lease) and of
         cancelled jobs."""
         leases = self.leases()
-        lost, cancel = self.q.renew(leases)
+        lost, cancel, late = self.q.heartbeat(self.worker_id, leases)
+        if late:
+            # (a stalled process, a paused VM, a lost link): another worker's reaper may have taken
+            # this worker's jobs meanwhile; those come back as lost leases here and are dropped, and
+            # the worker serves on
+            log.warning("heartbeat %.1fs late: other workers may have taken over this worker's jobs", late)
         if lost:
             log.warning("leases lost for %d jobs: %s", len(lost), lost[:5])
             self.on_lost([(job_id, leases[job_id]) for job_id in lost if job_id in leases])
@@ -516,9 +536,11 @@ class Control(threading.Thread):
             self.on_cancel(cancel)
 
     def reap(self) -> None:
-        requeued, dead, cancelled = self.q.reap()
+        requeued, dead, cancelled, taken = self.q.reap()
         if requeued or dead or cancelled:
-            log.warning("reaped expired leases: %d requeued, %d dead-lettered, %d cancelled", requeued, dead, cancelled)
+            log.warning("reaped %d jobs (%d of a worker whose heartbeat was overdue, the rest of expired leases): "
+                        "%d requeued, %d dead-lettered, %d cancelled", requeued + dead + cancelled, taken,
+                        requeued, dead, cancelled)
             self.reaped = [a + b for a, b in zip(self.reaped, (requeued, dead, cancelled))]
 
     def prepare(self) -> None:
@@ -559,6 +581,7 @@ class Control(threading.Thread):
     def unregister(self) -> None:
         try:
             self.q.redis.zrem(self.q.keys.workers, self.worker_id)
+            self.q.redis.zrem(self.q.keys.beats, self.worker_id)  # (its jobs were given back)
             self.q.redis.delete(self.q.keys.worker(self.worker_id))
         except REDIS_ERRORS:
             pass

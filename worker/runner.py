@@ -37,8 +37,11 @@ from .textstream import chat_format
 from .model import LoadedModel
 from .engine.engine import make_engine
 from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQueue, StepOutput
+from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
+
+STALL_EXIT_CODE = 70  # (EX_SOFTWARE) the watchdog found the engine stuck: a supervisor restarts the worker
 
 
 def fit_context(req, prompt_len: int, ctx: int) -> None:
@@ -93,7 +96,7 @@ class Worker:
         self._isolating = False  # a suspect job waits for the engine to drain, or runs alone (admit_now)
         self._engine_free = self.engine.free_slots()
         self._engine_urgent_below = float("-inf")
-        # ("cancel", job ids) or ("lost", (job id, owner token) pairs)
+        # ("cancel" | "timeout", job ids) or ("lost", (job id, owner token) pairs)
         self._control_q: "queue.Queue[tuple[str, list]]" = queue.Queue()
         self.stop_event = threading.Event()  # threads exit
         self.draining = threading.Event()  # warm shutdown: finish or requeue, pull nothing
@@ -110,6 +113,9 @@ class Worker:
 
         # the embedding's rows (mlx-lm's model args), which bound the token ids a job may name too
         self._model_vocab: Optional[int] = getattr(getattr(loaded.model, "args", None), "vocab_size", None)
+        # no step completing for stall_s while jobs run: renew nothing more, exit (_stalled)
+        self.watchdog = Watchdog(self.settings.stall_s)
+        self._exit = os._exit  # (a test that runs the worker in its own process replaces it)
         self.publisher = Publisher(self.q, self.stop_event)
         # deltas Redis would not take (an error no resend cures): the job is dropped as on a lost lease;
         # its lease lapses and the next attempt resumes from what its stream holds
@@ -122,7 +128,8 @@ class Worker:
                                on_cancel=lambda ids: self._control_q.put(("cancel", ids)),
                                snapshot=lambda: self._snap,
                                model_info={**loaded.info(), "max_new_tokens": self.settings.max_new_tokens},
-                               registry_key=gk.models, stop=self.stop_event, global_redis=redis_client)
+                               registry_key=gk.models, stop=self.stop_event, global_redis=redis_client,
+                               watchdog=self.watchdog, on_stall=self._stalled)
 
     # -- shared with the I/O threads ----------------------------------------
     def _free_slots(self) -> int:
@@ -233,11 +240,13 @@ class Worker:
                 self.host.check()
                 self._check_threads()
                 self._apply_removals()
+                self._expire()
                 self._handle_control()
                 self._admit()
                 if self.draining.is_set() and (not self.active or time.monotonic() > self._drain_deadline):
                     break
                 if not self.engine.has_work():
+                    self.watchdog.idle()
                     self._refresh_snapshot()
                     if burst and not len(self.ready) and self._queue_empty():
                         idle_since = idle_since or time.monotonic()
@@ -249,8 +258,10 @@ class Worker:
                     continue
                 idle_since = None
                 t0 = time.perf_counter()
+                self.watchdog.step_started()
                 events, preempted = self.engine.step()
                 self._hand_over(events, preempted)
+                self.watchdog.step_done()
                 self.busy_s += time.perf_counter() - t0
                 self._refresh_snapshot()
         except Exception as exc:
@@ -264,6 +275,21 @@ class Worker:
             raise
         finally:
             self._shutdown(failure)
+
+    def _stalled(self) -> None:
+        """Control thread: the watchdog found the engine stuck. The MLX thread cannot be stopped from
+        here, and what it holds cannot be trusted: the process exits, with no warm shutdown. Its beat
+        is withdrawn first, so that other workers take its jobs over at their next reap (not a
+        takeover_s later); anything it still sends after that is fenced out."""
+        log.error("worker %s is stuck: %s; it renews nothing more and exits (%d) for its supervisor to restart "
+                  "it, and other workers take its jobs over", self.worker_id, self.watchdog.reason, STALL_EXIT_CODE)
+        try:
+            self.q.redis.zadd(self.keys.beats, {self.worker_id: 0})
+        except Exception:  # noqa: BLE001 - its beat then runs out by itself
+            log.warning("could not withdraw the heartbeat; other workers take the jobs over when it runs out")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        self._exit(STALL_EXIT_CODE)
 
     def _check_threads(self) -> None:
         """MLX thread: the I/O threads catch what they can; one that died anyway (a bug) leaves a
@@ -489,6 +515,18 @@ class Worker:
         ids, vals = top[order].tolist(), top_vals[order].tolist()
         return {"token": ev.token, "logprob": lp[ev.token].item(), "top": [[i, v] for i, v in zip(ids, vals)]}
 
+    def _expire(self) -> None:
+        """MLX thread: jobs past their ``timeout_s`` (running or waiting to be admitted) end, as a
+        cancel does, with finish reason "timeout" and their tokens so far."""
+        now = time.monotonic()
+        with self.ready.lock:
+            jobs = list(self.active.values()) + [j for j in self.ready.items if isinstance(j, ActiveJob)]
+        late = [j for j in jobs if j.deadline is not None and not j.timed_out and now >= j.deadline]
+        for job in late:
+            job.timed_out = True
+        if late:
+            self._control_q.put(("timeout", sorted({j.id for j in late})))
+
     def _handle_control(self) -> None:
         while True:
             try:
@@ -509,14 +547,17 @@ class Worker:
                 self.host.submit(partial(self._end_by_control, kind, ended))
 
     def _end_by_control(self, kind: str, ended: list) -> None:
-        """Host thread: end cancelled jobs (every sample), drop jobs whose lease another worker took (after
-        the tokens of every earlier step; a sample the host thread finished meanwhile stays finished)."""
+        """Host thread: end cancelled and timed-out jobs (every sample), drop jobs whose lease another
+        worker took (after the tokens of every earlier step; a sample the host thread finished meanwhile
+        stays finished)."""
         out = StepOutput()
         for job, running in ended:
             if running and self.active.get(job.uid) is not job:
                 continue
             if kind == "cancel":
                 self._alone(job, out, partial(self._finish, job, "cancelled", out))
+            elif kind == "timeout":  # its tokens so far, and the text they make (nothing held back)
+                self._alone(job, out, lambda j=job: self._finish(j, "timeout", out, j.text.finish()))
             else:  # lost lease: another worker owns the job now; write nothing
                 self.active.pop(job.uid, None)
                 log.warning("job=%s attempt=%d dropped: lease lost", job.uid, job.attempt)
@@ -641,7 +682,7 @@ class Worker:
             log.error("could not flush all output to Redis before exit")
         elif suspects:
             try:  # now, not when another worker's reaper comes by: requeued (attempt counted) or dead
-                requeued, dead, _ = self.q.reap()
+                requeued, dead, *_ = self.q.reap()
                 log.warning("gave up %d jobs: %d requeued, %d dead-lettered", len(suspects), requeued, dead)
             except Exception:  # noqa: BLE001 - any worker's reaper does it later
                 log.exception("could not reap the jobs given up; another worker's reaper will")

@@ -1,6 +1,7 @@
 // mlxq from Node.js: enqueue one job, stream its text from the job's channel, read the result.
 //   npm install redis@4 @msgpack/msgpack
 //   MLXQ_REDIS_URL=redis://localhost:6379/0 MLXQ_MODEL=tiny node producer.mjs "Once upon a time" 16
+// MLXQ_TIMEOUT_S=30: the job ends with finish_reason "timeout" and its text so far once it has run 30 s.
 // Structured output: a JSON Schema as the third argument constrains the text to JSON valid for it:
 //   node producer.mjs "Triage: the printer is on fire" 200 '{"type": "object", "properties": {...}}'
 // It calls mlxq's Redis Functions (library "mlxq", loaded by every worker at start): no script to ship.
@@ -50,6 +51,7 @@ await sub.subscribe(k.chan, (msg) => {
 const keyHash = env.MLXQ_API_KEY ? createHash("sha256").update(env.MLXQ_API_KEY).digest("hex") : "";
 const fields = { id, model, prompt, max_tokens: Number(maxTokens), temperature: 0, source: "node",
                  submitted_at: Date.now() / 1000 };
+if (env.MLXQ_TIMEOUT_S) fields.timeout_s = Number(env.MLXQ_TIMEOUT_S); // > 0, or the job is refused
 if (schema) fields.response_format = { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(schema) } };
 const request = Buffer.from(encode(fields));
 const [status, , why] = (await redis.sendCommand(["FCALL", "mlxq_enqueue", "8", k.job, k.counts, k.wake, k.job,

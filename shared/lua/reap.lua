@@ -1,25 +1,48 @@
--- Requeue jobs whose lease expired (their worker died or hung), at their original score.
+-- Requeue jobs whose lease expired, or whose worker's heartbeat is overdue (takeover: the worker
+-- died or hung, and its leases may run for minutes yet), at their original score.
 -- After max attempts a job goes to the dead-letter set with its last error. A job requeued after its
 -- second expired lease keeps an error, which makes it a suspect (pull.lua): the next worker runs it alone.
 -- Any worker may run this.
 -- An admitted job's score, tier and suspect flag come from sched (worker-only), never its hash.
--- KEYS: 1 inflight, 2 queue, 3 counts, 4 dead, 5 deadinfo, 6 wake, 7 sched, then four per candidate (the
---       caller read in-flight members whose lease looked expired, in ARGV order): job, events, done
---       list, channel
--- ARGV: 1 max attempts, 2 ttl (s), 3 publish command (PUBLISH | SPUBLISH on a cluster), 4.. the candidates
--- A candidate whose lease is not expired by the server's clock (renewed meanwhile) is left alone.
--- Returns {requeued, dead, cancelled}
+-- Taking a job over ends its owner's lease as an expiry does (the owner field goes): a worker judged
+-- dead that was only slow finds its writes refused (deltas.lua, complete.lua) and the lease lost at its
+-- next renew, and drops the job; the attempt counts, as for a worker that died.
+-- KEYS: 1 inflight, 2 queue, 3 counts, 4 dead, 5 deadinfo, 6 wake, 7 sched, 8 beats, then four per
+--       candidate (the caller read in-flight members whose lease looked expired or whose owner's beat
+--       looked overdue, in ARGV order): job, events, done list, channel
+-- ARGV: 1 max attempts, 2 ttl (s), 3 publish command (PUBLISH | SPUBLISH on a cluster), 4 the count k of
+--       workers to forget, 5..4+k those workers (overdue, and holding nothing the caller saw), then
+--       the candidates
+-- A candidate whose lease is not expired and whose owner's beat is not overdue by the server's clock
+-- (renewed meanwhile) is left alone; so is a worker to forget that beat meanwhile.
+-- Returns {requeued, dead, cancelled, taken over (of the requeued, dead and cancelled)}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local nowstr = string.format('%.6f', now)
 local ttl = tonumber(ARGV[2])
-local requeued, dead, cancelled = 0, 0, 0
-for i = 4, #ARGV do
+local forget = tonumber(ARGV[4])
+for i = 5, 4 + forget do
+  local vouched = tonumber(redis.call('ZSCORE', KEYS[8], ARGV[i]))
+  if vouched and vouched <= now then redis.call('ZREM', KEYS[8], ARGV[i]) end
+end
+-- the job's owner token is '<worker id>:<attempt>' (pull.lua); its worker is judged by its own beat
+local function owner_overdue(jk)
+  local owner = redis.pcall('HGET', jk, 'owner')
+  if type(owner) ~= 'string' then return false end
+  local wid = string.match(owner, '^(.+):%d+$')
+  local vouched = wid and tonumber(redis.call('ZSCORE', KEYS[8], wid))
+  return vouched ~= nil and vouched <= now
+end
+local requeued, dead, cancelled, taken = 0, 0, 0, 0
+local first = 5 + forget
+for i = first, #ARGV do
   local id = ARGV[i]
-  local base = 7 + (i - 4) * 4
+  local base = 8 + (i - first) * 4
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local deadline = tonumber(redis.call('ZSCORE', KEYS[1], id))
-  if deadline and deadline <= now then  -- (renewed meanwhile: left alone)
+  local takeover = deadline and deadline > now and owner_overdue(jk)
+  if takeover then taken = taken + 1 end
+  if deadline and (deadline <= now or takeover) then  -- (renewed meanwhile: left alone)
     redis.call('ZREM', KEYS[1], id)
     local ktype = redis.call('TYPE', jk)
     if type(ktype) == 'table' then ktype = ktype['ok'] end
@@ -85,4 +108,4 @@ for i = 4, #ARGV do
     end
   end
 end
-return {requeued, dead, cancelled}
+return {requeued, dead, cancelled, taken}
