@@ -15,12 +15,9 @@ import asyncio
 
 import openai
 import pytest
-import redis
 from pydantic import BaseModel, Field
 
-from mlxq.producer.gateway import ServerThread, create_app
-from mlxq.shared.keys import GlobalKeys
-from workerkit import fast_settings, running_worker, wait_for
+from workerkit import serving_gateway
 
 MODEL = "smollm2"
 QUESTION = "What is the capital of France?"
@@ -40,14 +37,8 @@ def weather(city: str) -> str:
 @pytest.fixture(scope="module")
 def gateway(redis_server, smollm2):
     """The gateway's URL, with a worker serving SmolLM2 for the module."""
-    r = redis.Redis.from_url(redis_server.url)
-    r.flushall()
-    settings = fast_settings(redis_server.url)
-    with running_worker(smollm2, redis_server.url, settings, max_batch=4):
-        assert wait_for(lambda: r.hexists(GlobalKeys().models, MODEL), timeout=60)
-        with ServerThread(create_app(redis_server.url, settings)) as url:
-            yield f"{url}/v1"
-    r.close()
+    with serving_gateway(smollm2, redis_server.url, max_batch=4) as (url, _):
+        yield f"{url}/v1"
 
 
 def sync_openai(base_url: str) -> openai.OpenAI:

@@ -10,14 +10,12 @@ import json
 import jsonschema
 import openai
 import pytest
-import redis
 
 from mlxq import Client
 from mlxq.devkit.make_model import THINK_END, THINK_START, TOOL_CALL_START
-from mlxq.producer.gateway import ServerThread, create_app
 from mlxq.shared import codec
 from mlxq.shared.keys import GlobalKeys
-from workerkit import fast_settings, running_worker, wait_for
+from workerkit import serving_gateway
 from test_gateway import raw_post
 from test_tools import SCHEMAS, TOOLS, WEATHER
 
@@ -43,14 +41,8 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schem
 @pytest.fixture(scope="module")
 def stack(redis_server, tiny_model):
     """(gateway url, redis, the model's tokenizer) with a worker serving "tiny" for the module."""
-    r = redis.Redis.from_url(redis_server.url)
-    r.flushall()
-    settings = fast_settings(redis_server.url)
-    with running_worker(tiny_model, redis_server.url, settings, max_batch=8):
-        assert wait_for(lambda: r.hexists(GK.models, "tiny"), timeout=60)
-        with ServerThread(create_app(redis_server.url, settings)) as url:
-            yield url, r, tiny_model.tokenizer
-    r.close()
+    with serving_gateway(tiny_model, redis_server.url, max_batch=8) as (url, r):
+        yield url, r, tiny_model.tokenizer
 
 
 def oai(url: str) -> openai.OpenAI:

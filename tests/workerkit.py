@@ -54,6 +54,25 @@ def running_worker(loaded, url: str, settings: Settings | None = None, **kw):
         assert not t.is_alive(), "worker did not stop"
 
 
+@contextlib.contextmanager
+def serving_gateway(loaded, url: str, **worker_kw):
+    """An emptied Redis at ``url``, a worker serving ``loaded`` (its ``name``) and the gateway in front
+    of it, for the block: yields (the gateway's URL, a Redis client)."""
+    from mlxq.producer.gateway import ServerThread, create_app
+    from mlxq.shared.keys import GlobalKeys
+
+    r = redis.Redis.from_url(url)
+    r.flushall()
+    settings = fast_settings(url)
+    try:
+        with running_worker(loaded, url, settings, **worker_kw):
+            assert wait_for(lambda: r.hexists(GlobalKeys().models, loaded.name), timeout=60)
+            with ServerThread(create_app(url, settings)) as gateway_url:
+                yield gateway_url, r
+    finally:
+        r.close()
+
+
 def tier_clients(url: str, settings: Settings, tag: str):
     """(admin, low, high): a key-less client and clients whose registered API keys (suffix ``tag``)
     put their jobs in the low and high tiers."""

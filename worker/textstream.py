@@ -296,6 +296,25 @@ class ChatStream:
         return self._fmt.tool_call_start + text + end
 
 
+class JsonStrings:
+    """Where JSON text's strings are, one character at a time (a string's quotes count as inside)."""
+
+    def __init__(self):
+        self._in_string = self._escaped = False
+
+    def outside(self, ch: str) -> bool:
+        """Whether ``ch``, the next character, lies outside every string."""
+        if self._escaped:
+            self._escaped = False
+        elif self._in_string:
+            self._escaped, self._in_string = ch == "\\", ch != '"'
+        elif ch == '"':
+            self._in_string = True
+        else:
+            return True
+        return False
+
+
 # the head of a call in mlxq's JSON: its name, then where its arguments start
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=[{\[])')
 
@@ -308,7 +327,7 @@ class CallArgs:
         self.name: Optional[str] = None
         self._start = self._read = self._depth = 0
         self._end: Optional[int] = None
-        self._in_string = self._escaped = False
+        self._strings = JsonStrings()
 
     def read(self, text: str) -> Optional[tuple[str, str]]:
         """(name, arguments so far) of the call whose text so far is ``text``; None before its head."""
@@ -324,13 +343,9 @@ class CallArgs:
             self._read = self._start
         for i in range(self._read, len(text) if self._end is None else self._read):
             ch = text[i]
-            if self._escaped:
-                self._escaped = False
-            elif self._in_string:
-                self._escaped, self._in_string = ch == "\\", ch != '"'
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
+            if not self._strings.outside(ch):
+                continue
+            if ch in "{[":
                 self._depth += 1
             elif ch in "}]":
                 self._depth -= 1
@@ -360,20 +375,15 @@ class CallEnd:
     def __init__(self, marker: str):
         self.marker = marker
         self._read = 0
-        self._in_string = self._escaped = False
+        self._strings = JsonStrings()
 
     def find(self, text: str) -> Optional[int]:
         """Where the end marker starts in ``text`` (the call's text so far, grown since the last
         call), or None when it has not come."""
         for i in range(self._read, len(text)):
-            ch = text[i]
-            if self._escaped:
-                self._escaped = False
-            elif self._in_string:
-                self._escaped, self._in_string = ch == "\\", ch != '"'
-            elif ch == '"':
-                self._in_string = True
-            elif i + 1 >= len(self.marker) and text.startswith(self.marker, i + 1 - len(self.marker)):
+            if not self._strings.outside(text[i]):
+                continue
+            if i + 1 >= len(self.marker) and text.startswith(self.marker, i + 1 - len(self.marker)):
                 self._read = i + 1
                 return i + 1 - len(self.marker)
         self._read = len(text)
