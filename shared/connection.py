@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
+from redis.backoff import FullJitterBackoff
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (ClusterDownError, MovedError, ReadOnlyError, RedisClusterException,
@@ -221,9 +222,10 @@ class LinkWatch:
 
     def backoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
         """After a failed call: re-raise what is not a link failure, raise :class:`RedisUnreachable`
-        past ``deadline``, else sleep ``delay``, refresh the topology and return the next delay."""
+        past ``deadline``, else sleep up to ``delay`` (:func:`jittered`), refresh the topology and
+        return the next delay."""
         nxt = self._next_delay(exc, deadline, delay, is_link)
-        time.sleep(delay)
+        time.sleep(jittered(delay))
         if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
             self.refresh()
         return nxt
@@ -231,7 +233,7 @@ class LinkWatch:
     async def abackoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
         """``backoff`` for asyncio code."""
         nxt = self._next_delay(exc, deadline, delay, is_link)
-        await asyncio.sleep(delay)
+        await asyncio.sleep(jittered(delay))
         if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
             await self.arefresh()
         return nxt
@@ -260,6 +262,13 @@ class LinkWatch:
                 continue
             self.ok()
             return result
+
+
+def jittered(ceiling: float) -> float:
+    """A retry's sleep: full jitter under the capped exponential ``ceiling`` (redis-py's
+    ``FullJitterBackoff``, one step of it): after a restart or a failover every worker, client and
+    gateway retried on the same beat, all at once."""
+    return FullJitterBackoff(cap=ceiling, base=ceiling).compute(0)
 
 
 def is_link_error(exc: BaseException) -> bool:
