@@ -19,8 +19,8 @@ from ..shared.settings import Settings
 
 from .asubscriber import AsyncSubscriber, link_watch
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (SYNC, Backoff, Emit, JobCore, Receive, Steps, WaitDone, decode_status, prepare, retryable,
-                   schema_of, submit_kwargs)
+from .core import (SYNC, Backoff, Emit, JobCore, Origin, Receive, Resubmit, Steps, WaitDone, decode_status, prepare,
+                   retryable, schema_of, submit_kwargs)
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +28,19 @@ class AsyncJob:
     """``Job`` for asyncio: the same core (``mlxq.producer.core.JobCore``), its reads awaited."""
 
     def __init__(self, client: "AsyncClient", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued,
-                 schema=None):
-        self.id = job_id
+                 schema=None, origin: Optional[Origin] = None):
         self._client = client
         self._keys = keys
         self._pubsub = pubsub
         self._redis = client.at(keys.job(job_id))  # the model's slot (its master, pinned, on a cluster)
         self.enqueued = enqueued
-        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed)
+        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed, origin)
         self._streaming = False  # a stream() is reading the subscription
+
+    @property
+    def id(self) -> str:
+        """As ``Job.id``."""
+        return self._core.id
 
     def __repr__(self) -> str:
         return f"AsyncJob({self.id!r})"
@@ -108,6 +112,14 @@ class AsyncJob:
 
     async def _io_backoff(self, op: Backoff) -> float:
         return await self._client.watch.abackoff(op.error, op.deadline, op.delay, retryable)
+
+    async def _io_resubmit(self, op: Resubmit) -> str:
+        origin = self._core.origin
+        job_id, payload = origin.again(op.resume_ids)
+        enq = await self._client._retry(lambda: self._client._enqueue(self._keys.model, job_id, payload,
+                                                                      origin.floor, origin.idempotency_key))
+        await self._close_pubsub()  # the next read subscribes the new job's channel and reads its record
+        return enq.job_id
 
     async def cancel(self) -> str:
         return await self._client._retry(lambda: self._client._cancel(self._keys.model, self.id))
@@ -318,7 +330,8 @@ class AsyncClient:
         else:
             prep = prepare(*args)
         keys = self.gkeys.model_keys(model)
-        job = AsyncJob(self, prep.request.id, keys, None, None, prep.schema)
+        origin = Origin.of(prep, _floor, idempotency_key)
+        job = AsyncJob(self, prep.request.id, keys, None, None, prep.schema, origin)
         deadline = time.monotonic() + self.settings.redis_outage_s
         try:
             if subscribe:  # subscribed before the job exists; stream() also replays the durable record
@@ -331,7 +344,7 @@ class AsyncClient:
             raise
         if enq.status == "duplicate":
             await job._close_pubsub()
-            return AsyncJob(self, enq.job_id, keys, None, enq, prep.schema)
+            return AsyncJob(self, enq.job_id, keys, None, enq, prep.schema, origin)
         job.enqueued = enq
         return job
 
