@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator, Optional
 from redis.exceptions import NoPermissionError, ResponseError
 
 from ..shared import apikeys
-from ..shared.connection import LinkWatch, close_pins, connect_async, for_slot_async, is_cluster
+from ..shared.connection import (LinkWatch, close_pins, connect_async, for_slot_async, is_cluster, one_connection_async,
+                                 replica_acked)
 from ..shared.keys import GlobalKeys, ModelKeys
 from ..shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, fcall_failed, function_name,
                                parse_check, parse_enqueue, script_source)
@@ -222,9 +223,21 @@ class AsyncClient:
     def calls(self, model: str) -> ScriptCalls:
         return ScriptCalls(self.gkeys.model_keys(model), self.settings, self.cluster)
 
-    async def _run(self, call, decode: bool = False, read_only: bool = False):
+    async def _run_acked(self, call, job_id: str):
+        """As ``Queue._run_acked``: with ``submit_replica_ack_ms`` set, ``WAIT 1 <ms>`` after the submit,
+        on its connection."""
+        wait_ms = self.settings.submit_replica_ack_ms
+        if not wait_ms:
+            return await self._run(call)
+        async with one_connection_async(self.at(call[1][0])) as conn:
+            reply = await self._run(call, client=conn)
+            acked = await conn.execute_command("WAIT", 1, wait_ms)
+        replica_acked(acked, job_id, wait_ms)
+        return reply
+
+    async def _run(self, call, decode: bool = False, read_only: bool = False, client=None):
         name, keys, args = call
-        r = self.at(keys[0]) if keys else self.redis
+        r = client or (self.at(keys[0]) if keys else self.redis)
         if self._functions:
             fcall = r.fcall_ro if read_only else r.fcall
             try:
@@ -245,11 +258,11 @@ class AsyncClient:
         async def attempt() -> Enqueued:
             if not self._functions:
                 try:
-                    return parse_enqueue(await self._run(calls.enqueue(job_id, payload, kh, floor, idem)))
+                    return parse_enqueue(await self._run_acked(calls.enqueue(job_id, payload, kh, floor, idem), job_id))
                 except NoPermissionError:  # EVALSHA refused before anything ran
                     self._functions = True
             parse_check(await self._run(calls.check(kh, floor), read_only=True))
-            return parse_enqueue(await self._run(calls.submit(job_id, payload, kh, floor, idem)))
+            return parse_enqueue(await self._run_acked(calls.submit(job_id, payload, kh, floor, idem), job_id))
 
         try:
             return await attempt()

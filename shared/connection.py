@@ -28,6 +28,7 @@ cluster pipeline does not (it refuses EVALSHA).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -680,6 +681,46 @@ class AsyncSlotRedis:
         client, self._client = self._client, None
         if client is not None:
             await _close_quietly(client)
+
+
+@contextlib.contextmanager
+def one_connection(client):
+    """One connection of ``client``'s pool for the block: ``WAIT`` counts the writes sent on its own
+    connection, so a write and its ``WAIT`` must share one.  On a cluster the pin's node (a failover's
+    error marks the pin stale, as any of its calls does)."""
+    node = client.current() if isinstance(client, SlotRedis) else client
+    conn = node.client()
+    try:
+        yield conn
+    except RESLOT_ERRORS:
+        if isinstance(client, SlotRedis):
+            client.invalidate()
+        raise
+    finally:
+        conn.close()
+
+
+@contextlib.asynccontextmanager
+async def one_connection_async(client):
+    """``one_connection`` for an asyncio client (an :class:`AsyncSlotRedis` pin on a cluster)."""
+    node = await client.current() if isinstance(client, AsyncSlotRedis) else client
+    conn = node.client()
+    try:
+        yield conn
+    except RESLOT_ERRORS:
+        if isinstance(client, AsyncSlotRedis):
+            await client.invalidate(node)
+        raise
+    finally:
+        await conn.aclose()
+
+
+def replica_acked(acked: Any, job_id: str, wait_ms: int) -> None:
+    """After ``WAIT 1 wait_ms``: a warning when no replica had the job in time (it is queued all the
+    same; lost in a failover, its producer submits it again)."""
+    if int(acked or 0) < 1:
+        log.warning("job %s: no replica acknowledged its submit within %d ms (submit_replica_ack_ms); a failover "
+                    "now could lose it (its producer would submit it again)", job_id, wait_ms)
 
 
 async def _close_quietly(client) -> None:

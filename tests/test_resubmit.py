@@ -130,3 +130,46 @@ def test_a_record_lost_under_a_waiting_client_async_client_and_gateway_stream(ti
     finally:
         worker.stop()
         client.close()
+
+
+# -- submit_replica_ack_ms: WAIT 1 <ms> after the submit, on its connection -----------------------------
+def test_submit_waits_for_a_replica_when_asked(tmp_path, caplog):
+    """On a cluster with replicas, a Client's and an AsyncClient's submit return once the slot's
+    replica has the job (read there, READONLY, at once); on a Redis with no replica the wait runs out
+    and says so in one warning, the job queued all the same."""
+    import redis
+
+    from clusterkit import EmbeddedCluster
+    from mlxq.shared.embedded import EmbeddedRedis
+
+    caplog.set_level(logging.WARNING)
+    with EmbeddedCluster(masters=3, replicas=1) as cluster:
+        url = cluster.masters[0].url
+        master = cluster.master_for(K.queue)
+        replica = cluster.replicas[cluster.masters.index(master)][0]
+        settings = fast_settings(url, submit_replica_ack_ms=5000)
+        on_replica = redis.Redis(port=replica.port, single_connection_client=True)
+        on_replica.execute_command("READONLY")
+        client = Client(url, model="tiny", settings=settings)
+        ids = [client.submit(prompt_tokens=[5, 6], max_tokens=2).id for _ in range(3)]
+
+        async def async_submits():
+            ac = AsyncClient(url, model="tiny", settings=settings)
+            out = [(await ac.submit(prompt_tokens=[5, 6], max_tokens=2)).id for _ in range(3)]
+            await ac.aclose()
+            return out
+
+        ids += asyncio.run(async_submits())
+        assert all(on_replica.exists(K.job(i)) for i in ids)
+        assert not [m for m in caplog.messages if "no replica acknowledged" in m]
+        on_replica.close()
+        client.close()
+    srv = EmbeddedRedis(tmp_path / "single").start()
+    try:
+        client = Client(srv.url, model="tiny", settings=fast_settings(srv.url, submit_replica_ack_ms=50))
+        job = client.submit(prompt_tokens=[5, 6], max_tokens=2)
+        assert job.status().startswith("queued")
+        assert [m for m in caplog.messages if "no replica acknowledged" in m and job.id in m]
+        client.close()
+    finally:
+        srv.stop()
