@@ -28,7 +28,8 @@ from clusterkit import EmbeddedCluster
 from mlxq.shared.connection import connect
 from mlxq.shared.keys import ModelKeys
 from workerkit import neutral_cwd, wait_for
-from faultkit import _LIVE, WorkerProc, detok_text, record, reference_tokens, wait_registered, worker_env
+from faultkit import (_LIVE, WorkerProc, detok_text, record, reference_tokens, start_again, wait_registered,
+                      worker_env)
 
 K = ModelKeys("tiny")
 QUEUE_KEY = K.queue
@@ -121,20 +122,6 @@ def _stream_all(oai, prompts, rnd: Round) -> list[threading.Thread]:
     return threads
 
 
-def _start_again(node) -> None:
-    """Start a killed node again on its port and data directory (it rejoins as a replica)."""
-    node._server._desired_port = node.port
-    end = time.monotonic() + 30
-    while True:
-        try:
-            node.start()
-            return
-        except OSError:  # the killed process still holds the port for a moment
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.2)
-
-
 def _make_master_again(cluster: EmbeddedCluster, node) -> None:
     """``node`` rejoined as a replica of its slot's new master: a manual failover makes it master."""
     c = cluster.client(node)
@@ -187,7 +174,7 @@ def test_gateway_rides_out_the_models_master_killed(victim_is, tiny_model, tiny_
                 assert after.choices[0].finish_reason == "length"
                 figures.append((moment, rnd.timings()))
                 if n + 1 < len(rounds):  # the same node serves the slot again for the next round
-                    _start_again(victim)
+                    start_again(victim)
                     _make_master_again(cluster, victim)
             log = gw.log()
             assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-5000:]
