@@ -209,24 +209,31 @@ class LinkWatch:
 
     def _next_delay(self, exc: Exception, deadline: Optional[float], delay: float, is_link) -> float:
         """After a failed call: re-raise what is not a link failure, give up past ``deadline``, else
-        the delay after this one."""
+        the delay after this one (a ceiling: the sleep is drawn under it, :meth:`_pause`)."""
         if not (is_link or is_link_error)(exc):
             raise exc
         self.failed(exc)
         now, since = time.monotonic(), self._down_since
-        if deadline is not None and now + delay > deadline:
+        if deadline is not None and now >= deadline:
             raise self.unreachable(exc) from None
         if self.give_up_s is not None and since is not None and now - since > self.give_up_s \
                 and (deadline is None or self.give_up_timed):
             raise self.unreachable(exc) from None
         return min(2.0, delay * 2)
 
+    @staticmethod
+    def _pause(delay: float, deadline: Optional[float]) -> float:
+        """The sleep before the next try: drawn under ``delay`` (:func:`jittered`), and never past
+        ``deadline``, where the last try goes (a call gives up at its deadline, not a draw before it)."""
+        pause = jittered(delay)
+        return pause if deadline is None else min(pause, max(0.0, deadline - time.monotonic()))
+
     def backoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
         """After a failed call: re-raise what is not a link failure, raise :class:`RedisUnreachable`
         past ``deadline``, else sleep up to ``delay`` (:func:`jittered`), refresh the topology and
         return the next delay."""
         nxt = self._next_delay(exc, deadline, delay, is_link)
-        time.sleep(jittered(delay))
+        time.sleep(self._pause(delay, deadline))
         if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
             self.refresh()
         return nxt
@@ -234,7 +241,7 @@ class LinkWatch:
     async def abackoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
         """``backoff`` for asyncio code."""
         nxt = self._next_delay(exc, deadline, delay, is_link)
-        await asyncio.sleep(jittered(delay))
+        await asyncio.sleep(self._pause(delay, deadline))
         if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
             await self.arefresh()
         return nxt
