@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator, Optional
 from redis.exceptions import NoPermissionError, ResponseError
 
 from ..shared import apikeys
-from ..shared.connection import LinkWatch, close_pins, connect_async, for_slot_async, is_cluster
+from ..shared.connection import (LinkWatch, close_pins, connect_async, for_slot_async, is_cluster, one_connection_async,
+                                 replica_acked)
 from ..shared.keys import GlobalKeys, ModelKeys
 from ..shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, fcall_failed, function_name,
                                parse_check, parse_enqueue, script_source)
@@ -19,8 +20,8 @@ from ..shared.settings import Settings
 
 from .asubscriber import AsyncSubscriber, link_watch
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (SYNC, Backoff, Emit, JobCore, Receive, Steps, WaitDone, decode_status, prepare, retryable,
-                   schema_of, submit_kwargs)
+from .core import (SYNC, Backoff, Emit, JobCore, Origin, Receive, Resubmit, Steps, WaitDone, decode_status, prepare,
+                   retryable, schema_of, submit_kwargs)
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +29,19 @@ class AsyncJob:
     """``Job`` for asyncio: the same core (``mlxq.producer.core.JobCore``), its reads awaited."""
 
     def __init__(self, client: "AsyncClient", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued,
-                 schema=None):
-        self.id = job_id
+                 schema=None, origin: Optional[Origin] = None):
         self._client = client
         self._keys = keys
         self._pubsub = pubsub
         self._redis = client.at(keys.job(job_id))  # the model's slot (its master, pinned, on a cluster)
         self.enqueued = enqueued
-        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed)
+        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed, origin)
         self._streaming = False  # a stream() is reading the subscription
+
+    @property
+    def id(self) -> str:
+        """As ``Job.id``."""
+        return self._core.id
 
     def __repr__(self) -> str:
         return f"AsyncJob({self.id!r})"
@@ -108,6 +113,14 @@ class AsyncJob:
 
     async def _io_backoff(self, op: Backoff) -> float:
         return await self._client.watch.abackoff(op.error, op.deadline, op.delay, retryable)
+
+    async def _io_resubmit(self, op: Resubmit) -> str:
+        origin = self._core.origin
+        job_id, payload = origin.again(op.resume_ids)
+        enq = await self._client._retry(lambda: self._client._enqueue(self._keys.model, job_id, payload,
+                                                                      origin.floor, origin.idempotency_key))
+        await self._close_pubsub()  # the next read subscribes the new job's channel and reads its record
+        return enq.job_id
 
     async def cancel(self) -> str:
         return await self._client._retry(lambda: self._client._cancel(self._keys.model, self.id))
@@ -210,9 +223,21 @@ class AsyncClient:
     def calls(self, model: str) -> ScriptCalls:
         return ScriptCalls(self.gkeys.model_keys(model), self.settings, self.cluster)
 
-    async def _run(self, call, decode: bool = False, read_only: bool = False):
+    async def _run_acked(self, call, job_id: str):
+        """As ``Queue._run_acked``: with ``submit_replica_ack_ms`` set, ``WAIT 1 <ms>`` after the submit,
+        on its connection."""
+        wait_ms = self.settings.submit_replica_ack_ms
+        if not wait_ms:
+            return await self._run(call)
+        async with one_connection_async(self.at(call[1][0])) as conn:
+            reply = await self._run(call, client=conn)
+            acked = await conn.execute_command("WAIT", 1, wait_ms)
+        replica_acked(acked, job_id, wait_ms)
+        return reply
+
+    async def _run(self, call, decode: bool = False, read_only: bool = False, client=None):
         name, keys, args = call
-        r = self.at(keys[0]) if keys else self.redis
+        r = client or (self.at(keys[0]) if keys else self.redis)
         if self._functions:
             fcall = r.fcall_ro if read_only else r.fcall
             try:
@@ -233,11 +258,11 @@ class AsyncClient:
         async def attempt() -> Enqueued:
             if not self._functions:
                 try:
-                    return parse_enqueue(await self._run(calls.enqueue(job_id, payload, kh, floor, idem)))
+                    return parse_enqueue(await self._run_acked(calls.enqueue(job_id, payload, kh, floor, idem), job_id))
                 except NoPermissionError:  # EVALSHA refused before anything ran
                     self._functions = True
             parse_check(await self._run(calls.check(kh, floor), read_only=True))
-            return parse_enqueue(await self._run(calls.submit(job_id, payload, kh, floor, idem)))
+            return parse_enqueue(await self._run_acked(calls.submit(job_id, payload, kh, floor, idem), job_id))
 
         try:
             return await attempt()
@@ -318,7 +343,8 @@ class AsyncClient:
         else:
             prep = prepare(*args)
         keys = self.gkeys.model_keys(model)
-        job = AsyncJob(self, prep.request.id, keys, None, None, prep.schema)
+        origin = Origin.of(prep, _floor, idempotency_key)
+        job = AsyncJob(self, prep.request.id, keys, None, None, prep.schema, origin)
         deadline = time.monotonic() + self.settings.redis_outage_s
         try:
             if subscribe:  # subscribed before the job exists; stream() also replays the durable record
@@ -331,7 +357,7 @@ class AsyncClient:
             raise
         if enq.status == "duplicate":
             await job._close_pubsub()
-            return AsyncJob(self, enq.job_id, keys, None, enq, prep.schema)
+            return AsyncJob(self, enq.job_id, keys, None, enq, prep.schema, origin)
         job.enqueued = enq
         return job
 

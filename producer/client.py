@@ -16,8 +16,8 @@ from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
 from .bulkmap import map_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (SYNC, Backoff, Emit, JobCore, Receive, Steps, WaitDone, decode_status, prepare, retryable,
-                   schema_of, submit_kwargs)
+from .core import (SYNC, Backoff, Emit, JobCore, Origin, Receive, Resubmit, Steps, WaitDone, decode_status, prepare,
+                   retryable, schema_of, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
 
@@ -35,14 +35,19 @@ class Job:
     (``mlxq.producer.core.JobCore``); this class does the reads it asks for."""
 
     def __init__(self, client: "Client", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued,
-                 schema=None):
-        self.id = job_id
+                 schema=None, origin: Optional[Origin] = None):
         self._client = client
         self._keys = keys
         self._pubsub = pubsub  # this job's inbox on the client's shared subscriber, or None
         self.enqueued = enqueued
-        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed)
+        # origin: the request this handle submitted, to submit again if a failover loses its record
+        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed, origin)
         self._streaming = False  # a stream() is reading the subscription
+
+    @property
+    def id(self) -> str:
+        """The job's id (a new one once the job was submitted again after its record was lost)."""
+        return self._core.id
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
@@ -120,6 +125,15 @@ class Job:
 
     def _io_backoff(self, op: Backoff) -> float:
         return self._client.watch.backoff(op.error, op.deadline, op.delay, retryable)
+
+    def _io_resubmit(self, op: Resubmit) -> str:
+        job_id, payload = self._core.origin.again(op.resume_ids)
+        q = self._client.queue_for(self._keys.model)
+        enq = self._client._retry(lambda: q.enqueue(job_id, payload, self._client.key_hash, self._core.origin.floor,
+                                                    self._core.origin.idempotency_key,
+                                                    global_redis=self._client.redis))
+        self._close_pubsub()  # the next read subscribes the new job's channel and reads its record
+        return enq.job_id
 
     def cancel(self) -> str:
         """'cancelled' (was queued), 'cancelling' (leaves the batch at the next step) or the final status."""
@@ -249,7 +263,8 @@ class Client:
         prep = prepare(model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
                        known_model(model, self._registry()), self.settings.max_prompt_bytes)
         q = self.queue_for(model)
-        job = Job(self, prep.request.id, q.keys, None, None, prep.schema)
+        origin = Origin.of(prep, _floor, idempotency_key)
+        job = Job(self, prep.request.id, q.keys, None, None, prep.schema, origin)
         deadline = time.monotonic() + self.settings.redis_outage_s
         if subscribe:
             self._retry(job._ensure_pubsub, deadline)  # subscribed (and confirmed) before the job exists
@@ -262,7 +277,7 @@ class Client:
             raise
         if enq.status == "duplicate":
             job._close_pubsub()
-            return Job(self, enq.job_id, q.keys, None, enq, prep.schema)
+            return Job(self, enq.job_id, q.keys, None, enq, prep.schema, origin)
         job.enqueued = enq
         return job
 

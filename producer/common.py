@@ -181,9 +181,16 @@ def entry_deltas(fields: dict) -> list[Delta]:
 class Lane:
     """One sample's reading position: token ids and characters yielded, and whether it ended."""
 
-    tokens: int = 0
+    ids: list[int] = field(default_factory=list)  # the token ids yielded (a resubmit's resume point)
     chars: int = 0
     done: bool = False
+    # a job submitted with resume_ids starts after them, its text after theirs: the first delta at the
+    # next index says where that text ends (this side has no tokenizer to count it)
+    chars_unknown: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
 
 
 @dataclass
@@ -239,6 +246,8 @@ class StreamState:
         lane = self.lane(d.sample)
         if lane.done:
             return []
+        if lane.chars_unknown and d.index == lane.tokens:
+            lane.chars, lane.chars_unknown = d.offset, False
         if d.index > lane.tokens or d.offset > lane.chars:
             self.gap = True
             return []
@@ -246,7 +255,7 @@ class StreamState:
         ids, text = d.token_ids[skip_ids:], d.text[skip_chars:]
         if not (ids or text or d.finish_reason):
             return []  # all of it was yielded already
-        lane.tokens += len(ids)
+        lane.ids += ids
         lane.chars += len(text)
         if d.finish_reason is not None:
             self._ended(lane, d)

@@ -37,7 +37,7 @@ from redis.exceptions import NoScriptError
 from ..shared import codec
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
-from ..shared.schemas import Delta, GenerateRequest, Parsed, Result
+from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
 from .common import (ClientClosed, ConfirmCut, JobNotFound, JobTimeout, StreamState, build_request, check_fits,
                      entry_deltas, payload_deltas, result_from_hash)
 
@@ -113,13 +113,44 @@ def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes:
         kwargs["response_format"] = schema_format(schema)
     req = build_request(model, kwargs)
     check_fits(req, info, count_tokens)
-    # a max_tokens the caller did not give stays off the wire: the worker then ends the job at the
-    # model's context, where an explicit one that cannot fit is refused
-    default_max = set() if "max_tokens" in req.model_fields_set else {"max_tokens"}
-    payload = codec.pack(req.model_dump(mode="json", exclude_none=True, exclude=default_max))
+    payload = pack_request(req)
     if len(payload) > max_bytes:
         raise ValueError(f"request of {len(payload)} bytes exceeds the {max_bytes}-byte limit")
     return Prepared(req, payload, schema)
+
+
+def pack_request(req: GenerateRequest) -> bytes:
+    """The request's wire form.  A max_tokens the caller did not give stays off the wire: the worker
+    then ends the job at the model's context, where an explicit one that cannot fit is refused."""
+    default_max = set() if "max_tokens" in req.model_fields_set else {"max_tokens"}
+    return codec.pack(req.model_dump(mode="json", exclude_none=True, exclude=default_max))
+
+
+# -- a job lost in a failover ------------------------------------------------------------------------
+
+MAX_RESUBMITS = 3  # per handle: a record lost this often is not a failover's write window
+
+
+@dataclass(frozen=True)
+class Origin:
+    """What the handle that submitted a job keeps to submit it again if its record is lost: the
+    request, its tier floor, and the idempotency key (the caller's, else one made from the first id,
+    so that every handle resubmitting the same lost job lands on one new job)."""
+
+    request: GenerateRequest
+    floor: Optional[str]
+    idempotency_key: str
+
+    @classmethod
+    def of(cls, prep: "Prepared", floor: Optional[str], idempotency_key: Optional[str]) -> "Origin":
+        return cls(prep.request, floor, idempotency_key or f"mlxq-resubmit:{prep.request.id}")
+
+    def again(self, resume_ids: Optional[list[int]]) -> tuple[str, bytes]:
+        """A new job id and the request to submit under it, carrying ``resume_ids``: the token ids
+        the caller has already (the worker takes them as published output)."""
+        req = self.request.model_copy(update={"id": new_job_id(), "resume_ids": resume_ids or None,
+                                              "submitted_at": time.time()})
+        return req.id, pack_request(req)
 
 
 # -- structured results ----------------------------------------------------------------------------
@@ -198,6 +229,14 @@ class Emit:
     name = "emit"
 
 
+@dataclass(frozen=True)
+class Resubmit:
+    """The job's record is gone (a write lost with a failed master): submit it again (``Origin``) with
+    ``resume_ids``, the token ids its caller has (None: from the start); reply: the new job's id."""
+    resume_ids: Optional[list[int]]
+    name = "resubmit"
+
+
 EMIT = Emit()
 Step = Generator[Any, Any, Any]
 
@@ -206,13 +245,19 @@ class JobCore:
     """One job's reading state and the decisions of its waits (see the module's docstring)."""
 
     def __init__(self, job_id: str, keys: ModelKeys, watch: LinkWatch,
-                 schema: Optional[type[BaseModel]] = None, closed: Callable[[], bool] = lambda: False):
+                 schema: Optional[type[BaseModel]] = None, closed: Callable[[], bool] = lambda: False,
+                 origin: Optional[Origin] = None):
         self.id = job_id
+        self.origin = origin  # the handle that submitted the job can submit it again (None: it cannot)
+        self.resubmits = 0
+        self.state = StreamState()
+        if origin is not None and origin.request.resume_ids:  # the caller has these: the output goes on after them
+            lane = self.state.lane(0)
+            lane.ids, lane.chars_unknown = list(origin.request.resume_ids), True
         self.keys = keys
         self.watch = watch
         self.schema = schema
         self.closed = closed  # whether the client was closed (close() / aclose())
-        self.state = StreamState()
         self.last_id = "0-0"
         self.result: Optional[Result] = None
         # deltas read (the stream state already past them) but not yet handed to a caller: a stream()
@@ -275,9 +320,9 @@ class JobCore:
         data = yield Receive(wait_s(deadline), time_left(deadline))
         if data is None or data == SYNC:
             out = self.feed_record((yield READ_EVENTS))
-            # quiet and nothing new: a job with no record (unknown, expired) never ends; say so
+            # quiet and nothing new: a job with no record (unknown, expired, lost) never ends
             if data is None and not out and not self.state.done and not (yield JOB_EXISTS):
-                raise JobNotFound(self.id)
+                yield from self._lost()
             return out
         out = feed_message(self.state, data)
         if not self.state.gap:
@@ -287,14 +332,32 @@ class JobCore:
 
     def _poll_result(self, deadline: Optional[float]) -> Step:
         record = yield READ_RECORD
-        if not record:  # no hash at all: unknown or expired (a queued or running job has one)
-            raise JobNotFound(self.id)
+        if not record:  # no hash at all: unknown, expired or lost (a queued or running job has one)
+            yield from self._lost()
+            return []
         res = result_from_hash(self.id, record)
         if res is not None:
             self.result = with_parsed(res, self.schema)
             return []
         yield WaitDone(wait_s(deadline))
         return []
+
+
+    def _lost(self) -> Step:
+        """The job's record is gone.  The handle that submitted it submits it again: a write lost
+        with a failed master (asynchronous replication) must not lose the caller's job.  The new job
+        goes on after the token ids this handle has read (no token twice, text offsets go on); any
+        other handle gets ``JobNotFound`` (an unknown id, or a record expired after ``result_ttl_s``)."""
+        if self.origin is None or self.resubmits >= MAX_RESUBMITS:
+            raise JobNotFound(self.id)
+        lane = self.state.lane(0)
+        resume = list(lane.ids) if self.origin.request.n == 1 and lane.ids else None
+        old = self.id
+        new = yield Resubmit(resume)
+        self.resubmits += 1
+        self.id, self.last_id = new, "0-0"
+        log.warning("job %s: its record is gone (a write lost in a failover?); submitted again as job %s, "
+                    "going on after %d token(s)", old, new, len(resume or ()))
 
 
 class Steps:

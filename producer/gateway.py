@@ -352,6 +352,16 @@ class Gateway:
             if meta.include_usage and finished:
                 res = await job.result(timeout=self.result_wait_s)
                 yield _event(meta.usage_chunk(usage(res), job_stats(res)))
+        except Exception as exc:  # noqa: BLE001 - the headers went out: a 500 now is an ASGI error
+            # the stream cannot go on (Redis unreachable past redis_outage_s, a job lost for good):
+            # it ends as OpenAI ends one, with an error event and no [DONE]; one log line
+            jlog(logging.WARNING, job.id, attempt, "stream ended early: %s: %s", type(exc).__name__, exc)
+            err = (unreachable_error(exc) if isinstance(exc, RedisUnreachable) else
+                   OpenAIError(500, f"the stream was interrupted: {type(exc).__name__}: {exc}", "server_error",
+                               code="stream_interrupted"))
+            self.metrics.errors.labels(err.type).inc()
+            yield _event(err.body())
+        else:
             yield "data: [DONE]\n\n"
             if finished:  # its tokens and log line, off the response: it ends at [DONE], not a read later
                 self.spawn(self._streamed(job))

@@ -115,7 +115,12 @@ class _NodeReader(threading.Thread):
                     self.wakeup.clear()
                     continue
                 msg = self.pubsub.get_message(timeout=1.0)
-            except LINK_ERRORS as exc:
+            except (*LINK_ERRORS, OSError, ValueError) as exc:
+                # a lost link; OSError / ValueError too: the socket closed under this read by a thread
+                # that reconnected on it ("I/O operation on closed file"; a Cluster master killed).
+                # One warning line (Inboxes.forget), not a traceback: the channels move to a new link
+                if self.stopped:
+                    return
                 self.fail(exc)
                 break
             except Exception:

@@ -28,6 +28,7 @@ cluster pipeline does not (it refuses EVALSHA).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -37,6 +38,7 @@ from typing import Any, Callable, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
+from redis.backoff import FullJitterBackoff
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (ClusterDownError, MovedError, ReadOnlyError, RedisClusterException,
@@ -207,23 +209,31 @@ class LinkWatch:
 
     def _next_delay(self, exc: Exception, deadline: Optional[float], delay: float, is_link) -> float:
         """After a failed call: re-raise what is not a link failure, give up past ``deadline``, else
-        the delay after this one."""
+        the delay after this one (a ceiling: the sleep is drawn under it, :meth:`_pause`)."""
         if not (is_link or is_link_error)(exc):
             raise exc
         self.failed(exc)
         now, since = time.monotonic(), self._down_since
-        if deadline is not None and now + delay > deadline:
+        if deadline is not None and now >= deadline:
             raise self.unreachable(exc) from None
         if self.give_up_s is not None and since is not None and now - since > self.give_up_s \
                 and (deadline is None or self.give_up_timed):
             raise self.unreachable(exc) from None
         return min(2.0, delay * 2)
 
+    @staticmethod
+    def _pause(delay: float, deadline: Optional[float]) -> float:
+        """The sleep before the next try: drawn under ``delay`` (:func:`jittered`), and never past
+        ``deadline``, where the last try goes (a call gives up at its deadline, not a draw before it)."""
+        pause = jittered(delay)
+        return pause if deadline is None else min(pause, max(0.0, deadline - time.monotonic()))
+
     def backoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
         """After a failed call: re-raise what is not a link failure, raise :class:`RedisUnreachable`
-        past ``deadline``, else sleep ``delay``, refresh the topology and return the next delay."""
+        past ``deadline``, else sleep up to ``delay`` (:func:`jittered`), refresh the topology and
+        return the next delay."""
         nxt = self._next_delay(exc, deadline, delay, is_link)
-        time.sleep(delay)
+        time.sleep(self._pause(delay, deadline))
         if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
             self.refresh()
         return nxt
@@ -231,7 +241,7 @@ class LinkWatch:
     async def abackoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
         """``backoff`` for asyncio code."""
         nxt = self._next_delay(exc, deadline, delay, is_link)
-        await asyncio.sleep(delay)
+        await asyncio.sleep(self._pause(delay, deadline))
         if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
             await self.arefresh()
         return nxt
@@ -260,6 +270,13 @@ class LinkWatch:
                 continue
             self.ok()
             return result
+
+
+def jittered(ceiling: float) -> float:
+    """A retry's sleep: full jitter under the capped exponential ``ceiling`` (redis-py's
+    ``FullJitterBackoff``, one step of it): after a restart or a failover every worker, client and
+    gateway retried on the same beat, all at once."""
+    return FullJitterBackoff(cap=ceiling, base=ceiling).compute(0)
 
 
 def is_link_error(exc: BaseException) -> bool:
@@ -671,6 +688,46 @@ class AsyncSlotRedis:
         client, self._client = self._client, None
         if client is not None:
             await _close_quietly(client)
+
+
+@contextlib.contextmanager
+def one_connection(client):
+    """One connection of ``client``'s pool for the block: ``WAIT`` counts the writes sent on its own
+    connection, so a write and its ``WAIT`` must share one.  On a cluster the pin's node (a failover's
+    error marks the pin stale, as any of its calls does)."""
+    node = client.current() if isinstance(client, SlotRedis) else client
+    conn = node.client()
+    try:
+        yield conn
+    except RESLOT_ERRORS:
+        if isinstance(client, SlotRedis):
+            client.invalidate()
+        raise
+    finally:
+        conn.close()
+
+
+@contextlib.asynccontextmanager
+async def one_connection_async(client):
+    """``one_connection`` for an asyncio client (an :class:`AsyncSlotRedis` pin on a cluster)."""
+    node = await client.current() if isinstance(client, AsyncSlotRedis) else client
+    conn = node.client()
+    try:
+        yield conn
+    except RESLOT_ERRORS:
+        if isinstance(client, AsyncSlotRedis):
+            await client.invalidate(node)
+        raise
+    finally:
+        await conn.aclose()
+
+
+def replica_acked(acked: Any, job_id: str, wait_ms: int) -> None:
+    """After ``WAIT 1 wait_ms``: a warning when no replica had the job in time (it is queued all the
+    same; lost in a failover, its producer submits it again)."""
+    if int(acked or 0) < 1:
+        log.warning("job %s: no replica acknowledged its submit within %d ms (submit_replica_ack_ms); a failover "
+                    "now could lose it (its producer would submit it again)", job_id, wait_ms)
 
 
 async def _close_quietly(client) -> None:

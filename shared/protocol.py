@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Optional
 
 from redis.exceptions import NoPermissionError, ResponseError
 
-from .connection import for_slot, is_cluster
+from .connection import for_slot, is_cluster, one_connection, replica_acked
 from .apikeys import AuthError
 from .keys import ModelKeys
 from .settings import Settings
@@ -367,12 +367,13 @@ class Queue:
         def attempt() -> Enqueued:
             if not self.functions:
                 try:
-                    return parse_enqueue(self.run(self.calls.enqueue(job_id, request, key_hash, floor,
-                                                                     idempotency_key)))
+                    return parse_enqueue(self._run_acked(self.calls.enqueue(job_id, request, key_hash, floor,
+                                                                            idempotency_key), job_id))
                 except NoPermissionError:  # EVALSHA refused before anything ran
                     self.functions = True
             parse_check(self.run(self.calls.check(key_hash, floor), read_only=True))
-            return parse_enqueue(self.run(self.calls.submit(job_id, request, key_hash, floor, idempotency_key)))
+            return parse_enqueue(self._run_acked(self.calls.submit(job_id, request, key_hash, floor, idempotency_key),
+                                                 job_id))
 
         try:
             return attempt()
@@ -390,6 +391,18 @@ class Queue:
         except NoPermissionError:
             raise not_copied from None
         return attempt()
+
+    def _run_acked(self, call, job_id: str):
+        """``run``, then, with ``submit_replica_ack_ms`` set, ``WAIT 1 <ms>`` on the same connection:
+        the submit returns once one replica has the job (or the wait ran out: a warning)."""
+        wait_ms = self.settings.submit_replica_ack_ms
+        if not wait_ms:
+            return self.run(call)
+        with one_connection(self.redis) as conn:
+            reply = self.run(call, client=conn)
+            acked = conn.execute_command("WAIT", 1, wait_ms)
+        replica_acked(acked, job_id, wait_ms)
+        return reply
 
     def admit(self, limit: int = 1000) -> tuple[int, int]:
         """Place what producers under the ACL recipe left on the intake list (a worker's job)."""

@@ -171,6 +171,23 @@ class GenerateRequest(SamplingParams):
             raise ValueError(f"must be a number of seconds above 0, not {type(v).__name__} {v!r:.40}")
         return v
 
+    # the output's first token ids, already out to the caller: a producer that found its job's record
+    # gone (a write lost in a failover) submits the job again with what it had streamed, and the
+    # worker takes these as published output (no token twice, text offsets go on after their text)
+    resume_ids: Optional[list[StrictInt]] = Field(None, max_length=1_000_000)
+
+    @model_validator(mode="after")
+    def _resume(self) -> "GenerateRequest":
+        if self.resume_ids is None:
+            return self
+        if any(t < 0 for t in self.resume_ids):
+            raise ValueError("resume_ids must be non-negative token ids")
+        if self.n > 1:
+            raise ValueError("resume_ids does not go with n > 1 (it continues one output)")
+        if "max_tokens" in self.model_fields_set and len(self.resume_ids) > self.max_tokens:
+            raise ValueError(f"resume_ids holds {len(self.resume_ids)} tokens, more than max_tokens {self.max_tokens}")
+        return self
+
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
         given = [x is not None for x in (self.prompt, self.messages, self.prompt_tokens)]

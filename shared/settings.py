@@ -167,6 +167,9 @@ class Settings:
                                   worker=False)
     redis_outage_s: float = opt(30.0, "producers retry an unreachable Redis this long, a job's result() or stream() "
                                 "with no timeout included (then: ConnectionError, HTTP 503)", worker=False)
+    submit_replica_ack_ms: int = opt(0, "submit returns once one replica has the job (WAIT 1 <ms>), or after this "
+                                     "many ms with a warning; 0: off (a failover may lose a job just submitted, "
+                                     "which its producer then submits again)", worker=False)
 
     # -- the worker process -----------------------------------------------------------------------------------
     keep_dtype: bool = opt(False, "keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
@@ -251,6 +254,7 @@ class Settings:
              "offsets must be finite numbers"),
             ("result_ttl_s", self.result_ttl_s >= 1, "must be at least 1 (seconds results and streams are kept)"),
             ("idempotency_ttl_s", self.idempotency_ttl_s >= 1, "must be at least 1"),
+            ("submit_replica_ack_ms", self.submit_replica_ack_ms >= 0, "must not be negative (0: off)"),
             ("idle_block_s", 0 < self.idle_block_s <= MAX_IDLE_BLOCK_S,
              f"must be above 0 and at most {MAX_IDLE_BLOCK_S:g} (a blocking pull returns well inside the "
              "connection's read timeout)"),

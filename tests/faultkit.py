@@ -114,6 +114,20 @@ class WorkerProc:
         self._log.close()
 
 
+def start_again(node) -> None:
+    """Start a killed server (an ``EmbeddedRedis``) again on its port and data directory."""
+    node._server._desired_port = node.port
+    end = time.monotonic() + 30
+    while True:
+        try:
+            node.start()
+            return
+        except OSError:  # the killed process still holds the port for a moment
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.2)
+
+
 def wait_registered(url: str, model: str = "tiny", n: int = 1, timeout: float = 60.0) -> bool:
     """Wait until ``n`` workers of ``model`` have published stats (they are serving)."""
     from mlxq.shared.connection import connect

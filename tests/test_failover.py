@@ -23,7 +23,7 @@ from mlxq.shared.embedded import EmbeddedRedis
 from clusterkit import EmbeddedCluster
 from mlxq.shared.keys import ModelKeys
 from workerkit import fast_settings, wait_for
-from faultkit import WorkerProc, detok_text, record, reference_tokens, wait_registered
+from faultkit import WorkerProc, detok_text, record, reference_tokens, start_again, wait_registered
 
 N_JOBS, MAX_TOKENS, STARTED, STARTED_TOKENS = 24, 48, 8, 5
 QUEUE_KEY = ModelKeys("tiny").queue
@@ -165,20 +165,6 @@ def _check(run: Run, refs, tokenizer, *, tokens: bool = True) -> None:
             assert res.text == want, i
 
 
-def _start_again(node: EmbeddedRedis) -> None:
-    """Start a killed server again on its port and data directory."""
-    node._server._desired_port = node.port
-    end = time.monotonic() + 30
-    while True:
-        try:
-            node.start()
-            return
-        except OSError:  # the killed process still holds the port for a moment
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.2)
-
-
 def _join(threads, timeout=300):
     end = time.monotonic() + timeout
     for t in threads:
@@ -215,7 +201,7 @@ def test_single_redis_restart_mid_stream_client_and_gateway(tiny_model, tiny_mod
             srv.kill()
             run_c.killed_at = run_g.killed_at = time.monotonic()
             time.sleep(2)
-            _start_again(srv)
+            start_again(srv)
             _join(threads + gthreads)
             _check(run_c, refs[:n], tiny_model.tokenizer)
             _check(run_g, refs[n:], tiny_model.tokenizer, tokens=False)
@@ -330,7 +316,7 @@ def test_every_node_stopped_result_times_out_then_the_same_client_works_again(cl
     assert isinstance(info.value, RedisUnreachable) and str(cluster.masters[0].port) in str(info.value)
     assert took < 5 + 5  # the timeout, plus at most one connect attempt in flight (socket_connect_timeout)
     for n in cluster.nodes:
-        _start_again(n)
+        start_again(n)
     assert [n.port for n in cluster.nodes] == ports
     cluster.wait_ok(60)
     # the nodes kept no data (no AOF): the same client serves a new job

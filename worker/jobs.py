@@ -347,11 +347,14 @@ def token_limit(tokenizer, model_vocab: Optional[int] = None) -> int:
 
 
 def check_token_ids(req: GenerateRequest, tokenizer, model_vocab: Optional[int] = None) -> None:
-    """logit_bias names token ids of this model's vocabulary."""
+    """logit_bias and resume_ids name token ids of this model's vocabulary."""
     vocab = token_limit(tokenizer, model_vocab)
     bad = sorted(t for t in (req.logit_bias or {}) if t >= vocab)
     if bad:
         raise JobError(f"logit_bias names token ids outside the vocabulary (size {vocab}): {bad[:5]}")
+    bad = [t for t in (req.resume_ids or ()) if t >= vocab]
+    if bad:
+        raise JobError(f"resume_ids holds token ids outside the vocabulary (size {vocab}): {bad[:5]}")
 
 
 def check_published_ids(published: Optional[dict], tokenizer, model_vocab: Optional[int] = None) -> None:
@@ -454,11 +457,12 @@ class Published:
             self.seed = wire["sd"]
 
 
-def read_samples(entries: list) -> dict[int, Published]:
+def read_samples(entries: list, seen: Optional[Published] = None) -> dict[int, Published]:
     """Fold a job's event stream (XRANGE entries) into what each sample published (sample 0 for an
-    n == 1 job).  Terminal events and malformed entries are skipped; a gap (which a fenced,
-    append-only record cannot have) ends that sample's fold there, so a resume never skips a token."""
-    out: dict[int, Published] = {}
+    n == 1 job), after ``seen`` (what the request says its caller has: ``seen_output``).  Terminal
+    events and malformed entries are skipped; a gap (which a fenced, append-only record cannot have)
+    ends that sample's fold there, so a resume never skips a token."""
+    out: dict[int, Published] = {0: dataclasses.replace(seen, tokens=list(seen.tokens))} if seen else {}
     for entry_id, fields in entries:
         raw = fields.get(b"d", fields.get("d"))
         if raw is None:
@@ -473,6 +477,19 @@ def read_samples(entries: list) -> dict[int, Published]:
             if not p.broken:
                 p.fold(entry_id, d, wire)
     return out
+
+
+def seen_output(req: GenerateRequest, prompt: list[int], tokenizer, in_thinking: Optional[bool] = None
+                ) -> Optional[Published]:
+    """What a resubmitted job's caller has already (``req.resume_ids``), as if an earlier attempt had
+    published it: the ids, and the text, reasoning and tool calls they make (None: nothing)."""
+    if not req.resume_ids:
+        return None
+    stream = chat_stream(tokenizer, req, prompt, in_thinking)
+    text = "".join(stream.add(t) for t in req.resume_ids)
+    partial = stream.partial_call()
+    return Published(tokens=list(req.resume_ids), chars=len(text), reasoning_chars=len(stream.reasoning),
+                     calls=len(stream.calls), args_chars=len(partial[1]) if partial else 0)
 
 
 def read_published(entries: list) -> Published:
@@ -511,7 +528,7 @@ def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer
         if isinstance(resume.get("started_at"), (int, float)):  # queue_wait_s: until the job first started
             job.started_at = resume["started_at"]
         mine = published.get(i) or Published()
-        if mine.seq:
+        if mine.seq or mine.tokens:  # (tokens and no delta: a resubmitted job's resume_ids)
             _restore(job, mine, resume)
         if group is not None and mine.finish:
             job.full_text += job.text.finish()

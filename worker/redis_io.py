@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import redis
+from redis.backoff import FullJitterBackoff
 from redis.exceptions import NoScriptError
 
 from ..shared import apikeys, codec
@@ -49,17 +50,21 @@ def _not_now(reply) -> bool:
 
 
 class Backoff:
-    """Capped exponential backoff, as rq's worker does for ConnectionError."""
+    """Capped exponential backoff, as rq's worker does for ConnectionError, with full jitter (redis-py's
+    ``FullJitterBackoff``: a delay drawn from [0, min(cap, first * 2**failures)]): after a restart every
+    worker and producer retried on the same beat, all at once."""
 
     def __init__(self, first: float = 0.05, cap: float = 1.0):
-        self.first, self.cap, self.delay = first, cap, 0.0
+        self.first, self.cap, self.failures = first, cap, 0
+        self._jitter = FullJitterBackoff(cap=cap, base=first)
 
     def fail(self) -> float:
-        self.delay = min(self.cap, self.delay * 2 if self.delay else self.first)
-        return self.delay
+        delay = self._jitter.compute(self.failures)
+        self.failures += 1
+        return delay
 
     def ok(self) -> None:
-        self.delay = 0.0
+        self.failures = 0
 
 
 # Each delta's sequence number (deltas.lua skips one its owner wrote already: a publish sent again after

@@ -30,8 +30,8 @@ from ..shared.protocol import Pulled, Queue
 from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, MAX_N, Delta, Result
 from ..shared.settings import TIERS, Settings
 from . import blas
-from .jobs import (ActiveJob, JobError, Published, admit_now, check_published_ids, check_token_ids, decode_request,
-                   job_grammar, prompt_in_thinking, read_samples, sample_uid, start_job, tokenize)
+from .jobs import (ActiveJob, JobError, admit_now, check_published_ids, check_token_ids, decode_request, job_grammar,
+                   prompt_in_thinking, read_samples, sample_uid, seen_output, start_job, tokenize)
 from .hostwork import HostWork
 from .textstream import chat_format
 from .model import LoadedModel
@@ -159,7 +159,7 @@ class Worker:
         # worker stops; that is no fault of the job, which must not be failed for it (its lease brings
         # it back)
         try:
-            published = self._published(entry)
+            record = self._record(entry)
         except REDIS_ERRORS:
             raise
         except Exception as exc:  # e.g. the events key holds another type: the record cannot be read
@@ -170,10 +170,12 @@ class Worker:
             req = decode_request(entry, self.loaded.name, self.settings.max_new_tokens)
             prompt = tokenize(req, self.loaded.tokenizer, self._model_vocab)
             check_token_ids(req, self.loaded.tokenizer, self._model_vocab)
-            check_published_ids(published, self.loaded.tokenizer, self._model_vocab)
             # whether the prompt opened a reasoning block: read once (a marker of several tokens takes a
             # decode of the whole prompt) for the grammar and every sample's output stream
             thinking = prompt_in_thinking(prompt, chat_format(self.loaded.tokenizer), self.loaded.tokenizer)
+            seen = seen_output(req, prompt, self.loaded.tokenizer, thinking)
+            published = read_samples(record or [], seen) if record or seen else None
+            check_published_ids(published, self.loaded.tokenizer, self._model_vocab)
             grammar = job_grammar(req, prompt, self.loaded.tokenizer, thinking)
             fit_context(req, len(prompt), self.loaded.context_length)
             if not self.engine.can_admit(len(prompt), req.max_tokens):
@@ -193,15 +195,15 @@ class Worker:
             return
         self.ready.put(*samples)
 
-    def _published(self, entry: Pulled) -> Optional[dict[int, Published]]:
-        """Fetcher thread: what earlier attempts of this job published (its durable record), for a job
-        that ran before (a later attempt after a crash, or a preempted or requeued job)."""
+    def _record(self, entry: Pulled) -> Optional[list]:
+        """Fetcher thread: what earlier attempts of this job published (its durable record's entries),
+        for a job that ran before (a later attempt after a crash, or a preempted or requeued job)."""
         if entry.attempt <= 1 and not entry.resume:
             return None
         backoff = Backoff()
         while True:
             try:
-                return read_samples(self.q.redis.xrange(self.keys.events(entry.job_id)))
+                return self.q.redis.xrange(self.keys.events(entry.job_id))
             except REDIS_ERRORS as exc:
                 if self.stop_event.is_set():
                     raise
