@@ -384,3 +384,46 @@ def test_gateway_429_carries_retry_after(tiny_model, redis_url):
         running.cancel()
         queued.cancel()
     client.close()
+
+
+def test_a_begun_stream_whose_redis_leaves_for_good_ends_with_an_error_event_not_a_500(tmp_path, tiny_model_dir,
+                                                                                      caplog):
+    """Redis killed for good under a stream that has begun: past ``redis_outage_s`` the stream ends as
+    OpenAI ends one, with an error event (503 redis_unavailable) and no ``[DONE]``; the gateway logs no
+    ASGI exception (a 500 after the headers went out)."""
+    import json
+    import logging
+    import urllib.request
+
+    from mlxq.producer.gateway import ServerThread, create_app
+
+    srv = EmbeddedRedis(tmp_path / "data").start()
+    worker = WorkerProc(srv.url, tiny_model_dir, tmp_path)
+    try:
+        settings = fast_settings(srv.url, redis_outage_s=2.0)
+        assert wait_registered(srv.url)
+        caplog.set_level(logging.WARNING)
+        with ServerThread(create_app(srv.url, settings)) as gw:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            req = urllib.request.Request(f"{gw}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                assert resp.status == 200
+                events = []
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: "):
+                        continue
+                    events.append(line[6:])
+                    if len(events) == 1:  # the stream has begun: Redis goes, and the worker with it
+                        worker.kill9()
+                        srv.kill()
+        assert len(events) > 1 and "[DONE]" not in events
+        last = json.loads(events[-1])
+        assert last["error"]["code"] == "redis_unavailable", last
+        assert all("choices" in json.loads(e) for e in events[:-1])
+        assert "Exception in ASGI application" not in caplog.text and "Traceback" not in caplog.text
+    finally:
+        worker.stop()
+        with contextlib.suppress(Exception):
+            srv.stop()
