@@ -755,3 +755,26 @@ def test_a_handle_sharing_a_subscription_its_first_handle_never_sent_retries_at_
             await client.aclose()
 
     asyncio.run(run())
+
+
+def test_a_file_closed_under_the_sync_reader_is_one_warning_and_the_stream_goes_on(redis_url, tiny_model, caplog):
+    """The pub/sub socket closed under the sync reader's read (as a thread reconnecting on it does when a
+    Cluster master dies: "I/O operation on closed file"): one warning line, no traceback, the channels
+    move to a new link and the stream is exact."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    with running_worker(tiny_model, redis_url, max_batch=1), \
+            Client(redis_url, model="tiny", settings=fast_settings(redis_url)) as client:
+        job = client.submit(prompt="once upon a time", max_tokens=64, ignore_eos=True)
+        deltas = job.stream(timeout=120)
+        got = [next(deltas)]
+        [reader] = client.subscriber._readers.values()
+        reader.pubsub.connection._parser._buffer.close()  # as disconnect() from another thread does: the
+        # reader's next read raises ValueError("I/O operation on closed file")
+        got += list(deltas)
+        res = job.result(timeout=120)
+        assert wait_for(lambda: reader.failed.is_set(), timeout=30)
+    assert [t for d in got for t in d.token_ids] == res.token_ids and len(res.token_ids) == 64
+    assert "".join(d.text for d in got) == res.text
+    assert not [r for r in caplog.records if r.exc_info] and "pub/sub reader error" not in caplog.text
