@@ -21,6 +21,7 @@ from .asubscriber import AsyncSubscriber, link_watch
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
 from .core import (SYNC, Backoff, Emit, JobCore, Receive, Steps, WaitDone, decode_status, prepare, retryable,
                    schema_of, submit_kwargs)
+from .core import REPLAY_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class AsyncJob:
 
     async def _io_job_exists(self, op) -> bool:
         return bool(await self._redis.exists(self._keys.job(self.id)))
+
+    async def _io_read_replay(self, op) -> list:
+        return await self._redis.hmget(self._keys.job(self.id), *REPLAY_FIELDS)
 
     async def _io_read_record(self, op) -> dict:
         return await self._redis.hgetall(self._keys.job(self.id))
