@@ -117,3 +117,22 @@ def _delta(e: dict, lane: _Lane, attempt: list, res: dict) -> dict:
 
 
 _DERIVED = frozenset(("a", "t", "i", "lp", "r", "tc", "pa", "pi", "pn", "po", "sd"))
+
+
+def read_payloads(r, keys, job_id: str) -> list[list[dict]]:
+    """Every payload a job's event stream holds, each a list of wire deltas, from the stream or, once
+    the job ended and its stream was compacted, from its record (for tools and tests: a reader that
+    follows a job uses ``JobCore``).  A terminal event (cancel, dead letter) is a list of its fields."""
+    from .schemas import wire_deltas
+
+    out = []
+    for _, fields in r.xrange(keys.events(job_id)):
+        f = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+        if "d" in f:
+            out.append(wire_deltas(codec.unpack(f["d"])))
+        else:
+            out.append([{k: v.decode() if isinstance(v, bytes) else v for k, v in f.items()}])
+    if out:
+        return out
+    packed, result = r.hmget(keys.job(job_id), FIELD, "result")
+    return expand(packed, result) if packed and result else []
