@@ -230,5 +230,30 @@ def test_a_finished_job_costs_at_most_2_kib_plus_its_text_and_a_late_subscriber_
             outputs = res.outputs
             text = sum(len(o.text.encode()) for o in outputs)
             ids = sum(len(codec.pack(o.token_ids)) for o in outputs)
-            print("BYTES", tokens, n, job_bytes(rr, job.id), text, ids)
             assert job_bytes(rr, job.id) <= BUDGET * n + text + ids, (tokens, n, job_bytes(rr, job.id), text, ids)
+
+
+def test_a_late_subscriber_gets_the_live_deltas_of_real_tool_call_and_reasoning_jobs(tiny_model, redis_url, rr):
+    """The real worker's chat deltas: a named tool call (its arguments streamed), then a job pushed
+    into thinking (reasoning deltas), with logprobs: read live while they run, then late from the
+    compacted record, by Client and AsyncClient."""
+    from mlxq.devkit.make_model import THINK_START
+    from test_tools import MESSAGES, TOOLS
+
+    think = tiny_model.tokenizer.get_vocab()[THINK_START]
+    with running_worker(tiny_model, redis_url), Client(redis_url, model="tiny") as c:
+        jobs = [c.submit(messages=MESSAGES, tools=TOOLS, max_tokens=120, logprobs=2,
+                         tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                         logit_bias={think: -100.0}),
+                c.submit(messages=MESSAGES, max_tokens=24, logit_bias={think: 100.0}, temperature=0.7)]
+        live = [dumps(j.stream(timeout=120)) for j in jobs]
+        late = [dumps(c.job(j.id).stream(timeout=10)) for j in jobs]
+
+    async def alate():
+        async with AsyncClient(redis_url, model="tiny") as ac:
+            return [[d.model_dump() async for d in (await ac.job(j.id)).stream(timeout=10)] for j in jobs]
+
+    assert [rr.hexists(KEYS.job(j.id), replay.FIELD) and not rr.exists(KEYS.events(j.id)) for j in jobs] == [True] * 2
+    assert any(d["tool_calls"] for d in live[0]) and any(d["partial_args"] for d in live[0])
+    assert any(d["reasoning"] for d in live[1])
+    assert late == live and asyncio.run(alate()) == live
