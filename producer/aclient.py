@@ -20,8 +20,8 @@ from ..shared.settings import Settings
 
 from .asubscriber import AsyncSubscriber, link_watch
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (SYNC, Backoff, Emit, JobCore, Origin, Receive, Resubmit, Steps, WaitDone, decode_status, prepare,
-                   retryable, schema_of, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, Receive, Resubmit, Steps, WaitDone,
+                   decode_status, prepare, retryable, schema_of, submit_kwargs)
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,9 @@ class AsyncJob:
 
     async def _io_job_exists(self, op) -> bool:
         return bool(await self._redis.exists(self._keys.job(self.id)))
+
+    async def _io_read_replay(self, op) -> list:
+        return await self._redis.hmget(self._keys.job(self.id), *REPLAY_FIELDS)
 
     async def _io_read_record(self, op) -> dict:
         return await self._redis.hgetall(self._keys.job(self.id))

@@ -16,8 +16,8 @@ from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
 from .bulkmap import map_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (SYNC, Backoff, Emit, JobCore, Origin, Receive, Resubmit, Steps, WaitDone, decode_status, prepare,
-                   retryable, schema_of, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, Receive, Resubmit, Steps, WaitDone,
+                   decode_status, prepare, retryable, schema_of, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
 
@@ -116,6 +116,9 @@ class Job:
 
     def _io_job_exists(self, op) -> bool:
         return bool(self._client.redis.exists(self._keys.job(self.id)))
+
+    def _io_read_replay(self, op) -> list:
+        return self._client.redis.hmget(self._keys.job(self.id), *REPLAY_FIELDS)
 
     def _io_read_record(self, op) -> dict:
         return self._client.redis.hgetall(self._keys.job(self.id))

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ValidationError
 import redis
 from redis.exceptions import NoScriptError
 
-from ..shared import codec
+from ..shared import codec, replay
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
@@ -188,11 +188,13 @@ def parse_text(out, schema: type[BaseModel]) -> tuple[Any, Optional[str]]:
 class Op:
     """A read with no argument: ``read_events`` (reply: the event-stream entries after
     ``JobCore.last_id``), ``read_record`` (the job's hash), ``job_exists`` (reply: whether the job's
-    hash exists)."""
+    hash exists), ``read_replay`` (reply: the job hash's ``REPLAY_FIELDS``, HMGET)."""
     name: str
 
 
 READ_EVENTS, READ_RECORD, JOB_EXISTS = Op("read_events"), Op("read_record"), Op("job_exists")
+READ_REPLAY = Op("read_replay")
+REPLAY_FIELDS = (replay.FIELD, "result")  # a finished job's compacted stream, and the result it slices
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,16 @@ class JobCore:
             out.extend(self.state.feed_all(entry_deltas(fields)))
         return out
 
+    def feed_replay(self, reply) -> list[Delta]:
+        """The deltas a finished job's compacted stream adds (``READ_REPLAY``'s reply); none while the
+        job has a stream.  A record that cannot be expanded raises ``ReplayError``: its stream is gone."""
+        packed, result = reply
+        out: list[Delta] = []
+        if packed and result:
+            for payload in replay.expand(packed, result):
+                out.extend(self.state.feed_all([Delta.from_wire(w) for w in payload]))
+        return out
+
     def stream(self, timeout: Optional[float]) -> Step:
         """Deltas in order, each once (emitted), until the job ends."""
         if self.undelivered:  # what an earlier stream() read and did not hand out
@@ -319,7 +331,7 @@ class JobCore:
         gap shows; else the live message."""
         data = yield Receive(wait_s(deadline), time_left(deadline))
         if data is None or data == SYNC:
-            out = self.feed_record((yield READ_EVENTS))
+            out = yield from self._read_durable()
             # quiet and nothing new: a job with no record (unknown, expired, lost) never ends
             if data is None and not out and not self.state.done and not (yield JOB_EXISTS):
                 yield from self._lost()
@@ -328,7 +340,16 @@ class JobCore:
         if not self.state.gap:
             return out
         self.undelivered.extend(out)  # kept if the read below fails: the state is past them
-        return self.feed_record((yield READ_EVENTS))
+        return (yield from self._read_durable())
+
+    def _read_durable(self) -> Step:
+        """What the durable record adds: the event stream after ``last_id``; when that adds nothing
+        to a job that has not ended, its stream may have been compacted into its hash as it ended
+        (complete.lua, in the same call as the final delta): read that."""
+        out = self.feed_record((yield READ_EVENTS))
+        if not out and not self.state.done:
+            out = self.feed_replay((yield READ_REPLAY))
+        return out
 
     def _poll_result(self, deadline: Optional[float]) -> Step:
         record = yield READ_RECORD

@@ -21,8 +21,9 @@ from .settings import Settings
 SCRIPT_NAMES = ("enqueue", "admit", "pull", "deltas", "complete", "requeue", "cancel", "renew", "reap",
                 "check", "submit", "cancel_request")
 # shared helpers put ahead of a script's body: _id checks a job id, _tier decides a tier, _end ends a
-# job's record, _sched reads and writes an admitted job's worker-only facts
-_PRELUDES = {"enqueue": ("_id", "_tier"), "submit": ("_id",), "admit": ("_id", "_tier", "_end", "_sched"),
+# job's record, _sched reads and writes an admitted job's worker-only facts, _compact folds a finished
+# job's event stream into its record
+_PRELUDES = {"complete": ("_compact",), "enqueue": ("_id", "_tier"), "submit": ("_id",), "admit": ("_id", "_tier", "_end", "_sched"),
              "check": ("_tier",), "pull": ("_id", "_end", "_sched"), "reap": ("_end", "_sched"),
              "requeue": ("_end", "_sched"), "cancel": ("_end", "_sched"), "cancel_request": ("_end",)}
 _READ_ONLY = ("check",)  # registered with the no-writes flag: callable with FCALL_RO
@@ -46,7 +47,7 @@ def function_name(name: str) -> str:
 def function_library() -> str:
     """Every script as a Redis Function of one library (``FUNCTION LOAD``), so that an ACL can
     allow ``FCALL`` while refusing ``EVAL``/``EVALSHA`` (no new code can be run)."""
-    parts = [f"#!lua name={FUNCTION_LIBRARY}", *(_lua(p) for p in ("_id", "_tier", "_end", "_sched"))]
+    parts = [f"#!lua name={FUNCTION_LIBRARY}", *(_lua(p) for p in ("_id", "_tier", "_end", "_sched", "_compact"))]
     for name in SCRIPT_NAMES:
         flags = ", flags = {'no-writes'}" if name in _READ_ONLY else ""
         parts.append(f"redis.register_function{{function_name = '{function_name(name)}', "

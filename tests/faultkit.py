@@ -226,17 +226,10 @@ def record(name: str, submitted: int, completed: int, lost: int, duplicated: int
 
 def executions_by_job(r, keys, job_ids) -> dict[str, int]:
     """How many attempts each job's event stream shows (distinct ``attempt`` values of its deltas)."""
-    from mlxq.shared import codec
-    from mlxq.shared.schemas import wire_deltas
+    from mlxq.shared.replay import read_payloads
 
-    out = {}
-    for jid in job_ids:
-        attempts = set()
-        for _, fields in r.xrange(keys.events(jid)):
-            if b"d" in fields:
-                attempts.update(d.get("a") for d in wire_deltas(codec.unpack(fields[b"d"])))
-        out[jid] = len(attempts)
-    return out
+    return {jid: len({d.get("a") for payload in read_payloads(r, keys, jid) for d in payload if "a" in d})
+            for jid in job_ids}
 
 
 class StepGate:

@@ -19,7 +19,8 @@ from mlxq.producer.gateway import ServerThread, create_app
 from mlxq.shared import codec
 from mlxq.shared.embedded import EmbeddedRedis
 from mlxq.shared.keys import GlobalKeys, ModelKeys
-from mlxq.shared.schemas import MAX_N, GenerateRequest, wire_deltas
+from mlxq.shared.replay import read_payloads
+from mlxq.shared.schemas import MAX_N, GenerateRequest
 from faultkit import WorkerProc, wait_registered
 from refkit import greedy
 from workerkit import fast_settings, running_worker, wait_for
@@ -95,8 +96,7 @@ def test_a_steps_samples_are_one_entry_of_the_record(stack):
     _, client, _ = stack
     job = client.submit(PROMPT, n=4, max_tokens=16, temperature=0.9, seed=5)
     res = job.result(timeout=120)
-    entries = [wire_deltas(codec.unpack(f[b"d"])) for _, f in client.redis.xrange(ModelKeys("tiny").events(job.id))
-               if b"d" in f]
+    entries = read_payloads(client.redis, ModelKeys("tiny"), job.id)
     assert all(len({d["x"] for d in e}) == len(e) for e in entries)  # one delta per sample an entry
     assert max(len(e) for e in entries) > 1 and len(entries) < sum(len(e) for e in entries)
     assert _record_by_sample(client.redis, job.id) == {o.index: o.token_ids for o in res.outputs}
@@ -185,10 +185,9 @@ def test_gateway_refuses_a_bad_n(stack, n):
 def _record_by_sample(r, job_id) -> dict[int, list[int]]:
     """Every token id the job's durable record holds per sample, counting every delta (a resend shows)."""
     out: dict[int, list[int]] = defaultdict(list)
-    for _, fields in r.xrange(ModelKeys("tiny").events(job_id)):
-        if b"d" in fields:
-            for d in wire_deltas(codec.unpack(fields[b"d"])):  # one delta, or several samples' of a step
-                out[d.get("x", 0)] += d.get("i", [])
+    for payload in read_payloads(r, ModelKeys("tiny"), job_id):  # its stream, or its compacted record
+        for d in payload:  # one delta, or several samples' of a step
+            out[d.get("x", 0)] += d.get("i", [])
     return out
 
 

@@ -15,6 +15,7 @@ from mlxq.producer.core import feed_message
 from mlxq.shared import codec
 from mlxq.shared.keys import ModelKeys
 from mlxq.shared.schemas import Delta
+from mlxq.shared.replay import read_payloads
 from mlxq.worker.jobs import read_published, read_samples
 from workerkit import fast_settings
 from faultkit import StreamCollector, WorkerProc, reference_tokens, wait_registered
@@ -89,12 +90,9 @@ def test_read_samples_folds_a_payload_of_several_samples():
 
 
 def _record_token_count(r, job_id) -> int:
-    """Token ids published in the job's durable record, counting every delta (a resend would show)."""
-    n = 0
-    for _, fields in r.xrange(K.events(job_id)):
-        if b"d" in fields:
-            n += len(codec.unpack(fields[b"d"]).get("i") or [])
-    return n
+    """Token ids published in the job's durable record (its stream, or the record it was compacted
+    into), counting every delta (a resend would show)."""
+    return sum(len(d.get("i") or []) for payload in read_payloads(r, K, job_id) for d in payload)
 
 
 def _follow(client, specs):

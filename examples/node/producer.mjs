@@ -40,6 +40,13 @@ async function replay() { // the durable stream holds every delta and terminal e
     if (m.d) feed(decode(m.d));
     else end({ f: m.f.toString(), e: m.e?.toString() }); // cancelled or dead, written by a script
   }
+  if (entries.length) return;
+  // no stream: a job that ended had it compacted into its record (field "events"); its text is the result's
+  const [events, packed] = await redis.hmGet(commandOptions({ returnBuffers: true }), k.job, ["events", "result"]);
+  if (events && packed) {
+    const r = decode(packed);
+    feed({ n: 0, c: 0, t: r.text, i: r.token_ids, f: r.finish_reason });
+  }
 }
 // 1. Subscribe before enqueueing: pub/sub is at-most-once.
 await sub.subscribe(k.chan, (msg) => {

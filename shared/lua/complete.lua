@@ -5,12 +5,15 @@
 --       5 ttl (s), 6 final delta (msgpack, may be ''), 7 publish command (PUBLISH | SPUBLISH on a cluster)
 -- Returns 1, or 0 when the lease was lost (a job key that is not a hash counts as lost: pcall).
 -- An events stream or done list of another type (clobbered) is skipped: the result is in the hash.
+-- The stream, final delta included, is then compacted into the record's 'events' field and deleted
+-- (_compact.lua), in this call: a reader finds either the whole stream or the whole record. The
+-- lease's write fence ('sent') and intake flag ('admitted') go too: nothing is written after this.
 local owner = redis.pcall('HGET', KEYS[1], 'owner')
 if type(owner) ~= 'string' or owner ~= ARGV[2] then return 0 end
 local t = redis.call('TIME')
 local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'result', ARGV[4], 'finished_at', now)
-redis.call('HDEL', KEYS[1], 'owner', 'cancel', 'resume')
+redis.call('HDEL', KEYS[1], 'owner', 'cancel', 'resume', 'sent', 'admitted')
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[7], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'running', -1)
@@ -21,6 +24,11 @@ redis.call('EXPIRE', KEYS[1], ttl)
 if ARGV[6] ~= '' then
   redis.pcall('XADD', KEYS[4], '*', 'd', ARGV[6])
   redis.call(ARGV[7], KEYS[6], ARGV[6])
+end
+local events = mlxq_compact(KEYS[4], ARGV[4])
+if events then
+  redis.call('HSET', KEYS[1], 'events', events)
+  redis.call('DEL', KEYS[4])
 end
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.pcall('RPUSH', KEYS[5], '1')
