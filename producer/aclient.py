@@ -102,9 +102,6 @@ class AsyncJob:
     async def _io_read_events(self, op) -> list:
         return await self._redis.xrange(self._keys.events(self.id), min=self._core.replay_from())
 
-    async def _io_job_exists(self, op) -> bool:
-        return bool(await self._redis.exists(self._keys.job(self.id)))
-
     async def _io_read_replay(self, op) -> list:
         return await self._redis.hmget(self._keys.job(self.id), *REPLAY_FIELDS)
 

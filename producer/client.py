@@ -114,9 +114,6 @@ class Job:
     def _io_read_events(self, op) -> list:
         return self._client.redis.xrange(self._keys.events(self.id), min=self._core.replay_from())
 
-    def _io_job_exists(self, op) -> bool:
-        return bool(self._client.redis.exists(self._keys.job(self.id)))
-
     def _io_read_replay(self, op) -> list:
         return self._client.redis.hmget(self._keys.job(self.id), *REPLAY_FIELDS)
 

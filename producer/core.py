@@ -187,14 +187,15 @@ def parse_text(out, schema: type[BaseModel]) -> tuple[Any, Optional[str]]:
 @dataclass(frozen=True)
 class Op:
     """A read with no argument: ``read_events`` (reply: the event-stream entries after
-    ``JobCore.last_id``), ``read_record`` (the job's hash), ``job_exists`` (reply: whether the job's
-    hash exists), ``read_replay`` (reply: the job hash's ``REPLAY_FIELDS``, HMGET)."""
+    ``JobCore.last_id``), ``read_record`` (the job's hash), ``read_replay`` (reply: the job hash's
+    ``REPLAY_FIELDS``, HMGET)."""
     name: str
 
 
-READ_EVENTS, READ_RECORD, JOB_EXISTS = Op("read_events"), Op("read_record"), Op("job_exists")
-READ_REPLAY = Op("read_replay")
-REPLAY_FIELDS = (replay.FIELD, "result")  # a finished job's compacted stream, and the result it slices
+READ_EVENTS, READ_RECORD, READ_REPLAY = Op("read_events"), Op("read_record"), Op("read_replay")
+# a finished job's compacted stream, the result it slices, and the status every job record has (none:
+# no record, so one read tells both)
+REPLAY_FIELDS = (replay.FIELD, "result", "status")
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,7 @@ class JobCore:
     def feed_replay(self, reply) -> list[Delta]:
         """The deltas a finished job's compacted stream adds (``READ_REPLAY``'s reply); none while the
         job has a stream.  A record that cannot be expanded raises ``ReplayError``: its stream is gone."""
-        packed, result = reply
+        packed, result = reply[:2]
         out: list[Delta] = []
         if packed and result:
             for payload in replay.expand(packed, result):
@@ -331,24 +332,26 @@ class JobCore:
         gap shows; else the live message."""
         data = yield Receive(wait_s(deadline), time_left(deadline))
         if data is None or data == SYNC:
-            out = yield from self._read_durable()
-            # quiet and nothing new: a job with no record (unknown, expired, lost) never ends
-            if data is None and not out and not self.state.done and not (yield JOB_EXISTS):
-                yield from self._lost()
-            return out
+            return (yield from self._read_durable(quiet=data is None))
         out = feed_message(self.state, data)
         if not self.state.gap:
             return out
         self.undelivered.extend(out)  # kept if the read below fails: the state is past them
         return (yield from self._read_durable())
 
-    def _read_durable(self) -> Step:
+    def _read_durable(self, quiet: bool = False) -> Step:
         """What the durable record adds: the event stream after ``last_id``; when that adds nothing
         to a job that has not ended, its stream may have been compacted into its hash as it ended
-        (complete.lua, in the same call as the final delta): read that."""
+        (complete.lua, in the same call as the final delta): read that.  ``quiet`` (a wait heard
+        nothing): that read also tells whether the job has a record at all; one with none (unknown,
+        expired, lost) never ends."""
         out = self.feed_record((yield READ_EVENTS))
-        if not out and not self.state.done:
-            out = self.feed_replay((yield READ_REPLAY))
+        if out or self.state.done:
+            return out
+        reply = yield READ_REPLAY
+        out = self.feed_replay(reply)
+        if quiet and not out and not self.state.done and reply[2] is None:
+            yield from self._lost()
         return out
 
     def _poll_result(self, deadline: Optional[float]) -> Step:
