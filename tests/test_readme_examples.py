@@ -1,7 +1,8 @@
-"""The README's ecosystem section, run: every fenced python and bash block between the
-``<!-- ecosystem:start -->`` markers runs against a live gateway + worker (+ rq bridge) on a real
-Valkey, with ``localhost`` addresses pointed at them.  Only ``docker compose`` lines are skipped
-(Docker cannot run here; see tests/test_compose.py)."""
+"""The examples of README's gateway section and of the docs pages it moved to, run: README's fenced python
+and bash blocks between the ``<!-- ecosystem:start -->`` markers, then every one of the pages in ``PAGES``,
+in that order, run against a live gateway + worker (+ rq bridge) on a real Valkey, with ``localhost``
+addresses pointed at them.  Only ``docker compose`` lines are skipped (Docker cannot run here; see
+tests/test_compose.py)."""
 
 from __future__ import annotations
 
@@ -26,25 +27,39 @@ ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 
 
-def section() -> str:
+# the pages of the docs site whose examples run here, in the order they build on each other (a key the
+# gateway's page adds is used by the later pages' examples)
+PAGES = ("docs/gateway.md", "docs/producers/rq.md", "docs/producers/bulk.md", "docs/producers/structured.md",
+         "docs/producers/samples.md")
+
+
+def sections() -> list[tuple[str, str]]:
+    """(file, text) of README's marked section, then of each page."""
     text = (ROOT / "README.md").read_text()
-    return text.split("<!-- ecosystem:start -->", 1)[1].split("<!-- ecosystem:end -->", 1)[0]
+    readme = text.split("<!-- ecosystem:start -->", 1)[1].split("<!-- ecosystem:end -->", 1)[0]
+    return [("README.md", readme)] + [(page, (ROOT / page).read_text()) for page in PAGES]
+
+
+def section() -> str:
+    return "\n".join(text for _, text in sections())
 
 
 RUNNABLE = ("bash", "python")  # ```text blocks show what a model writes; they are not run
 
 
-def blocks() -> list[tuple[str, str]]:
-    return [(m.group(1), m.group(2)) for m in FENCE.finditer(section()) if m.group(1) in RUNNABLE]
+def blocks() -> list[tuple[str, str, str]]:
+    """(file, kind, code) of every runnable block, in order."""
+    return [(name, m.group(1), m.group(2)) for name, text in sections() for m in FENCE.finditer(text)
+            if m.group(1) in RUNNABLE]
 
 
 def test_section_has_the_promised_examples():
-    kinds = [k for k, _ in blocks()]
+    kinds = [k for _, k, _ in blocks()]
     assert set(kinds) == set(RUNNABLE)
     assert {m.group(1) for m in FENCE.finditer(section())} <= {*RUNNABLE, "text"}
     text = section()
     for needle in ("docker compose up", "curl ", "from openai import OpenAI", "from rq import Queue",
-                   "mlxq batch", "client.map("):
+                   "mlxq batch", "client.map(", "stream=True"):
         assert needle in text, needle
 
 
@@ -77,13 +92,13 @@ def run_bash(code: str, cwd: Path, redis_url: str) -> str:
     return proc.stdout
 
 
-def run_python(code: str, cwd: Path) -> str:
+def run_python(code: str, cwd: Path, name: str) -> str:
     out = io.StringIO()
     old = os.getcwd()
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out):
-            exec(compile(code, "README.md", "exec", dont_inherit=True), {"__name__": "readme_example"})  # no inherited __future__
+            exec(compile(code, name, "exec", dont_inherit=True), {"__name__": "readme_example"})  # no inherited __future__
     finally:
         os.chdir(old)
     return out.getvalue()
@@ -92,11 +107,11 @@ def run_python(code: str, cwd: Path) -> str:
 def test_readme_examples_run(live, tmp_path):
     url, redis_url = live
     outputs = []
-    for kind, code in blocks():
+    for name, kind, code in blocks():
         if kind == "bash" and all(ln.startswith("docker compose") for ln in code.strip().splitlines()):
             continue  # Docker is not available here
         code = localize(code, url, redis_url)
-        outputs.append(run_bash(code, tmp_path, redis_url) if kind == "bash" else run_python(code, tmp_path))
+        outputs.append(run_bash(code, tmp_path, redis_url) if kind == "bash" else run_python(code, tmp_path, name))
     text = "\n".join(outputs)
     assert '"object":"chat.completion"' in text and '"total_tokens"' in text  # curl, non-streaming
     assert "data: [DONE]" in text  # curl, streaming

@@ -367,11 +367,11 @@ def test_stats_average_counts_a_finished_job(redis_url, tiny_model):
         assert "average=0.0" not in stats.render({"tiny": agg})
 
 
-# -- the README's Client examples ------------------------------------------------------------------------
-def _readme_python_block(needle: str) -> str:
+# -- the Client examples of README and the docs' bulk page ----------------------------------------------
+def _readme_python_block(needle: str, page: str = "README.md") -> str:
     import re
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / page).read_text()
     (code,) = [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M) if needle in m.group(1)]
     return code
 
@@ -396,5 +396,5 @@ def test_readme_client_snippets_print_their_lines_apart(redis_url, tiny_model):
         r.close()
         out = _run_snippet(_readme_python_block('model="tiny")\njob = client.submit('), redis_url)
         assert out.endswith("\n") and out.splitlines()[-1].startswith("tokens: "), out
-        lines = _run_snippet(_readme_python_block("client.map(items"), redis_url).splitlines()
+        lines = _run_snippet(_readme_python_block("client.map(items", "docs/producers/bulk.md"), redis_url).splitlines()
     assert len(lines) == 2 and all(" tokens: " in ln for ln in lines), lines
