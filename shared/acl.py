@@ -1,4 +1,4 @@
-"""The Redis ACL recipe for producer services (see README, trust boundary).
+"""The Redis ACL recipe for producer services (see docs/operations/acl.md, the trust boundary).
 
 A producer user may call mlxq's Functions (``FCALL``) and nothing that runs new
 code (``EVAL``, ``EVALSHA``, ``SCRIPT``, ``FUNCTION LOAD``).  Redis checks the

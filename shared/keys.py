@@ -3,7 +3,7 @@
 All keys of one model's queue share the hash tag ``{<prefix>:<model>}``, so
 every Lua script touches a single Redis Cluster slot.  A job's own keys carry
 the same tag: enqueue, pull, cancel and completion stay atomic on a cluster.
-The price: one model's queue lives on one cluster shard (see README, scale-out).
+The price: one model's queue lives on one cluster shard (see docs/operations/cluster.md).
 """
 
 from __future__ import annotations

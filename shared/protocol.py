@@ -326,7 +326,7 @@ class Queue:
         self.cluster = is_cluster(redis)
         self.calls = ScriptCalls(keys, settings, self.cluster)
         self._scripts = {name: redis.register_script(script_source(name)) for name in SCRIPT_NAMES}
-        # A producer whose ACL allows FCALL but not EVALSHA (see README, trust boundary) switches to
+        # A producer whose ACL allows FCALL but not EVALSHA (see docs/operations/acl.md, the trust boundary) switches to
         # mlxq's Functions, and to the intake list (it may not write the queue).
         self.functions = False
 

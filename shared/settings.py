@@ -299,7 +299,7 @@ class Settings:
                          and k[len("MLXQ_"):].lower() not in _FIELD_NAMES)
         if unknown:
             log.warning("unknown MLXQ_ variables ignored: %s (the settings' variables are in "
-                        "`mlxq worker --help` and README.md)", ", ".join(unknown))
+                        "`mlxq worker --help` and docs/reference/settings.md)", ", ".join(unknown))
         values: dict = {}
         for f in fields(cls):
             raw = env.get(env_var(f.name))

@@ -133,7 +133,7 @@ def test_a_misspelt_variable_is_reported(caplog):
     assert s.lease_s == 60.0
     assert [r.getMessage() for r in caplog.records if "unknown MLXQ_" in r.getMessage()] == [
         "unknown MLXQ_ variables ignored: MLXQ_LEASE (the settings' variables are in `mlxq worker --help` "
-        "and README.md)"]
+        "and docs/reference/settings.md)"]
 
 
 def _worker(env_extra: dict, *argv: str) -> subprocess.CompletedProcess:
