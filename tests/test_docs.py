@@ -5,6 +5,7 @@ commands that ``.ci/run`` runs."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -14,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from mlxq.cli import build_parser
 from mlxq.shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,11 @@ def test_the_reference_is_generated_from_the_code(site):
     for f in fields(Settings):
         assert f"MLXQ_{f.name.upper()}" in settings, f.name
     cli = (site / "reference" / "cli" / "index.html").read_text()
-    commands = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    spec = importlib.util.spec_from_file_location("docs_reference_hook", ROOT / "docs" / "hooks" / "reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)  # the parser as the hook finds it (mlxq.cli, a module or a package)
+    parser = hook._find_parser()
+    commands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
     for name in commands:
         assert f"mlxq {name}" in cli, name
     assert "not generated" not in settings + cli
@@ -67,6 +71,16 @@ def test_readme_gives_the_two_commands_and_ci_runs_the_test_command():
     assert [DEMO + "\n", TESTS + "\n"] == [b for b in blocks if b.startswith("python3 -m venv")]
     ci = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln and not ln.startswith(("#", "set ", "cd "))]
     assert ci == [TESTS]
+    start = (ROOT / "docs" / "getting-started.md").read_text()
+    assert DEMO in start and TESTS in start
+
+
+def test_the_platform_table_is_the_same_in_readme_and_on_the_home_page():
+    def rows(text: str) -> list[str]:
+        section = text.split("## Platforms", 1)[1].split("\n## ", 1)[0]
+        return [ln for ln in section.splitlines() if ln.startswith("|")]
+
+    assert rows(README) and rows(README) == rows((ROOT / "docs" / "index.md").read_text())
 
 
 def test_license_and_changelog_exist():

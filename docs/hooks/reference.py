@@ -84,8 +84,13 @@ def _find_parser() -> argparse.ArgumentParser:
     for module in candidates:
         for name in PARSER_NAMES:
             build = getattr(module, name, None)
+            if isinstance(build, argparse.ArgumentParser):
+                return build
             if callable(build):
-                parser = build()
+                try:
+                    parser = build()
+                except TypeError:  # a function of that name that wants arguments: not the builder
+                    continue
                 if isinstance(parser, argparse.ArgumentParser):
                     return parser
     raise LookupError(f"no function {' / '.join(PARSER_NAMES)} returning an ArgumentParser in mlxq.cli")
