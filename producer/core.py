@@ -120,10 +120,14 @@ def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes:
 
 
 def pack_request(req: GenerateRequest) -> bytes:
-    """The request's wire form.  A max_tokens the caller did not give stays off the wire: the worker
-    then ends the job at the model's context, where an explicit one that cannot fit is refused."""
-    default_max = set() if "max_tokens" in req.model_fields_set else {"max_tokens"}
-    return codec.pack(req.model_dump(mode="json", exclude_none=True, exclude=default_max))
+    """The request's wire form: the fields that differ from their defaults (a reader's
+    ``GenerateRequest`` has the rest; the record a finished job keeps is that much smaller).  A
+    max_tokens the caller gave goes on the wire even at its default: the worker ends a job without
+    one at the model's context, where an explicit one that cannot fit is refused."""
+    d = req.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
+    if "max_tokens" in req.model_fields_set:
+        d["max_tokens"] = req.max_tokens
+    return codec.pack(d)
 
 
 # -- a job lost in a failover ------------------------------------------------------------------------
