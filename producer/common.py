@@ -278,8 +278,8 @@ def result_from_hash(job_id: str, h: dict) -> Optional[Result]:
     status = status.decode() if isinstance(status, bytes) else status
     if status not in TERMINAL:
         return None
-    if h.get("result"):
-        return Result.model_validate(codec.unpack(h["result"]))
+    if h.get("result"):  # the record's result has no id: its key holds it (Result.record)
+        return Result.model_validate({**codec.unpack(h["result"]), "id": job_id})
     reason = "cancelled" if status == "cancelled" else "error"
     # A queued job's ``error`` is the failure it was given back with (a suspect, PROTOCOL.md's
     # job hash); a cancel ends it before any worker runs it again, and that was no error of its.

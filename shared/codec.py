@@ -41,3 +41,27 @@ def unpack(data: bytes | bytearray | memoryview | None, *, max_bytes: int = MAX_
 
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise CodecError(f"msgpack extension type {code} is not allowed")
+
+
+# A finished job's record keeps its token ids as a string of one character per id, code point =
+# id (ids from 0xD800 up shifted past the 2048 surrogates, which UTF-8 cannot carry): 1 to 3 bytes
+# an id where msgpack's ints take 3 for every id from 128 up, and still a msgpack string that every
+# reader decodes, Redis's own Lua (no bin type there) included.
+SURROGATES, SHIFT = 0xD800, 0x800
+MAX_PACKED_ID = 0x10FFFF - SHIFT
+
+
+def pack_ids(ids: list[int]) -> str | list:
+    """Token ids as a finished record keeps them (PROTOCOL.md, section 6); a list it cannot hold
+    (an id out of range) stays a list."""
+    if not all(0 <= i <= MAX_PACKED_ID for i in ids):
+        return list(ids)
+    return "".join(chr(i if i < SURROGATES else i + SHIFT) for i in ids)
+
+
+def unpack_ids(value: Any) -> Any:
+    """``pack_ids`` undone; anything but a string is given back as it is (a list of ids, or what
+    the caller's own validation refuses)."""
+    if not isinstance(value, str):
+        return value
+    return [c if c < SURROGATES else c - SHIFT for c in map(ord, value)]

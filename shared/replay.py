@@ -42,6 +42,7 @@ class _Lane:
     pn: Optional[str] = None
 
     def __post_init__(self):
+        self.ids = codec.unpack_ids(self.out.get("token_ids") or [])
         self.text = (self.out.get("text") or "").encode()
         self.reasoning = (self.out.get("reasoning") or "").encode()
 
@@ -79,7 +80,7 @@ def _delta(e: dict, lane: _Lane, attempt: list, res: dict) -> dict:
     attempt[0] = e.get("a", attempt[0])
     count, tlen = e.get("i", 1), e.get("t", 0)
     text = lane.text[lane.tb:lane.tb + tlen].decode()
-    ids = list((lane.out.get("token_ids") or [])[lane.n:lane.n + count])
+    ids = lane.ids[lane.n:lane.n + count]
     d: dict[str, Any] = {"a": attempt[0], "s": lane.s + 1, "n": lane.n, "c": lane.c, "t": text, "i": ids}
     if e.get("lp"):
         d["lp"] = list(lane.out["logprobs"][lane.n:lane.n + count])

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_serializer, field_validator, model_serializer, model_validator
+
+from . import codec
 
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "timeout", "error"]
 MAX_STOP_STRINGS = 16
@@ -340,6 +342,24 @@ class JobStats(BaseModel):
     tier: Optional[str] = None
     worker: Optional[str] = None
 
+    DERIVED: ClassVar[frozenset] = frozenset(("queue_wait_s", "ttft_s", "prompt_tps", "generation_tps"))
+
+    @model_validator(mode="after")
+    def _derive(self) -> "JobStats":
+        """The rates and waits, from the times and counts: here once, for the worker that reports
+        them and for a reader of a finished job's record, which keeps only the times and counts."""
+        queued, started, first, finished = self.queued_at, self.started_at, self.first_token_at, self.finished_at
+        if self.queue_wait_s is None and queued is not None and started is not None:
+            self.queue_wait_s = max(0.0, started - queued)
+        if first:
+            if self.ttft_s is None and queued is not None:
+                self.ttft_s = first - queued
+            if self.prompt_tps is None and started is not None:
+                self.prompt_tps = self.prompt_tokens / max(1e-9, first - started)
+            if self.generation_tps is None and finished is not None and self.generated_tokens > 1:
+                self.generation_tps = (self.generated_tokens - 1) / max(1e-9, finished - first)
+        return self
+
 
 class Usage(BaseModel):
     """Token counts of one job, as OpenAI reports them (``cached_tokens``: prompt tokens whose KV came
@@ -386,6 +406,11 @@ class SampleOutput(Parsed):
     tool_calls: Optional[list[ToolCall]] = None
     reasoning: Optional[str] = None
 
+    @field_validator("token_ids", mode="before")
+    @classmethod
+    def _packed_ids(cls, v: Any) -> Any:  # as a finished job's record keeps them (Result.record)
+        return codec.unpack_ids(v)
+
 
 class Result(BaseModel):
     """A job's result.  The top-level output fields are sample 0's; a job with n > 1 also has
@@ -403,6 +428,21 @@ class Result(BaseModel):
     reasoning: Optional[str] = None  # a chat job's thinking (``text`` is then the answer only)
     stats: JobStats = Field(default_factory=JobStats)
     samples: Optional[list[SampleOutput]] = None  # n > 1: every sample's output, sample 0 first
+
+    @field_validator("token_ids", mode="before")
+    @classmethod
+    def _packed_ids(cls, v: Any) -> Any:  # as a finished job's record keeps them (Result.record)
+        return codec.unpack_ids(v)
+
+    def record(self) -> bytes:
+        """The result as its job's record keeps it (PROTOCOL.md, section 6): without its id, which the
+        record's key holds, the stats that follow from the others (``JobStats._derive``) and null
+        fields, and with its token ids as a string (``codec.pack_ids``).  ``codec.unpack`` and
+        ``Result.model_validate({..., "id": job_id})`` read it back."""
+        d = self.model_dump(exclude={"id": True, "stats": set(JobStats.DERIVED)}, exclude_none=True)
+        for out in [d, *(d.get("samples") or [])]:
+            out["token_ids"] = codec.pack_ids(out["token_ids"])
+        return codec.pack(d)
 
     @model_serializer(mode="wrap")
     def _no_samples_key(self, handler):

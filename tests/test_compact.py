@@ -16,7 +16,7 @@ from mlxq.producer.core import JobCore
 from mlxq.shared import codec, replay
 from mlxq.shared.keys import ModelKeys
 from mlxq.shared.protocol import Queue
-from mlxq.shared.schemas import Delta
+from mlxq.shared.schemas import Delta, Result
 
 from workerkit import fast_settings, running_worker
 
@@ -95,7 +95,18 @@ def samples_job(job_id):
     return payloads, dict(result_of(job_id, "ABC", [1, 2, 3], f="length"), samples=samples)
 
 
-SCENARIOS = {"plain": plain_job, "chat": chat_job, "cut_call": cut_call_job, "samples": samples_job}
+def wide_ids_job(job_id):
+    """Token ids of every width the record's string holds: 1 to 4 UTF-8 bytes, either side of the
+    surrogates it skips, and past 65535 (a 150k vocabulary)."""
+    ids = [5, 127, 128, 2047, 2048, 0xD7FF, 0xD800, 0xDFFF, 0xFFFF, 0x10000, 151_000]
+    pieces = [(f" w{i}", [t]) for i, t in enumerate(ids)]
+    deltas = stream_of(pieces, sd=2**63 + 12345)
+    deltas[-1]["f"] = "length"
+    return [[d] for d in deltas], result_of(job_id, "".join(p for p, _ in pieces), ids, f="length")
+
+
+SCENARIOS = {"plain": plain_job, "chat": chat_job, "cut_call": cut_call_job, "samples": samples_job,
+             "wide_ids": wide_ids_job}
 
 
 @pytest.fixture
@@ -131,7 +142,12 @@ def play_rest(q, job_id, payloads, result, cut) -> None:
     """The payloads after the first ``cut``, then the completion."""
     for seq, p in enumerate(payloads[cut:-1], cut + 1):
         q.publish_deltas([(job_id, OWNER, pack_payload(p), seq)])
-    assert q.complete(job_id, OWNER, "done", codec.pack(result), pack_payload(payloads[-1])) == 1
+    assert q.complete(job_id, OWNER, "done", as_record(result), pack_payload(payloads[-1])) == 1
+
+
+def as_record(result: dict) -> bytes:
+    """The result as a worker writes it (``Result.record``): token ids as a string, id left out."""
+    return Result.model_validate(result).record()
 
 
 def dumps(deltas) -> list[dict]:
@@ -219,7 +235,7 @@ def job_bytes(r, job_id) -> int:
 def test_a_finished_job_costs_at_most_2_kib_plus_its_text_and_a_late_subscriber_gets_the_live_deltas(
         tiny_model, redis_url, rr):
     """The real worker: 8- and 300-token jobs (n = 1 and n = 2); the bytes are MEMORY USAGE over the
-    finished job's keys (deterministic for the content), against its text and token ids."""
+    finished job's keys (deterministic for the content), against its text (its token ids count)."""
     with running_worker(tiny_model, redis_url), Client(redis_url, model="tiny") as c:
         for tokens, n in ((8, 1), (300, 1), (8, 2)):
             job = c.submit("Once upon a time", max_tokens=tokens, ignore_eos=True, temperature=0.8, n=n)
@@ -229,8 +245,7 @@ def test_a_finished_job_costs_at_most_2_kib_plus_its_text_and_a_late_subscriber_
             assert dumps(c.job(job.id).stream(timeout=10)) == live
             outputs = res.outputs
             text = sum(len(o.text.encode()) for o in outputs)
-            ids = sum(len(codec.pack(o.token_ids)) for o in outputs)
-            assert job_bytes(rr, job.id) <= BUDGET * n + text + ids, (tokens, n, job_bytes(rr, job.id), text, ids)
+            assert job_bytes(rr, job.id) <= BUDGET * n + text, (tokens, n, job_bytes(rr, job.id), text)
 
 
 def test_a_late_subscriber_gets_the_live_deltas_of_real_tool_call_and_reasoning_jobs(tiny_model, redis_url, rr):
@@ -257,3 +272,21 @@ def test_a_late_subscriber_gets_the_live_deltas_of_real_tool_call_and_reasoning_
     assert any(d["tool_calls"] for d in live[0]) and any(d["partial_args"] for d in live[0])
     assert any(d["reasoning"] for d in live[1])
     assert late == live and asyncio.run(alate()) == live
+
+
+def test_the_record_of_a_result_reads_back_as_the_same_result():
+    """``Result.record``: no id (the key has it), no null field, no stats that follow from the others,
+    token ids as a string; read back with the id, it is the result the worker had."""
+    res = Result.model_validate({
+        "id": "c" * 32, "text": "Ok", "token_ids": [7, 0xD800, 151_000], "finish_reason": "tool_calls",
+        "tool_calls": [CALL], "logprobs": LP,
+        "stats": {"queued_at": 10.0, "started_at": 10.5, "first_token_at": 11.0, "finished_at": 13.0,
+                  "prompt_tokens": 40, "generated_tokens": 3, "attempts": 2, "tier": "low", "worker": "w", "seed": 9},
+        "samples": [{"index": 0, "text": "Ok", "token_ids": [7, 0xD800, 151_000], "finish_reason": "tool_calls"},
+                    {"index": 1, "text": "", "token_ids": [], "finish_reason": "stop"}]})
+    assert (res.stats.queue_wait_s, res.stats.ttft_s, res.stats.prompt_tps, res.stats.generation_tps) == (
+        0.5, 1.0, 80.0, 1.0)
+    kept = codec.unpack(res.record())
+    assert "id" not in kept and "error" not in kept and "queue_wait_s" not in kept["stats"]
+    assert isinstance(kept["token_ids"], str) and len(kept["token_ids"]) == 3
+    assert Result.model_validate({**kept, "id": res.id}) == res

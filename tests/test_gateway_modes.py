@@ -22,7 +22,7 @@ import redis
 from mlxq import Client
 from mlxq.shared import apikeys, codec
 from mlxq.shared.keys import GlobalKeys
-from workerkit import fast_settings, running_worker, wait_for
+from workerkit import fast_settings, job_fields, running_worker, wait_for
 from refkit import pick_prompt
 
 from mlxq.producer.gateway import ServerThread, create_app
@@ -72,7 +72,8 @@ def oai(url: str, key: str = "EMPTY") -> openai.OpenAI:
 
 
 def result_of(r, job_id: str) -> dict:
-    return codec.unpack(r.hget(KEYS.job(job_id), "result"))
+    res = codec.unpack(r.hget(KEYS.job(job_id), "result"))
+    return {**res, "token_ids": codec.unpack_ids(res["token_ids"])}  # the record keeps them as a string
 
 
 def get(url: str, path: str, key: str | None = None) -> int:
@@ -90,7 +91,7 @@ def test_open_until_a_key_exists_then_401_everywhere(open_stack):
     client = oai(url)  # api_key="EMPTY", as for vLLM / ollama / mlx-lm's server
     assert [m.id for m in client.models.list().data] == ["plain"]
     resp = client.completions.create(model="plain", prompt="hi", max_tokens=2)
-    assert r.hget(KEYS.job(resp.id.removeprefix("cmpl-")), "tier") == b"normal"
+    assert job_fields(r, KEYS.job(resp.id.removeprefix("cmpl-")))["tier"] == b"normal"
     apikeys.add_key(r, GK.api_keys, "the-first-key-01", "high")
     try:
         with pytest.raises(openai.AuthenticationError):
@@ -105,7 +106,7 @@ def test_open_until_a_key_exists_then_401_everywhere(open_stack):
         keyed = oai(url, "the-first-key-01")
         assert [m.id for m in keyed.models.list().data] == ["plain"]
         resp = keyed.completions.create(model="plain", prompt="hi", max_tokens=2)
-        assert r.hget(KEYS.job(resp.id.removeprefix("cmpl-")), "tier") == b"high"
+        assert job_fields(r, KEYS.job(resp.id.removeprefix("cmpl-")))["tier"] == b"high"
         # the Python client follows the same rule
         with pytest.raises(apikeys.AuthError):
             Client(api_key="EMPTY", model="plain", redis_client=r).submit("x", max_tokens=1)

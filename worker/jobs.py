@@ -209,13 +209,7 @@ class ActiveJob:
             finished_at=finished,
             prompt_tokens=len(self.prompt),
             cached_tokens=cached,
-            generated_tokens=gen,
-            queue_wait_s=max(0.0, self.started_at - self.queued_at),
-            ttft_s=(first_token_at - self.queued_at) if first_token_at else None,
-            prompt_tps=(len(self.prompt) / max(1e-9, first_token_at - self.started_at))
-            if first_token_at else None,
-            generation_tps=((gen - 1) / max(1e-9, finished - first_token_at))
-            if first_token_at and gen > 1 else None,
+            generated_tokens=gen,  # (the waits and rates follow: JobStats._derive)
             attempts=self.attempt,
             tier=self.tier,
             worker=self.owner.rsplit(":", 1)[0],  # the owner token is worker_id:attempt

@@ -219,9 +219,10 @@ class Worker:
         result.stats.started_at = entry.now
         result.stats.attempts = entry.attempt
         result.stats.worker = self.worker_id
+        result.stats.tier = entry.tier
         final = Delta(attempt=entry.attempt, seq=1, finish_reason="error", error=message)
         self.processed["failed"] += 1
-        return StepOutput(completions=[(entry.job_id, owner, "failed", codec.pack(result.model_dump()),
+        return StepOutput(completions=[(entry.job_id, owner, "failed", result.record(),
                                         codec.pack(final.to_wire()))])
 
     # -- the loop ------------------------------------------------------------
@@ -469,7 +470,7 @@ class Worker:
         if result is None:  # other samples of the job still run: this one's last delta is a delta
             out.add_delta(job.id, job.owner, job.wire_dict(delta))
             return
-        packed = codec.pack(result.model_dump())
+        packed = result.record()
         if len(packed) > codec.MAX_MESSAGE_BYTES:
             result, delta, packed = self._too_large(job, result, delta, len(packed))
         status = {"cancelled": "cancelled", "error": "failed"}.get(result.finish_reason, "done")
@@ -494,7 +495,7 @@ class Worker:
         failed = Result(id=result.id, finish_reason="error", error=error, error_code=INVALID_REQUEST,
                         stats=result.stats)
         delta = delta.model_copy(update={"finish_reason": "error", "error": error})
-        return failed, delta, codec.pack(failed.model_dump())
+        return failed, delta, failed.record()
 
     def _notify(self, method: str, *args) -> None:
         for obs in self.observers:

@@ -34,6 +34,8 @@ function feed(d) {
   if (d.f) end(d);
   return false;
 }
+// A finished job's record keeps its token ids as a string, one character an id (ids from 0xD800 up: + 0x800)
+const ids = (v) => typeof v === "string" ? Array.from(v, (c) => { const p = c.codePointAt(0); return p >= 0xD800 ? p - 0x800 : p; }) : v ?? [];
 async function replay() { // the durable stream holds every delta and terminal event
   const entries = await redis.xRange(commandOptions({ returnBuffers: true }), k.events, "-", "+");
   for (const { message: m } of entries) {
@@ -45,7 +47,7 @@ async function replay() { // the durable stream holds every delta and terminal e
   const [events, packed] = await redis.hmGet(commandOptions({ returnBuffers: true }), k.job, ["events", "result"]);
   if (events && packed) {
     const r = decode(packed);
-    feed({ n: 0, c: 0, t: r.text, i: r.token_ids, f: r.finish_reason });
+    feed({ n: 0, c: 0, t: r.text, i: ids(r.token_ids), f: r.finish_reason });
   }
 }
 // 1. Subscribe before enqueueing: pub/sub is at-most-once.
@@ -72,7 +74,7 @@ const last = await ended;
 const job = await redis.hGetAll(commandOptions({ returnBuffers: true }), k.job);
 const result = job.result ? decode(job.result) : { finish_reason: last.f, error: last.e };
 const parsed = schema && result.finish_reason === "stop" ? JSON.parse(result.text) : undefined; // throws if not JSON
-console.log("\n" + JSON.stringify({ id, tier, streamed: text, text: result.text, token_ids: result.token_ids,
+console.log("\n" + JSON.stringify({ id, tier, streamed: text, text: result.text, token_ids: ids(result.token_ids),
                                     finish_reason: result.finish_reason, error: result.error, parsed,
                                     usage: result.stats && { prompt_tokens: result.stats.prompt_tokens,
                                                              completion_tokens: result.stats.generated_tokens } }));

@@ -127,6 +127,27 @@ local function mlxq_compact_delta(st, d)
   return out
 end
 
+-- A result's token ids as a list: the record keeps them as a string, one UTF-8 character an id
+-- (mlxq.shared.codec.pack_ids: code point = id, ids from 0xD800 up shifted by 0x800); nil for a
+-- string that is no such thing.
+local function mlxq_ids(v)
+  if type(v) ~= 'string' then return v end
+  local ids, p, n = {}, 1, #v
+  while p <= n do
+    local b = string.byte(v, p)
+    local len, cp = 1, b
+    if b >= 0xF0 then len, cp = 4, b - 0xF0
+    elseif b >= 0xE0 then len, cp = 3, b - 0xE0
+    elseif b >= 0xC0 then len, cp = 2, b - 0xC0
+    elseif b >= 0x80 then return nil end
+    if p + len - 1 > n then return nil end
+    for q = p + 1, p + len - 1 do cp = cp * 64 + string.byte(v, q) - 0x80 end
+    ids[#ids + 1] = cp >= 0xD800 and cp - 0x800 or cp
+    p = p + len
+  end
+  return ids
+end
+
 -- The record of stream ``ek`` checked against ``packed_result`` (the result, msgpack): the packed
 -- record, or nil to keep the stream. The record is a list: 1 (its version), 1 when the deltas carry
 -- samples (else 0), then one element per stream entry: a compacted delta (an integer or a map), or
@@ -151,6 +172,10 @@ local function mlxq_compact(ek, packed_result)
     payloads[i] = {list, ds}
   end
   local samples = type(res.samples) == 'table' and res.samples[1] ~= nil and res.samples or nil
+  res.token_ids = mlxq_ids(res.token_ids)
+  for _, out in ipairs(samples or {}) do
+    if type(out) == 'table' then out.token_ids = mlxq_ids(out.token_ids) end
+  end
   local st = {res = res, samples = samples, lanes = {}, a = 1, xmode = xmode}
   local out = {1, xmode and 1 or 0}
   for _, pl in ipairs(payloads) do
