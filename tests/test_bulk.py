@@ -15,7 +15,7 @@ from mlxq.producer.bulk import BatchRun
 from mlxq.cli import main as mlxq_main
 from mlxq.shared.constraints import ModelFormat
 from mlxq.shared.keys import GlobalKeys
-from workerkit import fast_settings, running_worker, wait_for
+from workerkit import fast_settings, job_fields, running_worker, wait_for
 from refkit import greedy
 
 KEYS = GlobalKeys().model_keys("tiny")
@@ -33,7 +33,7 @@ def test_client_map_yields_results_in_input_order(tiny_model, redis_url):
     assert results[3].finish_reason == "error" and "invalid request" in results[3].error
     good = results[:3] + results[4:]
     assert [r.stats.generated_tokens for r in good] == [1, 2, 3, 4, 5, 6, 7]  # order kept
-    assert {client.redis.hget(KEYS.job(r.id), "tier") for r in good} == {b"low"}
+    assert {job_fields(client.redis, KEYS.job(r.id))["tier"] for r in good} == {b"low"}
 
 
 def _records(path) -> list[dict]:

@@ -14,7 +14,7 @@ import redis
 
 from mlxq.shared import apikeys, codec
 from mlxq.shared.keys import GlobalKeys
-from workerkit import fast_settings, running_worker, wait_for
+from workerkit import fast_settings, job_fields, running_worker, wait_for
 
 from mlxq import Client
 from mlxq.producer.gateway import ServerThread, create_app
@@ -45,7 +45,7 @@ def oai(url: str, key: str = KEY_HIGH) -> openai.OpenAI:
 
 
 def job_hash(r, job_id: str) -> dict:
-    return {k.decode(): v for k, v in r.hgetall(GK.model_keys("tiny").job(job_id)).items()}
+    return job_fields(r, GK.model_keys("tiny").job(job_id))
 
 
 def raw_post(url: str, path: str, body, headers=None, timeout=30) -> tuple[int, dict]:

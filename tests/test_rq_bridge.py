@@ -19,7 +19,7 @@ from rq.results import Result as RqResult
 from mlxq.shared import codec
 from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys
-from workerkit import fast_settings, running_worker, wait_for
+from workerkit import fast_settings, job_fields, running_worker, wait_for
 from mlxq.producer.rq_bridge import FUNC_PATH, RqBridge, SafePickle, tier_for_queue
 
 GK = GlobalKeys()
@@ -27,7 +27,7 @@ GK = GlobalKeys()
 
 def mlxq_job(r, rq_job: Job) -> dict:
     job_id = rq_job.get_meta()["mlxq_job_id"]
-    return {k.decode(): v for k, v in r.hgetall(GK.model_keys("tiny").job(job_id)).items()}
+    return job_fields(r, GK.model_keys("tiny").job(job_id))
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ def test_plain_rq_worker_runs_generate_through_the_client(tiny_model, redis_url,
     assert job.return_value()["usage"]["completion_tokens"] == 4
     assert r.hgetall(GK.model_keys("tiny").counts)[b"done"] == b"1"
     [key] = r.keys(GK.model_keys("tiny").job("*"))
-    assert r.hget(key, "tier") == b"high"  # the key's tier: key-less, mlxq-high would run at normal
+    assert job_fields(r, key)["tier"] == b"high"  # the key's tier: key-less, mlxq-high would run at normal
     r.close()
 
 

@@ -13,6 +13,7 @@ import time
 
 import redis
 
+from mlxq.shared import codec
 from mlxq.shared.settings import Settings
 
 _NEUTRAL: list[str] = []
@@ -96,3 +97,15 @@ def wait_for(pred, timeout=10.0, interval=0.02):
             return True
         time.sleep(interval)
     return False
+
+
+def job_fields(r, key: str) -> dict:
+    """A job record's fields by name; a finished one's tier, worker and times as its result's stats
+    has them (completion drops them from the record: PROTOCOL.md's job record)."""
+    h = {k.decode(): v for k, v in r.hgetall(key).items()}
+    if h.get("result"):
+        stats = codec.unpack(h["result"]).get("stats") or {}
+        for name in ("tier", "worker", "attempts", "queued_at", "started_at"):
+            if name not in h and stats.get(name) is not None:
+                h[name] = str(stats[name]).encode()
+    return h

@@ -8,12 +8,15 @@
 -- The stream, final delta included, is then compacted into the record's 'events' field and deleted
 -- (_compact.lua), in this call: a reader finds either the whole stream or the whole record. The
 -- lease's write fence ('sent') and intake flag ('admitted') go too: nothing is written after this.
+-- So do the fields the result's stats repeat (queued_at, started_at, attempts, worker, tier) and the
+-- queue score: a field costs its job ~60 bytes for a day, and a finished job is read by its result.
 local owner = redis.pcall('HGET', KEYS[1], 'owner')
 if type(owner) ~= 'string' or owner ~= ARGV[2] then return 0 end
 local t = redis.call('TIME')
 local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'result', ARGV[4], 'finished_at', now)
-redis.call('HDEL', KEYS[1], 'owner', 'cancel', 'resume', 'sent', 'admitted')
+redis.call('HDEL', KEYS[1], 'owner', 'cancel', 'resume', 'sent', 'admitted',
+  'queued_at', 'started_at', 'score', 'attempts', 'worker', 'tier')
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[7], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'running', -1)
