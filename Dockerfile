@@ -11,7 +11,8 @@ COPY shared ./shared
 COPY producer ./producer
 COPY worker ./worker
 COPY mlxq ./mlxq
-RUN pip install . && rm -rf /src/*
+# the worker and the gateway are extras (a bare `pip install mlxq` is the producer)
+RUN pip install '.[worker,gateway]' && rm -rf /src/*
 # run from a directory without the sources: `python -m mlxq` there imports the installed package
 WORKDIR /srv
 # Build the paged-attention extension into the image (else the first worker start does, ~30 s;

