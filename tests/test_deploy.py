@@ -29,6 +29,11 @@ def unit(name: str) -> configparser.RawConfigParser:
     return parser
 
 
+def directives(path: Path, key: str) -> list[str]:
+    """Every value of a directive that may repeat (configparser keeps the last)."""
+    return [ln.split("=", 1)[1] for ln in path.read_text().splitlines() if ln.startswith(key + "=")]
+
+
 def test_systemd_units_verify(tmp_path):
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed here")
@@ -47,13 +52,14 @@ def test_worker_unit_is_a_template_restarted_on_failure():
     worker = unit("mlxq-worker@.service")["Service"]
     assert worker["Restart"] == "on-failure"  # a stuck worker exits 70
     assert worker["KillMode"] == "mixed" and int(worker["TimeoutStopSec"]) > 30  # the warm shutdown's grace
-    argv = worker["ExecStart"].replace("${MODEL}", "/srv/models/smollm2").replace("%i", "smollm2").split()
+    path = DEPLOY / "systemd" / "mlxq-worker@.service"
+    assert directives(path, "Environment") == ["QUEUE=%i", "MLXQ_CACHE_DIR=/var/cache/mlxq"]
+    # the queue: the instance's name, unless its file says otherwise (files win over Environment=)
+    assert directives(path, "EnvironmentFile") == ["/etc/mlxq/mlxq.env", "/etc/mlxq/worker-%i.env"]
+    argv = worker["ExecStart"].replace("${MODEL}", "/srv/models/smollm2").replace("${QUEUE}", "smollm2").split()
     assert argv[0] == MLXQ_BIN
     args = parse_mlxq(argv)
     assert (args.command, args.model, args.name) == ("worker", "/srv/models/smollm2", "smollm2")
-    env_files = [ln.split("=", 1)[1] for ln in (DEPLOY / "systemd" / "mlxq-worker@.service").read_text().splitlines()
-                 if ln.startswith("EnvironmentFile=")]
-    assert env_files == ["/etc/mlxq/mlxq.env", "/etc/mlxq/worker-%i.env"]
     gateway = unit("mlxq-gateway.service")["Service"]
     assert gateway["Restart"] == "on-failure"
     assert parse_mlxq(gateway["ExecStart"].split()).command == "gateway"
