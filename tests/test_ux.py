@@ -301,7 +301,7 @@ def test_metrics_bind_loopback_unless_told(fake_redis):
 def test_compose_exposes_the_metrics_port_to_prometheus():
     from test_compose import compose, mlxq_invocations
 
-    (_, worker) = mlxq_invocations(compose()["services"]["worker"]["command"])
+    (worker,) = mlxq_invocations(compose()["services"]["worker"]["command"])
     assert _worker_settings(worker[1:]).metrics_host == "0.0.0.0"  # Prometheus is another container
 
 
