@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+from ..shared.protocol import OverloadError
 from ..shared.schemas import INVALID_REQUEST, Result
 from ..shared.cliopts import add_shared
 from ..shared.genopts import add_output_options, check_defaults, error_text, output_params
@@ -122,9 +123,9 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
             "response": {"status_code": status, "request_id": job_id, "body": body}, "error": None}
 
 
-def refused_line(n: int, custom_id: Optional[str], message: str) -> dict:
+def refused_line(n: int, custom_id: Optional[str], message: str, code: str = "invalid_request") -> dict:
     return {"id": None, "custom_id": custom_id, "line": n, "response": None,
-            "error": {"code": "invalid_request", "message": message}}
+            "error": {"code": code, "message": message}}
 
 
 # -- mlxq batch ------------------------------------------------------------------------------------
@@ -219,7 +220,7 @@ class BatchRun:
         tier = self.client.tier(BULK_TIER_FLOOR)
         bar = tqdm(total=total, initial=len(done), unit="line", disable=not self.progress, dynamic_ncols=True)
         summary = BatchSummary(total=total, skipped=len(done), written=0, duplicates=0, interrupted=False)
-        inflight: dict[str, tuple] = {}  # job id -> (line, custom_id, model, chat, top logprobs shown)
+        inflight: dict[str, tuple] = {}  # job id -> (line, custom_id, model, chat, top logprobs shown, Submitted)
         lines = self._lines(done)
         exhausted = False
         with open(self.output_path, "a", encoding="utf-8") as out:
@@ -259,7 +260,7 @@ class BatchRun:
         summary.duplicates += sub.duplicate
         if top_n < 0:  # a plain line: its logprobs k (validated by the submit) is the alternatives shown
             top_n = int(params.get("logprobs") or 0)
-        inflight[sub.job_id] = (n, custom_id, sub.model, chat, top_n)
+        inflight[sub.job_id] = (n, custom_id, sub.model, chat, top_n, sub)
 
     def _reap(self, inflight, out, summary, bar) -> bool:
         if not inflight:
@@ -272,14 +273,32 @@ class BatchRun:
             hashes = pipe.execute()
         reaped = False
         for job_id, h in zip(ids, hashes):
-            res = result_from_hash(job_id, h) if h else None
+            if not h:  # its record is gone (a write lost with a failed master): it runs again
+                self._again(job_id, inflight, out, summary, bar)
+                continue
+            res = result_from_hash(job_id, h)
             if res is None:
                 continue
-            n, custom_id, model, chat, top_n = inflight.pop(job_id)
+            n, custom_id, model, chat, top_n, _ = inflight.pop(job_id)
             fmt = self._formatter(model, top_n) if any(o.logprobs is not None for o in res.outputs) or top_n else None
             self._write(out, batch_line(n, custom_id, job_id, model, chat, res, fmt), summary, bar)
             reaped = True
         return reaped
+
+    def _again(self, job_id, inflight, out, summary, bar) -> None:
+        """A line whose job's record is gone, submitted again (``Submitted.again``), or written as an
+        error once it cannot be."""
+        entry = inflight.pop(job_id)
+        n, custom_id, model, chat, top_n, sub = entry
+        try:
+            sub = sub.again(self.client)
+        except OverloadError:  # the queue is full: again at the next poll
+            inflight[job_id] = entry
+            return
+        except ValueError as exc:
+            self._write(out, refused_line(n, custom_id, str(exc), "record_lost"), summary, bar)
+            return
+        inflight[sub.job_id] = (n, custom_id, model, chat, top_n, sub)
 
     @staticmethod
     def _write(out, record: dict, summary: BatchSummary, bar) -> None:

@@ -14,7 +14,7 @@ from ..shared.genopts import check_defaults, error_text
 from ..shared.protocol import OverloadError
 from ..shared.schemas import Result
 from .common import NoModelError, known_model
-from .core import prepare
+from .core import MAX_RESUBMITS, Origin, prepare
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,20 @@ class Submitted:
     job_id: str
     duplicate: bool
     schema: Any = None  # the pydantic class of ``response_format=``, if one was given
+    origin: Optional[Origin] = None  # to submit it again if a failover loses its record
+    resubmits: int = 0
+
+    def again(self, client) -> "Submitted":
+        """The job submitted again, its record lost (a write lost with a failed master): under the
+        same idempotency key, so every reader of this lost job lands on one new job. ValueError
+        past ``MAX_RESUBMITS``: a record lost that often was not lost to a failover."""
+        if self.origin is None or self.resubmits >= MAX_RESUBMITS:
+            raise ValueError(f"job {self.job_id}: its record in Redis is gone, and it cannot be submitted again")
+        job_id, payload = self.origin.again(None)
+        enq = client.queue_for(self.model).enqueue(job_id, payload, client.key_hash, self.origin.floor,
+                                                   self.origin.idempotency_key, global_redis=client.redis)
+        log.warning("job=%s attempt=0 record lost (a failover?): submitted again as job=%s", self.job_id, enq.job_id)
+        return Submitted(self.model, enq.job_id, False, self.schema, self.origin, self.resubmits + 1)
 
 
 def enqueue_request(client, params: dict, tier: str, idempotency_key: Optional[str] = None,
@@ -46,7 +60,7 @@ def enqueue_request(client, params: dict, tier: str, idempotency_key: Optional[s
     # ``tier`` is a floor: the tier itself is decided in Redis from the client's key
     enq = client.queue_for(model).enqueue(prep.request.id, prep.payload, client.key_hash, tier, idempotency_key,
                                           global_redis=client.redis)
-    return Submitted(model, enq.job_id, enq.status == "duplicate", prep.schema)
+    return Submitted(model, enq.job_id, enq.status == "duplicate", prep.schema, Origin.of(prep, tier, idempotency_key))
 
 
 def as_params(item: Any) -> dict:
@@ -104,7 +118,7 @@ def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Opti
                 return
             _, sub = inflight[0]
             res = (sub if isinstance(sub, Result)
-                   else client.job(sub.job_id, sub.model, sub.schema).result(timeout=timeout))
+                   else client.job(sub.job_id, sub.model, sub.schema, _origin=sub.origin).result(timeout=timeout))
             inflight.popleft()
             yield res
     finally:

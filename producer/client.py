@@ -281,11 +281,14 @@ class Client:
         job.enqueued = enq
         return job
 
-    def job(self, job_id: str, model: Optional[str] = None, response_format=None) -> Job:
+    def job(self, job_id: str, model: Optional[str] = None, response_format=None, *,
+            _origin: Optional[Origin] = None) -> Job:
         """A handle on an existing job (e.g. from another process); ``response_format`` its pydantic
-        class, for ``parsed`` on its result."""
+        class, for ``parsed`` on its result.  (``_origin``: the request, from the caller that
+        submitted it, to submit it again if its record is lost: ``map``.)"""
         keys = self.gkeys.model_keys(model or self.model)
-        return Job(self, job_id, keys, None, Enqueued("existing", job_id, None, None), schema_of(response_format))
+        return Job(self, job_id, keys, None, Enqueued("existing", job_id, None, None), schema_of(response_format),
+                   _origin)
 
     def close(self) -> None:
         """Close the links; a ``result()`` or ``stream()`` waiting in another thread raises

@@ -17,7 +17,7 @@ import pytest
 
 from mlxq import AsyncClient, Client
 from mlxq.shared.keys import ModelKeys
-from workerkit import fast_settings, running_worker
+from workerkit import fast_settings, running_worker, wait_for
 from faultkit import WorkerProc, detok_text, reference_tokens, wait_registered
 
 K = ModelKeys("tiny")
@@ -173,3 +173,44 @@ def test_submit_waits_for_a_replica_when_asked(tmp_path, caplog):
         client.close()
     finally:
         srv.stop()
+
+
+def test_records_lost_under_map_and_batch_are_submitted_again(tiny_model, redis_url, tmp_path, caplog):
+    """``Client.map`` and ``mlxq batch`` wait by polling records, with no stream: every record lost
+    while its job is queued (no worker yet) is submitted again, once, and every line's answer is the
+    one a fresh submit gets."""
+    import json
+
+    from mlxq.producer.bulk import BatchRun
+
+    caplog.set_level(logging.WARNING, logger="mlxq.producer")
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    r = client.redis
+    with running_worker(tiny_model, redis_url, settings):  # registers the model, then leaves
+        assert wait_for(lambda: "tiny" in client.models(), timeout=10)
+    prompts = ["one two", "three four", "five six"]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": p, "prompt": p, "max_tokens": 6, "ignore_eos": True}) + "\n"
+                           for p in prompts))
+    out: dict = {}
+    runs = [threading.Thread(target=lambda: out.setdefault("map", list(client.map(prompts, max_tokens=6,
+                                                                                    ignore_eos=True))), daemon=True),
+            threading.Thread(target=lambda: out.setdefault("batch", BatchRun(client, str(src), str(dst),
+                                                                             progress=False).run()), daemon=True)]
+    for t in runs:
+        t.start()
+    assert wait_for(lambda: r.zcard(K.queue) == 2 * len(prompts), timeout=30)
+    for job_id in r.zrange(K.queue, 0, -1):
+        _lose(r, job_id.decode())
+    with running_worker(tiny_model, redis_url, settings):
+        for t in runs:
+            t.join(timeout=120)
+            assert not t.is_alive()
+        want = [client.submit(p, max_tokens=6, ignore_eos=True).result(timeout=60).text for p in prompts]
+    assert [res.text for res in out["map"]] == want and all(res.finish_reason == "length" for res in out["map"])
+    lines = {rec["custom_id"]: rec for rec in map(json.loads, dst.read_text().splitlines())}
+    assert out["batch"].written == len(prompts)
+    assert [lines[p]["response"]["body"]["choices"][0]["text"] for p in prompts] == want
+    assert len([x for x in caplog.messages if "submitted again as job" in x]) == 2 * len(prompts)  # once each
+    client.close()
