@@ -381,14 +381,16 @@ class Gateway:
                     self.metrics.ttft.labels(meta.endpoint, meta.tier).observe(time.monotonic() - meta.started)
                 if d.finish_reason == "error":
                     finished = True
-                    if _refused(d):  # refused after the keep-alives sent the headers: its 400 as an event
+                    if _refused(d):  # refused after the keep-alives sent the headers: its 400 as an event,
+                        # the stream's end (no [DONE]), as OpenAI ends a stream that failed
                         res = await job.result(timeout=self.result_wait_s)
                         jlog(logging.INFO, job.id, res.stats.attempts, "refused while streaming: %s", res.error)
                         err = job_error(res)
-                    else:
-                        err = OpenAIError(500, d.error or "generation failed", "server_error", code="job_failed")
-                    self.metrics.errors.labels(err.type).inc()
-                    yield _event(err.body())
+                        self.metrics.errors.labels(err.type).inc()
+                        yield _event(err.body())
+                        return
+                    yield _event(OpenAIError(500, d.error or "generation failed", "server_error",
+                                             code="job_failed").body())
                     if d.sample is not None and len(ended) + 1 < meta.n:
                         # one sample of several failed: the stream ends with its error, so the samples
                         # still running would run for nobody
@@ -615,10 +617,9 @@ async def _from_first(first: asyncio.Future, rest, every: float) -> AsyncIterato
     ``KEEPALIVE`` every ``every`` seconds while it is pending, then ``rest`` (an async generator),
     which is closed when this one is: an ``async for`` left early does not close the generator it reads."""
     try:
-        while not first.done():
-            done, _ = await asyncio.wait({first}, timeout=every)
-            if not done:
-                yield KEEPALIVE
+        while not first.done():  # (the caller waited ``every`` already: a comment is due)
+            yield KEEPALIVE
+            await asyncio.wait({first}, timeout=every)
         try:
             yield first.result()
         except StopAsyncIteration:
