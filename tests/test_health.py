@@ -230,3 +230,19 @@ def test_json_log_lines_from_the_cli_parse(redis_url):
     lines = [json.loads(line) for line in out.stderr.splitlines() if line.strip()]
     assert any(line["level"] == "WARNING" and "MLXQ_NOT_A_SETTING" in line["message"] for line in lines), lines
     assert all({"ts", "level", "logger", "message"} <= set(line) for line in lines)
+
+
+def test_a_json_line_about_a_job_carries_its_id_and_attempt_however_it_was_logged():
+    import logging
+
+    from mlxq.shared.logs import JsonFormatter
+
+    def line(msg, *args, **extra):
+        record = logging.LogRecord("mlxq.worker.runner", logging.WARNING, __file__, 1, msg, args, None)
+        record.__dict__.update(extra)
+        return json.loads(JsonFormatter().format(record))
+
+    worker = line("job=%s attempt=%d refused: %s", "ab" * 16, 2, "too long")  # the worker's plain lines
+    assert (worker["job"], worker["attempt"], worker["level"]) == ("ab" * 16, 2, "WARNING")
+    assert line("job=x attempt=0 z", job="given", attempt=3)["job"] == "given"  # extra= wins
+    assert "job" not in line("serving %r", "tiny")
