@@ -196,7 +196,7 @@ class Gateway:
 
     async def _live_workers(self) -> tuple[int, int]:
         """(registered models, workers whose heartbeat vouches for them now), read without retries: a
-        probe wants today's answer, not one after ``redis_outage_s``.  Heartbeats are in server time
+        probe wants the answer now, not one after ``redis_outage_s``.  Heartbeats are in server time
         (``beats``: worker -> the time until which its last beat vouches for it; a stuck worker's is 0)."""
         client = AsyncClient(settings=self.settings, redis_client=self.redis, subscriber=self.subscriber,
                              watch=self.watch)
@@ -212,7 +212,7 @@ class Gateway:
         return len(models), live
 
     def _not_ready(self, reason: str, **fields) -> JSONResponse:
-        log.info("/ready 503: %s", reason)
+        log.debug("/ready 503: %s", reason)  # (a probe asks every few seconds: the body says why)
         return JSONResponse({"status": "not ready", "reason": reason, **fields}, status_code=503,
                             headers={"Retry-After": str(max(1, math.ceil(self.settings.ready_timeout_s)))})
 
@@ -719,7 +719,8 @@ def cmd_gateway(args) -> int:
     import uvicorn
 
     # (the log format is set for every command by the CLI's start: shared/logs.py)
-    settings = Settings.from_env(redis_url=args.redis_url, **given_settings(args, gateway_flags()))
+    settings = Settings.from_env(redis_url=args.redis_url, log_format=args.log_format,
+                                 **given_settings(args, gateway_flags()))
     app = create_app(args.redis_url, settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
                 log_config=None)

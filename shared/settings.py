@@ -1,8 +1,8 @@
 """The one settings object of producers, workers and the engine, read from ``MLXQ_*`` environment variables.
 
 Every option is a field of :class:`Settings` with its default; the field's metadata says, once, how
-it is set: the environment variable ``MLXQ_<NAME>``, the ``mlxq worker`` flag (generated from the
-fields by :func:`worker_flags`), the ``PagedEngine`` parameter it feeds (:meth:`Settings.engine_options`)
+it is set: the environment variable ``MLXQ_<NAME>``, the ``mlxq worker`` and ``mlxq gateway`` flags
+(generated from the fields by :func:`worker_flags` and :func:`gateway_flags`), the ``PagedEngine`` parameter it feeds (:meth:`Settings.engine_options`)
 and its help text.  ``Settings.from_env()`` is the one reader; ``__post_init__`` refuses bad values with
 a message that names the variable and the flag.  :func:`cache_dir` is the one place the cache
 directory's default lives.
