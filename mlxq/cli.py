@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from typing import Optional
 
@@ -13,6 +12,7 @@ from .shared.settings import TIERS, Settings
 from .shared.cliopts import Parser, add_shared
 from .shared.extras import MissingExtra
 from .shared.genopts import add_output_options, error_text, output_params
+from .shared.logs import setup_logging
 
 
 def cmd_submit(args) -> int:
@@ -362,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     user_errors = _user_errors()
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

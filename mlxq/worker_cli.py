@@ -18,34 +18,20 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .shared.cliopts import add_shared
+    from .shared.cliopts import add_setting_flags, add_shared
 
     add_shared(p, "redis_url", "model", required=("model",), help={"model": "an mlx-lm model directory, a hub id, or a GGUF file"})
     p.add_argument("--name", help="the queue name (default: the model directory's base name, the GGUF file's "
                                   "stem, or the hub id)")
-    for f in worker_flags():
-        if f.is_bool:  # --keep-dtype / --no-keep-dtype; None: not given, the environment decides
-            p.add_argument(f.flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f.help)
-        else:
-            p.add_argument(f.flag, dest=f.name, type=_argtype(f), default=None, choices=f.choices, help=f.help)
-
-
-def _argtype(f):
-    """The setting's own parser, named for argparse's message ("invalid integer value: 'x'")."""
-    def parse(text: str):
-        try:
-            return f.parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    parse.__name__ = f.name
-    return parse
+    add_setting_flags(p, worker_flags())
 
 
 def settings_from_args(args) -> Settings:
     """The worker's settings: ``MLXQ_*`` from the environment, each flag given on the command line over it."""
-    given = {f.name: getattr(args, f.name, None) for f in worker_flags()}
-    return Settings.from_env(redis_url=args.redis_url, **given)
+    from .shared.cliopts import given_settings
+
+    return Settings.from_env(redis_url=args.redis_url, log_format=getattr(args, "log_format", None),
+                             **given_settings(args, worker_flags()))
 
 
 def run(args) -> int:
@@ -72,7 +58,7 @@ def run(args) -> int:
     except ModelNotFound as exc:
         print(f"mlxq worker: {exc}", file=sys.stderr)
         return 2
-    observers, bridge = [], None
+    observers, bridge, metrics = [], None, None
     redis_client = connect(args.redis_url)
     if settings.metrics_port:
         from .shared.keys import GlobalKeys
@@ -80,7 +66,6 @@ def run(args) -> int:
         from .worker.metrics import WorkerMetrics
 
         metrics = WorkerMetrics(redis_client, GlobalKeys(settings.prefix).model_keys(loaded.name), loaded.name)
-        metrics.serve(settings.metrics_port, settings.metrics_host)
         observers.append(metrics)
     if settings.rq_queues:
         from .producer.rq_bridge import RqBridge
@@ -89,6 +74,12 @@ def run(args) -> int:
         bridge = RqBridge(redis_client, loaded.name, settings, queues)
         observers.append(bridge)
     worker = Worker(redis_client, loaded, settings, engine=make_engine(loaded, settings), observers=observers)
+    if metrics is not None:
+        # /health and /ready beside /metrics, from the worker's own watchdog; with no metrics port a
+        # worker has no HTTP endpoint: a stuck one exits (code 70) for its supervisor to restart it
+        from .worker.health import WorkerHealth
+
+        metrics.serve(settings.metrics_port, settings.metrics_host, health=WorkerHealth.of(worker))
     if os.environ.get("MLXQ_TEST_FREEZE_STEP"):
         _freeze_at_step(worker.engine, int(os.environ["MLXQ_TEST_FREEZE_STEP"]))
     worker.install_signal_handlers()
@@ -99,6 +90,8 @@ def run(args) -> int:
     finally:
         if bridge is not None:
             bridge.stop()
+        if metrics is not None:
+            metrics.shutdown()  # and hands its queue-depth lease on
     return 0
 
 

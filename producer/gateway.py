@@ -3,7 +3,9 @@
     POST /v1/chat/completions, /v1/completions        (stream or not; usage from the job's stats)
     POST /v1/batch/chat/completions, /v1/batch/completions   (the same at the low tier)
     GET  /v1/models                                     (models that live workers serve)
-    GET  /metrics, /health
+    GET  /metrics                                       (this gateway's request metrics)
+    GET  /health                                        (liveness: no key, no Redis; always 200 while serving)
+    GET  /ready                                         (Redis answers and some model has a live worker)
 
 The bearer token is an mlxq API key: it decides the tier.  Two modes, as vLLM, ollama and mlx-lm's
 server behave: while no key is registered the gateway is open (any token, e.g. the openai client's
@@ -13,7 +15,10 @@ or revoked token gets 401 on every endpoint.  No token at all is normal tier in 
 Each request becomes one queue job through ``AsyncClient``; a stream reads the job's token channel.
 A request that cannot run gets a 400 before anything is streamed: what can be checked up front is
 (parameters, prompt length, token ids); a stream's headers wait for the job's first delta, so a job
-the worker refuses is also a plain 400.  A client that disconnects cancels its job.
+the worker refuses is also a plain 400, unless the job waits longer than ``sse_keepalive_s`` in the
+queue: then the headers go out with an SSE comment (``: keep-alive``) every ``sse_keepalive_s``, so that
+a proxy's idle timeout does not cut a low-tier stream, and a refusal after that is an error event
+(OpenAI's error chunk, no ``[DONE]``).  A client that disconnects cancels its job.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import threading
 import time
 from typing import Any, AsyncIterator, Optional
@@ -47,9 +51,9 @@ from ..shared.apikeys import AuthError
 from ..shared.keys import GlobalKeys
 from ..shared.protocol import JobRefused, OverloadError
 from ..shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result
-from ..shared.settings import TIERS, Settings
+from ..shared.settings import Settings, gateway_flags
 from .aclient import AsyncClient, AsyncJob
-from ..shared.cliopts import add_shared
+from ..shared.cliopts import add_setting_flags, add_shared, given_settings
 from .common import ContextLengthError, NoModelError, has_live_worker
 from ..shared.tools import check_format, format_from_info, uses_tools
 from .openai_api import (ChatCompletionRequest, ChatDeltas, CompletionRequest, LogprobFormatter, OpenAIError,
@@ -69,9 +73,12 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mlxq_gateway_requests", "HTTP requests", ["endpoint", "status"], registry=r)
-        self.latency = Histogram("mlxq_gateway_request_seconds", "Request time to the last byte", ["endpoint"],
-                                 registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-        self.ttft = Histogram("mlxq_gateway_ttft_seconds", "Request to first streamed token", ["endpoint"],
+        # by tier: a low-tier job waits behind the others by design, and one histogram of all tiers
+        # would hide whether the interactive ones meet their target
+        self.latency = Histogram("mlxq_gateway_request_seconds", "Request time to the last byte",
+                                 ["endpoint", "tier"], registry=r,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.ttft = Histogram("mlxq_gateway_ttft_seconds", "Request to first streamed token", ["endpoint", "tier"],
                               registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.inflight = Gauge("mlxq_gateway_inflight_requests", "Requests being served", registry=r)
         self.tokens = Counter("mlxq_gateway_completion_tokens", "Completion tokens returned", registry=r)
@@ -79,9 +86,11 @@ class GatewayMetrics:
                                "Jobs cancelled on client disconnect (or when a failed sample ended an n > 1 stream)",
                                registry=r)
         self.errors = Counter("mlxq_gateway_errors", "Error responses by type", ["type"], registry=r)
-        self.queue_depth = Gauge("mlxq_queue_depth", "Jobs waiting in the queue, per tier", ["model", "tier"],
-                                 registry=r)
-        self.running = Gauge("mlxq_running_jobs", "Jobs leased to workers", ["model"], registry=r)
+        self.keepalives = Counter("mlxq_gateway_sse_keepalives", "SSE keep-alive comments sent to streams "
+                                  "waiting for their first token", registry=r)
+        # no queue depth here: it is a figure of the queue, not of this process, and every gateway (and
+        # worker) exporting it made sum() count it once per exporter; one worker per model exports
+        # it (worker/metrics.py)
 
 
 class Gateway:
@@ -168,24 +177,53 @@ class Gateway:
         return await self._generate(request, CompletionRequest, chat=False)
 
     async def health(self, request: Request) -> Response:
-        denied = await self._authorized(request, "/health")
-        if denied is not None:
-            return denied
-        await self.client(request)._retry(self.redis.ping)
+        """Liveness: the process serves HTTP.  No key and no Redis: an orchestrator restarts a gateway
+        whose /health fails, and restarting one because Redis is down cures nothing (/ready says that)."""
         return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        """Readiness: Redis answers within ``ready_timeout_s`` and some model has a live worker (a
+        heartbeat that still vouches for it).  503 otherwise, with the reason in the body.  No key: a
+        probe carries none, so the body names no model."""
+        timeout = self.settings.ready_timeout_s
+        try:
+            models, live = await asyncio.wait_for(self._live_workers(), timeout)
+        except asyncio.TimeoutError:
+            return self._not_ready(f"Redis did not answer within {timeout:g}s", redis="timeout")
+        except Exception as exc:  # noqa: BLE001 - whatever the link says, the answer is "not ready, why"
+            return self._not_ready(f"Redis is unreachable: {type(exc).__name__}: {exc}", redis="unreachable")
+        body = {"redis": "ok", "models": models, "live_workers": live}
+        if not live:
+            why = "no model is registered" if not models else f"no live worker for any of {models} models"
+            return self._not_ready(why, **body)
+        return JSONResponse({"status": "ready", **body})
+
+    async def _live_workers(self) -> tuple[int, int]:
+        """(registered models, workers whose heartbeat vouches for them now), read without retries: a
+        probe wants the answer now, not one after ``redis_outage_s``.  Heartbeats are in server time
+        (``beats``: worker -> the time until which its last beat vouches for it; a stuck worker's is 0)."""
+        client = AsyncClient(settings=self.settings, redis_client=self.redis, subscriber=self.subscriber,
+                             watch=self.watch)
+        await self.redis.ping()
+        gk = client.gkeys
+        models = await client.at(gk.models).hkeys(gk.models)
+        live = 0
+        for name in models:
+            beats = gk.model_keys(name.decode() if isinstance(name, bytes) else name).beats
+            r = client.at(beats)
+            sec, usec = await r.time()
+            live += await r.zcount(beats, f"({sec + usec / 1e6}", "+inf")
+        return len(models), live
+
+    def _not_ready(self, reason: str, **fields) -> JSONResponse:
+        log.debug("/ready 503: %s", reason)  # (a probe asks every few seconds: the body says why)
+        return JSONResponse({"status": "not ready", "reason": reason, **fields}, status_code=503,
+                            headers={"Retry-After": str(max(1, math.ceil(self.settings.ready_timeout_s)))})
 
     async def prometheus(self, request: Request) -> Response:
         denied = await self._authorized(request, "/metrics")
         if denied is not None:
             return denied
-        client = self.client(request)
-        for model in await client.models():
-            key = client.gkeys.model_keys(model).counts
-            counts = await client.at(key).hgetall(key)
-            counts = {k.decode(): int(v) for k, v in counts.items()}
-            for tier in TIERS:
-                self.metrics.queue_depth.labels(model, tier).set(counts.get(f"queued:{tier}", 0))
-            self.metrics.running.labels(model).set(counts.get("running", 0))
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def _live(self, models: dict[str, dict]) -> dict[str, dict]:
@@ -255,17 +293,18 @@ class Gateway:
         fmt = LogprobFormatter(self.token_names.for_model(models.get(model)), req.top_n)
         meta = _Meta(id=("chatcmpl-" if chat else "cmpl-") + job.id, model=model, created=now_s(), chat=chat,
                      endpoint=endpoint, started=started, include_usage=req.include_usage, tools=tools,
-                     n=kwargs.get("n") or 1)
+                     n=kwargs.get("n") or 1, tier=tier)
         if req.stream:
             return await self._stream(request, job, meta, fmt)
         return await self._complete(request, job, meta, fmt)
 
-    async def _done_unless_gone(self, request: Request, task: asyncio.Future, job: AsyncJob, reason: str) -> bool:
-        """Wait for ``task`` or the client's disconnect, whichever comes first; on a disconnect
-        cancel the task and the job (False)."""
+    async def _done_unless_gone(self, request: Request, task: asyncio.Future, job: AsyncJob, reason: str,
+                                timeout: Optional[float] = None) -> bool:
+        """Wait for ``task`` or the client's disconnect, whichever comes first, or ``timeout``; on a
+        disconnect cancel the task and the job (False)."""
         gone_task = asyncio.ensure_future(_wait_disconnect(request))
-        done, _ = await asyncio.wait({task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:
+        done, _ = await asyncio.wait({task, gone_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if gone_task in done and task not in done:
             task.cancel()
             await self._cancel(job, reason)
             return False
@@ -273,23 +312,29 @@ class Gateway:
         return True
 
     async def _stream(self, request: Request, job: AsyncJob, meta: "_Meta", fmt: LogprobFormatter) -> Response:
-        """Headers go out with the job's first delta: a job that fails before producing anything
-        (refused by the worker) is answered with a plain error status, not an event mid-stream."""
+        """Headers go out with the job's first delta, so that a job that fails before producing anything
+        (refused by the worker) is answered with a plain error status; or, when the job still waits
+        after ``sse_keepalive_s``, with the first keep-alive comment (a refusal is then an error event)."""
         deltas = job.stream()
         first_task = asyncio.ensure_future(deltas.__anext__())
-        if not await self._done_unless_gone(request, first_task, job, "client disconnected before the first token"):
+        every = self.settings.sse_keepalive_s
+        if not await self._done_unless_gone(request, first_task, job, "client disconnected before the first token",
+                                            timeout=every):
             return Response(status_code=499)
-        try:
-            first = first_task.result()
-        except StopAsyncIteration:
-            first = None
-        if (first is not None and first.finish_reason == "error" and not first.text and not first.token_ids
-                and first.sample is None):  # the job was refused (not one sample of several failing)
-            await deltas.aclose()  # its channel unsubscribed now, not when the generator is collected
-            res = await job.result(timeout=self.result_wait_s)
-            jlog(logging.INFO, job.id, res.stats.attempts, "failed before streaming: %s", res.error)
-            return self._error(meta.endpoint, job_error(res))
-        return StreamingResponse(self._sse(job, meta, fmt, _prepend(first, deltas)), media_type="text/event-stream",
+        if first_task.done():
+            try:
+                first = first_task.result()
+            except StopAsyncIteration:
+                first = None
+            if _refused(first):
+                await deltas.aclose()  # its channel unsubscribed now, not when the generator is collected
+                res = await job.result(timeout=self.result_wait_s)
+                jlog(logging.INFO, job.id, res.stats.attempts, "failed before streaming: %s", res.error)
+                return self._error(meta.endpoint, job_error(res))
+        else:
+            jlog(logging.INFO, job.id, 0, "waiting in the queue: SSE keep-alive every %gs", every)
+        return StreamingResponse(self._sse(job, meta, fmt, _from_first(first_task, deltas, every)),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _complete(self, request: Request, job: AsyncJob, meta: "_Meta", fmt: LogprobFormatter) -> Response:
@@ -307,7 +352,7 @@ class Gateway:
         if failed is not None:
             return self._error(meta.endpoint, job_error(failed))
         self.metrics.tokens.inc(res.stats.generated_tokens)
-        self.metrics.latency.labels(meta.endpoint).observe(time.monotonic() - meta.started)
+        self.metrics.latency.labels(meta.endpoint, meta.tier).observe(time.monotonic() - meta.started)
         self.metrics.requests.labels(meta.endpoint, "200").inc()
         obj = "chat.completion" if meta.chat else "text_completion"
         return JSONResponse({"id": meta.id, "object": obj, "created": meta.created, "model": meta.model,
@@ -315,7 +360,8 @@ class Gateway:
                              "system_fingerprint": None, "stats": job_stats(res)})
 
     async def _sse(self, job: AsyncJob, meta: "_Meta", fmt: LogprobFormatter,
-                   deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
+                   deltas: AsyncIterator[Delta | str]) -> AsyncIterator[str]:
+        """The job's deltas as OpenAI's SSE events; a ``str`` among them (a keep-alive comment) goes out as is."""
         self.metrics.inflight.inc()
         finished, attempt, first = False, 0, True
         # per choice (a job's sample): its chat deltas and its text offset
@@ -328,13 +374,25 @@ class Gateway:
                     yield _event(meta.chunk({"role": "assistant", "content": None if meta.tools else ""}, None,
                                             index=i))
             async for d in deltas:
+                if isinstance(d, str):
+                    self.metrics.keepalives.inc()
+                    yield d
+                    continue
                 attempt = max(attempt, d.attempt)
                 i = d.sample or 0
                 if first and d.text:
                     first = False
-                    self.metrics.ttft.labels(meta.endpoint).observe(time.monotonic() - meta.started)
+                    self.metrics.ttft.labels(meta.endpoint, meta.tier).observe(time.monotonic() - meta.started)
                 if d.finish_reason == "error":
                     finished = True
+                    if _refused(d):  # refused after the keep-alives sent the headers: its 400 as an event,
+                        # the stream's end (no [DONE]), as OpenAI ends a stream that failed
+                        res = await job.result(timeout=self.result_wait_s)
+                        jlog(logging.INFO, job.id, res.stats.attempts, "refused while streaming: %s", res.error)
+                        err = job_error(res)
+                        self.metrics.errors.labels(err.type).inc()
+                        yield _event(err.body())
+                        return
                     yield _event(OpenAIError(500, d.error or "generation failed", "server_error",
                                              code="job_failed").body())
                     if d.sample is not None and len(ended) + 1 < meta.n:
@@ -370,7 +428,7 @@ class Gateway:
             if finished:  # its tokens and log line, off the response: it ends at [DONE], not a read later
                 self.spawn(self._streamed(job))
             self.metrics.requests.labels(meta.endpoint, "200").inc()
-            self.metrics.latency.labels(meta.endpoint).observe(time.monotonic() - meta.started)
+            self.metrics.latency.labels(meta.endpoint, meta.tier).observe(time.monotonic() - meta.started)
         finally:
             self.metrics.inflight.dec()
             # the job's stream ends here however this one does (a sample's error breaks out of it):
@@ -467,8 +525,9 @@ class NoLiveWorker(OpenAIError):
 
 class _Meta:
     def __init__(self, *, id: str, model: str, created: int, chat: bool, endpoint: str, started: float,
-                 include_usage: bool, tools: bool = False, n: int = 1):
+                 include_usage: bool, tools: bool = False, n: int = 1, tier: str = "normal"):
         self.id, self.model, self.created, self.chat = id, model, created, chat
+        self.tier = tier  # the job's tier: a label of the latency histograms
         self.endpoint, self.started, self.include_usage = endpoint, started, include_usage
         self.tools = tools  # the job may answer with tool calls
         self.n = n  # choices (the job's samples)
@@ -548,16 +607,31 @@ def job_stats(res: Result) -> dict:
     return res.stats.model_dump()
 
 
-async def _prepend(first: Optional[Delta], rest) -> AsyncIterator[Delta]:
-    """``first``, then ``rest`` (an async generator), which is closed when this one is: an
-    ``async for`` left early does not close the generator it reads."""
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see bytes flow
+
+
+def _refused(d: Optional[Delta]) -> bool:
+    """The job's first delta says the worker refused it (not one sample of several failing)."""
+    return (d is not None and d.finish_reason == "error" and not d.text and not d.token_ids
+            and d.sample is None)
+
+
+async def _from_first(first: asyncio.Future, rest, every: float) -> AsyncIterator[Delta | str]:
+    """The result of ``first`` (the job's first delta; ``StopAsyncIteration``: none), with
+    ``KEEPALIVE`` every ``every`` seconds while it is pending, then ``rest`` (an async generator),
+    which is closed when this one is: an ``async for`` left early does not close the generator it reads."""
     try:
-        if first is None:
+        while not first.done():  # (the caller waited ``every`` already: a comment is due)
+            yield KEEPALIVE
+            await asyncio.wait({first}, timeout=every)
+        try:
+            yield first.result()
+        except StopAsyncIteration:
             return
-        yield first
         async for d in rest:
             yield d
     finally:
+        first.cancel()
         await rest.aclose()
 
 
@@ -613,6 +687,7 @@ def create_app(redis_url: Optional[str] = None, settings: Optional[Settings] = N
         Route("/v1/batch/completions", gw.completions, methods=["POST"]),
         Route("/metrics", gw.prometheus, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
+        Route("/ready", gw.ready, methods=["GET"]),
     ]
     handlers = {RedisUnreachable: gw.unreachable, HTTPException: gw.http_error, Exception: gw.internal_error}
     app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers=handlers)
@@ -644,32 +719,12 @@ class ServerThread:
         self.thread.join(timeout=10)
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line; ``job`` and ``attempt`` fields when the line is about a job."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
-               "message": record.getMessage()}
-        for key in ("job", "attempt"):
-            if hasattr(record, key):
-                out[key] = getattr(record, key)
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
-def use_json_logs() -> None:
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(JsonFormatter())
-
-
 def cmd_gateway(args) -> int:
     import uvicorn
 
-    if args.log_format == "json":
-        use_json_logs()
-    settings = Settings.from_env(redis_url=args.redis_url)
-    settings.no_worker_wait_s = args.no_worker_wait
+    # (the log format is set for every command by the CLI's start: shared/logs.py)
+    settings = Settings.from_env(redis_url=args.redis_url, log_format=args.log_format,
+                                 **given_settings(args, gateway_flags()))
     app = create_app(args.redis_url, settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
                 log_config=None)
@@ -681,11 +736,6 @@ def add_command(sub) -> None:
     add_shared(p, "redis_url")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("MLXQ_LOG_FORMAT", "text"),
-                   help="text, or one JSON object per line with job and attempt fields ($MLXQ_LOG_FORMAT)")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
-    wait = os.environ.get("MLXQ_NO_WORKER_WAIT_S") or Settings().no_worker_wait_s
-    p.add_argument("--no-worker-wait", type=float, default=wait, metavar="SECONDS",
-                   help="how long a request for a model with no live worker waits for one before a 503 with "
-                        "Retry-After ($MLXQ_NO_WORKER_WAIT_S); /v1/batch/ requests are queued anyway")
+    add_setting_flags(p, gateway_flags())
     p.set_defaults(func=cmd_gateway)

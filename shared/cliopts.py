@@ -14,12 +14,15 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .logs import LOG_FORMATS
+
 
 @dataclass(frozen=True)
 class SharedOption:
     flag: str
     help: str
     default: Callable[[], Optional[str]]
+    choices: Optional[tuple] = None
 
 
 SHARED = {
@@ -27,21 +30,25 @@ SHARED = {
                               "default: $MLXQ_REDIS_URL", lambda: os.environ.get("MLXQ_REDIS_URL")),
     "log_level": SharedOption("--log-level", "DEBUG, INFO, WARNING or ERROR (default: $MLXQ_LOG_LEVEL or INFO)",
                               lambda: os.environ.get("MLXQ_LOG_LEVEL", "INFO")),
+    # the Settings field log_format (every process logs alike: worker, gateway, the CLI's commands)
+    "log_format": SharedOption("--log-format", "text, or one JSON object per line with job and attempt fields "
+                               "(default: $MLXQ_LOG_FORMAT or text)",
+                               lambda: os.environ.get("MLXQ_LOG_FORMAT") or "text", LOG_FORMATS),
     "model": SharedOption("--model", "the model's queue name (default: $MLXQ_MODEL, or the only model served)",
                           lambda: None),
     "api_key": SharedOption("--api-key", "an mlxq API key; it sets the tier (default: $MLXQ_API_KEY)",
                             lambda: os.environ.get("MLXQ_API_KEY")),
 }
-ALWAYS = ("log_level",)
+ALWAYS = ("log_level", "log_format")
 
 
 def add_shared(p: argparse.ArgumentParser, *names: str, required: tuple[str, ...] = (),
                help: Optional[dict[str, str]] = None) -> None:
-    """Declare shared options on a (sub-)command: ``--log-level`` always, plus ``names``."""
+    """Declare shared options on a (sub-)command: ``--log-level`` and ``--log-format`` always, plus ``names``."""
     for name in ALWAYS + tuple(n for n in names if n not in ALWAYS):
         opt = SHARED[name]
         text = (help or {}).get(name, opt.help) + (" (required)" if name in required else "")
-        p.add_argument(opt.flag, dest=name, default=argparse.SUPPRESS, help=text)
+        p.add_argument(opt.flag, dest=name, default=argparse.SUPPRESS, help=text, choices=opt.choices)
     p.set_defaults(_shared=tuple(names), _required=tuple(required))
 
 
@@ -59,6 +66,33 @@ def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
         if not getattr(args, name):
             parser.error(f"`mlxq {command}` needs {SHARED[name].flag}")
     return args
+
+
+def add_setting_flags(p: argparse.ArgumentParser, flags) -> None:
+    """Flags generated from ``Settings`` fields (``worker_flags()``, ``gateway_flags()``): each defaults to
+    None (not given: the environment, then the field's default, decide)."""
+    for f in flags:
+        if f.is_bool:  # --keep-dtype / --no-keep-dtype
+            p.add_argument(f.flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f.help)
+        else:
+            p.add_argument(f.flag, dest=f.name, type=_argtype(f), default=None, choices=f.choices, help=f.help)
+
+
+def given_settings(args: argparse.Namespace, flags) -> dict:
+    """The generated flags' values given on the command line (None where not given), by field name."""
+    return {f.name: getattr(args, f.name, None) for f in flags}
+
+
+def _argtype(f):
+    """The setting's own parser, named for argparse's message ("invalid integer value: 'x'")."""
+    def parse(text: str):
+        try:
+            return f.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = f.name
+    return parse
 
 
 class DefaultsFormatter(argparse.HelpFormatter):

@@ -130,6 +130,12 @@ class ModelKeys:
         return f"{self._base}:workers"
 
     @property
+    def depth_exporter(self) -> str:
+        """string: the token of the one process that exports this model's queue depth to Prometheus (a
+        lease of ``EXPORTER_LEASE_S``, taken and renewed at scrape time; worker/metrics.py)."""
+        return f"{self._base}:depth_exporter"
+
+    @property
     def beats(self) -> str:
         """zset: worker id -> the server time until which its last heartbeat vouches for it (renew.lua
         sets it to now + that worker's ``takeover_after_s`` at every beat). Past it, any worker's

@@ -1,8 +1,8 @@
 """The one settings object of producers, workers and the engine, read from ``MLXQ_*`` environment variables.
 
 Every option is a field of :class:`Settings` with its default; the field's metadata says, once, how
-it is set: the environment variable ``MLXQ_<NAME>``, the ``mlxq worker`` flag (generated from the
-fields by :func:`worker_flags`), the ``PagedEngine`` parameter it feeds (:meth:`Settings.engine_options`)
+it is set: the environment variable ``MLXQ_<NAME>``, the ``mlxq worker`` and ``mlxq gateway`` flags
+(generated from the fields by :func:`worker_flags` and :func:`gateway_flags`), the ``PagedEngine`` parameter it feeds (:meth:`Settings.engine_options`)
 and its help text.  ``Settings.from_env()`` is the one reader; ``__post_init__`` refuses bad values with
 a message that names the variable and the flag.  :func:`cache_dir` is the one place the cache
 directory's default lives.
@@ -28,7 +28,7 @@ DEFAULT_CHUNK_SCHEDULE = ((2048, 512), (8192, 256), (20480, 128), (None, 64))
 MAX_IDLE_BLOCK_S = 10.0  # connections read with a 20 s timeout (shared/connection.py)
 # MLXQ_* variables read elsewhere (the CLI's defaults, the BLAS set-up, the extension, the tests):
 # any other MLXQ_* name that is not a setting is reported as unknown (a misspelt setting)
-OTHER_ENV = frozenset({"MLXQ_MODEL", "MLXQ_API_KEY", "MLXQ_LOG_LEVEL", "MLXQ_LOG_FORMAT", "MLXQ_CACHE_DIR",
+OTHER_ENV = frozenset({"MLXQ_MODEL", "MLXQ_API_KEY", "MLXQ_LOG_LEVEL", "MLXQ_CACHE_DIR",
                        "MLXQ_BLAS", "MLXQ_BLAS_LIB", "MLXQ_BLAS_THREADS", "MLXQ_ATTN_ISA", "MLXQ_ATTN_THREADS",
                        "MLXQ_POOL_SPIN_US", "MLXQ_TEST_MODEL_SEED", "MLXQ_TEST_FREEZE_STEP",
                        "MLXQ_TIMEOUT_S"})  # (the last: examples/node/producer.mjs reads it)
@@ -118,14 +118,14 @@ _PARSERS: dict[str, Callable[[str], object]] = {
 
 
 def opt(default=None, help: str = "", *, factory=None, flag: Optional[str] = None, worker: bool = True,
-        engine: Optional[str] = None, to_engine: Optional[Callable] = None, choices: Optional[tuple] = None,
+        gateway: bool = False, engine: Optional[str] = None, to_engine: Optional[Callable] = None, choices: Optional[tuple] = None,
         parse: Optional[Callable] = None, show: Optional[Callable] = None, shown_default: Optional[str] = None,
         secret: bool = False):
     """A settings field and how it is set.  ``worker``: ``mlxq worker`` has a flag for it (``flag``,
-    else ``--name-with-dashes``); ``engine``: the ``PagedEngine`` parameter it feeds (through
+    else ``--name-with-dashes``); ``gateway``: ``mlxq gateway`` has that flag; ``engine``: the ``PagedEngine`` parameter it feeds (through
     ``to_engine``); ``shown_default``: the default as said in ``--help``, where the value is None;
     ``secret``: never shown (``***`` in :meth:`Settings.describe`)."""
-    meta = dict(help=help, flag=flag, worker=worker, engine=engine, to_engine=to_engine, choices=choices,
+    meta = dict(help=help, flag=flag, worker=worker, gateway=gateway, engine=engine, to_engine=to_engine, choices=choices,
                 parse=parse, show=show, shown_default=shown_default, secret=secret)
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -163,8 +163,17 @@ class Settings:
     max_new_tokens: int = opt(32_768, "the most tokens one job may ask for")
     live_worker_s: float = opt(10.0, "a model's worker counts as live while its last heartbeat is this recent",
                                worker=False)
-    no_worker_wait_s: float = opt(3.0, "the gateway waits this long for a live worker, then answers 503",
-                                  worker=False)
+    no_worker_wait_s: float = opt(3.0, "how long a request for a model with no live worker waits for one before "
+                                  "a 503 with Retry-After; /v1/batch/ requests are queued anyway", worker=False,
+                                  gateway=True, flag="--no-worker-wait")
+    sse_keepalive_s: float = opt(15.0, "while a streamed request waits in the queue for its first token, the "
+                                 "gateway sends an SSE comment (`: keep-alive`) this often, so that a proxy's "
+                                 "idle timeout does not cut it", worker=False, gateway=True)
+    ready_timeout_s: float = opt(2.0, "the gateway's /ready answers 503 when Redis does not answer within this",
+                                 worker=False, gateway=True)
+    # one setting for every process (worker, gateway, CLI): a shared option of every command (shared/cliopts)
+    log_format: str = opt("text", "log lines as text, or one JSON object per line (json) with job and attempt "
+                          "fields", worker=False, choices=("text", "json"))
     redis_outage_s: float = opt(30.0, "producers retry an unreachable Redis this long, a job's result() or stream() "
                                 "with no timeout included (then: ConnectionError, HTTP 503)", worker=False)
     submit_replica_ack_ms: int = opt(0, "submit returns once one replica has the job (WAIT 1 <ms>), or after this "
@@ -259,6 +268,9 @@ class Settings:
              f"must be above 0 and at most {MAX_IDLE_BLOCK_S:g} (a blocking pull returns well inside the "
              "connection's read timeout)"),
             ("stats_interval_s", self.stats_interval_s > 0, pos),
+            ("sse_keepalive_s", self.sse_keepalive_s > 0 and math.isfinite(self.sse_keepalive_s), pos),
+            ("ready_timeout_s", self.ready_timeout_s > 0 and math.isfinite(self.ready_timeout_s), pos),
+            ("log_format", self.log_format in ("text", "json"), "must be text or json"),
             ("prefix", "{" not in self.prefix and "}" not in self.prefix,
              "prefix must not contain braces (they delimit Redis Cluster hash tags)"),
             ("max_new_tokens", self.max_new_tokens >= 1, pos),
@@ -358,11 +370,13 @@ def env_var(name: str) -> str:
 
 
 def flag(name: str) -> Optional[str]:
-    """The ``mlxq worker`` flag of a field (None: not a worker option)."""
+    """The ``mlxq worker`` or ``mlxq gateway`` flag of a field (None: neither has one)."""
     meta = _FIELDS[name].metadata
     if name == "redis_url":
         return "--redis-url"
-    if not meta["worker"]:
+    if name == "log_format":
+        return "--log-format"  # a shared option of every command
+    if not (meta["worker"] or meta["gateway"]):
         return None
     return meta["flag"] or "--" + name.replace("_", "-")
 
@@ -379,7 +393,7 @@ def parser(name: str) -> Callable[[str], object]:
 
 @dataclass(frozen=True)
 class Flag:
-    """One generated ``mlxq worker`` flag."""
+    """One generated ``mlxq worker`` or ``mlxq gateway`` flag."""
 
     name: str  # the field (and the argparse dest)
     flag: str
@@ -392,10 +406,19 @@ class Flag:
 def worker_flags() -> list[Flag]:
     """The ``mlxq worker`` flags, one per worker and engine field, with help that gives the default and the
     environment variable."""
+    return _flags("worker")
+
+
+def gateway_flags() -> list[Flag]:
+    """The ``mlxq gateway`` flags, one per field marked ``gateway``, as :func:`worker_flags`."""
+    return _flags("gateway")
+
+
+def _flags(command: str) -> list[Flag]:
     out = []
     for f in fields(Settings):
         fl = flag(f.name)
-        if fl is None or f.name == "redis_url":
+        if fl is None or f.name == "redis_url" or not f.metadata[command]:
             continue
         meta = f.metadata
         default = f.default if f.default_factory is MISSING else f.default_factory()

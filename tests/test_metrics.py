@@ -83,7 +83,7 @@ def test_inter_token_latency_is_per_sample_and_ttft_once_per_job():
     from mlxq.worker.jobs import sample_uid
 
     samples = [SimpleNamespace(id="j", sample=i, uid=sample_uid("j", i), group=SimpleNamespace(n=2),
-                               first_token_at=1.0, queued_at=0.5) for i in range(2)]
+                               first_token_at=1.0, queued_at=0.5, tier="normal") for i in range(2)]
     for step in range(5):  # each sample every 10 ms, the two 5 ms apart
         for i, s in enumerate(samples):
             metrics.on_token(s, 1, 1.0 + step * 0.010 + i * 0.005)
@@ -100,5 +100,5 @@ def test_inter_token_latency_is_per_sample_and_ttft_once_per_job():
     assert abs(sample_value("mlxq_inter_token_latency_seconds_sum") / itl_n - 0.010) < 1e-9
     assert sample_value("mlxq_ttft_seconds_count") == 1
     metrics.on_finish(samples[1], SimpleNamespace(finish_reason="stop", stats=SimpleNamespace(
-        prompt_tokens=3, cached_tokens=0)))
+        prompt_tokens=3, cached_tokens=0, queue_wait_s=0.25, queued_at=0.5, finished_at=1.5)))
     assert not metrics._last_token  # every sample's clock dropped with the job
