@@ -8,15 +8,15 @@ import logging
 import sys
 from typing import Optional
 
-from .shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
-from .shared.settings import TIERS, Settings
-from .shared.cliopts import Parser, add_shared
-from .shared.genopts import add_output_options, error_text, output_params
+from ..shared.apikeys import KEY_RULES, MIN_KEY_LENGTH
+from ..shared.settings import TIERS, Settings
+from ..shared.cliopts import Parser, add_shared
+from ..shared.genopts import add_output_options, error_text, output_params
 
 
 def cmd_submit(args) -> int:
-    from .producer.client import Client
-    from .producer.common import build_request
+    from ..producer.client import Client
+    from ..producer.common import build_request
 
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                   stop=args.stop or None, **output_params(args))
@@ -55,7 +55,7 @@ def cmd_submit(args) -> int:
 
 def _sample_output(index: int, deltas: list):
     """A sample's output from its streamed deltas (text, tool calls, how it ended)."""
-    from .shared.schemas import SampleOutput
+    from ..shared.schemas import SampleOutput
 
     calls = [c for d in deltas for c in (d.tool_calls or [])]
     last = deltas[-1]
@@ -92,8 +92,8 @@ def _prefix() -> str:
 
 
 def cmd_stats(args) -> int:
-    from .producer import stats
-    from .producer.client import connect
+    from ..producer import stats
+    from ..producer.client import connect
 
     data = stats.collect(connect(args.redis_url), _prefix())
     print(json.dumps(data, indent=2, default=str) if args.json else stats.render(data))
@@ -101,10 +101,10 @@ def cmd_stats(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from .shared import apikeys
-    from .shared.keys import GlobalKeys
+    from ..shared import apikeys
+    from ..shared.keys import GlobalKeys
 
-    from .producer.client import connect
+    from ..producer.client import connect
 
     r = connect(args.redis_url)
     reg = GlobalKeys(_prefix()).api_keys
@@ -125,10 +125,10 @@ def cmd_keys(args) -> int:
 def cmd_tiers(args) -> int:
     """Tier offsets, the per-tier queue bound and the tier of key-less callers, stored in Redis
     (the enqueue script reads them there; every model's slot gets a copy)."""
-    from .shared import apikeys
-    from .shared.keys import GlobalKeys
+    from ..shared import apikeys
+    from ..shared.keys import GlobalKeys
 
-    from .producer.client import connect
+    from ..producer.client import connect
 
     r = connect(args.redis_url)
     gk = GlobalKeys(_prefix())
@@ -148,33 +148,33 @@ def cmd_tiers(args) -> int:
 
 def cmd_acl(args) -> int:
     """Print the ACL SETUSER line of the producer recipe (mlxq.shared.acl)."""
-    from .shared.acl import producer_acl_line
+    from ..shared.acl import producer_acl_line
 
     print(producer_acl_line(args.user, args.password, _prefix()))
     return 0
 
 
 def cmd_worker(args) -> int:
-    from .worker_cli import run
+    from ..worker_cli import run
 
     return run(args)
 
 
 def cmd_make_model(args) -> int:
-    from .devkit.make_model import main
+    from ..devkit.make_model import main
 
     argv = [args.dir, "--preset", args.preset] + (["--force"] if args.force else [])
     return main(argv)
 
 
 def cmd_demo(args) -> int:
-    from .demo import main
+    from ..demo import main
 
     return main(args)
 
 
 def cmd_redis(args) -> int:
-    from .shared.embedded import run_foreground
+    from ..shared.embedded import run_foreground
 
     extra = args.valkey_args[1:] if args.valkey_args[:1] == ["--"] else args.valkey_args
     run_foreground(args.port, args.data_dir, args.bind, tuple(extra))
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("worker", help="run an MLX worker for one model")
-    from .worker_cli import add_arguments
+    from ..worker_cli import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=cmd_worker)
@@ -282,8 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _ecosystem_commands(sub) -> None:
     """``mlxq gateway`` (OpenAI-compatible HTTP) and ``mlxq batch`` (resumable JSONL bulk submission)."""
-    from .producer.bulk import add_command as add_batch
-    from .producer.gateway import add_command as add_gateway
+    from ..producer.bulk import add_command as add_batch
+    from ..producer.gateway import add_command as add_gateway
 
     add_gateway(sub)
     add_batch(sub)
@@ -293,12 +293,12 @@ def cmd_build_ext(args) -> int:
     """``mlxq build-ext``: build (or rebuild with --force), load and self-check; say where."""
     import time
 
-    from .worker import blas
+    from ..worker import blas
 
     blas.setup()  # BLAS under MLX, as in the worker
 
-    from .worker.engine.attention import cpu_extension
-    from .worker.engine.kernels.extbuild import ExtensionUnavailable, build, built_library
+    from ..worker.engine.attention import cpu_extension
+    from ..worker.engine.kernels.extbuild import ExtensionUnavailable, build, built_library
 
     t0 = time.perf_counter()
     try:
@@ -328,10 +328,10 @@ _EXTRA_COMMANDS = (_ecosystem_commands, _build_ext_command)
 def _user_errors() -> tuple:
     import redis
 
-    from .shared.apikeys import AuthError
-    from .shared.protocol import JobRefused, OverloadError
+    from ..shared.apikeys import AuthError
+    from ..shared.protocol import JobRefused, OverloadError
 
-    from .producer.common import JobTimeout, NoModelError
+    from ..producer.common import JobTimeout, NoModelError
 
     # OSError: an input file that is missing or unreadable (mlxq batch IN.jsonl)
     return (AuthError, OverloadError, JobRefused, NoModelError, JobTimeout, ValueError, redis.ConnectionError,
