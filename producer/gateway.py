@@ -8,7 +8,8 @@
 The bearer token is an mlxq API key: it decides the tier.  Two modes, as vLLM, ollama and mlx-lm's
 server behave: while no key is registered the gateway is open (any token, e.g. the openai client's
 ``api_key="EMPTY"``, is normal tier; a warning is logged at start); once any key exists, an unknown
-or revoked token gets 401 on every endpoint.  No token at all is normal tier in both modes.
+or revoked token gets 401 on every endpoint, and so does a request with no token, unless the admin
+let anonymous callers in (``mlxq tiers --anonymous normal|low``).  The start-up log says which mode.
 
 Each request becomes one queue job through ``AsyncClient``; a stream reads the job's token channel.
 A request that cannot run gets a 400 before anything is streamed: what can be checked up front is
@@ -23,7 +24,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import threading
 import time
 from typing import Any, AsyncIterator, Optional
@@ -39,13 +39,13 @@ from starlette.routing import Route
 
 from .asubscriber import AsyncSubscriber, link_watch
 from ..shared.connection import LINK_ERRORS, RedisUnreachable, close_pins, connect_async
+from ..shared import apikeys
 from ..shared.apikeys import AuthError
 from ..shared.keys import GlobalKeys
 from ..shared.protocol import JobRefused, OverloadError
 from ..shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result
 from ..shared.settings import TIERS, Settings
 from .aclient import AsyncClient, AsyncJob
-from ..shared.cliopts import add_shared
 from .common import ContextLengthError, NoModelError, has_live_worker
 from ..shared.tools import check_format, format_from_info, uses_tools
 from .openai_api import (ChatCompletionRequest, ChatDeltas, CompletionRequest, LogprobFormatter, OpenAIError,
@@ -106,7 +106,7 @@ class Gateway:
         self.subscriber = AsyncSubscriber(self.redis)  # every request's stream: one pub/sub link per node
         # one log line per link state change; a request fails (503) once Redis stayed down redis_outage_s
         self.watch = link_watch("mlxq gateway", self.redis, give_up_s=self.settings.redis_outage_s)
-        await self._warn_if_open()
+        await self._log_auth_mode()
         try:
             yield
         finally:
@@ -116,17 +116,21 @@ class Gateway:
             await close_pins(self.redis)
             await self.redis.aclose()
 
-    async def _warn_if_open(self) -> None:
-        registry = GlobalKeys(self.settings.prefix).api_keys
+    async def _log_auth_mode(self) -> None:
+        """One line at start: open, keys required, or keys with anonymous callers let in (and at which tier)."""
+        gk = GlobalKeys(self.settings.prefix)
         try:
-            open_mode = not await self.redis.exists(registry)
+            keys_exist = bool(await self.redis.exists(gk.api_keys))
+            anonymous = await self.redis.hget(gk.policy, "anonymous")
         except Exception as exc:  # Redis not up yet: requests will say so
             log.warning("cannot read the API key registry at start: %s", exc)
             return
-        if open_mode:
-            log.warning("no API key is registered: the gateway is OPEN, every caller (any token, e.g. "
-                        "api_key=\"EMPTY\") is served at the normal tier; register a key with "
-                        "`mlxq keys add KEY --tier TIER` to require keys")
+        mode = apikeys.auth_mode(keys_exist, anonymous)
+        if keys_exist:
+            log.info("auth: %s", mode)
+        else:
+            log.warning("auth: %s; `mlxq keys create --name NAME --tier TIER` makes a key and then requires keys",
+                        mode)
 
     async def _authorized(self, request: Request, endpoint: str) -> Optional[Response]:
         """None when the caller may go on; a 401 response for an unknown or revoked key."""
@@ -657,31 +661,3 @@ class JsonFormatter(logging.Formatter):
 def use_json_logs() -> None:
     for handler in logging.getLogger().handlers:
         handler.setFormatter(JsonFormatter())
-
-
-def cmd_gateway(args) -> int:
-    import uvicorn
-
-    if args.log_format == "json":
-        use_json_logs()
-    settings = Settings.from_env(redis_url=args.redis_url)
-    settings.no_worker_wait_s = args.no_worker_wait
-    app = create_app(args.redis_url, settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
-                log_config=None)
-    return 0
-
-
-def add_command(sub) -> None:
-    p = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway (chat/completions, models, metrics)")
-    add_shared(p, "redis_url")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("MLXQ_LOG_FORMAT", "text"),
-                   help="text, or one JSON object per line with job and attempt fields ($MLXQ_LOG_FORMAT)")
-    p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
-    wait = os.environ.get("MLXQ_NO_WORKER_WAIT_S") or Settings().no_worker_wait_s
-    p.add_argument("--no-worker-wait", type=float, default=wait, metavar="SECONDS",
-                   help="how long a request for a model with no live worker waits for one before a 503 with "
-                        "Retry-After ($MLXQ_NO_WORKER_WAIT_S); /v1/batch/ requests are queued anyway")
-    p.set_defaults(func=cmd_gateway)

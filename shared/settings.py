@@ -392,15 +392,20 @@ class Flag:
 def worker_flags() -> list[Flag]:
     """The ``mlxq worker`` flags, one per worker and engine field, with help that gives the default and the
     environment variable."""
+    return flags(f.name for f in fields(Settings) if f.name != "redis_url" and flag(f.name) is not None)
+
+
+def flags(names) -> list[Flag]:
+    """The flags of these fields (``mlxq worker``'s, ``mlxq gateway``'s): ``--name-with-dashes`` unless the
+    field names its own, with help that gives the default and the environment variable."""
     out = []
-    for f in fields(Settings):
-        fl = flag(f.name)
-        if fl is None or f.name == "redis_url":
-            continue
+    for name in names:
+        f = _FIELDS[name]
         meta = f.metadata
         default = f.default if f.default_factory is MISSING else f.default_factory()
         shown = meta["shown_default"] or (meta["show"](default) if meta["show"] else _on_off(default))
         text = f"{meta['help']}; env ${env_var(f.name)} (default: {shown})"
+        fl = meta["flag"] or "--" + name.replace("_", "-")
         out.append(Flag(f.name, fl, text, f.type == "bool", parser(f.name), meta["choices"]))
     return out
 

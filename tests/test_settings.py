@@ -15,7 +15,7 @@ import pytest
 
 from mlxq.cli import build_parser
 from mlxq.shared.settings import Settings, cache_dir, env_var, mask_url, worker_flags
-from mlxq.worker_cli import settings_from_args
+from mlxq.cli.worker import settings_from_args
 from workerkit import neutral_cwd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +191,7 @@ def test_make_engine_follows_the_settings(tiny_model):
 def test_importing_the_worker_loads_no_blas_and_no_mlx():
     """The fast BLAS is loaded by the worker's entry points (and the tests' conftest), not as a side
     effect of an import."""
-    script = ("import sys\nimport mlxq.worker, mlxq.worker_cli, mlxq.cli\n"
+    script = ("import sys\nimport mlxq.worker, mlxq.cli.worker, mlxq.cli\n"
               "from mlxq.worker import blas\nmlxq.cli.build_parser()\n"
               "assert blas.status() is None and 'mlx.core' not in sys.modules\nprint('ok')\n")
     out = subprocess.run([sys.executable, "-c", script], cwd=neutral_cwd(), capture_output=True, text=True, timeout=120)

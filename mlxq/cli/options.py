@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from ..shared.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,10 @@ SHARED = {
                               "default: $MLXQ_REDIS_URL", lambda: os.environ.get("MLXQ_REDIS_URL")),
     "log_level": SharedOption("--log-level", "DEBUG, INFO, WARNING or ERROR (default: $MLXQ_LOG_LEVEL or INFO)",
                               lambda: os.environ.get("MLXQ_LOG_LEVEL", "INFO")),
-    "model": SharedOption("--model", "the model's queue name (default: $MLXQ_MODEL, or the only model served)",
+    "model": SharedOption("--model", "the model: a model directory, GGUF file or hub id (default: none)",
                           lambda: None),
+    "queue": SharedOption("--queue", "the queue to send to: a served model's name (default: $MLXQ_MODEL, "
+                          "or the only model served)", lambda: None),
     "api_key": SharedOption("--api-key", "an mlxq API key; it sets the tier (default: $MLXQ_API_KEY)",
                             lambda: os.environ.get("MLXQ_API_KEY")),
 }
@@ -101,3 +106,67 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         ns, extras = super().parse_known_args(args, namespace)
         return finish(self, ns), extras
+
+
+# -- flags generated from Settings (mlxq worker, mlxq gateway) ----------------------------------------------
+def add_setting_flags(p, flags) -> None:
+    """One option per :class:`mlxq.shared.settings.Flag` on a parser or argument group; None when not given
+    (the environment, then the field's default, decide)."""
+    for f in flags:
+        if f.is_bool:  # --keep-dtype / --no-keep-dtype
+            p.add_argument(f.flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f.help)
+        else:
+            p.add_argument(f.flag, dest=f.name, type=_argtype(f), default=None, choices=f.choices, help=f.help)
+
+
+def _argtype(f):
+    """The setting's own parser, named for argparse's message ("invalid integer value: 'x'")."""
+    def parse(text: str):
+        try:
+            return f.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = f.name
+    return parse
+
+
+def settings_from(args: argparse.Namespace, flags) -> Settings:
+    """``MLXQ_*`` from the environment, each of these flags given on the command line over it."""
+    given = {f.name: getattr(args, f.name, None) for f in flags}
+    return Settings.from_env(redis_url=args.redis_url, **given)
+
+
+# -- old spellings -------------------------------------------------------------------------------------------
+def deprecation(old: str, new: str, why: str = "") -> None:
+    """One line on stderr: the old spelling still works, this once more."""
+    print(f"mlxq: {old} is deprecated{why}; use {new}", file=sys.stderr)
+
+
+def deprecated_alias(p: argparse.ArgumentParser, old: str, dest: str, type=None) -> None:
+    """``old`` still sets ``dest``, with a deprecation line; it is left out of ``--help``."""
+    new = "--" + dest.replace("_", "-")
+
+    class Alias(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            deprecation(old, new)
+            setattr(namespace, dest, values)
+
+    p.add_argument(old, dest=dest, action=Alias, type=type, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def queue_of(args: argparse.Namespace) -> Optional[str]:
+    """The queue a producer command targets: ``--queue``; a ``--model`` that names a model directory or file
+    targets the queue a worker serves it under (its name); ``--model NAME`` that is no path is the old
+    spelling of ``--queue NAME``, still taken with a deprecation line."""
+    if getattr(args, "queue", None):
+        return args.queue
+    model = getattr(args, "model", None)
+    if not model:
+        return None
+    from ..shared.keys import model_name
+
+    if os.path.exists(model) or model.lower().endswith(".gguf") or "/" in model:
+        return model_name(model)  # a directory, a file or a hub id: the name its worker serves it under
+    deprecation(f"--model {model}", f"--queue {model}", " for a queue name (--model names a model directory or file)")
+    return model
