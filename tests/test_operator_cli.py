@@ -249,3 +249,19 @@ def test_one_max_tokens_default():
     # unsaid, it stays unsaid: the request's default, which the worker fits to the model's context
     assert build_parser().parse_args(["submit", "hi"]).max_tokens is None
     assert build_parser().parse_args(["batch", "in.jsonl", "-o", "o.jsonl"]).max_tokens is None
+
+
+def test_only_the_face_parses_command_lines():
+    """producer, worker and shared never import argparse: the CLI (mlxq/cli/) turns flags into values."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for layer in ("producer", "worker", "shared"):
+        for path in (root / layer).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                found += [f"{path.relative_to(root)}:{node.lineno}" for n in names if n.split(".")[0] == "argparse"]
+    assert found == []
