@@ -143,10 +143,12 @@ def test_operator_actions_need_an_admin_key_once_keys_exist(redis_url, r, capsys
     apikeys.add_key(r, GK, "ops-admin-key", "high", name="ops", admin=True)
     apikeys.add_key(r, GK, "producer-key", "normal", name="app")
     (job,) = submit(redis_url, api_key="producer-key")
-    rc, _, err = run(capsys, "jobs", "cancel", job, "--api-key", "producer-key", "--redis-url", redis_url)
+    monkeypatch.setenv("MLXQ_API_KEY", "producer-key")
+    rc, _, err = run(capsys, "jobs", "cancel", job, "--redis-url", redis_url)
     assert rc == 2 and "admin" in err
-    rc, out, _ = run(capsys, "jobs", "cancel", job, "--api-key", "ops-admin-key", "--redis-url", redis_url)
+    rc, out, err = run(capsys, "jobs", "cancel", job, "--api-key", "ops-admin-key", "--redis-url", redis_url)
     assert rc == 0 and out.strip() == "cancelled"
+    assert "--api-key puts the key in shell history" in err  # still taken, with a warning
 
 
 def test_keys_mean_keys(redis_url, r, capsys):

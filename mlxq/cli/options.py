@@ -34,7 +34,8 @@ SHARED = {
                           lambda: None),
     "queue": SharedOption("--queue", "the queue to send to: a served model's name (default: $MLXQ_MODEL, "
                           "or the only model served)", lambda: None),
-    "api_key": SharedOption("--api-key", "an mlxq API key; it sets the tier (default: $MLXQ_API_KEY)",
+    "api_key": SharedOption("--api-key", "an mlxq API key; it sets the tier; prefer $MLXQ_API_KEY: a command "
+                            "line lands in shell history and `ps` (default: $MLXQ_API_KEY)",
                             lambda: os.environ.get("MLXQ_API_KEY")),
 }
 ALWAYS = ("log_level",)
@@ -58,6 +59,9 @@ def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
         if hasattr(args, name):
             if name not in uses:
                 parser.error(f"{opt.flag} does not apply to `mlxq {command}`")
+            if name == "api_key":  # still taken (scripts pass it), with a warning: it registers nothing
+                print("mlxq: --api-key puts the key in shell history and `ps`; set MLXQ_API_KEY instead",
+                      file=sys.stderr)
         else:
             setattr(args, name, opt.default() if name in uses else None)
     for name in getattr(args, "_required", ()):
