@@ -213,7 +213,7 @@ def start_worker(url: str, model_dir: str, blas_threads: str | None, extra_env=(
     if blas_threads:
         env["MLXQ_BLAS_THREADS"] = blas_threads
     env.update(kv.split("=", 1) for kv in extra_env)
-    cmd = [sys.executable, "-m", "mlxq", "worker", "--redis-url", url, "--model", model_dir, "--name", name]
+    cmd = [sys.executable, "-m", "mlxq", "worker", "--redis-url", url, "--model", model_dir, "--queue", name]
     return subprocess.Popen(cmd, env=env, cwd=NEUTRAL_CWD)
 
 

@@ -323,8 +323,9 @@ class AsyncClient:
     async def _tier(self, floor: Optional[str]) -> str:
         r = self.at(self.gkeys.api_keys)
         record = await r.hget(self.gkeys.api_keys, apikeys.key_hash(self.api_key)) if self.api_key else None
-        keys_exist = record is not None or not self.api_key or bool(await r.exists(self.gkeys.api_keys))
-        tier = apikeys.tier_from_record(record, self.api_key, keys_exist)
+        keys_exist = record is not None or bool(await r.exists(self.gkeys.api_keys))
+        anonymous = None if self.api_key else await self.at(self.gkeys.policy).hget(self.gkeys.policy, "anonymous")
+        tier = apikeys.tier_from_record(record, self.api_key, keys_exist, anonymous)
         return apikeys.lower_tier(tier, floor) if floor else tier
 
     async def submit(self, prompt: Optional[str] = None, *, messages: Optional[list] = None,

@@ -10,7 +10,8 @@
 The bearer token is an mlxq API key: it decides the tier.  Two modes, as vLLM, ollama and mlx-lm's
 server behave: while no key is registered the gateway is open (any token, e.g. the openai client's
 ``api_key="EMPTY"``, is normal tier; a warning is logged at start); once any key exists, an unknown
-or revoked token gets 401 on every endpoint.  No token at all is normal tier in both modes.
+or revoked token gets 401 on every endpoint, and so does a request with no token, unless the admin
+let anonymous callers in (``mlxq tiers --anonymous normal|low``).  The start-up log says which mode.
 
 Each request becomes one queue job through ``AsyncClient``; a stream reads the job's token channel.
 A request that cannot run gets a 400 before anything is streamed: what can be checked up front is
@@ -47,13 +48,13 @@ from starlette.routing import Route
 
 from .asubscriber import AsyncSubscriber, link_watch
 from ..shared.connection import LINK_ERRORS, RedisUnreachable, close_pins, connect_async
+from ..shared import apikeys
 from ..shared.apikeys import AuthError
 from ..shared.keys import GlobalKeys
 from ..shared.protocol import JobRefused, OverloadError
 from ..shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result
-from ..shared.settings import Settings, gateway_flags
+from ..shared.settings import Settings
 from .aclient import AsyncClient, AsyncJob
-from ..shared.cliopts import add_setting_flags, add_shared, given_settings
 from .common import ContextLengthError, NoModelError, has_live_worker
 from ..shared.tools import check_format, format_from_info, uses_tools
 from .openai_api import (ChatCompletionRequest, ChatDeltas, CompletionRequest, LogprobFormatter, OpenAIError,
@@ -119,7 +120,7 @@ class Gateway:
         self.subscriber = AsyncSubscriber(self.redis)  # every request's stream: one pub/sub link per node
         # one log line per link state change; a request fails (503) once Redis stayed down redis_outage_s
         self.watch = link_watch("mlxq gateway", self.redis, give_up_s=self.settings.redis_outage_s)
-        await self._warn_if_open()
+        await self._log_auth_mode()
         try:
             yield
         finally:
@@ -129,17 +130,21 @@ class Gateway:
             await close_pins(self.redis)
             await self.redis.aclose()
 
-    async def _warn_if_open(self) -> None:
-        registry = GlobalKeys(self.settings.prefix).api_keys
+    async def _log_auth_mode(self) -> None:
+        """One line at start: open, keys required, or keys with anonymous callers let in (and at which tier)."""
+        gk = GlobalKeys(self.settings.prefix)
         try:
-            open_mode = not await self.redis.exists(registry)
+            keys_exist = bool(await self.redis.exists(gk.api_keys))
+            anonymous = await self.redis.hget(gk.policy, "anonymous")
         except Exception as exc:  # Redis not up yet: requests will say so
             log.warning("cannot read the API key registry at start: %s", exc)
             return
-        if open_mode:
-            log.warning("no API key is registered: the gateway is OPEN, every caller (any token, e.g. "
-                        "api_key=\"EMPTY\") is served at the normal tier; register a key with "
-                        "`mlxq keys add KEY --tier TIER` to require keys")
+        mode = apikeys.auth_mode(keys_exist, anonymous)
+        if keys_exist:
+            log.info("auth: %s", mode)
+        else:
+            log.warning("auth: %s; `mlxq keys create --name NAME --tier TIER` makes a key and then requires keys",
+                        mode)
 
     async def _authorized(self, request: Request, endpoint: str) -> Optional[Response]:
         """None when the caller may go on; a 401 response for an unknown or revoked key."""
@@ -717,25 +722,3 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
-
-
-def cmd_gateway(args) -> int:
-    import uvicorn
-
-    # (the log format is set for every command by the CLI's start: shared/logs.py)
-    settings = Settings.from_env(redis_url=args.redis_url, log_format=args.log_format,
-                                 **given_settings(args, gateway_flags()))
-    app = create_app(args.redis_url, settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
-                log_config=None)
-    return 0
-
-
-def add_command(sub) -> None:
-    p = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway (chat/completions, models, metrics)")
-    add_shared(p, "redis_url")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
-    add_setting_flags(p, gateway_flags())
-    p.set_defaults(func=cmd_gateway)

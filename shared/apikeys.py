@@ -2,8 +2,13 @@
 
 Two modes, as vLLM, ollama and mlx-lm's server behave:
 - open (no key registered yet): every caller, whatever key it sends (``api_key="EMPTY"``), is normal tier;
-- keyed (once any key exists, revoked ones included): an unknown or revoked key is refused (401).
-A caller that sends no key at all is normal tier in both modes.
+- keyed (once any key exists, revoked ones included): an unknown or revoked key is refused (401), and so
+  is a caller that sends no key at all, unless the admin opted in to anonymous callers
+  (``mlxq tiers --anonymous normal|low``; the policy's ``anonymous`` field; ``refuse`` refuses them even
+  in open mode).
+
+Each key also has a name and an admin flag (``mlxq:apikeys:info``: sha256(key) -> JSON), which
+``mlxq keys list`` shows in place of the key or its hash.
 
 The global registry (``mlxq:apikeys``: sha256(key) -> tier) is the admin's record.  The
 enqueue script decides the tier inside Redis, from a copy kept in each model's hash slot
@@ -22,6 +27,9 @@ So a revocation holds within one stats tick at worst.
 from __future__ import annotations
 
 import hashlib
+import json
+import secrets
+import time
 from typing import Optional
 
 from .keys import GlobalKeys
@@ -29,10 +37,16 @@ from .settings import DEFAULT_TIER_OFFSETS, TIERS
 
 REVOKED = "revoked"
 MIN_KEY_LENGTH = 8
-KEY_RULES = (f"API keys: at least {MIN_KEY_LENGTH} characters (a random secret, e.g. `openssl rand -hex 16`); "
-             "stored only as their sha256; tiers: " + ", ".join(TIERS) + ". While no key is registered, every "
-             "caller is served at the normal tier (open mode); once any key exists, unknown and revoked keys "
-             "are refused. A revoked key stays refused (its hash is kept).")
+# the policy's ``anonymous``: the tier of callers that send no key; unset, they are served at the normal
+# tier while no key is registered and refused once one is
+ANONYMOUS_CHOICES = ("normal", "low", "refuse")
+KEY_REQUIRED = ("an API key is required (keys are registered; `mlxq tiers --anonymous normal` serves callers "
+                "without one)")
+KEY_RULES = (f"API keys: at least {MIN_KEY_LENGTH} characters (`mlxq keys create` makes one); stored only as "
+             "their sha256; tiers: " + ", ".join(TIERS) + ". While no key is registered, every caller is served "
+             "at the normal tier (open mode); once any key exists, unknown and revoked keys are refused, and so "
+             "are callers without a key unless `mlxq tiers --anonymous normal|low` lets them in. A revoked key "
+             "stays refused (its hash is kept).")
 
 
 class AuthError(PermissionError):
@@ -48,10 +62,16 @@ def lower_tier(a: str, b: str) -> str:
     return a if TIERS.index(a) >= TIERS.index(b) else b
 
 
-def tier_from_record(record: Optional[bytes | str], api_key: Optional[str], keys_exist: bool = True) -> str:
-    """The tier for a key's registry record; ``keys_exist=False`` (open mode): any key is normal."""
+def tier_from_record(record: Optional[bytes | str], api_key: Optional[str], keys_exist: bool = True,
+                     anonymous: Optional[bytes | str] = None) -> str:
+    """The tier for a key's registry record; ``keys_exist=False`` (open mode): any key is normal.
+    A caller without a key gets the policy's ``anonymous`` tier; with none set, normal in open mode
+    and refused once keys exist (as the enqueue script decides)."""
     if not api_key:
-        return "normal"
+        rule = _s(anonymous) if anonymous is not None else None
+        if rule == "refuse" or (rule is None and keys_exist):
+            raise AuthError(KEY_REQUIRED)
+        return rule if rule in TIERS else "normal"
     if record is None:
         if not keys_exist:
             return "normal"
@@ -66,14 +86,27 @@ def tier_from_record(record: Optional[bytes | str], api_key: Optional[str], keys
 
 def resolve_tier(redis, registry_key: str, api_key: Optional[str], floor: Optional[str] = None) -> str:
     record = redis.hget(registry_key, key_hash(api_key)) if api_key else None
-    keys_exist = record is not None or not api_key or bool(redis.exists(registry_key))
-    tier = tier_from_record(record, api_key, keys_exist)
+    keys_exist = record is not None or bool(redis.exists(registry_key))
+    anonymous = None if api_key else redis.hget(_gk(registry_key).policy, "anonymous")
+    tier = tier_from_record(record, api_key, keys_exist, anonymous)
     return lower_tier(tier, floor) if floor else tier
 
 
 def keys_registered(redis, registry_key: str) -> bool:
     """False while the gateway and clients run in open mode."""
     return bool(redis.exists(registry_key))
+
+
+def auth_mode(keys_exist: bool, anonymous: Optional[bytes | str]) -> str:
+    """What a caller meets, in a line (the gateway's start-up log, ``mlxq tiers``)."""
+    rule = _s(anonymous) if anonymous is not None else None
+    if not keys_exist:
+        if rule == "refuse":
+            return "no API key is registered, and callers without one are refused (--anonymous refuse)"
+        return "OPEN: no API key is registered, every caller (any token) is served at the normal tier"
+    if rule in TIERS:
+        return f"keys required; callers without one are served at the {rule} tier (--anonymous {rule})"
+    return "keys required: a request without a key gets 401"
 
 
 def copy_field(kh: str) -> str:
@@ -92,20 +125,83 @@ def _s(x) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
-def add_key(redis, registry_key: str | GlobalKeys, api_key: str, tier: str) -> None:
+def generate_key() -> str:
+    """A new random key: 32 bytes of ``secrets``, url-safe."""
+    return "mlxq-" + secrets.token_urlsafe(32)
+
+
+def add_key(redis, registry_key: str | GlobalKeys, api_key: str, tier: str, name: Optional[str] = None,
+            admin: bool = False) -> None:
     if tier not in TIERS:
         raise ValueError(f"tier must be one of {TIERS}")
     if len(api_key) < MIN_KEY_LENGTH:
         raise ValueError(f"API keys must be at least {MIN_KEY_LENGTH} characters")
     gk = _gk(registry_key)
     h = key_hash(api_key)
+    if name is not None:
+        if not name.strip():
+            raise ValueError("a key's name must not be empty")
+        holder = _hash_of_name(redis, gk, name)
+        if holder is not None and holder != h:
+            raise ValueError(f"a key named {name!r} exists already (names are unique: revoke it first, or "
+                             "pick another)")
+    redis.hset(gk.api_key_info, h, json.dumps({"name": name, "admin": bool(admin), "created": int(time.time())}))
     redis.hset(gk.api_keys, h, tier)
     _publish_key(redis, gk, h, tier)
 
 
-def revoke_key(redis, registry_key: str | GlobalKeys, api_key: str) -> bool:
+def _hash_of_name(redis, gk: GlobalKeys, name: str) -> Optional[str]:
+    for h, raw in redis.hgetall(gk.api_key_info).items():
+        if _info(raw).get("name") == name:
+            return _s(h)
+    return None
+
+
+def _info(raw) -> dict:
+    try:
+        info = json.loads(_s(raw))
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def list_keys(redis, registry_key: str | GlobalKeys) -> list[dict]:
+    """Every registered key as ``{name, tier, admin, revoked, created}``: never the key or its hash."""
+    gk = _gk(registry_key)
+    info = {_s(h): _info(raw) for h, raw in redis.hgetall(gk.api_key_info).items()}
+    rows = []
+    for h, value in redis.hgetall(gk.api_keys).items():
+        value, meta = _s(value), info.get(_s(h), {})
+        rows.append({"name": meta.get("name"), "tier": value.split(":", 1)[-1],
+                     "admin": bool(meta.get("admin")), "revoked": value.startswith(REVOKED),
+                     "created": meta.get("created")})
+    return sorted(rows, key=lambda r: (r["revoked"], r["name"] or "", r["created"] or 0))
+
+
+def is_admin(redis, registry_key: str | GlobalKeys, api_key: Optional[str]) -> bool:
+    """Whether ``api_key`` is a live key with the admin role."""
+    if not api_key:
+        return False
     gk = _gk(registry_key)
     h = key_hash(api_key)
+    tier = redis.hget(gk.api_keys, h)
+    if tier is None or _s(tier).startswith(REVOKED):
+        return False
+    return bool(_info(redis.hget(gk.api_key_info, h) or b"{}").get("admin"))
+
+
+def revoke_key(redis, registry_key: str | GlobalKeys, api_key: str) -> bool:
+    return _revoke(redis, _gk(registry_key), key_hash(api_key))
+
+
+def revoke_name(redis, registry_key: str | GlobalKeys, name: str) -> bool:
+    """Revoke the key of this name (``mlxq keys revoke --name``: no secret needed)."""
+    gk = _gk(registry_key)
+    h = _hash_of_name(redis, gk, name)
+    return h is not None and _revoke(redis, gk, h)
+
+
+def _revoke(redis, gk: GlobalKeys, h: str) -> bool:
     old = redis.hget(gk.api_keys, h)
     if old is None:
         return False
@@ -132,7 +228,7 @@ def _publish_key(redis, gk: GlobalKeys, h: str, value: str) -> None:
 def set_policy(redis, gk: GlobalKeys, offsets: Optional[dict[str, float]] = None,
                max_queued: Optional[int] = None, anonymous: Optional[str] = None) -> dict:
     """Store tier offsets (seconds), the per-tier queue bound and the tier of callers with no
-    key ('refuse' to require keys); then copy them to every model's slot."""
+    key (normal, low, refuse; 'default': unset, refused once keys exist); then copy them to every model's slot."""
     mapping: dict = {}
     for tier, value in (offsets or {}).items():
         if tier not in TIERS:
@@ -142,12 +238,14 @@ def set_policy(redis, gk: GlobalKeys, offsets: Optional[dict[str, float]] = None
         if int(max_queued) < 1:
             raise ValueError("max_queued must be positive")
         mapping["max_queued"] = int(max_queued)
-    if anonymous is not None:
-        if anonymous not in TIERS + ("refuse",):
-            raise ValueError(f"anonymous must be one of {TIERS + ('refuse',)}")
+    if anonymous is not None and anonymous != "default":
+        if anonymous not in ANONYMOUS_CHOICES:
+            raise ValueError(f"anonymous must be one of {ANONYMOUS_CHOICES} (or default)")
         mapping["anonymous"] = anonymous
     if mapping:
         redis.hset(gk.policy, mapping=mapping)
+    if anonymous == "default":  # back to the default: refused once keys exist
+        redis.hdel(gk.policy, "anonymous")
     redis.incr(gk.policy_version)
     from .connection import for_slot
 
@@ -159,7 +257,8 @@ def set_policy(redis, gk: GlobalKeys, offsets: Optional[dict[str, float]] = None
 def get_policy(redis, gk: GlobalKeys) -> dict:
     raw = {_s(k): _s(v) for k, v in redis.hgetall(gk.policy).items()}
     return {"offsets": {t: float(raw.get(f"offset:{t}", DEFAULT_TIER_OFFSETS[t])) for t in TIERS},
-            "max_queued": int(raw.get("max_queued", 10_000)), "anonymous": raw.get("anonymous", "normal")}
+            "max_queued": int(raw.get("max_queued", 10_000)), "anonymous": raw.get("anonymous", "default"),
+            "auth": auth_mode(bool(redis.exists(gk.api_keys)), raw.get("anonymous"))}
 
 
 def seed_policy(redis, gk: GlobalKeys, offsets: dict[str, float], max_queued: int) -> None:

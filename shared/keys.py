@@ -38,6 +38,10 @@ class GlobalKeys:
         return f"{self.prefix}:apikeys"
 
     @property
+    def api_key_info(self) -> str:  # hash: sha256(api key) -> JSON {name, admin, created}: what `keys list` shows
+        return f"{self.prefix}:apikeys:info"
+
+    @property
     def policy(self) -> str:  # hash: offset:<tier> -> seconds, max_queued, anonymous (set by `mlxq tiers`)
         return f"{self.prefix}:policy"
 

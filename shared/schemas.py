@@ -15,6 +15,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 1024
 MAX_N = 16  # samples per job (``n``): each is an engine sequence
+# max_tokens when a request through mlxq's own entry points (Client, AsyncClient, mlxq submit, mlxq batch,
+# Client.map) does not say: one default for all of them. The HTTP APIs keep theirs (OpenAI's completions: 16).
+# Left unsaid, it stays off the wire and the worker cuts it to what the model's context leaves.
+DEFAULT_MAX_TOKENS = 256
 # a temperature under this samples greedily (as vLLM's _SAMPLING_EPS): 1 / temperature overflows
 # float32 below ~3e-39 (inf, then NaN probabilities), and far sooner the draw is the argmax anyway
 GREEDY_BELOW = 1e-5
@@ -59,7 +63,7 @@ class SamplingParams(BaseModel):
     """Per-request sampling knobs, honoured inside a batch."""
 
     model_config = ConfigDict(extra="forbid")
-    max_tokens: StrictInt = Field(256, ge=1, le=1_000_000)
+    max_tokens: StrictInt = Field(DEFAULT_MAX_TOKENS, ge=1, le=1_000_000)
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=0, le=1_000_000)

@@ -139,7 +139,7 @@ class Settings:
 
     # -- Redis and the queue protocol (producers and workers) --------------------------------------------------
     redis_url: Optional[str] = opt(None, "Redis URL", worker=False)  # --redis-url: an option of every command
-    prefix: str = opt("mlxq", "the key prefix of every Redis key")
+    prefix: str = opt("mlxq", "the key prefix of every Redis key", gateway=True)
     tier_offsets: dict[str, float] = opt(
         help="seconds added to a job's queue score per tier (tier=seconds,...; an admin's `mlxq tiers` wins)",
         factory=lambda: dict(DEFAULT_TIER_OFFSETS), parse=_parse_offsets, show=_show_offsets)
@@ -158,27 +158,31 @@ class Settings:
     gather_ms: float = opt(5.0, "an idle worker, once woken, waits this long to gather a batch")
     idle_block_s: float = opt(1.0, "longest block on the wake-up signal, in seconds")
     stats_interval_s: float = opt(1.0, "seconds between worker stats snapshots")
-    idempotency_ttl_s: int = opt(24 * 3600, "seconds an idempotency key is remembered", worker=False)
-    max_prompt_bytes: int = opt(4 * 1024 * 1024, "a hard cap on request size at submit", worker=False)
+    idempotency_ttl_s: int = opt(24 * 3600, "seconds an idempotency key is remembered", worker=False,
+                                gateway=True)
+    max_prompt_bytes: int = opt(4 * 1024 * 1024, "a hard cap on request size at submit", worker=False,
+                                  gateway=True)
     max_new_tokens: int = opt(32_768, "the most tokens one job may ask for")
     live_worker_s: float = opt(10.0, "a model's worker counts as live while its last heartbeat is this recent",
-                               worker=False)
+                               worker=False, gateway=True)
     no_worker_wait_s: float = opt(3.0, "how long a request for a model with no live worker waits for one before "
                                   "a 503 with Retry-After; /v1/batch/ requests are queued anyway", worker=False,
-                                  gateway=True, flag="--no-worker-wait")
+                                  gateway=True)
     sse_keepalive_s: float = opt(15.0, "while a streamed request waits in the queue for its first token, the "
                                  "gateway sends an SSE comment (`: keep-alive`) this often, so that a proxy's "
                                  "idle timeout does not cut it", worker=False, gateway=True)
     ready_timeout_s: float = opt(2.0, "the gateway's /ready answers 503 when Redis does not answer within this",
                                  worker=False, gateway=True)
-    # one setting for every process (worker, gateway, CLI): a shared option of every command (shared/cliopts)
+    # one setting for every process (worker, gateway, CLI): a shared option of every command (mlxq/cli/options.py)
     log_format: str = opt("text", "log lines as text, or one JSON object per line (json) with job and attempt "
                           "fields", worker=False, choices=("text", "json"))
     redis_outage_s: float = opt(30.0, "producers retry an unreachable Redis this long, a job's result() or stream() "
-                                "with no timeout included (then: ConnectionError, HTTP 503)", worker=False)
+                                "with no timeout included (then: ConnectionError, HTTP 503)", worker=False,
+                                gateway=True)
     submit_replica_ack_ms: int = opt(0, "submit returns once one replica has the job (WAIT 1 <ms>), or after this "
                                      "many ms with a warning; 0: off (a failover may lose a job just submitted, "
-                                     "which its producer then submits again)", worker=False)
+                                     "which its producer then submits again)", worker=False,
+                                     gateway=True)
 
     # -- the worker process -----------------------------------------------------------------------------------
     keep_dtype: bool = opt(False, "keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
@@ -406,24 +410,25 @@ class Flag:
 def worker_flags() -> list[Flag]:
     """The ``mlxq worker`` flags, one per worker and engine field, with help that gives the default and the
     environment variable."""
-    return _flags("worker")
+    return flags(f.name for f in fields(Settings) if f.metadata["worker"] and f.name not in ("redis_url", "log_format"))
 
 
 def gateway_flags() -> list[Flag]:
     """The ``mlxq gateway`` flags, one per field marked ``gateway``, as :func:`worker_flags`."""
-    return _flags("gateway")
+    return flags(f.name for f in fields(Settings) if f.metadata["gateway"])
 
 
-def _flags(command: str) -> list[Flag]:
+def flags(names) -> list[Flag]:
+    """The flags of these fields (``mlxq worker``'s, ``mlxq gateway``'s): ``--name-with-dashes`` unless the
+    field names its own, with help that gives the default and the environment variable."""
     out = []
-    for f in fields(Settings):
-        fl = flag(f.name)
-        if fl is None or f.name == "redis_url" or not f.metadata[command]:
-            continue
+    for name in names:
+        f = _FIELDS[name]
         meta = f.metadata
         default = f.default if f.default_factory is MISSING else f.default_factory()
         shown = meta["shown_default"] or (meta["show"](default) if meta["show"] else _on_off(default))
         text = f"{meta['help']}; env ${env_var(f.name)} (default: {shown})"
+        fl = meta["flag"] or "--" + name.replace("_", "-")
         out.append(Flag(f.name, fl, text, f.type == "bool", parser(f.name), meta["choices"]))
     return out
 

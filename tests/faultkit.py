@@ -50,7 +50,7 @@ class WorkerProc:
                  grace: float = 30.0, extra: Optional[list[str]] = None, **settings):
         self.log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
         cmd = [sys.executable, "-m", "mlxq", "--log-level", "INFO", "worker", "--redis-url", url,
-               "--model", str(model_dir), "--name", name, "--max-batch", str(max_batch), "--grace", str(grace)]
+               "--model", str(model_dir), "--queue", name, "--max-batch", str(max_batch), "--grace", str(grace)]
         cmd += extra or []
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=neutral_cwd(), env=worker_env(**settings), stdout=self._log,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import redis
 
@@ -12,20 +14,24 @@ from mlxq.shared.keys import GlobalKeys
 # every command with its required arguments, and which shared options it takes
 COMMANDS = [
     (["worker", "--model", "/models/tiny"], ("redis_url",)),
-    (["submit", "hello"], ("redis_url", "model", "api_key")),
+    (["submit", "hello"], ("redis_url", "queue", "model", "api_key")),
     (["stats"], ("redis_url",)),
-    (["keys", "add", "some-long-key", "--tier", "low"], ("redis_url",)),
-    (["keys", "revoke", "some-long-key"], ("redis_url",)),
+    (["keys", "add", "--tier", "low"], ("redis_url",)),
+    (["keys", "create", "--name", "ci", "--tier", "low"], ("redis_url",)),
+    (["keys", "revoke", "--name", "ci"], ("redis_url",)),
     (["keys", "list"], ("redis_url",)),
     (["make-model", "/tmp/m"], ()),
     (["demo"], ("redis_url", "model")),
     (["gateway"], ("redis_url",)),
-    (["batch", "in.jsonl", "-o", "out.jsonl"], ("redis_url", "model", "api_key")),
+    (["batch", "in.jsonl", "-o", "out.jsonl"], ("redis_url", "queue", "model", "api_key")),
+    (["jobs", "list"], ("redis_url", "queue")),
+    (["jobs", "show", "0" * 32], ("redis_url", "queue", "api_key")),
     (["build-ext"], ()),
     (["tiers"], ("redis_url",)),
-    (["acl-producer", "u", "p" * 9], ()),
+    (["acl-producer", "u"], ()),
 ]
-VALUES = {"redis_url": ("--redis-url", "redis://h:1/0"), "model": ("--model", "m1"), "api_key": ("--api-key", "k" * 9)}
+VALUES = {"redis_url": ("--redis-url", "redis://h:1/0"), "model": ("--model", "m1"), "api_key": ("--api-key", "k" * 9),
+          "queue": ("--queue", "q1")}
 
 
 @pytest.mark.parametrize("argv,shared", COMMANDS, ids=[" ".join(c[0][:2]) for c in COMMANDS])
@@ -38,7 +44,7 @@ def test_shared_options_work_before_or_after_every_command(argv, shared, monkeyp
             opts += list(VALUES[name])
     parser = build_parser()
     before, after = parser.parse_args(opts + argv), parser.parse_args(argv + opts)
-    mixed = parser.parse_args(argv[:1] + opts + argv[1:]) if argv[0] != "keys" else \
+    mixed = parser.parse_args(argv[:1] + opts + argv[1:]) if argv[0] not in ("keys", "jobs") else \
         parser.parse_args(argv[:2] + opts + argv[2:])  # `keys add --redis-url URL KEY ...`
     for ns in (before, after, mixed):
         assert ns.log_level == "DEBUG"
@@ -63,18 +69,22 @@ def test_an_option_a_command_has_no_use_for_is_a_clear_error(capsys):
     assert "needs --model" in capsys.readouterr().err
 
 
-def test_keys_add_with_the_url_after_the_command(redis_url, capsys):
-    """The report: `mlxq keys add KEY --tier low --redis-url URL` failed with "unrecognized arguments"."""
+def test_keys_add_with_the_url_after_the_command(redis_url, capsys, monkeypatch):
+    """The report: `mlxq keys add KEY --tier low --redis-url URL` failed with "unrecognized arguments"
+    (the key now comes on stdin)."""
     assert main(["keys", "list", "--redis-url", redis_url]) == 0
-    assert "open mode" in capsys.readouterr().out
-    assert main(["keys", "add", "a-long-enough-key", "--tier", "low", "--redis-url", redis_url]) == 0
+    assert "OPEN" in capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.StringIO("a-long-enough-key\n"))
+    assert main(["keys", "add", "--tier", "low", "--redis-url", redis_url]) == 0
     assert main(["--redis-url", redis_url, "keys", "list"]) == 0
     assert "low" in capsys.readouterr().out
     r = redis.Redis.from_url(redis_url)
     assert apikeys.resolve_tier(r, GlobalKeys().api_keys, "a-long-enough-key") == "low"
-    assert main(["keys", "--redis-url", redis_url, "revoke", "a-long-enough-key"]) == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("a-long-enough-key\n"))
+    assert main(["keys", "--redis-url", redis_url, "revoke"]) == 0
     assert "revoked" in capsys.readouterr().out
-    assert main(["keys", "add", "short", "--tier", "low", "--redis-url", redis_url]) == 2
+    monkeypatch.setenv("SHORT_KEY", "short")
+    assert main(["keys", "add", "--key-env", "SHORT_KEY", "--tier", "low", "--redis-url", redis_url]) == 2
     assert "at least 8 characters" in capsys.readouterr().err
     r.close()
 
@@ -83,7 +93,8 @@ def test_admin_commands_follow_the_deployments_prefix(redis_url, capsys, monkeyp
     """keys, tiers, stats and acl-producer write and read under MLXQ_PREFIX, where the workers look."""
     monkeypatch.setenv("MLXQ_PREFIX", "acme")
     r = redis.Redis.from_url(redis_url)
-    assert main(["keys", "add", "an-acme-prefixed-key", "--tier", "high", "--redis-url", redis_url]) == 0
+    monkeypatch.setenv("ACME_KEY", "an-acme-prefixed-key")
+    assert main(["keys", "add", "--key-env", "ACME_KEY", "--tier", "high", "--redis-url", redis_url]) == 0
     assert apikeys.resolve_tier(r, GlobalKeys("acme").api_keys, "an-acme-prefixed-key") == "high"
     assert not r.exists(GlobalKeys().api_keys)  # nothing under the default prefix
     assert main(["tiers", "--max-queued", "77", "--redis-url", redis_url]) == 0
@@ -92,7 +103,8 @@ def test_admin_commands_follow_the_deployments_prefix(redis_url, capsys, monkeyp
     capsys.readouterr()
     assert main(["stats", "--json", "--redis-url", redis_url]) == 0
     assert "acme-model" in capsys.readouterr().out
-    assert main(["acl-producer", "u", "a-long-password"]) == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("a-long-password\n"))
+    assert main(["acl-producer", "u"]) == 0
     assert "%R~acme:models" in capsys.readouterr().out
     r.close()
 
@@ -103,3 +115,4 @@ def test_key_rules_are_in_the_help(capsys):
             build_parser().parse_args(argv)
         out = capsys.readouterr().out
         assert "at least 8 characters" in out and "open mode" in out and "revoked" in out.lower()
+        assert "--anonymous" in out

@@ -11,7 +11,8 @@ import jsonschema
 import pytest
 import redis
 
-from mlxq.cli import CUT_SHORT, build_parser, main
+from mlxq.cli import build_parser, main
+from mlxq.cli.submit import CUT_SHORT
 from mlxq.shared.keys import GlobalKeys
 from workerkit import fast_settings, running_worker, wait_for
 
@@ -110,7 +111,7 @@ def test_bad_options_are_clear_errors_before_connecting(tmp_path, capsys):
 def test_output_options_become_request_fields(tmp_path, monkeypatch):
     import io
 
-    from mlxq.shared.genopts import output_params
+    from mlxq.cli.output import output_params
 
     schema, tools = tmp_path / "Ticket triage.json", tmp_path / "tools.json"
     schema.write_text(json.dumps(SCHEMA))
@@ -138,7 +139,7 @@ def test_submit_with_a_constraint_prints_output_that_validates(tiny_model, redis
     schema_file.write_text(json.dumps(SCHEMA))
     settings = fast_settings(redis_url)
     r = redis.Redis.from_url(redis_url)
-    base = ["--redis-url", redis_url, "--model", "tiny", "--max-tokens", str(MAX_TOKENS)]
+    base = ["--redis-url", redis_url, "--queue", "tiny", "--max-tokens", str(MAX_TOKENS)]
     base += [a for i in no_thinking(tiny_model) for a in ("--logit-bias", f"{i}=-100")]
     with running_worker(tiny_model, redis_url, settings, max_batch=4):
         assert wait_for(lambda: r.hexists(GlobalKeys().models, "tiny"), timeout=30)
@@ -191,7 +192,7 @@ def test_submit_with_a_named_tool_prints_the_call(tiny_model, redis_url, tmp_pat
     tools.write_text(json.dumps([{"type": "function", "function": {
         "name": "get_weather", "description": "The forecast for a city", "parameters": WEATHER}}]))
     settings = fast_settings(redis_url)
-    argv = ["submit", "Weather in Paris this week?", "--redis-url", redis_url, "--model", "tiny", "--max-tokens",
+    argv = ["submit", "Weather in Paris this week?", "--redis-url", redis_url, "--queue", "tiny", "--max-tokens",
             "200", "--tools", str(tools), "--tool-choice", "get_weather", "--temperature", "1.0"]
     argv += [a for i in no_thinking(tiny_model) for a in ("--logit-bias", f"{i}=-100")]
     with running_worker(tiny_model, redis_url, settings, max_batch=4):

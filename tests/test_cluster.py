@@ -149,7 +149,7 @@ def test_500_streamed_jobs_share_one_pubsub_connection_per_node(cluster, cluster
     client.close()
 
 
-def test_async_client_stats_metrics_and_keys_from_any_node(cluster, cluster_workers, references):
+def test_async_client_stats_metrics_and_keys_from_any_node(cluster, cluster_workers, references, monkeypatch):
     """The AsyncClient (the gateway's client) streams over sharded pub/sub; `mlxq stats`, the
     metrics scrape and `mlxq keys` work from the URL of any node (the global keys live elsewhere)."""
     import asyncio
@@ -184,7 +184,8 @@ def test_async_client_stats_metrics_and_keys_from_any_node(cluster, cluster_work
     assert set(MODELS) <= set(data) and all(len(data[m]["workers"]) == 2 for m in MODELS)
     m = WorkerMetrics(connect(url), ModelKeys(MODELS[1]), MODELS[1])
     assert b"mlxq_queue_jobs" in generate_latest(m.registry) or b"mlxq_" in generate_latest(m.registry)
-    assert cli_main(["keys", "--redis-url", cluster.masters[1].url, "revoke", "cluster-high-key-01"]) == 0
+    monkeypatch.setenv("CLUSTER_KEY", "cluster-high-key-01")  # a secret never goes on the command line
+    assert cli_main(["keys", "--redis-url", cluster.masters[1].url, "revoke", "--key-env", "CLUSTER_KEY"]) == 0
     with pytest.raises(Exception, match="revoked"):
         Client(url, api_key="cluster-high-key-01").submit(prompt_tokens=[5], model=MODELS[0], max_tokens=1)
 

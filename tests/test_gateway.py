@@ -32,6 +32,8 @@ def stack(redis_server, tiny_model):
     apikeys.add_key(r, GK.api_keys, KEY_HIGH, "high")
     apikeys.add_key(r, GK.api_keys, KEY_REVOKED, "normal")
     apikeys.revoke_key(r, GK.api_keys, KEY_REVOKED)
+    # the module's requests without a token are served (keys registered refuse them unless let in)
+    apikeys.set_policy(r, GK, anonymous="normal")
     settings = fast_settings(redis_server.url)
     with running_worker(tiny_model, redis_server.url, settings, max_batch=8):
         assert wait_for(lambda: r.hexists(GK.models, "tiny"), timeout=60)
@@ -138,9 +140,15 @@ def test_auth_tiers_and_batch_floor(stack):
     assert err.value.status_code == 401 and err.value.body["type"] == "authentication_error"
     with pytest.raises(openai.AuthenticationError):
         oai(url, KEY_REVOKED).completions.create(model="tiny", prompt="hi", max_tokens=2)
-    # no token: normal tier
-    status, body = raw_post(url, "/v1/chat/completions",
-                            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    # no token: 401 once keys are registered, unless anonymous callers are let in (`mlxq tiers --anonymous`)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    apikeys.set_policy(r, GK, anonymous="default")
+    try:
+        status, body = raw_post(url, "/v1/chat/completions", chat)
+        assert status == 401 and "API key is required" in body["error"]["message"]
+    finally:
+        apikeys.set_policy(r, GK, anonymous="normal")
+    status, body = raw_post(url, "/v1/chat/completions", chat)
     assert status == 200 and job_hash(r, body["id"].removeprefix("chatcmpl-"))["tier"] == b"normal"
     # /v1/batch/ lowers even a high key to the low tier
     status, body = raw_post(url, "/v1/batch/chat/completions",

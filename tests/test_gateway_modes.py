@@ -103,7 +103,7 @@ def test_open_until_a_key_exists_then_401_everywhere(open_stack):
         assert err.value.body["code"] == "invalid_api_key"
         assert get(url, "/metrics", "EMPTY") == 401
         assert get(url, "/health", "EMPTY") == 200  # liveness: no key checked (test_health.py)
-        assert get(url, "/metrics") == 200  # no token at all: normal tier, as before
+        assert get(url, "/metrics") == 401  # no token at all: refused too, once keys exist (keys mean keys)
         keyed = oai(url, "the-first-key-01")
         assert [m.id for m in keyed.models.list().data] == ["plain"]
         resp = keyed.completions.create(model="plain", prompt="hi", max_tokens=2)

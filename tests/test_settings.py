@@ -15,7 +15,7 @@ import pytest
 
 from mlxq.cli import build_parser
 from mlxq.shared.settings import Settings, cache_dir, env_var, mask_url, worker_flags
-from mlxq.worker_cli import settings_from_args
+from mlxq.cli.worker import settings_from_args
 from workerkit import neutral_cwd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def test_old_flags_and_env_vars_still_work(clean_env):
     ({"MLXQ_IDLE_BLOCK_S": "0"}, "must be above 0 and at most 10"),
     ({"MLXQ_IDLE_BLOCK_S": "30"}, "must be above 0 and at most 10"),
     ({"MLXQ_RESULT_TTL_S": "0"}, "result_ttl_s=0 (MLXQ_RESULT_TTL_S / --result-ttl-s): must be at least 1"),
-    ({"MLXQ_IDEMPOTENCY_TTL_S": "0"}, "idempotency_ttl_s=0 (MLXQ_IDEMPOTENCY_TTL_S): must be at least 1"),
+    ({"MLXQ_IDEMPOTENCY_TTL_S": "0"}, "idempotency_ttl_s=0 (MLXQ_IDEMPOTENCY_TTL_S / --idempotency-ttl-s): must be at least 1"),
     ({"MLXQ_HEARTBEAT_S": "0"}, "heartbeat_s=0.0 (MLXQ_HEARTBEAT_S / --heartbeat-s): must be positive"),
     ({"MLXQ_STATS_INTERVAL_S": "-2"}, "stats_interval_s=-2.0 (MLXQ_STATS_INTERVAL_S / --stats-interval-s): must be"),
     ({"MLXQ_TIER_OFFSETS": "high=nan"}, "offsets must be finite numbers"),
@@ -191,7 +191,7 @@ def test_make_engine_follows_the_settings(tiny_model):
 def test_importing_the_worker_loads_no_blas_and_no_mlx():
     """The fast BLAS is loaded by the worker's entry points (and the tests' conftest), not as a side
     effect of an import."""
-    script = ("import sys\nimport mlxq.worker, mlxq.worker_cli, mlxq.cli\n"
+    script = ("import sys\nimport mlxq.worker, mlxq.cli.worker, mlxq.cli\n"
               "from mlxq.worker import blas\nmlxq.cli.build_parser()\n"
               "assert blas.status() is None and 'mlx.core' not in sys.modules\nprint('ok')\n")
     out = subprocess.run([sys.executable, "-c", script], cwd=neutral_cwd(), capture_output=True, text=True, timeout=120)

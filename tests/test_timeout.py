@@ -110,7 +110,7 @@ def test_a_bad_timeout_is_refused_at_submit(redis_url, value):
 
 def test_timeout_flags_of_submit_and_batch():
     from mlxq.cli import build_parser
-    from mlxq.shared.genopts import output_params
+    from mlxq.cli.output import output_params
 
     for argv in (["submit", "hi", "--timeout-s", "2.5"], ["batch", "in.jsonl", "-o", "out.jsonl", "--timeout-s", "2.5"]):
         args = build_parser().parse_args(argv)

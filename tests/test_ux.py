@@ -25,7 +25,7 @@ import redis
 
 from mlxq import AsyncClient, Client
 from mlxq.cli import build_parser, main
-from mlxq.shared.cliopts import DefaultsFormatter
+from mlxq.cli.options import DefaultsFormatter
 from mlxq.producer.common import NoModelError, decode_registry
 from mlxq.shared import apikeys, codec
 from mlxq.shared.acl import producer_rules
@@ -146,7 +146,7 @@ def test_a_model_with_no_live_worker_is_accepted_and_said_so(redis_url, rr):
 def test_cli_submit_says_no_live_worker_and_waits(redis_url, rr):
     register(rr, "ghost")
     env = {**os.environ, "MLXQ_REDIS_URL": redis_url}
-    proc = subprocess.Popen([sys.executable, "-m", "mlxq", "submit", "hi", "--model", "ghost", "--max-tokens", "2"],
+    proc = subprocess.Popen([sys.executable, "-m", "mlxq", "submit", "hi", "--queue", "ghost", "--max-tokens", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=neutral_cwd(), text=True)
     guard = threading.Timer(120, proc.kill)  # a hang guard, not a timing assertion
     guard.start()
@@ -253,7 +253,8 @@ def test_every_option_has_help_that_shows_its_default():
     for name, parser in _all_parsers(build_parser()):
         fmt = DefaultsFormatter(name)
         for action in parser._actions:
-            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction, argparse._VersionAction)) \
+                    or action.help == argparse.SUPPRESS:  # --help, --version; an old spelling kept hidden
                 continue
             text = fmt._get_help_string(action) if action.help else ""
             if not text:
@@ -265,7 +266,7 @@ def test_every_option_has_help_that_shows_its_default():
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["submit", "--help"], ("most tokens to generate (default: 128)", "(default: 0.0)", "(default: off)")),
+    (["submit", "--help"], ("most tokens to generate (default: 256, as Client's", "(default: 0.0)", "(default: off)")),
     (["gateway", "--help"], ("(default: 127.0.0.1)", "(default: 8000)", "--no-worker-wait")),
     (["worker", "--help"], ("--metrics-host", "(default: 127.0.0.1)")),
 ])
@@ -279,7 +280,7 @@ def test_help_shows_defaults(argv, expected, capsys):
 
 def _worker_settings(argv):
     """The settings ``mlxq worker`` would run with (flags over $MLXQ_*, over the defaults)."""
-    from mlxq.worker_cli import settings_from_args
+    from mlxq.cli.worker import settings_from_args
 
     return settings_from_args(build_parser().parse_args(argv))
 

@@ -75,14 +75,15 @@ def serving_gateway(loaded, url: str, **worker_kw):
 
 
 def tier_clients(url: str, settings: Settings, tag: str):
-    """(admin, low, high): a key-less client and clients whose registered API keys (suffix ``tag``)
-    put their jobs in the low and high tiers."""
+    """(admin, low, high): clients whose registered API keys (suffix ``tag``) put their jobs in the
+    normal, low and high tiers (once keys exist, a key-less client is refused)."""
     from mlxq import Client
     from mlxq.shared import apikeys
     from mlxq.shared.keys import GlobalKeys
 
-    admin = Client(url, model="tiny", settings=settings)
+    admin = Client(url, api_key=f"key-norm-{tag}", model="tiny", settings=settings)
     reg = GlobalKeys().api_keys
+    apikeys.add_key(admin.redis, reg, f"key-norm-{tag}", "normal")
     apikeys.add_key(admin.redis, reg, f"key-high-{tag}", "high")
     apikeys.add_key(admin.redis, reg, f"key-low-0{tag}", "low")
     low = Client(url, api_key=f"key-low-0{tag}", model="tiny", settings=settings)

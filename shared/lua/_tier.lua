@@ -6,7 +6,16 @@ local DEFAULT_OFFSETS = {high = 0, normal = 30, low = 300}
 local function mlxq_tier(copy_key, policy_key, key_hash, floor)
   local tier
   if key_hash == '' then
-    tier = redis.call('HGET', policy_key, 'anonymous') or 'normal'
+    -- a caller without a key: the tier an admin opted in to (`mlxq tiers --anonymous`); unset, the
+    -- normal tier while no key is registered (open mode) and refused once one is: keys mean keys
+    tier = redis.call('HGET', policy_key, 'anonymous')
+    if not tier then
+      if redis.call('EXISTS', copy_key) == 1 then
+        return nil, 'an API key is required (keys are registered; `mlxq tiers --anonymous normal` serves '
+          .. 'callers without one)'
+      end
+      tier = 'normal'
+    end
     if tier == 'refuse' then return nil, 'an API key is required' end
     if not TIER_RANK[tier] then tier = 'normal' end
   else

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .logs import LOG_FORMATS
+from ..shared.logs import LOG_FORMATS
+from ..shared.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -34,9 +36,12 @@ SHARED = {
     "log_format": SharedOption("--log-format", "text, or one JSON object per line with job and attempt fields "
                                "(default: $MLXQ_LOG_FORMAT or text)",
                                lambda: os.environ.get("MLXQ_LOG_FORMAT") or "text", LOG_FORMATS),
-    "model": SharedOption("--model", "the model's queue name (default: $MLXQ_MODEL, or the only model served)",
+    "model": SharedOption("--model", "the model: a model directory, GGUF file or hub id (default: none)",
                           lambda: None),
-    "api_key": SharedOption("--api-key", "an mlxq API key; it sets the tier (default: $MLXQ_API_KEY)",
+    "queue": SharedOption("--queue", "the queue to send to: a served model's name (default: $MLXQ_MODEL, "
+                          "or the only model served)", lambda: None),
+    "api_key": SharedOption("--api-key", "an mlxq API key; it sets the tier; prefer $MLXQ_API_KEY: a command "
+                            "line lands in shell history and `ps` (default: $MLXQ_API_KEY)",
                             lambda: os.environ.get("MLXQ_API_KEY")),
 }
 ALWAYS = ("log_level", "log_format")
@@ -60,39 +65,15 @@ def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
         if hasattr(args, name):
             if name not in uses:
                 parser.error(f"{opt.flag} does not apply to `mlxq {command}`")
+            if name == "api_key":  # still taken (scripts pass it), with a warning: it registers nothing
+                print("mlxq: --api-key puts the key in shell history and `ps`; set MLXQ_API_KEY instead",
+                      file=sys.stderr)
         else:
             setattr(args, name, opt.default() if name in uses else None)
     for name in getattr(args, "_required", ()):
         if not getattr(args, name):
             parser.error(f"`mlxq {command}` needs {SHARED[name].flag}")
     return args
-
-
-def add_setting_flags(p: argparse.ArgumentParser, flags) -> None:
-    """Flags generated from ``Settings`` fields (``worker_flags()``, ``gateway_flags()``): each defaults to
-    None (not given: the environment, then the field's default, decide)."""
-    for f in flags:
-        if f.is_bool:  # --keep-dtype / --no-keep-dtype
-            p.add_argument(f.flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f.help)
-        else:
-            p.add_argument(f.flag, dest=f.name, type=_argtype(f), default=None, choices=f.choices, help=f.help)
-
-
-def given_settings(args: argparse.Namespace, flags) -> dict:
-    """The generated flags' values given on the command line (None where not given), by field name."""
-    return {f.name: getattr(args, f.name, None) for f in flags}
-
-
-def _argtype(f):
-    """The setting's own parser, named for argparse's message ("invalid integer value: 'x'")."""
-    def parse(text: str):
-        try:
-            return f.parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    parse.__name__ = f.name
-    return parse
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -135,3 +116,67 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         ns, extras = super().parse_known_args(args, namespace)
         return finish(self, ns), extras
+
+
+# -- flags generated from Settings (mlxq worker, mlxq gateway) ----------------------------------------------
+def add_setting_flags(p, flags) -> None:
+    """One option per :class:`mlxq.shared.settings.Flag` on a parser or argument group; None when not given
+    (the environment, then the field's default, decide)."""
+    for f in flags:
+        if f.is_bool:  # --keep-dtype / --no-keep-dtype
+            p.add_argument(f.flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f.help)
+        else:
+            p.add_argument(f.flag, dest=f.name, type=_argtype(f), default=None, choices=f.choices, help=f.help)
+
+
+def _argtype(f):
+    """The setting's own parser, named for argparse's message ("invalid integer value: 'x'")."""
+    def parse(text: str):
+        try:
+            return f.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = f.name
+    return parse
+
+
+def settings_from(args: argparse.Namespace, flags) -> Settings:
+    """``MLXQ_*`` from the environment, each of these flags given on the command line over it."""
+    given = {f.name: getattr(args, f.name, None) for f in flags}
+    return Settings.from_env(redis_url=args.redis_url, log_format=getattr(args, "log_format", None), **given)
+
+
+# -- old spellings -------------------------------------------------------------------------------------------
+def deprecation(old: str, new: str, why: str = "") -> None:
+    """One line on stderr: the old spelling still works, this once more."""
+    print(f"mlxq: {old} is deprecated{why}; use {new}", file=sys.stderr)
+
+
+def deprecated_alias(p: argparse.ArgumentParser, old: str, dest: str, type=None) -> None:
+    """``old`` still sets ``dest``, with a deprecation line; it is left out of ``--help``."""
+    new = "--" + dest.replace("_", "-")
+
+    class Alias(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            deprecation(old, new)
+            setattr(namespace, dest, values)
+
+    p.add_argument(old, dest=dest, action=Alias, type=type, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def queue_of(args: argparse.Namespace) -> Optional[str]:
+    """The queue a producer command targets: ``--queue``; a ``--model`` that names a model directory or file
+    targets the queue a worker serves it under (its name); ``--model NAME`` that is no path is the old
+    spelling of ``--queue NAME``, still taken with a deprecation line."""
+    if getattr(args, "queue", None):
+        return args.queue
+    model = getattr(args, "model", None)
+    if not model:
+        return None
+    from ..shared.keys import model_name
+
+    if os.path.exists(model) or model.lower().endswith(".gguf") or "/" in model:
+        return model_name(model)  # a directory, a file or a hub id: the name its worker serves it under
+    deprecation(f"--model {model}", f"--queue {model}", " for a queue name (--model names a model directory or file)")
+    return model
