@@ -29,7 +29,8 @@ TESTS = ("python3 -m venv .venv && .venv/bin/pip install '.[test]' && .venv/bin/
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "NO_COLOR": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f",
+    # (not --quiet: it keeps warnings from being logged at all, so --strict would not count them)
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
                            str(ROOT / "mkdocs.yml"), "-d", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     if "No module named mkdocs" in proc.stderr:

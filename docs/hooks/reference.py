@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
@@ -21,7 +22,15 @@ ROOT = Path(__file__).resolve().parents[2]
 MARKERS = {"<!-- reference:settings -->": "settings_reference", "<!-- reference:cli -->": "cli_reference"}
 
 
+def _installed_first() -> None:
+    """mkdocs runs in the checkout, whose root (on ``sys.path``) holds a folder named ``mlxq`` that is
+    not the installed package (producer/, worker/ and shared/ are mapped into it at install): the
+    reference is of what is installed, so that folder must not shadow it."""
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(ROOT)]
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    _installed_first()
     for marker, builder in MARKERS.items():
         if marker in markdown:
             try:
@@ -41,6 +50,7 @@ def _settings_module():
     except ImportError:  # a checkout without an install: the module needs only the standard library
         spec = importlib.util.spec_from_file_location("_mlxq_settings", ROOT / "shared" / "settings.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (dataclasses look their module up while the class is made)
         spec.loader.exec_module(module)
         return module
 
