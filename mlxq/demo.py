@@ -87,7 +87,7 @@ def _state(job_id: str, done: dict, pacer: _Pacer) -> str:
     return "waiting"  # queued, or admitted and prefilling its prompt (no token yet)
 
 
-KEYS = {"high": "demo-key-high-tier", "normal": None, "low": "demo-key-batch-tier"}
+KEYS = {"high": "demo-key-high-tier", "normal": "demo-key-normal-tier", "low": "demo-key-batch-tier"}
 
 
 def _demo_model() -> str:
