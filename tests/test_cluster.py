@@ -15,7 +15,8 @@ import pytest
 from mlxq import Client
 from mlxq.shared.connection import connect
 from clusterkit import EmbeddedCluster
-from mlxq.shared.keys import ModelKeys
+from mlxq.shared import apikeys
+from mlxq.shared.keys import GlobalKeys, ModelKeys
 from workerkit import wait_for
 from faultkit import WorkerProc, detok_text, executions_by_job, record, reference_tokens, wait_registered
 
@@ -253,7 +254,10 @@ def test_master_killed_mid_run_replica_promoted_no_job_lost(cluster, cluster_wor
     model = MODELS[0]
     keys = ModelKeys(model)
     victim = cluster.master_for(keys.queue)
-    client = Client(cluster.masters[(cluster.masters.index(victim) + 1) % 3].url)
+    url = cluster.masters[(cluster.masters.index(victim) + 1) % 3].url
+    # a key of its own: the module's other tests register keys, and then keys mean keys
+    apikeys.add_key(connect(url), GlobalKeys(), "cluster-kill-key-01", "normal")
+    client = Client(url, api_key="cluster-kill-key-01")
     done_at_start = int(client.queue_for(model).counts().get("done", 0))  # earlier tests' jobs
     n = 60
     jobs = [client.submit(prompt_tokens=PROMPTS[i % len(PROMPTS)], model=model, max_tokens=24, ignore_eos=True)
