@@ -59,7 +59,7 @@ def test_worker_unit_is_a_template_restarted_on_failure():
     argv = worker["ExecStart"].replace("${MODEL}", "/srv/models/smollm2").replace("${QUEUE}", "smollm2").split()
     assert argv[0] == MLXQ_BIN
     args = parse_mlxq(argv)
-    assert (args.command, args.model, args.name) == ("worker", "/srv/models/smollm2", "smollm2")
+    assert (args.command, args.model, args.queue) == ("worker", "/srv/models/smollm2", "smollm2")
     gateway = unit("mlxq-gateway.service")["Service"]
     assert gateway["Restart"] == "on-failure"
     assert parse_mlxq(gateway["ExecStart"].split()).command == "gateway"
@@ -164,7 +164,7 @@ def test_autoscaling_follows_the_queue_depth_of_its_model():
     assert metric["type"] == "External"
     assert metric["external"]["metric"] == {"name": "mlxq_queue_depth", "selector": {"matchLabels": {"model": "smollm2"}}}
     worker = parse_mlxq(container(docs["Deployment", "mlxq-worker-smollm2"])["command"])
-    assert worker.name == "smollm2"  # the queue the metric's model label names
+    assert worker.queue == "smollm2"  # the queue the metric's model label names
     rules = yaml.safe_load(docs["ConfigMap", "adapter-config"]["data"]["config.yaml"])
     (rule,) = rules["externalRules"]
     assert rule["name"]["as"] == "mlxq_queue_depth" and rule["seriesQuery"].startswith("mlxq_queue_depth{")
