@@ -89,6 +89,11 @@ class GatewayMetrics:
         self.errors = Counter("mlxq_gateway_errors", "Error responses by type", ["type"], registry=r)
         self.keepalives = Counter("mlxq_gateway_sse_keepalives", "SSE keep-alive comments sent to streams "
                                   "waiting for their first token", registry=r)
+        # who sends the load, by the key's name (`mlxq keys create --name`), never the key or its hash:
+        # "anonymous" for no key, "unnamed" for a key registered without a name (the open mode's any
+        # token counts as anonymous too); as few values as the operator made keys
+        self.key_requests = Counter("mlxq_gateway_key_requests", "Jobs submitted, by the API key's name", ["key"],
+                                    registry=r)
         # no queue depth here: it is a figure of the queue, not of this process, and every gateway (and
         # worker) exporting it made sum() count it once per exporter; one worker per model exports
         # it (worker/metrics.py)
@@ -112,6 +117,7 @@ class Gateway:
         # JSON carries a request in up to ~4x the bytes of its packed form (token ids as digits and
         # commas), so the body may be that much larger than the cap on the packed request.
         self.max_body_bytes = 4 * self.settings.max_prompt_bytes
+        self._key_names: dict[str, tuple[float, str]] = {}  # sha256(key) -> (read at, name): KeyNames
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -153,6 +159,31 @@ class Gateway:
         except AuthError as exc:
             return self._error(endpoint, OpenAIError(401, str(exc), "authentication_error", code="invalid_api_key"))
         return None
+
+    KEY_NAME_TTL_S = 60.0  # a renamed or new key shows under its name within this long
+
+    async def _key_name(self, api_key: Optional[str]) -> str:
+        """The metrics label of a submitting caller's key: its name, read from the key registry's
+        info once a minute per key (a request costs no extra Redis read in between)."""
+        if not api_key:
+            return "anonymous"
+        h = apikeys.key_hash(api_key)
+        now = time.monotonic()
+        cached = self._key_names.get(h)
+        if cached is not None and now - cached[0] < self.KEY_NAME_TTL_S:
+            return cached[1]
+        try:
+            raw = await self.redis.hget(GlobalKeys(self.settings.prefix).api_key_info, h)
+        except Exception:  # noqa: BLE001 - a label is not worth failing a request the key check passed
+            return cached[1] if cached else "unnamed"
+        if raw is None:  # open mode: any token is served, and it names no registered key
+            name = "anonymous" if not await self.redis.exists(GlobalKeys(self.settings.prefix).api_keys) else "unnamed"
+        else:
+            name = apikeys.key_label(raw)
+        if len(self._key_names) > 10_000:  # tokens sent in open mode are not keys: keep no unbounded map
+            self._key_names.clear()
+        self._key_names[h] = (now, name)
+        return name
 
     def client(self, request: Request) -> AsyncClient:
         return AsyncClient(api_key=bearer(request), settings=self.settings, redis_client=self.redis,
@@ -295,6 +326,7 @@ class Gateway:
         except (JobRefused, ValueError) as exc:
             return self._error(endpoint, validation_error(exc))
         jlog(logging.INFO, job.id, 0, "submitted by %s at tier %s (%s, stream=%s)", endpoint, tier, model, req.stream)
+        self.metrics.key_requests.labels(await self._key_name(bearer(request))).inc()
         fmt = LogprobFormatter(self.token_names.for_model(models.get(model)), req.top_n)
         meta = _Meta(id=("chatcmpl-" if chat else "cmpl-") + job.id, model=model, created=now_s(), chat=chat,
                      endpoint=endpoint, started=started, include_usage=req.include_usage, tools=tools,

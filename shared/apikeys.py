@@ -157,6 +157,11 @@ def _hash_of_name(redis, gk: GlobalKeys, name: str) -> Optional[str]:
     return None
 
 
+def key_label(raw_info) -> str:
+    """A key's name as metrics show it (``api_key_info``'s record): "unnamed" for a key without one."""
+    return str(_info(raw_info).get("name") or "unnamed")
+
+
 def _info(raw) -> dict:
     try:
         info = json.loads(_s(raw))

@@ -282,8 +282,11 @@ def test_non_streaming_disconnect_cancels_the_job(stack):
 def test_metrics_endpoint_parses(stack):
     from prometheus_client.parser import text_string_to_metric_families
 
-    url, _ = stack
+    url, r = stack
     oai(url).completions.create(model="tiny", prompt="m", max_tokens=2)
+    named = "reporting-key-0001"
+    apikeys.add_key(r, GK.api_keys, named, "normal", name="reporting")
+    oai(url, named).completions.create(model="tiny", prompt="m", max_tokens=2)
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
     conn.request("GET", "/metrics")
@@ -298,6 +301,10 @@ def test_metrics_endpoint_parses(stack):
     latency = [s for s in families["mlxq_gateway_request_seconds"].samples if s.name.endswith("_count")
                and s.labels.get("endpoint") == "/v1/completions"]
     assert latency and {s.labels["tier"] for s in latency} <= {"high", "normal", "low"}
+    # requests by the key's name, never the key or its hash
+    by_key = {s.labels["key"]: s.value for s in families["mlxq_gateway_key_requests"].samples
+              if s.name.endswith("_total")}
+    assert by_key.get("reporting", 0) >= 1 and named not in text and apikeys.key_hash(named) not in text
 
 
 def test_json_log_lines_carry_job_and_attempt():
