@@ -56,6 +56,24 @@ def dead_letter(r, job_ids: list[str]) -> None:
     assert q.reap().dead == len(job_ids)
 
 
+def test_jobs_show_a_finished_job_reads_its_tier_and_times_from_its_result(redis_url, r, capsys):
+    """Completion keeps the tier, attempts and times in the result's stats only (the record's own
+    fields go): `jobs show` shows them all the same."""
+    from mlxq.shared.schemas import Result
+
+    (job_id,) = submit(redis_url)
+    q = Queue(r, GK.model_keys(MODEL), Settings())
+    (pulled,) = q.pull(1, "w1")
+    result = Result(id=job_id, text="ok", token_ids=[5], finish_reason="stop",
+                    stats={"queued_at": 10.0, "started_at": 11.0, "attempts": 1, "tier": "normal", "worker": "w1"})
+    assert q.complete(job_id, f"w1:{pulled.attempt}", "done", result.record()) == 1
+    assert not r.hexists(GK.model_keys(MODEL).job(job_id), "tier")
+    rc, out, _ = run(capsys, "jobs", "show", job_id, "--redis-url", redis_url)
+    shown = json.loads(out)
+    assert rc == 0 and shown["status"] == "done" and shown["tier"] == "normal" and shown["attempts"] == "1"
+    assert shown["queued_at"] == "10.0" and shown["result"]["text"] == "ok"
+
+
 def test_version_and_bare_help(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
