@@ -77,12 +77,6 @@ def _outage_s() -> float:
     return Settings.from_env().redis_outage_s
 
 
-def split_url(url: str) -> tuple[str, Optional[bool]]:
-    """The URL redis-py understands (the first seed's) and the cluster mode it states (None: not stated)."""
-    first, _, forced = parse_url(url)
-    return first, forced
-
-
 def parse_url(url: str) -> tuple[str, list[tuple[str, int]], Optional[bool]]:
     """(the first seed's URL as redis-py reads it, every seed as (host, port), the cluster mode stated)."""
     if not url:
