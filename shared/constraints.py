@@ -209,8 +209,8 @@ def _lark_of(text: str) -> str:
 
 
 # The keys each response_format type takes, and json_schema's own: any other is refused, not ignored
-# (a {"type": "json_object", "schema": ...} as some providers write it constrained nothing but the
-# object; a "strict": "true" string was not strict).
+# (ignored, a {"type": "json_object", "schema": ...} as some providers write it would constrain nothing
+# but the object, and a "strict": "true" string would not be strict).
 FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"},
                "regex": {"type", "pattern"}, "choice": {"type", "choices"}, "grammar": {"type", "grammar"}}
 JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
