@@ -1,4 +1,4 @@
-"""``n`` samples of one prompt vs one sample, end to end through Redis (issue 20, part 2).
+"""``n`` samples of one prompt vs one sample, end to end through Redis.
 
     python bench/n_samples.py             # 3 alternating rounds (~3-6 min on 2 shared cores)
     python bench/n_samples.py --quick     # 2 rounds, 64 new tokens

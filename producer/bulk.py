@@ -106,7 +106,7 @@ def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: 
         kind = "invalid_request_error" if status == 400 else "server_error"
         body = {"error": {"message": err.error or "generation failed", "type": kind, "param": None,
                           "code": err.error_code or "job_failed"}}
-    elif res.finish_reason == "cancelled":  # not an answer: it was written as a 200 with no text
+    elif res.finish_reason == "cancelled":  # not an answer: a 200 with no text would read as one
         status = 500
         body = {"error": {"message": "the job was cancelled (mlxq cancel, or its queue purged) before it ended",
                           "type": "server_error", "param": None, "code": "cancelled"}}

@@ -95,7 +95,7 @@ class GatewayMetrics:
         self.key_requests = Counter("mlxq_gateway_key_requests", "Jobs submitted, by the API key's name", ["key"],
                                     registry=r)
         # no queue depth here: it is a figure of the queue, not of this process, and every gateway (and
-        # worker) exporting it made sum() count it once per exporter; one worker per model exports
+        # worker) exporting it would make sum() count it once per exporter; one worker per model exports
         # it (worker/metrics.py)
 
 

@@ -243,7 +243,7 @@ class CompletionRequest(_Params):
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
         kw = self.sampling()
-        # null is the default too, as OpenAI's API takes it (before, null ran to the context's end)
+        # null is the default too, as OpenAI's API takes it (not a run to the context's end)
         kw["max_tokens"] = 16 if self.max_tokens is None else self.max_tokens
         if self.logprobs is not None:
             kw["logprobs"] = max(1, self.logprobs)
@@ -396,8 +396,8 @@ class TokenNames:
 
     def for_model(self, info: Optional[dict]):
         tok = self.tokenizer(info)
-        # special tokens kept, as the worker's text keeps them (an EOS under ignore_eos): a special
-        # token's name was "" before, so the names no longer joined to the text nor text_offset to it
+        # special tokens kept, as the worker's text keeps them (an EOS under ignore_eos): skipped, a
+        # special token's name would be "", and the names would not join to the text nor text_offset to it
         return (lambda i: tok.decode([i], skip_special_tokens=False)) if tok is not None else (lambda i: f"<{i}>")
 
 

@@ -103,8 +103,8 @@ class _NodeReader(threading.Thread):
                     self.pubsub.unsubscribe(channel)
             except (*LINK_ERRORS, OSError, ValueError):
                 # the link is gone; nothing is subscribed there any more. OSError / ValueError: redis-py
-                # reconnecting on this call read a socket the reader thread had just closed ("Bad file
-                # descriptor", then "I/O operation on closed file"; seen with a Cluster master killed)
+                # reconnecting on this call can read a socket the reader thread has just closed ("Bad file
+                # descriptor", then "I/O operation on closed file", as when a Cluster master is killed)
                 pass
 
     def run(self) -> None:

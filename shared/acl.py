@@ -28,6 +28,8 @@ What a producer can still do, and why it is harmless:
 
 from __future__ import annotations
 
+from .keys import GlobalKeys, ModelKeys
+
 # Commands the producer side runs (directly or inside mlxq's functions).
 PRODUCER_COMMANDS = (
     "+fcall", "+fcall_ro",  # mlxq's loaded functions; no +eval/+evalsha/+script/+function
@@ -40,25 +42,26 @@ PRODUCER_COMMANDS = (
 
 
 def producer_key_rules(prefix: str = "mlxq") -> tuple[str, ...]:
-    m = f"{{{prefix}:*}}"
-    base = f"{prefix}:{m}"
+    """The keys and channels a producer may reach, as glob patterns over every model's keys."""
+    m = ModelKeys("*", prefix)
+    job, idem, events, done = m.job("*"), m.idempotency_prefix + "*", m.events("*"), m.done("*")
     return (
-        f"%R~{prefix}:models",  # which models are served
-        f"%R~{base}:counts", f"%R~{base}:apikeys", f"%R~{base}:policy",  # read by enqueue
-        f"~{base}:job:*", f"~{base}:idem:*", f"~{base}:events:*", f"~{base}:done:*",  # its own jobs
-        f"&{base}:chan:*", f"&{base}:cancel",  # token deltas; cancel requests
+        f"%R~{GlobalKeys(prefix).models}",  # which models are served
+        f"%R~{m.counts}", f"%R~{m.key_copy}", f"%R~{m.policy}",  # read by enqueue
+        f"~{job}", f"~{idem}", f"~{events}", f"~{done}",  # its own jobs
+        f"&{m.channel('*')}", f"&{m.cancel_channel}",  # token deltas; cancel requests
         # hand jobs to the workers, in a selector of their own: submit declares both lists (and under
         # FCALL a declared key needs read access too), and it pushes on them; no other command reaches
-        # them (in the root rule, HSET or XADD made a hash or a stream of an empty list, and every
-        # producer's submit then failed with WRONGTYPE, and the workers' pushes to wake)
-        f"(+fcall +rpush +lpush ~{base}:job:* ~{base}:idem:* ~{base}:intake ~{base}:wake)",
+        # them (in the root rule, HSET or XADD could make a hash or a stream of an empty list, and every
+        # producer's submit would fail with WRONGTYPE, as would the workers' pushes to wake)
+        f"(+fcall +rpush +lpush ~{job} ~{idem} ~{m.intake} ~{m.wake})",
         # EXPIRE (a cancel request ends a job's record), SET (an idempotency key) and BLPOP (a job's done
         # list) on those keys only, each in a selector: with the access to the intake list above, EXPIRE
         # or SET (like LTRIM, which no producer gets) could drop every other producer's jobs still
         # waiting there, and BLPOP would pop them, and show their ids
-        f"(+expire ~{base}:job:* ~{base}:events:* ~{base}:done:*)",
-        f"(+set ~{base}:idem:*)",
-        f"(+blpop ~{base}:done:*)",
+        f"(+expire ~{job} ~{events} ~{done})",
+        f"(+set ~{idem})",
+        f"(+blpop ~{done})",
     )
 
 

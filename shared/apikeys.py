@@ -92,11 +92,6 @@ def resolve_tier(redis, registry_key: str, api_key: Optional[str], floor: Option
     return lower_tier(tier, floor) if floor else tier
 
 
-def keys_registered(redis, registry_key: str) -> bool:
-    """False while the gateway and clients run in open mode."""
-    return bool(redis.exists(registry_key))
-
-
 def auth_mode(keys_exist: bool, anonymous: Optional[bytes | str]) -> str:
     """What a caller meets, in a line (the gateway's start-up log, ``mlxq tiers``)."""
     rule = _s(anonymous) if anonymous is not None else None

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -43,6 +42,8 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (ClusterDownError, MovedError, ReadOnlyError, RedisClusterException,
                               TryAgainError)
+
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ _FALSE = {"0", "no", "false", "off"}
 # BLPOP, waits at most a few seconds).
 DEFAULT_KW = dict(health_check_interval=30, socket_keepalive=True, max_connections=10_000,
                   socket_connect_timeout=5, socket_timeout=20)
-DEFAULT_WAIT_S = 30.0  # Settings.redis_outage_s
 
 
 class RedisUnreachable(redis.ConnectionError, ConnectionError):
@@ -72,14 +72,9 @@ class RedisUnreachable(redis.ConnectionError, ConnectionError):
 
 
 def _outage_s() -> float:
-    raw = os.environ.get("MLXQ_REDIS_OUTAGE_S")
-    return float(raw) if raw else DEFAULT_WAIT_S
-
-
-def split_url(url: str) -> tuple[str, Optional[bool]]:
-    """The URL redis-py understands (the first seed's) and the cluster mode it states (None: not stated)."""
-    first, _, forced = parse_url(url)
-    return first, forced
+    """How long a caller that passed no ``wait_s`` waits: its ``Settings.redis_outage_s``, read from the
+    environment as a ``Client`` with no settings reads it (callers that hold settings pass theirs)."""
+    return Settings.from_env().redis_outage_s
 
 
 def parse_url(url: str) -> tuple[str, list[tuple[str, int]], Optional[bool]]:

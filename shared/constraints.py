@@ -81,15 +81,15 @@ class ModelFormat:
             tool_parser=_parser_name(getattr(tok, "tool_parser", None)),
             tool_call_start_ids=tuple(getattr(tok, "tool_call_start_tokens", None) or ()),
             tool_call_end_ids=tuple(getattr(tok, "tool_call_end_tokens", None) or ()),
-            tool_markers_special=_special(tok, getattr(tok, "tool_call_start_tokens", None)),
+            tool_markers_special=special_marker(tok, getattr(tok, "tool_call_start_tokens", None)),
         )
 
 
-def _special(tok, ids) -> bool:
+def special_marker(tok, ids) -> bool:
     """``ids`` is one token that plain text never matches in a grammar: a special token, or any token
-    added to the vocabulary (llguidance treats every added token as special, whatever its "special"
-    flag: Qwen2.5's and Qwen3's ``<tool_call>`` is added with ``special: false``, and a text marker
-    for it matched neither the token nor the text, so tool_choice "auto" could never call)."""
+    added to the vocabulary.  llguidance treats every added token as special, whatever its "special"
+    flag (Qwen2.5's and Qwen3's ``<tool_call>`` is added with ``special: false``), so such a marker is
+    written in a grammar as its token, never as its text."""
     hf = getattr(tok, "_tokenizer", tok)
     if not ids or len(ids) != 1:
         return False
@@ -209,8 +209,8 @@ def _lark_of(text: str) -> str:
 
 
 # The keys each response_format type takes, and json_schema's own: any other is refused, not ignored
-# (a {"type": "json_object", "schema": ...} as some providers write it constrained nothing but the
-# object; a "strict": "true" string was not strict).
+# (ignored, a {"type": "json_object", "schema": ...} as some providers write it would constrain nothing
+# but the object, and a "strict": "true" string would not be strict).
 FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"},
                "regex": {"type", "pattern"}, "choice": {"type", "choices"}, "grammar": {"type", "grammar"}}
 JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
@@ -293,8 +293,9 @@ def grammar_for(req, fmt: Optional[ModelFormat] = None) -> Optional[str]:
     return after_thinking(grammar, fmt)
 
 
-def _marker(text: Optional[str], ids: tuple[int, ...]) -> str:
-    """A Lark item for a reasoning marker: its token by id when it is one token, else its text."""
+def marker_item(text: Optional[str], ids: tuple[int, ...]) -> str:
+    """A Lark item for a marker (of reasoning or of a tool call): its token by id when it is one
+    token, else its text."""
     return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
 
 
@@ -319,7 +320,7 @@ def after_thinking(grammar: str, fmt: ModelFormat, never: Optional[str] = None) 
     reads it.  ``never``: text the thought may not hold (a tool-call marker that is text: a call
     written in the thought would be parsed, unconstrained)."""
     answer = grammar_list(grammar)
-    start = _marker(fmt.think_start, fmt.think_start_ids)
+    start = marker_item(fmt.think_start, fmt.think_start_ids)
     text = without_text(never) if never else ANY_TEXT
     if len(fmt.think_end_ids) == 1:
         rules = f"thought: THOUGHT <[{fmt.think_end_ids[0]}]>\n"

@@ -70,7 +70,8 @@ class GlobalKeys:
 
 
 class ModelKeys:
-    """The keys of one model's queue and of its jobs."""
+    """The keys of one model's queue and of its jobs.  ``ModelKeys("*")``: glob patterns that match those
+    keys of every model (the ACL recipe's, :mod:`mlxq.shared.acl`)."""
 
     def __init__(self, model: str, prefix: str = "mlxq"):
         if _BAD_MODEL_CHARS.search(model):
@@ -173,4 +174,8 @@ class ModelKeys:
         scope comes from the API key itself, not from the registry copies' sha1(sha256(key)) names,
         which a producer under the ACL recipe may read. The enqueue and submit scripts check it."""
         scope = hashlib.sha1(("idem:" + (key_hash or "")).encode()).hexdigest()
-        return f"{self._base}:idem:{scope}:{key}"
+        return f"{self.idempotency_prefix}{scope}:{key}"
+
+    @property
+    def idempotency_prefix(self) -> str:  # what every idempotency key of this queue begins with
+        return f"{self._base}:idem:"

@@ -450,7 +450,8 @@ class Result(BaseModel):
 
     @model_serializer(mode="wrap")
     def _no_samples_key(self, handler):
-        """An n == 1 job's result has no ``samples`` key: its record is what it was before ``n``."""
+        """An n == 1 job's result has no ``samples`` key: its record is the same as from a worker or
+        reader that knows no ``n``."""
         out = handler(self)
         if isinstance(out, dict) and out.get("samples") is None:
             out.pop("samples", None)

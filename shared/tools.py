@@ -38,8 +38,8 @@ import json
 from dataclasses import asdict, fields, replace
 from typing import Any, Optional
 
-from .constraints import (ANY_TEXT, ConstraintError, ModelFormat, _marker, _special, after_thinking, canonical,
-                          closed, compile_format, grammar_list, without_text)
+from .constraints import (ANY_TEXT, ConstraintError, ModelFormat, after_thinking, canonical, closed, compile_format,
+                          grammar_list, marker_item, special_marker, without_text)
 
 # families whose tool-call format tool_grammar writes (mlx-lm's parser names); json_tools (Hermes,
 # Qwen2.5): <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
@@ -71,8 +71,8 @@ def own_format(fmt: ModelFormat, tokenizer) -> ModelFormat:
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     start, end = (tuple(hf.encode(m, add_special_tokens=False)) for m in (OWN_CALL_START, OWN_CALL_END))
     return replace(fmt, tool_call_start=OWN_CALL_START, tool_call_end=OWN_CALL_END, tool_parser=OWN_PARSER,
-                   tool_call_start_ids=start, tool_call_end_ids=end, tool_markers_special=_special(tokenizer, start),
-                   mlxq_tools=True)
+                   tool_call_start_ids=start, tool_call_end_ids=end,
+                   tool_markers_special=special_marker(tokenizer, start), mlxq_tools=True)
 
 
 def format_info(fmt: ModelFormat) -> dict:
@@ -236,14 +236,14 @@ def tool_grammar(req, fmt: ModelFormat) -> Optional[str]:
     if named is not None:
         tools = {named: tools[named]}
     many = req.parallel_tool_calls and named is None
-    end = _marker(fmt.tool_call_end, fmt.tool_call_end_ids)
+    end = marker_item(fmt.tool_call_end, fmt.tool_call_end_ids)
     rules = [f'call_body: "\\n" ({" | ".join(f"tool_{i}" for i in range(len(tools)))}) "\\n" {end}']
     rules += [_tool_rule(i, name, params) for i, (name, params) in enumerate(tools.items())]
     answer = compile_format(req.response_format) if choice == "auto" else None
     if choice == "auto" and answer is None:
         body = _free_text_with_calls(fmt, many, rules)
     else:
-        rules.append(f"call: {_marker(fmt.tool_call_start, fmt.tool_call_start_ids)} call_body")
+        rules.append(f"call: {marker_item(fmt.tool_call_start, fmt.tool_call_start_ids)} call_body")
         body = CALLS if many else "call"
         if answer is not None:  # the response_format's answer, or calls
             body = f"@format | {body}"

@@ -14,6 +14,18 @@ from typing import Callable, Sequence
 import pytest
 
 from faultkit import reference_tokens
+from mlxq.shared.schemas import SamplingParams
+from mlxq.worker.sampling import repetition_penalty
+
+
+def reference_processors(params: SamplingParams) -> list:
+    """mlx-lm's logits processors for these params: the repetition penalty the engine applies to its
+    rows in one batched op, as mlx-lm's own decoding applies it (a reference to compare with)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    if repetition_penalty(params) is None:
+        return []
+    return make_logits_processors(repetition_penalty=params.repetition_penalty)
 
 
 def greedy(loaded, prompt: str, max_tokens: int) -> tuple[list[int], str]:

@@ -1,7 +1,9 @@
-"""The layers of the code (issue 18), checked by import-linter with the contract in pyproject.toml:
+"""The layers of the code, checked by import-linter with the contract in pyproject.toml:
 the face ``mlxq/`` (public API, CLI, demo, dev kit) above ``mlxq.producer | mlxq.worker``
 (siblings that never import each other) above ``mlxq.shared``; and no import cycles among
-the modules of any package.
+the modules of any package.  import-linter sees only ``import`` statements, so the test also refuses
+``importlib.import_module`` and ``__import__`` of mlxq's own modules: an import through them would hide
+a layer crossing or a cycle from the contract.
 
 import-linter reads a package from one folder, as it is installed; a checkout (or an editable
 install) keeps ``producer/``, ``worker/`` and ``shared/`` beside ``mlxq/``. The test lays the
@@ -9,6 +11,7 @@ sources out as the wheel does, in a temporary folder, and lints that."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -28,6 +31,28 @@ def installed_layout(dest: Path) -> Path:
     return dest
 
 
+def dynamic_imports(tree: Path) -> list[str]:
+    """``path:line`` of each ``importlib.import_module(...)`` or ``__import__(...)`` under ``tree`` (as
+    installed) that may load one of mlxq's modules: a relative name, one under ``mlxq``, or a name not
+    written in the call (it may be either)."""
+    found = []
+    for path in sorted((tree / "mlxq").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name not in ("import_module", "__import__"):
+                continue
+            arg = node.args[0] if node.args else None
+            third_party = (isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+                           and not arg.value.startswith(".") and arg.value.split(".")[0] != "mlxq"
+                           and not any(k.arg == "package" for k in node.keywords))
+            if not third_party:
+                found.append(f"{path.relative_to(tree)}:{node.lineno}")
+    return found
+
+
 def lint(tree: Path) -> subprocess.CompletedProcess:
     # the copied tree first on the path, so it (not the checkout's `mlxq`) is the package linted
     env = {"PATH": str(LINT_IMPORTS.parent), "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -39,6 +64,22 @@ def test_imports_keep_the_layers(tmp_path):
     out = lint(installed_layout(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "2 kept, 0 broken" in out.stdout, out.stdout
+
+
+def test_no_module_of_ours_is_imported_through_importlib(tmp_path):
+    assert dynamic_imports(installed_layout(tmp_path)) == []
+
+
+def test_an_importlib_import_of_ours_breaks_the_build(tmp_path):
+    tree = installed_layout(tmp_path)
+    constraints = tree / "mlxq" / "shared" / "constraints.py"
+    constraints.write_text(constraints.read_text() + "\nimport importlib  # noqa: E402\n"
+                           "tools = importlib.import_module('.tools', __package__)\n"
+                           "grammars = __import__('mlxq.shared.grammars')\n"
+                           "yaml = importlib.import_module('yaml')\n")
+    lines = len(constraints.read_text().splitlines())
+    assert dynamic_imports(tree) == [f"mlxq/shared/constraints.py:{lines - 2}",
+                                     f"mlxq/shared/constraints.py:{lines - 1}"]
 
 
 def test_an_import_across_the_layers_breaks_the_build(tmp_path):

@@ -1,5 +1,5 @@
-"""A Client shared by threads, and an AsyncClient shared by tasks, work from their first call
-(issue 17 part 1): every lazily made resource (reader threads, pub/sub links, queues, the model
+"""A Client shared by threads, and an AsyncClient shared by tasks, work from their first call:
+every lazily made resource (reader threads, pub/sub links, queues, the model
 choice) is made once, however many callers arrive at the same moment."""
 
 from __future__ import annotations

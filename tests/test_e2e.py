@@ -176,11 +176,12 @@ def _sampled_ref(loaded, prompt_ids, n, **params):
     from mlx_lm.generate import generate_step
 
     from mlxq.shared.schemas import SamplingParams
-    from mlxq.worker.sampling import make_processors, make_sampler
+    from mlxq.worker.sampling import make_sampler
+    from refkit import reference_processors
 
     p = SamplingParams(max_tokens=n, ignore_eos=True, **params)
     steps = generate_step(mx.array(prompt_ids), loaded.model, max_tokens=n, sampler=make_sampler(p, p.seed),
-                          logits_processors=make_processors(p))
+                          logits_processors=reference_processors(p))
     return [int(t) for t, _ in steps]
 
 

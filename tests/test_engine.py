@@ -12,7 +12,8 @@ from mlx_lm.models import llama, qwen3
 from mlxq.shared.schemas import SamplingParams
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine_api import SeqSpec
-from mlxq.worker.sampling import make_processors, make_sampler
+from mlxq.worker.sampling import make_sampler
+from refkit import reference_processors
 from test_paged_engine import _gemma3
 
 
@@ -77,10 +78,10 @@ def test_solo_then_join_keeps_seeded_sampling_exact():
     params = SamplingParams(temperature=0.8, top_k=50, repetition_penalty=1.2, seed=3)
     prompt = [5, 6, 7, 8]
     ref_spec = SeqSpec(uid="alone", prompt=prompt, max_tokens=25, sampler=make_sampler(params, 3),
-                       logits_processors=make_processors(params))
+                       logits_processors=reference_processors(params))
     alone = drive(PagedEngine(model, num_blocks=32), {0: [ref_spec]})["alone"]
     a = SeqSpec(uid="a", prompt=prompt, max_tokens=25, sampler=make_sampler(params, 3),
-                logits_processors=make_processors(params))
+                logits_processors=reference_processors(params))
     b = SeqSpec(uid="b", prompt=[9, 10], max_tokens=10)
     out = drive(PagedEngine(model, num_blocks=32), {0: [a], 5: [b]})
     assert out["a"] == alone
@@ -150,7 +151,7 @@ def test_batched_prefill_respects_the_token_budget():
 def _seeded(uid, prompt, n, seed, **kw):
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=seed, **kw)
     return SeqSpec(uid=uid, prompt=prompt, max_tokens=n, sampler=make_sampler(params, seed),
-                   logits_processors=make_processors(params))
+                   logits_processors=reference_processors(params))
 
 
 def test_seeded_sampled_job_same_alone_and_in_any_batch():

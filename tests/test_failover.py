@@ -1,4 +1,4 @@
-"""Producers ride out a Redis restart and a Cluster failover (issue 22): the sync Client, the
+"""Producers ride out a Redis restart and a Cluster failover: the sync Client, the
 AsyncClient and the gateway (official openai client) keep every stream token-exact when the
 server they were given dies mid-run, and work again afterwards; a URL may name several seeds;
 no wait has no end.

@@ -1,4 +1,4 @@
-"""The gateway rides out a Cluster failover as the clients do (issue 66), tried as a new user would:
+"""The gateway rides out a Cluster failover as the clients do, tried as a new user would:
 a Valkey Cluster of 3 masters + 3 replicas (``cluster-node-timeout 2000``), one worker process
 (``--max-batch 8``) and a separate ``mlxq gateway`` process, all given the same master's URL,
 streamed completions from the official ``openai`` client.  The master serving the model's slot gets

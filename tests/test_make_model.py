@@ -3,6 +3,8 @@
 import hashlib
 import json
 import math
+import subprocess
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -167,3 +169,11 @@ def test_the_test_model_seed_comes_from_the_environment_and_names_the_cache(monk
         seed_from_env()
     dirs = {seeded_dir(tmp_path, "tiny", s) for s in (0, 1, 2)}
     assert len(dirs) == 3 and all(d.parent == tmp_path for d in dirs)
+
+
+def test_importing_the_module_loads_no_mlx():
+    """Its names (the markers, format_chat) come without MLX; a build sets the BLAS up before it imports
+    MLX, so a process that imports this module first still gets the fast BLAS."""
+    code = "import sys, mlxq.devkit.make_model; print('mlx.core' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

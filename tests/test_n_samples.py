@@ -1,4 +1,4 @@
-"""``n`` > 1: one job, n samples of one prompt, end to end (issue 20, part 2).
+"""``n`` > 1: one job, n samples of one prompt, end to end.
 
 A real Valkey, the real worker (on a thread, and as killed subprocesses for the crash), the Python
 client and the real gateway with the official ``openai`` client.  No generated text is hard-coded:

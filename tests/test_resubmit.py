@@ -1,4 +1,4 @@
-"""A job is never lost to a failover, from the caller's view (issue 66): a producer that finds its
+"""A job is never lost to a failover, from the caller's view: a producer that finds its
 job's record gone (a write lost with a master that died before its replica had it) submits the job
 again under the same idempotency key, carrying the token ids it has already seen (``resume_ids``);
 the worker takes them as published output, so the stream goes on with no token twice, and the

@@ -1,4 +1,4 @@
-"""Structured output (issue 19's core): constraints compiled before queueing, masks in the batch.
+"""Structured output: constraints compiled before queueing, masks in the batch.
 
 The tiny test model's weights are random-ish, so only the constraint makes its output valid: every
 property here holds for any weights.  References (greedy tokens of a sequence alone in the engine, a job run

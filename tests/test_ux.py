@@ -1,4 +1,4 @@
-"""Errors that say what to do, at once, and the small things a new user trips over (issue 17, parts 4-5):
+"""Errors that say what to do, at once, and the small things a new user trips over:
 an unknown model is a NoModelError naming the served ones; a model with no live worker is accepted and
 said so ("queued, no live worker for MODEL"), left out of /v1/models and answered 503 + Retry-After by
 the gateway with nothing queued; a missing model is one line and a non-zero exit; `mlxq redis`;

@@ -17,6 +17,10 @@ Candidates, first hit wins:
 ``MLXQ_BLAS=off`` skips all of this; ``MLXQ_BLAS_THREADS=N`` sets OpenBLAS's thread
 count (default: all cores, measured in :func:`default_threads`; ``default``: OpenBLAS's own choice).  Nothing
 here imports MLX.
+
+These three variables are read here, from the environment, and are not :class:`~mlxq.shared.settings.Settings`
+fields, by design: the BLAS must be loaded before MLX is first imported, which can be before any settings are
+built (a test, a bench, the dev kit), and the choice is the process's, not a queue setting's.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
-"""A job's sampler and logits processors, built from its sampling params (the engine samples with them)."""
+"""A job's seed, sampler and repetition penalty, from its sampling params (the engine samples with them)."""
 
 from __future__ import annotations
 
 import secrets
 from typing import Optional
 
-from mlx_lm.sample_utils import make_logits_processors
-
 from ..shared.schemas import SamplingParams
 from .engine.sampler import RowSampler
-from .engine_api import LogitsProcessor
 
 
 def resolve_seed(params: SamplingParams) -> int:
@@ -30,10 +27,3 @@ def repetition_penalty(params: SamplingParams) -> Optional[float]:
         return None
     return params.repetition_penalty
 
-
-def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    """mlx-lm's logits processors for these params (references, and engines driven without specs'
-    batched penalties)."""
-    if repetition_penalty(params) is None:
-        return []
-    return make_logits_processors(repetition_penalty=params.repetition_penalty)

@@ -41,7 +41,7 @@ class Jobs:
 
         self.args = args
         self.settings = Settings.from_env(redis_url=args.redis_url)
-        self.r = connect(args.redis_url)
+        self.r = connect(args.redis_url, self.settings.redis_outage_s)
         self.gk = GlobalKeys(self.settings.prefix)
 
     def queues(self) -> list[str]:

@@ -56,7 +56,8 @@ def _connect(args):
     from ..producer.client import connect
     from ..shared.keys import GlobalKeys
 
-    return connect(args.redis_url), GlobalKeys(_prefix())
+    settings = Settings.from_env()
+    return connect(args.redis_url, settings.redis_outage_s), GlobalKeys(settings.prefix)
 
 
 def cmd_keys(args) -> int:

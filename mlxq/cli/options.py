@@ -27,6 +27,11 @@ class SharedOption:
     choices: Optional[tuple] = None
 
 
+# --redis-url and --log-format default to their Settings fields' variables (MLXQ_REDIS_URL, MLXQ_LOG_FORMAT),
+# read here as Settings.from_env() reads them: at parse time logging is not set up yet, and from_env would
+# also check (and warn of) every other MLXQ_ variable, which the command's own settings do once.
+# --log-level and --api-key are the command's own: the log level of this process, and the caller's
+# credential (no worker or gateway setting; never logged with the settings).
 SHARED = {
     "redis_url": SharedOption("--redis-url", "Redis URL: redis://, rediss:// (TLS), unix://; "
                               "default: $MLXQ_REDIS_URL", lambda: os.environ.get("MLXQ_REDIS_URL")),

@@ -15,8 +15,9 @@ def cmd_stats(args) -> int:
     from ..producer import stats
     from ..producer.client import connect
 
-    r = connect(args.redis_url)
-    prefix = Settings.from_env().prefix
+    settings = Settings.from_env()
+    r = connect(args.redis_url, settings.redis_outage_s)
+    prefix = settings.prefix
     shown = 0
     while True:
         data = stats.collect(r, prefix)

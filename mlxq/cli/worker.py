@@ -88,7 +88,7 @@ def run(args) -> int:
         print(f"mlxq worker: {exc}", file=sys.stderr)
         return 2
     observers, bridge, metrics = [], None, None
-    redis_client = connect(args.redis_url)
+    redis_client = connect(args.redis_url, settings.redis_outage_s)
     if settings.metrics_port:
         from ..shared.keys import GlobalKeys
 

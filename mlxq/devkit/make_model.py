@@ -48,19 +48,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..worker import blas
-
-blas.setup()  # the fast BLAS under MLX, as in the worker: before mlx is imported below
-
-import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
-from mlx_lm.models import llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from ..worker import progress
+from ..worker import blas, progress
 
 from . import corpus
 
@@ -274,6 +265,7 @@ def _locked(out_dir: Path):
 
 
 def _build_and_install(out_dir: Path, preset: str, steps: int, seed: int) -> None:
+    blas.setup()  # the fast BLAS under MLX, as in the worker: before the build imports mlx
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out_dir))
     try:
         _build(tmp, preset, steps, seed)
@@ -288,6 +280,10 @@ def _build_and_install(out_dir: Path, preset: str, steps: int, seed: int) -> Non
 
 
 def _build(out: Path, preset: str, steps: int, seed: int) -> dict:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
     cfg = PRESETS[preset]
     t0, cpu0 = time.perf_counter(), time.process_time()
     n_docs = max(2000, 10 * steps)  # fewer repeats of a document than of a window
@@ -395,9 +391,9 @@ def _token_stream(tokenizer: Tokenizer, docs) -> tuple[np.ndarray, np.ndarray]:
 def _one_blas_thread():
     """Run with one OpenBLAS thread: for these small matmuls a second thread only
     spins and takes the core MLX's own thread needs (3-5x slower on 2 busy cores)."""
-    blas = ctypes.CDLL(None)
-    get = getattr(blas, "openblas_get_num_threads", None)
-    set_ = getattr(blas, "openblas_set_num_threads", None)
+    loaded = ctypes.CDLL(None)  # the process's symbols: the OpenBLAS blas.setup() loaded, if any
+    get = getattr(loaded, "openblas_get_num_threads", None)
+    set_ = getattr(loaded, "openblas_set_num_threads", None)
     if get is None or set_ is None:
         yield
         return
@@ -412,6 +408,10 @@ def _one_blas_thread():
 def _train(model, cfg: Preset, steps: int, seed: int, train, evals) -> tuple[float, float]:
     """AdamW with warmup and cosine decay on windows that begin at a document start
     (as prompts do); returns the eval loss before and after."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
     rng = np.random.default_rng(seed)
     L = cfg.seq_len
 

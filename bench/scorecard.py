@@ -1,11 +1,12 @@
-"""Every figure of issue 20 in one run: the benchmarks one after another, then one table.
+"""Every headline figure in one run, each against its target: the benchmarks one after another, then
+one table.
 
-    python bench/issue20.py                 # ~20 minutes on 2 cores
-    python bench/issue20.py --repeat 3      # the noisiest figures (ceilings, n samples, n=8) three times
-    python bench/issue20.py --logs DIR      # keep each benchmark's full output there
+    python bench/scorecard.py                 # ~20 minutes on 2 cores
+    python bench/scorecard.py --repeat 3      # the noisiest figures (ceilings, n samples, n=8) three times
+    python bench/scorecard.py --logs DIR      # keep each benchmark's full output there
 
 Each benchmark runs as its own process with the arguments the README cites, its output goes to a
-log file, and the lines that carry a figure are picked out of it and set against the issue's
+log file, and the lines that carry a figure are picked out of it and set against its
 target.  Nothing is computed here: every ratio is the one that benchmark printed, measured side by
 side in its own run.  A verdict compares the figure as printed, but for n=8 against n=1, where it
 compares the two printed times (1.303x, printed 1.30x, is not <= 1.3x).  A
@@ -72,7 +73,7 @@ def find(texts: list[str], pattern: str) -> list[re.Match]:
 
 
 def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
-    """(what, figure, target) for every figure of the issue."""
+    """(what, figure, target) for every headline figure."""
     out: list[tuple[str, str, str]] = []
 
     def add(bench: str, what: str, figures: list[str], target: str, ok=None) -> None:
@@ -106,19 +107,19 @@ def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
         s = shares(ceil, batch)
         add("ceiling", what, [f"{e} of {c} tok/s: {p}%" for c, e, p in s], f">= {bound}%" if bound else "",
             [p >= bound for *_, p in s] if bound else None)
-    # not the issue's figure: how much of the rest is the K/V bytes (the line under batch 64's)
+    # not a headline figure: how much of the rest is the K/V bytes (the line under batch 64's)
     kvr = find(ceil, r"^\s+64\s+\d+\s+\d+\s+\d+%.*\n\s+(\d+)\s+(\d+)\s+(\d+)%\s+"
                      r"\[matmul ceiling \+ the step's K/V reads \((\d+) MiB a step\) at ([\d.]+) GB/s")
     add("ceiling", "batch 64 vs the matmul ceiling plus the step's K/V reads at the probed bandwidth",
         [f"{m[2]} of {m[1]} tok/s: {m[3]}% ({m[4]} MiB a step at {m[5]} GB/s)" for m in kvr], "(not the figure)")
-    # not the issue's figure: round by round, the engine's window over that round's own ceiling
+    # not a headline figure: round by round, the engine's window over that round's own ceiling
     for batch, kvline in ((1, ""), (64, r".*\n")):
         ms = find(ceil, rf"^\s+{batch}\s+\d+\s+\d+\s+\d+%.*\n{kvline}\s+paired by round: median (\d+)% "
                         r"\(range (\d+)%-(\d+)%, (\d+) rounds")
         add("ceiling", f"{'solo' if batch == 1 else 'batch 64'}, paired by round (the engine's window over its "
             "own round's ceiling)", [f"median {m[1]}% ({m[2]}-{m[3]}%, {m[4]} rounds)" for m in ms],
             "(not the figure)")
-    s = shares(benches["ceiling-kv8"].output(), 64)  # not the issue's figure: what the KV bytes cost
+    s = shares(benches["ceiling-kv8"].output(), 64)  # not a headline figure: what the KV bytes cost
     add("ceiling-kv8", "batch 64 vs the matmul ceiling, 8-bit KV blocks (opt-in --kv-bits 8)",
         [f"{e} of {c} tok/s: {p}%" for c, e, p in s], "(the default is fp32: the row above)")
     s = shares(benches["ceiling-0.36b"].output(), 16)
@@ -162,7 +163,7 @@ def main() -> int:
     ap.add_argument("--logs", help="directory for the benchmarks' output (default: a new temporary one)")
     ap.add_argument("--only", help="comma-separated benchmark names: " + ",".join(b.name for b in BENCHES))
     args = ap.parse_args()
-    logdir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="mlxq-issue20-"))
+    logdir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="mlxq-scorecard-"))
     logdir.mkdir(parents=True, exist_ok=True)
     chosen = set(args.only.split(",")) if args.only else {b.name for b in BENCHES}
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
@@ -170,7 +171,7 @@ def main() -> int:
         if b.name in chosen:
             run(b, logdir, max(1, args.repeat))
     ended = time.strftime("%H:%M", time.gmtime())
-    print(f"\nissue 20 figures, {started}-{ended} UTC (logs: {logdir})")
+    print(f"\nheadline figures, {started}-{ended} UTC (logs: {logdir})")
     table = rows({b.name: b for b in BENCHES})
     width = max(len(w) for w, _, _ in table)
     for what, fig, target in table:
