@@ -14,7 +14,8 @@ from pathlib import Path
 
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.block_manager import BlockManager
-from mlxq.worker.engine.scheduler import HotSession, PrefillPlan, Scheduler, SchedulerConfig
+from mlxq.worker.engine.hot_sessions import HotSession
+from mlxq.worker.engine.scheduler import PrefillPlan, Scheduler, SchedulerConfig
 from mlxq.worker.engine.sequence import Sampled
 from mlxq.worker.engine_api import Engine, SeqSpec
 from workerkit import neutral_cwd
@@ -274,12 +275,12 @@ def test_sessions_stay_hot_spill_under_pressure_and_come_back_from_disk():
     turn1 = list(range(1, 11))
     h.scheduler.add([SeqSpec("t1", turn1, 3, session_id="chat", stop_token_ids=())])
     out1 = h.run()[0]["t1"]
-    hot = h.scheduler.hot_sessions["chat"]
+    hot = h.scheduler.sessions.hot["chat"]
     assert isinstance(hot, HotSession) and h.bm.num_used == len(hot.block_ids) == 3
     # a big job needs the pinned blocks: the session is spilled, not the job refused
     h.scheduler.add([SeqSpec("big", [40] * 30, 2, stop_token_ids=())])
     h.run()
-    assert "chat" not in h.scheduler.hot_sessions and files.files["chat"] == hot.tokens
+    assert "chat" not in h.scheduler.sessions.hot and files.files["chat"] == hot.tokens
     assert h.scheduler.stats()["session_spills"] == 1
     # the next turn restores what the prefix cache lost
     turn2 = turn1 + out1 + [5, 6, 7]
@@ -297,7 +298,7 @@ def test_without_the_prefix_cache_sessions_pin_nothing():
     turn1 = list(range(1, 11))
     h.scheduler.add([SeqSpec("t1", turn1, 3, session_id="chat", stop_token_ids=())])
     out1 = h.run()[0]["t1"]
-    assert not h.scheduler.hot_sessions and h.bm.num_used == 0
+    assert not h.scheduler.sessions.hot and h.bm.num_used == 0
     h.scheduler.add([SeqSpec("big", [40] * 30, 2, stop_token_ids=())])
     h.scheduler.add([SeqSpec("t2", turn1 + out1 + [5], 2, session_id="chat", stop_token_ids=())])
     h.run()

@@ -192,4 +192,4 @@ class PagedEngine:
     def close(self) -> None:
         """Spill every hot session (to disk when a session dir is set)."""
         self._settle()
-        self.scheduler.spill_all_sessions()
+        self.scheduler.sessions.spill_all()
