@@ -15,7 +15,8 @@ from pathlib import Path
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.block_manager import BlockManager
 from mlxq.worker.engine.hot_sessions import HotSession
-from mlxq.worker.engine.scheduler import PrefillPlan, Scheduler, SchedulerConfig
+from mlxq.shared.engine_config import EngineConfig
+from mlxq.worker.engine.scheduler import PrefillPlan, Scheduler
 from mlxq.worker.engine.sequence import Sampled
 from mlxq.worker.engine_api import Engine, SeqSpec
 from workerkit import neutral_cwd
@@ -30,9 +31,10 @@ def test_scheduler_runs_without_mlx():
         "import sys\n"
         "from mlxq.worker.engine_api import SeqSpec\n"
         "from mlxq.worker.engine.block_manager import BlockManager\n"
-        "from mlxq.worker.engine.scheduler import Scheduler, SchedulerConfig\n"
+        "from mlxq.shared.engine_config import EngineConfig\n"
+        "from mlxq.worker.engine.scheduler import Scheduler\n"
         "from mlxq.worker.engine.sequence import Sampled\n"
-        "s = Scheduler(BlockManager(8, 4, 'm'), SchedulerConfig())\n"
+        "s = Scheduler(BlockManager(8, 4, 'm'), EngineConfig())\n"
         "s.add([SeqSpec('a', [1, 2, 3, 4, 5], 1, stop_token_ids=())])\n"
         "plan = s.schedule_prefill()\n"
         "s.postprocess_prefill(plan, [Sampled(seq, 9) for seq in plan.ending_seqs()])\n"
@@ -86,7 +88,7 @@ class Harness(PagedEngine):
     def __init__(self, num_blocks=16, session_files=None, **config):  # no super().__init__: it loads a model
         self.bm = BlockManager(num_blocks, BS, "m")
         self.runner = FakeRunner()
-        self.scheduler = Scheduler(self.bm, SchedulerConfig(**config), settle=self._settle,
+        self.scheduler = Scheduler(self.bm, EngineConfig(**config), settle=self._settle,
                                    session_files=session_files)
 
     def run(self, max_steps=1000):

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Optional, Sequence as Seq
 
-from ...shared.settings import DEFAULT_CHUNK_SCHEDULE
+from ...shared.engine_config import EngineConfig
 
 from ..engine_api import Preempted, SeqSpec, TokenEvent
 from . import forks
@@ -42,30 +42,13 @@ from .sequence import PrefillPlan, Sampled, Sequence, SequenceStatus, StepCounte
 
 log = logging.getLogger(__name__)
 
-# DEFAULT_CHUNK_SCHEDULE (a setting): (cache position below which, chunk size); the issue's
-# 4096/2048/1024/512 scaled down 8x for a CPU.
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_batch: Optional[int] = None  # a fixed batch size (None: memory-aware admission)
-    pressure: float = 0.85  # admit while used blocks stay under this share of the pool
-    eos_token_ids: frozenset = frozenset()
-    prefix_cache: bool = True
-    chunked_prefill: bool = True
-    chunk_schedule: tuple = DEFAULT_CHUNK_SCHEDULE
-    step_token_budget: int = 512  # tokens of one step (prefill chunks + decode rows)
-    decode_reserve_blocks: int = 1
-    priority_gap: float = 1.0  # how much more urgent a job must be to preempt another
-    max_sequences: int = 256
-    max_waiting: int = 8  # jobs waiting inside the engine for memory
-
 
 class Scheduler:
-    def __init__(self, bm: BlockManager, config: SchedulerConfig = SchedulerConfig(), *,
+    def __init__(self, bm: BlockManager, config: EngineConfig = EngineConfig(), *, eos_token_ids: Seq[int] = (),
                  settle: Callable[[], None] = lambda: None, session_files=None,
                  start_grammar: Optional[Callable[[str, list[int]], RowGrammar]] = None):
         self.bm = bm
+        self.eos_token_ids = frozenset(eos_token_ids)  # a sequence's stop ids unless its spec names its own
         self.start_grammar = start_grammar
         self.block_size = bm.block_size
         self.config = config
@@ -418,7 +401,7 @@ class Scheduler:
         seq.emitted += 1
         self._commit_full_blocks(seq)
         reason = None
-        stops = self.config.eos_token_ids if seq.spec.stop_token_ids is None else seq.spec.stop_token_ids
+        stops = self.eos_token_ids if seq.spec.stop_token_ids is None else seq.spec.stop_token_ids
         if tok in stops or (seq.grammar is not None and seq.grammar.stopped):
             reason = "stop"
         elif seq.emitted >= seq.spec.max_tokens:
