@@ -12,7 +12,7 @@ from mlxq.shared.engine_config import EngineConfig
 from mlxq.worker.engine.scheduler import Scheduler
 from mlxq.worker.engine.sequence import Sampled, SequenceStatus
 from mlxq.worker.engine.sampler import RowSampler
-from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.engine.api import SeqSpec
 
 from test_paged_engine import SMALL_CHUNKS, _assert_no_leak, _llama, _prompts, dense
 

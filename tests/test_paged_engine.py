@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, qwen3
 
-from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine import PagedEngine
 
 from enginekit import random_llama, run

@@ -18,7 +18,7 @@ from mlxq.worker.engine.hot_sessions import HotSession
 from mlxq.shared.engine_config import EngineConfig
 from mlxq.worker.engine.scheduler import PrefillPlan, Scheduler
 from mlxq.worker.engine.sequence import Sampled
-from mlxq.worker.engine_api import Engine, SeqSpec
+from mlxq.worker.engine.api import Engine, SeqSpec
 from workerkit import neutral_cwd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def test_scheduler_runs_without_mlx():
     """Admission, a prefill plan and its postprocessing in a process that never imports MLX."""
     script = (
         "import sys\n"
-        "from mlxq.worker.engine_api import SeqSpec\n"
+        "from mlxq.worker.engine.api import SeqSpec\n"
         "from mlxq.worker.engine.block_manager import BlockManager\n"
         "from mlxq.shared.engine_config import EngineConfig\n"
         "from mlxq.worker.engine.scheduler import Scheduler\n"

@@ -9,7 +9,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from ..shared.schemas import SamplingParams
 from .engine.sampler import RowSampler
-from .engine_api import LogitsProcessor
+from .engine.api import LogitsProcessor
 
 
 def resolve_seed(params: SamplingParams) -> int:

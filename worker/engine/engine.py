@@ -1,4 +1,4 @@
-"""The paged-KV generation engine (implements ``mlxq.worker.engine_api.Engine``).
+"""The paged-KV generation engine (implements ``mlxq.worker.engine.api.Engine``).
 
 One ``step()`` reads like nano-vllm's: schedule, run, postprocess, twice (a
 prefill pass, then a decode launch)::
@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 from ...shared.engine_config import DEFAULT_KV_MEMORY_MB, EngineConfig
 from ...shared.settings import Settings
 
-from ..engine_api import Preempted, SeqSpec, TokenEvent
+from .api import Preempted, SeqSpec, TokenEvent
 from . import hugepages
 from .attention import use_attention
 from .block_manager import BlockManager

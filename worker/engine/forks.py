@@ -16,7 +16,7 @@ import logging
 from dataclasses import replace
 from typing import Optional
 
-from ..engine_api import SeqSpec
+from .api import SeqSpec
 from .block_manager import BlockManager, PrefixHit
 from .sequence import Sequence, SequenceStatus, StepCounters
 

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence as Seq
 
 from ...shared.engine_config import EngineConfig
 
-from ..engine_api import Preempted, SeqSpec, TokenEvent
+from .api import Preempted, SeqSpec, TokenEvent
 from . import forks
 from .block_manager import BlockManager, PrefixHit
 from .constrain import GrammarError, RowGrammar

@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..engine_api import SeqSpec
+from .api import SeqSpec
 from .constrain import RowGrammar, RowShape
 
 
