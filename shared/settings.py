@@ -2,9 +2,10 @@
 
 Every option is a field of :class:`Settings` with its default; the field's metadata says, once, how
 it is set: the environment variable ``MLXQ_<NAME>``, the ``mlxq worker`` and ``mlxq gateway`` flags
-(generated from the fields by :func:`worker_flags` and :func:`gateway_flags`), the ``EngineConfig`` field it feeds (:meth:`Settings.engine_config`)
-and its help text.  ``Settings.from_env()`` is the one reader; ``__post_init__`` refuses bad values with
-a message that names the variable and the flag.  :func:`cache_dir` is the one place the cache
+(generated from the fields by :func:`worker_flags` and :func:`gateway_flags`), the ``EngineConfig``
+field it feeds (:meth:`Settings.engine_config`; the engine's defaults are that dataclass's) and its
+help text.  ``Settings.from_env()`` is the one reader; ``__post_init__`` refuses bad values with a
+message that names the variable and the flag.  :func:`cache_dir` is the one place the cache
 directory's default lives.
 """
 
@@ -132,6 +133,12 @@ def opt(default=None, help: str = "", *, factory=None, flag: Optional[str] = Non
     return field(default=default, metadata=meta)
 
 
+def engine_opt(param: str, help: str, **kw):
+    """A setting that feeds ``EngineConfig``'s field ``param``, with that field's default (the KV
+    budget, the one field converted on the way, defaults to None in either unit: the engine decides)."""
+    return opt(getattr(_ENGINE, param), help, engine=param, **kw)
+
+
 @dataclass(slots=True)
 class Settings:
     """One place for every knob. ``Settings.from_env()`` reads ``MLXQ_<NAME>``; ``mlxq worker`` has a flag
@@ -200,47 +207,45 @@ class Settings:
     metrics_host: str = opt("127.0.0.1", "the address the metrics server binds: loopback; 0.0.0.0 exposes it "
                             "on every interface (for a Prometheus on another host)")
 
-    # -- the engine (EngineConfig's fields; their defaults are EngineConfig's) ---------------------------------------
-    max_batch: Optional[int] = opt(_ENGINE.max_batch, "most sequences decoded together", engine="max_batch",
-                                   shown_default="as many as the KV memory holds")
-    kv_memory_mb: Optional[float] = opt(_ENGINE.memory_budget_bytes, "KV block pool budget in MiB", engine="memory_budget_bytes",
-                                        to_engine=_mib_to_bytes,
-                                        shown_default=f"{DEFAULT_KV_MEMORY_MB}, never more than max sequences x context")
-    kv_blocks: Optional[int] = opt(_ENGINE.num_blocks, "a fixed number of 32-token KV blocks", engine="num_blocks",
-                                   shown_default="as many as --kv-memory-mb holds")
-    block_size: int = opt(_ENGINE.block_size, "tokens per KV block (only 32 is supported)", engine="block_size")
-    pressure: float = opt(_ENGINE.pressure, "admit while used KV blocks stay under this share of the pool", engine="pressure")
-    prefix_cache: bool = opt(_ENGINE.prefix_cache, "reuse the KV blocks of shared prompt prefixes", engine="prefix_cache")
-    chunked_prefill: bool = opt(_ENGINE.chunked_prefill, "prefill long prompts in chunks between decode steps",
-                                engine="chunked_prefill")
-    chunk_schedule: tuple = opt(_ENGINE.chunk_schedule, "prefill chunk size by prompt position "
-                                "(position:tokens,...; * for every later position)", engine="chunk_schedule",
-                                parse=_parse_chunks, show=_show_chunks)
-    step_token_budget: int = opt(_ENGINE.step_token_budget, "tokens of one engine step (prefill chunks + decode rows)",
-                                 engine="step_token_budget")
-    decode_reserve_blocks: int = opt(_ENGINE.decode_reserve_blocks, "KV blocks admission keeps free for the running sequences' next tokens",
-                                     engine="decode_reserve_blocks")
-    priority_gap: float = opt(_ENGINE.priority_gap, "how much more urgent a job must be to preempt another", engine="priority_gap")
-    max_sequences: int = opt(_ENGINE.max_sequences, "most sequences the engine holds at once (running and waiting)", engine="max_sequences")
-    max_waiting: int = opt(_ENGINE.max_waiting, "most jobs waiting inside the engine for KV memory", engine="max_waiting")
-    session_dir: Optional[str] = opt(_ENGINE.session_dir, "where session KV is written under pressure and at shutdown",
-                                     engine="session_dir", shown_default="not written")
-    attention: str = opt(_ENGINE.attention, "auto (the fused CPU op when it builds, else gather), fused, or gather",
-                         engine="attention", choices=ATTENTION_MODES)
-    matmul: str = opt(_ENGINE.matmul, "weight matmuls: auto (pool where the CPU runs the extension's own loops: "
-                      "x86-64 with AVX2+FMA, float32 weights on the CPU; else mlx), pool (those loops on the "
-                      "extension's threads: ~2.5x solo, faster batches; a row's bits do not depend on its batch, "
-                      "so batched greedy answers equal solo ones exactly; they differ from MLX's matmul in the "
-                      "last bits, so a long greedy answer can part from mlx-lm's at a near-tie), or mlx "
-                      "(MLX's own matmul, bit for bit mlx-lm's alone; in a batch a row's bits can change)",
-                      engine="matmul", choices=MATMUL_MODES)
-    kv_bits: Optional[int] = opt(_ENGINE.kv_bits, "store KV blocks quantized, 8 or 4 bits (more sequences per MiB)",
-                                 engine="kv_bits", shown_default="none: the model's float dtype")
-    kv_group_size: int = opt(_ENGINE.kv_group_size, "elements per scale/bias group of quantized KV blocks (32, 64 or 128)",
-                             engine="kv_group_size")
-    huge_pages: bool = opt(_ENGINE.huge_pages, "back the model's weights and the KV pool with 2 MiB pages where Linux allows "
-                           "(madvise at start; decode steps at batch 1-16 of the bench model 4 to 9 percent faster)",
-                           engine="huge_pages")
+    # -- the engine: EngineConfig's fields, with its defaults ---------------------------------------------------------
+    max_batch: Optional[int] = engine_opt("max_batch", "most sequences decoded together",
+                                          shown_default="as many as the KV memory holds")
+    kv_memory_mb: Optional[float] = engine_opt("memory_budget_bytes", "KV block pool budget in MiB",
+                                               to_engine=_mib_to_bytes,
+                                               shown_default=f"{DEFAULT_KV_MEMORY_MB}, never more than max "
+                                               "sequences x context")
+    kv_blocks: Optional[int] = engine_opt("num_blocks", "a fixed number of 32-token KV blocks",
+                                          shown_default="as many as --kv-memory-mb holds")
+    block_size: int = engine_opt("block_size", "tokens per KV block (only 32 is supported)")
+    pressure: float = engine_opt("pressure", "admit while used KV blocks stay under this share of the pool")
+    prefix_cache: bool = engine_opt("prefix_cache", "reuse the KV blocks of shared prompt prefixes")
+    chunked_prefill: bool = engine_opt("chunked_prefill", "prefill long prompts in chunks between decode steps")
+    chunk_schedule: tuple = engine_opt("chunk_schedule", "prefill chunk size by prompt position "
+                                       "(position:tokens,...; * for every later position)",
+                                       parse=_parse_chunks, show=_show_chunks)
+    step_token_budget: int = engine_opt("step_token_budget", "tokens of one engine step (prefill chunks + decode rows)")
+    decode_reserve_blocks: int = engine_opt("decode_reserve_blocks", "KV blocks admission keeps free for the running "
+                                            "sequences' next tokens")
+    priority_gap: float = engine_opt("priority_gap", "how much more urgent a job must be to preempt another")
+    max_sequences: int = engine_opt("max_sequences", "most sequences the engine holds at once (running and waiting)")
+    max_waiting: int = engine_opt("max_waiting", "most jobs waiting inside the engine for KV memory")
+    session_dir: Optional[str] = engine_opt("session_dir", "where session KV is written under pressure and at shutdown",
+                                            shown_default="not written")
+    attention: str = engine_opt("attention", "auto (the fused CPU op when it builds, else gather), fused, or gather",
+                                choices=ATTENTION_MODES)
+    matmul: str = engine_opt("matmul", "weight matmuls: auto (pool where the CPU runs the extension's own loops: "
+                             "x86-64 with AVX2+FMA, float32 weights on the CPU; else mlx), pool (those loops on the "
+                             "extension's threads, faster; a row's bits do not depend on its batch, "
+                             "so batched greedy answers equal solo ones exactly; they differ from MLX's matmul in the "
+                             "last bits, so a long greedy answer can part from mlx-lm's at a near-tie), or mlx "
+                             "(MLX's own matmul, bit for bit mlx-lm's alone; in a batch a row's bits can change)",
+                             choices=MATMUL_MODES)
+    kv_bits: Optional[int] = engine_opt("kv_bits", "store KV blocks quantized, 8 or 4 bits (more sequences per MiB)",
+                                        shown_default="none: the model's float dtype")
+    kv_group_size: int = engine_opt("kv_group_size", "elements per scale/bias group of quantized KV blocks "
+                                    "(32, 64 or 128)")
+    huge_pages: bool = engine_opt("huge_pages", "back the model's weights and the KV pool with 2 MiB pages where "
+                                  "Linux allows (madvise at start: faster decode steps, docs/design/engine.md)")
 
     def __post_init__(self) -> None:
         unknown = set(self.tier_offsets) - set(TIERS)
