@@ -1,43 +1,36 @@
-"""Who runs this step: waiting and running sequences, admission under budgets, preemption.
+"""Who runs this step: the waiting and running sequences, admission under budgets, preemption.
 
-Plain Python over :class:`Sequence` and :class:`BlockManager`; no MLX is imported or
-touched here.  Each step the engine asks for two plans and hands back what the model
-runner sampled:
+Plain Python over :class:`Sequence` and :class:`BlockManager`; no MLX.  Each step the engine
+asks for two plans and hands back what the model runner sampled:
 
-1. ``schedule_prefill()`` admits queued sequences while their prompt blocks (minus
-   prefix-cache hits) plus a decode reserve fit under the pressure threshold,
-   spilling hot sessions and preempting much-lower-priority sequences when needed,
-   then picks the prompt chunks of one ragged prefill pass (a token budget, chunk
-   size by cache position);
-2. ``schedule_decode()`` gives every other decoding sequence a block for its new
-   token, preempting the lowest-priority, newest sequence when the pool is full;
-3. ``postprocess_*()`` appends the sampled tokens, commits full blocks to the prefix
-   cache, and finishes sequences (stop id or length), keeping their session hot.
+1. ``schedule_prefill()`` admits waiting sequences, most urgent first, while their prompt blocks
+   (less prefix-cache hits) plus a decode reserve stay under the pressure threshold, spilling hot
+   sessions and preempting much less urgent sequences when needed; then it picks the prompt
+   chunks of one ragged prefill pass (a token budget, chunk size by cache position);
+2. ``schedule_decode()`` gives every other decoding sequence a slot for its new token,
+   preempting the least urgent, newest sequence when the pool is full;
+3. ``postprocess_*()`` appends the sampled tokens, commits full blocks to the prefix cache and
+   finishes sequences (stop id or length).
 
-Two rooms beside it hold what is not policy: ``forks.Forks`` (the n samples of one job
-share one prefill) and ``hot_sessions.HotSessions`` (a finished turn's blocks kept for the
-next one).  Two things it decides need tensors; it calls what the engine wires in for
-them: ``settle()`` reads the tokens of the decode still in flight (before a preemption,
-so a preempted job carries every token it generated), and ``session_files`` spills and
-restores a session's blocks (``sessions.SessionFiles``; None: no session dir, a spilled
-session is dropped).
+What is not policy lives beside it: ``intake`` (a spec becomes a sequence), ``forks`` (the n
+samples of a job share one prefill), ``hot_sessions`` (a finished turn's blocks kept for the
+next).  ``settle()``, wired in by the engine, reads the decode still in flight (before a
+preemption, so a preempted job carries every token it generated).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import replace
 from typing import Callable, Optional, Sequence as Seq
 
 from ...shared.engine_config import EngineConfig
 
 from .api import Preempted, SeqSpec, TokenEvent
-from . import forks
 from .block_manager import BlockManager, PrefixHit
-from .constrain import GrammarError, RowGrammar
 from .forks import Forks
 from .hot_sessions import HotSessions
+from .intake import StartGrammar, make_sequence
 from .sequence import PrefillPlan, Sampled, Sequence, SequenceStatus, StepCounters
 
 log = logging.getLogger(__name__)
@@ -46,7 +39,7 @@ log = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, bm: BlockManager, config: EngineConfig = EngineConfig(), *, eos_token_ids: Seq[int] = (),
                  settle: Callable[[], None] = lambda: None, session_files=None,
-                 start_grammar: Optional[Callable[[str, list[int]], RowGrammar]] = None):
+                 start_grammar: Optional[StartGrammar] = None):
         self.bm = bm
         self.eos_token_ids = frozenset(eos_token_ids)  # a sequence's stop ids unless its spec names its own
         self.start_grammar = start_grammar
@@ -66,29 +59,11 @@ class Scheduler:
 
     # ================================================================ the engine API's policy
     def add(self, specs: list[SeqSpec]) -> None:
+        pool_tokens = (self.bm.num_blocks - self.config.decode_reserve_blocks) * self.block_size
         for spec in specs:
-            if not spec.prompt:
-                raise ValueError(f"{spec.uid}: empty prompt")
-            ctx = list(spec.prompt) + list(spec.resume_tokens)
-            fits = (self.bm.num_blocks - self.config.decode_reserve_blocks) * self.block_size
-            if len(ctx) + 1 > fits:
-                # Its context alone cannot fit the pool: waiting, it would never be admitted, and
-                # every sequence behind it would wait too. It ends now (the worker asks can_admit
-                # first and refuses such a job; a caller of the engine itself meets this).
-                why = (f"{len(ctx)} context tokens (and one to generate) do not fit this KV pool "
-                       f"({fits} tokens)")
-                log.warning("%s: %s", spec.uid, why)
+            seq, why = make_sequence(spec, self._arrivals, pool_tokens, self.start_grammar)
+            if seq is None:
                 self._events.append(TokenEvent(spec.uid, None, "error", error=why))
-                continue
-            if len(ctx) + spec.max_tokens > fits:
-                # Alone it would exhaust the pool mid-decode: finish it with
-                # "length" where the pool ends (the worker should have asked
-                # can_admit first).
-                log.warning("%s: %d + %d tokens exceed the pool; max_tokens capped",
-                            spec.uid, len(ctx), spec.max_tokens)
-                spec = replace(spec, max_tokens=max(1, fits - len(ctx)))
-            seq = Sequence(forks.checked(spec), next(self._arrivals), ctx, len(ctx))
-            if spec.grammar is not None and not self._attach_grammar(seq):
                 continue
             self.waiting.append(seq)
             self._register(seq)
@@ -456,20 +431,3 @@ class Scheduler:
             samples.discard(seq.uid)
             if not samples:
                 del self._samples[job]
-
-    def _attach_grammar(self, seq: Sequence) -> bool:
-        """Build the sequence's matcher (at its resume point); a constraint that cannot start ends
-        the job at once with "error"."""
-        try:
-            if self.start_grammar is None:
-                raise GrammarError("this engine has no tokenizer: constrained output is unavailable")
-            seq.grammar = self.start_grammar(seq.spec.grammar, list(seq.spec.resume_tokens))
-            return True
-        except GrammarError as exc:
-            log.warning("%s: %s", seq.uid, exc)
-            self._events.append(TokenEvent(seq.uid, None, "error", error=str(exc)))
-            return False
-        except Exception as exc:  # the grammar library's own failure: this job's, not the engine's
-            log.exception("%s: starting its constraint failed", seq.uid)
-            self._events.append(TokenEvent(seq.uid, None, "error", error=f"starting the constraint failed: {exc}"))
-            return False
