@@ -47,7 +47,7 @@ def test_every_engine_field_is_a_setting_with_the_same_default():
     from mlxq.shared.engine_config import EngineConfig
 
     engine_fields = {f.metadata["engine"] for f in dataclasses.fields(Settings) if f.metadata["engine"]}
-    assert engine_fields == {f.name for f in dataclasses.fields(EngineConfig)}, "EngineConfig's fields and Settings' differ"
+    assert engine_fields == {f.name for f in dataclasses.fields(EngineConfig)}, "EngineConfig's and Settings' differ"
     assert Settings().engine_config() == EngineConfig()  # the defaults agree
 
 

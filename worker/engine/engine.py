@@ -163,7 +163,15 @@ class PagedEngine:
         return self.scheduler.can_admit(prompt_len, max_tokens)
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        sched, c, k = self.scheduler, self.bm.counts(), self.scheduler.counters
+        return {
+            "blocks_total": c.total, "blocks_used": c.used, "blocks_cached": c.cached, "blocks_free": c.free,
+            "prefix_hit_tokens": k.prefix_hit_tokens, "fork_shared_tokens": k.fork_shared_tokens,
+            "prompt_tokens": k.prompt_tokens, "preemptions": k.preemptions, "evictions": self.bm.evictions,
+            "running": len(sched.running), "waiting": len(sched.waiting), "sessions_hot": len(sched.hot_sessions),
+            "session_spills": k.session_spills, "session_restores": k.session_restores,
+            "engine_steps": k.steps, "prefill_passes": k.prefill_passes, "decode_passes": k.decode_passes,
+        }
 
     @property
     def counters(self):
@@ -172,4 +180,4 @@ class PagedEngine:
     def close(self) -> None:
         """Spill every hot session (to disk when a session dir is set)."""
         self._settle()
-        self.scheduler.sessions.spill_all()
+        self.scheduler.hot_sessions.spill_all()

@@ -44,6 +44,25 @@ class Forks:
         self.block_size = bm.block_size
         self.counters = counters
         self.copies: list[tuple[int, int]] = []  # block copies of forks admitted this step (sources pinned)
+        self._samples: dict[str, set[str]] = {}  # job id -> the uids of its live samples ("job#i")
+
+    def join(self, seq: Sequence) -> None:
+        """A sequence entered the engine (a sample of a job: its uid is ``job#i``)."""
+        job, sep, _ = seq.uid.rpartition("#")
+        if sep:
+            self._samples.setdefault(job, set()).add(seq.uid)
+
+    def leave(self, seq: Sequence) -> None:
+        job, sep, _ = seq.uid.rpartition("#")
+        samples = self._samples.get(job) if sep else None
+        if samples is not None:
+            samples.discard(seq.uid)
+            if not samples:
+                del self._samples[job]
+
+    def samples_of(self, job_id: str) -> set[str]:
+        """The uids of the job's samples in the engine."""
+        return self._samples.get(job_id, set())
 
     def held(self, seq: Sequence, live: dict[str, Sequence]) -> bool:
         """A sample whose sibling is about to compute the shared prompt: it waits for it."""

@@ -33,10 +33,10 @@ class HotSessions:
         self.bm = bm
         self.files = files  # sessions.SessionFiles, or None
         self.counters = counters
-        self.hot: "OrderedDict[str, HotSession]" = OrderedDict()  # least recently used first
+        self.by_id: "OrderedDict[str, HotSession]" = OrderedDict()  # least recently used first
 
     def __len__(self) -> int:
-        return len(self.hot)
+        return len(self.by_id)
 
     def keep(self, seq: Sequence) -> None:
         """Pin the full blocks of a finished turn (replacing the session's older turn)."""
@@ -46,16 +46,16 @@ class HotSessions:
         blocks = seq.block_table[:n_full]
         self.bm.ref(blocks)
         sid = seq.spec.session_id
-        old = self.hot.pop(sid, None)
-        self.hot[sid] = HotSession(sid, blocks, seq.tokens[:n_full * self.bm.block_size])
+        old = self.by_id.pop(sid, None)
+        self.by_id[sid] = HotSession(sid, blocks, seq.tokens[:n_full * self.bm.block_size])
         if old is not None:
             self.bm.deallocate(old.block_ids)
 
     def spill_one(self) -> bool:
         """Write the least recently used hot session to disk and unpin it (False: none is hot)."""
-        if not self.hot:
+        if not self.by_id:
             return False
-        _, hot = self.hot.popitem(last=False)
+        _, hot = self.by_id.popitem(last=False)
         if self.files is not None:
             self.files.spill(hot.session_id, hot.block_ids, hot.tokens)
         self.bm.deallocate(hot.block_ids)
@@ -69,8 +69,8 @@ class HotSessions:
     def restore(self, seq: Sequence) -> None:
         """Load a warm session's blocks into the prefix cache when they help."""
         sid = seq.spec.session_id
-        if sid in self.hot:
-            self.hot.move_to_end(sid)
+        if sid in self.by_id:
+            self.by_id.move_to_end(sid)
             return
         bs = self.bm.block_size
         warm = self.files.load(sid) if self.files is not None else None

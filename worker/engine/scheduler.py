@@ -48,11 +48,10 @@ class Scheduler:
         self.settle = settle
         self.counters = StepCounters()
         self.forks = Forks(bm, self.counters)
-        self.sessions = HotSessions(bm, session_files, self.counters)
+        self.hot_sessions = HotSessions(bm, session_files, self.counters)
         self.waiting: list[Sequence] = []
         self.running: dict[str, Sequence] = {}
         self._live: dict[str, Sequence] = {}  # every waiting or running sequence by uid
-        self._samples: dict[str, set[str]] = {}  # job id -> the uids of its live samples ("job#i")
         self._arrivals = itertools.count()
         self._events: list[TokenEvent] = []
         self._preempted: list[Preempted] = []
@@ -73,7 +72,7 @@ class Scheduler:
         """Drop these sequences; a job id also drops its samples (``job_id#i``)."""
         gone = set(uids)
         for uid in uids:
-            gone.update(self._samples.get(uid, ()))
+            gone.update(self.forks.samples_of(uid))
         self.waiting = [s for s in self.waiting if s.uid not in gone]
         for uid in gone:
             seq = self._live.get(uid)
@@ -124,18 +123,6 @@ class Scheduler:
     def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
         need = self.bm.blocks_needed(prompt_len + max(1, max_tokens))
         return need + self.config.decode_reserve_blocks <= self.bm.num_blocks
-
-    def stats(self) -> dict:
-        c = self.bm.counts()
-        k = self.counters
-        return {
-            "blocks_total": c.total, "blocks_used": c.used, "blocks_cached": c.cached, "blocks_free": c.free,
-            "prefix_hit_tokens": k.prefix_hit_tokens, "fork_shared_tokens": k.fork_shared_tokens,
-            "prompt_tokens": k.prompt_tokens, "preemptions": k.preemptions, "evictions": self.bm.evictions,
-            "running": len(self.running), "waiting": len(self.waiting), "sessions_hot": len(self.sessions),
-            "session_spills": k.session_spills, "session_restores": k.session_restores,
-            "engine_steps": k.steps, "prefill_passes": k.prefill_passes, "decode_passes": k.decode_passes,
-        }
 
     def take_output(self) -> tuple[list[TokenEvent], list[Preempted]]:
         """This step's token events and preempted sequences (and start afresh)."""
@@ -244,7 +231,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 self.running[seq.uid] = seq
                 continue
-            if self.sessions.spill_one():
+            if self.hot_sessions.spill_one():
                 continue
             if not self._preempt_for(seq):
                 return
@@ -258,7 +245,7 @@ class Scheduler:
         else:
             if seq.spec.session_id and cfg.prefix_cache and not seq.session_checked:
                 seq.session_checked = True
-                self.sessions.restore(seq)
+                self.hot_sessions.restore(seq)
             hit = bm.lookup(seq.tokens, n - 1) if cfg.prefix_cache else PrefixHit()
             computed = hit.num_blocks * self.block_size
         new_blocks = bm.blocks_needed(n) - hit.num_blocks
@@ -356,7 +343,7 @@ class Scheduler:
             if self.bm.can_append():
                 seq.block_table.append(self.bm.append_block())
                 return True
-            if self.sessions.spill_one():
+            if self.hot_sessions.spill_one():
                 continue
             # Never the only sequence: add() keeps each one within the pool.
             victim = self._victim()
@@ -401,7 +388,7 @@ class Scheduler:
         self.running.pop(seq.uid, None)
         self._unregister(seq)
         if seq.spec.session_id and self.config.prefix_cache:  # (without it, the next turn would not use them)
-            self.sessions.keep(seq)
+            self.hot_sessions.keep(seq)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -416,18 +403,10 @@ class Scheduler:
 
     def _register(self, seq: Sequence) -> None:
         self._live[seq.uid] = seq
-        job, sep, _ = seq.uid.rpartition("#")
-        if sep:
-            self._samples.setdefault(job, set()).add(seq.uid)
+        self.forks.join(seq)
 
     def _unregister(self, seq: Sequence) -> None:
         """The sequence left the engine (finished, removed, preempted)."""
-        if self._live.get(seq.uid) is not seq:
-            return
-        del self._live[seq.uid]
-        job, sep, _ = seq.uid.rpartition("#")
-        samples = self._samples.get(job) if sep else None
-        if samples is not None:
-            samples.discard(seq.uid)
-            if not samples:
-                del self._samples[job]
+        if self._live.get(seq.uid) is seq:
+            del self._live[seq.uid]
+            self.forks.leave(seq)
