@@ -101,7 +101,7 @@ def op_case(B: int, L: int, rounds: int, op) -> dict:
 
 
 def engine_decode(rounds: int, batch: int, ctx: int, steps: int) -> dict:
-    from mlxq.worker.engine_api import SeqSpec
+    from mlxq.worker.engine.api import SeqSpec
     from mlxq.devkit.make_model import ensure_model
     from mlxq.worker.model import load_model
     from mlxq.shared.settings import Settings, cache_dir

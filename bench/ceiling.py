@@ -77,7 +77,7 @@ import numpy as np  # noqa: E402
 from mlxq.shared.settings import Settings  # noqa: E402
 from mlxq.worker.engine import hugepages  # noqa: E402
 from mlxq.worker.engine.engine import make_engine  # noqa: E402
-from mlxq.worker.engine_api import SeqSpec  # noqa: E402
+from mlxq.worker.engine.api import SeqSpec  # noqa: E402
 from mlxq.worker.model import load_model  # noqa: E402
 
 SHAPE_036B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,

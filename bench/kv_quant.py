@@ -27,7 +27,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
 from mlxq.worker.engine import PagedEngine  # noqa: E402
 from mlxq.worker.engine.attention import use_attention  # noqa: E402
-from mlxq.worker.engine_api import SeqSpec  # noqa: E402
+from mlxq.worker.engine.api import SeqSpec  # noqa: E402
 from mlxq.worker.engine.kv_cache import (BatchRow, BatchView, KVPool, make_kv_quant,  # noqa: E402
                                          make_layer_caches, probe_kv_shape)
 from mlxq.worker.model import load_model  # noqa: E402

@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.kv_cache import probe_kv_shape
 

@@ -38,7 +38,7 @@ blas.setup()  # fast BLAS before mlx
 
 import mlx.core as mx  # noqa: E402
 
-from mlxq.worker.engine_api import SeqSpec  # noqa: E402
+from mlxq.worker.engine.api import SeqSpec  # noqa: E402
 from mlxq.worker.model import load_model  # noqa: E402
 from mlxq.shared.settings import Settings  # noqa: E402
 from mlxq.worker.engine.engine import make_engine  # noqa: E402

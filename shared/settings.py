@@ -2,9 +2,10 @@
 
 Every option is a field of :class:`Settings` with its default; the field's metadata says, once, how
 it is set: the environment variable ``MLXQ_<NAME>``, the ``mlxq worker`` and ``mlxq gateway`` flags
-(generated from the fields by :func:`worker_flags` and :func:`gateway_flags`), the ``PagedEngine`` parameter it feeds (:meth:`Settings.engine_options`)
-and its help text.  ``Settings.from_env()`` is the one reader; ``__post_init__`` refuses bad values with
-a message that names the variable and the flag.  :func:`cache_dir` is the one place the cache
+(generated from the fields by :func:`worker_flags` and :func:`gateway_flags`), the ``EngineConfig``
+field it feeds (:meth:`Settings.engine_config`; the engine's defaults are that dataclass's) and its
+help text.  ``Settings.from_env()`` is the one reader; ``__post_init__`` refuses bad values with a
+message that names the variable and the flag.  :func:`cache_dir` is the one place the cache
 directory's default lives.
 """
 
@@ -18,13 +19,13 @@ from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlsplit, urlunsplit
 
+from .engine_config import BLOCK_SIZE, DEFAULT_CHUNK_SCHEDULE, DEFAULT_KV_MEMORY_MB, EngineConfig
+
 TIERS = ("high", "normal", "low")
+_ENGINE = EngineConfig()  # the engine fields' defaults
 DEFAULT_TIER_OFFSETS = {"high": 0.0, "normal": 30.0, "low": 300.0}
 ATTENTION_MODES = ("auto", "fused", "gather")
 MATMUL_MODES = ("auto", "pool", "mlx")
-BLOCK_SIZE = 32  # tokens per KV block: the only size the engine and its kernels are built and tested for
-# prefill chunk size by prompt position: (positions below this, chunk tokens); None: every later position
-DEFAULT_CHUNK_SCHEDULE = ((2048, 512), (8192, 256), (20480, 128), (None, 64))
 MAX_IDLE_BLOCK_S = 10.0  # connections read with a 20 s timeout (shared/connection.py)
 # MLXQ_* variables read elsewhere (the CLI's defaults, the BLAS set-up, the extension, the tests):
 # any other MLXQ_* name that is not a setting is reported as unknown (a misspelt setting)
@@ -122,7 +123,7 @@ def opt(default=None, help: str = "", *, factory=None, flag: Optional[str] = Non
         parse: Optional[Callable] = None, show: Optional[Callable] = None, shown_default: Optional[str] = None,
         secret: bool = False):
     """A settings field and how it is set.  ``worker``: ``mlxq worker`` has a flag for it (``flag``,
-    else ``--name-with-dashes``); ``gateway``: ``mlxq gateway`` has that flag; ``engine``: the ``PagedEngine`` parameter it feeds (through
+    else ``--name-with-dashes``); ``gateway``: ``mlxq gateway`` has that flag; ``engine``: the ``EngineConfig`` field it feeds (through
     ``to_engine``); ``shown_default``: the default as said in ``--help``, where the value is None;
     ``secret``: never shown (``***`` in :meth:`Settings.describe`)."""
     meta = dict(help=help, flag=flag, worker=worker, gateway=gateway, engine=engine, to_engine=to_engine, choices=choices,
@@ -130,6 +131,12 @@ def opt(default=None, help: str = "", *, factory=None, flag: Optional[str] = Non
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def engine_opt(param: str, help: str, **kw):
+    """A setting that feeds ``EngineConfig``'s field ``param``, with that field's default (the KV
+    budget, the one field converted on the way, defaults to None in either unit: the engine decides)."""
+    return opt(getattr(_ENGINE, param), help, engine=param, **kw)
 
 
 @dataclass(slots=True)
@@ -200,47 +207,45 @@ class Settings:
     metrics_host: str = opt("127.0.0.1", "the address the metrics server binds: loopback; 0.0.0.0 exposes it "
                             "on every interface (for a Prometheus on another host)")
 
-    # -- the engine (PagedEngine's parameters) --------------------------------------------------------------------
-    max_batch: Optional[int] = opt(None, "most sequences decoded together", engine="max_batch",
-                                   shown_default="as many as the KV memory holds")
-    kv_memory_mb: Optional[float] = opt(None, "KV block pool budget in MiB", engine="memory_budget_bytes",
-                                        to_engine=_mib_to_bytes,
-                                        shown_default="512, never more than max sequences x context")
-    kv_blocks: Optional[int] = opt(None, "a fixed number of 32-token KV blocks", engine="num_blocks",
-                                   shown_default="as many as --kv-memory-mb holds")
-    block_size: int = opt(BLOCK_SIZE, "tokens per KV block (only 32 is supported)", engine="block_size")
-    pressure: float = opt(0.85, "admit while used KV blocks stay under this share of the pool", engine="pressure")
-    prefix_cache: bool = opt(True, "reuse the KV blocks of shared prompt prefixes", engine="prefix_cache")
-    chunked_prefill: bool = opt(True, "prefill long prompts in chunks between decode steps",
-                                engine="chunked_prefill")
-    chunk_schedule: tuple = opt(DEFAULT_CHUNK_SCHEDULE, "prefill chunk size by prompt position "
-                                "(position:tokens,...; * for every later position)", engine="chunk_schedule",
-                                parse=_parse_chunks, show=_show_chunks)
-    step_token_budget: int = opt(512, "tokens of one engine step (prefill chunks + decode rows)",
-                                 engine="step_token_budget")
-    decode_reserve_blocks: int = opt(1, "KV blocks admission keeps free for the running sequences' next tokens",
-                                     engine="decode_reserve_blocks")
-    priority_gap: float = opt(1.0, "how much more urgent a job must be to preempt another", engine="priority_gap")
-    max_sequences: int = opt(256, "most sequences the engine holds at once (running and waiting)", engine="max_sequences")
-    max_waiting: int = opt(8, "most jobs waiting inside the engine for KV memory", engine="max_waiting")
-    session_dir: Optional[str] = opt(None, "where session KV is written under pressure and at shutdown",
-                                     engine="session_dir", shown_default="not written")
-    attention: str = opt("auto", "auto (the fused CPU op when it builds, else gather), fused, or gather",
-                         engine="attention", choices=ATTENTION_MODES)
-    matmul: str = opt("auto", "weight matmuls: auto (pool where the CPU runs the extension's own loops: "
-                      "x86-64 with AVX2+FMA, float32 weights on the CPU; else mlx), pool (those loops on the "
-                      "extension's threads: ~2.5x solo, faster batches; a row's bits do not depend on its batch, "
-                      "so batched greedy answers equal solo ones exactly; they differ from MLX's matmul in the "
-                      "last bits, so a long greedy answer can part from mlx-lm's at a near-tie), or mlx "
-                      "(MLX's own matmul, bit for bit mlx-lm's alone; in a batch a row's bits can change)",
-                      engine="matmul", choices=MATMUL_MODES)
-    kv_bits: Optional[int] = opt(None, "store KV blocks quantized, 8 or 4 bits (more sequences per MiB)",
-                                 engine="kv_bits", shown_default="none: the model's float dtype")
-    kv_group_size: int = opt(64, "elements per scale/bias group of quantized KV blocks (32, 64 or 128)",
-                             engine="kv_group_size")
-    huge_pages: bool = opt(True, "back the model's weights and the KV pool with 2 MiB pages where Linux allows "
-                           "(madvise at start; decode steps at batch 1-16 of the bench model 4 to 9 percent faster)",
-                           engine="huge_pages")
+    # -- the engine: EngineConfig's fields, with its defaults ---------------------------------------------------------
+    max_batch: Optional[int] = engine_opt("max_batch", "most sequences decoded together",
+                                          shown_default="as many as the KV memory holds")
+    kv_memory_mb: Optional[float] = engine_opt("memory_budget_bytes", "KV block pool budget in MiB",
+                                               to_engine=_mib_to_bytes,
+                                               shown_default=f"{DEFAULT_KV_MEMORY_MB}, never more than max "
+                                               "sequences x context")
+    kv_blocks: Optional[int] = engine_opt("num_blocks", "a fixed number of 32-token KV blocks",
+                                          shown_default="as many as --kv-memory-mb holds")
+    block_size: int = engine_opt("block_size", "tokens per KV block (only 32 is supported)")
+    pressure: float = engine_opt("pressure", "admit while used KV blocks stay under this share of the pool")
+    prefix_cache: bool = engine_opt("prefix_cache", "reuse the KV blocks of shared prompt prefixes")
+    chunked_prefill: bool = engine_opt("chunked_prefill", "prefill long prompts in chunks between decode steps")
+    chunk_schedule: tuple = engine_opt("chunk_schedule", "prefill chunk size by prompt position "
+                                       "(position:tokens,...; * for every later position)",
+                                       parse=_parse_chunks, show=_show_chunks)
+    step_token_budget: int = engine_opt("step_token_budget", "tokens of one engine step (prefill chunks + decode rows)")
+    decode_reserve_blocks: int = engine_opt("decode_reserve_blocks", "KV blocks admission keeps free for the running "
+                                            "sequences' next tokens")
+    priority_gap: float = engine_opt("priority_gap", "how much more urgent a job must be to preempt another")
+    max_sequences: int = engine_opt("max_sequences", "most sequences the engine holds at once (running and waiting)")
+    max_waiting: int = engine_opt("max_waiting", "most jobs waiting inside the engine for KV memory")
+    session_dir: Optional[str] = engine_opt("session_dir", "where session KV is written under pressure and at shutdown",
+                                            shown_default="not written")
+    attention: str = engine_opt("attention", "auto (the fused CPU op when it builds, else gather), fused, or gather",
+                                choices=ATTENTION_MODES)
+    matmul: str = engine_opt("matmul", "weight matmuls: auto (pool where the CPU runs the extension's own loops: "
+                             "x86-64 with AVX2+FMA, float32 weights on the CPU; else mlx), pool (those loops on the "
+                             "extension's threads, faster; a row's bits do not depend on its batch, "
+                             "so batched greedy answers equal solo ones exactly; they differ from MLX's matmul in the "
+                             "last bits, so a long greedy answer can part from mlx-lm's at a near-tie), or mlx "
+                             "(MLX's own matmul, bit for bit mlx-lm's alone; in a batch a row's bits can change)",
+                             choices=MATMUL_MODES)
+    kv_bits: Optional[int] = engine_opt("kv_bits", "store KV blocks quantized, 8 or 4 bits (more sequences per MiB)",
+                                        shown_default="none: the model's float dtype")
+    kv_group_size: int = engine_opt("kv_group_size", "elements per scale/bias group of quantized KV blocks "
+                                    "(32, 64 or 128)")
+    huge_pages: bool = engine_opt("huge_pages", "back the model's weights and the KV pool with 2 MiB pages where "
+                                  "Linux allows (madvise at start: faster decode steps, docs/design/engine.md)")
 
     def __post_init__(self) -> None:
         unknown = set(self.tier_offsets) - set(TIERS)
@@ -328,15 +333,15 @@ class Settings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
-    def engine_options(self) -> dict:
-        """The ``PagedEngine`` keyword arguments these settings set (the model's own come from the model)."""
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration these settings make (what comes from the model is not in it)."""
         out = {}
         for f in fields(self):
             param, convert = f.metadata["engine"], f.metadata["to_engine"]
             if param:
                 value = getattr(self, f.name)
                 out[param] = convert(value) if convert else value
-        return out
+        return EngineConfig(**out)
 
     def describe(self) -> str:
         """Every setting on one line, for the worker's start-up log (the Redis password masked)."""

@@ -161,7 +161,7 @@ def reference_tokens(loaded, prompt_ids, max_tokens, ignore_eos=False):
     row other bits in a batch of 2 to 4 rows, depending on the BLAS), so they compare with this."""
     from mlxq.shared.settings import Settings
     from mlxq.worker.engine.engine import make_engine
-    from mlxq.worker.engine_api import SeqSpec
+    from mlxq.worker.engine.api import SeqSpec
 
     blocks = (len(prompt_ids) + max_tokens) // 32 + 4
     settings = Settings.from_env(kv_blocks=blocks, kv_memory_mb=None, session_dir=None)

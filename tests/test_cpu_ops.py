@@ -319,7 +319,7 @@ def test_engine_writes_the_pool_in_place_through_joins_and_preemption(ext, tiny_
     """No KV write copies its pool during a run with joins, chunked prefill and preemption
     (a copy would mean a pool-sized copy per layer: a pass whose attention is still queued
     is waited for: writable_in_place in csrc/cpu_ops.cpp); the tokens equal the reference (gather) path's."""
-    from mlxq.worker.engine_api import SeqSpec
+    from mlxq.worker.engine.api import SeqSpec
 
     def spec(uid, n, prio):
         return SeqSpec(uid, [(7 * i + n) % 500 + 4 for i in range(n)], 40, stop_token_ids=(), priority=prio)

@@ -9,7 +9,7 @@ from mlx_lm.models import qwen2
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.decode_forward import DecodeForward, attn_in_ops, fused_exact, mlp_block_ops
 from mlxq.worker.engine.kv_cache import BatchRow
-from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.engine.api import SeqSpec
 
 from enginekit import random_llama, run
 

@@ -11,7 +11,7 @@ from mlx_lm.models import llama, qwen3
 
 from mlxq.shared.schemas import SamplingParams
 from mlxq.worker.engine import PagedEngine
-from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.sampling import make_sampler
 from refkit import reference_processors
 from test_paged_engine import _gemma3

@@ -12,7 +12,7 @@ import pytest
 from mlxq.shared.settings import Settings
 from mlxq.worker.engine import PagedEngine, attention
 from mlxq.worker.engine.attention import gather_attention
-from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine.kernels import model_ops
 from mlxq.worker.engine.kv_cache import KVPool, KVQuant, probe_kv_shape
 

@@ -212,7 +212,7 @@ def test_pool_matmuls_keep_batched_greedy_equal_to_solo(ext, tiny_model):
     engine's guarantee, which MLX's matmul gives on fp32 CPU): staggered joins, ragged prefill
     passes and decode batches of every size give each row the bits it gets alone."""
     _own_loops(ext)
-    from mlxq.worker.engine_api import SeqSpec
+    from mlxq.worker.engine.api import SeqSpec
     from test_engine import drive
 
     model = tiny_model.model

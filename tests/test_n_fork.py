@@ -8,10 +8,11 @@ import pytest
 from mlxq.shared.schemas import SamplingParams
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.block_manager import BlockManager
-from mlxq.worker.engine.scheduler import Scheduler, SchedulerConfig
+from mlxq.shared.engine_config import EngineConfig
+from mlxq.worker.engine.scheduler import Scheduler
 from mlxq.worker.engine.sequence import Sampled, SequenceStatus
 from mlxq.worker.engine.sampler import RowSampler
-from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.engine.api import SeqSpec
 
 from test_paged_engine import SMALL_CHUNKS, _assert_no_leak, _llama, _prompts, dense
 
@@ -61,7 +62,7 @@ def drive(engine, specs, arrivals=None, on_step=None, max_steps=2000):
 def test_scheduler_plans_the_copy_and_pins_its_source_until_then():
     """The plan, on its own (block size 4): a 10-token prompt is 2 shared full blocks + a copied one
     (the fork given no first token by the pass: a constrained one, which computes its last prompt token)."""
-    s = Scheduler(BlockManager(32, 4, "m"), SchedulerConfig())
+    s = Scheduler(BlockManager(32, 4, "m"), EngineConfig())
     s.add(job("j", list(range(1, 11)), 2, 5, stop_token_ids=()))
     plan = s.schedule_prefill()
     assert [q.uid for q, _ in plan.rows] == ["j#0"] and not plan.copies
@@ -82,7 +83,7 @@ def test_scheduler_plans_the_copy_and_pins_its_source_until_then():
 def test_waiting_forks_draw_their_first_token_from_the_siblings_last_prefill_pass():
     """The pass that ends sample 0's prompt samples every waiting fork's first token from sample
     0's logits; next step the forks share the whole prompt (the partial block copied) and decode."""
-    s = Scheduler(BlockManager(32, 4, "m"), SchedulerConfig())
+    s = Scheduler(BlockManager(32, 4, "m"), EngineConfig())
     s.add(job("j", list(range(1, 11)), 3, 5, stop_token_ids=()))
     plan = s.schedule_prefill()
     assert [q.uid for q, _ in plan.rows] == ["j#0"]
@@ -102,7 +103,7 @@ def test_waiting_forks_draw_their_first_token_from_the_siblings_last_prefill_pas
 
 
 def test_a_fork_that_ends_on_its_first_token_leaves_the_queue():
-    s = Scheduler(BlockManager(32, 4, "m"), SchedulerConfig())
+    s = Scheduler(BlockManager(32, 4, "m"), EngineConfig())
     specs = job("j", list(range(1, 11)), 3, 5, stop_token_ids=(99,))
     specs[2] = replace(specs[2], max_tokens=1)
     s.add(specs)
@@ -130,7 +131,7 @@ def test_a_fork_with_no_room_behind_a_more_urgent_job_waits_and_pins_nothing():
     """priority_gap 0: a job only a little more urgent goes first; the fork waits, with no copy and no
     pin on its sibling's blocks. (A job of the same priority that arrives later no longer preempts
     the fork admitted before it: the two preempted each other for ever; test_scheduler.py.)"""
-    s = Scheduler(BlockManager(9, 4, "m"), SchedulerConfig(priority_gap=0.0, pressure=1.0))
+    s = Scheduler(BlockManager(9, 4, "m"), EngineConfig(priority_gap=0.0, pressure=1.0))
     s.add(job("j", list(range(1, 11)), 2, 5, stop_token_ids=()))
     plan = s.schedule_prefill()
     s.postprocess_prefill(plan, [Sampled(q, 7) for q in plan.ending_seqs()])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
-from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine import PagedEngine, attention
 from mlxq.worker.engine.kernels import extbuild
 from mlxq.worker.engine.attention import gather_attention

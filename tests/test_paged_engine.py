@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, qwen3
 
-from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine import PagedEngine
 
 from enginekit import random_llama, run
@@ -66,7 +66,7 @@ def _prompts(seed, n, lo, hi):
 
 def _assert_no_leak(engine):
     st = engine.stats()
-    assert st["blocks_used"] == len({b for h in engine.scheduler.hot_sessions.values() for b in h.block_ids})
+    assert st["blocks_used"] == len({b for h in engine.scheduler.hot_sessions.by_id.values() for b in h.block_ids})
     assert st["blocks_used"] + st["blocks_cached"] + st["blocks_free"] == st["blocks_total"]
     engine.bm.check_invariants()
 

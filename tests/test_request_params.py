@@ -59,7 +59,7 @@ def test_a_tiny_temperature_samples_greedily():
     from mlxq.shared.schemas import GREEDY_BELOW, SamplingParams
     from mlxq.worker.engine import PagedEngine
     from mlxq.worker.engine.sampler import RowSampler
-    from mlxq.worker.engine_api import SeqSpec
+    from mlxq.worker.engine.api import SeqSpec
     from mlxq.worker.sampling import make_sampler
     from test_engine import drive, tiny_llama
 

@@ -14,9 +14,11 @@ from pathlib import Path
 
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.block_manager import BlockManager
-from mlxq.worker.engine.scheduler import HotSession, PrefillPlan, Scheduler, SchedulerConfig
+from mlxq.worker.engine.hot_sessions import HotSession
+from mlxq.shared.engine_config import EngineConfig
+from mlxq.worker.engine.scheduler import PrefillPlan, Scheduler
 from mlxq.worker.engine.sequence import Sampled
-from mlxq.worker.engine_api import Engine, SeqSpec
+from mlxq.worker.engine.api import Engine, SeqSpec
 from workerkit import neutral_cwd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,11 +29,12 @@ def test_scheduler_runs_without_mlx():
     """Admission, a prefill plan and its postprocessing in a process that never imports MLX."""
     script = (
         "import sys\n"
-        "from mlxq.worker.engine_api import SeqSpec\n"
+        "from mlxq.worker.engine.api import SeqSpec\n"
         "from mlxq.worker.engine.block_manager import BlockManager\n"
-        "from mlxq.worker.engine.scheduler import Scheduler, SchedulerConfig\n"
+        "from mlxq.shared.engine_config import EngineConfig\n"
+        "from mlxq.worker.engine.scheduler import Scheduler\n"
         "from mlxq.worker.engine.sequence import Sampled\n"
-        "s = Scheduler(BlockManager(8, 4, 'm'), SchedulerConfig())\n"
+        "s = Scheduler(BlockManager(8, 4, 'm'), EngineConfig())\n"
         "s.add([SeqSpec('a', [1, 2, 3, 4, 5], 1, stop_token_ids=())])\n"
         "plan = s.schedule_prefill()\n"
         "s.postprocess_prefill(plan, [Sampled(seq, 9) for seq in plan.ending_seqs()])\n"
@@ -85,7 +88,7 @@ class Harness(PagedEngine):
     def __init__(self, num_blocks=16, session_files=None, **config):  # no super().__init__: it loads a model
         self.bm = BlockManager(num_blocks, BS, "m")
         self.runner = FakeRunner()
-        self.scheduler = Scheduler(self.bm, SchedulerConfig(**config), settle=self._settle,
+        self.scheduler = Scheduler(self.bm, EngineConfig(**config), settle=self._settle,
                                    session_files=session_files)
 
     def run(self, max_steps=1000):
@@ -164,7 +167,7 @@ def test_admission_waits_under_pressure_and_resumes_when_blocks_free():
     specs = [SeqSpec(f"a{i}", [i + 1] * 10, 3, stop_token_ids=()) for i in range(4)]
     h.scheduler.add(specs)
     h.step()
-    st = h.scheduler.stats()
+    st = h.stats()
     # 3 blocks each (10 tokens + the decode reserve): the 4th would pass 85% of 12
     assert st["running"] == 3 and st["waiting"] == 1
     tokens, finished, _ = h.run()
@@ -196,7 +199,7 @@ def test_a_small_priority_difference_does_not_preempt():
     h.step()
     h.scheduler.add([SeqSpec("b", [2] * 5, 10, priority=0.5, stop_token_ids=())])
     _, preempted = h.step()
-    assert preempted == [] and h.scheduler.stats()["waiting"] == 1
+    assert preempted == [] and h.stats()["waiting"] == 1
 
 
 def test_with_no_priority_gap_equals_never_preempt_each_other():
@@ -250,7 +253,7 @@ def test_prefix_hits_skip_computed_blocks():
     h.scheduler.add([SeqSpec("b", shared + [30, 31], 2, stop_token_ids=())])
     plan = h.scheduler.schedule_prefill()
     assert [(seq.uid, seq.num_computed, n) for seq, n in plan.rows] == [("b", 12, 2)]
-    assert h.scheduler.stats()["prefix_hit_tokens"] == 12
+    assert h.stats()["prefix_hit_tokens"] == 12
 
 
 class FakeSessionFiles:
@@ -274,18 +277,18 @@ def test_sessions_stay_hot_spill_under_pressure_and_come_back_from_disk():
     turn1 = list(range(1, 11))
     h.scheduler.add([SeqSpec("t1", turn1, 3, session_id="chat", stop_token_ids=())])
     out1 = h.run()[0]["t1"]
-    hot = h.scheduler.hot_sessions["chat"]
+    hot = h.scheduler.hot_sessions.by_id["chat"]
     assert isinstance(hot, HotSession) and h.bm.num_used == len(hot.block_ids) == 3
     # a big job needs the pinned blocks: the session is spilled, not the job refused
     h.scheduler.add([SeqSpec("big", [40] * 30, 2, stop_token_ids=())])
     h.run()
-    assert "chat" not in h.scheduler.hot_sessions and files.files["chat"] == hot.tokens
-    assert h.scheduler.stats()["session_spills"] == 1
+    assert "chat" not in h.scheduler.hot_sessions.by_id and files.files["chat"] == hot.tokens
+    assert h.stats()["session_spills"] == 1
     # the next turn restores what the prefix cache lost
     turn2 = turn1 + out1 + [5, 6, 7]
     h.scheduler.add([SeqSpec("t2", turn2, 2, session_id="chat", stop_token_ids=())])
     plan = h.scheduler.schedule_prefill()
-    assert h.scheduler.stats()["session_restores"] == 1
+    assert h.stats()["session_restores"] == 1
     assert plan.rows[0][0].num_computed == 12
 
 
@@ -297,11 +300,11 @@ def test_without_the_prefix_cache_sessions_pin_nothing():
     turn1 = list(range(1, 11))
     h.scheduler.add([SeqSpec("t1", turn1, 3, session_id="chat", stop_token_ids=())])
     out1 = h.run()[0]["t1"]
-    assert not h.scheduler.hot_sessions and h.bm.num_used == 0
+    assert not h.scheduler.hot_sessions.by_id and h.bm.num_used == 0
     h.scheduler.add([SeqSpec("big", [40] * 30, 2, stop_token_ids=())])
     h.scheduler.add([SeqSpec("t2", turn1 + out1 + [5], 2, session_id="chat", stop_token_ids=())])
     h.run()
-    st = h.scheduler.stats()
+    st = h.stats()
     assert st["session_spills"] == 0 and st["session_restores"] == 0 and not files.files and h.bm.num_used == 0
 
 

@@ -5,7 +5,6 @@ prints its settings once (the Redis password masked)."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import subprocess
 import sys
@@ -44,14 +43,12 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
-def test_every_engine_parameter_is_a_setting_with_the_same_default():
-    from mlxq.worker.engine.engine import FROM_MODEL, PagedEngine
+def test_every_engine_field_is_a_setting_with_the_same_default():
+    from mlxq.shared.engine_config import EngineConfig
 
-    params = {name: p.default for name, p in inspect.signature(PagedEngine.__init__).parameters.items()
-              if name != "self" and name not in FROM_MODEL}
-    options = Settings().engine_options()
-    assert set(options) == set(params), "PagedEngine's parameters and Settings' engine fields differ"
-    assert options == params  # the defaults agree (the KV budget and block count: None, the engine decides)
+    engine_fields = {f.metadata["engine"] for f in dataclasses.fields(Settings) if f.metadata["engine"]}
+    assert engine_fields == {f.name for f in dataclasses.fields(EngineConfig)}, "EngineConfig's and Settings' differ"
+    assert Settings().engine_config() == EngineConfig()  # the defaults agree
 
 
 def test_every_worker_setting_has_a_sample():
@@ -95,7 +92,7 @@ def test_old_flags_and_env_vars_still_work(clean_env):
     s = settings_from_args(args)
     assert (s.kv_memory_mb, s.kv_blocks, s.grace_s, s.keep_dtype, s.burst, s.session_dir, s.attention) == \
         (128.0, 9, 7.0, True, True, "/s", "fused")
-    assert s.engine_options()["memory_budget_bytes"] == 128 * 2**20
+    assert s.engine_config().memory_budget_bytes == 128 * 2**20
 
 
 @pytest.mark.parametrize("env,words", [
@@ -183,7 +180,7 @@ def test_make_engine_follows_the_settings(tiny_model):
     cfg = eng.scheduler.config
     assert eng.bm.num_blocks == 20 and eng.attention.name == "gather"
     assert (cfg.max_batch, cfg.prefix_cache, cfg.step_token_budget) == (3, False, 64)
-    assert cfg.eos_token_ids == frozenset(tiny_model.eos_token_ids)
+    assert eng.scheduler.eos_token_ids == frozenset(tiny_model.eos_token_ids)
     eng2 = make_engine(tiny_model, dataclasses.replace(s, kv_blocks=None, kv_memory_mb=1))
     assert eng2.bm.num_blocks == 2**20 // eng2.kv_shape.bytes_per_block(32)
 

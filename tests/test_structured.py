@@ -28,7 +28,7 @@ from mlxq.shared.protocol import Queue
 from mlxq.shared.schemas import GenerateRequest
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.constrain import RowGrammar
-from mlxq.worker.engine_api import SeqSpec
+from mlxq.worker.engine.api import SeqSpec
 from workerkit import fast_settings, running_worker
 from faultkit import WorkerProc, reference_tokens, wait_registered
 

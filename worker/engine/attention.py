@@ -26,19 +26,16 @@ KV head h // (Hq // Hkv): GQA without repeating KV heads. Queries that see no ke
   It has never run: no machine here has a Metal GPU. It is never the default; only
   ``--attention fused`` on a GPU device selects it.
 
-How the model reaches it. The model files stay stock mlx-lm. Their attention layers
-call ``scaled_dot_product_attention(queries, keys, values, cache=..., scale=...,
-mask=...)``, a name each model module imported from ``mlx_lm.models.base``.
-:func:`use_attention` replaces that name, in the modules of the loaded model only, by
-:func:`_dispatch`, which diverts exactly one case: ``cache`` is a ``PagedLayerCache``
-whose pool has a fused op. Then it calls the op on the pool (the paged cache's
-``update_and_fetch`` wrote the new keys and skipped the gather). Anything else
-(other caches, attention sinks, a mask the paged view did not make) goes to
-mlx-lm's own function, with gathered keys for paged caches. Why not the cache alone:
-the cache returns keys and values and the model itself calls SDPA on them, so the
-cache cannot change what attention computes; a narrowly scoped dispatch can, and a
-probe forward pass checks that every layer of the model goes through it before the
-engine relies on it (models with their own attention code keep the gather path).
+How the model reaches it: the model files stay stock mlx-lm, and their attention layers call
+``scaled_dot_product_attention``, a name each model module imported from ``mlx_lm.models.base``.
+:func:`use_attention` replaces that name, in the loaded model's modules only, by
+:func:`_dispatch`, which diverts one case: the cache is a ``PagedLayerCache`` whose pool has a
+fused op (its ``update_and_fetch`` wrote the new keys and skipped the gather).  Anything else
+(other caches, attention sinks, a mask the paged view did not make) goes to mlx-lm's own
+function, with gathered keys for paged caches.  Not the cache alone, because the model itself calls SDPA on what
+the cache returns, so only a dispatch can change what attention computes; a probe forward pass
+checks that every layer goes through it before the engine relies on it (models with their own
+attention code keep the gather path).
 
 With the CPU extension the engine also takes more of its ops (``use_attention``):
 ``paged_kv_write`` (the pool's new keys/values written in place, see ``kv_cache.py``), and the

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ...shared.settings import BLOCK_SIZE  # 32: the one supported size (a setting)
+from ...shared.engine_config import BLOCK_SIZE  # 32: the one supported size (a setting)
 
 
 def block_hash(parent: Optional[bytes], tokens: Sequence[int], model_id: str) -> bytes:

@@ -1,12 +1,11 @@
 """A decode step's forward pass built straight from the extension's ops: the same primitives as
 the stock model file, in the same order, with less host work and fewer graph nodes.
 
-Through mlx-lm's model file, a decode step of the bench model is a graph of 200 nodes that the
-main thread builds in Python (module calls, the op dispatch of :mod:`.kernels.model_ops`, the
-paged cache's protocol) in ~2-3 ms, 32 of them transposes. At one token per row a (B, 1, H * D)
-projection is already (B, H, 1, D) in memory, so a reshape alone does (168 nodes). The main
-thread shares the machine's cores with the MLX stream and the extension's pool, so its time comes
-off theirs: alternating in one engine, one row's step took 0.92-0.96x the model file's.
+Through mlx-lm's model file a decode step is a graph the main thread builds in Python (module
+calls, the op dispatch of :mod:`.kernels.model_ops`, the paged cache's protocol), and that thread
+shares the machine's cores with the MLX stream and the extension's pool, so its time comes off
+theirs.  At one token per row a (B, 1, H * D) projection is already (B, H, 1, D) in memory, so a
+reshape does what the model file's transposes do.
 
 :class:`DecodeForward` runs one case, and :meth:`DecodeForward.build` says when it applies:
 
@@ -16,22 +15,16 @@ off theirs: alternating in one engine, one row's step took 0.92-0.96x the model 
 * every row feeds one token (prefill chunks and ragged passes keep the model file).
 
 Every primitive gets the same inputs as through the model file, so the logits are the same
-bits (``tests/test_decode_forward.py`` compares them, on float and quantized pools). What
-differs is only the number of view nodes and the host's Python.
+bits (``tests/test_decode_forward.py`` compares them, on float and quantized pools).
 
-**Fused layer halves.** Each op above is a node MLX dispatches on its CPU stream (~10 us each
-even for a one-float add on these machines), with an output buffer of its own, and the pool's
-second thread waits out every such gap. Two of the extension's primitives run a decoder layer's
-ops back to back inside one task instead: ``attn_in`` (rms_norm, q/k/v, RoPE of q and k) and
-``mlp_block`` (o_proj and the residual, rms_norm, gate/up, swiglu, down and the residual). They
-call the same C++ tasks as the separate ops (``linear_run``, ``rms_norm_run``, ``rope_run``,
-``swiglu_run``) on the same inputs in the same order, and the adds are float adds as MLX's, so
-the bits do not change; :func:`fused_exact` checks each against its separate ops once a process
-and keeps those where one differs. A decode step of the bench model goes from ~165 graph nodes to
-61. Alternating in one engine (fused against separate ops, rounds of 30 steps): one row 1.15x
-tokens/s (median of 16 rounds, faster in 15), 64 rows 1.05x (9 of 10), the 0.36B shape at 16
-rows 1.03x (5 of 8). The gain is the dispatch and the idle second thread, so it is largest where
-the ops are small.
+**Fused layer halves.** Each op is a node MLX dispatches on its CPU stream, with an output
+buffer of its own, and the pool's second thread waits out every such gap.  Two of the
+extension's primitives run a decoder layer's ops back to back inside one task instead:
+``attn_in`` (rms_norm, q/k/v, RoPE of q and k) and ``mlp_block`` (o_proj and the residual,
+rms_norm, gate/up, swiglu, down and the residual).  They call the same C++ tasks as the separate
+ops on the same inputs in the same order, and the adds are float adds as MLX's, so the bits do
+not change; :func:`fused_exact` checks each against its separate ops once a process and keeps
+those where one differs.  What each saves, measured: docs/design/attention.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The paged-KV generation engine (implements ``mlxq.worker.engine_api.Engine``).
+"""The paged-KV generation engine (implements ``mlxq.worker.engine.api.Engine``).
 
 One ``step()`` reads like nano-vllm's: schedule, run, postprocess, twice (a
 prefill pass, then a decode launch)::
@@ -24,27 +24,24 @@ model runs over ``PagedLayerCache`` objects.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Optional, Sequence
 
-
+from ...shared.engine_config import DEFAULT_KV_MEMORY_MB, EngineConfig
 from ...shared.settings import Settings
 
-from ..engine_api import Preempted, SeqSpec, TokenEvent
+from .api import Preempted, SeqSpec, TokenEvent
 from . import hugepages
 from .attention import use_attention
-from .block_manager import BLOCK_SIZE, BlockManager
+from .block_manager import BlockManager
 from .constrain import GrammarBook, GrammarError, RowGrammar
 from .decode_forward import DecodeForward
 from .kv_cache import KVPool, make_kv_quant, probe_kv_shape
 from .model_runner import ModelRunner
-from .scheduler import DEFAULT_CHUNK_SCHEDULE, Scheduler, SchedulerConfig
+from .scheduler import Scheduler
 from .sessions import SessionFiles
 
 log = logging.getLogger(__name__)
-
-DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
-# PagedEngine's parameters that come from the model, not from Settings (every other one is a setting)
-FROM_MODEL = ("model", "eos_token_ids", "model_id", "context_length", "tokenizer")
 
 
 def make_engine(loaded, settings: Optional[Settings] = None) -> "PagedEngine":
@@ -52,9 +49,8 @@ def make_engine(loaded, settings: Optional[Settings] = None) -> "PagedEngine":
     batching (prefix cache, admission, preemption, sessions), configured by ``settings``
     (default: ``Settings.from_env()``)."""
     settings = settings or Settings.from_env()
-    return PagedEngine(loaded.model, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name,
-                       context_length=loaded.context_length, tokenizer=loaded.tokenizer,
-                       **settings.engine_options())
+    return PagedEngine(loaded.model, settings.engine_config(), eos_token_ids=loaded.eos_token_ids,
+                       model_id=loaded.name, context_length=loaded.context_length, tokenizer=loaded.tokenizer)
 
 
 class PagedEngine:
@@ -63,67 +59,51 @@ class PagedEngine:
     def __init__(
         self,
         model,
+        config: Optional[EngineConfig] = None,
         *,
-        memory_budget_bytes: Optional[int] = None,
-        num_blocks: Optional[int] = None,
-        max_batch: Optional[int] = None,
-        pressure: float = 0.85,
         eos_token_ids: Sequence[int] = (),
         model_id: str = "",
-        session_dir: Optional[str] = None,
-        prefix_cache: bool = True,
-        chunked_prefill: bool = True,
-        chunk_schedule=DEFAULT_CHUNK_SCHEDULE,
-        step_token_budget: int = 512,
-        decode_reserve_blocks: int = 1,
-        priority_gap: float = 1.0,
-        max_sequences: int = 256,
-        max_waiting: int = 8,
-        block_size: int = BLOCK_SIZE,
         context_length: Optional[int] = None,
-        attention: str = "auto",
-        matmul: str = "auto",
         tokenizer=None,
-        kv_bits: Optional[int] = None,
-        kv_group_size: int = 64,
-        huge_pages: bool = True,
+        **options,
     ):
+        """``config`` (default: ``EngineConfig()``) with ``options``, fields of it set by name, over it
+        (tests and benchmarks set a few); the rest comes from the model."""
+        config = replace(config or EngineConfig(), **options)
+        self.config = config
         self.model = model
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper: constrained output needs it
         self.eos_token_ids = tuple(eos_token_ids)
         self._book_error: Optional[str] = None  # why constrained output is unavailable, once known
-        self.block_size = block_size
+        block_size = self.block_size = config.block_size
         self.kv_shape = probe_kv_shape(model)
-        quant = make_kv_quant(kv_bits, kv_group_size)
+        quant = make_kv_quant(config.kv_bits, config.kv_group_size)
         if quant is not None:
             quant.check(self.kv_shape.head_dims())  # before anything is allocated
         per_block = self.kv_shape.bytes_per_block(block_size, quant=quant)
+        num_blocks = config.num_blocks
         if num_blocks is None:
-            budget = memory_budget_bytes or DEFAULT_BUDGET_BYTES
+            budget = config.memory_budget_bytes or DEFAULT_KV_MEMORY_MB * 2**20
             num_blocks = budget // per_block
-            if memory_budget_bytes is None and context_length:
+            if config.memory_budget_bytes is None and context_length:
                 # the default budget never exceeds what max_sequences full contexts need
-                num_blocks = min(num_blocks, (max_batch or max_sequences) * -(-context_length // block_size))
+                num_blocks = min(num_blocks,
+                                 (config.max_batch or config.max_sequences) * -(-context_length // block_size))
         if num_blocks < 2:
             raise ValueError(f"memory budget too small: {per_block} bytes per block")
         self.bm = BlockManager(num_blocks, block_size, model_id)
         self.pool = KVPool(self.kv_shape, num_blocks, block_size, dtype=self.kv_shape.dtype, quant=quant)
         self.runner = ModelRunner(model, self.pool)
         # auto / fused / gather; logs its choice
-        self.attention = use_attention(model, self.pool, attention, matmul=matmul)
+        self.attention = use_attention(model, self.pool, config.attention, matmul=config.matmul)
         self.runner.decode_forward, why = DecodeForward.build(model, self.pool, self.attention)
         self.decode_path = f"{'decode_forward' if self.runner.decode_forward else 'the model file'} ({why})"
         log.info("decode steps: %s", self.decode_path)
-        if huge_pages:  # the weights a step streams through and the pool (see hugepages.py)
+        if config.huge_pages:  # the weights a step streams through and the pool (see hugepages.py)
             hugepages.advise(hugepages.pack(model) + self.pool.arrays())
-        self.sessions = SessionFiles(session_dir, model_id, self.pool) if session_dir else None
-        config = SchedulerConfig(
-            max_batch=max_batch, pressure=pressure, eos_token_ids=frozenset(eos_token_ids),
-            prefix_cache=prefix_cache, chunked_prefill=chunked_prefill, chunk_schedule=tuple(chunk_schedule),
-            step_token_budget=step_token_budget, decode_reserve_blocks=decode_reserve_blocks,
-            priority_gap=priority_gap, max_sequences=max_sequences, max_waiting=max_waiting)
-        self.scheduler = Scheduler(self.bm, config, settle=self._settle, session_files=self.sessions,
-                                   start_grammar=self._start_grammar)
+        self.sessions = SessionFiles(config.session_dir, model_id, self.pool) if config.session_dir else None
+        self.scheduler = Scheduler(self.bm, config, eos_token_ids=eos_token_ids, settle=self._settle,
+                                   session_files=self.sessions, start_grammar=self._start_grammar)
         log.info("paged engine: %d blocks of %d tokens, %.1f MiB %s pool",
                  num_blocks, block_size, self.pool.nbytes / 2**20, self.pool.layout)
 
@@ -183,7 +163,15 @@ class PagedEngine:
         return self.scheduler.can_admit(prompt_len, max_tokens)
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        sched, c, k = self.scheduler, self.bm.counts(), self.scheduler.counters
+        return {
+            "blocks_total": c.total, "blocks_used": c.used, "blocks_cached": c.cached, "blocks_free": c.free,
+            "prefix_hit_tokens": k.prefix_hit_tokens, "fork_shared_tokens": k.fork_shared_tokens,
+            "prompt_tokens": k.prompt_tokens, "preemptions": k.preemptions, "evictions": self.bm.evictions,
+            "running": len(sched.running), "waiting": len(sched.waiting), "sessions_hot": len(sched.hot_sessions),
+            "session_spills": k.session_spills, "session_restores": k.session_restores,
+            "engine_steps": k.steps, "prefill_passes": k.prefill_passes, "decode_passes": k.decode_passes,
+        }
 
     @property
     def counters(self):
@@ -192,4 +180,4 @@ class PagedEngine:
     def close(self) -> None:
         """Spill every hot session (to disk when a session dir is set)."""
         self._settle()
-        self.scheduler.spill_all_sessions()
+        self.scheduler.hot_sessions.spill_all()

@@ -1,31 +1,21 @@
 """2 MiB pages for the arrays a decode step streams through: the model's weights and the KV pool.
 
-With 4 KiB pages a step touches one page per 4 KiB it reads: ~25k pages of the bench model's
-weights, and a KV block of one head is 2 pages. Inside a VM every TLB miss is a two-level walk,
-and the kernel's transparent huge pages are usually ``madvise`` only, so MLX's buffers get 4 KiB
-pages. :func:`advise` asks for 2 MiB pages on each large array's aligned interior
-(``MADV_HUGEPAGE``) and collapses it now (``MADV_COLLAPSE``, Linux 6.1+), where the kernel
-allows; elsewhere (macOS, older kernels, THP off) it does nothing. Only placement: the same
-bytes, the same bits.
-
-Measured on the bench model, two engines in one process, 4 KiB against 2 MiB pages, steps
-alternating (medians of 8-10): batch 1 4.45 -> 4.27 ms a step, batch 16 9.05 -> 8.23, batch 64
-28.4 -> 27.9; the paged attention alone at 64 rows x 85 tokens, alternating processes: 4.3-5.5 ->
-3.7-4.3 ms for 8 layers. Collapsing the 512 MiB pool and the weights took 0.2-1.5 s at start.
+With 4 KiB pages a step touches one page per 4 KiB it reads. Inside a VM every TLB miss is a
+two-level walk, and the kernel's transparent huge pages are usually ``madvise`` only, so MLX's
+buffers get 4 KiB pages. :func:`advise` asks for 2 MiB pages on each large array's aligned
+interior (``MADV_HUGEPAGE``) and collapses it now (``MADV_COLLAPSE``, Linux 6.1+), where the
+kernel allows; elsewhere (macOS, older kernels, THP off) it does nothing. Only placement: the
+same bytes, the same bits.
 
 The pool keeps its pages: the fused attention's KV writes are in place. An array MLX replaces
 (a block copy on the gather path) is back on 4 KiB pages, which costs only speed.
 
 Only an array's 2 MiB-aligned interior can be a huge page, and MLX gives each array its own
-allocation: a weight matrix of 0.5-2.3 MiB (every one of the bench model's layers) has no such
-interior, and of the bench model's 96 MiB of weights only 46 were asked for. :func:`pack` first
+allocation: a weight matrix of a few MiB has little or no such interior. :func:`pack` first
 copies the model's smaller parameters, in order, into a few large buffers (one per dtype and
-~64 MiB), each parameter then a view of its buffer (the same bytes and shape, rows contiguous), so
-that all but the buffers' ends get huge pages. Measured on the bench model, a packed engine against
-one whose weights were advised as before (46 MiB), windows of 30 steps alternating in one process
-(2026-11-27 17:00, best / median tok/s): batch 1 121 / 104 against 109 / 94, and in a second run
-133 / 124 against 127 / 118; batch 16 960 / 863 against 932 / 813; batch 64 1588 / 1315 against
-1465 / 1366.
+~64 MiB), each parameter then a view of its buffer (the same bytes and shape, rows contiguous),
+so that all but the buffers' ends get huge pages. What each saves, measured on the bench model:
+docs/design/engine.md and docs/benchmark-history.md.
 """
 
 from __future__ import annotations
@@ -122,12 +112,8 @@ def _to_line(buf: mx.array, used: int) -> int:
     the elements moved by. MLX's CPU allocator hands out ``malloc``'s pointer plus an 8-byte header,
     so a buffer, and every 64-byte offset in it, starts 8 bytes past a 16-byte boundary: half the
     32-byte loads of a row that starts there straddle two cache lines. The matmuls' tiles load a
-    weight row and an activation row per multiply-add chain; with both off a line they ran 8-9%
-    slower at 8 rows and 2-4% at 64 (``bench/harness/rowdot_rows.cpp`` with ``XOFF``/``WOFF``, weights
-    from L1, one thread, 2026-11-28, an AMD EPYC VM: 8 rows 5.40 ms with both on a line, 5.93 with
-    both off; either one on a line was enough). In the engine (``bench/n_fork.py --rounds 3``, three
-    runs each, alternating), the 8-row matmuls' cost over one row's: +1.56-2.02 ms with the weights
-    off a line, +0.15-1.21 on one. The same values: only their addresses move."""
+    weight row and an activation row per multiply-add chain, and ran measurably slower with both
+    off a line (docs/benchmarks/index.md). The same values: only their addresses move."""
     raw = np.frombuffer(memoryview(buf), dtype=np.uint8)
     nbytes = used * buf.dtype.size
     lead = -raw.ctypes.data % _ALIGN

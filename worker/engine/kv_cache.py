@@ -55,7 +55,7 @@ class KVQuant:
     """Quantized KV storage: ``bits`` per element, one scale and bias per ``group_size``."""
 
     bits: int
-    group_size: int = 64
+    group_size: int  # the engine passes its config's (EngineConfig.kv_group_size)
 
     def check(self, head_dims) -> None:
         """Raise ValueError (one line) for a width or group this pool cannot store."""
@@ -125,7 +125,7 @@ def _pack(q: mx.array, bits: int) -> mx.array:
     return (fields << (mx.arange(per, dtype=mx.uint32) * bits)).sum(axis=-1).astype(mx.uint32)
 
 
-def make_kv_quant(bits: Optional[int], group_size: int = 64) -> Optional[KVQuant]:
+def make_kv_quant(bits: Optional[int], group_size: int) -> Optional[KVQuant]:
     return None if bits is None else KVQuant(int(bits), int(group_size))
 
 

@@ -24,7 +24,7 @@ import mlx.core as mx
 from .kv_cache import BatchRow, BatchView, KVPool, make_layer_caches
 from .constrain import GrammarBook, Shaped, shape
 from .sampler import REPETITION_CONTEXT, SampleRow, sample
-from .scheduler import PrefillPlan
+from .sequence import PrefillPlan
 from .sequence import Sampled, Sequence
 
 

@@ -1,210 +1,78 @@
-"""Who runs this step: admission, preemption, prefill chunks, decode slots, sessions.
+"""Who runs this step: the waiting and running sequences, admission under budgets, preemption.
 
-Plain Python over :class:`Sequence` and :class:`BlockManager`; no MLX is imported or
-touched here.  Each step the engine asks for two plans and hands back what the model
-runner sampled:
+Plain Python over :class:`Sequence` and :class:`BlockManager`; no MLX.  Each step the engine
+asks for two plans and hands back what the model runner sampled:
 
-1. ``schedule_prefill()`` admits queued sequences while their prompt blocks (minus
-   prefix-cache hits) plus a decode reserve fit under the pressure threshold,
-   spilling hot sessions and preempting much-lower-priority sequences when needed,
-   then picks the prompt chunks of one ragged prefill pass (a token budget, chunk
-   size by cache position);
-   The n samples of one job (``SeqSpec.fork_of``) share one prefill: a sample waits
-   until its sibling computed the shared prompt, then takes the sibling's full blocks
-   (one more reference each) and a copy of its last partial block (the plan's
-   ``copies``, made by the model runner before the pass) and computes only its own
-   last token(s); a sample still waiting when its sibling's prompt ends draws its
-   first token from the sibling's logits in that pass (the plan's ``firsts``), so
-   all n samples decode from the next step on, none a step behind;
-2. ``schedule_decode()`` gives every other decoding sequence a block for its new
-   token, preempting the lowest-priority, newest sequence when the pool is full;
-3. ``postprocess_*()`` appends the sampled tokens, commits full blocks to the prefix
-   cache, and finishes sequences (stop id or length), keeping their session hot.
+1. ``schedule_prefill()`` admits waiting sequences, most urgent first, while their prompt blocks
+   (less prefix-cache hits) plus a decode reserve stay under the pressure threshold, spilling hot
+   sessions and preempting much less urgent sequences when needed; then it picks the prompt
+   chunks of one ragged prefill pass (a token budget, chunk size by cache position);
+2. ``schedule_decode()`` gives every other decoding sequence a slot for its new token,
+   preempting the least urgent, newest sequence when the pool is full;
+3. ``postprocess_*()`` appends the sampled tokens, commits full blocks to the prefix cache and
+   finishes sequences (stop id or length).
 
-Two things it decides need tensors; it calls what the engine wires in for them:
-``settle()`` reads the tokens of the decode still in flight (before a preemption,
-so a preempted job carries every token it generated), and ``session_files``
-spills and restores a session's blocks (``sessions.SessionFiles``; None: no
-session dir, a spilled session is dropped).
+What is not policy lives beside it: ``intake`` (a spec becomes a sequence), ``forks`` (the n
+samples of a job share one prefill), ``hot_sessions`` (a finished turn's blocks kept for the
+next).  ``settle()``, wired in by the engine, reads the decode still in flight (before a
+preemption, so a preempted job carries every token it generated).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence as Seq
 
-from ...shared.settings import DEFAULT_CHUNK_SCHEDULE
+from ...shared.engine_config import EngineConfig
 
-from ..engine_api import Preempted, SeqSpec, TokenEvent
+from .api import Preempted, SeqSpec, TokenEvent
 from .block_manager import BlockManager, PrefixHit
-from .constrain import GrammarError, RowGrammar
-from .sequence import Sampled, Sequence, SequenceStatus
+from .forks import Forks
+from .hot_sessions import HotSessions
+from .intake import StartGrammar, make_sequence
+from .sequence import PrefillPlan, Sampled, Sequence, SequenceStatus, StepCounters
 
 log = logging.getLogger(__name__)
 
-# DEFAULT_CHUNK_SCHEDULE (a setting): (cache position below which, chunk size); the issue's
-# 4096/2048/1024/512 scaled down 8x for a CPU.
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_batch: Optional[int] = None  # a fixed batch size (None: memory-aware admission)
-    pressure: float = 0.85  # admit while used blocks stay under this share of the pool
-    eos_token_ids: frozenset = frozenset()
-    prefix_cache: bool = True
-    chunked_prefill: bool = True
-    chunk_schedule: tuple = DEFAULT_CHUNK_SCHEDULE
-    step_token_budget: int = 512  # tokens of one step (prefill chunks + decode rows)
-    decode_reserve_blocks: int = 1
-    priority_gap: float = 1.0  # how much more urgent a job must be to preempt another
-    max_sequences: int = 256
-    max_waiting: int = 8  # jobs waiting inside the engine for memory
-
-
-@dataclass
-class PrefillPlan:
-    """One ragged prefill pass: (sequence, tokens this pass), most urgent first."""
-
-    rows: list[tuple[Sequence, int]]
-    ending: list[int] = field(init=False)  # rows whose prompt ends in this pass: their next token is sampled
-    # (source block, destination block) copies to make before the pass (forked samples' last partial
-    # block); a plan may carry copies and no rows
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    # (waiting sample, index into ``ending``): forked samples whose sibling's prompt ends in this pass
-    # draw their first token from the sibling's logits (the same context, so the same logits), so
-    # every sample of a job starts decoding in the same step
-    firsts: list[tuple[Sequence, int]] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.ending = [i for i, (seq, n) in enumerate(self.rows) if n >= seq.num_uncomputed]
-
-    def ending_seqs(self) -> list[Sequence]:
-        return [self.rows[i][0] for i in self.ending]
-
-
-@dataclass
-class HotSession:
-    """A finished turn whose full blocks stay pinned in the pool for the next turn."""
-
-    session_id: str
-    block_ids: list[int]
-    tokens: list[int]  # the tokens of those full blocks
-
-
-@dataclass
-class StepCounters:
-    prefix_hit_tokens: int = 0
-    fork_shared_tokens: int = 0  # prompt tokens a forked sample took from its sibling (not computed again)
-    prompt_tokens: int = 0  # context tokens of admitted sequences (a fork's: those it did not share)
-    preemptions: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    session_spills: int = 0
-    session_restores: int = 0
-    steps: int = 0
-    prefill_passes: int = 0
-    decode_passes: int = 0
-
 
 class Scheduler:
-    def __init__(self, bm: BlockManager, config: SchedulerConfig = SchedulerConfig(), *,
+    def __init__(self, bm: BlockManager, config: EngineConfig = EngineConfig(), *, eos_token_ids: Seq[int] = (),
                  settle: Callable[[], None] = lambda: None, session_files=None,
-                 start_grammar: Optional[Callable[[str, list[int]], RowGrammar]] = None):
+                 start_grammar: Optional[StartGrammar] = None):
         self.bm = bm
+        self.eos_token_ids = frozenset(eos_token_ids)  # a sequence's stop ids unless its spec names its own
         self.start_grammar = start_grammar
         self.block_size = bm.block_size
         self.config = config
         self.settle = settle
-        self.session_files = session_files
         self.counters = StepCounters()
+        self.forks = Forks(bm, self.counters)
+        self.hot_sessions = HotSessions(bm, session_files, self.counters)
         self.waiting: list[Sequence] = []
         self.running: dict[str, Sequence] = {}
         self._live: dict[str, Sequence] = {}  # every waiting or running sequence by uid
-        self._samples: dict[str, set[str]] = {}  # job id -> the uids of its live samples ("job#i")
-        self._copies: list[tuple[int, int]] = []  # block copies of forks admitted this step (sources pinned)
-        self.hot_sessions: "OrderedDict[str, HotSession]" = OrderedDict()
         self._arrivals = itertools.count()
         self._events: list[TokenEvent] = []
         self._preempted: list[Preempted] = []
 
     # ================================================================ the engine API's policy
     def add(self, specs: list[SeqSpec]) -> None:
+        pool_tokens = (self.bm.num_blocks - self.config.decode_reserve_blocks) * self.block_size
         for spec in specs:
-            if not spec.prompt:
-                raise ValueError(f"{spec.uid}: empty prompt")
-            ctx = list(spec.prompt) + list(spec.resume_tokens)
-            fits = (self.bm.num_blocks - self.config.decode_reserve_blocks) * self.block_size
-            if len(ctx) + 1 > fits:
-                # Its context alone cannot fit the pool: waiting, it would never be admitted, and
-                # every sequence behind it would wait too. It ends now (the worker asks can_admit
-                # first and refuses such a job; a caller of the engine itself meets this).
-                why = (f"{len(ctx)} context tokens (and one to generate) do not fit this KV pool "
-                       f"({fits} tokens)")
-                log.warning("%s: %s", spec.uid, why)
+            seq, why = make_sequence(spec, self._arrivals, pool_tokens, self.start_grammar)
+            if seq is None:
                 self._events.append(TokenEvent(spec.uid, None, "error", error=why))
-                continue
-            if len(ctx) + spec.max_tokens > fits:
-                # Alone it would exhaust the pool mid-decode: finish it with
-                # "length" where the pool ends (the worker should have asked
-                # can_admit first).
-                log.warning("%s: %d + %d tokens exceed the pool; max_tokens capped",
-                            spec.uid, len(ctx), spec.max_tokens)
-                spec = replace(spec, max_tokens=max(1, fits - len(ctx)))
-            if spec.fork_of is not None and (spec.fork_of == spec.uid
-                                             or not 0 < spec.fork_len <= len(spec.prompt)):
-                log.warning("%s: fork_of %s with fork_len %d of a %d-token prompt: not forked",
-                            spec.uid, spec.fork_of, spec.fork_len, len(spec.prompt))
-                spec = replace(spec, fork_of=None, fork_len=0)
-            seq = Sequence(spec, next(self._arrivals), ctx, len(ctx))
-            if spec.grammar is not None and not self._attach_grammar(seq):
                 continue
             self.waiting.append(seq)
             self._register(seq)
         self.waiting.sort(key=Sequence.rank)
 
-    def _register(self, seq: Sequence) -> None:
-        self._live[seq.uid] = seq
-        job, sep, _ = seq.uid.rpartition("#")
-        if sep:
-            self._samples.setdefault(job, set()).add(seq.uid)
-
-    def _unregister(self, seq: Sequence) -> None:
-        """The sequence left the engine (finished, removed, preempted)."""
-        if self._live.get(seq.uid) is not seq:
-            return
-        del self._live[seq.uid]
-        job, sep, _ = seq.uid.rpartition("#")
-        samples = self._samples.get(job) if sep else None
-        if samples is not None:
-            samples.discard(seq.uid)
-            if not samples:
-                del self._samples[job]
-
-    def _attach_grammar(self, seq: Sequence) -> bool:
-        """Build the sequence's matcher (at its resume point); a constraint that cannot start ends
-        the job at once with "error"."""
-        try:
-            if self.start_grammar is None:
-                raise GrammarError("this engine has no tokenizer: constrained output is unavailable")
-            seq.grammar = self.start_grammar(seq.spec.grammar, list(seq.spec.resume_tokens))
-            return True
-        except GrammarError as exc:
-            log.warning("%s: %s", seq.uid, exc)
-            self._events.append(TokenEvent(seq.uid, None, "error", error=str(exc)))
-            return False
-        except Exception as exc:  # the grammar library's own failure: this job's, not the engine's
-            log.exception("%s: starting its constraint failed", seq.uid)
-            self._events.append(TokenEvent(seq.uid, None, "error", error=f"starting the constraint failed: {exc}"))
-            return False
-
     def remove(self, uids: list[str]) -> None:
         """Drop these sequences; a job id also drops its samples (``job_id#i``)."""
         gone = set(uids)
         for uid in uids:
-            gone.update(self._samples.get(uid, ()))
+            gone.update(self.forks.samples_of(uid))
         self.waiting = [s for s in self.waiting if s.uid not in gone]
         for uid in gone:
             seq = self._live.get(uid)
@@ -231,7 +99,7 @@ class Scheduler:
         if cfg.max_batch is not None:
             return max(0, cfg.max_batch - n_seqs)
         # samples waiting for their sibling's prefill do not wait for memory
-        n_waiting = sum(1 for s in self.waiting if not self._held(s))
+        n_waiting = sum(1 for s in self.waiting if not self.forks.held(s, self._live))
         if n_seqs >= cfg.max_sequences or n_waiting >= cfg.max_waiting:
             return 0
         headroom = int(cfg.pressure * self.bm.num_blocks) - self.bm.num_used
@@ -256,45 +124,103 @@ class Scheduler:
         need = self.bm.blocks_needed(prompt_len + max(1, max_tokens))
         return need + self.config.decode_reserve_blocks <= self.bm.num_blocks
 
-    def stats(self) -> dict:
-        c = self.bm.counts()
-        k = self.counters
-        return {
-            "blocks_total": c.total,
-            "blocks_used": c.used,
-            "blocks_cached": c.cached,
-            "blocks_free": c.free,
-            "prefix_hit_tokens": k.prefix_hit_tokens,
-            "fork_shared_tokens": k.fork_shared_tokens,
-            "prompt_tokens": k.prompt_tokens,
-            "preemptions": k.preemptions,
-            "evictions": self.bm.evictions,
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "sessions_hot": len(self.hot_sessions),
-            "session_spills": k.session_spills,
-            "session_restores": k.session_restores,
-            "engine_steps": k.steps,
-            "prefill_passes": k.prefill_passes,
-            "decode_passes": k.decode_passes,
-        }
-
     def take_output(self) -> tuple[list[TokenEvent], list[Preempted]]:
         """This step's token events and preempted sequences (and start afresh)."""
         out = self._events, self._preempted
         self._events, self._preempted = [], []
         return out
 
-    def spill_all_sessions(self) -> None:
-        while self._spill_one_session():
-            pass
+    # ================================================================ prefill
+    def schedule_prefill(self) -> Optional[PrefillPlan]:
+        """Start a step: admit what fits, then the prefill pass's rows (None: no prefill)."""
+        self.counters.steps += 1
+        self._admit()
+        copies = self.forks.take_copies()
+        n_decoding = sum(1 for s in self.running.values() if s.status is SequenceStatus.DECODE)
+        rows = self._pick_prefill(max(1, self.config.step_token_budget - n_decoding))
+        if not (rows or copies):
+            return None
+        plan = PrefillPlan(rows, copies)
+        plan.firsts = self.forks.firsts(plan.ending_seqs(), self.waiting)
+        return plan
 
-    # ================================================================ admission
+    def postprocess_prefill(self, plan: PrefillPlan, sampled: list[Sampled]) -> None:
+        """The pass computed its chunks; ``sampled`` has the first token of each ending row."""
+        if plan.rows:
+            self.counters.prefill_passes += 1
+        self.counters.prefill_tokens += sum(n for _, n in plan.rows)
+        for seq, n in plan.rows:
+            seq.num_computed += n
+            self._commit_full_blocks(seq)
+        firsts = {id(w) for w, _ in plan.firsts}
+        for s in sampled:
+            if id(s.seq) in firsts:
+                # a waiting fork's first token, drawn from its sibling's logits: it admits next step
+                # sharing the whole prompt and decodes from that token (or it ended there)
+                if self._live.get(s.seq.uid) is not s.seq:
+                    continue  # removed meanwhile
+            else:
+                s.seq.status = SequenceStatus.DECODE
+            if s.error is not None:
+                self.fail(s.seq, s.error)
+            else:
+                self._emit(s)
+
+    # ================================================================ decode
+    def schedule_decode(self, skip: Seq[Sequence] = ()) -> list[Sequence]:
+        """The decode rows of this step (``skip``: just prefilled), each with a slot for its token.
+
+        When the pool has fewer free blocks than the rows need, the pending
+        tokens are read first (finished rows free theirs), then sessions are
+        spilled or sequences preempted row by row.
+        """
+        rows = self._decode_rows(skip)
+        if sum(1 for s in rows if self._needs_block(s)) <= self.bm.num_unreferenced:
+            for seq in rows:
+                if self._needs_block(seq):
+                    seq.block_table.append(self.bm.append_block())
+            return rows
+        self.settle()
+        ready = [seq for seq in self._decode_rows(skip)
+                 if self.running.get(seq.uid) is seq and self._ensure_slot(seq)]
+        return [s for s in ready if self.running.get(s.uid) is s]
+
+    def postprocess_decode(self, launched: list[Sequence], collected: list[Sampled]) -> None:
+        """``launched`` rows now have a token in flight; ``collected`` are the previous launch's."""
+        if launched:
+            self.counters.decode_passes += 1
+            self.counters.decode_tokens += len(launched)
+        for s in launched:
+            s.num_computed += 1
+            s.pending += 1
+        self.collect(collected)
+
+    def collect(self, sampled: list[Sampled]) -> None:
+        """Hand out the tokens of a launched decode, now read back."""
+        for s in sampled:
+            if self.running.get(s.seq.uid) is not s.seq:
+                continue  # removed, finished or preempted since the launch: a wasted row
+            s.seq.pending -= 1
+            self._emit(s)
+
+    def fail(self, seq: Sequence, error: str) -> None:
+        """End a sequence still in the engine (running, or a waiting fork given its first token) with
+        "error" (its constraint dead-ended), no token emitted."""
+        if self._live.get(seq.uid) is not seq:
+            return
+        log.warning("%s: %s", seq.uid, error)
+        self._events.append(TokenEvent(seq.uid, None, "error", cached_tokens=seq.prefix_hit, error=error))
+        self._finish(seq)
+
+    def is_running(self, seq: Sequence) -> bool:
+        return self.running.get(seq.uid) is seq
+
+    # ================================================================ admission and preemption
     def _admit(self) -> None:
         cfg = self.config
         while True:
             # most urgent first; a sample waiting for its sibling's prefill lets the next one by
-            seq = next((s for s in self.waiting if not self._held(s)), None)
+            seq = next((s for s in self.waiting if not self.forks.held(s, self._live)), None)
             if seq is None:
                 return
             if cfg.max_batch is not None and len(self.running) >= cfg.max_batch:
@@ -305,7 +231,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 self.running[seq.uid] = seq
                 continue
-            if self._spill_one_session():
+            if self.hot_sessions.spill_one():
                 continue
             if not self._preempt_for(seq):
                 return
@@ -313,13 +239,13 @@ class Scheduler:
     def _try_allocate(self, seq: Sequence) -> bool:
         bm, cfg = self.bm, self.config
         n = len(seq.tokens)
-        sibling = self._fork_source(seq)
+        sibling = self.forks.source(seq, self.running)
         if sibling is not None:
-            hit, computed = self._fork_hit(seq, sibling)
+            hit, computed = self.forks.hit(seq, sibling)
         else:
             if seq.spec.session_id and cfg.prefix_cache and not seq.session_checked:
                 seq.session_checked = True
-                self._restore_session(seq)
+                self.hot_sessions.restore(seq)
             hit = bm.lookup(seq.tokens, n - 1) if cfg.prefix_cache else PrefixHit()
             computed = hit.num_blocks * self.block_size
         new_blocks = bm.blocks_needed(n) - hit.num_blocks
@@ -337,63 +263,9 @@ class Scheduler:
             self.counters.prefix_hit_tokens += computed
             self.counters.prompt_tokens += n
         else:
-            self._fork(seq, sibling, hit.num_blocks)
+            self.forks.admitted(seq, sibling, hit.num_blocks)
         log.debug("admit %s: %d tokens, %d computed, %d new blocks", seq.uid, n, computed, new_blocks)
         return True
-
-    # ================================================================ n > 1: forked samples
-    def _fork_len(self, seq: Sequence) -> int:
-        """Tokens a forked sample takes from its sibling: the shared prompt, less the last token when
-        nothing of its own follows (that token's logits must be its own)."""
-        return min(seq.spec.fork_len, len(seq.tokens) - 1)
-
-    def _held(self, seq: Sequence) -> bool:
-        """A sample whose sibling is about to compute the shared prompt: it waits for it."""
-        sibling = self._live.get(seq.spec.fork_of) if seq.spec.fork_of else None
-        if sibling is None or sibling is seq:
-            return False  # no sibling (gone, or never came): an ordinary admission
-        if sibling.status is SequenceStatus.WAITING:
-            return not sibling.spec.fork_of  # its sibling is queued here (a sample of a sample: no)
-        return sibling.status is SequenceStatus.PREFILL and sibling.num_computed < self._fork_len(seq)
-
-    def _fork_source(self, seq: Sequence) -> Optional[Sequence]:
-        """The running sibling whose computed blocks ``seq`` shares (None: none, admit alone)."""
-        sibling = self.running.get(seq.spec.fork_of) if seq.spec.fork_of else None
-        share = self._fork_len(seq)
-        if (sibling is None or sibling is seq or share <= 0 or sibling.num_computed < share
-                or sibling.tokens[:share] != seq.tokens[:share]):
-            return None
-        return sibling
-
-    def _fork_hit(self, seq: Sequence, sibling: Sequence) -> tuple[PrefixHit, int]:
-        """The sibling's full blocks of the shared tokens, taken like prefix-cache hits (one more
-        reference each); the tokens the fork starts with computed."""
-        n_full = self._fork_len(seq) // self.block_size
-        return PrefixHit(sibling.block_table[:n_full], sibling.block_hashes[:n_full]), self._fork_len(seq)
-
-    def _first_of_fork(self, s: Sampled) -> None:
-        """A waiting fork's first token, drawn from its sibling's prefill logits: it admits next step
-        sharing the whole prompt and decodes from that token (or it ended there: EOS, max_tokens 1)."""
-        if self._live.get(s.seq.uid) is not s.seq:
-            return  # removed meanwhile
-        if s.error is not None:
-            self.fail(s.seq, s.error)
-        else:
-            self._emit(s)
-
-    def _fork(self, seq: Sequence, sibling: Sequence, n_full: int) -> None:
-        """Finish a forked admission: the copy of the sibling's last partial block (its source pinned
-        until the plan carries it), and straight to decode when one token is left to compute."""
-        if seq.num_computed % self.block_size:
-            src = sibling.block_table[n_full]
-            self.bm.ref([src])
-            self._copies.append((src, seq.block_table[n_full]))
-        if seq.num_uncomputed == 1:
-            seq.status = SequenceStatus.DECODE  # its decode row computes its last prompt token
-        seq.prefix_hit = min(sibling.prefix_hit, seq.num_computed)
-        self.counters.fork_shared_tokens += seq.num_computed
-        # context tokens it did not share (its first token drawn from the sibling's logits is none)
-        self.counters.prompt_tokens += max(0, seq.num_context - seq.num_computed)
 
     def _victim(self) -> Sequence:
         return max(self.running.values(), key=Sequence.rank)
@@ -421,37 +293,6 @@ class Scheduler:
         self._release(seq)
         self.counters.preemptions += 1
         self._preempted.append(Preempted(seq.uid, list(seq.generated)))
-
-    # ================================================================ prefill
-    def schedule_prefill(self) -> Optional[PrefillPlan]:
-        """Start a step: admit what fits, then the prefill pass's rows (None: no prefill)."""
-        self.counters.steps += 1
-        self._admit()
-        copies, self._copies = self._copies, []
-        # the runner copies before anything else writes: the sources need no pin any more
-        self.bm.deallocate([src for src, _ in copies])
-        n_decoding = sum(1 for s in self.running.values() if s.status is SequenceStatus.DECODE)
-        rows = self._pick_prefill(max(1, self.config.step_token_budget - n_decoding))
-        if not (rows or copies):
-            return None
-        plan = PrefillPlan(rows, copies)
-        plan.firsts = self._firsts(plan)
-        return plan
-
-    def _firsts(self, plan: PrefillPlan) -> list[tuple[Sequence, int]]:
-        """The waiting forks of this pass's ending rows whose context is the sibling's, whole: their
-        first token comes from the sibling's logits (a constrained sample takes the ordinary path)."""
-        ending = {seq.uid: (k, seq) for k, seq in enumerate(plan.ending_seqs())}
-        if not ending:
-            return []
-        out = []
-        for w in self.waiting:
-            k, sibling = ending.get(w.spec.fork_of, (None, None))
-            # fork_len <= len(prompt): a context of fork_len tokens is the bare prompt, nothing emitted
-            if (sibling is not None and w.grammar is None
-                    and w.spec.fork_len == len(w.tokens) and w.tokens == sibling.tokens):
-                out.append((w, k))
-        return out
 
     def _chunk_size(self, pos: int) -> int:
         for limit, size in self.config.chunk_schedule:
@@ -484,44 +325,6 @@ class Scheduler:
             left -= n
         return picked
 
-    def postprocess_prefill(self, plan: PrefillPlan, sampled: list[Sampled]) -> None:
-        """The pass computed its chunks; ``sampled`` has the first token of each ending row."""
-        if plan.rows:
-            self.counters.prefill_passes += 1
-        self.counters.prefill_tokens += sum(n for _, n in plan.rows)
-        for seq, n in plan.rows:
-            seq.num_computed += n
-            self._commit_full_blocks(seq)
-        firsts = {id(w) for w, _ in plan.firsts}
-        for s in sampled:
-            if id(s.seq) in firsts:
-                self._first_of_fork(s)
-                continue
-            s.seq.status = SequenceStatus.DECODE
-            if s.error is not None:
-                self.fail(s.seq, s.error)
-            else:
-                self._emit(s)
-
-    # ================================================================ decode
-    def schedule_decode(self, skip: Seq[Sequence] = ()) -> list[Sequence]:
-        """The decode rows of this step (``skip``: just prefilled), each with a slot for its token.
-
-        When the pool has fewer free blocks than the rows need, the pending
-        tokens are read first (finished rows free theirs), then sessions are
-        spilled or sequences preempted row by row.
-        """
-        rows = self._decode_rows(skip)
-        if sum(1 for s in rows if self._needs_block(s)) <= self.bm.num_unreferenced:
-            for seq in rows:
-                if self._needs_block(seq):
-                    seq.block_table.append(self.bm.append_block())
-            return rows
-        self.settle()
-        ready = [seq for seq in self._decode_rows(skip)
-                 if self.running.get(seq.uid) is seq and self._ensure_slot(seq)]
-        return [s for s in ready if self.running.get(s.uid) is s]
-
     def _decode_rows(self, skip: Seq[Sequence]) -> list[Sequence]:
         # a row whose pending token is its last (max_tokens) needs no launch
         skipped = {id(s) for s in skip}
@@ -540,7 +343,7 @@ class Scheduler:
             if self.bm.can_append():
                 seq.block_table.append(self.bm.append_block())
                 return True
-            if self._spill_one_session():
+            if self.hot_sessions.spill_one():
                 continue
             # Never the only sequence: add() keeps each one within the pool.
             victim = self._victim()
@@ -549,35 +352,7 @@ class Scheduler:
                 return False
         return True
 
-    def postprocess_decode(self, launched: list[Sequence], collected: list[Sampled]) -> None:
-        """``launched`` rows now have a token in flight; ``collected`` are the previous launch's."""
-        if launched:
-            self.counters.decode_passes += 1
-            self.counters.decode_tokens += len(launched)
-        for s in launched:
-            s.num_computed += 1
-            s.pending += 1
-        self.collect(collected)
-
-    def collect(self, sampled: list[Sampled]) -> None:
-        """Hand out the tokens of a launched decode, now read back."""
-        for s in sampled:
-            if self.running.get(s.seq.uid) is not s.seq:
-                continue  # removed, finished or preempted since the launch: a wasted row
-            s.seq.pending -= 1
-            self._emit(s)
-
-    # ================================================================ tokens and blocks
-    def _commit_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks whose every token is computed and known."""
-        bs = self.block_size
-        n_full = min(seq.num_computed, len(seq.tokens)) // bs
-        while len(seq.block_hashes) < n_full:
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = self.bm.commit(seq.block_table[i], parent, seq.tokens[i * bs:(i + 1) * bs])
-            seq.block_hashes.append(h)
-
+    # ================================================================ tokens, ends and blocks
     def _emit(self, s: Sampled) -> None:
         seq, tok = s.seq, s.token
         refused = seq.grammar.advance(tok) if seq.grammar is not None else None
@@ -588,7 +363,7 @@ class Scheduler:
         seq.emitted += 1
         self._commit_full_blocks(seq)
         reason = None
-        stops = self.config.eos_token_ids if seq.spec.stop_token_ids is None else seq.spec.stop_token_ids
+        stops = self.eos_token_ids if seq.spec.stop_token_ids is None else seq.spec.stop_token_ids
         if tok in stops or (seq.grammar is not None and seq.grammar.stopped):
             reason = "stop"
         elif seq.emitted >= seq.spec.max_tokens:
@@ -597,17 +372,15 @@ class Scheduler:
         if reason is not None:
             self._finish(seq)
 
-    def fail(self, seq: Sequence, error: str) -> None:
-        """End a sequence still in the engine (running, or a waiting fork given its first token) with
-        "error" (its constraint dead-ended), no token emitted."""
-        if self._live.get(seq.uid) is not seq:
-            return
-        log.warning("%s: %s", seq.uid, error)
-        self._events.append(TokenEvent(seq.uid, None, "error", cached_tokens=seq.prefix_hit, error=error))
-        self._finish(seq)
-
-    def is_running(self, seq: Sequence) -> bool:
-        return self.running.get(seq.uid) is seq
+    def _commit_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks whose every token is computed and known."""
+        bs = self.block_size
+        n_full = min(seq.num_computed, len(seq.tokens)) // bs
+        while len(seq.block_hashes) < n_full:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = self.bm.commit(seq.block_table[i], parent, seq.tokens[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(h)
 
     def _finish(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING:  # a fork that ended on its first token
@@ -615,12 +388,11 @@ class Scheduler:
         self.running.pop(seq.uid, None)
         self._unregister(seq)
         if seq.spec.session_id and self.config.prefix_cache:  # (without it, the next turn would not use them)
-            self._keep_session(seq)
+            self.hot_sessions.keep(seq)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        if self._copies:  # admitted as a fork in this _admit (preempted at once, priority_gap 0): no copy
-            self._drop_copies(set(seq.block_table))
+        self.forks.drop_copies(seq)
         if seq.block_table:
             self.bm.deallocate(seq.block_table)
         seq.block_table = []
@@ -629,60 +401,12 @@ class Scheduler:
         seq.pending = 0
         seq.status = SequenceStatus.WAITING
 
-    def _drop_copies(self, dst_blocks: set) -> None:
-        dropped = [c for c in self._copies if c[1] in dst_blocks]
-        self._copies = [c for c in self._copies if c[1] not in dst_blocks]
-        self.bm.deallocate([src for src, _ in dropped])
+    def _register(self, seq: Sequence) -> None:
+        self._live[seq.uid] = seq
+        self.forks.join(seq)
 
-    # ================================================================ sessions
-    def _keep_session(self, seq: Sequence) -> None:
-        n_full = len(seq.block_hashes)
-        if n_full == 0:
-            return
-        blocks = seq.block_table[:n_full]
-        self.bm.ref(blocks)
-        sid = seq.spec.session_id
-        old = self.hot_sessions.pop(sid, None)
-        self.hot_sessions[sid] = HotSession(sid, blocks, seq.tokens[:n_full * self.block_size])
-        if old is not None:
-            self.bm.deallocate(old.block_ids)
-
-    def _spill_one_session(self) -> bool:
-        """Write the least recently used hot session to disk and unpin it."""
-        if not self.hot_sessions:
-            return False
-        _, hot = self.hot_sessions.popitem(last=False)
-        if self.session_files is not None:
-            self.session_files.spill(hot.session_id, hot.block_ids, hot.tokens)
-        self.bm.deallocate(hot.block_ids)
-        self.counters.session_spills += 1
-        return True
-
-    def _restore_session(self, seq: Sequence) -> None:
-        """Load a warm session's blocks into the prefix cache when they help."""
-        sid = seq.spec.session_id
-        if sid in self.hot_sessions:
-            self.hot_sessions.move_to_end(sid)
-            return
-        bs = self.block_size
-        warm = self.session_files.load(sid) if self.session_files is not None else None
-        if warm is None:
-            return
-        n_blocks = min(len(warm.tokens), len(seq.tokens) - 1) // bs
-        while n_blocks and warm.tokens[:n_blocks * bs] != seq.tokens[:n_blocks * bs]:
-            n_blocks -= 1
-        hit = self.bm.lookup(seq.tokens, n_blocks * bs)
-        need = n_blocks - hit.num_blocks
-        if need <= 0 or not self.bm.can_allocate(need, hit):
-            return
-        # Reference the blocks already in the pool (so allocating cannot evict
-        # them), load the rest into fresh blocks and register their hashes.
-        table = self.bm.allocate(need, hit)
-        new_ids = table[hit.num_blocks:]
-        self.session_files.restore(warm, new_ids, hit.num_blocks * bs, n_blocks * bs)
-        parent = hit.hashes[-1] if hit.hashes else None
-        for i, bid in enumerate(new_ids, start=hit.num_blocks):
-            parent = self.bm.commit(bid, parent, seq.tokens[i * bs:(i + 1) * bs])
-        self.bm.deallocate(table)  # now cached; the lookup that follows takes them
-        self.counters.session_restores += 1
-        log.debug("session %s restored: %d of %d blocks from disk", sid, need, n_blocks)
+    def _unregister(self, seq: Sequence) -> None:
+        """The sequence left the engine (finished, removed, preempted)."""
+        if self._live.get(seq.uid) is seq:
+            del self._live[seq.uid]
+            self.forks.leave(seq)

@@ -1,4 +1,5 @@
-"""One sequence in the engine: its tokens, its blocks and where it stands (plain data, no MLX)."""
+"""One sequence in the engine (its tokens, its blocks, where it stands), the prefill plan the scheduler
+hands the model runner, and the step's counters: plain data, no MLX."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..engine_api import SeqSpec
+from .api import SeqSpec
 from .constrain import RowGrammar, RowShape
 
 
@@ -75,3 +76,41 @@ class Sampled:
     token: Optional[int]  # None: no token could be sampled (``error`` says why)
     logprobs: object = None  # the runner's (vocab,) log-probabilities when the spec wants them, else None
     error: Optional[str] = None  # the row's constraint dead-ended
+
+
+@dataclass
+class StepCounters:
+    """The engine's running totals (the scheduler and its rooms count; ``stats()`` reports them)."""
+
+    prefix_hit_tokens: int = 0
+    fork_shared_tokens: int = 0  # prompt tokens a forked sample took from its sibling (not computed again)
+    prompt_tokens: int = 0  # context tokens of admitted sequences (a fork's: those it did not share)
+    preemptions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    session_spills: int = 0
+    session_restores: int = 0
+    steps: int = 0
+    prefill_passes: int = 0
+    decode_passes: int = 0
+
+
+@dataclass
+class PrefillPlan:
+    """One ragged prefill pass: (sequence, tokens this pass), most urgent first."""
+
+    rows: list[tuple[Sequence, int]]
+    ending: list[int] = field(init=False)  # rows whose prompt ends in this pass: their next token is sampled
+    # (source block, destination block) copies to make before the pass (forked samples' last partial
+    # block); a plan may carry copies and no rows
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    # (waiting sample, index into ``ending``): forked samples whose sibling's prompt ends in this pass
+    # draw their first token from the sibling's logits (the same context, so the same logits), so
+    # every sample of a job starts decoding in the same step
+    firsts: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.ending = [i for i, (seq, n) in enumerate(self.rows) if n >= seq.num_uncomputed]
+
+    def ending_seqs(self) -> list[Sequence]:
+        return [self.rows[i][0] for i in self.ending]

@@ -1,12 +1,10 @@
 """Faster, bit-identical stand-ins for MLX ops inside the stock mlx-lm model files.
 
-The x86-64 mlx wheel computes elementwise math one float at a time (its SIMD
-type has width 1 off Apple), and MLX's CPU RoPE is a graph of ~18 such ops
-(``mlx/fast.cpp``'s fallback).  On a decode step they add up: swiglu was ~6% of
-a batch-16 step, RoPE 70-140 us per call (2 calls per layer).  The CPU extension
-(``csrc/cpu_ops.cpp``) has both, computed exactly as MLX does (its own exp and
-sincos from the shipped simd headers, the same operation order, fma only where
-MLX has one), so greedy equality with mlx-lm holds bit for bit:
+The x86-64 mlx wheel computes elementwise math one float at a time (its SIMD type has width 1
+off Apple), and MLX's CPU RoPE and RMSNorm are graphs of many such ops (``mlx/fast.cpp``'s
+fallback).  The CPU extension (``csrc/cpu_ops.cpp``, ``csrc/norm_ops.h``) computes them exactly
+as MLX does (its own exp and sincos from the shipped simd headers, the same operation order, fma
+only where MLX has one), so greedy equality with mlx-lm holds bit for bit:
 
 * ``swiglu``: replaces the name ``swiglu`` in the loaded model's modules (as
   ``attention.install_dispatch`` does for attention); mlx-lm's own runs for
@@ -14,8 +12,8 @@ MLX has one), so greedy equality with mlx-lm holds bit for bit:
 * ``rope``: the model's ``nn.RoPE`` instances become :class:`FastRoPE` (same
   attributes); other RoPE classes (llama3, yarn, ...) are left alone.
 * ``rms_norm``: the model's ``nn.RMSNorm`` instances become :class:`FastRMSNorm`: one
-  primitive where MLX's CPU ``mx.fast.rms_norm`` is a graph of ~10 (``csrc/norm_ops.h``);
-  fewer primitives per step is less of MLX's per-op dispatch on the critical path.
+  primitive where MLX's is a graph; fewer primitives per step is less of MLX's per-op
+  dispatch on the critical path.
 
 Each of these is checked bit for bit against MLX when the extension loads
 (:func:`checked_ops`); one that differs is not installed and the worker says so.
@@ -27,16 +25,14 @@ One op is not bit-identical, and says so:
   output columns on the extension's thread pool, each part our own loop where the CPU has
   AVX2 and FMA (``csrc/rowdot.h``: the weights read where they lie, each output summed in one
   order whatever the batch, so a row's bits do not depend on its batch), else a
-  single-threaded OpenBLAS sgemm or sgemv (``csrc/linear_ops.h`` says why not MLX's matmul:
-  OpenBLAS's sgemm packs the weights on every call and is slow at one row, and its idle
-  threads spin on the core the attention needs). Sibling projections of one input (q/k/v,
-  gate/up) run as one call (:class:`LinearGroup`, bit for bit the separate calls). Its
-  logits differ from MLX's in the last bits, so it is checked against a floating-point error
-  bound (:func:`_check_linear`) and installed only over the optimized BLAS that
-  :mod:`mlxq.worker.blas` loaded (the fallback's). The engine's ``matmul`` setting decides
-  whether it is used (``attention.resolve_matmul``): ``auto``, the default, takes it where our own
-  loops run (a row's bits the same in any batch); ``pool`` takes it; ``mlx`` keeps MLX's matmul,
-  bit for bit mlx-lm's for one sequence alone.
+  single-threaded OpenBLAS sgemm or sgemv (``csrc/linear_ops.h`` says why not MLX's matmul).
+  Sibling projections of one input (q/k/v, gate/up) run as one call (:class:`LinearGroup`,
+  bit for bit the separate calls). Its logits differ from MLX's in the last bits, so it is
+  checked against a floating-point error bound (:func:`_check_linear`) and installed only over
+  the optimized BLAS that :mod:`mlxq.worker.blas` loaded. The engine's ``matmul`` setting
+  decides whether it is used (``attention.resolve_matmul``): ``auto``, the default, takes it
+  where our own loops run; ``pool`` takes it; ``mlx`` keeps MLX's matmul, bit for bit mlx-lm's
+  for one sequence alone.  Why, and what each op saves: docs/design/attention.md.
 """
 
 from __future__ import annotations
