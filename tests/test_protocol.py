@@ -330,7 +330,7 @@ def test_one_entry_whose_preparing_raises_costs_the_rest_of_its_pull_nothing(rr)
     rest are still prepared; before, the whole pull was skipped (leased, never run)."""
     import threading
 
-    from mlxq.worker.redis_io import Fetcher
+    from mlxq.worker.fetcher import Fetcher
 
     class Panic(BaseException):  # what pyo3 raises for a Rust panic
         pass
@@ -360,7 +360,7 @@ def test_leases_are_renewed_while_the_rest_of_the_control_loop_fails(rr):
     it in one try, never ran, and the reaper queued the running jobs again."""
     import threading
 
-    from mlxq.worker.redis_io import Control
+    from mlxq.worker.control import Control
 
     q = make_queue(rr, lease_s=2.0, heartbeat_s=0.1)
     [a] = ids(1)
@@ -405,7 +405,7 @@ def test_junk_on_the_cancel_channel_is_dropped_and_a_real_cancel_still_works(rr,
     import logging
     import threading
 
-    from mlxq.worker.redis_io import Control
+    from mlxq.worker.control import Control
 
     q = make_queue(rr, heartbeat_s=0.1)
     a, forged = ids(2)
@@ -485,7 +485,7 @@ def test_a_lost_lease_is_reported_with_the_owner_token_that_lost_it(rr):
     newer one it took since (see test_hostwork's test_a_lost_lease_ends_only_the_attempt_that_lost_it)."""
     import threading
 
-    from mlxq.worker.redis_io import Control
+    from mlxq.worker.control import Control
 
     q = make_queue(rr)
     a, b = ids(2)

@@ -166,7 +166,7 @@ def test_publisher_sends_again_what_a_lost_script_cache_refused(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -191,7 +191,7 @@ def test_a_write_the_client_cannot_send_costs_its_own_step_only(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -228,7 +228,7 @@ def test_a_clobbered_key_costs_its_own_job_only(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -261,7 +261,7 @@ def test_a_write_refused_for_now_is_sent_again_not_dropped(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -353,7 +353,7 @@ def test_a_step_sent_again_after_its_reply_was_lost_is_written_once(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -395,7 +395,7 @@ def test_deltas_a_full_server_refuses_are_sent_again_not_dropped(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -438,7 +438,7 @@ def test_deltas_no_resend_can_write_drop_their_jobs(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -479,7 +479,7 @@ def test_a_stream_its_producer_broke_costs_only_its_own_job(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())

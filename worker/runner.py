@@ -4,7 +4,7 @@ Each pass of the loop reads like a sentence: take control messages, admit
 ready jobs, run one engine step, hand the step's tokens over.  What becomes of
 them (detokenizing, stop strings, deltas, results: ``_after_step``) runs on the
 host thread (``mlxq.worker.hostwork``) while the MLX thread launches the next
-step; Redis I/O runs on other threads (``mlxq.worker.redis_io``).  Neither
+step; Redis I/O runs on other threads (``fetcher``, ``publisher``, ``control``).  Neither
 stalls a decode step.
 """
 
@@ -36,7 +36,10 @@ from .hostwork import HostWork
 from .textstream import chat_format
 from .model import LoadedModel
 from .engine.engine import make_engine
-from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQueue, StepOutput
+from .control import Control
+from .fetcher import Fetcher, ReadyQueue
+from .publisher import Publisher, StepOutput
+from .redis_io import REDIS_ERRORS, Backoff
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
