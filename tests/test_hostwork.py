@@ -143,11 +143,11 @@ def test_a_lost_lease_ends_only_the_attempt_that_lost_it(tiny_model, redis_url):
     again, ready = _job(owner="w:2"), _job(owner="w:2")
     worker.active[again.uid] = again
     worker.ready.items.append(ready)
-    worker._control_q.put(("lost", [(again.id, "w:1")]))
+    worker.inbox.lost([(again.id, "w:1")])
     worker._handle_control()
     assert worker.active == {again.uid: again} and list(worker.ready.items) == [ready]
     assert worker.engine.removed == []
-    worker._control_q.put(("lost", [(again.id, "w:2")]))
+    worker.inbox.lost([(again.id, "w:2")])
     worker._handle_control()
     assert worker.active == {} and list(worker.ready.items) == [] and worker.engine.removed == [again.uid] * 2
     worker.host.close()

@@ -85,7 +85,7 @@ class StepOutput:
 
 
 class Publisher(threading.Thread):
-    def __init__(self, q: Queue, stop: threading.Event):
+    def __init__(self, q: Queue, stop: threading.Event, loop_inbox=None):
         super().__init__(name="mlxq-publisher", daemon=True)
         self.q = q
         self.stop_event = stop
@@ -93,10 +93,11 @@ class Publisher(threading.Thread):
         self.round_trips = 0
         self.backoff = Backoff()
         self.on_fenced: Optional[Callable[[str, str, bool], None]] = None
-        # (job id, owner token) of jobs whose deltas could not be written at all (an error no resend
-        # cures): the worker drops them, so that their leases lapse and the next attempt resumes from
-        # what the stream holds. Publishing past the hole left their streams with a gap no reader fills.
-        self.on_gave_up: Optional[Callable[[list[tuple[str, str]]], None]] = None
+        # the MLX loop's inbox (worker.inbox): the (job id, owner token) of jobs whose deltas could not
+        # be written at all (an error no resend cures) go there as lost leases, and the worker drops
+        # them, so that their leases lapse and the next attempt resumes from what the stream holds
+        # (publishing past the hole would leave their streams with a gap no reader fills)
+        self.loop_inbox = loop_inbox
 
     def submit(self, out: StepOutput) -> None:
         if out.seal():
@@ -157,9 +158,9 @@ class Publisher(threading.Thread):
                 self._gave_up(_leases_of(out.deltas))
 
     def _gave_up(self, leases: list[tuple[str, str]]) -> None:
-        if leases and self.on_gave_up is not None:
+        if leases and self.loop_inbox is not None:
             try:
-                self.on_gave_up(leases)
+                self.loop_inbox.lost(leases)
             except Exception:
                 log.exception("handing over the jobs whose deltas were not written failed")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import signal
 import socket
 import threading
@@ -26,42 +25,22 @@ import mlx.core as mx
 
 from ..shared import codec
 from ..shared.keys import GlobalKeys
-from ..shared.protocol import Pulled, Queue
+from ..shared.protocol import Queue
 from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, MAX_N, Delta, Result
-from ..shared.settings import TIERS, Settings
+from ..shared.settings import Settings
 from . import blas
-from .jobs import (ActiveJob, JobError, admit_now, check_published_ids, check_token_ids, decode_request, job_grammar,
-                   prompt_in_thinking, read_samples, sample_uid, seen_output, start_job, tokenize)
+from .jobs import ActiveJob, admit_now, sample_uid
 from .hostwork import HostWork
-from .textstream import chat_format
+from .inbox import Inbox
 from .model import LoadedModel
 from .engine.engine import make_engine
 from .control import Control
-from .fetcher import Fetcher, ReadyQueue
+from .fetcher import Fetcher, Preparer, ReadyQueue, ServerClock
 from .publisher import Publisher, StepOutput
-from .redis_io import REDIS_ERRORS, Backoff
+from .stats import Observers, WorkerStats
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-STALL_EXIT_CODE = 70  # (EX_SOFTWARE) the watchdog found the engine stuck: a supervisor restarts the worker
-
-
-def fit_context(req, prompt_len: int, ctx: int) -> None:
-    """Hold a job to the model's context of ``ctx`` tokens: a prompt that fills it, or a ``max_tokens``
-    the caller gave that the rest of it cannot hold, is refused (:class:`JobError`, as vLLM does);
-    the default ``max_tokens`` (the caller gave none) is cut to what the context leaves, so the job
-    ends with "length" there."""
-    if prompt_len >= ctx:
-        raise JobError(f"prompt of {prompt_len} tokens exceeds the model's context of {ctx} tokens")
-    if prompt_len + req.max_tokens <= ctx:
-        return
-    if "max_tokens" in req.model_fields_set:
-        raise JobError(f"this model's context is {ctx} tokens; the prompt has {prompt_len} and max_tokens "
-                       f"asks for {req.max_tokens} more ({prompt_len + req.max_tokens} in all): lower "
-                       f"max_tokens to at most {ctx - prompt_len}, or shorten the prompt")
-    req.max_tokens = ctx - prompt_len
-
 
 def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
@@ -84,10 +63,7 @@ class Worker:
         self.engine = engine
         self.grace_s = self.settings.grace_s if grace_s is None else grace_s
         self.eos = set(loaded.eos_token_ids)
-        # Observers (metrics, rq mirroring) get on_token(job, n_tokens, now_monotonic) and
-        # on_finish(job, result) on the host thread, on_snapshot(snapshot) on the MLX thread;
-        # they must be cheap and must not call MLX. Missing methods are skipped.
-        self.observers = list(observers or [])
+        self.observers = Observers(observers)
 
         # By engine uid (a job with n > 1 has one per sample). Added by the MLX thread (_admit), ended by
         # the host thread (_finish); others take list() copies.
@@ -99,134 +75,48 @@ class Worker:
         self._isolating = False  # a suspect job waits for the engine to drain, or runs alone (admit_now)
         self._engine_free = self.engine.free_slots()
         self._engine_urgent_below = float("-inf")
-        # ("cancel" | "timeout", job ids) or ("lost", (job id, owner token) pairs)
-        self._control_q: "queue.Queue[tuple[str, list]]" = queue.Queue()
+        self.inbox = Inbox()  # cancels, timeouts and lost leases, for the MLX thread
         self.stop_event = threading.Event()  # threads exit
         self.draining = threading.Event()  # warm shutdown: finish or requeue, pull nothing
         self._sigterms = 0
+        self.stats = WorkerStats(self.worker_id, loaded.name, type(self.engine).__name__,
+                                 self.settings.stats_interval_s, self.observers)
 
-        self.started_at = time.time()
-        self.tokens_generated = 0
-        self.processed = {"done": 0, "failed": 0, "cancelled": 0, "requeued": 0, "abandoned": 0}
-        self.busy_s = 0.0
-        self._window: list[tuple[float, int]] = []
-        self._snap: dict = {}
-        self._snap_at = 0.0
-        self._snap_due = False  # a job finished since the last snapshot: refresh and publish it at once
-
-        # the embedding's rows (mlx-lm's model args), which bound the token ids a job may name too
-        self._model_vocab: Optional[int] = getattr(getattr(loaded.model, "args", None), "vocab_size", None)
-        # no step completing for stall_s while jobs run: renew nothing more, exit (_stalled)
+        # no step completing for stall_s while jobs run: renew nothing more, exit (control.Heartbeat)
         self.watchdog = Watchdog(self.settings.stall_s)
-        self._exit = os._exit  # (a test that runs the worker in its own process replaces it)
-        self.publisher = Publisher(self.q, self.stop_event)
-        # deltas Redis would not take (an error no resend cures): the job is dropped as on a lost lease;
-        # its lease lapses and the next attempt resumes from what its stream holds
-        self.publisher.on_gave_up = lambda leases: self._control_q.put(("lost", leases))
-        self.fetcher = Fetcher(self.q, self.worker_id, self._free_slots, self._prepare, self.stop_event,
-                               self.settings.gather_ms / 1000.0, self.settings.idle_block_s,
-                               urgent_below=self._urgent_below)
-        self.control = Control(self.q, self.worker_id, self._leases,
-                               on_lost=lambda ids: self._control_q.put(("lost", ids)),
-                               on_cancel=lambda ids: self._control_q.put(("cancel", ids)),
-                               snapshot=lambda: self._snap,
-                               model_info={**loaded.info(), "max_new_tokens": self.settings.max_new_tokens},
-                               registry_key=gk.models, stop=self.stop_event, global_redis=redis_client,
-                               watchdog=self.watchdog, on_stall=self._stalled)
+        self.publisher = Publisher(self.q, self.stop_event, self.inbox)
+        clock = ServerClock()
+        prepare = Preparer(self.q, loaded, self.settings, self.engine, self.worker_id, self.ready, self.publisher,
+                           self.stats, self.stop_event, clock)
+        self.fetcher = Fetcher(self.q, self.worker_id, self, prepare, self.stop_event,
+                               self.settings.gather_ms / 1000.0, self.settings.idle_block_s, clock)
+        self.control = Control.build(self.q, self.worker_id, [self.fetcher, self], self.inbox, self.stats,
+                                     model_info={**loaded.info(), "max_new_tokens": self.settings.max_new_tokens},
+                                     registry_key=gk.models, stop=self.stop_event, global_redis=redis_client,
+                                     watchdog=self.watchdog)
 
-    # -- shared with the I/O threads ----------------------------------------
-    def _free_slots(self) -> int:
+    @property
+    def processed(self) -> dict[str, int]:
+        return self.stats.processed
+
+    # -- read by the other threads -----------------------------------------
+    def free_slots(self) -> int:
+        """Fetcher thread: how many jobs to pull."""
         if self.draining.is_set() or self._isolating:  # a suspect job runs alone (admit_now)
             return 0
         with self.ready.lock:
             return self._engine_free - len(self.ready.items)
 
-    def _urgent_below(self) -> float:
+    def urgent_below(self) -> float:
         """Fetcher thread: a queued job scoring below this would preempt (engine value, refreshed per pass)."""
         if self.draining.is_set() or self._isolating or len(self.ready.items):
             return float("-inf")
         return self._engine_urgent_below
 
-    def _leases(self) -> dict[str, str]:
-        preparing = dict(self.fetcher.preparing)  # a copy: the fetcher thread changes it
+    def leases(self) -> dict[str, str]:
+        """Control thread: job id -> owner token of every job admitted or waiting to be."""
         jobs = list(self.active.values()) + list(self.ready.items)
-        return {**preparing, **{j.id: j.owner for j in jobs if isinstance(j, ActiveJob)}}
-
-    def _prepare(self, entry: Pulled) -> None:
-        """Fetcher thread: validate and tokenize; failures end the job with an error."""
-        if entry.kind != "job":
-            log.warning("garbage queue member %r moved to the dead-letter set", entry.job_id[:80])
-            return
-        offset = self.fetcher.clock_offset
-        # outside the try below: reading the record retries through lost links and raises only when the
-        # worker stops; that is no fault of the job, which must not be failed for it (its lease brings
-        # it back)
-        try:
-            record = self._record(entry)
-        except REDIS_ERRORS:
-            raise
-        except Exception as exc:  # e.g. the events key holds another type: the record cannot be read
-            log.exception("job=%s attempt=%d: reading its durable record failed", entry.job_id, entry.attempt)
-            self.publisher.submit(self._failure(entry, f"its durable record cannot be read: {exc}", INTERNAL_ERROR))
-            return
-        try:
-            req = decode_request(entry, self.loaded.name, self.settings.max_new_tokens)
-            prompt = tokenize(req, self.loaded.tokenizer, self._model_vocab)
-            check_token_ids(req, self.loaded.tokenizer, self._model_vocab)
-            # whether the prompt opened a reasoning block: read once (a marker of several tokens takes a
-            # decode of the whole prompt) for the grammar and every sample's output stream
-            thinking = prompt_in_thinking(prompt, chat_format(self.loaded.tokenizer), self.loaded.tokenizer)
-            seen = seen_output(req, prompt, self.loaded.tokenizer, thinking)
-            published = read_samples(record or [], seen) if record or seen else None
-            check_published_ids(published, self.loaded.tokenizer, self._model_vocab)
-            grammar = job_grammar(req, prompt, self.loaded.tokenizer, thinking)
-            fit_context(req, len(prompt), self.loaded.context_length)
-            if not self.engine.can_admit(len(prompt), req.max_tokens):
-                raise JobError(f"prompt of {len(prompt)} tokens plus max_tokens {req.max_tokens} can never fit "
-                               "this worker's KV memory")
-            samples = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset, published,
-                                grammar=grammar, in_thinking=thinking)
-        except JobError as exc:
-            log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
-            self.publisher.submit(self._failure(entry, str(exc), INVALID_REQUEST))
-            return
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # a tokenizer bug, or a Rust panic (a BaseException), must not kill the worker
-            log.exception("job=%s attempt=%d failed to prepare", entry.job_id, entry.attempt)
-            self.publisher.submit(self._failure(entry, f"internal error preparing the job: {exc}", INTERNAL_ERROR))
-            return
-        self.ready.put(*samples)
-
-    def _record(self, entry: Pulled) -> Optional[list]:
-        """Fetcher thread: what earlier attempts of this job published (its durable record's entries),
-        for a job that ran before (a later attempt after a crash, or a preempted or requeued job)."""
-        if entry.attempt <= 1 and not entry.resume:
-            return None
-        backoff = Backoff()
-        while True:
-            try:
-                return self.q.redis.xrange(self.keys.events(entry.job_id))
-            except REDIS_ERRORS as exc:
-                if self.stop_event.is_set():
-                    raise
-                delay = backoff.fail()
-                log.warning("job=%s: reading its durable record failed (%s); retrying in %.2fs",
-                            entry.job_id, exc, delay)
-                time.sleep(delay)
-
-    def _failure(self, entry: Pulled, message: str, code: str) -> StepOutput:
-        owner = f"{self.worker_id}:{entry.attempt}"
-        result = Result(id=entry.job_id, finish_reason="error", error=message, error_code=code)
-        result.stats.queued_at = entry.queued_at
-        result.stats.started_at = entry.now
-        result.stats.attempts = entry.attempt
-        result.stats.worker = self.worker_id
-        result.stats.tier = entry.tier
-        final = Delta(attempt=entry.attempt, seq=1, finish_reason="error", error=message)
-        self.processed["failed"] += 1
-        return StepOutput(completions=[(entry.job_id, owner, "failed", result.record(),
-                                        codec.pack(final.to_wire()))])
+        return {j.id: j.owner for j in jobs if isinstance(j, ActiveJob)}
 
     # -- the loop ------------------------------------------------------------
     def start_threads(self) -> None:
@@ -268,7 +158,7 @@ class Worker:
                 events, preempted = self.engine.step()
                 self._hand_over(events, preempted)
                 self.watchdog.step_done()
-                self.busy_s += time.perf_counter() - t0
+                self.stats.busy_s += time.perf_counter() - t0
                 self._refresh_snapshot()
         except Exception as exc:
             # The engine (or the host thread) raised: its state is unknown, so this worker stops, and a
@@ -281,21 +171,6 @@ class Worker:
             raise
         finally:
             self._shutdown(failure)
-
-    def _stalled(self) -> None:
-        """Control thread: the watchdog found the engine stuck. The MLX thread cannot be stopped from
-        here, and what it holds cannot be trusted: the process exits, with no warm shutdown. Its beat
-        is withdrawn first, so that other workers take its jobs over at their next reap (not a
-        takeover_s later); anything it still sends after that is fenced out."""
-        log.error("worker %s is stuck: %s; it renews nothing more and exits (%d) for its supervisor to restart "
-                  "it, and other workers take its jobs over", self.worker_id, self.watchdog.reason, STALL_EXIT_CODE)
-        try:
-            self.q.redis.zadd(self.keys.beats, {self.worker_id: 0})
-        except Exception:  # noqa: BLE001 - its beat then runs out by itself
-            log.warning("could not withdraw the heartbeat; other workers take the jobs over when it runs out")
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        self._exit(STALL_EXIT_CODE)
 
     def _check_threads(self) -> None:
         """MLX thread: the I/O threads catch what they can; one that died anyway (a bug) leaves a
@@ -362,7 +237,7 @@ class Worker:
             job = self.active.get(ev.uid)
             if job is not None and job.request.logprobs and ev.token is not None:
                 tops[i] = self._logprobs(ev, job.request.logprobs)
-        self._window.append((time.monotonic(), len(events)))
+        self.stats.step(len(events))
         if events or preempted:
             self.host.submit(partial(self._after_step, events, preempted, tops))
 
@@ -400,7 +275,7 @@ class Worker:
             if job is not None:
                 job.tokens = list(p.tokens)
                 out.requeues.append((job.id, job.owner, job.resume_state()))
-                self.processed["requeued"] += 1
+                self.stats.count("requeued")
         self.publisher.submit(out)
 
     def _take_event(self, job: ActiveJob, ev, top, out: StepOutput) -> None:
@@ -418,10 +293,10 @@ class Worker:
                          error_code=INVALID_REQUEST)
             return
         if not (finish == "stop" and ev.token in self.eos):
-            self._notify("on_token", job, 1, time.monotonic())
+            self.observers.notify("on_token", job, 1, time.monotonic())
             ids = [ev.token]
             job.tokens.append(ev.token)
-            self.tokens_generated += 1
+            self.stats.tokens_generated += 1
             text = job.text.add(ev.token)
             if job.request.logprobs:
                 lp = [top or {"token": ev.token, "logprob": None, "top": []}]
@@ -478,9 +353,8 @@ class Worker:
             result, delta, packed = self._too_large(job, result, delta, len(packed))
         status = {"cancelled": "cancelled", "error": "failed"}.get(result.finish_reason, "done")
         out.completions.append((job.id, job.owner, status, packed, job.wire(delta)))
-        self.processed[status] += 1
-        self._snap_due = True
-        self._notify("on_finish", job, result)
+        self.stats.finished(status)
+        self.observers.notify("on_finish", job, result)
         log.info("job=%s attempt=%d finished: %s, %d tokens", job.id, job.attempt, finish, len(job.tokens))
 
     @staticmethod
@@ -499,16 +373,6 @@ class Worker:
                         stats=result.stats)
         delta = delta.model_copy(update={"finish_reason": "error", "error": error})
         return failed, delta, failed.record()
-
-    def _notify(self, method: str, *args) -> None:
-        for obs in self.observers:
-            fn = getattr(obs, method, None)
-            if fn is None:
-                continue
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("observer %r failed in %s", obs, method)
 
     def _logprobs(self, ev, k: int) -> dict:
         lp = ev.logprobs
@@ -531,14 +395,10 @@ class Worker:
         for job in late:
             job.timed_out = True
         if late:
-            self._control_q.put(("timeout", sorted({j.id for j in late})))
+            self.inbox.timeout(sorted({j.id for j in late}))
 
     def _handle_control(self) -> None:
-        while True:
-            try:
-                kind, ids = self._control_q.get_nowait()
-            except queue.Empty:
-                return
+        for kind, ids in self.inbox.take():
             ended = []
             for item in ids:
                 # a lost lease names its owner token: the worker may have pulled the job again since
@@ -591,40 +451,11 @@ class Worker:
         return taken
 
     # -- stats ---------------------------------------------------------------
-    def _refresh_snapshot(self) -> None:
-        """Every half second at most; at once (and published at once) when a job just finished, so
-        `mlxq stats` right after a result counts its tokens."""
-        now = time.monotonic()
-        if not self._snap_due and now - self._snap_at < min(0.5, self.settings.stats_interval_s):
-            return
-        self._snap_at = now
-        self._window = [(t, n) for t, n in self._window if now - t <= 1.0]
-        current = sum(n for _, n in self._window) / 1.0
-        active = list(self.active.values())  # the host thread ends jobs meanwhile
-        self._snap = {
-            "worker_id": self.worker_id,
-            "model": self.loaded.name,
-            "engine": type(self.engine).__name__,
-            "started_at": self.started_at,
-            "updated_at": time.time(),
-            "active": len(active),
-            "active_by_tier": {t: sum(1 for j in active if j.tier == t) for t in TIERS},
-            "ready": len(self.ready),
-            "processed": dict(self.processed),
-            "tokens_generated": self.tokens_generated,
-            "tok_s_current": current,
-            "tok_s_avg": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
-            "peak_memory_bytes": mx.get_peak_memory(),
-            "active_memory_bytes": mx.get_active_memory(),
-            "publish_round_trips": self.publisher.round_trips,
-            "blas": blas.describe(),
-            "draining": self.draining.is_set(),
-            **{f"engine_{k}" if not k.startswith("engine") else k: v for k, v in self.engine.stats().items()},
-        }
-        self._notify("on_snapshot", self._snap)
-        if self._snap_due:
-            self._snap_due = False
-            self.control.publish_soon.set()
+    def _refresh_snapshot(self, force: bool = False) -> None:
+        if force or self.stats.due_now():
+            active = list(self.active.values())  # the host thread ends jobs meanwhile
+            self.stats.refresh(active, len(self.ready), self.publisher.round_trips, self.draining.is_set(),
+                               self.engine.stats())
 
     # -- shutdown ------------------------------------------------------------
     _drain_deadline = float("inf")
@@ -674,16 +505,15 @@ class Worker:
         for job in jobs:
             if job.id in suspects:
                 out.abandons.append((job.id, job.owner, failure))
-                self.processed["abandoned"] += 1
+                self.stats.count("abandoned")
             else:
                 out.requeues.append((job.id, job.owner, job.resume_state()))
-                self.processed["requeued"] += 1
+                self.stats.count("requeued")
         if len(jobs) > len(suspects):
             log.warning("requeued %d unfinished jobs at their original scores", len(jobs) - len(suspects))
         self.active.clear()
         self.publisher.submit(out)
-        self._snap_at = 0.0
-        self._refresh_snapshot()
+        self._refresh_snapshot(force=True)
         if not self.publisher.drain(timeout=30.0):
             log.error("could not flush all output to Redis before exit")
         elif suspects:
@@ -696,6 +526,6 @@ class Worker:
         self.fetcher.join(timeout=self.settings.idle_block_s + 2)
         self.control.join(timeout=2)
         self.publisher.join(timeout=2)
-        self.control.unregister()
+        self.control.stats.unregister()
         self.engine.close()
         log.info("worker %s stopped", self.worker_id)
