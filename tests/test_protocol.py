@@ -385,7 +385,7 @@ def test_leases_are_renewed_while_the_rest_of_the_control_loop_fails(rr):
     def broken():
         raise RuntimeError("the policy sync fails every time")
 
-    control.stats.prepare = broken
+    control.reporter.prepare = broken
     control.start()
     try:
         for _ in range(300):

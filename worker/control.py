@@ -208,13 +208,13 @@ class StatsPublisher:
 class Control(threading.Thread):
     """The control thread: heartbeat, queue admission, cancel listener, stats and reaper, in turn."""
 
-    def __init__(self, heartbeat: Heartbeat, reaper: Reaper, cancels: CancelListener, stats: StatsPublisher,
+    def __init__(self, heartbeat: Heartbeat, reaper: Reaper, cancels: CancelListener, reporter: StatsPublisher,
                  stop: threading.Event):
         super().__init__(name="mlxq-control", daemon=True)
         self.heartbeat = heartbeat
         self.reaper = reaper
         self.cancels = cancels
-        self.stats = stats
+        self.reporter = reporter
         self.q = heartbeat.q
         self.stop_event = stop
         self.backoff = Backoff()
@@ -228,7 +228,7 @@ class Control(threading.Thread):
     def run(self) -> None:
         s = self.q.settings
         next_beat = next_admit = next_stats = next_reap = 0.0
-        publish_soon = self.stats.worker_stats.publish_soon
+        publish_soon = self.reporter.worker_stats.publish_soon
         while not self.stop_event.is_set():
             now = time.monotonic()
             if self.heartbeat.healthy() and now >= next_beat:
@@ -240,8 +240,8 @@ class Control(threading.Thread):
                 except Exception:
                     log.exception("renewing the leases failed")
             try:
-                if not self.stats.prepared:
-                    self.stats.prepare()
+                if not self.reporter.prepared:
+                    self.reporter.prepare()
                 self.cancels.listen(timeout=0.1)
                 now = time.monotonic()
                 if now >= next_admit:
@@ -249,7 +249,7 @@ class Control(threading.Thread):
                     next_admit = now + s.heartbeat_s
                 if now >= next_stats or publish_soon.is_set():
                     publish_soon.clear()
-                    self.stats.publish()
+                    self.reporter.publish()
                     next_stats = now + s.stats_interval_s
                 if now >= next_reap:
                     self.reaper.reap()

@@ -1,6 +1,6 @@
 """Redis errors a worker's I/O threads retry through, and the backoff they retry with.
 
-The threads themselves live in modules of their own: ``fetcher`` (pull, prepare), ``publisher``
+The threads themselves live in rooms of their own: ``fetcher`` (pull, prepare), ``publisher``
 (a step's writes) and ``control`` (heartbeat, reaper, cancel listener, stats).
 """
 
