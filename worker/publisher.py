@@ -135,8 +135,8 @@ class Publisher(threading.Thread):
         """``_send``, which retries through lost links for as long as they last; when it raises what
         no reconnect cures (a reply the client cannot read, an ACL refusal, a value it cannot
         encode), each output is sent alone, a few tries each, so one bad write costs only its own
-        jobs: they are left to their leases, which lapse, and the reaper queues them again. Before,
-        the exception ended this thread, and nothing more reached Redis while the worker ran on."""
+        jobs: they are left to their leases, which lapse, and the reaper queues them again. This
+        thread never ends on a bad write: nothing more would reach Redis while the worker ran on."""
         try:
             self._send(batch)
             return
@@ -184,8 +184,8 @@ class Publisher(threading.Thread):
                 continue
             # Refused calls never ran: a lost script cache (NOSCRIPT), or a reply that only says "not
             # now" (READONLY from a demoted master, MOVED, TRYAGAIN, CLUSTERDOWN, LOADING, and the
-            # server's own OOM, MISCONF, BUSY); they go again, in order, as on a lost link. Before, the
-            # second kind was logged and dropped: a job's deltas of that step were lost from its stream.
+            # server's own OOM, MISCONF, BUSY); they go again, in order, as on a lost link (dropped, a
+            # job's deltas of that step would be missing from its stream).
             again = [_not_now(reply) for reply in replies]
             for (_, job_id, kind, leases), reply, retry in zip(todo, replies, again):
                 if not retry:
