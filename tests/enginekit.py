@@ -1,7 +1,7 @@
 """Driving an engine in tests the way the worker does (shared by the engine test files).
 
 Only the ``Engine`` protocol's calls (``add``, ``has_work``, the real ``step()``),
-as in ``worker/runner.py``; a preempted sequence comes back as the worker's requeued
+as in ``worker/mlx_loop.py``; a preempted sequence comes back as the worker's requeued
 job does (``jobs.ActiveJob.spec``): everything it generated becomes its resume
 tokens and ``max_tokens`` is what is left.  Redis's part (the requeue) is the list
 this loop keeps.

@@ -285,7 +285,7 @@ def test_stats_counts_are_exact(tiny_model, redis_url):
         bad = client.submit(too_long, max_tokens=4)
         for j in done + [bad]:
             j.result(timeout=60)
-        assert wait_for(lambda: w._snap.get("processed", {}).get("done") == 5, timeout=60)
+        assert wait_for(lambda: w.stats.snapshot.get("processed", {}).get("done") == 5, timeout=60)
 
         def published():
             ws = stats.collect(client.redis)["tiny"]["workers"]

@@ -498,14 +498,14 @@ def test_a_job_whose_host_step_raises_ends_alone_and_the_worker_serves_on(tiny_m
     prompt = [2, 7, 1, 8, 2, 8]
     innocent = client.submit(prompt_tokens=prompt, max_tokens=12, ignore_eos=True)
     w = Worker(redis.Redis.from_url(redis_url), tiny_model, settings)
-    real = w._take_event
+    real = w.host._take_event
 
     def take_event(job, ev, top, out):
         if job.id == poison.id and job.tokens:
             raise TypeError("Object of type set is not JSON serializable")
         return real(job, ev, top, out)
 
-    w._take_event = take_event
+    w.host._take_event = take_event
     w.run(burst=True)  # returns: the worker did not stop on it
     res = poison.result(timeout=30)
     assert res.finish_reason == "error" and res.error_code == INTERNAL_ERROR and "JSON serializable" in res.error

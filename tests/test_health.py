@@ -137,7 +137,7 @@ def test_worker_health_fails_while_its_engine_is_stuck(tiny_model, redis_url):
     frozen, release = threading.Event(), threading.Event()
     try:
         with running_worker(tiny_model, redis_url, settings, observers=[metrics]) as w:
-            w._exit = lambda code: None
+            w.control.heartbeat.exit = lambda code: None
             base = f"http://127.0.0.1:{metrics.serve(0, health=WorkerHealth.of(w))}"
             assert get(base, "/health") == (200, {"status": "ok"})
             assert get(base, "/ready") == (200, {"status": "ready"})

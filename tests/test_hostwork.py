@@ -139,23 +139,23 @@ def test_a_lost_lease_ends_only_the_attempt_that_lost_it(tiny_model, redis_url):
     job and this worker pulled it again (a newer owner token): that attempt goes on. Before, the
     worker matched the report by job id and dropped the new attempt too, whose lease then lapsed."""
     worker = _idle_worker(tiny_model, redis_url)
-    worker.host.submit = lambda fn: fn()
+    worker.loop.hostwork.submit = lambda fn: fn()
     again, ready = _job(owner="w:2"), _job(owner="w:2")
     worker.active[again.uid] = again
     worker.ready.items.append(ready)
-    worker._control_q.put(("lost", [(again.id, "w:1")]))
-    worker._handle_control()
+    worker.inbox.lost([(again.id, "w:1")])
+    worker.loop.handle_control()
     assert worker.active == {again.uid: again} and list(worker.ready.items) == [ready]
     assert worker.engine.removed == []
-    worker._control_q.put(("lost", [(again.id, "w:2")]))
-    worker._handle_control()
+    worker.inbox.lost([(again.id, "w:2")])
+    worker.loop.handle_control()
     assert worker.active == {} and list(worker.ready.items) == [] and worker.engine.removed == [again.uid] * 2
-    worker.host.close()
+    worker.loop.hostwork.close()
 
 
 def test_admit_hands_work_to_the_host_only_after_letting_go_of_the_ready_lock(tiny_model, redis_url):
     """The host thread puts preempted samples of a job with n > 1 back through ``ready.put``, and a
-    full host queue makes ``submit`` wait for that thread: ``_admit`` handing it a resumed job that
+    full host queue makes ``submit`` wait for that thread: ``admit`` handing it a resumed job that
     needs no generation (every token published by an earlier attempt) while it held the ready lock
     deadlocked the two threads."""
     worker = _idle_worker(tiny_model, redis_url)
@@ -168,8 +168,8 @@ def test_admit_hands_work_to_the_host_only_after_letting_go_of_the_ready_lock(ti
         other.join(30)
         free.append(not other.is_alive())
 
-    worker.host.submit = submit
+    worker.loop.hostwork.submit = submit
     worker.ready.put(done)
-    worker._admit()
+    worker.loop.admit()
     assert free == [True, True] and worker.active == {done.uid: done}
-    worker.host.close()
+    worker.loop.hostwork.close()

@@ -43,7 +43,7 @@ def test_worker_metrics_scrape(tiny_model, redis_url):
             jobs = [client.submit(f"prompt {i}", max_tokens=5, ignore_eos=True) for i in range(3)]
             results = [j.result(timeout=60) for j in jobs + [queued]]
             generated = sum(res.stats.generated_tokens for res in results)
-            w._snap_at = 0.0  # the next loop pass publishes a fresh snapshot
+            w.stats.snap_at = 0.0  # the next loop pass publishes a fresh snapshot
             seen: dict = {}
 
             def settled():  # the observer has counted every finished job (an event, not a delay)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -324,13 +325,25 @@ def test_a_record_with_a_hex_score_is_moved_aside_and_its_batch_mates_still_run(
     assert rr.hget(q.keys.job(c), "status") == b"running"
 
 
+def _control(q, leases, stop, cancelled=None, lost=None, model_info=None):
+    """A worker's control thread for one fake holder of ``leases``, its inbox's messages to the given lists."""
+    import threading
+
+    from mlxq.worker.control import Control
+
+    inbox = SimpleNamespace(cancel=cancelled or (lambda ids: None), lost=lost or (lambda leases: None))
+    stats = SimpleNamespace(snapshot={}, publish_soon=threading.Event())
+    return Control.build(q, "w", [SimpleNamespace(leases=lambda: leases)], inbox, stats,
+                         model_info=model_info or {}, registry_key=GK.models, stop=stop)
+
+
 def test_one_entry_whose_preparing_raises_costs_the_rest_of_its_pull_nothing(rr):
     """The fetcher prepares a pull's entries one by one: what escapes ``prepare`` for one of them
     (a bug, or a panic from a Rust library: a BaseException) leaves that one to its lease, and the
     rest are still prepared; before, the whole pull was skipped (leased, never run)."""
     import threading
 
-    from mlxq.worker.redis_io import Fetcher
+    from mlxq.worker.fetcher import Fetcher
 
     class Panic(BaseException):  # what pyo3 raises for a Rust panic
         pass
@@ -348,7 +361,8 @@ def test_one_entry_whose_preparing_raises_costs_the_rest_of_its_pull_nothing(rr)
         if len(prepared) == 2:
             stop.set()
 
-    fetcher = Fetcher(q, "w", lambda: 0 if stop.is_set() else 3, prepare, stop, gather_s=0, idle_block_s=0.1)
+    capacity = SimpleNamespace(free_slots=lambda: 0 if stop.is_set() else 3, urgent_below=lambda: float("-inf"))
+    fetcher = Fetcher(q, "w", capacity, prepare, stop, gather_s=0, idle_block_s=0.1)
     fetcher.start()
     fetcher.join(30)
     assert not fetcher.is_alive() and sorted(prepared) == sorted(jobs[1:])
@@ -360,21 +374,18 @@ def test_leases_are_renewed_while_the_rest_of_the_control_loop_fails(rr):
     it in one try, never ran, and the reaper queued the running jobs again."""
     import threading
 
-    from mlxq.worker.redis_io import Control
-
     q = make_queue(rr, lease_s=2.0, heartbeat_s=0.1)
     [a] = ids(1)
     enq(q, a, "normal")
     [p] = q.pull(1, "w")
     first = rr.zscore(q.keys.inflight, a)
     stop, renewed = threading.Event(), threading.Event()
-    control = Control(q, "w", lambda: {a: "w:1"}, on_lost=lambda ids: None, on_cancel=lambda ids: None,
-                      snapshot=lambda: {}, model_info={}, registry_key=GK.models, stop=stop)
+    control = _control(q, {a: "w:1"}, stop)
 
     def broken():
         raise RuntimeError("the policy sync fails every time")
 
-    control.prepare = broken
+    control.reporter.prepare = broken
     control.start()
     try:
         for _ in range(300):
@@ -405,15 +416,12 @@ def test_junk_on_the_cancel_channel_is_dropped_and_a_real_cancel_still_works(rr,
     import logging
     import threading
 
-    from mlxq.worker.redis_io import Control
-
     q = make_queue(rr, heartbeat_s=0.1)
     a, forged = ids(2)
     enq(q, a, "normal")
     rr.set(q.keys.job(forged), b"not a hash")  # WRONGTYPE for the cancel script
     stop, cancelled = threading.Event(), []
-    control = Control(q, "w", lambda: {}, on_lost=lambda ids: None, on_cancel=cancelled.extend,
-                      snapshot=lambda: {}, model_info={"name": "m"}, registry_key=GK.models, stop=stop)
+    control = _control(q, {}, stop, cancelled=cancelled.extend, model_info={"name": "m"})
     control.start()
     try:
         with caplog.at_level(logging.WARNING, logger="mlxq"):
@@ -481,11 +489,9 @@ def test_a_job_id_that_is_not_32_lowercase_hex_digits_is_refused(rr):
 
 
 def test_a_lost_lease_is_reported_with_the_owner_token_that_lost_it(rr):
-    """Control.renew names the owner token with each lost job, so the worker can tell that lease from a
+    """The heartbeat names the owner token with each lost job, so the worker can tell that lease from a
     newer one it took since (see test_hostwork's test_a_lost_lease_ends_only_the_attempt_that_lost_it)."""
     import threading
-
-    from mlxq.worker.redis_io import Control
 
     q = make_queue(rr)
     a, b = ids(2)
@@ -493,9 +499,8 @@ def test_a_lost_lease_is_reported_with_the_owner_token_that_lost_it(rr):
         enq(q, job_id, "normal")
     pulled = {p.job_id: owner_token("w", p.attempt) for p in q.pull(2, "w")}
     lost = []
-    control = Control(q, "w", lambda: {a: "w:9", b: pulled[b]}, on_lost=lost.extend, on_cancel=lambda ids: None,
-                      snapshot=lambda: {}, model_info={}, registry_key=GK.models, stop=threading.Event())
-    control.renew()
+    control = _control(q, {a: "w:9", b: pulled[b]}, threading.Event(), lost=lost.extend)
+    control.heartbeat.renew()
     assert lost == [(a, "w:9")]
 
 

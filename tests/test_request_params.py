@@ -91,7 +91,7 @@ def test_max_tokens_past_the_context_is_refused_when_given_and_cut_when_not():
     from mlxq.producer.core import prepare
     from mlxq.shared import codec
     from mlxq.worker.jobs import JobError
-    from mlxq.worker.runner import fit_context
+    from mlxq.worker.fetcher import fit_context
 
     with pytest.raises(JobError, match="context is 64 tokens; the prompt has 60 and max_tokens asks for 10"):
         fit_context(_req(max_tokens=10), 60, 64)

@@ -6,6 +6,7 @@ each; a seeded sampled job gives the same tokens whether or not its worker crash
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import redis
 
@@ -166,7 +167,7 @@ def test_publisher_sends_again_what_a_lost_script_cache_refused(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -191,7 +192,7 @@ def test_a_write_the_client_cannot_send_costs_its_own_step_only(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -228,7 +229,7 @@ def test_a_clobbered_key_costs_its_own_job_only(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -261,7 +262,7 @@ def test_a_write_refused_for_now_is_sent_again_not_dropped(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -353,7 +354,7 @@ def test_a_step_sent_again_after_its_reply_was_lost_is_written_once(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -395,7 +396,7 @@ def test_deltas_a_full_server_refuses_are_sent_again_not_dropped(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -406,7 +407,7 @@ def test_deltas_a_full_server_refuses_are_sent_again_not_dropped(redis_url):
     pub = Publisher(q, threading.Event())
     pub.backoff.first = pub.backoff.cap = 0.01
     gave_up, refused = [], threading.Event()
-    pub.on_gave_up = gave_up.extend
+    pub.loop_inbox = SimpleNamespace(lost=gave_up.extend)
     fail = pub.backoff.fail
     pub.backoff.fail = lambda: (refused.set(), fail())[1]
     pub._send([StepOutput(deltas=[(job, "w:1", b"d1", next_delta_seq())])])
@@ -432,13 +433,13 @@ def test_deltas_a_full_server_refuses_are_sent_again_not_dropped(redis_url):
 
 def test_deltas_no_resend_can_write_drop_their_jobs(redis_url):
     """A deltas call that fails for good (an error reply no resend cures) hands its jobs to the worker
-    (Publisher.on_gave_up), which drops them as on a lost lease: their leases lapse and the next
-    attempt resumes from what the stream holds, where before they ran on past the hole."""
+    (the MLX loop's inbox, Publisher.loop_inbox), which drops them as on a lost lease: their leases
+    lapse and the next attempt resumes from what the stream holds, where before they ran on past the hole."""
     import threading
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -463,7 +464,7 @@ def test_deltas_no_resend_can_write_drop_their_jobs(redis_url):
     q.redis = Refusing()
     pub = Publisher(q, threading.Event())
     gave_up = []
-    pub.on_gave_up = gave_up.extend
+    pub.loop_inbox = SimpleNamespace(lost=gave_up.extend)
     pub._send([StepOutput(deltas=[("ab" * 16, "w:3", b"x", next_delta_seq()), ("cd" * 16, "w:1", b"y", next_delta_seq()),
                                   ("ab" * 16, "w:3", b"z", next_delta_seq())])])
     assert gave_up == [("ab" * 16, "w:3"), ("cd" * 16, "w:1")]
@@ -479,7 +480,7 @@ def test_a_stream_its_producer_broke_costs_only_its_own_job(redis_url):
 
     from mlxq.shared.protocol import Queue
     from mlxq.shared.settings import Settings
-    from mlxq.worker.redis_io import Publisher, StepOutput, next_delta_seq
+    from mlxq.worker.publisher import Publisher, StepOutput, next_delta_seq
 
     r = redis.Redis.from_url(redis_url)
     q = Queue(r, K, Settings())
@@ -490,7 +491,7 @@ def test_a_stream_its_producer_broke_costs_only_its_own_job(redis_url):
     q.load_scripts()
     pub = Publisher(q, threading.Event())
     gave_up = []
-    pub.on_gave_up = gave_up.extend
+    pub.loop_inbox = SimpleNamespace(lost=gave_up.extend)
     pub._send([StepOutput(deltas=[(broken, "w:1", b"x1", next_delta_seq()), (fine, "w:1", b"f1", next_delta_seq())])])
     assert gave_up == [(broken, "w:1")]
     assert [f[b"d"] for _, f in r.xrange(K.events(fine))] == [b"f1"]

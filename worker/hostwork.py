@@ -10,7 +10,7 @@ already inside the next launch (``mx.async_eval`` releases the GIL while MLX com
 engine's next steps would otherwise pile up tokens nobody has published).  An exception in a
 callable is kept and raised on the MLX thread by the next ``check()``: the worker stops as it
 did when that work ran inline.  ``inline=True`` runs each callable at once on the caller's
-thread (the old behaviour, for A/B measurement: ``MLXQ_HOST_THREAD=0``).
+thread (for A/B measurement: ``MLXQ_HOST_THREAD=0``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
 """The worker: one process, one model, one thread for every MLX call.
 
-Each pass of the loop reads like a sentence: take control messages, admit
-ready jobs, run one engine step, hand the step's tokens over.  What becomes of
-them (detokenizing, stop strings, deltas, results: ``_after_step``) runs on the
-host thread (``mlxq.worker.hostwork``) while the MLX thread launches the next
-step; Redis I/O runs on other threads (``mlxq.worker.redis_io``).  Neither
-stalls a decode step.
+A job's path: the **fetcher** (``fetcher.py``) pulls it and prepares it (validates and
+tokenizes it, resumes it from what earlier attempts published) into the ready queue; the **MLX
+loop** (``mlx_loop.py``) admits it into the engine and steps it; the **host** (``host.py``)
+turns each step's tokens into text, deltas and at last its result, which the publisher thread
+(``publisher.py``) writes to Redis; **control** (``control.py``) renews its lease meanwhile,
+and brings cancels and lost leases to the MLX loop's inbox (``inbox.py``).
+
+``Worker`` wires the rooms together, and ``run`` is the MLX thread's loop: each pass takes
+what the other rooms sent, admits ready jobs, runs one engine step.  Redis I/O runs on the
+other threads and the host's work on its own, so that neither stalls a decode step.
 """
 
 from __future__ import annotations
@@ -13,51 +17,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import signal
 import socket
 import threading
 import time
-from collections import deque
-from functools import partial
 from typing import Optional
 
-import mlx.core as mx
-
-from ..shared import codec
 from ..shared.keys import GlobalKeys
-from ..shared.protocol import Pulled, Queue
-from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, MAX_N, Delta, Result
-from ..shared.settings import TIERS, Settings
+from ..shared.protocol import Queue
+from ..shared.settings import Settings
 from . import blas
-from .jobs import (ActiveJob, JobError, admit_now, check_published_ids, check_token_ids, decode_request, job_grammar,
-                   prompt_in_thinking, read_samples, sample_uid, seen_output, start_job, tokenize)
-from .hostwork import HostWork
-from .textstream import chat_format
-from .model import LoadedModel
+from .control import Control
 from .engine.engine import make_engine
-from .redis_io import REDIS_ERRORS, Backoff, Control, Fetcher, Publisher, ReadyQueue, StepOutput
+from .fetcher import Fetcher, Preparer, ReadyQueue, ServerClock
+from .host import Host
+from .hostwork import HostWork
+from .inbox import Inbox
+from .jobs import ActiveJob
+from .mlx_loop import MLXLoop
+from .model import LoadedModel
+from .publisher import Publisher
+from .stats import Observers, WorkerStats
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-STALL_EXIT_CODE = 70  # (EX_SOFTWARE) the watchdog found the engine stuck: a supervisor restarts the worker
-
-
-def fit_context(req, prompt_len: int, ctx: int) -> None:
-    """Hold a job to the model's context of ``ctx`` tokens: a prompt that fills it, or a ``max_tokens``
-    the caller gave that the rest of it cannot hold, is refused (:class:`JobError`, as vLLM does);
-    the default ``max_tokens`` (the caller gave none) is cut to what the context leaves, so the job
-    ends with "length" there."""
-    if prompt_len >= ctx:
-        raise JobError(f"prompt of {prompt_len} tokens exceeds the model's context of {ctx} tokens")
-    if prompt_len + req.max_tokens <= ctx:
-        return
-    if "max_tokens" in req.model_fields_set:
-        raise JobError(f"this model's context is {ctx} tokens; the prompt has {prompt_len} and max_tokens "
-                       f"asks for {req.max_tokens} more ({prompt_len + req.max_tokens} in all): lower "
-                       f"max_tokens to at most {ctx - prompt_len}, or shorten the prompt")
-    req.max_tokens = ctx - prompt_len
 
 
 def new_worker_id() -> str:
@@ -69,161 +52,56 @@ class Worker:
                  engine=None, max_batch: int | None = None, worker_id: str | None = None,
                  grace_s: float | None = None,
                  observers: Optional[list] = None):
-        self.settings = settings or Settings.from_env()
+        s = self.settings = settings or Settings.from_env()
         self.loaded = loaded
         self.worker_id = worker_id or new_worker_id()
-        gk = GlobalKeys(self.settings.prefix)
+        gk = GlobalKeys(s.prefix)
         self.keys = gk.model_keys(loaded.name)
-        self.q = Queue(redis_client, self.keys, self.settings)
+        self.q = Queue(redis_client, self.keys, s)
         if engine is None:
-            engine = make_engine(loaded, self.settings if max_batch is None else
-                                 dataclasses.replace(self.settings, max_batch=max_batch))
+            engine = make_engine(loaded, s if max_batch is None else dataclasses.replace(s, max_batch=max_batch))
         self.engine = engine
-        self.grace_s = self.settings.grace_s if grace_s is None else grace_s
-        self.eos = set(loaded.eos_token_ids)
-        # Observers (metrics, rq mirroring) get on_token(job, n_tokens, now_monotonic) and
-        # on_finish(job, result) on the host thread, on_snapshot(snapshot) on the MLX thread;
-        # they must be cheap and must not call MLX. Missing methods are skipped.
-        self.observers = list(observers or [])
-
-        # By engine uid (a job with n > 1 has one per sample). Added by the MLX thread (_admit), ended by
-        # the host thread (_finish); others take list() copies.
-        self.active: dict[str, ActiveJob] = {}
-        # The host thread: what becomes of each step's tokens, in step order (inline: MLXQ_HOST_THREAD=0).
-        self.host = HostWork(inline=not self.settings.host_thread)
-        self._removals: deque[str] = deque()  # host thread -> MLX thread: sequences a stop string ended
-        self.ready = ReadyQueue()
-        self._isolating = False  # a suspect job waits for the engine to drain, or runs alone (admit_now)
-        self._engine_free = self.engine.free_slots()
-        self._engine_urgent_below = float("-inf")
-        # ("cancel" | "timeout", job ids) or ("lost", (job id, owner token) pairs)
-        self._control_q: "queue.Queue[tuple[str, list]]" = queue.Queue()
+        self.grace_s = s.grace_s if grace_s is None else grace_s
         self.stop_event = threading.Event()  # threads exit
         self.draining = threading.Event()  # warm shutdown: finish or requeue, pull nothing
         self._sigterms = 0
 
-        self.started_at = time.time()
-        self.tokens_generated = 0
-        self.processed = {"done": 0, "failed": 0, "cancelled": 0, "requeued": 0, "abandoned": 0}
-        self.busy_s = 0.0
-        self._window: list[tuple[float, int]] = []
-        self._snap: dict = {}
-        self._snap_at = 0.0
-        self._snap_due = False  # a job finished since the last snapshot: refresh and publish it at once
+        watched = Observers(observers)
+        self.stats = WorkerStats(self.worker_id, loaded.name, type(engine).__name__, s.stats_interval_s, watched)
+        # no step completing for stall_s while jobs run: renew nothing more, exit (control.Heartbeat)
+        self.watchdog = Watchdog(s.stall_s)
+        self.inbox = Inbox()
+        self.publisher = Publisher(self.q, self.stop_event, self.inbox)
+        ready, active = ReadyQueue(), {}
+        # the host thread: what becomes of each step's tokens, in step order (inline: MLXQ_HOST_THREAD=0)
+        hostwork = HostWork(inline=not s.host_thread)
+        self.host = Host(active, ready, engine, self.publisher, self.stats, watched, loaded.eos_token_ids,
+                         hostwork.inline)
+        kick = threading.Event()  # the MLX loop freed slots: the fetcher pulls at once
+        self.loop = MLXLoop(engine, loaded.eos_token_ids, ready, active, self.host, hostwork, self.inbox,
+                            self.stats, self.watchdog, self.draining, kick, self.publisher)
+        clock = ServerClock()
+        prepare = Preparer(self.q, loaded, s, engine, self.worker_id, ready, self.publisher, self.stats,
+                           self.stop_event, clock)
+        self.fetcher = Fetcher(self.q, self.worker_id, self.loop, prepare, self.stop_event, s.gather_ms / 1000.0,
+                               s.idle_block_s, clock, kick)
+        self.control = Control.build(self.q, self.worker_id, [self.fetcher, self.loop], self.inbox, self.stats,
+                                     model_info={**loaded.info(), "max_new_tokens": s.max_new_tokens},
+                                     registry_key=gk.models, stop=self.stop_event, global_redis=redis_client,
+                                     watchdog=self.watchdog)
 
-        # the embedding's rows (mlx-lm's model args), which bound the token ids a job may name too
-        self._model_vocab: Optional[int] = getattr(getattr(loaded.model, "args", None), "vocab_size", None)
-        # no step completing for stall_s while jobs run: renew nothing more, exit (_stalled)
-        self.watchdog = Watchdog(self.settings.stall_s)
-        self._exit = os._exit  # (a test that runs the worker in its own process replaces it)
-        self.publisher = Publisher(self.q, self.stop_event)
-        # deltas Redis would not take (an error no resend cures): the job is dropped as on a lost lease;
-        # its lease lapses and the next attempt resumes from what its stream holds
-        self.publisher.on_gave_up = lambda leases: self._control_q.put(("lost", leases))
-        self.fetcher = Fetcher(self.q, self.worker_id, self._free_slots, self._prepare, self.stop_event,
-                               self.settings.gather_ms / 1000.0, self.settings.idle_block_s,
-                               urgent_below=self._urgent_below)
-        self.control = Control(self.q, self.worker_id, self._leases,
-                               on_lost=lambda ids: self._control_q.put(("lost", ids)),
-                               on_cancel=lambda ids: self._control_q.put(("cancel", ids)),
-                               snapshot=lambda: self._snap,
-                               model_info={**loaded.info(), "max_new_tokens": self.settings.max_new_tokens},
-                               registry_key=gk.models, stop=self.stop_event, global_redis=redis_client,
-                               watchdog=self.watchdog, on_stall=self._stalled)
+    # the jobs it holds (by engine uid), the jobs prepared for it, and what it counted
+    @property
+    def active(self) -> dict[str, ActiveJob]:
+        return self.loop.active
 
-    # -- shared with the I/O threads ----------------------------------------
-    def _free_slots(self) -> int:
-        if self.draining.is_set() or self._isolating:  # a suspect job runs alone (admit_now)
-            return 0
-        with self.ready.lock:
-            return self._engine_free - len(self.ready.items)
+    @property
+    def ready(self) -> ReadyQueue:
+        return self.loop.ready
 
-    def _urgent_below(self) -> float:
-        """Fetcher thread: a queued job scoring below this would preempt (engine value, refreshed per pass)."""
-        if self.draining.is_set() or self._isolating or len(self.ready.items):
-            return float("-inf")
-        return self._engine_urgent_below
-
-    def _leases(self) -> dict[str, str]:
-        preparing = dict(self.fetcher.preparing)  # a copy: the fetcher thread changes it
-        jobs = list(self.active.values()) + list(self.ready.items)
-        return {**preparing, **{j.id: j.owner for j in jobs if isinstance(j, ActiveJob)}}
-
-    def _prepare(self, entry: Pulled) -> None:
-        """Fetcher thread: validate and tokenize; failures end the job with an error."""
-        if entry.kind != "job":
-            log.warning("garbage queue member %r moved to the dead-letter set", entry.job_id[:80])
-            return
-        offset = self.fetcher.clock_offset
-        # outside the try below: reading the record retries through lost links and raises only when the
-        # worker stops; that is no fault of the job, which must not be failed for it (its lease brings
-        # it back)
-        try:
-            record = self._record(entry)
-        except REDIS_ERRORS:
-            raise
-        except Exception as exc:  # e.g. the events key holds another type: the record cannot be read
-            log.exception("job=%s attempt=%d: reading its durable record failed", entry.job_id, entry.attempt)
-            self.publisher.submit(self._failure(entry, f"its durable record cannot be read: {exc}", INTERNAL_ERROR))
-            return
-        try:
-            req = decode_request(entry, self.loaded.name, self.settings.max_new_tokens)
-            prompt = tokenize(req, self.loaded.tokenizer, self._model_vocab)
-            check_token_ids(req, self.loaded.tokenizer, self._model_vocab)
-            # whether the prompt opened a reasoning block: read once (a marker of several tokens takes a
-            # decode of the whole prompt) for the grammar and every sample's output stream
-            thinking = prompt_in_thinking(prompt, chat_format(self.loaded.tokenizer), self.loaded.tokenizer)
-            seen = seen_output(req, prompt, self.loaded.tokenizer, thinking)
-            published = read_samples(record or [], seen) if record or seen else None
-            check_published_ids(published, self.loaded.tokenizer, self._model_vocab)
-            grammar = job_grammar(req, prompt, self.loaded.tokenizer, thinking)
-            fit_context(req, len(prompt), self.loaded.context_length)
-            if not self.engine.can_admit(len(prompt), req.max_tokens):
-                raise JobError(f"prompt of {len(prompt)} tokens plus max_tokens {req.max_tokens} can never fit "
-                               "this worker's KV memory")
-            samples = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset, published,
-                                grammar=grammar, in_thinking=thinking)
-        except JobError as exc:
-            log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
-            self.publisher.submit(self._failure(entry, str(exc), INVALID_REQUEST))
-            return
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # a tokenizer bug, or a Rust panic (a BaseException), must not kill the worker
-            log.exception("job=%s attempt=%d failed to prepare", entry.job_id, entry.attempt)
-            self.publisher.submit(self._failure(entry, f"internal error preparing the job: {exc}", INTERNAL_ERROR))
-            return
-        self.ready.put(*samples)
-
-    def _record(self, entry: Pulled) -> Optional[list]:
-        """Fetcher thread: what earlier attempts of this job published (its durable record's entries),
-        for a job that ran before (a later attempt after a crash, or a preempted or requeued job)."""
-        if entry.attempt <= 1 and not entry.resume:
-            return None
-        backoff = Backoff()
-        while True:
-            try:
-                return self.q.redis.xrange(self.keys.events(entry.job_id))
-            except REDIS_ERRORS as exc:
-                if self.stop_event.is_set():
-                    raise
-                delay = backoff.fail()
-                log.warning("job=%s: reading its durable record failed (%s); retrying in %.2fs",
-                            entry.job_id, exc, delay)
-                time.sleep(delay)
-
-    def _failure(self, entry: Pulled, message: str, code: str) -> StepOutput:
-        owner = f"{self.worker_id}:{entry.attempt}"
-        result = Result(id=entry.job_id, finish_reason="error", error=message, error_code=code)
-        result.stats.queued_at = entry.queued_at
-        result.stats.started_at = entry.now
-        result.stats.attempts = entry.attempt
-        result.stats.worker = self.worker_id
-        result.stats.tier = entry.tier
-        final = Delta(attempt=entry.attempt, seq=1, finish_reason="error", error=message)
-        self.processed["failed"] += 1
-        return StepOutput(completions=[(entry.job_id, owner, "failed", result.record(),
-                                        codec.pack(final.to_wire()))])
+    @property
+    def processed(self) -> dict[str, int]:
+        return self.stats.processed
 
     # -- the loop ------------------------------------------------------------
     def start_threads(self) -> None:
@@ -236,37 +114,29 @@ class Worker:
     def run(self, *, burst: bool = False) -> None:
         """Serve until stopped. ``burst``: return once the queue is empty and all work is done."""
         self.start_threads()
+        loop = self.loop
         idle_since: Optional[float] = None
         failure: Optional[str] = None
         try:
             while True:
-                self.host.check()
+                loop.hostwork.check()
                 self._check_threads()
-                self._apply_removals()
-                self._expire()
-                self._handle_control()
-                self._admit()
-                if self.draining.is_set() and (not self.active or time.monotonic() > self._drain_deadline):
+                loop.take_messages()
+                loop.admit()
+                if self.draining.is_set() and (not loop.active or time.monotonic() > self._drain_deadline):
                     break
-                if not self.engine.has_work():
-                    self.watchdog.idle()
-                    self._refresh_snapshot()
-                    if burst and not len(self.ready) and self._queue_empty():
+                if not loop.has_work():
+                    loop.idle()
+                    if burst and not len(loop.ready) and self._queue_empty():
                         idle_since = idle_since or time.monotonic()
                         if time.monotonic() - idle_since > 0.3:
                             break
                     else:
                         idle_since = None
-                    self.ready.event.wait(0.02)
+                    loop.wait_ready(0.02)
                     continue
                 idle_since = None
-                t0 = time.perf_counter()
-                self.watchdog.step_started()
-                events, preempted = self.engine.step()
-                self._hand_over(events, preempted)
-                self.watchdog.step_done()
-                self.busy_s += time.perf_counter() - t0
-                self._refresh_snapshot()
+                loop.step()
         except Exception as exc:
             # The engine (or the host thread) raised: its state is unknown, so this worker stops, and a
             # supervisor starts a fresh one. What it held goes back with the attempt counted, so that a
@@ -279,25 +149,10 @@ class Worker:
         finally:
             self._shutdown(failure)
 
-    def _stalled(self) -> None:
-        """Control thread: the watchdog found the engine stuck. The MLX thread cannot be stopped from
-        here, and what it holds cannot be trusted: the process exits, with no warm shutdown. Its beat
-        is withdrawn first, so that other workers take its jobs over at their next reap (not a
-        takeover_s later); anything it still sends after that is fenced out."""
-        log.error("worker %s is stuck: %s; it renews nothing more and exits (%d) for its supervisor to restart "
-                  "it, and other workers take its jobs over", self.worker_id, self.watchdog.reason, STALL_EXIT_CODE)
-        try:
-            self.q.redis.zadd(self.keys.beats, {self.worker_id: 0})
-        except Exception:  # noqa: BLE001 - its beat then runs out by itself
-            log.warning("could not withdraw the heartbeat; other workers take the jobs over when it runs out")
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        self._exit(STALL_EXIT_CODE)
-
     def _check_threads(self) -> None:
-        """MLX thread: the I/O threads catch what they can; one that died anyway (a bug) leaves a
-        worker that looks alive and serves nothing (no pulls, no output, leases lapsing), so the
-        worker stops with it, as when the engine fails, and a supervisor starts a fresh one."""
+        """The I/O threads catch what they can; one that died anyway (a bug) leaves a worker that looks
+        alive and serves nothing (no pulls, no output, leases lapsing), so the worker stops with it,
+        as when the engine fails, and a supervisor starts a fresh one."""
         if self.stop_event.is_set():
             return
         for thread in (self.fetcher, self.publisher, self.control):
@@ -309,319 +164,6 @@ class Worker:
             return self.q.redis.zcard(self.keys.queue) == 0
         except Exception:
             return False
-
-    def _admit(self) -> None:
-        done: list[ActiveJob] = []
-        # the host thread is handed work only after the lock is let go: it may be waiting for the lock
-        # itself (a preempted sample of a job with n > 1 goes back through ready.put), and a full host
-        # queue makes submit wait for it
-        with self.ready.lock:
-            jobs, self._isolating = admit_now(list(self.ready.items), list(self.active.values()))
-            taken = {id(j) for j in jobs}
-            held = [j for j in self.ready.items if id(j) not in taken]  # wait for a suspect's turn (admit_now)
-            self.ready.items.clear()
-            self.ready.items.extend(held)
-            self.ready.event.clear()
-            if jobs:
-                if self._isolating and not self.active:
-                    log.warning("job=%s attempt=%d runs alone: it was in the engine of a worker that failed (%s)",
-                                jobs[0].id, jobs[0].attempt, jobs[0].suspect[:200])
-                for job in jobs:
-                    self.active[job.uid] = job
-                # an earlier attempt published every token, then died before finishing
-                done = [j for j in jobs if len(j.tokens) >= j.request.max_tokens]
-                finished = {id(j) for j in done}  # nothing left to generate: no prefill for them
-                self.engine.add([self._spec(job) for job in jobs if job.uid in self.active and id(job) not in finished])
-            self._engine_free = self.engine.free_slots()
-            self._engine_urgent_below = self.engine.urgent_below()
-        if done:
-            self.host.submit(partial(self._finish_done, done))
-        if jobs:
-            self.fetcher.kick.set()
-
-    def _finish_done(self, jobs: list[ActiveJob]) -> None:
-        """Host thread: end jobs whose every token an earlier attempt published."""
-        out = StepOutput()
-        for job in jobs:
-            self._alone(job, out, lambda j=job: self._finish(j, "length", out, j.text.finish()))
-        self.publisher.submit(out)
-
-    def _spec(self, job: ActiveJob):
-        spec = job.spec(self.loaded.eos_token_ids)
-        spec.want_logprobs = bool(job.request.logprobs)
-        return spec
-
-    def _hand_over(self, events, preempted) -> None:
-        """MLX thread: read what the step's tokens need from MLX (log-probabilities), then hand them to
-        the host thread."""
-        tops = [None] * len(events)
-        for i, ev in enumerate(events):
-            job = self.active.get(ev.uid)
-            if job is not None and job.request.logprobs and ev.token is not None:
-                tops[i] = self._logprobs(ev, job.request.logprobs)
-        self._window.append((time.monotonic(), len(events)))
-        if events or preempted:
-            self.host.submit(partial(self._after_step, events, preempted, tops))
-
-    def _remove_soon(self, uid: str) -> None:
-        """Host thread: drop a sequence from the engine (on the MLX thread, before its next step)."""
-        if self.host.inline:
-            self.engine.remove([uid])
-        else:
-            self._removals.append(uid)
-
-    def _apply_removals(self) -> None:
-        uids = []
-        while self._removals:
-            uids.append(self._removals.popleft())
-        if uids:
-            self.engine.remove(uids)
-
-    def _after_step(self, events, preempted, tops) -> None:
-        """Host thread: a step's tokens become text, deltas and results, handed to the publisher."""
-        out = StepOutput()
-        for ev, top in zip(events, tops):
-            job = self.active.get(ev.uid)
-            if job is None:
-                continue
-            # this job's own trouble (a parser, a detokenizer): its own end
-            self._alone(job, out, partial(self._take_event, job, ev, top, out))
-        for p in preempted:
-            job = self.active.get(p.uid)
-            if job is not None and job.group is not None:
-                # a sample of a job with n > 1 goes back to the ready queue: _admit hands it to the
-                # engine again, from the tokens it published (its siblings run on, the job keeps its lease)
-                self.ready.put(job)
-                continue
-            self.active.pop(p.uid, None)
-            if job is not None:
-                job.tokens = list(p.tokens)
-                out.requeues.append((job.id, job.owner, job.resume_state()))
-                self.processed["requeued"] += 1
-        self.publisher.submit(out)
-
-    def _take_event(self, job: ActiveJob, ev, top, out: StepOutput) -> None:
-        """Host thread: one sequence's token (or its end) of a step: text, a delta or the job's result."""
-        if job.first_token_at is None:
-            job.first_token_at = job.now()
-        if ev.cached_tokens is not None:  # prefix-cache hit tokens (engines that know)
-            job.cached_tokens = min(ev.cached_tokens, len(job.prompt))
-        finish = ev.finish_reason
-        ids: list[int] = []
-        text = ""
-        lp = None
-        if ev.token is None:  # the engine ended the job with no token: its constraint failed
-            self._finish(job, finish or "error", out, job.text.finish(), error=ev.error,
-                         error_code=INVALID_REQUEST)
-            return
-        if not (finish == "stop" and ev.token in self.eos):
-            self._notify("on_token", job, 1, time.monotonic())
-            ids = [ev.token]
-            job.tokens.append(ev.token)
-            self.tokens_generated += 1
-            text = job.text.add(ev.token)
-            if job.request.logprobs:
-                lp = [top or {"token": ev.token, "logprob": None, "top": []}]
-                job.logprobs.extend(lp)
-        if job.text.stopped:  # a stop string, also on the token that reached max_tokens
-            if finish is None:
-                self._remove_soon(job.uid)
-            finish = "stop"
-        if finish:
-            text += job.text.finish()
-            self._finish(job, finish, out, text, ids, lp)
-        elif text or ids:
-            delta = job.emit(text, ids, logprobs=lp)
-            out.add_delta(job.id, job.owner, job.wire_dict(delta))
-
-    def _alone(self, job: ActiveJob, out: StepOutput, handle) -> None:
-        """Host thread: ``handle()``, one job's part of a step; what it raises ends that job alone."""
-        try:
-            handle()
-        except Exception as exc:
-            self._fail_alone(job, out, exc)
-
-    def _fail_alone(self, job: ActiveJob, out: StepOutput, exc: BaseException) -> None:
-        """Host thread: handling one job's step raised. That job ends with an internal error (out of
-        the engine too), and the rest of the step goes on: before, the exception stopped the worker,
-        and every job it held went back with an attempt counted. Where even ending it fails, it goes
-        back to the queue with this error (the attempt counts; after max_attempts it is dead-lettered)."""
-        error = f"internal error in the worker's host step: {type(exc).__name__}: {exc}"[:1000]
-        log.exception("job=%s attempt=%d: %s", job.uid, job.attempt, error)
-        self._remove_soon(job.uid)
-        try:
-            self._finish(job, "error", out, error=error, error_code=INTERNAL_ERROR)
-        except Exception:
-            log.exception("job=%s: ending it failed too; it goes back to the queue", job.uid)
-            for sample in self._samples(job.id):  # this job too, unless _finish took it out already
-                self.active.pop(sample.uid, None)
-                self._remove_soon(sample.uid)
-            out.abandons.append((job.id, job.owner, error))
-
-    def _finish(self, job: ActiveJob, finish: str, out: StepOutput, text: str = "", ids=(), lp=None,
-                error: Optional[str] = None, error_code: Optional[str] = None) -> None:
-        if finish == "length" and job.text.stopped:
-            # the caller's final flush completed a stop string (text held back as an incomplete
-            # character decodes only then): the job ended on it, as on any other stop string
-            finish = "stop"
-        delta = job.emit(text, list(ids), finish, error, lp)
-        self.active.pop(job.uid, None)
-        result = job.end(finish, error, error_code)
-        if result is None:  # other samples of the job still run: this one's last delta is a delta
-            out.add_delta(job.id, job.owner, job.wire_dict(delta))
-            return
-        packed = result.record()
-        if len(packed) > codec.MAX_MESSAGE_BYTES:
-            result, delta, packed = self._too_large(job, result, delta, len(packed))
-        status = {"cancelled": "cancelled", "error": "failed"}.get(result.finish_reason, "done")
-        out.completions.append((job.id, job.owner, status, packed, job.wire(delta)))
-        self.processed[status] += 1
-        self._snap_due = True
-        self._notify("on_finish", job, result)
-        log.info("job=%s attempt=%d finished: %s, %d tokens", job.id, job.attempt, finish, len(job.tokens))
-
-    @staticmethod
-    def _too_large(job: ActiveJob, result: Result, delta: Delta, size: int) -> tuple[Result, Delta, bytes]:
-        """A result larger than any reader takes (``codec.MAX_MESSAGE_BYTES``: every token's
-        log-probabilities of a long job with many samples) ends the job with an error that says so,
-        and its final delta with it: a caller got the job "done" and then only a CodecError reading
-        it. Its stream still holds every token that went out."""
-        limit = codec.MAX_MESSAGE_BYTES
-        error = (f"the result is {size:,} bytes, over the {limit:,} a result may be "
-                 f"(n {job.request.n}, {len(job.tokens)} tokens a sample"
-                 + (f", {job.request.logprobs} log-probabilities a token" if job.request.logprobs else "")
-                 + "): ask for fewer tokens, samples or log-probabilities, or read the stream")
-        log.warning("job=%s: %s", job.id, error)
-        failed = Result(id=result.id, finish_reason="error", error=error, error_code=INVALID_REQUEST,
-                        stats=result.stats)
-        delta = delta.model_copy(update={"finish_reason": "error", "error": error})
-        return failed, delta, failed.record()
-
-    def _notify(self, method: str, *args) -> None:
-        for obs in self.observers:
-            fn = getattr(obs, method, None)
-            if fn is None:
-                continue
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("observer %r failed in %s", obs, method)
-
-    def _logprobs(self, ev, k: int) -> dict:
-        lp = ev.logprobs
-        if lp is None:
-            return {"token": ev.token, "logprob": None, "top": []}
-        lp = lp.reshape(-1)
-        top = mx.argpartition(-lp, kth=k - 1)[:k]
-        top_vals = lp[top]
-        order = mx.argsort(-top_vals)
-        ids, vals = top[order].tolist(), top_vals[order].tolist()
-        return {"token": ev.token, "logprob": lp[ev.token].item(), "top": [[i, v] for i, v in zip(ids, vals)]}
-
-    def _expire(self) -> None:
-        """MLX thread: jobs past their ``timeout_s`` (running or waiting to be admitted) end, as a
-        cancel does, with finish reason "timeout" and their tokens so far."""
-        now = time.monotonic()
-        with self.ready.lock:
-            jobs = list(self.active.values()) + [j for j in self.ready.items if isinstance(j, ActiveJob)]
-        late = [j for j in jobs if j.deadline is not None and not j.timed_out and now >= j.deadline]
-        for job in late:
-            job.timed_out = True
-        if late:
-            self._control_q.put(("timeout", sorted({j.id for j in late})))
-
-    def _handle_control(self) -> None:
-        while True:
-            try:
-                kind, ids = self._control_q.get_nowait()
-            except queue.Empty:
-                return
-            ended = []
-            for item in ids:
-                # a lost lease names its owner token: the worker may have pulled the job again since
-                # (another worker's reaper requeued it), and that newer lease is not the one lost
-                job_id, owner = item if kind == "lost" else (item, None)
-                running = [s for s in self._samples(job_id) if owner is None or s.owner == owner]
-                waiting = self._take_ready(job_id, owner)
-                if running or waiting:
-                    self.engine.remove([s.uid for s in running + waiting])
-                ended += [(s, True) for s in running] + [(s, False) for s in waiting]
-            if ended:
-                self.host.submit(partial(self._end_by_control, kind, ended))
-
-    def _end_by_control(self, kind: str, ended: list) -> None:
-        """Host thread: end cancelled and timed-out jobs (every sample), drop jobs whose lease another
-        worker took (after the tokens of every earlier step; a sample the host thread finished meanwhile
-        stays finished)."""
-        out = StepOutput()
-        for job, running in ended:
-            if running and self.active.get(job.uid) is not job:
-                continue
-            if kind == "cancel":
-                self._alone(job, out, partial(self._finish, job, "cancelled", out))
-            elif kind == "timeout":  # its tokens so far, and the text they make (nothing held back)
-                self._alone(job, out, lambda j=job: self._finish(j, "timeout", out, j.text.finish()))
-            else:  # lost lease: another worker owns the job now; write nothing
-                self.active.pop(job.uid, None)
-                log.warning("job=%s attempt=%d dropped: lease lost", job.uid, job.attempt)
-        self.publisher.submit(out)
-
-    def _samples(self, job_id: str) -> list[ActiveJob]:
-        """The job's active sequences: the job itself (n == 1), or its samples still running."""
-        job = self.active.get(job_id)
-        if job is not None:
-            return [job]
-        return [s for i in range(MAX_N) if (s := self.active.get(sample_uid(job_id, i))) is not None]
-
-    def _drop(self, samples: list[ActiveJob]) -> None:
-        """Take sequences out of the engine and of the active set."""
-        if samples:
-            self.engine.remove([s.uid for s in samples])
-        for s in samples:
-            self.active.pop(s.uid, None)
-
-    def _take_ready(self, job_id: str, owner: Optional[str] = None) -> list[ActiveJob]:
-        with self.ready.lock:
-            taken = [item for item in self.ready.items if item.id == job_id and owner in (None, item.owner)]
-            for item in taken:
-                self.ready.items.remove(item)
-        return taken
-
-    # -- stats ---------------------------------------------------------------
-    def _refresh_snapshot(self) -> None:
-        """Every half second at most; at once (and published at once) when a job just finished, so
-        `mlxq stats` right after a result counts its tokens."""
-        now = time.monotonic()
-        if not self._snap_due and now - self._snap_at < min(0.5, self.settings.stats_interval_s):
-            return
-        self._snap_at = now
-        self._window = [(t, n) for t, n in self._window if now - t <= 1.0]
-        current = sum(n for _, n in self._window) / 1.0
-        active = list(self.active.values())  # the host thread ends jobs meanwhile
-        self._snap = {
-            "worker_id": self.worker_id,
-            "model": self.loaded.name,
-            "engine": type(self.engine).__name__,
-            "started_at": self.started_at,
-            "updated_at": time.time(),
-            "active": len(active),
-            "active_by_tier": {t: sum(1 for j in active if j.tier == t) for t in TIERS},
-            "ready": len(self.ready),
-            "processed": dict(self.processed),
-            "tokens_generated": self.tokens_generated,
-            "tok_s_current": current,
-            "tok_s_avg": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
-            "peak_memory_bytes": mx.get_peak_memory(),
-            "active_memory_bytes": mx.get_active_memory(),
-            "publish_round_trips": self.publisher.round_trips,
-            "blas": blas.describe(),
-            "draining": self.draining.is_set(),
-            **{f"engine_{k}" if not k.startswith("engine") else k: v for k, v in self.engine.stats().items()},
-        }
-        self._notify("on_snapshot", self._snap)
-        if self._snap_due:
-            self._snap_due = False
-            self.control.publish_soon.set()
 
     # -- shutdown ------------------------------------------------------------
     _drain_deadline = float("inf")
@@ -652,47 +194,25 @@ class Worker:
         their attempt counts; see ``run``), stop the threads."""
         self.fetcher.pause()  # a pull under way hands its jobs over first: they are given back too
         try:
-            self.host.drain()  # every step's tokens published before the leftovers are requeued
+            self.loop.hostwork.drain()  # every step's tokens published before the leftovers are requeued
         except Exception:
             log.exception("the host thread failed; requeueing what is left")
-        self.host.close()
-        self._apply_removals()
-        out = StepOutput()
-        leftovers = list(self.active.values())
-        with self.ready.lock:
-            leftovers += list(self.ready.items)
-            self.ready.items.clear()
-        # After a failure, the jobs the engine held are the suspects: their attempt counts. Jobs pulled
-        # but not yet handed to it go back as at any stop (a job with n > 1 is a suspect if any of its
-        # samples was in the engine).
-        suspects = {j.id for j in self.active.values()} if failure else set()
-        self._drop(leftovers)
-        jobs = list({j.id: j for j in leftovers}.values())  # once per job, whatever its samples
-        for job in jobs:
-            if job.id in suspects:
-                out.abandons.append((job.id, job.owner, failure))
-                self.processed["abandoned"] += 1
-            else:
-                out.requeues.append((job.id, job.owner, job.resume_state()))
-                self.processed["requeued"] += 1
-        if len(jobs) > len(suspects):
-            log.warning("requeued %d unfinished jobs at their original scores", len(jobs) - len(suspects))
-        self.active.clear()
+        self.loop.hostwork.close()
+        out = self.loop.give_back(failure)
         self.publisher.submit(out)
-        self._snap_at = 0.0
-        self._refresh_snapshot()
+        self.loop.refresh_stats(force=True)
         if not self.publisher.drain(timeout=30.0):
             log.error("could not flush all output to Redis before exit")
-        elif suspects:
+        elif out.abandons:
             try:  # now, not when another worker's reaper comes by: requeued (attempt counted) or dead
                 requeued, dead, *_ = self.q.reap()
-                log.warning("gave up %d jobs: %d requeued, %d dead-lettered", len(suspects), requeued, dead)
+                log.warning("gave up %d jobs: %d requeued, %d dead-lettered", len(out.abandons), requeued, dead)
             except Exception:  # noqa: BLE001 - any worker's reaper does it later
                 log.exception("could not reap the jobs given up; another worker's reaper will")
         self.stop_event.set()
         self.fetcher.join(timeout=self.settings.idle_block_s + 2)
         self.control.join(timeout=2)
         self.publisher.join(timeout=2)
-        self.control.unregister()
+        self.control.reporter.unregister()
         self.engine.close()
         log.info("worker %s stopped", self.worker_id)

@@ -1,7 +1,7 @@
 """The contract between the worker loop and a generation engine.
 
-The worker loop (``mlxq.worker.runner``: Redis, detokenizing, stop strings, stats)
-talks to the engine (``mlxq.worker.engine.PagedEngine``) only through these types:
+The worker (its MLX loop, ``mlxq.worker.mlx_loop``; Redis, detokenizing, stop strings and
+stats live in its other rooms) talks to the engine (``mlxq.worker.engine.PagedEngine``) only through these types:
 ``Engine`` lists every method it calls.  Every method is called on the single MLX
 thread.  Token ids, never text, cross this boundary.
 """
