@@ -20,8 +20,8 @@ from ..shared.settings import Settings
 
 from .asubscriber import AsyncSubscriber, link_watch
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, Receive, Resubmit, Steps, WaitDone,
-                   decode_status, prepare, retryable, schema_of, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, ReadEvents, ReadRecord, ReadReplay, Receive,
+                   Resubmit, Steps, WaitDone, decode_status, prepare, retryable, schema_of, submit_kwargs)
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class AsyncJob:
 
     async def _drive(self, steps: Steps) -> AsyncIterator[Delta]:
         """As ``Job._drive``, each read awaited."""
+        handlers = self._handlers()
         for op in steps:
             if isinstance(op, Emit):
                 pending = self._core.undelivered
@@ -84,12 +85,18 @@ class AsyncJob:
                     yield pending.popleft()
                 continue
             try:
-                steps.reply(await getattr(self, f"_io_{op.name}")(op))
+                steps.reply(await handlers[type(op)](op))
             except Exception as exc:
-                log.debug("job %s: %s: %s: %s", self.id, op.name, type(exc).__name__, exc)
+                log.debug("job %s: %s: %s: %s", self.id, type(op).__name__, type(exc).__name__, exc)
                 steps.fail(exc)
 
     # -- the reads of the core's requests ---------------------------------------------------------
+    def _handlers(self) -> dict:
+        """As ``Job._handlers``: each request of the core and the coroutine that does it."""
+        return {Receive: self._io_receive, ReadEvents: self._io_read_events, ReadReplay: self._io_read_replay,
+                ReadRecord: self._io_read_record, WaitDone: self._io_wait_done, Backoff: self._io_backoff,
+                Resubmit: self._io_resubmit}
+
     async def _io_receive(self, op: Receive) -> Optional[bytes]:
         if self._pubsub is None:
             await self._ensure_pubsub(op.confirm_s)

@@ -16,8 +16,8 @@ from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
 from .bulkmap import map_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, Receive, Resubmit, Steps, WaitDone,
-                   decode_status, prepare, retryable, schema_of, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, ReadEvents, ReadRecord, ReadReplay, Receive,
+                   Resubmit, Steps, WaitDone, decode_status, prepare, retryable, schema_of, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
 
@@ -93,6 +93,7 @@ class Job:
 
     def _drive(self, steps: Steps) -> Iterator[Delta]:
         """Do each read the core asks for; yield the deltas it emits."""
+        handlers = self._handlers()
         for op in steps:
             if isinstance(op, Emit):
                 pending = self._core.undelivered
@@ -100,11 +101,17 @@ class Job:
                     yield pending.popleft()
                 continue
             try:
-                steps.reply(getattr(self, f"_io_{op.name}")(op))
+                steps.reply(handlers[type(op)](op))
             except Exception as exc:
                 steps.fail(exc)
 
     # -- the reads of the core's requests ---------------------------------------------------------
+    def _handlers(self) -> dict:
+        """Each request of the core (``mlxq.producer.core``) and the method that does it."""
+        return {Receive: self._io_receive, ReadEvents: self._io_read_events, ReadReplay: self._io_read_replay,
+                ReadRecord: self._io_read_record, WaitDone: self._io_wait_done, Backoff: self._io_backoff,
+                Resubmit: self._io_resubmit}
+
     def _io_receive(self, op: Receive) -> Optional[bytes]:
         if self._pubsub is None:
             self._ensure_pubsub(op.confirm_s)

@@ -8,8 +8,8 @@ The two clients only do I/O.  Everything they must agree on lives here, with no 
   which Redis read they need next (``Receive``, ``READ_EVENTS``, ``READ_RECORD``, ``WaitDone``), what
   to hand the caller (``Emit``) and when to back off (``Backoff``).  Each job class runs them with
   one short loop (``Job._drive`` / ``AsyncJob._drive`` over ``Steps``) that does the read it is told
-  (its method ``_io_<name>``), with its own socket and its own way of waiting, and sends back the
-  reply or throws in the error;
+  (the handler its ``_handlers`` maps the request's class to), with its own socket and its own way
+  of waiting, and sends back the reply or throws in the error;
 - **retries**: which errors are a pause (``retryable``), the deadline and what is raised past it
   (``JobTimeout``, or ``RedisUnreachable`` while the links are down; with no deadline,
   ``RedisUnreachable`` once the client's ``LinkWatch`` has seen the links down for its give-up
@@ -186,17 +186,25 @@ def parse_text(out, schema: type[BaseModel]) -> tuple[Any, Optional[str]]:
 
 
 # -- a job's waits, as requests for I/O ---------------------------------------------------------------
-# Each request names the client method that does it: ``Job._io_<name>`` / ``AsyncJob._io_<name>``.
+# One class per request: each client maps the class to the method that does it (``Job._handlers`` /
+# ``AsyncJob._handlers``).
 
 @dataclass(frozen=True)
-class Op:
-    """A read with no argument: ``read_events`` (reply: the event-stream entries after
-    ``JobCore.last_id``), ``read_record`` (the job's hash), ``read_replay`` (reply: the job hash's
-    ``REPLAY_FIELDS``, HMGET)."""
-    name: str
+class ReadEvents:
+    """Reply: the event-stream entries after ``JobCore.last_id`` (XRANGE)."""
 
 
-READ_EVENTS, READ_RECORD, READ_REPLAY = Op("read_events"), Op("read_record"), Op("read_replay")
+@dataclass(frozen=True)
+class ReadRecord:
+    """Reply: the job's hash (HGETALL)."""
+
+
+@dataclass(frozen=True)
+class ReadReplay:
+    """Reply: the job hash's ``REPLAY_FIELDS`` (HMGET)."""
+
+
+READ_EVENTS, READ_RECORD, READ_REPLAY = ReadEvents(), ReadRecord(), ReadReplay()
 # a finished job's compacted stream, the result it slices, and the status every job record has (none:
 # no record, so one read tells both)
 REPLAY_FIELDS = (replay.FIELD, "result", "status")
@@ -209,14 +217,12 @@ class Receive:
     subscriber's own limit) and reply ``SYNC`` to re-read the record."""
     seconds: float
     confirm_s: Optional[float]
-    name = "receive"
 
 
 @dataclass(frozen=True)
 class WaitDone:
     """Wait up to ``seconds`` on the job's done list (reply ignored)."""
     seconds: float
-    name = "wait_done"
 
 
 @dataclass(frozen=True)
@@ -226,14 +232,12 @@ class Backoff:
     error: Exception
     deadline: Optional[float]
     delay: float
-    name = "backoff"
 
 
 @dataclass(frozen=True)
 class Emit:
     """Deltas for the caller of ``stream()``: the drivers hand out ``JobCore.undelivered`` one at a
     time (no I/O). What a caller that left early did not take stays there for its next ``stream()``."""
-    name = "emit"
 
 
 @dataclass(frozen=True)
@@ -241,7 +245,6 @@ class Resubmit:
     """The job's record is gone (a write lost with a failed master): submit it again (``Origin``) with
     ``resume_ids``, the token ids its caller has (None: from the start); reply: the new job's id."""
     resume_ids: Optional[list[int]]
-    name = "resubmit"
 
 
 EMIT = Emit()
