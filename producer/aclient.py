@@ -13,15 +13,16 @@ from ..shared import apikeys
 from ..shared.connection import (LinkWatch, close_pins, connect_async, for_slot_async, is_cluster, one_connection_async,
                                  replica_acked)
 from ..shared.keys import GlobalKeys, ModelKeys
-from ..shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, fcall_failed, function_name,
-                               parse_check, parse_enqueue, script_source)
+from ..shared.protocol import (SCRIPT_NAMES, CopyPolicy, Enqueued, ScriptCalls, cancel_steps, enqueue_steps,
+                               fcall_failed, not_copied, run_script, script_source)
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
+from ..shared.steps import Steps
 
 from .asubscriber import AsyncSubscriber, link_watch
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
 from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, ReadEvents, ReadRecord, ReadReplay, Receive,
-                   Resubmit, Steps, WaitDone, decode_status, prepare, retryable, schema_of, submit_kwargs)
+                   Resubmit, WaitDone, decode_status, prepare, retryable, schema_of, submit_kwargs)
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class AsyncClient:
         self.gkeys = GlobalKeys(self.settings.prefix)
         self._scripts = {n: self.redis.register_script(script_source(n)) for n in SCRIPT_NAMES}
         self.cluster = is_cluster(self.redis)
-        self._functions = False  # set when this Redis user may FCALL but not EVALSHA
+        self.functions = False  # set when this Redis user may FCALL but not EVALSHA (enqueue_steps)
         self._url = url
         self._pins: dict = {}  # per-slot pins, when the cluster client keeps none itself
         self.closed = False  # set by aclose(): every job's wait then raises ClientClosed
@@ -230,6 +231,22 @@ class AsyncClient:
     def calls(self, model: str) -> ScriptCalls:
         return ScriptCalls(self.gkeys.model_keys(model), self.settings, self.cluster)
 
+    async def _run_steps(self, gen, model: str):
+        """Await the I/O of ``enqueue_steps`` / ``cancel_steps`` (``mlxq.shared.protocol``)."""
+        steps = Steps(gen)
+        for op in steps:
+            try:
+                if isinstance(op, CopyPolicy):
+                    # no worker has served this model yet: a trusted client copies the registry into its slot
+                    steps.reply(await asyncio.to_thread(self._sync_model_blocking, model))
+                elif op.acked:
+                    steps.reply(await self._run_acked(op.call, op.acked))
+                else:
+                    steps.reply(await self._run(op.call, read_only=op.read_only))
+            except Exception as exc:
+                steps.fail(exc)
+        return steps.value
+
     async def _run_acked(self, call, job_id: str):
         """As ``Queue._run_acked``: with ``submit_replica_ack_ms`` set, ``WAIT 1 <ms>`` after the submit,
         on its connection."""
@@ -242,63 +259,36 @@ class AsyncClient:
         replica_acked(acked, job_id, wait_ms)
         return reply
 
-    async def _run(self, call, decode: bool = False, read_only: bool = False, client=None):
-        name, keys, args = call
+    async def _run(self, call, read_only: bool = False, client=None):
+        """As ``Queue.run``: on the slot of the call's first key."""
+        keys = call[1]
         r = client or (self.at(keys[0]) if keys else self.redis)
-        if self._functions:
-            fcall = r.fcall_ro if read_only else r.fcall
-            try:
-                reply = await fcall(function_name(name), len(keys), *keys, *args)
-            except ResponseError as exc:
+        try:
+            return await run_script(r, self._scripts, call, self.functions, read_only)
+        except ResponseError as exc:
+            if self.functions:
                 fcall_failed(exc)
-                raise
-        else:
-            reply = await self._scripts[name](keys=keys, args=args, client=r)
-        return reply.decode() if decode and isinstance(reply, bytes) else reply
+            raise
 
     async def _enqueue(self, model: str, job_id: str, payload: bytes, floor, idem) -> Enqueued:
-        """As ``Queue.enqueue``: the tier is decided in Redis; a producer whose ACL refuses EVALSHA
-        uses mlxq's Functions (check, then submit to the intake list)."""
+        """``Queue.enqueue``, awaited."""
         kh = apikeys.key_hash(self.api_key) if self.api_key is not None else None
-        calls = self.calls(model)
-
-        async def attempt() -> Enqueued:
-            if not self._functions:
-                try:
-                    return parse_enqueue(await self._run_acked(calls.enqueue(job_id, payload, kh, floor, idem), job_id))
-                except NoPermissionError:  # EVALSHA refused before anything ran
-                    self._functions = True
-            parse_check(await self._run(calls.check(kh, floor), read_only=True))
-            return parse_enqueue(await self._run_acked(calls.submit(job_id, payload, kh, floor, idem), job_id))
-
-        try:
-            return await attempt()
-        except PolicyNotCopied:
-            pass
-        # no worker has served this model yet: a trusted client copies the registry into its slot
-        await asyncio.to_thread(self._sync_model_blocking, model)
-        return await attempt()
+        return await self._run_steps(enqueue_steps(self, self.calls(model), job_id, payload, kh, floor, idem), model)
 
     async def _cancel(self, model: str, job_id: str) -> str:
-        calls = self.calls(model)
-        if not self._functions:
-            try:
-                return await self._run(calls.cancel(job_id), decode=True)
-            except NoPermissionError:
-                self._functions = True
-        return await self._run(calls.cancel_request(job_id), decode=True)
+        """``Queue.cancel``, awaited."""
+        return await self._run_steps(cancel_steps(self, self.calls(model), job_id), model)
 
     def _sync_model_blocking(self, model: str) -> None:
         from ..shared.connection import connect, for_slot
 
         if self._url is None:
-            raise PolicyNotCopied(f"model {model!r} has no copy of the key registry yet: start its worker first")
+            raise not_copied(model)
         r = connect(self._url)
         try:
             apikeys.sync_model(r, for_slot(r, self.gkeys.model_keys(model).policy), self.gkeys, model)
         except NoPermissionError:
-            raise PolicyNotCopied(f"model {model!r} has no copy of the key registry yet: "
-                                  "start its worker first") from None
+            raise not_copied(model) from None
         finally:
             r.close()
 
@@ -328,12 +318,12 @@ class AsyncClient:
         return await self._retry(lambda: self._tier(floor))
 
     async def _tier(self, floor: Optional[str]) -> str:
-        r = self.at(self.gkeys.api_keys)
-        record = await r.hget(self.gkeys.api_keys, apikeys.key_hash(self.api_key)) if self.api_key else None
-        keys_exist = record is not None or bool(await r.exists(self.gkeys.api_keys))
-        anonymous = None if self.api_key else await self.at(self.gkeys.policy).hget(self.gkeys.policy, "anonymous")
-        tier = apikeys.tier_from_record(record, self.api_key, keys_exist, anonymous)
-        return apikeys.lower_tier(tier, floor) if floor else tier
+        """``apikeys.resolve_tier``, awaited: each read on its key's slot."""
+        steps = Steps(apikeys.tier_steps(self.gkeys, self.api_key, floor))
+        for op in steps:
+            r = self.at(op.key)
+            steps.reply(await (r.hget(op.key, op.field) if op.field else r.exists(op.key)))
+        return steps.value
 
     async def submit(self, prompt: Optional[str] = None, *, messages: Optional[list] = None,
                      prompt_tokens: Optional[list[int]] = None, model: Optional[str] = None,

@@ -14,10 +14,11 @@ from ..shared.keys import GlobalKeys, ModelKeys
 from ..shared.protocol import Enqueued, Queue
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
+from ..shared.steps import Steps
 from .bulkmap import map_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
 from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, ReadEvents, ReadRecord, ReadReplay, Receive,
-                   Resubmit, Steps, WaitDone, decode_status, prepare, retryable, schema_of, submit_kwargs)
+                   Resubmit, WaitDone, decode_status, prepare, retryable, schema_of, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
 

@@ -28,7 +28,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Optional
 
 from pydantic import BaseModel, ValidationError
 import redis
@@ -38,6 +38,7 @@ from ..shared import codec, replay
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
+from ..shared.steps import Step
 from .common import (ClientClosed, ConfirmCut, JobNotFound, JobTimeout, StreamState, build_request, check_fits,
                      entry_deltas, payload_deltas, result_from_hash)
 
@@ -248,7 +249,6 @@ class Resubmit:
 
 
 EMIT = Emit()
-Step = Generator[Any, Any, Any]
 
 
 class JobCore:
@@ -389,40 +389,6 @@ class JobCore:
         self.id, self.last_id = new, "0-0"
         log.warning("job %s: its record is gone (a write lost in a failover?); submitted again as job %s, "
                     "going on after %d token(s)", old, new, len(resume or ()))
-
-
-class Steps:
-    """Runs one of ``JobCore``'s generators for a client: iterate to get each request, answer it
-    with ``reply`` (or ``fail`` with the error the I/O raised); ``value`` is what it returned.
-
-        for op in steps:
-            try:
-                steps.reply(do(op))      # or: await do(op)
-            except Exception as exc:
-                steps.fail(exc)
-    """
-
-    def __init__(self, gen: Step):
-        self._gen = gen
-        self._reply: Any = None
-        self._error: Optional[BaseException] = None
-        self.value: Any = None
-
-    def __iter__(self):
-        while True:
-            reply, error, self._reply, self._error = self._reply, self._error, None, None
-            try:
-                op = self._gen.throw(error) if error is not None else self._gen.send(reply)
-            except StopIteration as stop:
-                self.value = stop.value
-                return
-            yield op
-
-    def reply(self, value: Any) -> None:
-        self._reply = value
-
-    def fail(self, exc: BaseException) -> None:
-        self._error = exc
 
 
 def feed_message(state: StreamState, data: bytes) -> list[Delta]:

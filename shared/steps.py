@@ -1,0 +1,57 @@
+"""Running a sans-I/O generator: the one loop every client core is driven by.
+
+A core (a job's waits, a submission, an enqueue, a tier lookup) is a generator that yields what it
+needs done (a request for I/O) and is sent the reply, or thrown the error the I/O raised.  It never
+touches a socket, so the sync and async clients run the same decisions: each only does the I/O."""
+
+from __future__ import annotations
+
+from typing import Any, Generator, Optional
+
+Step = Generator[Any, Any, Any]
+
+
+class Steps:
+    """Runs a core's generator for a client: iterate to get each request, answer it with ``reply``
+    (or ``fail`` with the error the I/O raised); ``value`` is what the generator returned.
+
+        for op in steps:
+            try:
+                steps.reply(do(op))      # or: await do(op)
+            except Exception as exc:
+                steps.fail(exc)
+    """
+
+    def __init__(self, gen: Step):
+        self._gen = gen
+        self._reply: Any = None
+        self._error: Optional[BaseException] = None
+        self.value: Any = None
+
+    def __iter__(self):
+        while True:
+            reply, error, self._reply, self._error = self._reply, self._error, None, None
+            try:
+                op = self._gen.throw(error) if error is not None else self._gen.send(reply)
+            except StopIteration as stop:
+                self.value = stop.value
+                return
+            yield op
+
+    def reply(self, value: Any) -> None:
+        self._reply = value
+
+    def fail(self, exc: BaseException) -> None:
+        self._error = exc
+
+
+def run_steps(gen: Step, do) -> Any:
+    """Run ``gen`` with ``do(request)`` as its only I/O, synchronously; what ``do`` raises is thrown in
+    (the generator may handle it), and what the generator returns is returned."""
+    steps = Steps(gen)
+    for op in steps:
+        try:
+            steps.reply(do(op))
+        except Exception as exc:
+            steps.fail(exc)
+    return steps.value
