@@ -17,12 +17,13 @@ from ..shared.protocol import (SCRIPT_NAMES, CopyPolicy, Enqueued, ScriptCalls, 
                                fcall_failed, not_copied, run_script, script_source)
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
-from ..shared.steps import Steps
+from ..shared.steps import Steps, arun_steps
 
 from .asubscriber import AsyncSubscriber, link_watch
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, ReadEvents, ReadRecord, ReadReplay, Receive,
-                   Resubmit, WaitDone, decode_status, prepare, retryable, schema_of, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobCore, Origin, ReadEvents, ReadRecord, ReadReplay,
+                   Receive, Resubmit, Subscribe, Unsubscribe, WaitDone, decode_status, prepare, retryable, schema_of,
+                   submission, submit_kwargs)
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +126,8 @@ class AsyncJob:
     async def _io_resubmit(self, op: Resubmit) -> str:
         origin = self._core.origin
         job_id, payload = origin.again(op.resume_ids)
-        enq = await self._client._retry(lambda: self._client._enqueue(self._keys.model, job_id, payload,
-                                                                      origin.floor, origin.idempotency_key))
+        enq = await self._client._retry(lambda: self._client._enqueue(Enqueue(self._keys.model, job_id, payload,
+                                                                              origin.floor, origin.idempotency_key)))
         await self._close_pubsub()  # the next read subscribes the new job's channel and reads its record
         return enq.job_id
 
@@ -233,19 +234,15 @@ class AsyncClient:
 
     async def _run_steps(self, gen, model: str):
         """Await the I/O of ``enqueue_steps`` / ``cancel_steps`` (``mlxq.shared.protocol``)."""
-        steps = Steps(gen)
-        for op in steps:
-            try:
-                if isinstance(op, CopyPolicy):
-                    # no worker has served this model yet: a trusted client copies the registry into its slot
-                    steps.reply(await asyncio.to_thread(self._sync_model_blocking, model))
-                elif op.acked:
-                    steps.reply(await self._run_acked(op.call, op.acked))
-                else:
-                    steps.reply(await self._run(op.call, read_only=op.read_only))
-            except Exception as exc:
-                steps.fail(exc)
-        return steps.value
+        async def do(op):
+            if isinstance(op, CopyPolicy):
+                # no worker has served this model yet: a trusted client copies the registry into its slot
+                return await asyncio.to_thread(self._sync_model_blocking, model)
+            if op.acked:
+                return await self._run_acked(op.call, op.acked)
+            return await self._run(op.call, read_only=op.read_only)
+
+        return await arun_steps(gen, do)
 
     async def _run_acked(self, call, job_id: str):
         """As ``Queue._run_acked``: with ``submit_replica_ack_ms`` set, ``WAIT 1 <ms>`` after the submit,
@@ -270,10 +267,11 @@ class AsyncClient:
                 fcall_failed(exc)
             raise
 
-    async def _enqueue(self, model: str, job_id: str, payload: bytes, floor, idem) -> Enqueued:
+    async def _enqueue(self, op: Enqueue) -> Enqueued:
         """``Queue.enqueue``, awaited."""
         kh = apikeys.key_hash(self.api_key) if self.api_key is not None else None
-        return await self._run_steps(enqueue_steps(self, self.calls(model), job_id, payload, kh, floor, idem), model)
+        return await self._run_steps(enqueue_steps(self, self.calls(op.model), op.job_id, op.payload, kh, op.floor,
+                                                   op.idempotency_key), op.model)
 
     async def _cancel(self, model: str, job_id: str) -> str:
         """``Queue.cancel``, awaited."""
@@ -319,11 +317,11 @@ class AsyncClient:
 
     async def _tier(self, floor: Optional[str]) -> str:
         """``apikeys.resolve_tier``, awaited: each read on its key's slot."""
-        steps = Steps(apikeys.tier_steps(self.gkeys, self.api_key, floor))
-        for op in steps:
+        async def read(op: apikeys.Read):
             r = self.at(op.key)
-            steps.reply(await (r.hget(op.key, op.field) if op.field else r.exists(op.key)))
-        return steps.value
+            return await (r.hget(op.key, op.field) if op.field else r.exists(op.key))
+
+        return await arun_steps(apikeys.tier_steps(self.gkeys, self.api_key, floor), read)
 
     async def submit(self, prompt: Optional[str] = None, *, messages: Optional[list] = None,
                      prompt_tokens: Optional[list[int]] = None, model: Optional[str] = None,
@@ -344,17 +342,11 @@ class AsyncClient:
         origin = Origin.of(prep, _floor, idempotency_key)
         job = AsyncJob(self, prep.request.id, keys, None, None, prep.schema, origin)
         deadline = time.monotonic() + self.settings.redis_outage_s
-        try:
-            if subscribe:  # subscribed before the job exists; stream() also replays the durable record
-                await self._retry(job._ensure_pubsub, deadline)
-            # the same request under the same id: a retry after a lost reply is the same job
-            enq = await self._retry(lambda: self._enqueue(model, prep.request.id, prep.payload, _floor,
-                                                          idempotency_key), deadline)
-        except BaseException:  # a cancel too (a gateway client gone mid-submit): the channel stayed subscribed
-            await job._close_pubsub()
-            raise
+        io = {Subscribe: lambda op: self._retry(job._ensure_pubsub, deadline),
+              Enqueue: lambda op: self._retry(lambda: self._enqueue(op), deadline),
+              Unsubscribe: lambda op: job._close_pubsub()}
+        enq = await arun_steps(submission(model, prep, _floor, idempotency_key, subscribe), lambda op: io[type(op)](op))
         if enq.status == "duplicate":
-            await job._close_pubsub()
             return AsyncJob(self, enq.job_id, keys, None, enq, prep.schema, origin)
         job.enqueued = enq
         return job

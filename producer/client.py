@@ -14,11 +14,12 @@ from ..shared.keys import GlobalKeys, ModelKeys
 from ..shared.protocol import Enqueued, Queue
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
-from ..shared.steps import Steps
+from ..shared.steps import Steps, run_steps
 from .bulkmap import map_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, ReadEvents, ReadRecord, ReadReplay, Receive,
-                   Resubmit, WaitDone, decode_status, prepare, retryable, schema_of, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobCore, Origin, ReadEvents, ReadRecord, ReadReplay,
+                   Receive, Resubmit, Subscribe, Unsubscribe, WaitDone, decode_status, prepare, retryable, schema_of,
+                   submission, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
 
@@ -135,18 +136,16 @@ class Job:
         return self._client.watch.backoff(op.error, op.deadline, op.delay, retryable)
 
     def _io_resubmit(self, op: Resubmit) -> str:
-        job_id, payload = self._core.origin.again(op.resume_ids)
-        q = self._client.queue_for(self._keys.model)
-        enq = self._client._retry(lambda: q.enqueue(job_id, payload, self._client.key_hash, self._core.origin.floor,
-                                                    self._core.origin.idempotency_key,
-                                                    global_redis=self._client.redis))
+        origin = self._core.origin
+        job_id, payload = origin.again(op.resume_ids)
+        enq = self._client._retry(lambda: self._client._enqueue(Enqueue(self._keys.model, job_id, payload, origin.floor,
+                                                                        origin.idempotency_key)))
         self._close_pubsub()  # the next read subscribes the new job's channel and reads its record
         return enq.job_id
 
     def cancel(self) -> str:
         """'cancelled' (was queued), 'cancelling' (leaves the batch at the next step) or the final status."""
-        q = self._client.queue_for(self._keys.model)
-        return self._client._retry(lambda: q.cancel(self.id))
+        return self._client._retry(lambda: self._client._cancel(self._keys.model, self.id))
 
     def status(self) -> Optional[str]:
         """The job's status: queued, running, done, failed, cancelled, dead; a queued job that no
@@ -270,24 +269,25 @@ class Client:
         model = model or self.model
         prep = prepare(model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
                        known_model(model, self._registry()), self.settings.max_prompt_bytes)
-        q = self.queue_for(model)
+        keys = self.gkeys.model_keys(model)
         origin = Origin.of(prep, _floor, idempotency_key)
-        job = Job(self, prep.request.id, q.keys, None, None, prep.schema, origin)
+        job = Job(self, prep.request.id, keys, None, None, prep.schema, origin)
         deadline = time.monotonic() + self.settings.redis_outage_s
-        if subscribe:
-            self._retry(job._ensure_pubsub, deadline)  # subscribed (and confirmed) before the job exists
-        try:
-            # the same request under the same id: a retry after a lost reply is the same job
-            enq = self._retry(lambda: q.enqueue(prep.request.id, prep.payload, self.key_hash, _floor,
-                                                idempotency_key, global_redis=self.redis), deadline)
-        except Exception:
-            job._close_pubsub()
-            raise
+        io = {Subscribe: lambda op: self._retry(job._ensure_pubsub, deadline),
+              Enqueue: lambda op: self._retry(lambda: self._enqueue(op), deadline),
+              Unsubscribe: lambda op: job._close_pubsub()}
+        enq = run_steps(submission(model, prep, _floor, idempotency_key, subscribe), lambda op: io[type(op)](op))
         if enq.status == "duplicate":
-            job._close_pubsub()
-            return Job(self, enq.job_id, q.keys, None, enq, prep.schema, origin)
+            return Job(self, enq.job_id, keys, None, enq, prep.schema, origin)
         job.enqueued = enq
         return job
+
+    def _enqueue(self, op: Enqueue) -> Enqueued:
+        return self.queue_for(op.model).enqueue(op.job_id, op.payload, self.key_hash, op.floor, op.idempotency_key,
+                                                global_redis=self.redis)
+
+    def _cancel(self, model: str, job_id: str) -> str:
+        return self.queue_for(model).cancel(job_id)
 
     def job(self, job_id: str, model: Optional[str] = None, response_format=None, *,
             _origin: Optional[Origin] = None) -> Job:

@@ -131,6 +131,51 @@ def pack_request(req: GenerateRequest) -> bytes:
     return codec.pack(d)
 
 
+# -- a submission, as requests for I/O -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Subscribe:
+    """Subscribe the new job's channel, confirmed, before the job exists (its first delta cannot be
+    missed); reply ignored."""
+
+
+@dataclass(frozen=True)
+class Unsubscribe:
+    """Drop the new job's subscription (nothing will come on it); reply ignored."""
+
+
+@dataclass(frozen=True)
+class Enqueue:
+    """Enqueue the prepared request on ``model``'s queue (``Queue.enqueue``); reply: ``Enqueued``."""
+    model: str
+    job_id: str
+    payload: bytes
+    floor: Optional[str]
+    idempotency_key: Optional[str]
+
+
+SUBSCRIBE, UNSUBSCRIBE = Subscribe(), Unsubscribe()
+
+
+def submission(model: str, prep: Prepared, floor: Optional[str], idempotency_key: Optional[str],
+               subscribe: bool) -> Step:
+    """``submit``'s I/O once the request is prepared: subscribe (unless ``subscribe`` is False: bulk
+    callers read the record), then enqueue under the request's own id (a retry after a lost reply is
+    the same job).  Returns ``Enqueued``; a duplicate (the idempotency key matched an earlier job) keeps
+    no subscription.  Whatever stops it, a cancel of the caller's task too, leaves no channel
+    subscribed: the clients throw in every exception, ``BaseException`` included."""
+    try:
+        if subscribe:
+            yield SUBSCRIBE
+        enq = yield Enqueue(model, prep.request.id, prep.payload, floor, idempotency_key)
+    except BaseException:
+        yield UNSUBSCRIBE
+        raise
+    if enq.status == "duplicate":
+        yield UNSUBSCRIBE
+    return enq
+
+
 # -- a job lost in a failover ------------------------------------------------------------------------
 
 MAX_RESUBMITS = 3  # per handle: a record lost this often is not a failover's write window

@@ -46,12 +46,24 @@ class Steps:
 
 
 def run_steps(gen: Step, do) -> Any:
-    """Run ``gen`` with ``do(request)`` as its only I/O, synchronously; what ``do`` raises is thrown in
-    (the generator may handle it), and what the generator returns is returned."""
+    """Run ``gen`` with ``do(request)`` as its I/O; what ``do`` raises is thrown in, a
+    ``KeyboardInterrupt`` too, so that a core can undo what it asked for (a submission drops its
+    subscription), and what the generator returns is returned."""
     steps = Steps(gen)
     for op in steps:
         try:
             steps.reply(do(op))
-        except Exception as exc:
+        except BaseException as exc:
+            steps.fail(exc)
+    return steps.value
+
+
+async def arun_steps(gen: Step, do) -> Any:
+    """``run_steps`` with ``await do(request)``: a cancel of the task is thrown in too."""
+    steps = Steps(gen)
+    for op in steps:
+        try:
+            steps.reply(await do(op))
+        except BaseException as exc:
             steps.fail(exc)
     return steps.value
