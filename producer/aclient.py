@@ -1,10 +1,12 @@
-"""The asyncio producer client: ``AsyncClient`` and ``AsyncJob``, same methods as coroutines."""
+"""The asyncio producer client: ``AsyncClient`` and ``AsyncJob``, ``Client``'s and ``Job``'s methods as coroutines
+(``map`` and ``Job.stream`` as async iterators, ``close`` as ``aclose``; ``await client.model``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+import warnings
 from typing import Any, AsyncIterator, Optional
 
 from redis.exceptions import NoPermissionError, ResponseError
@@ -20,6 +22,7 @@ from ..shared.settings import Settings
 from ..shared.steps import Steps, arun_steps
 
 from .asubscriber import AsyncSubscriber, link_watch
+from .bulkmap import amap_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
 from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobCore, Origin, ReadEvents, ReadRecord, ReadReplay,
                    Receive, Resubmit, Subscribe, Unsubscribe, WaitDone, decode_status, prepare, retryable, schema_of,
@@ -188,6 +191,22 @@ def _text_size(prompt, messages) -> int:
     return total
 
 
+class DefaultModel:
+    """``AsyncClient.model``: awaited, the model the client submits to when none is given (the one
+    ``MLXQ_MODEL`` names, else the only one workers serve), as ``Client.model`` is on the sync client."""
+
+    def __init__(self, client: "AsyncClient"):
+        self._client = client
+
+    def __await__(self):
+        return self._client._default_model().__await__()
+
+    def __call__(self):
+        warnings.warn("AsyncClient.model() is deprecated: use `await client.model`, as Client.model",
+                      DeprecationWarning, stacklevel=2)
+        return self._client._default_model()
+
+
 class AsyncClient:
     """``Client`` for asyncio code (web backends, agents)."""
 
@@ -269,9 +288,8 @@ class AsyncClient:
 
     async def _enqueue(self, op: Enqueue) -> Enqueued:
         """``Queue.enqueue``, awaited."""
-        kh = apikeys.key_hash(self.api_key) if self.api_key is not None else None
-        return await self._run_steps(enqueue_steps(self, self.calls(op.model), op.job_id, op.payload, kh, op.floor,
-                                                   op.idempotency_key), op.model)
+        return await self._run_steps(enqueue_steps(self, self.calls(op.model), op.job_id, op.payload, self.key_hash,
+                                                   op.floor, op.idempotency_key), op.model)
 
     async def _cancel(self, model: str, job_id: str) -> str:
         """``Queue.cancel``, awaited."""
@@ -307,12 +325,24 @@ class AsyncClient:
         registry = await self._registry()
         return None if registry is None else registry.get(model, {})
 
-    async def model(self) -> str:
+    @property
+    def model(self) -> "DefaultModel":
+        """The model this client submits to when none is given, as ``Client.model``: ``await
+        client.model``.  (``await client.model()``, the spelling before, still works and warns.)"""
+        return DefaultModel(self)
+
+    async def _default_model(self) -> str:
         if self._model is None:
             self._model = pick_model(None, await self.models())
         return self._model
 
+    @property
+    def key_hash(self) -> Optional[str]:
+        """As ``Client.key_hash``: what enqueue sends, sha256 of the API key."""
+        return apikeys.key_hash(self.api_key) if self.api_key is not None else None
+
     async def tier(self, floor: Optional[str] = None) -> str:
+        """As ``Client.tier``."""
         return await self._retry(lambda: self._tier(floor))
 
     async def _tier(self, floor: Optional[str]) -> str:
@@ -329,7 +359,7 @@ class AsyncClient:
                      subscribe: bool = True, _floor: Optional[str] = None, _source: str = "client",
                      _count_tokens=None, **params: Any) -> AsyncJob:
         await self._unsubscribe_dropped()
-        model = model or await self.model()
+        model = model or await self.model
         args = (model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
                 known_model(model, await self._registry()), self.settings.max_prompt_bytes, _count_tokens)
         if _text_size(prompt, messages) > OFF_LOOP_CHARS:
@@ -358,10 +388,20 @@ class AsyncClient:
             except Exception:  # noqa: BLE001 - a lost link drops the subscription anyway
                 pass
 
-    async def job(self, job_id: str, model: Optional[str] = None, response_format=None) -> AsyncJob:
+    async def job(self, job_id: str, model: Optional[str] = None, response_format=None, *,
+                  _origin: Optional[Origin] = None) -> AsyncJob:
         """As ``Client.job``."""
-        keys = self.gkeys.model_keys(model or await self.model())
-        return AsyncJob(self, job_id, keys, None, Enqueued("existing", job_id, None, None), schema_of(response_format))
+        keys = self.gkeys.model_keys(model or await self.model)
+        return AsyncJob(self, job_id, keys, None, Enqueued("existing", job_id, None, None), schema_of(response_format),
+                        _origin)
+
+    def map(self, items, **params: Any) -> AsyncIterator[Result]:
+        """As ``Client.map``, an async iterator: ``async for res in client.map(prompts, max_tokens=64)``.
+        Same options (window=, timeout=, idempotency_prefix=, defaults for every item) and the same
+        core (``mlxq.producer.bulkmap``).  Left before its end, it cancels the jobs it still had queued
+        (unless an idempotency_prefix lets a later call find them) once the iterator is closed: at
+        once under ``contextlib.aclosing(client.map(...))``, else when Python collects it."""
+        return amap_results(self, items, **params)
 
     async def aclose(self) -> None:
         """As ``Client.close``: a ``result()`` or ``stream()`` waiting in another task raises
