@@ -19,41 +19,23 @@ from ..shared.protocol import (SCRIPT_NAMES, CopyPolicy, Enqueued, ScriptCalls, 
                                fcall_failed, not_copied, run_script, script_source)
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
-from ..shared.steps import Steps, arun_steps
+from ..shared.steps import Steps, adrive, arun_steps
 
 from .asubscriber import AsyncSubscriber, link_watch
 from .bulkmap import amap_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobCore, Origin, ReadEvents, ReadRecord, ReadReplay,
-                   Receive, Resubmit, Subscribe, Unsubscribe, WaitDone, decode_status, prepare, retryable, schema_of,
-                   submission, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobHandle, Origin, Receive, Resubmit, Subscribe,
+                   Unsubscribe, WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
 
 log = logging.getLogger(__name__)
 
-class AsyncJob:
+class AsyncJob(JobHandle):
     """``Job`` for asyncio: the same core (``mlxq.producer.core.JobCore``), its reads awaited."""
 
     def __init__(self, client: "AsyncClient", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued,
                  schema=None, origin: Optional[Origin] = None):
-        self._client = client
-        self._keys = keys
-        self._pubsub = pubsub
+        super().__init__(client, job_id, keys, pubsub, enqueued, schema, origin)
         self._redis = client.at(keys.job(job_id))  # the model's slot (its master, pinned, on a cluster)
-        self.enqueued = enqueued
-        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed, origin)
-        self._streaming = False  # a stream() is reading the subscription
-
-    @property
-    def id(self) -> str:
-        """As ``Job.id``."""
-        return self._core.id
-
-    def __repr__(self) -> str:
-        return f"AsyncJob({self.id!r})"
-
-    @property
-    def duplicate(self) -> bool:
-        return self.enqueued.status == "duplicate"
 
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
         """As ``Job.stream``: a lost link is a pause; past ``timeout``, ``JobTimeout`` or
@@ -83,25 +65,20 @@ class AsyncJob:
     async def _drive(self, steps: Steps) -> AsyncIterator[Delta]:
         """As ``Job._drive``, each read awaited."""
         handlers = self._handlers()
-        for op in steps:
-            if isinstance(op, Emit):
-                pending = self._core.undelivered
-                while pending:  # one at a time: a caller that leaves keeps the rest for its next stream()
-                    yield pending.popleft()
-                continue
+
+        async def do(op):
             try:
-                steps.reply(await handlers[type(op)](op))
+                return await handlers[type(op)](op)
             except Exception as exc:
                 log.debug("job %s: %s: %s: %s", self.id, type(op).__name__, type(exc).__name__, exc)
-                steps.fail(exc)
+                raise
+
+        async for _ in adrive(steps, do, Emit):
+            pending = self._core.undelivered
+            while pending:  # one at a time: a caller that leaves keeps the rest for its next stream()
+                yield pending.popleft()
 
     # -- the reads of the core's requests ---------------------------------------------------------
-    def _handlers(self) -> dict:
-        """As ``Job._handlers``: each request of the core and the coroutine that does it."""
-        return {Receive: self._io_receive, ReadEvents: self._io_read_events, ReadReplay: self._io_read_replay,
-                ReadRecord: self._io_read_record, WaitDone: self._io_wait_done, Backoff: self._io_backoff,
-                Resubmit: self._io_resubmit}
-
     async def _io_receive(self, op: Receive) -> Optional[bytes]:
         if self._pubsub is None:
             await self._ensure_pubsub(op.confirm_s)

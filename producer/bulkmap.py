@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Optional
 from ..shared.genopts import check_defaults, error_text
 from ..shared.protocol import OverloadError
 from ..shared.schemas import Result
-from ..shared.steps import Step, Steps, run_steps
+from ..shared.steps import Step, Steps, adrive, arun_steps, drive, run_steps
 from .common import NoModelError, known_model
 from .core import MAX_RESUBMITS, Enqueue, Origin, prepare
 
@@ -80,6 +80,12 @@ class WaitResult:
 
 
 @dataclass(frozen=True)
+class Cancel:
+    """Cancel the job ``sub`` (reply ignored)."""
+    sub: Submitted
+
+
+@dataclass(frozen=True)
 class Yield:
     """Hand ``result`` to the caller of ``map`` (no I/O)."""
     result: Result
@@ -128,7 +134,7 @@ class MapCore:
     at the low tier, keeping up to ``window`` jobs queued; hand out Results in input order.  An invalid
     item gives a Result with ``finish_reason="error"`` rather than stopping the iteration; invalid
     ``params`` raise ValueError before anything is queued.  Left before its end (a break, an error),
-    its driver cancels ``unfinished()``: none when an ``idempotency_prefix`` lets a later call find them."""
+    its driver runs ``cancel_unfinished``."""
 
     def __init__(self, items: Iterable[Any], window: int, timeout: Optional[float],
                  idempotency_prefix: Optional[str], params: dict, max_bytes: int):
@@ -136,10 +142,17 @@ class MapCore:
         self.prefix, self.params, self.max_bytes = idempotency_prefix, params, max_bytes
         self.inflight: deque = deque()  # (index, Submitted | Result)
 
-    def unfinished(self) -> list[Submitted]:
-        """The jobs to cancel when the caller left early: nobody could find them again, they would run
-        for nobody."""
-        return [] if self.prefix else [sub for _, sub in self.inflight if isinstance(sub, Submitted)]
+    def cancel_unfinished(self) -> Step:
+        """Cancel the jobs still queued when the caller left early, which nobody could find again (they
+        would run for nobody); none when an ``idempotency_prefix`` lets a later call find them.  Best
+        effort: a cancel that fails is logged, the caller's own exception matters more."""
+        if self.prefix:
+            return
+        for sub in [sub for _, sub in self.inflight if isinstance(sub, Submitted)]:
+            try:
+                yield Cancel(sub)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("job=%s: cancelling it after map() stopped failed: %s", sub.job_id, exc)
 
     def steps(self) -> Step:
         if self.window < 1:
@@ -175,6 +188,7 @@ class MapCore:
 def _sync_io(client, sleep=time.sleep):
     handlers = {PickModel: lambda op: client.model, ReadRegistry: lambda op: client._registry(),
                 Enqueue: client._enqueue, Tier: lambda op: client.tier(op.floor), Sleep: lambda op: sleep(op.seconds),
+                Cancel: lambda op: client._cancel(op.sub.model, op.sub.job_id),
                 WaitResult: lambda op: client.job(op.sub.job_id, op.sub.model, op.sub.schema,
                                                   _origin=op.sub.origin).result(timeout=op.timeout)}
     return lambda op: handlers[type(op)](op)
@@ -210,22 +224,11 @@ def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Opti
     """``MapCore`` with a ``Client`` (``Client.map``)."""
     core = MapCore(items, window, timeout, idempotency_prefix, params, client.settings.max_prompt_bytes)
     do = _sync_io(client)
-    steps = Steps(core.steps())
     try:
-        for op in steps:
-            if isinstance(op, Yield):
-                yield op.result
-                continue
-            try:
-                steps.reply(do(op))
-            except BaseException as exc:
-                steps.fail(exc)
+        for op in drive(Steps(core.steps()), do, Yield):
+            yield op.result
     finally:
-        for sub in core.unfinished():
-            try:
-                client._cancel(sub.model, sub.job_id)
-            except Exception as exc:  # noqa: BLE001 - best effort: the caller's own exception matters more
-                _cancel_failed(sub, exc)
+        run_steps(core.cancel_unfinished(), do)
 
 
 # -- the async client's I/O ------------------------------------------------------------------------------
@@ -237,7 +240,8 @@ def _async_io(client):
 
     handlers = {PickModel: lambda op: client.model, ReadRegistry: lambda op: client._registry(),
                 Enqueue: client._enqueue, Tier: lambda op: client.tier(op.floor),
-                Sleep: lambda op: asyncio.sleep(op.seconds), WaitResult: wait_result}
+                Sleep: lambda op: asyncio.sleep(op.seconds), WaitResult: wait_result,
+                Cancel: lambda op: client._cancel(op.sub.model, op.sub.job_id)}
     return lambda op: handlers[type(op)](op)
 
 
@@ -246,23 +250,9 @@ async def amap_results(client, items: Iterable[Any], *, window: int = 64, timeou
     """``MapCore`` with an ``AsyncClient`` (``AsyncClient.map``), each I/O awaited."""
     core = MapCore(items, window, timeout, idempotency_prefix, params, client.settings.max_prompt_bytes)
     do = _async_io(client)
-    steps = Steps(core.steps())
     try:
-        for op in steps:
-            if isinstance(op, Yield):
-                yield op.result
-                continue
-            try:
-                steps.reply(await do(op))
-            except BaseException as exc:
-                steps.fail(exc)
+        async for op in adrive(Steps(core.steps()), do, Yield):
+            yield op.result
     finally:
-        for sub in core.unfinished():
-            try:
-                await client._cancel(sub.model, sub.job_id)
-            except Exception as exc:  # noqa: BLE001 - best effort: the caller's own exception matters more
-                _cancel_failed(sub, exc)
+        await arun_steps(core.cancel_unfinished(), do)
 
-
-def _cancel_failed(sub: Submitted, exc: Exception) -> None:
-    log.warning("job=%s: cancelling it after map() stopped failed: %s", sub.job_id, exc)

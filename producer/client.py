@@ -10,16 +10,15 @@ from redis.exceptions import NoPermissionError
 
 from ..shared import apikeys
 from ..shared.connection import LinkWatch, connect as shared_connect, is_cluster, nodes_tried, refresh_topology
-from ..shared.keys import GlobalKeys, ModelKeys
+from ..shared.keys import GlobalKeys
 from ..shared.protocol import Enqueued, Queue
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
-from ..shared.steps import Steps, run_steps
+from ..shared.steps import Steps, drive, run_steps
 from .bulkmap import map_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobCore, Origin, ReadEvents, ReadRecord, ReadReplay,
-                   Receive, Resubmit, Subscribe, Unsubscribe, WaitDone, decode_status, prepare, retryable, schema_of,
-                   submission, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobHandle, Origin, Receive, Resubmit, Subscribe,
+                   Unsubscribe, WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
 
@@ -30,34 +29,11 @@ def connect(url: Optional[str], wait_s: Optional[float] = None):
     return shared_connect(url, wait_s=wait_s)
 
 
-class Job:
+class Job(JobHandle):
     """A submitted job. ``stream()`` yields deltas; ``result()`` waits for the final result.
 
     What to read when, and what a lost link or a timeout means, is decided by the client core
     (``mlxq.producer.core.JobCore``); this class does the reads it asks for."""
-
-    def __init__(self, client: "Client", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued,
-                 schema=None, origin: Optional[Origin] = None):
-        self._client = client
-        self._keys = keys
-        self._pubsub = pubsub  # this job's inbox on the client's shared subscriber, or None
-        self.enqueued = enqueued
-        # origin: the request this handle submitted, to submit again if a failover loses its record
-        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed, origin)
-        self._streaming = False  # a stream() is reading the subscription
-
-    @property
-    def id(self) -> str:
-        """The job's id (a new one once the job was submitted again after its record was lost)."""
-        return self._core.id
-
-    def __repr__(self) -> str:
-        return f"Job({self.id!r})"
-
-    @property
-    def duplicate(self) -> bool:
-        """True when an idempotency key matched an earlier submission (same job returned)."""
-        return self.enqueued.status == "duplicate"
 
     def stream(self, timeout: Optional[float] = None) -> Iterator[Delta]:
         """Deltas in order, each once; a late subscriber still gets the whole text.
@@ -96,24 +72,12 @@ class Job:
     def _drive(self, steps: Steps) -> Iterator[Delta]:
         """Do each read the core asks for; yield the deltas it emits."""
         handlers = self._handlers()
-        for op in steps:
-            if isinstance(op, Emit):
-                pending = self._core.undelivered
-                while pending:  # one at a time: a caller that leaves keeps the rest for its next stream()
-                    yield pending.popleft()
-                continue
-            try:
-                steps.reply(handlers[type(op)](op))
-            except Exception as exc:
-                steps.fail(exc)
+        for _ in drive(steps, lambda op: handlers[type(op)](op), Emit):
+            pending = self._core.undelivered
+            while pending:  # one at a time: a caller that leaves keeps the rest for its next stream()
+                yield pending.popleft()
 
     # -- the reads of the core's requests ---------------------------------------------------------
-    def _handlers(self) -> dict:
-        """Each request of the core (``mlxq.producer.core``) and the method that does it."""
-        return {Receive: self._io_receive, ReadEvents: self._io_read_events, ReadReplay: self._io_read_replay,
-                ReadRecord: self._io_read_record, WaitDone: self._io_wait_done, Backoff: self._io_backoff,
-                Resubmit: self._io_resubmit}
-
     def _io_receive(self, op: Receive) -> Optional[bytes]:
         if self._pubsub is None:
             self._ensure_pubsub(op.confirm_s)

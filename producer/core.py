@@ -436,6 +436,41 @@ class JobCore:
                     "going on after %d token(s)", old, new, len(resume or ()))
 
 
+class JobHandle:
+    """What ``Job`` and ``AsyncJob`` share: the handle's state, its core (``JobCore``), and which of
+    its methods does each of the core's requests (``_handlers``); each subclass writes those
+    methods (``_io_*``) with its own sockets, as plain calls or as coroutines."""
+
+    def __init__(self, client, job_id: str, keys: ModelKeys, pubsub, enqueued,
+                 schema: Optional[type[BaseModel]] = None, origin: Optional[Origin] = None):
+        self._client = client
+        self._keys = keys
+        self._pubsub = pubsub  # this job's inbox on the client's shared subscriber, or None
+        self.enqueued = enqueued
+        # origin: the request this handle submitted, to submit again if a failover loses its record
+        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed, origin)
+        self._streaming = False  # a stream() is reading the subscription
+
+    @property
+    def id(self) -> str:
+        """The job's id (a new one once the job was submitted again after its record was lost)."""
+        return self._core.id
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id!r})"
+
+    @property
+    def duplicate(self) -> bool:
+        """True when an idempotency key matched an earlier submission (same job returned)."""
+        return self.enqueued.status == "duplicate"
+
+    def _handlers(self) -> dict:
+        """Each request of the core and the method that does it."""
+        return {Receive: self._io_receive, ReadEvents: self._io_read_events, ReadReplay: self._io_read_replay,
+                ReadRecord: self._io_read_record, WaitDone: self._io_wait_done, Backoff: self._io_backoff,
+                Resubmit: self._io_resubmit}
+
+
 def feed_message(state: StreamState, data: bytes) -> list[Delta]:
     """The deltas a live pub/sub message adds to ``state`` (none for a malformed one)."""
     return state.feed_all(payload_deltas(data))

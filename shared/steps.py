@@ -6,7 +6,7 @@ touches a socket, so the sync and async clients run the same decisions: each onl
 
 from __future__ import annotations
 
-from typing import Any, Generator, Optional
+from typing import Any, AsyncIterator, Generator, Iterator, Optional
 
 Step = Generator[Any, Any, Any]
 
@@ -45,25 +45,48 @@ class Steps:
         self._error = exc
 
 
-def run_steps(gen: Step, do) -> Any:
-    """Run ``gen`` with ``do(request)`` as its I/O; what ``do`` raises is thrown in, a
-    ``KeyboardInterrupt`` too, so that a core can undo what it asked for (a submission drops its
-    subscription), and what the generator returns is returned."""
-    steps = Steps(gen)
+def drive(steps: Steps, do, out: type) -> Iterator[Any]:
+    """Run a core with ``do(request)`` as its I/O, yielding the requests of type ``out`` to the caller
+    instead (what the core hands out: a job's deltas, a map's results).  What ``do`` raises is thrown
+    in, a ``KeyboardInterrupt`` too, so that a core can undo what it asked for (a submission drops its
+    subscription); ``steps.value`` is what the core returned."""
     for op in steps:
+        if isinstance(op, out):
+            yield op
+            continue
         try:
             steps.reply(do(op))
         except BaseException as exc:
             steps.fail(exc)
-    return steps.value
 
 
-async def arun_steps(gen: Step, do) -> Any:
-    """``run_steps`` with ``await do(request)``: a cancel of the task is thrown in too."""
-    steps = Steps(gen)
+async def adrive(steps: Steps, do, out: type) -> AsyncIterator[Any]:
+    """``drive`` with ``await do(request)``: a cancel of the task is thrown in too."""
     for op in steps:
+        if isinstance(op, out):
+            yield op
+            continue
         try:
             steps.reply(await do(op))
         except BaseException as exc:
             steps.fail(exc)
+
+
+class _Nothing:
+    """No request is handed out (``run_steps``)."""
+
+
+def run_steps(gen: Step, do) -> Any:
+    """``drive`` to the end: what the core returns."""
+    steps = Steps(gen)
+    for _ in drive(steps, do, _Nothing):
+        pass
+    return steps.value
+
+
+async def arun_steps(gen: Step, do) -> Any:
+    """``adrive`` to the end: what the core returns."""
+    steps = Steps(gen)
+    async for _ in adrive(steps, do, _Nothing):
+        pass
     return steps.value
