@@ -15,8 +15,8 @@ from ..shared import apikeys
 from ..shared.connection import (LinkWatch, close_pins, connect_async, for_slot_async, is_cluster, one_connection_async,
                                  replica_acked)
 from ..shared.keys import GlobalKeys, ModelKeys
-from ..shared.protocol import (SCRIPT_NAMES, CopyPolicy, Enqueued, ScriptCalls, cancel_steps, enqueue_steps,
-                               fcall_failed, not_copied, run_script, script_source)
+from ..shared.protocol import (SCRIPT_NAMES, CopyPolicy, Enqueued, ScriptCalls, cancel_steps, copy_policy,
+                               enqueue_steps, fcall_failed, run_script, script_source)
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
 from ..shared.steps import Steps, adrive, arun_steps
@@ -233,7 +233,7 @@ class AsyncClient:
         async def do(op):
             if isinstance(op, CopyPolicy):
                 # no worker has served this model yet: a trusted client copies the registry into its slot
-                return await asyncio.to_thread(self._sync_model_blocking, model)
+                return await asyncio.to_thread(self._copy_policy_blocking, model)
             if op.acked:
                 return await self._run_acked(op.call, op.acked)
             return await self._run(op.call, read_only=op.read_only)
@@ -272,18 +272,16 @@ class AsyncClient:
         """``Queue.cancel``, awaited."""
         return await self._run_steps(cancel_steps(self, self.calls(model), job_id), model)
 
-    def _sync_model_blocking(self, model: str) -> None:
+    def _copy_policy_blocking(self, model: str) -> None:
         from ..shared.connection import connect, for_slot
 
-        if self._url is None:
-            raise not_copied(model)
-        r = connect(self._url)
+        keys = self.gkeys.model_keys(model)
+        r = connect(self._url) if self._url is not None else None
         try:
-            apikeys.sync_model(r, for_slot(r, self.gkeys.model_keys(model).policy), self.gkeys, model)
-        except NoPermissionError:
-            raise not_copied(model) from None
+            copy_policy(r, for_slot(r, keys.policy) if r is not None else None, keys)
         finally:
-            r.close()
+            if r is not None:
+                r.close()
 
     async def models(self) -> dict[str, dict]:
         return decode_registry(await self._retry(lambda: self.at(self.gkeys.models).hgetall(self.gkeys.models)))
@@ -335,6 +333,8 @@ class AsyncClient:
                      idempotency_key: Optional[str] = None, session_id: Optional[str] = None,
                      subscribe: bool = True, _floor: Optional[str] = None, _source: str = "client",
                      _count_tokens=None, **params: Any) -> AsyncJob:
+        """As ``Client.submit`` (the same core: ``mlxq.producer.core.submission``); a long prompt is
+        prepared on a worker thread, off the event loop."""
         await self._unsubscribe_dropped()
         model = model or await self.model
         args = (model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),

@@ -213,6 +213,21 @@ def not_copied(model: str) -> PolicyNotCopied:
     return PolicyNotCopied(f"model {model!r} has no copy of the key registry yet: start its worker first")
 
 
+def copy_policy(global_redis, slot_redis, keys: ModelKeys) -> None:
+    """``CopyPolicy``'s I/O (sync: the async client runs it on a thread): copy the key registry from
+    ``global_redis`` into the model's slot on ``slot_redis``; ``not_copied`` for a caller that may not
+    (no client reaching the global keys, or an ACL that refuses it)."""
+    from .apikeys import sync_model
+    from .keys import GlobalKeys
+
+    if global_redis is None:
+        raise not_copied(keys.model)
+    try:
+        sync_model(global_redis, slot_redis, GlobalKeys(keys.prefix), keys.model)
+    except NoPermissionError:
+        raise not_copied(keys.model) from None
+
+
 def enqueue_steps(user, calls: "ScriptCalls", job_id: str, request: bytes, key_hash: str | None,
                   floor: str | None, idempotency_key: str | None):
     """Enqueue a job (returns ``Enqueued``): the tier is decided in Redis from ``key_hash`` (sha256 of
@@ -429,21 +444,10 @@ class Queue:
         trusted caller copy the key registry into a model's slot that has none yet."""
         def do(op):
             if isinstance(op, CopyPolicy):
-                return self._copy_policy(global_redis)
+                return copy_policy(global_redis, self.redis, self.keys)
             return self._run_acked(op.call, op.acked) if op.acked else self.run(op.call, read_only=op.read_only)
 
         return run_steps(enqueue_steps(self, self.calls, job_id, request, key_hash, floor, idempotency_key), do)
-
-    def _copy_policy(self, global_redis) -> None:
-        from .apikeys import sync_model
-        from .keys import GlobalKeys
-
-        if global_redis is None:
-            raise not_copied(self.keys.model)
-        try:
-            sync_model(global_redis, self.redis, GlobalKeys(self.keys.prefix), self.keys.model)
-        except NoPermissionError:
-            raise not_copied(self.keys.model) from None
 
     def _run_acked(self, call, job_id: str):
         """``run``, then, with ``submit_replica_ack_ms`` set, ``WAIT 1 <ms>`` on the same connection:
