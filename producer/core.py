@@ -8,8 +8,9 @@ The two clients only do I/O.  Everything they must agree on lives here, with no 
   which Redis read they need next (``Receive``, ``READ_EVENTS``, ``READ_RECORD``, ``WaitDone``), what
   to hand the caller (``Emit``) and when to back off (``Backoff``).  Each job class runs them with
   one short loop (``Job._drive`` / ``AsyncJob._drive`` over ``Steps``) that does the read it is told
-  (the handler its ``_handlers`` maps the request's class to), with its own socket and its own way
-  of waiting, and sends back the reply or throws in the error;
+  (the method ``JobHandle._handlers`` maps the request's class to), with its own socket and its own
+  way of waiting, and sends back the reply or throws in the error;
+- **a submission** (``submission``): subscribe, enqueue, and drop the subscription on any way out;
 - **retries**: which errors are a pause (``retryable``), the deadline and what is raised past it
   (``JobTimeout``, or ``RedisUnreachable`` while the links are down; with no deadline,
   ``RedisUnreachable`` once the client's ``LinkWatch`` has seen the links down for its give-up
@@ -232,8 +233,8 @@ def parse_text(out, schema: type[BaseModel]) -> tuple[Any, Optional[str]]:
 
 
 # -- a job's waits, as requests for I/O ---------------------------------------------------------------
-# One class per request: each client maps the class to the method that does it (``Job._handlers`` /
-# ``AsyncJob._handlers``).
+# One class per request: ``JobHandle._handlers`` maps each class to the method of ``Job`` or ``AsyncJob``
+# that does it.
 
 @dataclass(frozen=True)
 class ReadEvents:

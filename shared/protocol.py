@@ -1,7 +1,9 @@
 """The Redis protocol of one model's queue: every atomic change is one Lua script.
 
-``ScriptCalls`` turns a request into (script, keys, args) with no I/O, so the
-sync ``Queue`` (workers, ``Client``) and ``AsyncClient`` share one definition.
+``ScriptCalls`` turns a request into (script, keys, args) with no I/O, and ``enqueue_steps`` /
+``cancel_steps`` decide which scripts an enqueue or a cancel runs (EVALSHA or mlxq's Functions, a key
+registry to copy first), so the sync ``Queue`` (workers, ``Client``) and ``AsyncClient`` share one
+definition and differ only in how they send.
 """
 
 from __future__ import annotations
