@@ -24,8 +24,8 @@ from ..shared.steps import Steps, adrive, arun_steps
 from .asubscriber import AsyncSubscriber, link_watch
 from .bulkmap import amap_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobHandle, Origin, Receive, Resubmit, Subscribe,
-                   Unsubscribe, WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobHandle, Origin, Receive, Resubmit,
+                   WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
 
 log = logging.getLogger(__name__)
 
@@ -348,10 +348,7 @@ class AsyncClient:
         keys = self.gkeys.model_keys(model)
         origin = Origin.of(prep, _floor, idempotency_key)
         job = AsyncJob(self, prep.request.id, keys, None, None, prep.schema, origin)
-        deadline = time.monotonic() + self.settings.redis_outage_s
-        io = {Subscribe: lambda op: self._retry(job._ensure_pubsub, deadline),
-              Enqueue: lambda op: self._retry(lambda: self._enqueue(op), deadline),
-              Unsubscribe: lambda op: job._close_pubsub()}
+        io = job._submit_handlers(time.monotonic() + self.settings.redis_outage_s)
         enq = await arun_steps(submission(model, prep, _floor, idempotency_key, subscribe), lambda op: io[type(op)](op))
         if enq.status == "duplicate":
             return AsyncJob(self, enq.job_id, keys, None, enq, prep.schema, origin)

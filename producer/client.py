@@ -17,8 +17,8 @@ from ..shared.settings import Settings
 from ..shared.steps import Steps, drive, run_steps
 from .bulkmap import map_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobHandle, Origin, Receive, Resubmit, Subscribe,
-                   Unsubscribe, WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobHandle, Origin, Receive, Resubmit,
+                   WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
 
@@ -239,10 +239,7 @@ class Client:
         keys = self.gkeys.model_keys(model)
         origin = Origin.of(prep, _floor, idempotency_key)
         job = Job(self, prep.request.id, keys, None, None, prep.schema, origin)
-        deadline = time.monotonic() + self.settings.redis_outage_s
-        io = {Subscribe: lambda op: self._retry(job._ensure_pubsub, deadline),
-              Enqueue: lambda op: self._retry(lambda: self._enqueue(op), deadline),
-              Unsubscribe: lambda op: job._close_pubsub()}
+        io = job._submit_handlers(time.monotonic() + self.settings.redis_outage_s)
         enq = run_steps(submission(model, prep, _floor, idempotency_key, subscribe), lambda op: io[type(op)](op))
         if enq.status == "duplicate":
             return Job(self, enq.job_id, keys, None, enq, prep.schema, origin)
