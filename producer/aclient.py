@@ -1,10 +1,12 @@
-"""The asyncio producer client: ``AsyncClient`` and ``AsyncJob``, same methods as coroutines."""
+"""The asyncio producer client: ``AsyncClient`` and ``AsyncJob``, ``Client``'s and ``Job``'s methods as coroutines
+(``map`` and ``Job.stream`` as async iterators, ``close`` as ``aclose``; ``await client.model``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+import warnings
 from typing import Any, AsyncIterator, Optional
 
 from redis.exceptions import NoPermissionError, ResponseError
@@ -13,42 +15,27 @@ from ..shared import apikeys
 from ..shared.connection import (LinkWatch, close_pins, connect_async, for_slot_async, is_cluster, one_connection_async,
                                  replica_acked)
 from ..shared.keys import GlobalKeys, ModelKeys
-from ..shared.protocol import (SCRIPT_NAMES, Enqueued, PolicyNotCopied, ScriptCalls, fcall_failed, function_name,
-                               parse_check, parse_enqueue, script_source)
+from ..shared.protocol import (SCRIPT_NAMES, CopyPolicy, Enqueued, ScriptCalls, cancel_steps, copy_policy,
+                               enqueue_steps, fcall_failed, run_script, script_source)
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
+from ..shared.steps import Steps, adrive, arun_steps
 
 from .asubscriber import AsyncSubscriber, link_watch
+from .bulkmap import amap_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, Receive, Resubmit, Steps, WaitDone,
-                   decode_status, prepare, retryable, schema_of, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobHandle, Origin, Receive, Resubmit,
+                   WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
 
 log = logging.getLogger(__name__)
 
-class AsyncJob:
+class AsyncJob(JobHandle):
     """``Job`` for asyncio: the same core (``mlxq.producer.core.JobCore``), its reads awaited."""
 
     def __init__(self, client: "AsyncClient", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued,
                  schema=None, origin: Optional[Origin] = None):
-        self._client = client
-        self._keys = keys
-        self._pubsub = pubsub
+        super().__init__(client, job_id, keys, pubsub, enqueued, schema, origin)
         self._redis = client.at(keys.job(job_id))  # the model's slot (its master, pinned, on a cluster)
-        self.enqueued = enqueued
-        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed, origin)
-        self._streaming = False  # a stream() is reading the subscription
-
-    @property
-    def id(self) -> str:
-        """As ``Job.id``."""
-        return self._core.id
-
-    def __repr__(self) -> str:
-        return f"AsyncJob({self.id!r})"
-
-    @property
-    def duplicate(self) -> bool:
-        return self.enqueued.status == "duplicate"
 
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
         """As ``Job.stream``: a lost link is a pause; past ``timeout``, ``JobTimeout`` or
@@ -77,17 +64,19 @@ class AsyncJob:
 
     async def _drive(self, steps: Steps) -> AsyncIterator[Delta]:
         """As ``Job._drive``, each read awaited."""
-        for op in steps:
-            if isinstance(op, Emit):
-                pending = self._core.undelivered
-                while pending:  # one at a time: a caller that leaves keeps the rest for its next stream()
-                    yield pending.popleft()
-                continue
+        handlers = self._handlers()
+
+        async def do(op):
             try:
-                steps.reply(await getattr(self, f"_io_{op.name}")(op))
+                return await handlers[type(op)](op)
             except Exception as exc:
-                log.debug("job %s: %s: %s: %s", self.id, op.name, type(exc).__name__, exc)
-                steps.fail(exc)
+                log.debug("job %s: %s: %s: %s", self.id, type(op).__name__, type(exc).__name__, exc)
+                raise
+
+        async for _ in adrive(steps, do, Emit):
+            pending = self._core.undelivered
+            while pending:  # one at a time: a caller that leaves keeps the rest for its next stream()
+                yield pending.popleft()
 
     # -- the reads of the core's requests ---------------------------------------------------------
     async def _io_receive(self, op: Receive) -> Optional[bytes]:
@@ -117,8 +106,8 @@ class AsyncJob:
     async def _io_resubmit(self, op: Resubmit) -> str:
         origin = self._core.origin
         job_id, payload = origin.again(op.resume_ids)
-        enq = await self._client._retry(lambda: self._client._enqueue(self._keys.model, job_id, payload,
-                                                                      origin.floor, origin.idempotency_key))
+        enq = await self._client._retry(lambda: self._client._enqueue(Enqueue(self._keys.model, job_id, payload,
+                                                                              origin.floor, origin.idempotency_key)))
         await self._close_pubsub()  # the next read subscribes the new job's channel and reads its record
         return enq.job_id
 
@@ -179,6 +168,22 @@ def _text_size(prompt, messages) -> int:
     return total
 
 
+class DefaultModel:
+    """``AsyncClient.model``: awaited, the model the client submits to when none is given (the one
+    ``MLXQ_MODEL`` names, else the only one workers serve), as ``Client.model`` is on the sync client."""
+
+    def __init__(self, client: "AsyncClient"):
+        self._client = client
+
+    def __await__(self):
+        return self._client._default_model().__await__()
+
+    def __call__(self):
+        warnings.warn("AsyncClient.model() is deprecated: use `await client.model`, as Client.model",
+                      DeprecationWarning, stacklevel=2)
+        return self._client._default_model()
+
+
 class AsyncClient:
     """``Client`` for asyncio code (web backends, agents)."""
 
@@ -197,7 +202,7 @@ class AsyncClient:
         self.gkeys = GlobalKeys(self.settings.prefix)
         self._scripts = {n: self.redis.register_script(script_source(n)) for n in SCRIPT_NAMES}
         self.cluster = is_cluster(self.redis)
-        self._functions = False  # set when this Redis user may FCALL but not EVALSHA
+        self.functions = False  # set when this Redis user may FCALL but not EVALSHA (enqueue_steps)
         self._url = url
         self._pins: dict = {}  # per-slot pins, when the cluster client keeps none itself
         self.closed = False  # set by aclose(): every job's wait then raises ClientClosed
@@ -223,6 +228,18 @@ class AsyncClient:
     def calls(self, model: str) -> ScriptCalls:
         return ScriptCalls(self.gkeys.model_keys(model), self.settings, self.cluster)
 
+    async def _run_steps(self, gen, model: str):
+        """Await the I/O of ``enqueue_steps`` / ``cancel_steps`` (``mlxq.shared.protocol``)."""
+        async def do(op):
+            if isinstance(op, CopyPolicy):
+                # no worker has served this model yet: a trusted client copies the registry into its slot
+                return await asyncio.to_thread(self._copy_policy_blocking, model)
+            if op.acked:
+                return await self._run_acked(op.call, op.acked)
+            return await self._run(op.call, read_only=op.read_only)
+
+        return await arun_steps(gen, do)
+
     async def _run_acked(self, call, job_id: str):
         """As ``Queue._run_acked``: with ``submit_replica_ack_ms`` set, ``WAIT 1 <ms>`` after the submit,
         on its connection."""
@@ -235,65 +252,36 @@ class AsyncClient:
         replica_acked(acked, job_id, wait_ms)
         return reply
 
-    async def _run(self, call, decode: bool = False, read_only: bool = False, client=None):
-        name, keys, args = call
+    async def _run(self, call, read_only: bool = False, client=None):
+        """As ``Queue.run``: on the slot of the call's first key."""
+        keys = call[1]
         r = client or (self.at(keys[0]) if keys else self.redis)
-        if self._functions:
-            fcall = r.fcall_ro if read_only else r.fcall
-            try:
-                reply = await fcall(function_name(name), len(keys), *keys, *args)
-            except ResponseError as exc:
-                fcall_failed(exc)
-                raise
-        else:
-            reply = await self._scripts[name](keys=keys, args=args, client=r)
-        return reply.decode() if decode and isinstance(reply, bytes) else reply
-
-    async def _enqueue(self, model: str, job_id: str, payload: bytes, floor, idem) -> Enqueued:
-        """As ``Queue.enqueue``: the tier is decided in Redis; a producer whose ACL refuses EVALSHA
-        uses mlxq's Functions (check, then submit to the intake list)."""
-        kh = apikeys.key_hash(self.api_key) if self.api_key is not None else None
-        calls = self.calls(model)
-
-        async def attempt() -> Enqueued:
-            if not self._functions:
-                try:
-                    return parse_enqueue(await self._run_acked(calls.enqueue(job_id, payload, kh, floor, idem), job_id))
-                except NoPermissionError:  # EVALSHA refused before anything ran
-                    self._functions = True
-            parse_check(await self._run(calls.check(kh, floor), read_only=True))
-            return parse_enqueue(await self._run_acked(calls.submit(job_id, payload, kh, floor, idem), job_id))
-
         try:
-            return await attempt()
-        except PolicyNotCopied:
-            pass
-        # no worker has served this model yet: a trusted client copies the registry into its slot
-        await asyncio.to_thread(self._sync_model_blocking, model)
-        return await attempt()
+            return await run_script(r, self._scripts, call, self.functions, read_only)
+        except ResponseError as exc:
+            if self.functions:
+                fcall_failed(exc)
+            raise
+
+    async def _enqueue(self, op: Enqueue) -> Enqueued:
+        """``Queue.enqueue``, awaited."""
+        return await self._run_steps(enqueue_steps(self, self.calls(op.model), op.job_id, op.payload, self.key_hash,
+                                                   op.floor, op.idempotency_key), op.model)
 
     async def _cancel(self, model: str, job_id: str) -> str:
-        calls = self.calls(model)
-        if not self._functions:
-            try:
-                return await self._run(calls.cancel(job_id), decode=True)
-            except NoPermissionError:
-                self._functions = True
-        return await self._run(calls.cancel_request(job_id), decode=True)
+        """``Queue.cancel``, awaited."""
+        return await self._run_steps(cancel_steps(self, self.calls(model), job_id), model)
 
-    def _sync_model_blocking(self, model: str) -> None:
+    def _copy_policy_blocking(self, model: str) -> None:
         from ..shared.connection import connect, for_slot
 
-        if self._url is None:
-            raise PolicyNotCopied(f"model {model!r} has no copy of the key registry yet: start its worker first")
-        r = connect(self._url)
+        keys = self.gkeys.model_keys(model)
+        r = connect(self._url) if self._url is not None else None
         try:
-            apikeys.sync_model(r, for_slot(r, self.gkeys.model_keys(model).policy), self.gkeys, model)
-        except NoPermissionError:
-            raise PolicyNotCopied(f"model {model!r} has no copy of the key registry yet: "
-                                  "start its worker first") from None
+            copy_policy(r, for_slot(r, keys.policy) if r is not None else None, keys)
         finally:
-            r.close()
+            if r is not None:
+                r.close()
 
     async def models(self) -> dict[str, dict]:
         return decode_registry(await self._retry(lambda: self.at(self.gkeys.models).hgetall(self.gkeys.models)))
@@ -312,29 +300,43 @@ class AsyncClient:
         registry = await self._registry()
         return None if registry is None else registry.get(model, {})
 
-    async def model(self) -> str:
+    @property
+    def model(self) -> "DefaultModel":
+        """The model this client submits to when none is given, as ``Client.model``: ``await
+        client.model``.  (``await client.model()``, the spelling before, still works and warns.)"""
+        return DefaultModel(self)
+
+    async def _default_model(self) -> str:
         if self._model is None:
             self._model = pick_model(None, await self.models())
         return self._model
 
+    @property
+    def key_hash(self) -> Optional[str]:
+        """As ``Client.key_hash``: what enqueue sends, sha256 of the API key."""
+        return apikeys.key_hash(self.api_key) if self.api_key is not None else None
+
     async def tier(self, floor: Optional[str] = None) -> str:
+        """As ``Client.tier``."""
         return await self._retry(lambda: self._tier(floor))
 
     async def _tier(self, floor: Optional[str]) -> str:
-        r = self.at(self.gkeys.api_keys)
-        record = await r.hget(self.gkeys.api_keys, apikeys.key_hash(self.api_key)) if self.api_key else None
-        keys_exist = record is not None or bool(await r.exists(self.gkeys.api_keys))
-        anonymous = None if self.api_key else await self.at(self.gkeys.policy).hget(self.gkeys.policy, "anonymous")
-        tier = apikeys.tier_from_record(record, self.api_key, keys_exist, anonymous)
-        return apikeys.lower_tier(tier, floor) if floor else tier
+        """``apikeys.resolve_tier``, awaited: each read on its key's slot."""
+        async def read(op: apikeys.Read):
+            r = self.at(op.key)
+            return await (r.hget(op.key, op.field) if op.field else r.exists(op.key))
+
+        return await arun_steps(apikeys.tier_steps(self.gkeys, self.api_key, floor), read)
 
     async def submit(self, prompt: Optional[str] = None, *, messages: Optional[list] = None,
                      prompt_tokens: Optional[list[int]] = None, model: Optional[str] = None,
                      idempotency_key: Optional[str] = None, session_id: Optional[str] = None,
                      subscribe: bool = True, _floor: Optional[str] = None, _source: str = "client",
                      _count_tokens=None, **params: Any) -> AsyncJob:
+        """As ``Client.submit`` (the same core: ``mlxq.producer.core.submission``); a long prompt is
+        prepared on a worker thread, off the event loop."""
         await self._unsubscribe_dropped()
-        model = model or await self.model()
+        model = model or await self.model
         args = (model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
                 known_model(model, await self._registry()), self.settings.max_prompt_bytes, _count_tokens)
         if _text_size(prompt, messages) > OFF_LOOP_CHARS:
@@ -346,18 +348,9 @@ class AsyncClient:
         keys = self.gkeys.model_keys(model)
         origin = Origin.of(prep, _floor, idempotency_key)
         job = AsyncJob(self, prep.request.id, keys, None, None, prep.schema, origin)
-        deadline = time.monotonic() + self.settings.redis_outage_s
-        try:
-            if subscribe:  # subscribed before the job exists; stream() also replays the durable record
-                await self._retry(job._ensure_pubsub, deadline)
-            # the same request under the same id: a retry after a lost reply is the same job
-            enq = await self._retry(lambda: self._enqueue(model, prep.request.id, prep.payload, _floor,
-                                                          idempotency_key), deadline)
-        except BaseException:  # a cancel too (a gateway client gone mid-submit): the channel stayed subscribed
-            await job._close_pubsub()
-            raise
+        io = job._submit_handlers(time.monotonic() + self.settings.redis_outage_s)
+        enq = await arun_steps(submission(model, prep, _floor, idempotency_key, subscribe), lambda op: io[type(op)](op))
         if enq.status == "duplicate":
-            await job._close_pubsub()
             return AsyncJob(self, enq.job_id, keys, None, enq, prep.schema, origin)
         job.enqueued = enq
         return job
@@ -369,10 +362,20 @@ class AsyncClient:
             except Exception:  # noqa: BLE001 - a lost link drops the subscription anyway
                 pass
 
-    async def job(self, job_id: str, model: Optional[str] = None, response_format=None) -> AsyncJob:
+    async def job(self, job_id: str, model: Optional[str] = None, response_format=None, *,
+                  _origin: Optional[Origin] = None) -> AsyncJob:
         """As ``Client.job``."""
-        keys = self.gkeys.model_keys(model or await self.model())
-        return AsyncJob(self, job_id, keys, None, Enqueued("existing", job_id, None, None), schema_of(response_format))
+        keys = self.gkeys.model_keys(model or await self.model)
+        return AsyncJob(self, job_id, keys, None, Enqueued("existing", job_id, None, None), schema_of(response_format),
+                        _origin)
+
+    def map(self, items, **params: Any) -> AsyncIterator[Result]:
+        """As ``Client.map``, an async iterator: ``async for res in client.map(prompts, max_tokens=64)``.
+        Same options (window=, timeout=, idempotency_prefix=, defaults for every item) and the same
+        core (``mlxq.producer.bulkmap``).  Left before its end, it cancels the jobs it still had queued
+        (unless an idempotency_prefix lets a later call find them) once the iterator is closed: at
+        once under ``contextlib.aclosing(client.map(...))``, else when Python collects it."""
+        return amap_results(self, items, **params)
 
     async def aclose(self) -> None:
         """As ``Client.close``: a ``result()`` or ``stream()`` waiting in another task raises

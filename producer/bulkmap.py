@@ -1,20 +1,26 @@
-"""``Client.map`` and what ``mlxq batch`` shares with it: submitting at the low tier with no
-subscription per job (bulk callers wait by polling job records), backing off while the queue is full."""
+"""``Client.map``, ``AsyncClient.map`` and what ``mlxq batch`` shares with them: submitting at the low
+tier with no subscription per job (bulk callers wait by polling job records), backing off while the
+queue is full.
+
+As in ``mlxq.producer.core``, the decisions are written once, as generators that yield the I/O they
+need (``MapCore.steps``, ``bulk_submit``); ``map_results`` does that I/O with a ``Client``,
+``amap_results`` awaits it with an ``AsyncClient``."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, AsyncIterator, Iterable, Iterator, Optional
 
 from ..shared.genopts import check_defaults, error_text
 from ..shared.protocol import OverloadError
 from ..shared.schemas import Result
+from ..shared.steps import Step, Steps, adrive, arun_steps, drive, run_steps
 from .common import NoModelError, known_model
-from .core import MAX_RESUBMITS, Origin, prepare
+from .core import MAX_RESUBMITS, Enqueue, Origin, prepare
 
 log = logging.getLogger(__name__)
 
@@ -38,29 +44,81 @@ class Submitted:
         if self.origin is None or self.resubmits >= MAX_RESUBMITS:
             raise ValueError(f"job {self.job_id}: its record in Redis is gone, and it cannot be submitted again")
         job_id, payload = self.origin.again(None)
-        enq = client.queue_for(self.model).enqueue(job_id, payload, client.key_hash, self.origin.floor,
-                                                   self.origin.idempotency_key, global_redis=client.redis)
+        enq = client._enqueue(Enqueue(self.model, job_id, payload, self.origin.floor, self.origin.idempotency_key))
         log.warning("job=%s attempt=0 record lost (a failover?): submitted again as job=%s", self.job_id, enq.job_id)
         return Submitted(self.model, enq.job_id, False, self.schema, self.origin, self.resubmits + 1)
 
 
-def enqueue_request(client, params: dict, tier: str, idempotency_key: Optional[str] = None,
-                    source: str = "bulk") -> Submitted:
-    """Validate and enqueue one request without holding a channel subscription per job
-    (bulk callers wait by polling job records).  ValueError: invalid (NoModelError, a ValueError here:
-    a model no worker ever registered, which would wait forever); OverloadError: queue full."""
+# -- the requests for I/O (with core.Enqueue) ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class PickModel:
+    """Reply: the client's default model (``Client.model``)."""
+
+
+@dataclass(frozen=True)
+class ReadRegistry:
+    """Reply: the workers' model registry, None when this Redis user may not read it."""
+
+
+@dataclass(frozen=True)
+class Tier:
+    """Reply: the tier the client's key gets, lowered to ``floor`` (``Client.tier``)."""
+    floor: str
+
+
+@dataclass(frozen=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WaitResult:
+    """Reply: the final ``Result`` of the job ``sub``, waited for up to ``timeout``."""
+    sub: Submitted
+    timeout: Optional[float]
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Cancel the job ``sub`` (reply ignored)."""
+    sub: Submitted
+
+
+@dataclass(frozen=True)
+class Yield:
+    """Hand ``result`` to the caller of ``map`` (no I/O)."""
+    result: Result
+
+
+PICK_MODEL, READ_REGISTRY = PickModel(), ReadRegistry()
+
+
+def bulk_submit(params: dict, tier: str, max_bytes: int, idempotency_key: Optional[str] = None,
+                source: str = "bulk") -> Step:
+    """Validate and enqueue one request without holding a channel subscription per job (bulk callers
+    wait by polling job records); returns ``Submitted``.  ValueError: invalid (NoModelError, a
+    ValueError here: a model no worker ever registered, which would wait forever); OverloadError:
+    queue full.  ``tier`` is a floor: the tier itself is decided in Redis from the client's key."""
     params = dict(params)
-    model = params.pop("model", None) or client.model
+    model = params.pop("model", None) or (yield PICK_MODEL)
     try:
-        info = known_model(model, client._registry())
+        info = known_model(model, (yield READ_REGISTRY))
     except NoModelError as exc:
         raise ValueError(str(exc)) from None
-    prep = prepare(model, {**params, "source": source, "submitted_at": time.time()}, info,
-                   client.settings.max_prompt_bytes)
-    # ``tier`` is a floor: the tier itself is decided in Redis from the client's key
-    enq = client.queue_for(model).enqueue(prep.request.id, prep.payload, client.key_hash, tier, idempotency_key,
-                                          global_redis=client.redis)
+    prep = prepare(model, {**params, "source": source, "submitted_at": time.time()}, info, max_bytes)
+    enq = yield Enqueue(model, prep.request.id, prep.payload, tier, idempotency_key)
     return Submitted(model, enq.job_id, enq.status == "duplicate", prep.schema, Origin.of(prep, tier, idempotency_key))
+
+
+def bulk_submit_patiently(params: dict, tier: str, max_bytes: int, idempotency_key: Optional[str]) -> Step:
+    """``bulk_submit``, again every ``OVERLOAD_BACKOFF_S`` while the queue is full."""
+    while True:
+        try:
+            return (yield from bulk_submit(params, tier, max_bytes, idempotency_key))
+        except OverloadError as exc:
+            log.info("queue full, retrying in %.1fs: %s", OVERLOAD_BACKOFF_S, exc)
+            yield Sleep(OVERLOAD_BACKOFF_S)
 
 
 def as_params(item: Any) -> dict:
@@ -71,64 +129,130 @@ def as_params(item: Any) -> dict:
     raise ValueError(f"expected a prompt string or an object of submit arguments, got {type(item).__name__}")
 
 
-def submit_with_backoff(client, params: dict, tier: str, key: Optional[str],
-                        stop: Optional[threading.Event]) -> Optional[Submitted]:
-    """``enqueue_request``, again every ``OVERLOAD_BACKOFF_S`` while the queue is full; None once
-    ``stop`` is set."""
-    while True:
-        try:
-            return enqueue_request(client, params, tier, key)
-        except OverloadError as exc:
-            log.info("queue full, retrying in %.1fs: %s", OVERLOAD_BACKOFF_S, exc)
-            if stop is not None and stop.wait(OVERLOAD_BACKOFF_S):
-                return None
-            if stop is None:
-                time.sleep(OVERLOAD_BACKOFF_S)
-
-
-def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Optional[float] = None,
-                idempotency_prefix: Optional[str] = None, **params: Any) -> Iterator[Result]:
-    """Submit each item (a prompt or a dict of submit arguments; ``params`` are defaults) at the
-    low tier, keeping up to ``window`` jobs queued; yield Results in input order.  An invalid item
-    yields a Result with ``finish_reason="error"`` rather than stopping the iteration; invalid
+class MapCore:
+    """One ``map``: submit each item (a prompt or a dict of submit arguments; ``params`` are defaults)
+    at the low tier, keeping up to ``window`` jobs queued; hand out Results in input order.  An invalid
+    item gives a Result with ``finish_reason="error"`` rather than stopping the iteration; invalid
     ``params`` raise ValueError before anything is queued.  Left before its end (a break, an error),
-    its jobs still queued are cancelled, unless an ``idempotency_prefix`` lets a later call find them."""
-    if window < 1:
-        raise ValueError(f"window must be at least 1, got {window}")
-    check_defaults(params)
-    tier = client.tier(BULK_TIER_FLOOR)
-    it = enumerate(items)
-    inflight: deque = deque()  # (index, Submitted | Result)
-    exhausted = False
-    try:
+    its driver runs ``cancel_unfinished``."""
+
+    def __init__(self, items: Iterable[Any], window: int, timeout: Optional[float],
+                 idempotency_prefix: Optional[str], params: dict, max_bytes: int):
+        self.items, self.window, self.timeout = items, window, timeout
+        self.prefix, self.params, self.max_bytes = idempotency_prefix, params, max_bytes
+        self.inflight: deque = deque()  # (index, Submitted | Result)
+
+    def cancel_unfinished(self) -> Step:
+        """Cancel the jobs still queued when the caller left early, which nobody could find again (they
+        would run for nobody); none when an ``idempotency_prefix`` lets a later call find them.  Best
+        effort: a cancel that fails is logged, the caller's own exception matters more."""
+        if self.prefix:
+            return
+        for sub in [sub for _, sub in self.inflight if isinstance(sub, Submitted)]:
+            try:
+                yield Cancel(sub)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("job=%s: cancelling it after map() stopped failed: %s", sub.job_id, exc)
+
+    def steps(self) -> Step:
+        if self.window < 1:
+            raise ValueError(f"window must be at least 1, got {self.window}")
+        check_defaults(self.params)
+        tier = yield Tier(BULK_TIER_FLOOR)
+        it = enumerate(self.items)
+        exhausted = False
         while True:
-            while not exhausted and len(inflight) < window:
+            while not exhausted and len(self.inflight) < self.window:
                 try:
                     i, item = next(it)
                 except StopIteration:
                     exhausted = True
                     break
-                key = f"{idempotency_prefix}:{i}" if idempotency_prefix else None
+                key = f"{self.prefix}:{i}" if self.prefix else None
                 try:
-                    inflight.append((i, submit_with_backoff(client, {**params, **as_params(item)}, tier, key, None)))
+                    params = {**self.params, **as_params(item)}
+                    self.inflight.append((i, (yield from bulk_submit_patiently(params, tier, self.max_bytes, key))))
                 except ValueError as exc:
-                    inflight.append((i, Result(id="", finish_reason="error",
-                                               error=f"invalid request: {error_text(exc)}")))
-            if not inflight:
+                    self.inflight.append((i, Result(id="", finish_reason="error",
+                                                    error=f"invalid request: {error_text(exc)}")))
+            if not self.inflight:
                 return
-            _, sub = inflight[0]
-            res = (sub if isinstance(sub, Result)
-                   else client.job(sub.job_id, sub.model, sub.schema, _origin=sub.origin).result(timeout=timeout))
-            inflight.popleft()
-            yield res
+            _, sub = self.inflight[0]
+            res = sub if isinstance(sub, Result) else (yield WaitResult(sub, self.timeout))
+            self.inflight.popleft()
+            yield Yield(res)
+
+
+# -- the sync client's I/O -------------------------------------------------------------------------------
+
+def _sync_io(client, sleep=time.sleep):
+    handlers = {PickModel: lambda op: client.model, ReadRegistry: lambda op: client._registry(),
+                Enqueue: client._enqueue, Tier: lambda op: client.tier(op.floor), Sleep: lambda op: sleep(op.seconds),
+                Cancel: lambda op: client._cancel(op.sub.model, op.sub.job_id),
+                WaitResult: lambda op: client.job(op.sub.job_id, op.sub.model, op.sub.schema,
+                                                  _origin=op.sub.origin).result(timeout=op.timeout)}
+    return lambda op: handlers[type(op)](op)
+
+
+def enqueue_request(client, params: dict, tier: str, idempotency_key: Optional[str] = None,
+                    source: str = "bulk") -> Submitted:
+    """``bulk_submit`` with a ``Client``."""
+    return run_steps(bulk_submit(params, tier, client.settings.max_prompt_bytes, idempotency_key, source),
+                     _sync_io(client))
+
+
+class _Stopped(Exception):
+    """The caller's stop event was set during a backoff."""
+
+
+def submit_with_backoff(client, params: dict, tier: str, key: Optional[str], stop) -> Optional[Submitted]:
+    """``bulk_submit_patiently`` with a ``Client``; None once ``stop`` (a ``threading.Event``) is set."""
+    def sleep(seconds: float) -> None:
+        if stop is None:
+            time.sleep(seconds)
+        elif stop.wait(seconds):
+            raise _Stopped
+    try:
+        return run_steps(bulk_submit_patiently(params, tier, client.settings.max_prompt_bytes, key),
+                         _sync_io(client, sleep))
+    except _Stopped:
+        return None
+
+
+def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Optional[float] = None,
+                idempotency_prefix: Optional[str] = None, **params: Any) -> Iterator[Result]:
+    """``MapCore`` with a ``Client`` (``Client.map``)."""
+    core = MapCore(items, window, timeout, idempotency_prefix, params, client.settings.max_prompt_bytes)
+    do = _sync_io(client)
+    try:
+        for op in drive(Steps(core.steps()), do, Yield):
+            yield op.result
     finally:
-        if inflight and not idempotency_prefix:  # nobody can find these jobs again: they would run for nobody
-            _cancel_all(client, [sub for _, sub in inflight if isinstance(sub, Submitted)])
+        run_steps(core.cancel_unfinished(), do)
 
 
-def _cancel_all(client, subs: list) -> None:
-    for sub in subs:
-        try:
-            client.queue_for(sub.model).cancel(sub.job_id)
-        except Exception as exc:  # noqa: BLE001 - best effort: the caller's own exception matters more
-            log.warning("job=%s: cancelling it after map() stopped failed: %s", sub.job_id, exc)
+# -- the async client's I/O ------------------------------------------------------------------------------
+
+def _async_io(client):
+    async def wait_result(op: WaitResult) -> Result:
+        job = await client.job(op.sub.job_id, op.sub.model, op.sub.schema, _origin=op.sub.origin)
+        return await job.result(timeout=op.timeout)
+
+    handlers = {PickModel: lambda op: client.model, ReadRegistry: lambda op: client._registry(),
+                Enqueue: client._enqueue, Tier: lambda op: client.tier(op.floor),
+                Sleep: lambda op: asyncio.sleep(op.seconds), WaitResult: wait_result,
+                Cancel: lambda op: client._cancel(op.sub.model, op.sub.job_id)}
+    return lambda op: handlers[type(op)](op)
+
+
+async def amap_results(client, items: Iterable[Any], *, window: int = 64, timeout: Optional[float] = None,
+                       idempotency_prefix: Optional[str] = None, **params: Any) -> AsyncIterator[Result]:
+    """``MapCore`` with an ``AsyncClient`` (``AsyncClient.map``), each I/O awaited."""
+    core = MapCore(items, window, timeout, idempotency_prefix, params, client.settings.max_prompt_bytes)
+    do = _async_io(client)
+    try:
+        async for op in adrive(Steps(core.steps()), do, Yield):
+            yield op.result
+    finally:
+        await arun_steps(core.cancel_unfinished(), do)
+

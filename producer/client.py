@@ -10,14 +10,15 @@ from redis.exceptions import NoPermissionError
 
 from ..shared import apikeys
 from ..shared.connection import LinkWatch, connect as shared_connect, is_cluster, nodes_tried, refresh_topology
-from ..shared.keys import GlobalKeys, ModelKeys
+from ..shared.keys import GlobalKeys
 from ..shared.protocol import Enqueued, Queue
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
+from ..shared.steps import Steps, drive, run_steps
 from .bulkmap import map_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, JobCore, Origin, Receive, Resubmit, Steps, WaitDone,
-                   decode_status, prepare, retryable, schema_of, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobHandle, Origin, Receive, Resubmit,
+                   WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
 
@@ -28,34 +29,11 @@ def connect(url: Optional[str], wait_s: Optional[float] = None):
     return shared_connect(url, wait_s=wait_s)
 
 
-class Job:
+class Job(JobHandle):
     """A submitted job. ``stream()`` yields deltas; ``result()`` waits for the final result.
 
     What to read when, and what a lost link or a timeout means, is decided by the client core
     (``mlxq.producer.core.JobCore``); this class does the reads it asks for."""
-
-    def __init__(self, client: "Client", job_id: str, keys: ModelKeys, pubsub, enqueued: Enqueued,
-                 schema=None, origin: Optional[Origin] = None):
-        self._client = client
-        self._keys = keys
-        self._pubsub = pubsub  # this job's inbox on the client's shared subscriber, or None
-        self.enqueued = enqueued
-        # origin: the request this handle submitted, to submit again if a failover loses its record
-        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed, origin)
-        self._streaming = False  # a stream() is reading the subscription
-
-    @property
-    def id(self) -> str:
-        """The job's id (a new one once the job was submitted again after its record was lost)."""
-        return self._core.id
-
-    def __repr__(self) -> str:
-        return f"Job({self.id!r})"
-
-    @property
-    def duplicate(self) -> bool:
-        """True when an idempotency key matched an earlier submission (same job returned)."""
-        return self.enqueued.status == "duplicate"
 
     def stream(self, timeout: Optional[float] = None) -> Iterator[Delta]:
         """Deltas in order, each once; a late subscriber still gets the whole text.
@@ -93,16 +71,11 @@ class Job:
 
     def _drive(self, steps: Steps) -> Iterator[Delta]:
         """Do each read the core asks for; yield the deltas it emits."""
-        for op in steps:
-            if isinstance(op, Emit):
-                pending = self._core.undelivered
-                while pending:  # one at a time: a caller that leaves keeps the rest for its next stream()
-                    yield pending.popleft()
-                continue
-            try:
-                steps.reply(getattr(self, f"_io_{op.name}")(op))
-            except Exception as exc:
-                steps.fail(exc)
+        handlers = self._handlers()
+        for _ in drive(steps, lambda op: handlers[type(op)](op), Emit):
+            pending = self._core.undelivered
+            while pending:  # one at a time: a caller that leaves keeps the rest for its next stream()
+                yield pending.popleft()
 
     # -- the reads of the core's requests ---------------------------------------------------------
     def _io_receive(self, op: Receive) -> Optional[bytes]:
@@ -127,18 +100,16 @@ class Job:
         return self._client.watch.backoff(op.error, op.deadline, op.delay, retryable)
 
     def _io_resubmit(self, op: Resubmit) -> str:
-        job_id, payload = self._core.origin.again(op.resume_ids)
-        q = self._client.queue_for(self._keys.model)
-        enq = self._client._retry(lambda: q.enqueue(job_id, payload, self._client.key_hash, self._core.origin.floor,
-                                                    self._core.origin.idempotency_key,
-                                                    global_redis=self._client.redis))
+        origin = self._core.origin
+        job_id, payload = origin.again(op.resume_ids)
+        enq = self._client._retry(lambda: self._client._enqueue(Enqueue(self._keys.model, job_id, payload, origin.floor,
+                                                                        origin.idempotency_key)))
         self._close_pubsub()  # the next read subscribes the new job's channel and reads its record
         return enq.job_id
 
     def cancel(self) -> str:
         """'cancelled' (was queued), 'cancelling' (leaves the batch at the next step) or the final status."""
-        q = self._client.queue_for(self._keys.model)
-        return self._client._retry(lambda: q.cancel(self.id))
+        return self._client._retry(lambda: self._client._cancel(self._keys.model, self.id))
 
     def status(self) -> Optional[str]:
         """The job's status: queued, running, done, failed, cancelled, dead; a queued job that no
@@ -222,6 +193,9 @@ class Client:
 
     @property
     def model(self) -> str:
+        """The model this client submits to when none is given: the one passed in, else ``MLXQ_MODEL``,
+        else the only one workers serve (``NoModelError`` when that is not one).  ``AsyncClient.model``
+        is the same, awaited."""
         with self._lock:
             if self._model is None:
                 self._model = pick_model(None, self.models())
@@ -262,24 +236,22 @@ class Client:
         model = model or self.model
         prep = prepare(model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
                        known_model(model, self._registry()), self.settings.max_prompt_bytes)
-        q = self.queue_for(model)
+        keys = self.gkeys.model_keys(model)
         origin = Origin.of(prep, _floor, idempotency_key)
-        job = Job(self, prep.request.id, q.keys, None, None, prep.schema, origin)
-        deadline = time.monotonic() + self.settings.redis_outage_s
-        if subscribe:
-            self._retry(job._ensure_pubsub, deadline)  # subscribed (and confirmed) before the job exists
-        try:
-            # the same request under the same id: a retry after a lost reply is the same job
-            enq = self._retry(lambda: q.enqueue(prep.request.id, prep.payload, self.key_hash, _floor,
-                                                idempotency_key, global_redis=self.redis), deadline)
-        except Exception:
-            job._close_pubsub()
-            raise
+        job = Job(self, prep.request.id, keys, None, None, prep.schema, origin)
+        io = job._submit_handlers(time.monotonic() + self.settings.redis_outage_s)
+        enq = run_steps(submission(model, prep, _floor, idempotency_key, subscribe), lambda op: io[type(op)](op))
         if enq.status == "duplicate":
-            job._close_pubsub()
-            return Job(self, enq.job_id, q.keys, None, enq, prep.schema, origin)
+            return Job(self, enq.job_id, keys, None, enq, prep.schema, origin)
         job.enqueued = enq
         return job
+
+    def _enqueue(self, op: Enqueue) -> Enqueued:
+        return self.queue_for(op.model).enqueue(op.job_id, op.payload, self.key_hash, op.floor, op.idempotency_key,
+                                                global_redis=self.redis)
+
+    def _cancel(self, model: str, job_id: str) -> str:
+        return self.queue_for(model).cancel(job_id)
 
     def job(self, job_id: str, model: Optional[str] = None, response_format=None, *,
             _origin: Optional[Origin] = None) -> Job:

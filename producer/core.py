@@ -8,8 +8,9 @@ The two clients only do I/O.  Everything they must agree on lives here, with no 
   which Redis read they need next (``Receive``, ``READ_EVENTS``, ``READ_RECORD``, ``WaitDone``), what
   to hand the caller (``Emit``) and when to back off (``Backoff``).  Each job class runs them with
   one short loop (``Job._drive`` / ``AsyncJob._drive`` over ``Steps``) that does the read it is told
-  (its method ``_io_<name>``), with its own socket and its own way of waiting, and sends back the
-  reply or throws in the error;
+  (the method ``JobHandle._handlers`` maps the request's class to), with its own socket and its own
+  way of waiting, and sends back the reply or throws in the error;
+- **a submission** (``submission``): subscribe, enqueue, and drop the subscription on any way out;
 - **retries**: which errors are a pause (``retryable``), the deadline and what is raised past it
   (``JobTimeout``, or ``RedisUnreachable`` while the links are down; with no deadline,
   ``RedisUnreachable`` once the client's ``LinkWatch`` has seen the links down for its give-up
@@ -28,7 +29,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Optional
 
 from pydantic import BaseModel, ValidationError
 import redis
@@ -38,6 +39,7 @@ from ..shared import codec, replay
 from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
+from ..shared.steps import Step
 from .common import (ClientClosed, ConfirmCut, JobNotFound, JobTimeout, StreamState, build_request, check_fits,
                      entry_deltas, payload_deltas, result_from_hash)
 
@@ -130,6 +132,51 @@ def pack_request(req: GenerateRequest) -> bytes:
     return codec.pack(d)
 
 
+# -- a submission, as requests for I/O -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Subscribe:
+    """Subscribe the new job's channel, confirmed, before the job exists (its first delta cannot be
+    missed); reply ignored."""
+
+
+@dataclass(frozen=True)
+class Unsubscribe:
+    """Drop the new job's subscription (nothing will come on it); reply ignored."""
+
+
+@dataclass(frozen=True)
+class Enqueue:
+    """Enqueue the prepared request on ``model``'s queue (``Queue.enqueue``); reply: ``Enqueued``."""
+    model: str
+    job_id: str
+    payload: bytes
+    floor: Optional[str]
+    idempotency_key: Optional[str]
+
+
+SUBSCRIBE, UNSUBSCRIBE = Subscribe(), Unsubscribe()
+
+
+def submission(model: str, prep: Prepared, floor: Optional[str], idempotency_key: Optional[str],
+               subscribe: bool) -> Step:
+    """``submit``'s I/O once the request is prepared: subscribe (unless ``subscribe`` is False: bulk
+    callers read the record), then enqueue under the request's own id (a retry after a lost reply is
+    the same job).  Returns ``Enqueued``; a duplicate (the idempotency key matched an earlier job) keeps
+    no subscription.  Whatever stops it, a cancel of the caller's task too, leaves no channel
+    subscribed: the clients throw in every exception, ``BaseException`` included."""
+    try:
+        if subscribe:
+            yield SUBSCRIBE
+        enq = yield Enqueue(model, prep.request.id, prep.payload, floor, idempotency_key)
+    except BaseException:
+        yield UNSUBSCRIBE
+        raise
+    if enq.status == "duplicate":
+        yield UNSUBSCRIBE
+    return enq
+
+
 # -- a job lost in a failover ------------------------------------------------------------------------
 
 MAX_RESUBMITS = 3  # per handle: a record lost this often is not a failover's write window
@@ -186,17 +233,25 @@ def parse_text(out, schema: type[BaseModel]) -> tuple[Any, Optional[str]]:
 
 
 # -- a job's waits, as requests for I/O ---------------------------------------------------------------
-# Each request names the client method that does it: ``Job._io_<name>`` / ``AsyncJob._io_<name>``.
+# One class per request: ``JobHandle._handlers`` maps each class to the method of ``Job`` or ``AsyncJob``
+# that does it.
 
 @dataclass(frozen=True)
-class Op:
-    """A read with no argument: ``read_events`` (reply: the event-stream entries after
-    ``JobCore.last_id``), ``read_record`` (the job's hash), ``read_replay`` (reply: the job hash's
-    ``REPLAY_FIELDS``, HMGET)."""
-    name: str
+class ReadEvents:
+    """Reply: the event-stream entries after ``JobCore.last_id`` (XRANGE)."""
 
 
-READ_EVENTS, READ_RECORD, READ_REPLAY = Op("read_events"), Op("read_record"), Op("read_replay")
+@dataclass(frozen=True)
+class ReadRecord:
+    """Reply: the job's hash (HGETALL)."""
+
+
+@dataclass(frozen=True)
+class ReadReplay:
+    """Reply: the job hash's ``REPLAY_FIELDS`` (HMGET)."""
+
+
+READ_EVENTS, READ_RECORD, READ_REPLAY = ReadEvents(), ReadRecord(), ReadReplay()
 # a finished job's compacted stream, the result it slices, and the status every job record has (none:
 # no record, so one read tells both)
 REPLAY_FIELDS = (replay.FIELD, "result", "status")
@@ -209,14 +264,12 @@ class Receive:
     subscriber's own limit) and reply ``SYNC`` to re-read the record."""
     seconds: float
     confirm_s: Optional[float]
-    name = "receive"
 
 
 @dataclass(frozen=True)
 class WaitDone:
     """Wait up to ``seconds`` on the job's done list (reply ignored)."""
     seconds: float
-    name = "wait_done"
 
 
 @dataclass(frozen=True)
@@ -226,14 +279,12 @@ class Backoff:
     error: Exception
     deadline: Optional[float]
     delay: float
-    name = "backoff"
 
 
 @dataclass(frozen=True)
 class Emit:
     """Deltas for the caller of ``stream()``: the drivers hand out ``JobCore.undelivered`` one at a
     time (no I/O). What a caller that left early did not take stays there for its next ``stream()``."""
-    name = "emit"
 
 
 @dataclass(frozen=True)
@@ -241,11 +292,9 @@ class Resubmit:
     """The job's record is gone (a write lost with a failed master): submit it again (``Origin``) with
     ``resume_ids``, the token ids its caller has (None: from the start); reply: the new job's id."""
     resume_ids: Optional[list[int]]
-    name = "resubmit"
 
 
 EMIT = Emit()
-Step = Generator[Any, Any, Any]
 
 
 class JobCore:
@@ -388,38 +437,48 @@ class JobCore:
                     "going on after %d token(s)", old, new, len(resume or ()))
 
 
-class Steps:
-    """Runs one of ``JobCore``'s generators for a client: iterate to get each request, answer it
-    with ``reply`` (or ``fail`` with the error the I/O raised); ``value`` is what it returned.
+class JobHandle:
+    """What ``Job`` and ``AsyncJob`` share: the handle's state, its core (``JobCore``), and which of
+    its methods does each of the core's requests (``_handlers``); each subclass writes those
+    methods (``_io_*``) with its own sockets, as plain calls or as coroutines."""
 
-        for op in steps:
-            try:
-                steps.reply(do(op))      # or: await do(op)
-            except Exception as exc:
-                steps.fail(exc)
-    """
+    def __init__(self, client, job_id: str, keys: ModelKeys, pubsub, enqueued,
+                 schema: Optional[type[BaseModel]] = None, origin: Optional[Origin] = None):
+        self._client = client
+        self._keys = keys
+        self._pubsub = pubsub  # this job's inbox on the client's shared subscriber, or None
+        self.enqueued = enqueued
+        # origin: the request this handle submitted, to submit again if a failover loses its record
+        self._core = JobCore(job_id, keys, client.watch, schema, lambda: client.closed, origin)
+        self._streaming = False  # a stream() is reading the subscription
 
-    def __init__(self, gen: Step):
-        self._gen = gen
-        self._reply: Any = None
-        self._error: Optional[BaseException] = None
-        self.value: Any = None
+    @property
+    def id(self) -> str:
+        """The job's id (a new one once the job was submitted again after its record was lost)."""
+        return self._core.id
 
-    def __iter__(self):
-        while True:
-            reply, error, self._reply, self._error = self._reply, self._error, None, None
-            try:
-                op = self._gen.throw(error) if error is not None else self._gen.send(reply)
-            except StopIteration as stop:
-                self.value = stop.value
-                return
-            yield op
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id!r})"
 
-    def reply(self, value: Any) -> None:
-        self._reply = value
+    @property
+    def duplicate(self) -> bool:
+        """True when an idempotency key matched an earlier submission (same job returned)."""
+        return self.enqueued.status == "duplicate"
 
-    def fail(self, exc: BaseException) -> None:
-        self._error = exc
+    def _submit_handlers(self, deadline: float) -> dict:
+        """Each request of ``submission`` for this new handle, and what does it: subscribing and
+        enqueueing are retried through a lost link until ``deadline`` (calls or coroutines, as the
+        client's own ``_retry``, ``_enqueue`` and the handle's ``_ensure_pubsub``/``_close_pubsub`` are)."""
+        client = self._client
+        return {Subscribe: lambda op: client._retry(self._ensure_pubsub, deadline),
+                Enqueue: lambda op: client._retry(lambda: client._enqueue(op), deadline),
+                Unsubscribe: lambda op: self._close_pubsub()}
+
+    def _handlers(self) -> dict:
+        """Each request of the core and the method that does it."""
+        return {Receive: self._io_receive, ReadEvents: self._io_read_events, ReadReplay: self._io_read_replay,
+                ReadRecord: self._io_read_record, WaitDone: self._io_wait_done, Backoff: self._io_backoff,
+                Resubmit: self._io_resubmit}
 
 
 def feed_message(state: StreamState, data: bytes) -> list[Delta]:

@@ -295,7 +295,7 @@ class Gateway:
             if req.model and req.model not in models:
                 raise OpenAIError(404, f"model {req.model!r} is not served by any worker", param="model",
                                   code="model_not_found")
-            model = req.model or await client.model()
+            model = req.model or await client.model
             if floor is None:  # interactive: a model no worker serves now is a 503, nothing queued
                 models = await self._wait_for_worker(client, model, models)
             tools = _check_for_model(model, kwargs, models.get(model))

@@ -30,10 +30,12 @@ import hashlib
 import json
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from .keys import GlobalKeys
 from .settings import DEFAULT_TIER_OFFSETS, TIERS
+from .steps import run_steps
 
 REVOKED = "revoked"
 MIN_KEY_LENGTH = 8
@@ -84,12 +86,26 @@ def tier_from_record(record: Optional[bytes | str], api_key: Optional[str], keys
     return value
 
 
-def resolve_tier(redis, registry_key: str, api_key: Optional[str], floor: Optional[str] = None) -> str:
-    record = redis.hget(registry_key, key_hash(api_key)) if api_key else None
-    keys_exist = record is not None or bool(redis.exists(registry_key))
-    anonymous = None if api_key else redis.hget(_gk(registry_key).policy, "anonymous")
+@dataclass(frozen=True)
+class Read:
+    """A read ``tier_steps`` asks for: ``HGET key field``, or ``EXISTS key`` when ``field`` is None."""
+    key: str
+    field: Optional[str] = None
+
+
+def tier_steps(gk: GlobalKeys, api_key: Optional[str], floor: Optional[str] = None):
+    """The tier the admin's registry gives ``api_key`` (lowered to ``floor``), as the reads it needs
+    (``Read``): ``resolve_tier`` runs it, and ``AsyncClient.tier`` awaits it."""
+    record = (yield Read(gk.api_keys, key_hash(api_key))) if api_key else None
+    keys_exist = record is not None or bool((yield Read(gk.api_keys)))
+    anonymous = None if api_key else (yield Read(gk.policy, "anonymous"))
     tier = tier_from_record(record, api_key, keys_exist, anonymous)
     return lower_tier(tier, floor) if floor else tier
+
+
+def resolve_tier(redis, registry_key: str | GlobalKeys, api_key: Optional[str], floor: Optional[str] = None) -> str:
+    return run_steps(tier_steps(_gk(registry_key), api_key, floor),
+                     lambda op: redis.hget(op.key, op.field) if op.field else redis.exists(op.key))
 
 
 def auth_mode(keys_exist: bool, anonymous: Optional[bytes | str]) -> str:

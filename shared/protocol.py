@@ -1,7 +1,9 @@
 """The Redis protocol of one model's queue: every atomic change is one Lua script.
 
-``ScriptCalls`` turns a request into (script, keys, args) with no I/O, so the
-sync ``Queue`` (workers, ``Client``) and ``AsyncClient`` share one definition.
+``ScriptCalls`` turns a request into (script, keys, args) with no I/O, and ``enqueue_steps`` /
+``cancel_steps`` decide which scripts an enqueue or a cancel runs (EVALSHA or mlxq's Functions, a key
+registry to copy first), so the sync ``Queue`` (workers, ``Client``) and ``AsyncClient`` share one
+definition and differ only in how they send.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .connection import for_slot, is_cluster, one_connection, replica_acked
 from .apikeys import AuthError
 from .keys import ModelKeys
 from .settings import Settings
+from .steps import run_steps
 
 SCRIPT_NAMES = ("enqueue", "admit", "pull", "deltas", "complete", "requeue", "cancel", "renew", "reap",
                 "check", "submit", "cancel_request")
@@ -179,6 +182,90 @@ def parse_pull(reply: list) -> list[Pulled]:
     return out
 
 
+def run_script(r, scripts: dict, call, functions: bool, read_only: bool = False):
+    """Send one script call on ``r`` as EVALSHA (``scripts``: the registered scripts) or, with
+    ``functions``, as FCALL (FCALL_RO when ``read_only``): the reply, or the awaitable of it when ``r``
+    is an asyncio client (its caller awaits, and gives a failed FCALL to ``fcall_failed``)."""
+    name, keys, args = call
+    if functions:
+        fcall = r.fcall_ro if read_only else r.fcall
+        return fcall(function_name(name), len(keys), *keys, *args)
+    return scripts[name](keys=keys, args=args, client=r)
+
+
+# -- enqueue and cancel, decided once: ``Queue`` does their I/O, ``AsyncClient`` awaits it ------------
+
+@dataclass(frozen=True)
+class RunScript:
+    """Run ``call`` (``run_script``; reply: the script's reply).  ``acked``: the job id of a submit,
+    after which, with ``submit_replica_ack_ms`` set, ``WAIT 1 <ms>`` on the same connection."""
+    call: tuple
+    read_only: bool = False
+    acked: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class CopyPolicy:
+    """The model's slot has no copy of the key registry yet: a trusted caller copies it there
+    (``apikeys.sync_model``); one that may not raises ``not_copied(model)``.  Reply ignored."""
+    model: str
+
+
+def not_copied(model: str) -> PolicyNotCopied:
+    return PolicyNotCopied(f"model {model!r} has no copy of the key registry yet: start its worker first")
+
+
+def copy_policy(global_redis, slot_redis, keys: ModelKeys) -> None:
+    """``CopyPolicy``'s I/O (sync: the async client runs it on a thread): copy the key registry from
+    ``global_redis`` into the model's slot on ``slot_redis``; ``not_copied`` for a caller that may not
+    (no client reaching the global keys, or an ACL that refuses it)."""
+    from .apikeys import sync_model
+    from .keys import GlobalKeys
+
+    if global_redis is None:
+        raise not_copied(keys.model)
+    try:
+        sync_model(global_redis, slot_redis, GlobalKeys(keys.prefix), keys.model)
+    except NoPermissionError:
+        raise not_copied(keys.model) from None
+
+
+def enqueue_steps(user, calls: "ScriptCalls", job_id: str, request: bytes, key_hash: str | None,
+                  floor: str | None, idempotency_key: str | None):
+    """Enqueue a job (returns ``Enqueued``): the tier is decided in Redis from ``key_hash`` (sha256 of
+    the API key) and ``floor``.  A caller whose ACL refuses EVALSHA (a producer under the recipe in
+    ``mlxq.shared.acl``) switches to mlxq's Functions for good (``user.functions`` set): ``check``
+    (read-only), then ``submit`` to the intake list, from which a worker admits the job."""
+    def attempt():
+        if not user.functions:
+            try:
+                return parse_enqueue((yield RunScript(calls.enqueue(job_id, request, key_hash, floor, idempotency_key),
+                                                      acked=job_id)))
+            except NoPermissionError:  # EVALSHA refused before anything ran
+                user.functions = True
+        parse_check((yield RunScript(calls.check(key_hash, floor), read_only=True)))
+        return parse_enqueue((yield RunScript(calls.submit(job_id, request, key_hash, floor, idempotency_key),
+                                              acked=job_id)))
+
+    try:
+        return (yield from attempt())
+    except PolicyNotCopied:
+        pass
+    yield CopyPolicy(calls.k.model)  # no worker has served this model yet
+    return (yield from attempt())
+
+
+def cancel_steps(user, calls: "ScriptCalls", job_id: str, mode: str = "queue"):
+    """Cancel a job (returns its status after, as text); a caller that may not run the scripts sends
+    a cancel request, for the job's worker to act on."""
+    if not user.functions:
+        try:
+            return _s((yield RunScript(calls.cancel(job_id, mode))))
+        except NoPermissionError:
+            user.functions = True
+    return _s((yield RunScript(calls.cancel_request(job_id))))
+
+
 class ScriptCalls:
     """Keys and arguments for each script; no I/O."""
 
@@ -331,16 +418,12 @@ class Queue:
         self.functions = False
 
     def run(self, call, client=None, read_only: bool = False):
-        name, keys, args = call
-        c = client or self.redis
-        if self.functions:
-            fcall = c.fcall_ro if read_only else c.fcall
-            try:
-                return fcall(function_name(name), len(keys), *keys, *args)
-            except ResponseError as exc:
+        try:
+            return run_script(client or self.redis, self._scripts, call, self.functions, read_only)
+        except ResponseError as exc:
+            if self.functions:
                 fcall_failed(exc)
-                raise
-        return self._scripts[name](keys=keys, args=args, client=c)
+            raise
 
     def queue_call(self, pipe, call) -> None:
         """Put a script call on a pipeline as a bare EVALSHA (or FCALL).  redis-py's own script objects
@@ -359,39 +442,14 @@ class Queue:
 
     def enqueue(self, job_id, request: bytes, key_hash: str | None = None, floor: str | None = None,
                 idempotency_key=None, global_redis=None) -> Enqueued:
-        """Enqueue; the tier is decided in Redis from ``key_hash`` (sha256 of the API key) and ``floor``.
+        """``enqueue_steps``, run here.  ``global_redis`` (a client that reaches the global keys) lets a
+        trusted caller copy the key registry into a model's slot that has none yet."""
+        def do(op):
+            if isinstance(op, CopyPolicy):
+                return copy_policy(global_redis, self.redis, self.keys)
+            return self._run_acked(op.call, op.acked) if op.acked else self.run(op.call, read_only=op.read_only)
 
-        A caller whose ACL refuses EVALSHA (a producer under the recipe in ``mlxq.shared.acl``)
-        switches to mlxq's Functions: ``check`` (read-only), then ``submit`` to the intake list,
-        from which a worker admits the job.  ``global_redis`` (a client that reaches the global
-        keys) lets a trusted caller copy the key registry into a model's slot that has none yet."""
-        def attempt() -> Enqueued:
-            if not self.functions:
-                try:
-                    return parse_enqueue(self._run_acked(self.calls.enqueue(job_id, request, key_hash, floor,
-                                                                            idempotency_key), job_id))
-                except NoPermissionError:  # EVALSHA refused before anything ran
-                    self.functions = True
-            parse_check(self.run(self.calls.check(key_hash, floor), read_only=True))
-            return parse_enqueue(self._run_acked(self.calls.submit(job_id, request, key_hash, floor, idempotency_key),
-                                                 job_id))
-
-        try:
-            return attempt()
-        except PolicyNotCopied:
-            pass
-        from .apikeys import sync_model
-        from .keys import GlobalKeys
-
-        not_copied = PolicyNotCopied(f"model {self.keys.model!r} has no copy of the key registry yet: "
-                                     "start its worker first")
-        if global_redis is None:
-            raise not_copied
-        try:
-            sync_model(global_redis, self.redis, GlobalKeys(self.keys.prefix), self.keys.model)
-        except NoPermissionError:
-            raise not_copied from None
-        return attempt()
+        return run_steps(enqueue_steps(self, self.calls, job_id, request, key_hash, floor, idempotency_key), do)
 
     def _run_acked(self, call, job_id: str):
         """``run``, then, with ``submit_replica_ack_ms`` set, ``WAIT 1 <ms>`` on the same connection:
@@ -439,12 +497,7 @@ class Queue:
         return self.run(self.calls.requeue(job_id, owner, resume, error), client)
 
     def cancel(self, job_id: str, mode: str = "queue") -> str:
-        if not self.functions:
-            try:
-                return _s(self.run(self.calls.cancel(job_id, mode)))
-            except NoPermissionError:
-                self.functions = True
-        return _s(self.run(self.calls.cancel_request(job_id)))
+        return run_steps(cancel_steps(self, self.calls, job_id, mode), lambda op: self.run(op.call))
 
     def renew(self, leases: dict[str, str]) -> tuple[list[str], list[str]]:
         if not leases:

@@ -1,7 +1,10 @@
-"""Bulk submission: ``Client.map`` keeps input order; ``mlxq batch`` resumes without duplicates."""
+"""Bulk submission: ``Client.map`` and ``AsyncClient.map`` keep input order; ``mlxq batch`` resumes without
+duplicates."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 import threading
@@ -10,7 +13,7 @@ import jsonschema
 import pytest
 import redis
 
-from mlxq import Client
+from mlxq import AsyncClient, Client
 from mlxq.producer.bulk import BatchRun
 from mlxq.cli import main as mlxq_main
 from mlxq.shared.constraints import ModelFormat
@@ -34,6 +37,54 @@ def test_client_map_yields_results_in_input_order(tiny_model, redis_url):
     good = results[:3] + results[4:]
     assert [r.stats.generated_tokens for r in good] == [1, 2, 3, 4, 5, 6, 7]  # order kept
     assert {job_fields(client.redis, KEYS.job(r.id))["tier"] for r in good} == {b"low"}
+
+
+def test_async_client_map_gives_what_client_map_gives(tiny_model, redis_url):
+    """``AsyncClient.map`` runs the same core as ``Client.map``: the same items give Results of the same
+    shape in the same order (an invalid item an error Result in its place), submitted at the low tier."""
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    items = [{"prompt": f"item {i}", "max_tokens": i + 1} for i in range(5)]
+    items.insert(2, {"prompt": "bad", "max_tokens": 0})
+
+    async def amap() -> list:
+        async with AsyncClient(redis_url, model="tiny", settings=settings) as aclient:
+            return [res async for res in aclient.map(items, ignore_eos=True, window=3, timeout=30)]
+
+    with running_worker(tiny_model, redis_url, settings, max_batch=4):
+        want = list(client.map(items, ignore_eos=True, window=3, timeout=30))
+        got = asyncio.run(amap())
+    shape = [(r.finish_reason, r.error, r.stats.generated_tokens if r.stats else None) for r in want]
+    assert [(r.finish_reason, r.error, r.stats.generated_tokens if r.stats else None) for r in got] == shape
+    assert got[2].finish_reason == "error" and [r.stats.generated_tokens for r in got if r.id] == [1, 2, 3, 4, 5]
+    assert {job_fields(client.redis, KEYS.job(r.id))["tier"] for r in got if r.id} == {b"low"}
+    client.close()
+
+
+def test_both_clients_have_the_same_methods_and_name_the_same_model(redis_url, monkeypatch):
+    """The same public names on both clients (close is aclose; queue_for is the sync transport, at and
+    calls the async one); ``await aclient.model`` is ``client.model``, and the coroutine it was
+    (``await aclient.model()``) still works, with a DeprecationWarning."""
+    from mlxq.producer.aclient import AsyncJob
+    from mlxq.producer.client import Job
+
+    def public(cls) -> set:
+        return {n for n in dir(cls) if not n.startswith("_")}
+
+    assert public(Client) - {"close", "queue_for"} == public(AsyncClient) - {"aclose", "at", "calls"}
+    assert public(Job) == public(AsyncJob)
+    monkeypatch.setenv("MLXQ_MODEL", "tiny")
+    client = Client(redis_url, api_key="k-123456789", settings=fast_settings(redis_url))
+
+    async def run() -> None:
+        async with AsyncClient(redis_url, api_key="k-123456789", settings=fast_settings(redis_url)) as aclient:
+            assert await aclient.model == client.model == "tiny"
+            with pytest.warns(DeprecationWarning, match="await client.model"):
+                assert await aclient.model() == "tiny"
+            assert aclient.key_hash == client.key_hash
+
+    asyncio.run(run())
+    client.close()
 
 
 def _records(path) -> list[dict]:
@@ -415,6 +466,15 @@ def test_a_cancelled_line_is_an_error_and_a_map_left_early_cancels_its_queued_jo
     with pytest.raises(JobTimeout):  # the first job never ends: the map stops with its 4 jobs queued
         next(results)
     assert cancelled() == was + 4 and set(r.zrange(KEYS.queue, 0, -1)) <= before
+
+    async def amap() -> None:  # AsyncClient.map: the same, once the iterator is closed
+        async with AsyncClient(redis_url, model="tiny", settings=settings) as aclient:
+            async with contextlib.aclosing(aclient.map([f"p{i}" for i in range(6)], window=4, timeout=0.3)) as res:
+                with pytest.raises(JobTimeout):
+                    await anext(res)
+
+    asyncio.run(amap())
+    assert cancelled() == was + 8 and set(r.zrange(KEYS.queue, 0, -1)) <= before
     r.close()
 
 
