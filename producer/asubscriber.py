@@ -101,8 +101,9 @@ class _NodeReader:
                     await self.pubsub.sunsubscribe(channel)
                 else:
                     await self.pubsub.unsubscribe(channel)
-        except LINK_ERRORS:
-            pass
+        except Exception as exc:  # the link is gone (or closed under us by a topology refresh): nothing to undo
+            if not is_link_error(exc):
+                raise
 
     async def run(self) -> None:
         while True:
