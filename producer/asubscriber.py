@@ -9,7 +9,7 @@ from typing import Optional
 
 import redis
 
-from ..shared.connection import LINK_ERRORS, LinkWatch, is_cluster, is_link_error, node_client_async, \
+from ..shared.connection import LinkWatch, is_cluster, is_link_error, node_client_async, \
     nodes_tried, refresh_topology_async
 
 from .common import ClientClosed
