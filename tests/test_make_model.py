@@ -30,6 +30,7 @@ from mlxq.devkit.make_model import (
 )
 
 TINY_PARAMS = 164_160
+from workerkit import neutral_cwd
 
 
 @pytest.fixture(scope="session")
@@ -175,5 +176,6 @@ def test_importing_the_module_loads_no_mlx():
     """Its names (the markers, format_chat) come without MLX; a build sets the BLAS up before it imports
     MLX, so a process that imports this module first still gets the fast BLAS."""
     code = "import sys, mlxq.devkit.make_model; print('mlx.core' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=neutral_cwd())  # (the checkout's own mlxq folder must not shadow the install)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
