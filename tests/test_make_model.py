@@ -28,9 +28,9 @@ from mlxq.devkit.make_model import (
     seed_from_env,
     seeded_dir,
 )
+from workerkit import neutral_cwd
 
 TINY_PARAMS = 164_160
-from workerkit import neutral_cwd
 
 
 @pytest.fixture(scope="session")
