@@ -2,7 +2,10 @@
 The helpers the tests import (a worker on a thread, fast settings, waiting) are in ``workerkit``.
 
 The tests import the installed ``mlxq`` only; their own kits (``workerkit``, ``faultkit``, ...) are
-top-level modules of this folder (``pythonpath = ["tests"]`` in pyproject.toml)."""
+top-level modules of ``tests/kit/`` (``pythonpath = ["tests/kit"]`` in pyproject.toml). The test folders
+mirror the package and have no ``__init__.py``: pytest puts each test file's folder on ``sys.path``
+(a ``tests`` package would put the checkout's root there, whose ``mlxq/`` shadows the installed one),
+so every test file's name is unique."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -34,7 +33,7 @@ from mlxq.shared.protocol import load_functions
 from workerkit import fast_settings, neutral_cwd, running_worker, wait_for
 
 GK = GlobalKeys()
-ROOT = Path(__file__).resolve().parents[1]
+from repokit import ROOT
 FOREVER = time.time() + 10 * 365 * 86400  # a heartbeat that stays fresh for the whole test
 
 
@@ -300,7 +299,7 @@ def test_metrics_bind_loopback_unless_told(fake_redis):
 
 
 def test_compose_exposes_the_metrics_port_to_prometheus():
-    from test_compose import compose, mlxq_invocations
+    from composekit import compose, mlxq_invocations
 
     (worker,) = mlxq_invocations(compose()["services"]["worker"]["command"])
     assert _worker_settings(worker[1:]).metrics_host == "0.0.0.0"  # Prometheus is another container

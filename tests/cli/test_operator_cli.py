@@ -274,9 +274,7 @@ def test_one_max_tokens_default():
 def test_only_the_face_parses_command_lines():
     """producer, worker and shared never import argparse: the CLI (mlxq/cli/) turns flags into values."""
     import ast
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
+    from repokit import ROOT as root
     found = []
     for layer in ("producer", "worker", "shared"):
         for path in (root / layer).rglob("*.py"):

@@ -307,7 +307,7 @@ def test_engine_uses_the_ops_only_with_the_fused_backend(ext, tiny_model):
     model = tiny_model.model
     fused = PagedEngine(model, num_blocks=16, attention="fused")
     assert fused.pool.kv_write is not None
-    # linear too, over the optimized BLAS (tests/test_linear_op.py)
+    # linear too, over the optimized BLAS (tests/engine/test_linear_op.py)
     assert fused.attention.model_ops[:3] == ("swiglu", "rope", "rms_norm"), fused.attention.reason
     assert set(fused.attention.model_ops[3:]) <= {"linear"}
     gather = PagedEngine(model, num_blocks=16, attention="gather")
@@ -342,19 +342,17 @@ def test_engine_writes_the_pool_in_place_through_joins_and_preemption(ext, tiny_
             assert n_pre >= 1  # the small pool made the urgent job preempt
         assert all(len(toks) == 40 for toks in out.values()) and len(done) == 4
         results.append(out)
-    if matmul == "mlx":  # the pool's matmuls round differently from MLX's (tests/test_linear_op.py)
+    if matmul == "mlx":  # the pool's matmuls round differently from MLX's (tests/engine/test_linear_op.py)
         assert results[0] == results[1]
 
 
 def test_the_wheel_ships_every_kernel_source_and_engine_package():
     """pyproject names every engine package and every file the extension build reads."""
     import fnmatch
-    from pathlib import Path
-
     from mlxq.worker.engine.kernels import extbuild
 
     tomllib = pytest.importorskip("tomllib")
-    root = Path(__file__).resolve().parents[1]
+    from repokit import ROOT as root
     setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     engine_pkgs = {"mlxq.worker." + str(p.parent.relative_to(root / "worker")).replace("/", ".")
                    for p in (root / "worker" / "engine").rglob("__init__.py")}

@@ -7,24 +7,14 @@ import random
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama, qwen3
+from mlx_lm.models import qwen3
 
 from mlxq.shared.schemas import SamplingParams
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.sampling import make_sampler
 from refkit import reference_processors
-from test_paged_engine import _gemma3
-
-
-def tiny_llama():
-    mx.random.seed(0)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-                           tie_word_embeddings=True)
-    m = llama.Model(args)
-    mx.eval(m.parameters())
-    return m
+from enginekit import _gemma3, drive, tiny_llama
 
 
 def tiny_qwen3():
@@ -40,20 +30,6 @@ def tiny_qwen3():
 def reference(model, prompt, n, sampler=None, processors=None):
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=sampler,
                                               logits_processors=processors)]
-
-
-def drive(engine, arrivals, max_steps=2000):
-    """arrivals: {step: [SeqSpec]}; returns {uid: [tokens]}."""
-    out: dict[str, list[int]] = {}
-    step = 0
-    while (engine.has_work() or any(k >= step for k in arrivals)) and step < max_steps:
-        if step in arrivals:
-            engine.add(arrivals[step])
-        events, _ = engine.step()
-        for e in events:
-            out.setdefault(e.uid, []).append(e.token)
-        step += 1
-    return out
 
 
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen3])

@@ -213,7 +213,7 @@ def test_pool_matmuls_keep_batched_greedy_equal_to_solo(ext, tiny_model):
     passes and decode batches of every size give each row the bits it gets alone."""
     _own_loops(ext)
     from mlxq.worker.engine.api import SeqSpec
-    from test_engine import drive
+    from enginekit import drive
 
     model = tiny_model.model
     rng = random.Random(5)

@@ -14,7 +14,7 @@ from mlxq.worker.engine.sequence import Sampled, SequenceStatus
 from mlxq.worker.engine.sampler import RowSampler
 from mlxq.worker.engine.api import SeqSpec
 
-from test_paged_engine import SMALL_CHUNKS, _assert_no_leak, _llama, _prompts, dense
+from enginekit import SMALL_CHUNKS, _assert_no_leak, _llama, _prompts, dense
 
 PARAMS = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
 

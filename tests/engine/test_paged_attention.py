@@ -22,6 +22,7 @@ from mlxq.worker.engine import PagedEngine, attention
 from mlxq.worker.engine.kernels import extbuild
 from mlxq.worker.engine.attention import gather_attention
 from mlxq.worker.engine.kernels.extbuild import ExtensionUnavailable
+from repokit import KIT
 from workerkit import neutral_cwd
 
 BS = 32
@@ -398,7 +399,7 @@ def test_generic_inner_loop_equals_reference(ext):
     """The baseline-ISA loop (what CPUs without AVX2/FMA run), forced in a fresh process."""
     script = (
         "from mlxq.worker import blas; blas.setup()\n"
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})  # this folder's helpers\n"
+        f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(KIT)!r}]\n"  # this folder, the kits
         "from test_paged_attention import _case, _rel_err\n"
         "from mlxq.worker.engine import attention\n"
         "ext = attention.cpu_extension()\n"
@@ -429,7 +430,7 @@ def test_thread_pool_under_late_workers():
     the thread that runs it), and none may run a stale call's work."""
     script = (
         "from mlxq.worker import blas; blas.setup()\n"
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})  # this folder's helpers\n"
+        f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(KIT)!r}]\n"  # this folder, the kits
         "from test_paged_attention import _case\n"
         "import mlx.core as mx\n"
         "from mlxq.worker.engine import attention\n"
@@ -480,7 +481,7 @@ def test_every_isa_of_the_attention_loop_gives_the_same_bits(ext, tmp_path):
     here = [ext.paged_attention(*args, **quant) for args, quant in _tiles_case()]
     script = (
         "from mlxq.worker import blas; blas.setup()\n"
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})  # this folder's helpers\n"
+        f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(KIT)!r}]\n"  # this folder, the kits
         "from test_paged_attention import _tiles_case\n"
         "import mlx.core as mx\n"
         "from mlxq.worker.engine import attention\n"

@@ -7,19 +7,12 @@ from dataclasses import replace
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.models import gemma3_text, qwen3
+from mlx_lm.models import qwen3
 
 from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine import PagedEngine
 
-from enginekit import random_llama, run
-
-SMALL_CHUNKS = ((64, 24), (None, 16))  # tiny chunks so prompts span many steps
-
-
-def _llama():
-    return random_llama(3)
+from enginekit import SMALL_CHUNKS, _assert_no_leak, _gemma3, _llama, _prompts, dense, random_llama, run
 
 
 def _qwen3():
@@ -32,43 +25,9 @@ def _qwen3():
     return m
 
 
-def _gemma3():
-    mx.random.seed(5)
-    m = gemma3_text.Model(gemma3_text.ModelArgs(
-        model_type="gemma3_text", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
-        sliding_window=24, sliding_window_pattern=3, query_pre_attn_scalar=16))
-    mx.eval(m.parameters())
-    return m
-
-
 @pytest.fixture(scope="module")
 def model():
     return _llama()
-
-
-_dense_memo: dict = {}
-
-
-def dense(model, prompt, n):
-    """Single-sequence greedy mlx-lm reference (memoized per live model)."""
-    _, memo = _dense_memo.setdefault(id(model), (model, {}))  # keeps the model alive
-    key = (tuple(prompt), n)
-    if key not in memo:
-        memo[key] = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
-    return memo[key]
-
-
-def _prompts(seed, n, lo, hi):
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def _assert_no_leak(engine):
-    st = engine.stats()
-    assert st["blocks_used"] == len({b for h in engine.scheduler.hot_sessions.by_id.values() for b in h.block_ids})
-    assert st["blocks_used"] + st["blocks_cached"] + st["blocks_free"] == st["blocks_total"]
-    engine.bm.check_invariants()
 
 
 @pytest.mark.parametrize("make", [_llama, _qwen3, _gemma3], ids=["llama", "qwen3", "gemma3"])

@@ -10,7 +10,6 @@ prefill chunking, decode slots, preemption and sessions, with no model.
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.block_manager import BlockManager
@@ -21,7 +20,7 @@ from mlxq.worker.engine.sequence import Sampled
 from mlxq.worker.engine.api import Engine, SeqSpec
 from workerkit import neutral_cwd
 
-ROOT = Path(__file__).resolve().parents[1]
+from repokit import ROOT
 BS = 4
 
 

@@ -5,7 +5,6 @@ and overload.  Each test prints a FIGURES line (submitted, completed, lost, dupl
 from __future__ import annotations
 
 import logging
-import random
 import subprocess
 import sys
 import time
@@ -18,48 +17,14 @@ from mlxq.shared import apikeys
 from mlxq.shared.embedded import EmbeddedRedis
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from workerkit import fast_settings, neutral_cwd, running_worker, wait_for
-from faultkit import (StepGate, WorkerProc, detok_text, record, reference_tokens, submit_and_follow,
-                      wait_registered, worker_env)
+from faultkit import (StepGate, WorkerProc, _check_results, _specs, _xlen, record, reference_tokens,
+                      submit_and_follow, wait_registered, worker_env)
 
 K = ModelKeys("tiny")
 
 
-def _specs(seed, n, max_tokens, ignore_eos_every=2):
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(4, 900) for _ in range(rng.randrange(3, 24))]
-        out.append((prompt, max_tokens, i % ignore_eos_every == 0))
-    return out
-
-
 def _refs(loaded, specs):
     return [reference_tokens(loaded, p, n, ignore_eos=ie) for p, n, ie in specs]
-
-
-def _xlen(r, job_id):
-    return r.xlen(K.events(job_id))
-
-
-def _check_results(loaded, results, refs, collectors=None):
-    """(completed correctly, lost, duplicated) against the solo references."""
-    ok = lost = dup = 0
-    for i, (res, ref) in enumerate(zip(results, refs)):
-        if res is None or res.finish_reason not in ("stop", "length"):
-            lost += 1
-            continue
-        if len(res.token_ids) > len(ref) or res.token_ids != ref:
-            dup += 1
-            continue
-        assert res.text == detok_text(loaded.tokenizer, ref), i
-        if collectors is not None:
-            c = collectors[i]
-            assert c.error is None, (i, c.error)
-            assert c.text == res.text, i  # what the client streamed across the fault == the result
-            assert c.ids == res.token_ids, i  # each token index once, whatever the attempt
-            assert c.finishes == [res.finish_reason], i
-        ok += 1
-    return ok, lost, dup
 
 
 def test_worker_kill9_mid_stream_loses_and_duplicates_nothing(tiny_model, tiny_model_dir, redis_url, tmp_path):

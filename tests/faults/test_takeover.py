@@ -13,8 +13,8 @@ from types import SimpleNamespace
 from mlxq import Client
 from mlxq.shared.keys import ModelKeys
 from workerkit import fast_settings, wait_for
-from faultkit import WorkerProc, record, reference_tokens, submit_and_follow, wait_registered
-from test_faults import _check_results, _specs, _xlen
+from faultkit import (WorkerProc, _check_results, _specs, _xlen, record, reference_tokens, submit_and_follow,
+                      wait_registered)
 
 K = ModelKeys("tiny")
 LEASE = dict(lease_s=120, heartbeat_s=0.5, takeover_s=1.25)  # takeover after 2.5 beats (the default)

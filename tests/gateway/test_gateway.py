@@ -14,7 +14,7 @@ import redis
 
 from mlxq.shared import apikeys, codec
 from mlxq.shared.keys import GlobalKeys
-from workerkit import fast_settings, job_fields, running_worker, wait_for
+from workerkit import fast_settings, job_fields, raw_post, running_worker, wait_for
 
 from mlxq import Client
 from mlxq.producer.gateway import ServerThread, create_app
@@ -48,17 +48,6 @@ def oai(url: str, key: str = KEY_HIGH) -> openai.OpenAI:
 
 def job_hash(r, job_id: str) -> dict:
     return job_fields(r, GK.model_keys("tiny").job(job_id))
-
-
-def raw_post(url: str, path: str, body, headers=None, timeout=30) -> tuple[int, dict]:
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    out = resp.status, json.loads(resp.read() or b"null")
-    conn.close()
-    return out
 
 
 def test_models_lists_the_served_model(stack):

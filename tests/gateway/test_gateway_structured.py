@@ -16,8 +16,8 @@ from mlxq.devkit.make_model import THINK_END, THINK_START, TOOL_CALL_START
 from mlxq.shared import codec
 from mlxq.shared.keys import GlobalKeys
 from workerkit import serving_gateway
-from test_gateway import raw_post
-from test_tools import SCHEMAS, TOOLS, WEATHER
+from workerkit import raw_post
+from toolcallkit import SCHEMAS, TOOLS, WEATHER
 
 GK = GlobalKeys()
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]

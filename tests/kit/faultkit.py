@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from typing import Optional
 import redis
 from workerkit import neutral_cwd
 
-ROOT = Path(__file__).resolve().parents[1]
+from mlxq.shared.keys import ModelKeys
+
 FIGURES: list[dict] = []  # one row per fault test, printed at the end of each test
 
 
@@ -154,11 +156,12 @@ def reference_tokens(loaded, prompt_ids, max_tokens, ignore_eos=False):
 
     A worker streams exactly these tokens whatever else shares its batches, and whatever crash,
     requeue or preemption the job goes through: every op of the engine gives a row the same bits
-    in any batch and at any join (tests/test_linear_op.py, tests/test_engine.py), and a resumed job
-    re-reads its context exactly. The engine's agreement with mlx-lm's own decoding is tested
-    separately (tests/test_engine.py, tests/test_e2e.py), at horizons where two correct summation
-    orders cannot part at a near-tie; a fault test's 480-token streams can (MLX's matmul gives a
-    row other bits in a batch of 2 to 4 rows, depending on the BLAS), so they compare with this."""
+    in any batch and at any join (tests/engine/test_linear_op.py, tests/engine/test_engine.py), and a
+    resumed job re-reads its context exactly. The engine's agreement with mlx-lm's own decoding is
+    tested separately (tests/engine/test_engine.py, tests/worker/test_e2e.py), at horizons where two
+    correct summation orders cannot part at a near-tie; a fault test's 480-token streams can (MLX's
+    matmul gives a row other bits in a batch of 2 to 4 rows, depending on the BLAS), so they compare
+    with this."""
     from mlxq.shared.settings import Settings
     from mlxq.worker.engine.engine import make_engine
     from mlxq.worker.engine.api import SeqSpec
@@ -274,3 +277,39 @@ class StepGate:
     def __exit__(self, *exc) -> None:
         self.release()
         del self.engine.step
+
+
+# -- the jobs of the fault tests and their check against the solo references ------------------------
+
+def _specs(seed, n, max_tokens, ignore_eos_every=2):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(4, 900) for _ in range(rng.randrange(3, 24))]
+        out.append((prompt, max_tokens, i % ignore_eos_every == 0))
+    return out
+
+
+def _xlen(r, job_id):
+    return r.xlen(ModelKeys("tiny").events(job_id))
+
+
+def _check_results(loaded, results, refs, collectors=None):
+    """(completed correctly, lost, duplicated) against the solo references."""
+    ok = lost = dup = 0
+    for i, (res, ref) in enumerate(zip(results, refs)):
+        if res is None or res.finish_reason not in ("stop", "length"):
+            lost += 1
+            continue
+        if len(res.token_ids) > len(ref) or res.token_ids != ref:
+            dup += 1
+            continue
+        assert res.text == detok_text(loaded.tokenizer, ref), i
+        if collectors is not None:
+            c = collectors[i]
+            assert c.error is None, (i, c.error)
+            assert c.text == res.text, i  # what the client streamed across the fault == the result
+            assert c.ids == res.token_ids, i  # each token index once, whatever the attempt
+            assert c.finishes == [res.finish_reason], i
+        ok += 1
+    return ok, lost, dup

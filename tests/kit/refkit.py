@@ -1,6 +1,6 @@
 """Expected output computed in the same run: the greedy answers of this run's tiny model, each from the
 worker's engine with that sequence alone (``faultkit.reference_tokens``; their agreement with mlx-lm's
-own decoding is tested in tests/test_engine.py).
+own decoding is tested in tests/engine/test_engine.py).
 
 The tiny model is trained at test time (from ``$MLXQ_TEST_MODEL_SEED``) and its weights follow the
 BLAS build and CPU kernels of the machine, so no test hard-codes generated text or token ids. A test

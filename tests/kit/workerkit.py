@@ -1,15 +1,18 @@
 """The helpers most tests import: a worker run on its own thread (every MLX call of the worker on
-that thread), settings that make a worker react fast, waiting on a condition, tier clients, and the
-neutral working directory of every subprocess the tests start."""
+that thread), settings that make a worker react fast, waiting on a condition, tier clients, a raw POST
+to a gateway, and the neutral working directory of every subprocess the tests start."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import http.client
+import json
 import shutil
 import tempfile
 import threading
 import time
+from urllib.parse import urlparse
 
 import redis
 
@@ -110,3 +113,15 @@ def job_fields(r, key: str) -> dict:
             if name not in h and stats.get(name) is not None:
                 h[name] = str(stats[name]).encode()
     return h
+
+
+def raw_post(url: str, path: str, body, headers=None, timeout=30) -> tuple[int, dict]:
+    """POST ``body`` (JSON, or bytes as they are) to a gateway: (status, the JSON answer)."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read() or b"null")
+    conn.close()
+    return out

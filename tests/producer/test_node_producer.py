@@ -19,7 +19,7 @@ from mlxq.shared.keys import GlobalKeys
 from workerkit import fast_settings, running_worker, wait_for
 from refkit import greedy, pick_prompt
 
-ROOT = Path(__file__).resolve().parent.parent
+from repokit import ROOT
 EXAMPLE = ROOT / "examples" / "node" / "producer.mjs"
 NPM_PACKAGES = ["redis@4", "@msgpack/msgpack@3"]
 MULTIBYTE_PROMPTS = ("café, naïve: 日本語 and more", "Crème brûlée in Zürich is", "The 日本語 word for tea is",

@@ -61,7 +61,7 @@ def test_a_tiny_temperature_samples_greedily():
     from mlxq.worker.engine.sampler import RowSampler
     from mlxq.worker.engine.api import SeqSpec
     from mlxq.worker.sampling import make_sampler
-    from test_engine import drive, tiny_llama
+    from enginekit import drive, tiny_llama
 
     model = tiny_llama()
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from repokit import ROOT
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 # pyproject.toml's [tool.setuptools.package-dir]: where each installed package's sources live
 PACKAGE_DIRS = {"mlxq": "mlxq", "mlxq/producer": "producer", "mlxq/worker": "worker", "mlxq/shared": "shared"}

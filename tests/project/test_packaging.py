@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 from workerkit import neutral_cwd
 
-ROOT = Path(__file__).resolve().parent.parent
+from repokit import ROOT
 
 
 def test_user_packages_named_like_ours_do_not_clash(tmp_path):

@@ -2,7 +2,7 @@
 and bash blocks between the ``<!-- ecosystem:start -->`` markers, then every one of the pages in ``PAGES``,
 in that order, run against a live gateway + worker (+ rq bridge) on a real Valkey, with ``localhost``
 addresses pointed at them.  Only ``docker compose`` lines are skipped (Docker cannot run here; see
-tests/test_compose.py)."""
+tests/project/test_compose.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from mlxq.shared.keys import GlobalKeys
 from workerkit import fast_settings, running_worker, wait_for
 from mlxq.producer.rq_bridge import RqBridge
 
-ROOT = Path(__file__).resolve().parent.parent
+from repokit import ROOT
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 
 
@@ -128,7 +128,7 @@ def test_readme_examples_run(live, tmp_path):
     results = [ln for ln in (tmp_path / "results.jsonl").read_text().splitlines() if ln]
     assert len(results) == 2  # mlxq batch, run twice: each line once
     # structured output and tool calls (whether the tiny model's answers complete within max_tokens is up
-    # to its weights: tests/test_cli_structured.py, test_bulk.py and the grammar's tests check validity)
+    # to its weights: tests/cli/test_cli_structured.py, test_bulk.py and the grammar's tests check validity)
     assert text.count("ticket: ") == 1 and text.count("bulk: ") == 2 and "json: " in text and "finish: " in text
     triaged = [json.loads(ln) for ln in (tmp_path / "triaged.jsonl").read_text().splitlines() if ln]
     assert [t["response"]["status_code"] for t in triaged] == [200, 200], triaged

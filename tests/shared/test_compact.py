@@ -253,7 +253,7 @@ def test_a_late_subscriber_gets_the_live_deltas_of_real_tool_call_and_reasoning_
     into thinking (reasoning deltas), with logprobs: read live while they run, then late from the
     compacted record, by Client and AsyncClient."""
     from mlxq.devkit.make_model import THINK_START
-    from test_tools import MESSAGES, TOOLS
+    from toolcallkit import MESSAGES, TOOLS
 
     think = tiny_model.tokenizer.get_vocab()[THINK_START]
     with running_worker(tiny_model, redis_url), Client(redis_url, model="tiny") as c:

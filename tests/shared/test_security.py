@@ -24,7 +24,7 @@ from mlxq.shared.embedded import EmbeddedRedis
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.schemas import new_job_id
 from workerkit import fast_settings, running_worker
-from faultkit import ROOT
+from repokit import ROOT
 
 REG = GlobalKeys().api_keys
 K = ModelKeys("tiny")

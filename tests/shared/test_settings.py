@@ -17,7 +17,6 @@ from mlxq.shared.settings import Settings, cache_dir, env_var, mask_url, worker_
 from mlxq.cli.worker import settings_from_args
 from workerkit import neutral_cwd
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # A valid value other than the default for every `mlxq worker` setting, as written on a command line
 # (a new setting needs one here: the test below fails until it has one).

@@ -24,7 +24,7 @@ from mlxq.shared.tools import ToolError, check_format, check_tools, format_from_
 from mlxq.worker.jobs import chat_stream, tokenize
 from mlxq.worker.textstream import chat_format
 from mlxq.worker.toolprompt import serving_format, traits
-from test_tools import MESSAGES, SCHEMAS, TOOLS, check_calls, sample
+from toolcallkit import MESSAGES, SCHEMAS, TOOLS, check_calls, sample
 from workerkit import fast_settings, running_worker
 
 # SmolLM2's ChatML template (its default system turn), with the tiny model's role tokens
