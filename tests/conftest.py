@@ -10,6 +10,13 @@ so every test file's name is unique."""
 from __future__ import annotations
 
 import os
+import sys
+
+# pytest put this folder on sys.path to import this file. Take it off again: its subfolders are named
+# after the package's rooms (producer/, worker/, shared/), and from the path they would be importable as
+# bare namespace packages of those names (tests/project/test_packaging.py holds that none is).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 # The suite runs its own process, worker subprocesses and Valkey on the same cores at once: the
 # case where OpenBLAS's spinning idle threads hurt (see mlxq.worker.blas.default_threads), so the
