@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import sys
 import zlib
 
 import pytest
@@ -29,6 +30,15 @@ def mlxq_job(r, rq_job: Job) -> dict:
     job_id = rq_job.get_meta()["mlxq_job_id"]
     return job_fields(r, GK.model_keys("tiny").job(job_id))
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sys_path_kept():
+    """rq's worker puts its --path ('.', the checkout's root here) on sys.path: take it off after this
+    module, or the later tests would see the checkout's producer/, worker/ and shared/ (test_packaging)."""
+    saved = list(sys.path)
+    yield
+    sys.path[:] = saved
 
 @pytest.fixture
 def bridged(tiny_model, redis_url):
