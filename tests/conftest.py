@@ -2,11 +2,21 @@
 The helpers the tests import (a worker on a thread, fast settings, waiting) are in ``workerkit``.
 
 The tests import the installed ``mlxq`` only; their own kits (``workerkit``, ``faultkit``, ...) are
-top-level modules of this folder (``pythonpath = ["tests"]`` in pyproject.toml)."""
+top-level modules of ``tests/kit/`` (``pythonpath = ["tests/kit"]`` in pyproject.toml). The test folders
+mirror the package and have no ``__init__.py``: pytest puts each test file's folder on ``sys.path``
+(a ``tests`` package would put the checkout's root there, whose ``mlxq/`` shadows the installed one),
+so every test file's name is unique."""
 
 from __future__ import annotations
 
 import os
+import sys
+
+# pytest put this folder on sys.path to import this file. Take it off again: its subfolders are named
+# after the package's rooms (producer/, worker/, shared/), and from the path they would be importable as
+# bare namespace packages of those names (tests/project/test_packaging.py holds that none is).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 # The suite runs its own process, worker subprocesses and Valkey on the same cores at once: the
 # case where OpenBLAS's spinning idle threads hurt (see mlxq.worker.blas.default_threads), so the

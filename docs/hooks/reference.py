@@ -4,7 +4,7 @@ with a marker line, ``<!-- reference:settings -->`` or ``<!-- reference:cli -->`
 
 Nothing here imports MLX: the settings module imports only the standard library, and the CLI parser
 imports its commands lazily.  A reference that cannot be built is a warning, which fails ``mkdocs build
---strict`` (tests/test_docs.py) rather than publishing an empty page."""
+--strict`` (tests/project/test_docs.py) rather than publishing an empty page."""
 
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ def run(args) -> int:
 
 def _freeze_at_step(engine, n: int) -> None:
     """A test hook (``MLXQ_TEST_FREEZE_STEP=n``): the engine's n-th step never returns, as a hung
-    kernel's would, so that a test sees the worker's watchdog notice it (tests/test_takeover.py)."""
+    kernel's would, so that a test sees the worker's watchdog notice it (tests/faults/test_takeover.py)."""
     step, count = engine.step, [0]
 
     def frozen_step():

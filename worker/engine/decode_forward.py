@@ -15,7 +15,7 @@ reshape does what the model file's transposes do.
 * every row feeds one token (prefill chunks and ragged passes keep the model file).
 
 Every primitive gets the same inputs as through the model file, so the logits are the same
-bits (``tests/test_decode_forward.py`` compares them, on float and quantized pools).
+bits (``tests/engine/test_decode_forward.py`` compares them, on float and quantized pools).
 
 **Fused layer halves.** Each op is a node MLX dispatches on its CPU stream, with an output
 buffer of its own, and the pool's second thread waits out every such gap.  Two of the
