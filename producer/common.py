@@ -272,6 +272,25 @@ class StreamState:
         self.done = d.sample is None or ended >= self.samples
 
 
+# the job record's fields completion drops, which the result's stats keep (PROTOCOL.md's job record)
+IN_RESULT_STATS = ("tier", "attempts", "queued_at", "started_at", "worker")
+
+
+def record_fields(h: dict) -> dict:
+    """A job record (HGETALL) by field name; a finished one's ``IN_RESULT_STATS`` from its result's
+    stats, as the record had them while the job ran."""
+    h = {(k.decode() if isinstance(k, bytes) else k): v for k, v in h.items()}
+    if h.get("result"):
+        try:
+            stats = codec.unpack(h["result"]).get("stats") or {}
+        except Exception:  # noqa: BLE001 - a result a worker wrote badly: the other fields still read
+            stats = {}
+        for name in IN_RESULT_STATS:
+            if name not in h and stats.get(name) is not None:
+                h[name] = str(stats[name]).encode()
+    return h
+
+
 def result_from_hash(job_id: str, h: dict) -> Optional[Result]:
     h = {(k.decode() if isinstance(k, bytes) else k): v for k, v in h.items()}
     status = h.get("status")

@@ -59,20 +59,10 @@ class Jobs:
                          + " (finished jobs are kept for result_ttl_s)")
 
     def record(self, queue: str, job_id: str) -> dict:
-        """The job's record by field; a finished one's tier, attempts, times and worker from its result's
-        stats, where completion keeps them (PROTOCOL.md's job record)."""
-        from ..shared import codec
+        """The job's record by field, a finished one's tier, attempts and times included."""
+        from ..producer.common import record_fields
 
-        rec = {_s(k): v for k, v in self.r.hgetall(self.gk.model_keys(queue).job(job_id)).items()}
-        if rec.get("result"):
-            try:
-                stats = codec.unpack(rec["result"]).get("stats") or {}
-            except Exception:  # noqa: BLE001 - a record a worker wrote badly: show the rest
-                stats = {}
-            for name in ("tier", "attempts", "queued_at", "started_at", "worker"):
-                if name not in rec and stats.get(name) is not None:
-                    rec[name] = str(stats[name]).encode()
-        return rec
+        return record_fields(self.r.hgetall(self.gk.model_keys(queue).job(job_id)))
 
     def rows(self, statuses) -> Iterator[dict]:
         limit = self.args.limit

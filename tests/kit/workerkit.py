@@ -16,7 +16,6 @@ from urllib.parse import urlparse
 
 import redis
 
-from mlxq.shared import codec
 from mlxq.shared.settings import Settings
 
 _NEUTRAL: list[str] = []
@@ -104,15 +103,10 @@ def wait_for(pred, timeout=10.0, interval=0.02):
 
 
 def job_fields(r, key: str) -> dict:
-    """A job record's fields by name; a finished one's tier, worker and times as its result's stats
-    has them (completion drops them from the record: PROTOCOL.md's job record)."""
-    h = {k.decode(): v for k, v in r.hgetall(key).items()}
-    if h.get("result"):
-        stats = codec.unpack(h["result"]).get("stats") or {}
-        for name in ("tier", "worker", "attempts", "queued_at", "started_at"):
-            if name not in h and stats.get(name) is not None:
-                h[name] = str(stats[name]).encode()
-    return h
+    """A job record's fields by name, a finished one's tier, worker and times included."""
+    from mlxq.producer.common import record_fields
+
+    return record_fields(r.hgetall(key))
 
 
 def raw_post(url: str, path: str, body, headers=None, timeout=30) -> tuple[int, dict]:
