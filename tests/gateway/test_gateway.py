@@ -170,7 +170,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read_whole():
 
     from starlette.requests import Request
 
-    from mlxq.producer.gateway import _json_body
+    from mlxq.producer.gateway.app import _json_body
     from mlxq.producer.openai_api import OpenAIError
 
     def request(chunks, length=None):
@@ -299,7 +299,7 @@ def test_metrics_endpoint_parses(stack):
 def test_json_log_lines_carry_job_and_attempt():
     import logging
 
-    from mlxq.producer.gateway import jlog
+    from mlxq.producer.gateway.app import jlog
     from mlxq.shared.logs import JsonFormatter
 
     records = []
@@ -346,7 +346,7 @@ def test_a_failed_sample_ends_the_stream_and_cancels_the_samples_still_running()
     import asyncio
     from types import SimpleNamespace
 
-    from mlxq.producer.gateway import Gateway, _Meta
+    from mlxq.producer.gateway.app import Gateway, _Meta
     from mlxq.shared.schemas import Delta
     from mlxq.shared.settings import Settings
 
@@ -398,7 +398,7 @@ def test_a_stream_ends_at_done_without_waiting_for_the_result():
     the response off with an error after [DONE], which the openai client reads to the end."""
     import asyncio
 
-    from mlxq.producer.gateway import Gateway, _Meta
+    from mlxq.producer.gateway.app import Gateway, _Meta
     from mlxq.shared.schemas import Delta
     from mlxq.shared.settings import Settings
 
@@ -434,7 +434,7 @@ def test_a_failed_sample_fails_a_request_without_stream_as_it_ends_a_stream():
     text cut short)."""
     import asyncio
 
-    from mlxq.producer.gateway import Gateway, _Meta
+    from mlxq.producer.gateway.app import Gateway, _Meta
     from mlxq.shared.schemas import JobStats, Result, SampleOutput
     from mlxq.shared.settings import Settings
 

@@ -33,10 +33,6 @@ import threading
 import time
 from typing import Any, AsyncIterator, Optional
 
-from ..shared.extras import GATEWAY, require
-
-require(__name__, "gateway", GATEWAY)  # the HTTP server is an extra: say so in one line
-
 import redis.asyncio as aredis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError
@@ -46,18 +42,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .asubscriber import AsyncSubscriber, link_watch
-from ..shared.connection import LINK_ERRORS, RedisUnreachable, close_pins, connect_async
-from ..shared import apikeys
-from ..shared.apikeys import AuthError
-from ..shared.keys import GlobalKeys
-from ..shared.protocol import JobRefused, OverloadError
-from ..shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result
-from ..shared.settings import Settings
-from .aclient import AsyncClient, AsyncJob
-from .common import ContextLengthError, NoModelError, has_live_worker
-from ..shared.tools import check_format, format_from_info, uses_tools
-from .openai_api import (ChatCompletionRequest, ChatDeltas, CompletionRequest, LogprobFormatter, OpenAIError,
+from ..asubscriber import AsyncSubscriber, link_watch
+from ...shared.connection import LINK_ERRORS, RedisUnreachable, close_pins, connect_async
+from ...shared import apikeys
+from ...shared.apikeys import AuthError
+from ...shared.keys import GlobalKeys
+from ...shared.protocol import JobRefused, OverloadError
+from ...shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result
+from ...shared.settings import Settings
+from ..aclient import AsyncClient, AsyncJob
+from ..common import ContextLengthError, NoModelError, has_live_worker
+from ...shared.tools import check_format, format_from_info, uses_tools
+from ..openai_api import (ChatCompletionRequest, ChatDeltas, CompletionRequest, LogprobFormatter, OpenAIError,
                          TokenNames, check_bias_vocab, choice, failed_output, finish_fields, now_s, usage,
                          validation_error)
 
