@@ -170,7 +170,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read_whole():
 
     from starlette.requests import Request
 
-    from mlxq.producer.gateway.app import _json_body
+    from mlxq.producer.gateway.jobs import json_body
     from mlxq.producer.openai_api import OpenAIError
 
     def request(chunks, length=None):
@@ -185,7 +185,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read_whole():
         return Request({"type": "http", "method": "POST", "headers": headers}, receive), sent
 
     def read(req, limit):
-        return asyncio.run(_json_body(req, limit))
+        return asyncio.run(json_body(req, limit))
 
     req, sent = request([b"{}"], length=10_000)
     with pytest.raises(OpenAIError) as e:
@@ -299,7 +299,7 @@ def test_metrics_endpoint_parses(stack):
 def test_json_log_lines_carry_job_and_attempt():
     import logging
 
-    from mlxq.producer.gateway.app import jlog
+    from mlxq.producer.gateway.jobs import jlog
     from mlxq.shared.logs import JsonFormatter
 
     records = []
@@ -346,7 +346,8 @@ def test_a_failed_sample_ends_the_stream_and_cancels_the_samples_still_running()
     import asyncio
     from types import SimpleNamespace
 
-    from mlxq.producer.gateway.app import Gateway, _Meta
+    from mlxq.producer.gateway import Gateway
+    from mlxq.producer.gateway.chat_completions import ChatCompletions, _Meta
     from mlxq.shared.schemas import Delta
     from mlxq.shared.settings import Settings
 
@@ -375,7 +376,7 @@ def test_a_failed_sample_ends_the_stream_and_cancels_the_samples_still_running()
             finally:
                 job.closed = True  # as AsyncJob.stream's own finally: it unsubscribes the job's channel
 
-        events = [e async for e in gw._sse(job, meta, None, deltas())]
+        events = [e async for e in ChatCompletions(gw)._sse(job, meta, None, deltas())]
         # the job's stream is closed when the SSE ends, not when the generator is collected: left
         # open, its channel stayed subscribed for as long as the gateway ran
         assert job.closed
@@ -398,7 +399,8 @@ def test_a_stream_ends_at_done_without_waiting_for_the_result():
     the response off with an error after [DONE], which the openai client reads to the end."""
     import asyncio
 
-    from mlxq.producer.gateway.app import Gateway, _Meta
+    from mlxq.producer.gateway import Gateway
+    from mlxq.producer.gateway.chat_completions import ChatCompletions, _Meta
     from mlxq.shared.schemas import Delta
     from mlxq.shared.settings import Settings
 
@@ -416,7 +418,7 @@ def test_a_stream_ends_at_done_without_waiting_for_the_result():
         async def deltas():
             yield Delta(seq=1, text="hi", token_ids=[5], finish_reason="stop")
 
-        events = await asyncio.wait_for(_collect(gw._sse(Job(), meta, None, deltas())), 30)
+        events = await asyncio.wait_for(_collect(ChatCompletions(gw)._sse(Job(), meta, None, deltas())), 30)
         for task in list(gw._background):
             task.cancel()
         return events
@@ -434,7 +436,8 @@ def test_a_failed_sample_fails_a_request_without_stream_as_it_ends_a_stream():
     text cut short)."""
     import asyncio
 
-    from mlxq.producer.gateway.app import Gateway, _Meta
+    from mlxq.producer.gateway import Gateway
+    from mlxq.producer.gateway.chat_completions import ChatCompletions, _Meta
     from mlxq.shared.schemas import JobStats, Result, SampleOutput
     from mlxq.shared.settings import Settings
 
@@ -456,7 +459,7 @@ def test_a_failed_sample_fails_a_request_without_stream_as_it_ends_a_stream():
         gw = Gateway(settings=Settings(redis_url="redis://unused"))
         meta = _Meta(id="c1", model="m", created=0, chat=False, endpoint="/v1/completions", started=0.0,
                      include_usage=False, n=2)
-        return await gw._complete(Request(), Job(), meta, None)
+        return await ChatCompletions(gw)._complete(Request(), Job(), meta, None)
 
     response = asyncio.run(answer())
     assert response.status_code == 500
