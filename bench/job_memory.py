@@ -2,7 +2,7 @@
 record (complete.lua + _compact.lua), side by side in one run.
 
 The real worker runs each job (greedy, ``ignore_eos``, so every job has exactly its token count) on
-an embedded Valkey, twice: once as a finished job was kept before issue 66 (the bench swaps
+an embedded Valkey, twice: once as a finished job was kept before its record was slimmed (CHANGELOG, 2026-12) (the bench swaps
 ``_compact.lua`` for a stub that keeps every stream, completion keeps the fields it now drops, the
 result keeps its id and a list of token ids, the request every default), once as it is now.  The
 figures are ``MEMORY USAGE <key> SAMPLES 0`` summed over the finished job's keys (job hash, event
@@ -58,7 +58,7 @@ def usage(r, keys) -> int:
 
 
 def as_before(before: bool) -> None:
-    """A finished job kept as it was before issue 66 (``before``), or as it is now."""
+    """A finished job kept as it was before its record was slimmed (CHANGELOG, 2026-12) (``before``), or as it is now."""
     if not hasattr(protocol, "_lua_now"):
         protocol._lua_now = protocol._lua
         as_before.now = (Result.record, core.pack_request)
@@ -88,7 +88,7 @@ def as_before(before: bool) -> None:
 
 def run(loaded, token_counts: list[int], url: str, compact: bool) -> list[dict]:
     """Each job's figures, served by a worker that keeps a finished job as now (``compact``) or as
-    before issue 66."""
+    before its record was slimmed (CHANGELOG, 2026-12)."""
     as_before(not compact)
     r = redis.Redis.from_url(url)
     r.flushall()
