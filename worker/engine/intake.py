@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional
 
 from . import forks
 from .api import SeqSpec
-from .constrain import GrammarError, RowGrammar
+from .logit_shaping import GrammarError, RowGrammar
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .kv_cache import BatchRow, BatchView, KVPool, make_layer_caches
-from .constrain import GrammarBook, Shaped, shape
+from .logit_shaping import GrammarBook, Shaped, shape
 from .sampler import REPETITION_CONTEXT, SampleRow, sample
 from .sequence import PrefillPlan
 from .sequence import Sampled, Sequence

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .api import SeqSpec
-from .constrain import RowGrammar, RowShape
+from .logit_shaping import RowGrammar, RowShape
 
 
 class SequenceStatus(enum.Enum):
