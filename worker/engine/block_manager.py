@@ -169,6 +169,14 @@ class BlockManager:
         self._by_hash.setdefault(h, block_id)
         return h
 
+    def commit_full(self, table: Sequence[int], hashes: list[bytes], tokens: Sequence[int], num_tokens: int) -> None:
+        """Commit each full block of ``table`` within its first ``num_tokens`` tokens that ``hashes``
+        (the chain committed so far) does not cover yet, extending ``hashes``."""
+        bs = self.block_size
+        while len(hashes) < num_tokens // bs:
+            i = len(hashes)
+            hashes.append(self.commit(table[i], hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+
     # --------------------------------------------------------------- internal
     def _ref(self, bid: int) -> None:
         b = self.blocks[bid]

@@ -31,7 +31,7 @@ from ...shared.engine_config import DEFAULT_KV_MEMORY_MB, EngineConfig
 from ...shared.settings import Settings
 
 from .api import Preempted, SeqSpec, TokenEvent
-from . import hugepages
+from . import hugepages, intake
 from .attention import use_attention
 from .block_manager import BlockManager
 from .logit_shaping import GrammarBook, GrammarError, RowGrammar
@@ -154,13 +154,13 @@ class PagedEngine:
         return self.scheduler.has_work()
 
     def free_slots(self) -> int:
-        return self.scheduler.free_slots()
+        return intake.free_slots(self.scheduler)
 
     def urgent_below(self) -> float:
-        return self.scheduler.urgent_below()
+        return intake.urgent_below(self.scheduler)
 
     def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
-        return self.scheduler.can_admit(prompt_len, max_tokens)
+        return intake.can_admit(self.scheduler, prompt_len, max_tokens)
 
     def stats(self) -> dict:
         sched, c, k = self.scheduler, self.bm.counts(), self.scheduler.counters
