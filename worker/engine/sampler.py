@@ -12,7 +12,7 @@ and a preempted job resumes its stream at step ``n``.
 Inverse CDF, not Gumbel-max: it needs one uniform per row instead of a random
 vocabulary's worth, and no logarithms; the CPU extension's ``categorical`` op
 does it with an 8-lane exp (the x86-64 mlx wheel's exp and log run one float at
-a time: Gumbel noise and the logsumexp before it cost ~0.2 ms per row and step).
+a time).
 Where the extension is not loaded (a Metal GPU, a failed build) the same draw is
 made with MLX ops (softmax, cumsum); both give the same token but where the
 draw falls within rounding of a boundary between two tokens.

@@ -231,7 +231,7 @@ class Scheduler:
             return False
         victim = self.victim()
         # ranked strictly after it too: with priority_gap 0, two sequences of one priority (the n
-        # samples of a job, two jobs of one score) preempted each other at every step, for ever
+        # samples of a job, two jobs of one score) would preempt each other at every step, for ever
         if victim.spec.priority - waiting.spec.priority < self.config.priority_gap or victim.rank() <= waiting.rank():
             return False
         self._preempt(victim)
