@@ -134,3 +134,15 @@ def test_deallocate_unreferenced_raises():
     bm.deallocate([b])
     with pytest.raises(ValueError):
         bm.deallocate([b])
+
+
+def test_commit_full_extends_the_chain_over_full_known_blocks_only():
+    bm = BlockManager(8, block_size=BS, model_id="m")
+    toks = list(range(1, 12))  # 2 full blocks + 3 tokens
+    table = bm.allocate(3)
+    hashes = [bm.commit(table[0], None, toks[:BS])]  # the first block committed already
+    bm.commit_full(table, hashes, toks, 7)  # 7 tokens known: still one full block
+    assert len(hashes) == 1
+    bm.commit_full(table, hashes, toks, len(toks))
+    assert hashes == chain_hashes(toks, "m", BS)
+    assert bm.lookup(toks, len(toks)).block_ids == table[:2]
