@@ -19,7 +19,7 @@ from ..shared.grammars import grammar_for
 from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, SampleOutput, ToolCall, wire_deltas
 from ..shared.tools import check_tools, uses_tools
 from .engine.api import SeqSpec
-from .sampling import make_sampler, repetition_penalty, resolve_seed
+from .engine.sampler import make_sampler, repetition_penalty, resolve_seed
 from .textstream import ChatStream, TextStream, chat_format, decode_fn, vocab_size
 from .toolprompt import call_parser, own_tool_messages, serving_format, traits
 

@@ -5,7 +5,9 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mlxq.worker.engine.block_manager import BlockManager, chain_hashes
+from mlxq.worker.engine.block_manager import BlockManager
+
+from enginekit import chain_hashes, evict_cached
 
 BS = 4  # small blocks keep the random sequences short
 
@@ -81,7 +83,7 @@ def test_random_operations_keep_invariants(ops, num_blocks):
             bm.deallocate(owners.pop(sid))
         elif name == "evict":
             before = bm.counts().cached
-            n = bm.evict_cached(rng.randrange(3))
+            n = evict_cached(bm, rng.randrange(3))
             assert bm.counts().cached == before - n
         elif name == "pin" and owners:
             sid = rng.choice(list(owners))
@@ -132,3 +134,15 @@ def test_deallocate_unreferenced_raises():
     bm.deallocate([b])
     with pytest.raises(ValueError):
         bm.deallocate([b])
+
+
+def test_commit_full_extends_the_chain_over_full_known_blocks_only():
+    bm = BlockManager(8, block_size=BS, model_id="m")
+    toks = list(range(1, 12))  # 2 full blocks + 3 tokens
+    table = bm.allocate(3)
+    hashes = [bm.commit(table[0], None, toks[:BS])]  # the first block committed already
+    bm.commit_full(table, hashes, toks, 7)  # 7 tokens known: still one full block
+    assert len(hashes) == 1
+    bm.commit_full(table, hashes, toks, len(toks))
+    assert hashes == chain_hashes(toks, "m", BS)
+    assert bm.lookup(toks, len(toks)).block_ids == table[:2]

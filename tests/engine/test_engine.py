@@ -12,7 +12,7 @@ from mlx_lm.models import qwen3
 from mlxq.shared.schemas import SamplingParams
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.api import SeqSpec
-from mlxq.worker.sampling import make_sampler
+from mlxq.worker.engine.sampler import make_sampler
 from refkit import reference_processors
 from enginekit import _gemma3, drive, tiny_llama
 

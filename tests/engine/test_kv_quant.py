@@ -16,7 +16,7 @@ from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine.kernels import model_ops
 from mlxq.worker.engine.kv_cache import KVPool, KVQuant, probe_kv_shape
 
-from enginekit import random_llama, run
+from enginekit import random_llama, run, warm_count
 
 BS = 32
 GROUP = 32
@@ -262,7 +262,7 @@ def test_session_spill_and_restore_with_quantized_blocks(ext, model, tmp_path):
     eng = _engine(model, 4, num_blocks=32, session_dir=str(tmp_path), model_id="m")
     out, _, _ = run(eng, [SeqSpec("t1", turn1, 20, session_id="chat")])
     eng.close()  # spills the session's blocks (packed values, scales, biases)
-    assert eng.sessions.warm_count() == 1
+    assert warm_count(eng.sessions.session_dir) == 1
     turn2 = turn1 + out["t1"] + [1, 2, 3]
     eng2 = _engine(model, 4, num_blocks=32, session_dir=str(tmp_path), model_id="m")
     out2, _, _ = run(eng2, [SeqSpec("t2", turn2, 6, session_id="chat")])

@@ -12,7 +12,7 @@ from mlx_lm.models import qwen3
 from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine import PagedEngine
 
-from enginekit import SMALL_CHUNKS, _assert_no_leak, _gemma3, _llama, _prompts, dense, random_llama, run
+from enginekit import SMALL_CHUNKS, _assert_no_leak, _gemma3, _llama, _prompts, dense, random_llama, run, warm_count
 
 
 def _qwen3():
@@ -202,7 +202,7 @@ def test_session_hot_then_warm_across_restart(model, tmp_path):
     assert eng.stats()["prefix_hit_tokens"] == 96
     assert out2["t2"] == dense(model, turn2, 5)
     eng.close()
-    assert eng.stats()["blocks_used"] == 0 and eng.sessions.warm_count() == 1
+    assert eng.stats()["blocks_used"] == 0 and warm_count(eng.sessions.session_dir) == 1
     _assert_no_leak(eng)
 
     # a fresh engine (restart) restores the warm session from disk
@@ -222,7 +222,7 @@ def test_session_file_of_another_shape_is_ignored_not_fatal(model, tmp_path):
                         session_dir=str(tmp_path), model_id="tiny")
     out, _, _ = run(other, [SeqSpec("t1", turn1, 20, session_id="chat")])
     other.close()
-    assert other.sessions.warm_count() == 1
+    assert warm_count(other.sessions.session_dir) == 1
     turn2 = turn1 + out["t1"] + [1, 2, 3]
     eng = PagedEngine(model, num_blocks=32, session_dir=str(tmp_path), model_id="tiny")
     out2, _, _ = run(eng, [SeqSpec("t2", turn2, 5, session_id="chat")])
@@ -274,7 +274,7 @@ def test_sessions_spill_under_pressure(model, tmp_path):
         run(eng, [SeqSpec(f"c{i}", _prompts(20 + i, 1, 70, 70)[0], 2, session_id=f"c{i}")])
     # a big job forces the hot sessions out to disk instead of waiting forever
     out, _, _ = run(eng, [SeqSpec("big", _prompts(30, 1, 250, 250)[0], 2)])
-    assert eng.stats()["session_spills"] >= 1 and eng.sessions.warm_count() >= 1
+    assert eng.stats()["session_spills"] >= 1 and warm_count(eng.sessions.session_dir) >= 1
     _assert_no_leak(eng)
 
 

@@ -181,7 +181,7 @@ def test_an_urgent_job_preempts_the_newest_least_urgent_one_with_every_token_it_
     for _ in range(4):
         for e in h.step()[0]:
             emitted.setdefault(e.uid, []).append(e.token)
-    assert h.scheduler.urgent_below() == 4.0
+    assert h.urgent_below() == 4.0
     h.scheduler.add([SeqSpec("urgent", [9] * 6, 3, priority=0.0, stop_token_ids=())])
     events, preempted = h.step()
     for e in events:
@@ -222,7 +222,7 @@ def test_a_context_larger_than_the_pool_ends_at_once_and_blocks_nobody():
     refuses such a job through can_admit; the engine's own callers did not): waiting, it was never
     admitted and the sequences behind it waited for ever."""
     h = Harness(num_blocks=6, decode_reserve_blocks=1)
-    assert not h.scheduler.can_admit(25, 1)
+    assert not h.can_admit(25, 1)
     h.scheduler.add([SeqSpec("big", [1] * 25, 2, stop_token_ids=()), SeqSpec("small", [2] * 3, 2, stop_token_ids=())])
     events, _ = h.step()
     big = [e for e in events if e.uid == "big"]

@@ -6,10 +6,11 @@ job does (``jobs.ActiveJob.spec``): everything it generated becomes its resume
 tokens and ``max_tokens`` is what is left.  Redis's part (the requeue) is the list
 this loop keeps.
 
-Also the random-weight models, the mlx-lm reference (``dense``) and the block-leak check that
-the engine test files share.
+Also the random-weight models, the mlx-lm reference (``dense``), the block-leak check and the
+block-manager and session-file probes that the engine test files share.
 """
 
+import os
 import random
 from dataclasses import replace
 
@@ -137,3 +138,33 @@ def drive(engine, arrivals, max_steps=2000):
             out.setdefault(e.uid, []).append(e.token)
         step += 1
     return out
+
+
+def chain_hashes(tokens, model_id: str, block_size: int) -> list[bytes]:
+    """The chained hashes of every full block of ``tokens`` (what a prefix-cache lookup yields)."""
+    from mlxq.worker.engine.block_manager import block_hash
+
+    out: list[bytes] = []
+    parent = None
+    for i in range(len(tokens) // block_size):
+        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size], model_id)
+        out.append(parent)
+    return out
+
+
+def evict_cached(bm, max_blocks: int) -> int:
+    """Forget the hashes of up to ``max_blocks`` unreferenced cached blocks, oldest first, as an
+    allocation that reuses them would; how many."""
+    n = 0
+    for bid in list(bm._lru):
+        if n >= max_blocks:
+            break
+        if bm.blocks[bid].hash is not None:
+            bm._forget(bm.blocks[bid])
+            n += 1
+    return n
+
+
+def warm_count(session_dir: str) -> int:
+    """Session files written (whole: no temporary) in ``session_dir``."""
+    return sum(1 for f in os.listdir(session_dir) if f.endswith(".safetensors") and ".tmp." not in f)

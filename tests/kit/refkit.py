@@ -15,7 +15,7 @@ import pytest
 
 from faultkit import reference_tokens
 from mlxq.shared.schemas import SamplingParams
-from mlxq.worker.sampling import repetition_penalty
+from mlxq.worker.engine.sampler import repetition_penalty
 
 
 def reference_processors(params: SamplingParams) -> list:

@@ -58,9 +58,8 @@ def test_a_tiny_temperature_samples_greedily():
     overflowed float32 to inf, so the probabilities were NaN and the tokens garbage."""
     from mlxq.shared.schemas import GREEDY_BELOW, SamplingParams
     from mlxq.worker.engine import PagedEngine
-    from mlxq.worker.engine.sampler import RowSampler
     from mlxq.worker.engine.api import SeqSpec
-    from mlxq.worker.sampling import make_sampler
+    from mlxq.worker.engine.sampler import RowSampler, make_sampler
     from enginekit import drive, tiny_llama
 
     model = tiny_llama()

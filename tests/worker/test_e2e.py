@@ -176,7 +176,7 @@ def _sampled_ref(loaded, prompt_ids, n, **params):
     from mlx_lm.generate import generate_step
 
     from mlxq.shared.schemas import SamplingParams
-    from mlxq.worker.sampling import make_sampler
+    from mlxq.worker.engine.sampler import make_sampler
     from refkit import reference_processors
 
     p = SamplingParams(max_tokens=n, ignore_eos=True, **params)

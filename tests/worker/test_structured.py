@@ -27,7 +27,7 @@ from mlxq.shared.keys import ModelKeys
 from mlxq.shared.protocol import Queue
 from mlxq.shared.schemas import GenerateRequest
 from mlxq.worker.engine import PagedEngine
-from mlxq.worker.engine.constrain import RowGrammar
+from mlxq.worker.engine.logit_shaping import RowGrammar
 from mlxq.worker.engine.api import SeqSpec
 from workerkit import fast_settings, running_worker
 from faultkit import WorkerProc, reference_tokens, wait_registered
@@ -422,7 +422,7 @@ def test_constrained_job_resumes_exactly_after_a_worker_crash(served, tiny_model
 # ================================================================ reasoning: the constraint after the thinking
 def test_constraint_applies_after_the_reasoning_block(tiny_model):
     from mlxq.shared.constraints import ModelFormat, after_thinking
-    from mlxq.worker.engine.constrain import GrammarBook
+    from mlxq.worker.engine.logit_shaping import GrammarBook
 
     hf = tiny_model.tokenizer._tokenizer
     # two of the tiny model's special tokens stand in for a reasoning model's <think> and </think>
@@ -467,7 +467,7 @@ def test_seeds_and_the_prefix_cache_keep_working_for_constrained_jobs(served):
 def test_strict_schema_closes_its_objects(tiny_model):
     """``strict: true`` (what a pydantic class is sent as) means no keys the schema does not list,
     as in OpenAI's strict mode; without it a JSON Schema allows them."""
-    from mlxq.worker.engine.constrain import GrammarBook
+    from mlxq.worker.engine.logit_shaping import GrammarBook
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"},
                                                "b": {"type": "object", "properties": {"c": {"type": "integer"}}}}}

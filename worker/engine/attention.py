@@ -7,39 +7,18 @@ The op (one interface, three implementations)::
                     scale, window=None, *, k_scales=None, k_biases=None, v_scales=None,
                     v_biases=None, bits=0, group_size=0) -> (B, Hq, N, Dv)
 
-Quantized pools (``bits`` 4 or 8): k_pool/v_pool hold ``mx.quantize``'s packed uint32
-rows (Hkv, S, D * bits / 32) and the scales/biases (Hkv, S, D / group_size) their
-affine groups; every implementation dequantizes the blocks it reads.
+S = num_blocks * 32. Query i of row b sits at position q_offsets[b] + i and attends the keys
+j <= q_offsets[b] + i, j < kv_lens[b] and, given a window, j > pos - window; key j of row b is
+pool row block_tables[b][j // 32] * 32 + j % 32. Query head h reads KV head h // (Hq // Hkv).
+Queries that see no key (padding) are don't-care. Quantized pools (``bits`` 4 or 8) hold
+``mx.quantize``'s packed uint32 rows with their scales/biases; every implementation dequantizes
+what it reads.
 
-S = num_blocks * 32. Query i of row b sits at position q_offsets[b] + i and attends the
-keys j with j <= q_offsets[b] + i, j < kv_lens[b] and, given a window, j > pos - window;
-key j of row b is pool row block_tables[b][j // 32] * 32 + j % 32. Query head h reads
-KV head h // (Hq // Hkv): GQA without repeating KV heads. Queries that see no key
-(padding) are don't-care: the fused kernels return zeros there.
-
-* ``gather_attention``: plain MLX ops (gather the blocks, masked softmax). The
-  reference every test compares against, and what runs where nothing fused does.
-* the CPU extension (``csrc/``, an MLX primitive in C++, built on first use by
-  :mod:`.extbuild`): multi-threaded, vectorized, online softmax, each K/V byte read
-  once per (row, KV head).
-* ``metal_paged_attention``: a kernel for Apple GPUs through ``mx.fast.metal_kernel``.
-  It has never run: no machine here has a Metal GPU. It is never the default; only
-  ``--attention fused`` on a GPU device selects it.
-
-How the model reaches it: the model files stay stock mlx-lm, and their attention layers call
-``scaled_dot_product_attention``, a name each model module imported from ``mlx_lm.models.base``.
-:func:`use_attention` replaces that name, in the loaded model's modules only, by
-:func:`_dispatch`, which diverts one case: the cache is a ``PagedLayerCache`` whose pool has a
-fused op (its ``update_and_fetch`` wrote the new keys and skipped the gather).  Anything else
-(other caches, attention sinks, a mask the paged view did not make) goes to mlx-lm's own
-function, with gathered keys for paged caches.  Not the cache alone, because the model itself calls SDPA on what
-the cache returns, so only a dispatch can change what attention computes; a probe forward pass
-checks that every layer goes through it before the engine relies on it (models with their own
-attention code keep the gather path).
-
-With the CPU extension the engine also takes more of its ops (``use_attention``):
-``paged_kv_write`` (the pool's new keys/values written in place, see ``kv_cache.py``), and the
-model ops of :mod:`.model_ops` (swiglu, RoPE), bit-identical to MLX's own.
+``gather_attention`` (plain MLX ops) is the reference and the fallback; the CPU extension
+(``csrc/``, built on first use by :mod:`.extbuild`) is the fused op; ``metal_paged_attention``
+has never run (no Metal GPU here): only ``--attention fused`` on a GPU selects it.  The stock
+model files reach it through :func:`use_attention`; how, and what it saves:
+docs/design/attention.md.
 """
 
 from __future__ import annotations
@@ -377,7 +356,9 @@ def _dispatch(queries, keys, values, cache, scale, mask, sinks=None):
 
 
 def install_dispatch(model) -> list[str]:
-    """Point the loaded model's modules at _dispatch; returns their names."""
+    """Point the loaded model's modules at _dispatch; returns their names.  A dispatch, not the
+    cache alone: the model calls SDPA itself on what its cache returns, so only the SDPA name it
+    calls can change what attention computes (``routes_all_layers`` checks every layer uses it)."""
     return model_ops.replace_module_global(
         model, "scaled_dot_product_attention", mlx_base.scaled_dot_product_attention, _dispatch)
 

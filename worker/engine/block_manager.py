@@ -35,16 +35,6 @@ def block_hash(parent: Optional[bytes], tokens: Sequence[int], model_id: str) ->
     return h.digest()
 
 
-def chain_hashes(tokens: Sequence[int], model_id: str, block_size: int = BLOCK_SIZE) -> list[bytes]:
-    """Hashes of every full block of ``tokens``."""
-    out: list[bytes] = []
-    parent = None
-    for i in range(len(tokens) // block_size):
-        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size], model_id)
-        out.append(parent)
-    return out
-
-
 @dataclass
 class Block:
     block_id: int
@@ -179,16 +169,13 @@ class BlockManager:
         self._by_hash.setdefault(h, block_id)
         return h
 
-    def evict_cached(self, max_blocks: Optional[int] = None) -> int:
-        """Forget the hashes of up to ``max_blocks`` unreferenced cached blocks (LRU)."""
-        n = 0
-        for bid in self._lru:
-            if max_blocks is not None and n >= max_blocks:
-                break
-            if self.blocks[bid].hash is not None:
-                self._forget(self.blocks[bid])
-                n += 1
-        return n
+    def commit_full(self, table: Sequence[int], hashes: list[bytes], tokens: Sequence[int], num_tokens: int) -> None:
+        """Commit each full block of ``table`` within its first ``num_tokens`` tokens that ``hashes``
+        (the chain committed so far) does not cover yet, extending ``hashes``."""
+        bs = self.block_size
+        while len(hashes) < num_tokens // bs:
+            i = len(hashes)
+            hashes.append(self.commit(table[i], hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
 
     # --------------------------------------------------------------- internal
     def _ref(self, bid: int) -> None:

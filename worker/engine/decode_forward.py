@@ -1,30 +1,19 @@
 """A decode step's forward pass built straight from the extension's ops: the same primitives as
-the stock model file, in the same order, with less host work and fewer graph nodes.
+the stock model file, in the same order, so the same logits, with less host work.
 
-Through mlx-lm's model file a decode step is a graph the main thread builds in Python (module
-calls, the op dispatch of :mod:`.kernels.model_ops`, the paged cache's protocol), and that thread
-shares the machine's cores with the MLX stream and the extension's pool, so its time comes off
-theirs.  At one token per row a (B, 1, H * D) projection is already (B, H, 1, D) in memory, so a
-reshape does what the model file's transposes do.
+Through the model file a decode step is a graph the main thread builds in Python (module calls,
+the op dispatch of :mod:`.kernels.model_ops`, the paged cache's protocol) on cores the MLX
+stream and the extension's pool need.  At one token per row a (B, 1, H * D) projection already
+lies as (B, H, 1, D), so a reshape does what the model file's transposes do.
+:meth:`DecodeForward.build` says when it applies: a stock llama or qwen2 model without
+sliding-window layers, the extension's attention with all four model ops installed, every row
+feeding one token; anything else keeps the model file.
 
-:class:`DecodeForward` runs one case, and :meth:`DecodeForward.build` says when it applies:
-
-* a stock mlx-lm llama or qwen2 model with no sliding-window layers;
-* the CPU extension's attention, and all four of its model ops installed (swiglu, rope,
-  rms_norm, and linear with its sibling groups);
-* every row feeds one token (prefill chunks and ragged passes keep the model file).
-
-Every primitive gets the same inputs as through the model file, so the logits are the same
-bits (``tests/engine/test_decode_forward.py`` compares them, on float and quantized pools).
-
-**Fused layer halves.** Each op is a node MLX dispatches on its CPU stream, with an output
-buffer of its own, and the pool's second thread waits out every such gap.  Two of the
-extension's primitives run a decoder layer's ops back to back inside one task instead:
-``attn_in`` (rms_norm, q/k/v, RoPE of q and k) and ``mlp_block`` (o_proj and the residual,
-rms_norm, gate/up, swiglu, down and the residual).  They call the same C++ tasks as the separate
-ops on the same inputs in the same order, and the adds are float adds as MLX's, so the bits do
-not change; :func:`fused_exact` checks each against its separate ops once a process and keeps
-those where one differs.  What each saves, measured: docs/design/attention.md.
+A layer is two fused primitives, ``attn_in`` (rms_norm, q/k/v, RoPE of q and k) and
+``mlp_block`` (o_proj and the residual, rms_norm, gate/up, swiglu, down and the residual): the
+separate ops' C++ tasks on the same inputs in the same order, so the bits do not change;
+:func:`fused_exact` checks each once a process and keeps the separate ops where one differs.
+What it saves, measured: docs/design/attention.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ prefill pass, then a decode launch)::
     runner.sample_deferred(...)                # rows with a grammar or penalties: sample n+1 now
 
 A row whose logits depend on its previous token as the host sees it (a grammar mask, a
-penalty: ``constrain.py``) makes the launch run its forward pass only; once token n is
+penalty: ``logit_shaping.py``) makes the launch run its forward pass only; once token n is
 read and the scheduler has fed it to the row's matcher, the masks are computed (llguidance's
 threads, GIL released) while that forward pass runs, and the batch is sampled with them.
 A batch without such rows keeps the one-graph launch.
@@ -31,10 +31,10 @@ from ...shared.engine_config import DEFAULT_KV_MEMORY_MB, EngineConfig
 from ...shared.settings import Settings
 
 from .api import Preempted, SeqSpec, TokenEvent
-from . import hugepages
+from . import hugepages, intake
 from .attention import use_attention
 from .block_manager import BlockManager
-from .constrain import GrammarBook, GrammarError, RowGrammar
+from .logit_shaping import GrammarBook, GrammarError, RowGrammar
 from .decode_forward import DecodeForward
 from .kv_cache import KVPool, make_kv_quant, probe_kv_shape
 from .model_runner import ModelRunner
@@ -154,13 +154,13 @@ class PagedEngine:
         return self.scheduler.has_work()
 
     def free_slots(self) -> int:
-        return self.scheduler.free_slots()
+        return intake.free_slots(self.scheduler)
 
     def urgent_below(self) -> float:
-        return self.scheduler.urgent_below()
+        return intake.urgent_below(self.scheduler)
 
     def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
-        return self.scheduler.can_admit(prompt_len, max_tokens)
+        return intake.can_admit(self.scheduler, prompt_len, max_tokens)
 
     def stats(self) -> dict:
         sched, c, k = self.scheduler, self.bm.counts(), self.scheduler.counters

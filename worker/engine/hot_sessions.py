@@ -13,7 +13,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, PrefixHit
 from .sequence import Sequence, StepCounters
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,14 @@ class HotSessions:
         while self.spill_one():
             pass
 
+    def prefix_hit(self, seq: Sequence) -> PrefixHit:
+        """The prefix-cache hit of a sequence's context (its last token left to compute), its
+        session's spilled blocks restored into the cache first (once per sequence)."""
+        if seq.spec.session_id and not seq.session_checked:
+            seq.session_checked = True
+            self.restore(seq)
+        return self.bm.lookup(seq.tokens, len(seq.tokens) - 1)
+
     def restore(self, seq: Sequence) -> None:
         """Load a warm session's blocks into the prefix cache when they help."""
         sid = seq.spec.session_id
@@ -86,11 +94,8 @@ class HotSessions:
         # Reference the blocks already in the pool (so allocating cannot evict
         # them), load the rest into fresh blocks and register their hashes.
         table = self.bm.allocate(need, hit)
-        new_ids = table[hit.num_blocks:]
-        self.files.restore(warm, new_ids, hit.num_blocks * bs, n_blocks * bs)
-        parent = hit.hashes[-1] if hit.hashes else None
-        for i, bid in enumerate(new_ids, start=hit.num_blocks):
-            parent = self.bm.commit(bid, parent, seq.tokens[i * bs:(i + 1) * bs])
+        self.files.restore(warm, table[hit.num_blocks:], hit.num_blocks * bs, n_blocks * bs)
+        self.bm.commit_full(table, list(hit.hashes), seq.tokens, n_blocks * bs)
         self.bm.deallocate(table)  # now cached; the lookup that follows takes them
         self.counters.session_restores += 1
         log.debug("session %s restored: %d of %d blocks from disk", sid, need, n_blocks)

@@ -1,11 +1,16 @@
-"""From a ``SeqSpec`` to a waiting ``Sequence``: what the engine refuses or trims before it queues one.
+"""What the engine takes in: how many jobs the worker may hand it, which queued job would preempt,
+whether a job fits at all, and a ``SeqSpec`` made a waiting ``Sequence``.
+
+The worker asks ``free_slots`` and ``urgent_below`` before it pulls from Redis and ``can_admit``
+before it prepares a job; the engine answers them here from its ``Scheduler`` (``sched``, whose
+policy starts once a sequence waits).
 
 A context that cannot fit the pool ends at once: waiting, it would never be admitted, and every
 sequence behind it would wait too.  One whose ``max_tokens`` would exhaust the pool mid-decode is
 capped where the pool ends (it finishes with "length").  Fork fields that cannot hold are dropped
 (``forks.checked``), and a constrained sequence's matcher starts at its resume point; a constraint
-that cannot start ends the job with "error".  The worker asks ``can_admit`` first and refuses such
-jobs itself; a caller of the engine meets these.
+that cannot start ends the job with "error".  The worker refuses with ``can_admit`` what would not
+fit; a caller of the engine meets these.
 """
 
 from __future__ import annotations
@@ -16,12 +21,52 @@ from typing import Callable, Iterator, Optional
 
 from . import forks
 from .api import SeqSpec
-from .constrain import GrammarError, RowGrammar
+from .logit_shaping import GrammarError, RowGrammar
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 StartGrammar = Callable[[str, list[int]], RowGrammar]
+
+
+def free_slots(sched) -> int:
+    """Keep pulling while up to ``max_waiting`` jobs wait in the engine for memory.
+
+    Jobs waiting inside the engine are admitted (in priority order) the moment blocks free up,
+    and a more urgent one preempts at once; beyond the bound the rest stay in Redis for other
+    workers.
+    """
+    cfg, bm = sched.config, sched.bm
+    n_seqs = len(sched.waiting) + len(sched.running)
+    if cfg.max_batch is not None:
+        return max(0, cfg.max_batch - n_seqs)
+    # samples waiting for their sibling's prefill do not wait for memory
+    n_waiting = sum(1 for s in sched.waiting if not sched.forks.held(s, sched.live))
+    if n_seqs >= cfg.max_sequences or n_waiting >= cfg.max_waiting:
+        return 0
+    headroom = int(cfg.pressure * bm.num_blocks) - bm.num_used
+    # At least one: a more urgent job may need to reach us to preempt.
+    # as many as fit now (about 4 blocks each), plus up to max_waiting that wait here
+    return max(1, min(cfg.max_sequences - n_seqs,
+                      max(0, headroom // 4) + cfg.max_waiting - n_waiting))
+
+
+def urgent_below(sched) -> float:
+    """A queued job with a priority below this would preempt a running sequence now (the
+    scheduler's rule: at least ``priority_gap`` below its victim); -inf when none would (nothing
+    runs, or a waiting job already would: it goes first)."""
+    if not sched.running:
+        return float("-inf")
+    threshold = sched.victim().spec.priority - sched.config.priority_gap
+    if any(w.spec.priority <= threshold for w in sched.waiting):
+        return float("-inf")
+    return threshold
+
+
+def can_admit(sched, prompt_len: int, max_tokens: int) -> bool:
+    """Whether a job of this size could ever fit the pool, beside the decode reserve."""
+    need = sched.bm.blocks_needed(prompt_len + max(1, max_tokens))
+    return need + sched.config.decode_reserve_blocks <= sched.bm.num_blocks
 
 
 def make_sequence(spec: SeqSpec, arrivals: Iterator[int], pool_tokens: int,

@@ -79,10 +79,7 @@ class KVQuant:
         map for those integers, the rounding the best integers for that map), so no group ends
         worse than ``mx.quantize`` leaves it; a group of one repeated integer keeps its map. Each
         group on its own, in fp32: a row's bits do not depend on the rows written with it.
-        ``bench/kv_quant.py`` (16 prompts x 1000 teacher-forced positions, group 64), the logits'
-        error against fp32 KV, against mlx-lm's ``QuantizedKVCache`` (``mx.quantize``'s blocks):
-        8 bits mean 0.00125 vs 0.00160, max 0.068 vs 0.113; 4 bits mean 0.0228 vs 0.0296, max
-        2.06 vs 2.36 (one refit and no second rounding: means 0.00153 and 0.0280).
+        What the refits buy, measured: docs/design/engine-notes.md.
 
         ``op``: the CPU extension's ``kv_quantize``, the same arithmetic as one primitive (bit for
         bit these MLX ops, checked when it loads: ``model_ops.check_kv_quantize``), where the ops
@@ -466,7 +463,7 @@ class PagedLayerCache:
         blocks = pool_arr.reshape(H, -1, bs, D)
         # Two broadcast index arrays make the gather write (B, H, nb, bs, D)
         # directly: contiguous, so attention reads it without a strided copy.
-        # (mx.take(axis=1) and a transposed view are both 2-10x slower on CPU.)
+        # (mx.take(axis=1) and a transposed view are both slower on CPU.)
         g = blocks[v.head_index(H), v.tables[:, None, :]]
         return g.reshape(B, H, v.num_table_blocks * bs, D)[:, :, : v.max_len, :]
 

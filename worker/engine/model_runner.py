@@ -22,7 +22,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .kv_cache import BatchRow, BatchView, KVPool, make_layer_caches
-from .constrain import GrammarBook, Shaped, shape
+from .logit_shaping import GrammarBook, Shaped, shape
 from .sampler import REPETITION_CONTEXT, SampleRow, sample
 from .sequence import PrefillPlan
 from .sequence import Sampled, Sequence
@@ -128,7 +128,7 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Make the (source, destination) block copies, in place: the decode in flight is computed
         first (not read), since a pool array a pending pass still reads cannot be written in place
-        and MLX would copy the whole array (~0.4 s for the bench model's default pool, ~4 ms so)."""
+        and MLX would copy the whole array (docs/design/engine-notes.md)."""
         fl = self._inflight
         if fl is not None:
             mx.eval([x for x in (fl.toks, fl.logits, *fl.logprobs) if x is not None])

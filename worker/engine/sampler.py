@@ -1,4 +1,5 @@
-"""Sampling a batch: one argmax for greedy rows, per-request samplers for the others.
+"""Sampling: a job's sampler from its params, and a batch sampled with one argmax for greedy rows
+and per-request samplers for the others.
 
 ``sample`` turns a pass's logits (B, vocab) into tokens; rows that share a
 sampling configuration are sampled in one call.  A sampled (temperature > 0)
@@ -11,7 +12,7 @@ and a preempted job resumes its stream at step ``n``.
 Inverse CDF, not Gumbel-max: it needs one uniform per row instead of a random
 vocabulary's worth, and no logarithms; the CPU extension's ``categorical`` op
 does it with an 8-lane exp (the x86-64 mlx wheel's exp and log run one float at
-a time: Gumbel noise and the logsumexp before it cost ~0.2 ms per row and step).
+a time).
 Where the extension is not loaded (a Metal GPU, a failed build) the same draw is
 made with MLX ops (softmax, cumsum); both give the same token but where the
 draw falls within rounding of a boundary between two tokens.
@@ -19,6 +20,7 @@ draw falls within rounding of a boundary between two tokens.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -123,6 +125,25 @@ class RowSampler:
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         return sample_rows(logprobs, [self])
+
+
+def resolve_seed(params: SamplingParams) -> int:
+    """The seed a job samples with: its own, or a fresh one recorded in its stats."""
+    return params.seed if params.seed is not None else secrets.randbits(63)
+
+
+def make_sampler(params: SamplingParams, seed: int, start_step: int = 0, sample: int = 0) -> Optional[RowSampler]:
+    """None for greedy jobs (they share one batched argmax); ``sample``: the job's sample index."""
+    if params.greedy:
+        return None
+    return RowSampler(params, seed, start_step, sample=sample)
+
+
+def repetition_penalty(params: SamplingParams) -> Optional[float]:
+    """The job's repetition penalty (None: off); ``sample`` applies it to all such rows at once."""
+    if params.repetition_penalty is None or params.repetition_penalty == 1.0:
+        return None
+    return params.repetition_penalty
 
 
 def sample_rows(logprobs: mx.array, samplers: list[RowSampler]) -> mx.array:

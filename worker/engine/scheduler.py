@@ -9,13 +9,13 @@ asks for two plans and hands back what the model runner sampled:
    chunks of one ragged prefill pass (a token budget, chunk size by cache position);
 2. ``schedule_decode()`` gives every other decoding sequence a slot for its new token,
    preempting the least urgent, newest sequence when the pool is full;
-3. ``postprocess_*()`` appends the sampled tokens, commits full blocks to the prefix cache and
-   finishes sequences (stop id or length).
+3. ``postprocess_*()`` appends the sampled tokens (``Sequence.append_token``: stop id or length),
+   commits full blocks to the prefix cache and finishes sequences.
 
-What is not policy lives beside it: ``intake`` (a spec becomes a sequence), ``forks`` (the n
-samples of a job share one prefill), ``hot_sessions`` (a finished turn's blocks kept for the
-next).  ``settle()``, wired in by the engine, reads the decode still in flight (before a
-preemption, so a preempted job carries every token it generated).
+What is not policy lives beside it: ``intake`` (what the worker may hand over, and a spec made a
+sequence), ``forks`` (the n samples of a job share one prefill), ``hot_sessions`` (a finished
+turn's blocks kept for the next).  ``settle()``, wired in by the engine, reads the decode still
+in flight (before a preemption, so a preempted job carries every token it generated).
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ class Scheduler:
         self.hot_sessions = HotSessions(bm, session_files, self.counters)
         self.waiting: list[Sequence] = []
         self.running: dict[str, Sequence] = {}
-        self._live: dict[str, Sequence] = {}  # every waiting or running sequence by uid
+        self.live: dict[str, Sequence] = {}  # every waiting or running sequence by uid
         self._arrivals = itertools.count()
         self._events: list[TokenEvent] = []
         self._preempted: list[Preempted] = []
 
-    # ================================================================ the engine API's policy
+    # ================================================================ the engine API
     def add(self, specs: list[SeqSpec]) -> None:
         pool_tokens = (self.bm.num_blocks - self.config.decode_reserve_blocks) * self.block_size
         for spec in specs:
@@ -65,17 +65,16 @@ class Scheduler:
                 self._events.append(TokenEvent(spec.uid, None, "error", error=why))
                 continue
             self.waiting.append(seq)
-            self._register(seq)
+            self.live[seq.uid] = seq
+            self.forks.join(seq)
         self.waiting.sort(key=Sequence.rank)
 
     def remove(self, uids: list[str]) -> None:
         """Drop these sequences; a job id also drops its samples (``job_id#i``)."""
-        gone = set(uids)
-        for uid in uids:
-            gone.update(self.forks.samples_of(uid))
+        gone = set(uids).union(*(self.forks.samples_of(uid) for uid in uids))
         self.waiting = [s for s in self.waiting if s.uid not in gone]
         for uid in gone:
-            seq = self._live.get(uid)
+            seq = self.live.get(uid)
             if seq is not None:
                 self._unregister(seq)
             seq = self.running.pop(uid, None)
@@ -86,43 +85,6 @@ class Scheduler:
         # a launched decode matters only for sequences still running; events not taken yet (a
         # sequence refused at add) go out with the next step
         return bool(self.waiting or self.running or self._events)
-
-    def free_slots(self) -> int:
-        """Keep pulling while up to ``max_waiting`` jobs wait here for memory.
-
-        Jobs waiting inside the engine are admitted (in priority order) the
-        moment blocks free up, and a more urgent one preempts at once; beyond
-        the bound the rest stay in Redis for other workers.
-        """
-        cfg = self.config
-        n_seqs = len(self.waiting) + len(self.running)
-        if cfg.max_batch is not None:
-            return max(0, cfg.max_batch - n_seqs)
-        # samples waiting for their sibling's prefill do not wait for memory
-        n_waiting = sum(1 for s in self.waiting if not self.forks.held(s, self._live))
-        if n_seqs >= cfg.max_sequences or n_waiting >= cfg.max_waiting:
-            return 0
-        headroom = int(cfg.pressure * self.bm.num_blocks) - self.bm.num_used
-        # At least one: a more urgent job may need to reach us to preempt.
-        # as many as fit now (about 4 blocks each), plus up to max_waiting that wait here
-        return max(1, min(cfg.max_sequences - n_seqs,
-                          max(0, headroom // 4) + cfg.max_waiting - n_waiting))
-
-    def urgent_below(self) -> float:
-        """A queued job with a priority below this would preempt someone here now.
-
-        -inf when none would (nothing running, or a waiting job already outranks it).
-        """
-        if not self.running:
-            return float("-inf")
-        threshold = self._victim().spec.priority - self.config.priority_gap
-        if any(w.spec.priority <= threshold for w in self.waiting):
-            return float("-inf")  # one already waits to preempt: it goes first
-        return threshold
-
-    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
-        need = self.bm.blocks_needed(prompt_len + max(1, max_tokens))
-        return need + self.config.decode_reserve_blocks <= self.bm.num_blocks
 
     def take_output(self) -> tuple[list[TokenEvent], list[Preempted]]:
         """This step's token events and preempted sequences (and start afresh)."""
@@ -154,13 +116,12 @@ class Scheduler:
             self._commit_full_blocks(seq)
         firsts = {id(w) for w, _ in plan.firsts}
         for s in sampled:
-            if id(s.seq) in firsts:
-                # a waiting fork's first token, drawn from its sibling's logits: it admits next step
-                # sharing the whole prompt and decodes from that token (or it ended there)
-                if self._live.get(s.seq.uid) is not s.seq:
-                    continue  # removed meanwhile
-            else:
+            # a waiting fork's first token, drawn from its sibling's logits: it admits next step
+            # sharing the whole prompt and decodes from that token (or it ended there)
+            if id(s.seq) not in firsts:
                 s.seq.status = SequenceStatus.DECODE
+            elif self.live.get(s.seq.uid) is not s.seq:
+                continue  # removed meanwhile
             if s.error is not None:
                 self.fail(s.seq, s.error)
             else:
@@ -169,11 +130,8 @@ class Scheduler:
     # ================================================================ decode
     def schedule_decode(self, skip: Seq[Sequence] = ()) -> list[Sequence]:
         """The decode rows of this step (``skip``: just prefilled), each with a slot for its token.
-
-        When the pool has fewer free blocks than the rows need, the pending
-        tokens are read first (finished rows free theirs), then sessions are
-        spilled or sequences preempted row by row.
-        """
+        Short of blocks, the pending tokens are read first (finished rows free theirs), then
+        sessions are spilled or sequences preempted row by row."""
         rows = self._decode_rows(skip)
         if sum(1 for s in rows if self._needs_block(s)) <= self.bm.num_unreferenced:
             for seq in rows:
@@ -206,7 +164,7 @@ class Scheduler:
     def fail(self, seq: Sequence, error: str) -> None:
         """End a sequence still in the engine (running, or a waiting fork given its first token) with
         "error" (its constraint dead-ended), no token emitted."""
-        if self._live.get(seq.uid) is not seq:
+        if self.live.get(seq.uid) is not seq:
             return
         log.warning("%s: %s", seq.uid, error)
         self._events.append(TokenEvent(seq.uid, None, "error", cached_tokens=seq.prefix_hit, error=error))
@@ -220,7 +178,7 @@ class Scheduler:
         cfg = self.config
         while True:
             # most urgent first; a sample waiting for its sibling's prefill lets the next one by
-            seq = next((s for s in self.waiting if not self.forks.held(s, self._live)), None)
+            seq = next((s for s in self.waiting if not self.forks.held(s, self.live)), None)
             if seq is None:
                 return
             if cfg.max_batch is not None and len(self.running) >= cfg.max_batch:
@@ -237,16 +195,15 @@ class Scheduler:
                 return
 
     def _try_allocate(self, seq: Sequence) -> bool:
+        """Give ``seq`` its blocks if the pool stays under the pressure threshold, reusing what it
+        can: its sibling's (a forked sample), else prefix-cache hits (its session restored first)."""
         bm, cfg = self.bm, self.config
         n = len(seq.tokens)
         sibling = self.forks.source(seq, self.running)
         if sibling is not None:
             hit, computed = self.forks.hit(seq, sibling)
         else:
-            if seq.spec.session_id and cfg.prefix_cache and not seq.session_checked:
-                seq.session_checked = True
-                self.hot_sessions.restore(seq)
-            hit = bm.lookup(seq.tokens, n - 1) if cfg.prefix_cache else PrefixHit()
+            hit = self.hot_sessions.prefix_hit(seq) if cfg.prefix_cache else PrefixHit()
             computed = hit.num_blocks * self.block_size
         new_blocks = bm.blocks_needed(n) - hit.num_blocks
         revived = sum(1 for b in hit.block_ids if bm.blocks[b].ref_count == 0)
@@ -254,10 +211,7 @@ class Scheduler:
         limit = bm.num_blocks if not self.running else cfg.pressure * bm.num_blocks
         if used_after > limit or not bm.can_allocate(new_blocks + cfg.decode_reserve_blocks, hit):
             return False
-        seq.block_table = bm.allocate(new_blocks, hit)
-        seq.block_hashes = list(hit.hashes)
-        seq.num_computed = computed
-        seq.status = SequenceStatus.PREFILL
+        seq.place(bm.allocate(new_blocks, hit), hit.hashes, computed)
         if sibling is None:
             seq.prefix_hit = computed
             self.counters.prefix_hit_tokens += computed
@@ -267,16 +221,17 @@ class Scheduler:
         log.debug("admit %s: %d tokens, %d computed, %d new blocks", seq.uid, n, computed, new_blocks)
         return True
 
-    def _victim(self) -> Sequence:
+    def victim(self) -> Sequence:
+        """The running sequence preempted first: the least urgent, newest."""
         return max(self.running.values(), key=Sequence.rank)
 
     def _preempt_for(self, waiting: Sequence) -> bool:
         """Preempt a running sequence far enough below ``waiting`` in priority."""
         if not self.running:
             return False
-        victim = self._victim()
+        victim = self.victim()
         # ranked strictly after it too: with priority_gap 0, two sequences of one priority (the n
-        # samples of a job, two jobs of one score) preempted each other at every step, for ever
+        # samples of a job, two jobs of one score) would preempt each other at every step, for ever
         if victim.spec.priority - waiting.spec.priority < self.config.priority_gap or victim.rank() <= waiting.rank():
             return False
         self._preempt(victim)
@@ -286,8 +241,7 @@ class Scheduler:
         self.settle()  # the victim's pending token belongs in its Preempted record
         if self.running.get(seq.uid) is not seq:
             return  # it finished while settling
-        log.info("preempt %s (priority %s) after %d tokens",
-                 seq.uid, seq.spec.priority, len(seq.generated))
+        log.info("preempt %s (priority %s) after %d tokens", seq.uid, seq.spec.priority, len(seq.generated))
         del self.running[seq.uid]
         self._unregister(seq)
         self._release(seq)
@@ -301,17 +255,13 @@ class Scheduler:
         return self.config.chunk_schedule[-1][1]
 
     def _pick_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
-        """The rows of one ragged prefill pass: (sequence, tokens this pass).
-
-        Most urgent first, within the token budget; padded size (rows x the
-        longest chunk) stays within the budget too, so a long chunk does not
-        drag many short rows' padding along.
-        """
+        """The rows of one ragged prefill pass, (sequence, tokens this pass), most urgent first within
+        the token budget; the padded size (rows x the longest chunk) too, so a long chunk does not
+        drag many short rows' padding along."""
         todo = sorted((s for s in self.running.values() if s.status is SequenceStatus.PREFILL),
                       key=Sequence.rank)
         picked: list[tuple[Sequence, int]] = []
-        width = 0
-        left = budget
+        width, left = 0, budget
         for seq in todo:
             if left <= 0:
                 break
@@ -328,11 +278,9 @@ class Scheduler:
     def _decode_rows(self, skip: Seq[Sequence]) -> list[Sequence]:
         # a row whose pending token is its last (max_tokens) needs no launch
         skipped = {id(s) for s in skip}
-        rows = [s for s in self.running.values()
-                if s.status is SequenceStatus.DECODE and id(s) not in skipped
-                and s.emitted + s.pending < s.spec.max_tokens]
-        rows.sort(key=Sequence.rank)
-        return rows
+        return sorted((s for s in self.running.values()
+                       if s.status is SequenceStatus.DECODE and id(s) not in skipped
+                       and s.emitted + s.pending < s.spec.max_tokens), key=Sequence.rank)
 
     def _needs_block(self, seq: Sequence) -> bool:
         return seq.num_computed >= len(seq.block_table) * self.block_size
@@ -346,41 +294,27 @@ class Scheduler:
             if self.hot_sessions.spill_one():
                 continue
             # Never the only sequence: add() keeps each one within the pool.
-            victim = self._victim()
+            victim = self.victim()
             self._preempt(victim)
             if victim is seq:
                 return False
         return True
 
-    # ================================================================ tokens, ends and blocks
+    # ================================================================ tokens and ends
     def _emit(self, s: Sampled) -> None:
-        seq, tok = s.seq, s.token
-        refused = seq.grammar.advance(tok) if seq.grammar is not None else None
+        seq = s.seq
+        refused = seq.grammar.advance(s.token) if seq.grammar is not None else None
         if refused:
-            self.fail(seq, refused)
-            return
-        seq.tokens.append(tok)
-        seq.emitted += 1
+            return self.fail(seq, refused)
+        reason = seq.append_token(s.token, self.eos_token_ids)
         self._commit_full_blocks(seq)
-        reason = None
-        stops = self.eos_token_ids if seq.spec.stop_token_ids is None else seq.spec.stop_token_ids
-        if tok in stops or (seq.grammar is not None and seq.grammar.stopped):
-            reason = "stop"
-        elif seq.emitted >= seq.spec.max_tokens:
-            reason = "length"
-        self._events.append(TokenEvent(seq.uid, tok, reason, s.logprobs, cached_tokens=seq.prefix_hit))
+        self._events.append(TokenEvent(seq.uid, s.token, reason, s.logprobs, cached_tokens=seq.prefix_hit))
         if reason is not None:
             self._finish(seq)
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks whose every token is computed and known."""
-        bs = self.block_size
-        n_full = min(seq.num_computed, len(seq.tokens)) // bs
-        while len(seq.block_hashes) < n_full:
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = self.bm.commit(seq.block_table[i], parent, seq.tokens[i * bs:(i + 1) * bs])
-            seq.block_hashes.append(h)
+        """Blocks whose every token is computed and known go into the prefix cache."""
+        self.bm.commit_full(seq.block_table, seq.block_hashes, seq.tokens, min(seq.num_computed, len(seq.tokens)))
 
     def _finish(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING:  # a fork that ended on its first token
@@ -395,18 +329,10 @@ class Scheduler:
         self.forks.drop_copies(seq)
         if seq.block_table:
             self.bm.deallocate(seq.block_table)
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_computed = 0
-        seq.pending = 0
-        seq.status = SequenceStatus.WAITING
-
-    def _register(self, seq: Sequence) -> None:
-        self._live[seq.uid] = seq
-        self.forks.join(seq)
+        seq.release()
 
     def _unregister(self, seq: Sequence) -> None:
         """The sequence left the engine (finished, removed, preempted)."""
-        if self._live.get(seq.uid) is seq:
-            del self._live[seq.uid]
+        if self.live.get(seq.uid) is seq:
+            del self.live[seq.uid]
             self.forks.leave(seq)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .api import SeqSpec
-from .constrain import RowGrammar, RowShape
+from .logit_shaping import RowGrammar, RowShape
 
 
 class SequenceStatus(enum.Enum):
@@ -66,6 +66,29 @@ class Sequence:
     def rank(self):
         """(priority score, arrival): the min is the most urgent, the max the preemption victim."""
         return (self.spec.priority, self.arrival)
+
+    def place(self, block_table: list[int], block_hashes: list[bytes], num_computed: int) -> None:
+        """Admitted: its blocks (the first ``len(block_hashes)`` reused, already computed), its
+        prompt to prefill from ``num_computed`` on."""
+        self.block_table, self.block_hashes = block_table, list(block_hashes)
+        self.num_computed = num_computed
+        self.status = SequenceStatus.PREFILL
+
+    def release(self) -> None:
+        """Back to waiting, holding no block (its owner deallocated them)."""
+        self.block_table, self.block_hashes = [], []
+        self.num_computed = self.pending = 0
+        self.status = SequenceStatus.WAITING
+
+    def append_token(self, token: int, eos_token_ids) -> Optional[str]:
+        """Take an emitted token; why it ends the sequence ("stop": a stop id, or its grammar is
+        complete; "length": max_tokens) or None.  Stop ids: its spec's, else ``eos_token_ids``."""
+        self.tokens.append(token)
+        self.emitted += 1
+        stops = eos_token_ids if self.spec.stop_token_ids is None else self.spec.stop_token_ids
+        if token in stops or (self.grammar is not None and self.grammar.stopped):
+            return "stop"
+        return "length" if self.emitted >= self.spec.max_tokens else None
 
 
 @dataclass

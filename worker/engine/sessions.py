@@ -115,7 +115,3 @@ class SessionFiles:
             if tuple(x.shape) != shape or x.dtype != a.dtype:
                 return f"{key} is {tuple(x.shape)} {x.dtype}, the pool takes {shape} {a.dtype}"
         return ""
-
-    def warm_count(self) -> int:
-        return sum(1 for f in os.listdir(self.session_dir)
-                   if f.endswith(".safetensors") and ".tmp." not in f)

@@ -1,38 +1,18 @@
-"""Faster, bit-identical stand-ins for MLX ops inside the stock mlx-lm model files.
+"""Stand-ins for MLX ops inside the stock mlx-lm model files, from the CPU extension.
 
-The x86-64 mlx wheel computes elementwise math one float at a time (its SIMD type has width 1
-off Apple), and MLX's CPU RoPE and RMSNorm are graphs of many such ops (``mlx/fast.cpp``'s
-fallback).  The CPU extension (``csrc/cpu_ops.cpp``, ``csrc/norm_ops.h``) computes them exactly
-as MLX does (its own exp and sincos from the shipped simd headers, the same operation order, fma
-only where MLX has one), so greedy equality with mlx-lm holds bit for bit:
+The x86-64 mlx wheel computes elementwise math one float at a time, and MLX's CPU RoPE and
+RMSNorm are graphs of many such ops.  ``swiglu`` (the model modules' name replaced, as
+``attention.install_dispatch`` does), ``rope`` (:class:`FastRoPE`) and ``rms_norm``
+(:class:`FastRMSNorm`) compute exactly what MLX computes (its own exp and sincos, its operation
+order, fma only where MLX has one), so greedy equality with mlx-lm holds bit for bit; each is
+checked against MLX when the extension loads (:func:`checked_ops`), and one that differs is not
+installed.  Anything but float32 on the CPU keeps MLX's own.
 
-* ``swiglu``: replaces the name ``swiglu`` in the loaded model's modules (as
-  ``attention.install_dispatch`` does for attention); mlx-lm's own runs for
-  anything but float32 on the CPU.
-* ``rope``: the model's ``nn.RoPE`` instances become :class:`FastRoPE` (same
-  attributes); other RoPE classes (llama3, yarn, ...) are left alone.
-* ``rms_norm``: the model's ``nn.RMSNorm`` instances become :class:`FastRMSNorm`: one
-  primitive where MLX's is a graph; fewer primitives per step is less of MLX's per-op
-  dispatch on the critical path.
-
-Each of these is checked bit for bit against MLX when the extension loads
-(:func:`checked_ops`); one that differs is not installed and the worker says so.
-
-One op is not bit-identical, and says so:
-
-* ``linear``: the model's ``nn.Linear`` instances become :class:`FastLinear` (and a tied
-  embedding's ``as_linear`` head, :class:`FastEmbedding`): float32 weight matmuls split over
-  output columns on the extension's thread pool, each part our own loop where the CPU has
-  AVX2 and FMA (``csrc/rowdot.h``: the weights read where they lie, each output summed in one
-  order whatever the batch, so a row's bits do not depend on its batch), else a
-  single-threaded OpenBLAS sgemm or sgemv (``csrc/linear_ops.h`` says why not MLX's matmul).
-  Sibling projections of one input (q/k/v, gate/up) run as one call (:class:`LinearGroup`,
-  bit for bit the separate calls). Its logits differ from MLX's in the last bits, so it is
-  checked against a floating-point error bound (:func:`_check_linear`) and installed only over
-  the optimized BLAS that :mod:`mlxq.worker.blas` loaded. The engine's ``matmul`` setting
-  decides whether it is used (``attention.resolve_matmul``): ``auto``, the default, takes it
-  where our own loops run; ``pool`` takes it; ``mlx`` keeps MLX's matmul, bit for bit mlx-lm's
-  for one sequence alone.  Why, and what each op saves: docs/design/attention.md.
+``linear`` (:class:`FastLinear`, a tied head's :class:`FastEmbedding`, sibling projections as
+one :class:`LinearGroup`) is not bit-identical to MLX's matmul, but gives a row the same bits in
+any batch; it is checked against an error bound (:func:`_check_linear`) and used as the
+``matmul`` setting says (``attention.resolve_matmul``).  Why, and what each op saves:
+docs/design/attention.md.
 """
 
 from __future__ import annotations
@@ -368,7 +348,7 @@ class LinearGroup:
     call computes every member's output in one call of the extension's ``linear_group`` (one
     primitive, one pass of the pool; each output bit for bit the member's own ``linear``), and
     the others take theirs when they get the very same x, in order; otherwise each computes
-    alone. On the bench model this takes a decode step from 57 matmul calls to 33."""
+    alone."""
 
     def __init__(self, members: list, op: Callable):
         self.members, self.op = members, op

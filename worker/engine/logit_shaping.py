@@ -2,12 +2,13 @@
 
 No MLX here: everything is numpy and llguidance.  ``RowGrammar`` follows one
 constrained sequence (an ``llguidance.LLMatcher`` fed every token the sequence
-emits); ``Shaper.bias`` turns a batch's rows into one additive (B, vocab) float32
+emits); ``shape`` turns a batch's rows into one additive (B, vocab) float32
 matrix (0 where a token is free, -inf where the grammar forbids it, minus the
 penalties, plus logit_bias) that the model runner adds to the logits, or None when
 no row needs one (the batch keeps the unshaped graph).  The masks of all
 constrained rows are computed in one ``fill_next_token_bitmask_par`` call: the
-LLExecutor's threads, with the GIL released, while the forward pass runs.
+LLExecutor's threads, with the GIL released, while the forward pass runs.  (The grammar
+itself comes from the request: ``mlxq.shared.constraints`` compiles its ``response_format``.)
 """
 
 from __future__ import annotations
