@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from mlxq.devkit.make_model import THINK_START
+from mlxq.devkit.make_model import THINK_END, THINK_START
 from mlxq.shared import codec
 from mlxq.shared.keys import GlobalKeys
 from toolcallkit import SCHEMAS, WEATHER
@@ -133,6 +133,27 @@ def test_function_call_equals_chat_completions_and_streams(stack):
         {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny"}],
         max_tokens=8, tools=chat and [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}],
         tool_choice="none")
+
+
+def test_a_thought_is_a_reasoning_item(stack, tiny_model):
+    url, _, _ = stack
+    vocab = tiny_model.tokenizer.get_vocab()
+    # the bias opens a thought and never closes it: all the output is reasoning
+    extra = {"logit_bias": {str(vocab[THINK_START]): 100, str(vocab[THINK_END]): -100}}
+    fmt = {"format": {"type": "json_object"}}
+    chat = oai(url).chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        temperature=0, max_tokens=12, response_format={"type": "json_object"}, extra_body=extra)
+    thought = chat.choices[0].message.model_extra["reasoning_content"]
+    resp = ask(url, extra, text=fmt)
+    assert [o.type for o in resp.output] == ["reasoning", "message"] and resp.status == "incomplete"
+    assert resp.output[0].content[0].text == thought and resp.output_text == ""
+    assert resp.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(ask(url, extra, text=fmt, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [thought]
+    assert [o.model_dump(exclude={"id"}) for o in events[-1].response.output] == \
+        [o.model_dump(exclude={"id"}) for o in resp.output]
 
 
 def test_previous_response_id_goes_on_from_the_conversation(stack):
