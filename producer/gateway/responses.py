@@ -99,9 +99,7 @@ class Responses:
             return JSONResponse(response_object(r.id, r.shell, "queued"))
         if req.stream:
             if req.background:  # the job is the caller's to poll or resume: a disconnect leaves it running
-                deltas = sub.job.stream()
-                return self._streaming(r, from_first(asyncio.ensure_future(deltas.__anext__()), deltas,
-                                                     gw.settings.sse_keepalive_s), own=False, started=started)
+                return self._replay(r, after=-1, started=started)
             first = await self.jobs.first(request, sub.job)
             if first.gone:
                 return Response(status_code=499)
@@ -136,52 +134,46 @@ class Responses:
     async def retrieve(self, request: Request) -> Response:
         """The response as it is now; with ``stream=true`` its events (after ``starting_after``),
         replayed and then live until it ends."""
-        gw, client = self.gw, self.gw.client(request)
+        return await self._by_id(request, self._retrieve)
+
+    async def cancel(self, request: Request) -> Response:
+        """Cancel the response's job (a finished one stays as it ended); the response as it ended."""
+        return await self._by_id(request, self._cancel)
+
+    async def delete(self, request: Request) -> Response:
+        """Delete the response: its job is cancelled if it runs, then its record goes."""
+        return await self._by_id(request, self._delete)
+
+    async def _by_id(self, request: Request, answer) -> Response:
+        """``answer(request, the response the path names)``; a refusal (401, 404, 400) as an error."""
+        client = self.gw.client(request)
         try:
             tier = await client.tier()
-            q = request.query_params
-            stream = q.get("stream", "false").lower() in ("true", "1")
-            after = _int_param(q.get("starting_after"), "starting_after") if stream else -1
             found = await self._find(client, request.path_params["id"])
+            return await answer(request, await self._response(client, found, tier), found)
         except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
-            return gw.error(ENDPOINT, *await self.jobs.api_error(exc, client, None, None))
-        r = await self._response(client, found, tier)
-        if stream:
-            deltas = r.job.stream()
-            return self._streaming(r, from_first(asyncio.ensure_future(deltas.__anext__()), deltas,
-                                                 gw.settings.sse_keepalive_s), own=False, after=after,
-                                   started=time.monotonic())
-        gw.metrics.requests.labels(ENDPOINT, "200").inc()
+            return self.gw.error(ENDPOINT, *await self.jobs.api_error(exc, client, None, None))
+
+    async def _retrieve(self, request: Request, r: _Response, found: "_Found") -> Response:
+        if request.query_params.get("stream", "false").lower() in ("true", "1"):
+            return self._replay(r, after=_int_param(request.query_params.get("starting_after"), "starting_after"),
+                                started=time.monotonic())
+        self.gw.metrics.requests.labels(ENDPOINT, "200").inc()
         if found.result is None:
             return JSONResponse(response_object(r.id, r.shell, status_of(found.status, None)))
         return JSONResponse(await self._finished(r, found.result))
 
-    async def cancel(self, request: Request) -> Response:
-        """Cancel the response's job (a finished one stays as it ended); the response as it ended."""
-        gw, client = self.gw, self.gw.client(request)
-        try:
-            tier = await client.tier()
-            found = await self._find(client, request.path_params["id"])
-            r = await self._response(client, found, tier)
-            res = found.result or await self._cancelled(r.job)
-        except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
-            return gw.error(ENDPOINT, *await self.jobs.api_error(exc, client, None, None))
-        gw.metrics.requests.labels(ENDPOINT, "200").inc()
+    async def _cancel(self, request: Request, r: _Response, found: "_Found") -> Response:
+        res = found.result or await self._cancelled(r.job)
+        self.gw.metrics.requests.labels(ENDPOINT, "200").inc()
         return JSONResponse(await self._finished(r, res))
 
-    async def delete(self, request: Request) -> Response:
-        """Delete the response: its job is cancelled if it runs, then its record goes."""
-        gw, client = self.gw, self.gw.client(request)
-        try:
-            tier = await client.tier()
-            found = await self._find(client, request.path_params["id"])
-            if found.result is None:
-                await self._cancelled((await self._response(client, found, tier)).job)
-            await self._forget(client, found.model, found.job_id)
-        except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
-            return gw.error(ENDPOINT, *await self.jobs.api_error(exc, client, None, None))
-        gw.metrics.requests.labels(ENDPOINT, "200").inc()
-        return JSONResponse({"id": request.path_params["id"], "object": "response", "deleted": True})
+    async def _delete(self, request: Request, r: _Response, found: "_Found") -> Response:
+        if found.result is None:
+            await self._cancelled(r.job)
+        await self._forget(r.client, r.model, r.job.id)
+        self.gw.metrics.requests.labels(ENDPOINT, "200").inc()
+        return JSONResponse({"id": r.id, "object": "response", "deleted": True})
 
     async def _cancelled(self, job: AsyncJob) -> Result:
         status = await job.cancel()
@@ -242,6 +234,14 @@ class Responses:
         return count(res.reasoning) if count is not None else 0
 
     # -- streams -------------------------------------------------------------------------------------
+    def _replay(self, r: _Response, *, after: int, started: float) -> Response:
+        """The job's events numbered past ``after``, from its first delta on (those written already
+        read from its durable stream), keep-alives while none comes; a disconnect leaves the job running."""
+        deltas = r.job.stream()
+        first = asyncio.ensure_future(deltas.__anext__())
+        return self._streaming(r, from_first(first, deltas, self.gw.settings.sse_keepalive_s), own=False,
+                               after=after, started=started)
+
     def _streaming(self, r: _Response, deltas, *, own: bool, started: float, after: int = -1) -> Response:
         return StreamingResponse(self._sse(r, deltas, own=own, after=after, started=started),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
