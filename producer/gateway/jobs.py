@@ -65,8 +65,10 @@ class Jobs:
         self.drain = DrainRate()
 
     async def submit(self, request: Request, client: AsyncClient, *, tier: str, floor: Optional[str],
-                     model: Optional[str], kwargs: dict, prompt_param: str, stream: bool) -> Submitted:
-        """Queue ``kwargs`` (``AsyncClient.submit``'s) as a job of ``model`` (None: the default)."""
+                     model: Optional[str], kwargs: dict, prompt_param: str, stream: bool,
+                     subscribe: bool = True) -> Submitted:
+        """Queue ``kwargs`` (``AsyncClient.submit``'s) as a job of ``model`` (None: the default);
+        ``subscribe=False`` for a job this request will not read (its channel is not left subscribed)."""
         gw = self.gw
         models = await client.models()
         if model and model not in models:
@@ -80,7 +82,7 @@ class Jobs:
         if not gw.token_names.loaded(info):  # read tokenizer.json off the event loop
             await asyncio.to_thread(gw.token_names.tokenizer, info)
         try:
-            job = await client.submit(model=model, _floor=floor, _source="gateway",
+            job = await client.submit(model=model, _floor=floor, _source="gateway", subscribe=subscribe,
                                       _count_tokens=gw.token_names.counter(info), **kwargs)
         except ContextLengthError as exc:
             raise OpenAIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None

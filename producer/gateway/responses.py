@@ -83,7 +83,8 @@ class Responses:
             history = await self._history(client, req.previous_response_id) if req.previous_response_id else None
             kwargs = req.submit_kwargs(history)
             sub = await self.jobs.submit(request, client, tier=tier, floor=None, model=req.model, kwargs=kwargs,
-                                         prompt_param="input", stream=req.stream)
+                                         prompt_param="input", stream=req.stream,
+                                         subscribe=req.stream or not req.background)
         except ClientDisconnect:  # gone while its body was still coming: nothing was queued
             return gw.gone(ENDPOINT)
         except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal

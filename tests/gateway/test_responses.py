@@ -175,6 +175,8 @@ def test_background_poll_resume_cancel_delete(stack, redis_server):
     want = ask(url, extra, max_output_tokens=30).output_text
     resp = ask(url, extra, max_output_tokens=30, background=True)
     assert resp.status in ("queued", "in_progress") and resp.background
+    # nobody reads it now: the gateway left no subscription to its channel behind
+    assert r.pubsub_numsub(K.channel(resp.id.removeprefix("resp_"))) == [(K.channel(resp.id[5:]).encode(), 0)]
     assert wait_for(lambda: oai(url).responses.retrieve(resp.id).status in ("completed", "incomplete"), timeout=60)
     assert oai(url).responses.retrieve(resp.id).output_text == want
 
