@@ -66,16 +66,17 @@ class Jobs:
 
     async def submit(self, request: Request, client: AsyncClient, *, tier: str, floor: Optional[str],
                      model: Optional[str], kwargs: dict, prompt_param: str, stream: bool,
-                     subscribe: bool = True) -> Submitted:
+                     subscribe: bool = True, queue_anyway: bool = False) -> Submitted:
         """Queue ``kwargs`` (``AsyncClient.submit``'s) as a job of ``model`` (None: the default);
-        ``subscribe=False`` for a job this request will not read (its channel is not left subscribed)."""
+        ``subscribe=False`` for a job this request will not read (its channel is not left subscribed);
+        ``queue_anyway``: an interactive job that nobody waits on now is queued with no live worker too."""
         gw = self.gw
         models = await client.models()
         if model and model not in models:
             raise OpenAIError(404, f"model {model!r} is not served by any worker", param="model",
                               code="model_not_found")
         model = model or await client.model
-        if floor is None:  # interactive: a model no worker serves now is a 503, nothing queued
+        if floor is None and not queue_anyway:  # interactive: no live worker now is a 503, nothing queued
             models = await self._wait_for_worker(client, model, models)
         info = models.get(model)
         tools = check_for_model(model, kwargs, info)

@@ -84,7 +84,8 @@ class Responses:
             kwargs = req.submit_kwargs(history)
             sub = await self.jobs.submit(request, client, tier=tier, floor=None, model=req.model, kwargs=kwargs,
                                          prompt_param="input", stream=req.stream,
-                                         subscribe=req.stream or not req.background)
+                                         subscribe=req.stream or not req.background,
+                                         queue_anyway=bool(req.background))
         except ClientDisconnect:  # gone while its body was still coming: nothing was queued
             return gw.gone(ENDPOINT)
         except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal

@@ -1,11 +1,13 @@
 """A background response survives its worker's kill -9: the official ``openai`` client creates it
 through the real gateway, the worker process is killed mid-generation, a restarted worker takes the
 job over, and the polled response's text equals the same request's answer without a crash (computed
-in the same run); a stream resumed with ``starting_after`` across the crash is exact too."""
+in the same run); a stream resumed with ``starting_after`` across the crash is exact too, and a
+background response created while no worker is live is queued and answered once one starts."""
 
 from __future__ import annotations
 
 import openai
+import pytest
 import redis
 
 from faultkit import WorkerProc, _xlen, wait_registered
@@ -26,7 +28,9 @@ def test_background_response_survives_a_worker_kill9(tiny_model_dir, redis_url, 
     r = redis.Redis.from_url(redis_url)
     try:
         assert wait_registered(redis_url), a.log()
-        with ServerThread(create_app(redis_url, fast_settings(redis_url, **lease))) as url:
+        # live_worker_s: the killed worker stops counting as live soon (a background response is queued then)
+        settings = fast_settings(redis_url, live_worker_s=2, no_worker_wait_s=0.5, **lease)
+        with ServerThread(create_app(redis_url, settings)) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
             want = client.responses.create(**REQUEST).output_text
             assert want
@@ -45,14 +49,22 @@ def test_background_response_survives_a_worker_kill9(tiny_model_dir, redis_url, 
                     break
             stream.close()
             a.kill9()
+            # with no live worker, a background response is queued all the same (an interactive one is a 503)
+            assert wait_for(lambda: not client.models.list().data, timeout=60)
+            with pytest.raises(openai.InternalServerError):
+                client.responses.create(**REQUEST)
+            queued = client.responses.create(background=True, **REQUEST)
+            assert queued.status == "queued"
             b = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=4, **lease)
 
             def done() -> bool:
-                return client.responses.retrieve(resp.id).status in ("completed", "incomplete")
+                return all(client.responses.retrieve(x.id).status in ("completed", "incomplete")
+                           for x in (resp, queued))
 
             assert wait_for(done, timeout=120, interval=0.2), b.log()
             final = client.responses.retrieve(resp.id)
             assert final.output_text == want and final.status == "incomplete"  # cut at max_output_tokens
+            assert client.responses.retrieve(queued.id).output_text == want
             rest = list(client.responses.retrieve(resp.id, stream=True, starting_after=seen[-1].sequence_number))
             events = seen + rest
             assert [e.sequence_number for e in events] == list(range(len(events)))

@@ -72,6 +72,9 @@ def test_plain_and_streamed_equal_chat_completions(stack):
     assert resp.usage.input_tokens == stats["prompt_tokens"] and resp.usage.output_tokens == stats["generated_tokens"]
     assert resp.usage.input_tokens_details.cached_tokens == stats.get("cached_tokens", 0)
     assert resp.usage.output_tokens_details.reasoning_tokens == 0
+    # the same long prefix again: its full blocks come from the prefix cache, and usage says so
+    again = [ask(url, extra, instructions=SYSTEM * 20, max_output_tokens=2) for _ in range(2)]
+    assert 0 < again[1].usage.input_tokens_details.cached_tokens < again[1].usage.input_tokens
 
     events = list(ask(url, extra, stream=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
