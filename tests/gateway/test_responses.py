@@ -239,14 +239,39 @@ def test_bad_input_is_a_400_naming_it_and_queues_nothing(stack, extra, param):
     assert r.hget(K.counts, "submitted") == before
 
 
+def _agents_model(url: str):
+    from agents import OpenAIResponsesModel, set_tracing_disabled
+
+    set_tracing_disabled(True)  # its traces go to OpenAI's servers by default
+    return OpenAIResponsesModel(model="tiny", openai_client=openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120))
+
+
 def test_openai_agents_responses_model_output_type(stack):
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from agents import Agent, ModelSettings, Runner
 
     url, _, extra = stack
-    set_tracing_disabled(True)  # its traces go to OpenAI's servers by default
-    model = OpenAIResponsesModel(model="tiny", openai_client=openai.AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120))
-    agent = Agent(name="pick", instructions=SYSTEM, model=model, output_type=Pick,
+    agent = Agent(name="pick", instructions=SYSTEM, model=_agents_model(url), output_type=Pick,
                   model_settings=ModelSettings(temperature=0, max_tokens=40, extra_body=extra))
     result = Runner.run_sync(agent, QUESTION)
     assert isinstance(result.final_output, Pick)
+
+
+def test_openai_agents_responses_model_calls_a_function_tool(stack):
+    from agents import Agent, ModelSettings, Runner, function_tool
+
+    url, _, extra = stack
+    calls = []
+
+    @function_tool
+    def get_mood(topic: Literal["sea", "sky"]) -> str:
+        """The mood of a topic."""
+        calls.append(topic)
+        return f"{topic}: calm"
+
+    agent = Agent(name="mood", instructions=SYSTEM, model=_agents_model(url), tools=[get_mood],
+                  tool_use_behavior="stop_on_first_tool",
+                  model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="required",
+                                               parallel_tool_calls=False, extra_body=extra))
+    result = Runner.run_sync(agent, QUESTION)
+    assert len(calls) == 1 and result.final_output == f"{calls[0]}: calm"
