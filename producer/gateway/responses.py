@@ -93,30 +93,36 @@ class Responses:
             err.param = PARAMS.get(err.param, err.param)
             return gw.error(ENDPOINT, err, retry_after)
         r = _Response(response_id(sub.job.id), sub.job, sub.model, req.shell(sub.model, now()), client, tier, sub.info)
-        if req.kept:
+        if req.kept:  # the echo a poll, a replay and a follow-up read, in the job's record (under its TTL)
             key = client.gkeys.model_keys(sub.model).job(sub.job.id)
             await client._retry(lambda: client.at(key).hset(key, RESP_FIELD, codec.pack(r.shell)))
         if req.background and not req.stream:
             gw.metrics.requests.labels(ENDPOINT, "200").inc()
             return JSONResponse(response_object(r.id, r.shell, "queued"))
+        if req.background:  # the job is the caller's to poll or resume: a disconnect leaves it running
+            return self._replay(r, after=-1, started=started)
         if req.stream:
-            if req.background:  # the job is the caller's to poll or resume: a disconnect leaves it running
-                return self._replay(r, after=-1, started=started)
-            first = await self.jobs.first(request, sub.job)
-            if first.gone:
-                return Response(status_code=499)
-            if first.failed is not None:
-                await self._forget_unless_kept(client, r)
-                return gw.error(ENDPOINT, job_error(first.failed))
-            return self._streaming(r, first.deltas, own=True, started=started)
-        res = await self.jobs.result_unless_gone(request, sub.job)
+            return await self._stream(request, r, started)
+        return await self._complete(request, r, started)
+
+    async def _stream(self, request: Request, r: _Response, started: float) -> Response:
+        """A stream the request owns: a refusal before the first delta is a plain 4xx, a disconnect cancels."""
+        first = await self.jobs.first(request, r.job)
+        if first.gone:
+            return Response(status_code=499)
+        if first.failed is not None:
+            await self._forget_unless_kept(r)
+            return self.gw.error(ENDPOINT, job_error(first.failed))
+        return self._streaming(r, first.deltas, own=True, started=started)
+
+    async def _complete(self, request: Request, r: _Response, started: float) -> Response:
+        res = await self.jobs.result_unless_gone(request, r.job)
         if res is None:
             return Response(status_code=499)
-        if not req.kept:
-            await self._forget(client, r.model, sub.job.id)
+        await self._forget_unless_kept(r)
         if res.finish_reason == "error":  # as Chat Completions: a request that failed is an HTTP error
-            return gw.error(ENDPOINT, job_error(res))
-        gw.metrics.served(ENDPOINT, tier, started, res.stats.generated_tokens)
+            return self.gw.error(ENDPOINT, job_error(res))
+        self.gw.metrics.served(ENDPOINT, r.tier, started, res.stats.generated_tokens)
         return JSONResponse(await self._finished(r, res))
 
     async def _history(self, client: AsyncClient, prev_id: str) -> list[dict]:
@@ -216,9 +222,10 @@ class Responses:
         for key in (keys.job(job_id), keys.events(job_id), keys.done(job_id)):
             await client._retry(lambda k=key: client.at(k).expire(k, 0))  # EXPIRE <= 0 deletes (ACL: expire only)
 
-    async def _forget_unless_kept(self, client: AsyncClient, r: _Response) -> None:
+    async def _forget_unless_kept(self, r: _Response) -> None:
+        """``store: false``: the job's record goes once its answer is out."""
         if not r.shell.get("store", True):
-            await self._forget(client, r.model, r.job.id)
+            await self._forget(r.client, r.model, r.job.id)
 
     async def _finished(self, r: _Response, res: Result) -> dict:
         status = status_of(None, res)
@@ -293,8 +300,8 @@ class Responses:
                 await deltas.aclose()
             if not finished and own:  # the client went away (the request task is being cancelled)
                 gw.spawn(self.jobs.cancel(r.job, "client disconnected from the stream", attempt))
-            if finished and own and not r.shell.get("store", True):
-                gw.spawn(self._forget(r.client, r.model, r.job.id))
+            if finished and own:
+                gw.spawn(self._forget_unless_kept(r))
 
 
 @dataclass

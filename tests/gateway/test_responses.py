@@ -216,6 +216,9 @@ def test_store_false_keeps_nothing(stack):
     assert wait_for(lambda: not r.exists(K.job(resp.id.removeprefix("resp_"))))
     with pytest.raises(openai.NotFoundError):
         oai(url).responses.retrieve(resp.id)
+    events = list(ask(url, extra, store=False, stream=True))
+    assert deltas(events) == resp.output_text
+    assert wait_for(lambda: not r.exists(K.job(events[0].response.id.removeprefix("resp_"))))
 
 
 @pytest.mark.parametrize("extra,param", [
