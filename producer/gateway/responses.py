@@ -267,16 +267,21 @@ class Responses:
                            for e in evs if e["sequence_number"] > after)
 
         metrics.inflight.inc()
-        finished, attempt = False, 0
+        finished, attempt, first = False, 0, own
         try:
-            yield sse(events.start(response_object(r.id, r.shell, "queued" if r.shell.get("background")
-                                                   else "in_progress")))
+            chunk = sse(events.start(response_object(r.id, r.shell, "queued" if r.shell.get("background")
+                                                     else "in_progress")))
+            if chunk:  # (a resumed stream skips what its caller has)
+                yield chunk
             async for d in deltas:
                 if isinstance(d, str):
                     metrics.keepalives.inc()
                     yield d
                     continue
                 attempt = max(attempt, d.attempt)
+                if first and (d.text or d.reasoning):
+                    first = False
+                    metrics.ttft.labels(ENDPOINT, r.tier).observe(time.monotonic() - started)
                 chunk = sse(events.feed(d))
                 if chunk:
                     yield chunk
@@ -318,8 +323,7 @@ def _int_param(value: Optional[str], name: str) -> int:
     if value is None:
         return -1
     try:
-        n = int(value)
+        return int(value)
     except ValueError:
         raise OpenAIError(400, f"{name} must be an integer (a sequence_number)", param=name,
                           code="invalid_value") from None
-    return n

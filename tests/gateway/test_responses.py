@@ -278,3 +278,20 @@ def test_openai_agents_responses_model_calls_a_function_tool(stack):
                                                parallel_tool_calls=False, extra_body=extra))
     result = Runner.run_sync(agent, QUESTION)
     assert len(calls) == 1 and result.final_output == f"{calls[0]}: calm"
+
+
+def test_unknown_ids_and_bad_event_numbers_in_openai_error_shape(stack):
+    import httpx
+
+    url, _, extra = stack
+    for rid in ("resp_nope", "resp_" + "f" * 32):
+        with pytest.raises(openai.NotFoundError) as err:
+            oai(url).responses.retrieve(rid)
+        assert err.value.body["code"] == "response_not_found"
+    # a chat completion's job is no stored response
+    chat = oai(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    with pytest.raises(openai.NotFoundError):
+        oai(url).responses.retrieve("resp_" + chat.id.removeprefix("chatcmpl-"))
+    resp = ask(url, extra, max_output_tokens=1)
+    got = httpx.get(f"{url}/v1/responses/{resp.id}", params={"stream": "true", "starting_after": "x"})
+    assert got.status_code == 400 and got.json()["error"]["param"] == "starting_after"
