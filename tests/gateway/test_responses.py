@@ -7,7 +7,6 @@ library parsed."""
 from __future__ import annotations
 
 import json
-import time
 from typing import Literal
 
 import jsonschema
