@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
@@ -80,6 +80,7 @@ class _Params(BaseModel):
     """Sampling fields shared by both endpoints (OpenAI names; vLLM-style extras accepted)."""
 
     model_config = ConfigDict(extra="allow")
+    STREAM_OPTIONS: ClassVar[tuple[str, ...]] = ("include_usage",)  # what stream_options may hold
     model: Optional[StrictStr] = None
     max_tokens: Optional[StrictInt] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
@@ -111,8 +112,8 @@ class _Params(BaseModel):
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options",
                               code="invalid_value")
         for name, value in (self.stream_options or {}).items():  # what the stream carries
-            if name != "include_usage" and value is not None:
-                raise unsupported(f"stream_options.{name}", "only include_usage is implemented")
+            if name not in self.STREAM_OPTIONS and value is not None:
+                raise unsupported(f"stream_options.{name}", f"only {', '.join(self.STREAM_OPTIONS)} is implemented")
 
     @property
     def include_usage(self) -> bool:

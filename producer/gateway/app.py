@@ -44,6 +44,7 @@ from ..asubscriber import AsyncSubscriber, link_watch
 from ..openai_api import OpenAIError, TokenNames
 from .chat_completions import ChatCompletions
 from .jobs import RETRY_AFTER_DEFAULT_S, Jobs, bearer, live_models, unreachable_error
+from .responses import Responses
 
 log = logging.getLogger("mlxq.gateway")
 
@@ -103,7 +104,7 @@ class Gateway:
         self.max_body_bytes = 4 * self.settings.max_prompt_bytes
         self._key_names: dict[str, tuple[float, str]] = {}  # sha256(key) -> (read at, name): key_name
         self.jobs = Jobs(self)
-        self.rooms = [ChatCompletions(self)]  # each API the gateway speaks
+        self.rooms = [ChatCompletions(self), Responses(self)]  # each API the gateway speaks
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):

@@ -65,22 +65,25 @@ class Jobs:
         self.drain = DrainRate()
 
     async def submit(self, request: Request, client: AsyncClient, *, tier: str, floor: Optional[str],
-                     model: Optional[str], kwargs: dict, prompt_param: str, stream: bool) -> Submitted:
-        """Queue ``kwargs`` (``AsyncClient.submit``'s) as a job of ``model`` (None: the default)."""
+                     model: Optional[str], kwargs: dict, prompt_param: str, stream: bool,
+                     subscribe: bool = True, queue_anyway: bool = False) -> Submitted:
+        """Queue ``kwargs`` (``AsyncClient.submit``'s) as a job of ``model`` (None: the default);
+        ``subscribe=False`` for a job this request will not read (its channel is not left subscribed);
+        ``queue_anyway``: an interactive job that nobody waits on now is queued with no live worker too."""
         gw = self.gw
         models = await client.models()
         if model and model not in models:
             raise OpenAIError(404, f"model {model!r} is not served by any worker", param="model",
                               code="model_not_found")
         model = model or await client.model
-        if floor is None:  # interactive: a model no worker serves now is a 503, nothing queued
+        if floor is None and not queue_anyway:  # interactive: no live worker now is a 503, nothing queued
             models = await self._wait_for_worker(client, model, models)
         info = models.get(model)
         tools = check_for_model(model, kwargs, info)
         if not gw.token_names.loaded(info):  # read tokenizer.json off the event loop
             await asyncio.to_thread(gw.token_names.tokenizer, info)
         try:
-            job = await client.submit(model=model, _floor=floor, _source="gateway",
+            job = await client.submit(model=model, _floor=floor, _source="gateway", subscribe=subscribe,
                                       _count_tokens=gw.token_names.counter(info), **kwargs)
         except ContextLengthError as exc:
             raise OpenAIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None

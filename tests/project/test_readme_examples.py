@@ -30,7 +30,7 @@ FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 # the pages of the docs site whose examples run here, in the order they build on each other (a key the
 # gateway's page adds is used by the later pages' examples)
 PAGES = ("docs/gateway.md", "docs/producers/rq.md", "docs/producers/bulk.md", "docs/producers/structured.md",
-         "docs/producers/samples.md")
+         "docs/producers/samples.md", "docs/gateway-responses.md")
 
 
 def sections() -> list[tuple[str, str]]:
@@ -125,6 +125,7 @@ def test_readme_examples_run(live, tmp_path):
     assert "['tiny']" in text and "usage:" in text  # openai client
     assert "finished" in text  # rq: job.get_status()
     assert "mlxq_gateway_requests_total" in text  # the gateway's /metrics
+    assert "resumed: response." in text and "follow-up: True" in text  # the Responses API
     results = [ln for ln in (tmp_path / "results.jsonl").read_text().splitlines() if ln]
     assert len(results) == 2  # mlxq batch, run twice: each line once
     # structured output and tool calls (whether the tiny model's answers complete within max_tokens is up
