@@ -9,8 +9,8 @@ from typing import Optional
 
 import redis
 
-from ..shared.connection import LinkWatch, is_cluster, is_link_error, node_client_async, \
-    nodes_tried, refresh_topology_async
+from ..shared.connection import is_cluster, node_client_async, nodes_tried, refresh_topology_async
+from ..shared.linkwatch import LinkWatch, is_link_error
 
 from .common import ClientClosed
 from .core import Inboxes, channel_bytes

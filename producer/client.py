@@ -9,7 +9,8 @@ from typing import Any, Iterator, Optional
 from redis.exceptions import NoPermissionError
 
 from ..shared import apikeys
-from ..shared.connection import LinkWatch, connect as shared_connect, is_cluster, nodes_tried, refresh_topology
+from ..shared.connection import connect as shared_connect, is_cluster, nodes_tried, refresh_topology
+from ..shared.linkwatch import LinkWatch
 from ..shared.keys import GlobalKeys
 from ..shared.protocol import Enqueued, Queue
 from ..shared.schemas import Delta, Result
@@ -17,7 +18,7 @@ from ..shared.settings import Settings
 from ..shared.steps import Steps, drive, run_steps
 from .bulkmap import map_results
 from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobHandle, Origin, Receive, Resubmit,
+from .core import (REPLAY_FIELDS, SYNC, Emit, Enqueue, JobHandle, Origin, Pause, Receive, Resubmit,
                    WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
@@ -96,8 +97,8 @@ class Job(JobHandle):
     def _io_wait_done(self, op: WaitDone) -> None:
         self._client.redis.blpop([self._keys.done(self.id)], timeout=op.seconds)
 
-    def _io_backoff(self, op: Backoff) -> float:
-        return self._client.watch.backoff(op.error, op.deadline, op.delay, retryable)
+    def _io_pause(self, op: Pause) -> None:
+        self._client.watch.backoff(op.error, op.deadline, op.backoff, retryable)
 
     def _io_resubmit(self, op: Resubmit) -> str:
         origin = self._core.origin

@@ -6,7 +6,7 @@ The two clients only do I/O.  Everything they must agree on lives here, with no 
   its JSON schema and packs the payload (the size limit included);
 - **a job's two waits** (``JobCore.stream`` and ``JobCore.wait_result``) are generators that say
   which Redis read they need next (``Receive``, ``READ_EVENTS``, ``READ_RECORD``, ``WaitDone``), what
-  to hand the caller (``Emit``) and when to back off (``Backoff``).  Each job class runs them with
+  to hand the caller (``Emit``) and when to back off (``Pause``).  Each job class runs them with
   one short loop (``Job._drive`` / ``AsyncJob._drive`` over ``Steps``) that does the read it is told
   (the method ``JobHandle._handlers`` maps the request's class to), with its own socket and its own
   way of waiting, and sends back the reply or throws in the error;
@@ -36,7 +36,8 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ..shared import codec, replay
-from ..shared.connection import LinkWatch, is_cluster, is_link_error
+from ..shared.connection import is_cluster
+from ..shared.linkwatch import Backoff, LinkWatch, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
 from ..shared.steps import Step
@@ -46,7 +47,6 @@ from .common import (ClientClosed, ConfirmCut, JobNotFound, JobTimeout, StreamSt
 log = logging.getLogger("mlxq.producer")
 
 SYNC = b"sync"  # what a job's inbox gets when it must read its durable record (the link was lost)
-FIRST_DELAY_S = 0.05  # the first backoff after a lost link (it doubles, see LinkWatch)
 WAIT_S = 1.0  # the longest single wait on a job's inbox or done list
 
 
@@ -273,12 +273,12 @@ class WaitDone:
 
 
 @dataclass(frozen=True)
-class Backoff:
+class Pause:
     """A failed read: ``LinkWatch.backoff`` with ``retryable`` (re-raises what is not a pause, gives
-    up past ``deadline``, sleeps); reply: the next delay."""
+    up past ``deadline``, sleeps what ``backoff`` draws); reply ignored."""
     error: Exception
     deadline: Optional[float]
-    delay: float
+    backoff: Backoff
 
 
 @dataclass(frozen=True)
@@ -358,7 +358,7 @@ class JobCore:
         """``attempt`` until ``finished()``: a lost link is a pause (backoff), within ``timeout``."""
         deadline = deadline_of(timeout)
         late = f"job {self.id} did not finish within {timeout}s"
-        delay = FIRST_DELAY_S
+        backoff = self.watch.new_backoff()
         while not finished():
             self._check_open()
             check_deadline(self.watch, deadline, late)
@@ -368,9 +368,9 @@ class JobCore:
                 self._check_open(exc)  # what a read fails with once its socket was closed under it
                 if isinstance(exc, ConfirmCut):  # a wait the deadline cut short is no lost link
                     check_deadline(self.watch, deadline, late)
-                delay = yield Backoff(exc, deadline, delay)
+                yield Pause(exc, deadline, backoff)
                 continue
-            delay = FIRST_DELAY_S
+            backoff.ok()
             self.watch.ok()
             self.undelivered.extend(out)
             if self.undelivered:
@@ -477,7 +477,7 @@ class JobHandle:
     def _handlers(self) -> dict:
         """Each request of the core and the method that does it."""
         return {Receive: self._io_receive, ReadEvents: self._io_read_events, ReadReplay: self._io_read_replay,
-                ReadRecord: self._io_read_record, WaitDone: self._io_wait_done, Backoff: self._io_backoff,
+                ReadRecord: self._io_read_record, WaitDone: self._io_wait_done, Pause: self._io_pause,
                 Resubmit: self._io_resubmit}
 
 

@@ -20,7 +20,8 @@ from typing import Optional
 
 import redis
 
-from ..shared.connection import LINK_ERRORS, LinkWatch, SlotRedis, nodes_tried, refresh_topology
+from ..shared.connection import SlotRedis, nodes_tried, refresh_topology
+from ..shared.linkwatch import LINK_ERRORS, LinkWatch
 from .common import ClientClosed
 from .core import Inboxes, channel_bytes
 

@@ -37,24 +37,15 @@ from typing import Any, Callable, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
-from redis.backoff import FullJitterBackoff
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import (ClusterDownError, MovedError, ReadOnlyError, RedisClusterException,
-                              TryAgainError)
+from redis.exceptions import ClusterDownError, MovedError, ReadOnlyError, TryAgainError
 
+# LINK_ERRORS and RedisUnreachable: what every caller of connect() catches, importable from here
+from .linkwatch import LINK_ERRORS, RESLOT_ERRORS, LinkWatch, RedisUnreachable  # noqa: F401
 from .settings import Settings
 
 log = logging.getLogger(__name__)
-
-# Errors after which a slot's owner must be looked up again (and the call retried by its caller).
-RESLOT_ERRORS = (redis.ConnectionError, redis.TimeoutError, MovedError, ClusterDownError, TryAgainError,
-                 ReadOnlyError)
-# Everything a lost link, a restarting server or a failover can raise: a producer retries these
-# (with backoff, within its request's time) instead of failing.  RedisClusterException is what
-# redis-py's cluster client raises when no node it knows answers a topology refresh.
-# (socket errors: the builtin ConnectionError, not OSError, which a refusal such as a PermissionError is)
-LINK_ERRORS = (redis.BusyLoadingError, ConnectionError, RedisClusterException) + RESLOT_ERRORS
 
 _TRUE = {"1", "yes", "true", "on"}
 _FALSE = {"0", "no", "false", "off"}
@@ -64,11 +55,6 @@ _FALSE = {"0", "no", "false", "off"}
 # BLPOP, waits at most a few seconds).
 DEFAULT_KW = dict(health_check_interval=30, socket_keepalive=True, max_connections=10_000,
                   socket_connect_timeout=5, socket_timeout=20)
-
-
-class RedisUnreachable(redis.ConnectionError, ConnectionError):
-    """No Redis node answered within the time allowed; the message names the nodes tried.
-    Both a ``redis.ConnectionError`` and a builtin ``ConnectionError``."""
 
 
 def _outage_s() -> float:
@@ -127,169 +113,6 @@ def _is_link_failure(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-class LinkWatch:
-    """How one client's Redis links fare: a log line when they start failing and one when they
-    work again, however many threads or tasks notice at once; the retry loops of its calls
-    (backoff, a deadline, a topology refresh per failure on a cluster, at most one at a time)."""
-
-    # A failure this long after the one before starts a new outage: no retry loop ran in between (their
-    # backoff is at most 2 s, a call on a hung server at most the 20 s read timeout), so the links
-    # worked, unseen, and an outage long over does not count against the give-up.
-    STALE_S = 30.0
-
-    def __init__(self, what: str, nodes: Callable[[], str], refresh: Optional[Callable[[], Any]] = None,
-                 give_up_s: Optional[float] = None, give_up_timed: bool = True):
-        self.what, self._nodes, self._refresh = what, nodes, refresh
-        self.give_up_s = give_up_s  # past this long down, every retrying call fails (the gateway's 503)
-        # whether a call with a deadline of its own gives up too (False: the clients' job waits, which
-        # honour their timeout; the give-up ends a wait with none)
-        self.give_up_timed = give_up_timed
-        self._lock = threading.Lock()
-        self._refreshing = threading.Lock()
-        self._down_since: Optional[float] = None
-        self._failed_at = 0.0
-        self.last_error: Optional[BaseException] = None
-
-    @property
-    def down(self) -> bool:
-        return self._down_since is not None
-
-    def failed(self, exc: BaseException) -> None:
-        with self._lock:
-            now = time.monotonic()
-            self.last_error = exc
-            stale, self._failed_at = now - self._failed_at > self.STALE_S, now
-            if self._down_since is not None and not stale:
-                return
-            self._down_since = now
-        log.warning("%s: Redis link lost (%s: %s); retrying with backoff (nodes: %s)", self.what,
-                    type(exc).__name__, exc, self._nodes())
-
-    def ok(self) -> None:
-        if self._down_since is None:
-            return
-        with self._lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            log.warning("%s: Redis link back after %.1fs", self.what, time.monotonic() - since)
-
-    def unreachable(self, exc: Optional[BaseException] = None) -> RedisUnreachable:
-        exc = exc or self.last_error
-        return RedisUnreachable(f"{self.what}: Redis unreachable (tried {self._nodes()}; last error: "
-                                f"{type(exc).__name__}: {exc})")
-
-    def refresh(self) -> None:
-        """A topology refresh (a cluster), unless one is under way in another thread."""
-        if self._refresh is None or not self._refreshing.acquire(blocking=False):
-            return
-        try:
-            self._refresh()
-        except Exception as exc:
-            log.debug("topology refresh failed: %s", exc)
-        finally:
-            self._refreshing.release()
-
-    async def arefresh(self) -> None:
-        """``refresh`` for an asyncio client (its refresh is a coroutine function)."""
-        if self._refresh is None or not self._refreshing.acquire(blocking=False):
-            return
-        try:
-            await self._refresh()
-        except Exception as exc:
-            log.debug("topology refresh failed: %s", exc)
-        finally:
-            self._refreshing.release()
-
-    def _next_delay(self, exc: Exception, deadline: Optional[float], delay: float, is_link) -> float:
-        """After a failed call: re-raise what is not a link failure, give up past ``deadline``, else
-        the delay after this one (a ceiling: the sleep is drawn under it, :meth:`_pause`)."""
-        if not (is_link or is_link_error)(exc):
-            raise exc
-        self.failed(exc)
-        now, since = time.monotonic(), self._down_since
-        if deadline is not None and now >= deadline:
-            raise self.unreachable(exc) from None
-        if self.give_up_s is not None and since is not None and now - since > self.give_up_s \
-                and (deadline is None or self.give_up_timed):
-            raise self.unreachable(exc) from None
-        return min(2.0, delay * 2)
-
-    @staticmethod
-    def _pause(delay: float, deadline: Optional[float]) -> float:
-        """The sleep before the next try: drawn under ``delay`` (:func:`jittered`), and never past
-        ``deadline``, where the last try goes (a call gives up at its deadline, not a draw before it)."""
-        pause = jittered(delay)
-        return pause if deadline is None else min(pause, max(0.0, deadline - time.monotonic()))
-
-    def backoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
-        """After a failed call: re-raise what is not a link failure, raise :class:`RedisUnreachable`
-        past ``deadline``, else sleep up to ``delay`` (:func:`jittered`), refresh the topology and
-        return the next delay."""
-        nxt = self._next_delay(exc, deadline, delay, is_link)
-        time.sleep(self._pause(delay, deadline))
-        if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
-            self.refresh()
-        return nxt
-
-    async def abackoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
-        """``backoff`` for asyncio code."""
-        nxt = self._next_delay(exc, deadline, delay, is_link)
-        await asyncio.sleep(self._pause(delay, deadline))
-        if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
-            await self.arefresh()
-        return nxt
-
-    def call(self, fn: Callable[[], Any], deadline: Optional[float], is_link=None) -> Any:
-        """``fn()`` until it returns; a link failure is retried with backoff until ``deadline``
-        (monotonic; None: no end), then :class:`RedisUnreachable`."""
-        delay = 0.05
-        while True:
-            try:
-                result = fn()
-            except Exception as exc:
-                delay = self.backoff(exc, deadline, delay, is_link)
-                continue
-            self.ok()
-            return result
-
-    async def acall(self, fn: Callable[[], Any], deadline: Optional[float], is_link=None) -> Any:
-        """``call`` for coroutines: ``await fn()`` until it returns."""
-        delay = 0.05
-        while True:
-            try:
-                result = await fn()
-            except Exception as exc:
-                delay = await self.abackoff(exc, deadline, delay, is_link)
-                continue
-            self.ok()
-            return result
-
-
-def jittered(ceiling: float) -> float:
-    """A retry's sleep: full jitter under the capped exponential ``ceiling`` (redis-py's
-    ``FullJitterBackoff``, one step of it): after a restart or a failover every worker, client and
-    gateway retried on the same beat, all at once."""
-    return FullJitterBackoff(cap=ceiling, base=ceiling).compute(0)
-
-
-def is_link_error(exc: BaseException) -> bool:
-    """A lost link, a restarting server or a failover (retry it), not a refusal."""
-    return isinstance(exc, LINK_ERRORS) or _closed_under_us(exc)
-
-
-def _closed_under_us(exc: BaseException) -> bool:
-    """redis-py's asyncio cluster client disconnects a node's connections when a topology refresh
-    drops or recycles the node, also while another task is sending on one: that task then fails
-    with an AttributeError from inside redis-py's connection code (its stream writer is None).
-    It is a lost link like any other."""
-    if not isinstance(exc, AttributeError):
-        return False
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("redis/asyncio/connection.py")
 
 
 def until_answered(what: str, seeds, wait_s: Optional[float], attempt: Callable[[], Any]) -> Any:
@@ -480,18 +303,14 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, (RedisCluster, AsyncRedisCluster, SlotRedis, AsyncSlotRedis))
 
 
-def for_slot(client: Any, key: str) -> Any:
+def for_slot(client: Any, key: str, pins: Optional[dict] = None) -> Any:
     """The client to use for the keys that share ``key``'s hash slot: the client itself on a
-    single Redis, a :class:`SlotRedis` pinned to the slot's master on a cluster."""
+    single Redis; on a cluster, a client pinned to the slot's master: a :class:`SlotRedis` for a sync
+    client, an :class:`AsyncSlotRedis` for an asyncio one, one per slot, kept in the cluster client
+    (``mlxq_pins``) or else in ``pins``, so that every task (and every ``AsyncClient`` sharing the
+    cluster client, as the gateway's do) shares it."""
     if isinstance(client, RedisCluster):
         return SlotRedis(client, key)
-    return client
-
-
-def for_slot_async(client: Any, key: str, pins: Optional[dict] = None) -> Any:
-    """``for_slot`` for an asyncio client: an :class:`AsyncSlotRedis` on a cluster, one per slot,
-    kept in the cluster client (``mlxq_pins``) or else in ``pins``, so that every task (and every
-    ``AsyncClient`` sharing the cluster client, as the gateway's do) shares it."""
     if not isinstance(client, AsyncRedisCluster):
         return client
     pins = getattr(client, "mlxq_pins", pins)

@@ -18,7 +18,8 @@ from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
 from .jobs import (JobError, check_published_ids, check_token_ids, decode_request, job_grammar, prompt_in_thinking,
                    read_samples, seen_output, start_job, tokenize)
 from .publisher import StepOutput
-from .redis_io import REDIS_ERRORS, Backoff
+from ..shared.linkwatch import Backoff
+from .redis_io import REDIS_ERRORS
 from .textstream import chat_format
 
 log = logging.getLogger(__name__)

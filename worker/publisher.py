@@ -17,7 +17,8 @@ from redis.exceptions import NoScriptError
 
 from ..shared import codec
 from ..shared.protocol import Queue
-from .redis_io import REDIS_ERRORS, Backoff
+from ..shared.linkwatch import Backoff
+from .redis_io import REDIS_ERRORS
 
 log = logging.getLogger(__name__)
 
