@@ -41,7 +41,7 @@ from ..shared.linkwatch import Backoff, LinkWatch, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
 from ..shared.steps import Step
-from .common import (ClientClosed, ConfirmCut, JobNotFound, JobTimeout, StreamState, build_request, check_fits,
+from .records import (ClientClosed, ConfirmCut, JobNotFound, JobTimeout, StreamState, build_request, check_fits,
                      entry_deltas, payload_deltas, result_from_hash)
 
 log = logging.getLogger("mlxq.producer")

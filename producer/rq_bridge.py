@@ -277,7 +277,7 @@ class RqBridge:
 
     def mirror_once(self) -> int:
         """Mirror every pending job that has ended; cancel in mlxq what was cancelled in rq."""
-        from .common import result_from_hash
+        from .records import result_from_hash
 
         items = self.pending()
         if not items:

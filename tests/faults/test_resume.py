@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import redis
 
 from mlxq import Client
-from mlxq.producer.common import StreamState
+from mlxq.producer.records import StreamState
 from mlxq.producer.core import feed_message
 from mlxq.shared import codec
 from mlxq.shared.keys import ModelKeys

@@ -104,7 +104,7 @@ def wait_for(pred, timeout=10.0, interval=0.02):
 
 def job_fields(r, key: str) -> dict:
     """A job record's fields by name, a finished one's tier, worker and times included."""
-    from mlxq.producer.common import record_fields
+    from mlxq.producer.records import record_fields
 
     return record_fields(r.hgetall(key))
 

@@ -266,7 +266,7 @@ def test_requeue_with_an_error_counts_the_attempt_and_ends_the_lease_for_the_rea
 
 
 def test_a_suspect_cancelled_in_the_queue_ends_cancelled_without_the_old_failure(rr):
-    from mlxq.producer.common import result_from_hash
+    from mlxq.producer.records import result_from_hash
 
     q = make_queue(rr)
     a, b = ids(2)
