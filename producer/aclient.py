@@ -23,7 +23,7 @@ from ..shared.steps import Steps, adrive, arun_steps
 
 from .asubscriber import AsyncSubscriber, link_watch
 from .bulkmap import amap_results
-from .records import decode_registry, known_model, pick_model, registry_unreadable, status_text
+from .registry import decode_registry, known_model, pick_model, registry_unreadable, status_text
 from .core import (REPLAY_FIELDS, SYNC, Emit, Enqueue, JobHandle, Origin, Pause, Receive, Resubmit,
                    WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
 

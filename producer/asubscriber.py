@@ -12,7 +12,7 @@ import redis
 from ..shared.connection import is_cluster, node_client_async, nodes_tried, refresh_topology_async
 from ..shared.linkwatch import LinkWatch, is_link_error
 
-from .records import ClientClosed
+from .errors import ClientClosed
 from .core import Inboxes, channel_bytes
 
 log = logging.getLogger(__name__)

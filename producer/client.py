@@ -17,7 +17,7 @@ from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
 from ..shared.steps import Steps, drive, run_steps
 from .bulkmap import map_results
-from .records import decode_registry, known_model, pick_model, registry_unreadable, status_text
+from .registry import decode_registry, known_model, pick_model, registry_unreadable, status_text
 from .core import (REPLAY_FIELDS, SYNC, Emit, Enqueue, JobHandle, Origin, Pause, Receive, Resubmit,
                    WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox

@@ -41,8 +41,8 @@ from ..shared.linkwatch import Backoff, LinkWatch, is_link_error
 from ..shared.keys import ModelKeys
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
 from ..shared.steps import Step
-from .records import (ClientClosed, ConfirmCut, JobNotFound, JobTimeout, StreamState, build_request, check_fits,
-                     entry_deltas, payload_deltas, result_from_hash)
+from .errors import ClientClosed, ConfirmCut, ContextLengthError, JobNotFound, JobTimeout
+from .records import StreamState, entry_deltas, payload_deltas, result_from_hash
 
 log = logging.getLogger("mlxq.producer")
 
@@ -119,6 +119,47 @@ def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes:
     if len(payload) > max_bytes:
         raise ValueError(f"request of {len(payload)} bytes exceeds the {max_bytes}-byte limit")
     return Prepared(req, payload, schema)
+
+
+def build_request(model: str, kwargs: dict[str, Any]) -> GenerateRequest:
+    """Validate a submission before anything reaches Redis (pydantic raises ValueError)."""
+    if kwargs.get("id") is not None:  # ids are 128 random bits, never the caller's choice (guessable)
+        raise ValueError("id= is not accepted: mlxq chooses job ids (128 random bits)")
+    return GenerateRequest.model_validate({"model": model, **{k: v for k, v in kwargs.items() if v is not None}})
+
+
+def check_fits(req: GenerateRequest, info: Optional[dict], count_tokens=None) -> None:
+    """Refuse at submit what the model's worker would refuse anyway (a ValueError, HTTP 400).
+
+    The prompt's length: for ``prompt_tokens`` the count is exact; for text, ``count_tokens(text)``
+    when the caller can tokenize (the gateway on the models' host), else ``bytes / longest token``,
+    a lower bound, so nothing that could fit is refused.  Also ids outside the vocabulary and
+    ``max_tokens`` above the workers' limit.
+    """
+    if not info:
+        return
+    limit = int(info.get("max_new_tokens") or 0)
+    if limit and req.max_tokens > limit:
+        raise ValueError(f"max_tokens {req.max_tokens} exceeds the workers' limit of {limit}")
+    vocab = int(info.get("vocab_size") or 0)
+    if vocab and req.prompt_tokens is not None and any(t >= vocab for t in req.prompt_tokens):
+        raise ValueError(f"prompt_tokens contains ids outside the vocabulary (size {vocab})")
+    ctx = int(info.get("context_length") or 0)
+    if not ctx:
+        return
+    if req.prompt_tokens is not None:
+        n, what = len(req.prompt_tokens), "of"
+    elif req.prompt is not None and count_tokens is not None:
+        n, what = count_tokens(req.prompt), "of"
+    else:
+        text = req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or [])
+        n, what = len(text.encode()) // max(1, int(info.get("max_token_bytes") or 1)), "of at least"
+    if n >= ctx:
+        raise ContextLengthError(f"prompt {what} {n} tokens can never fit the model's context of {ctx} tokens")
+    if "max_tokens" in req.model_fields_set and n + req.max_tokens > ctx:  # n is exact or a lower bound
+        has = f"at least {n}" if what != "of" else str(n)
+        raise ContextLengthError(f"this model's context is {ctx} tokens; the prompt has {has} and max_tokens asks "
+                                 f"for {req.max_tokens} more: lower max_tokens, or shorten the prompt")
 
 
 def pack_request(req: GenerateRequest) -> bytes:

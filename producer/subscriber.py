@@ -22,7 +22,7 @@ import redis
 
 from ..shared.connection import SlotRedis, nodes_tried, refresh_topology
 from ..shared.linkwatch import LINK_ERRORS, LinkWatch
-from .records import ClientClosed
+from .errors import ClientClosed
 from .core import Inboxes, channel_bytes
 
 log = logging.getLogger(__name__)
