@@ -201,7 +201,7 @@ class Preparer:
             raise
         except Exception as exc:  # e.g. the events key holds another type: the record cannot be read
             log.exception("job=%s attempt=%d: reading its durable record failed", entry.job_id, entry.attempt)
-            self.publisher.submit(self._failure(entry, f"its durable record cannot be read: {exc}", INTERNAL_ERROR))
+            self.publisher.publish(self._failure(entry, f"its durable record cannot be read: {exc}", INTERNAL_ERROR))
             return
         tokenizer, vocab = self.loaded.tokenizer, self.model_vocab
         try:
@@ -223,13 +223,13 @@ class Preparer:
                                 grammar=grammar, in_thinking=thinking)
         except JobError as exc:
             log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
-            self.publisher.submit(self._failure(entry, str(exc), INVALID_REQUEST))
+            self.publisher.publish(self._failure(entry, str(exc), INVALID_REQUEST))
             return
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # a tokenizer bug, or a Rust panic (a BaseException), must not kill the worker
             log.exception("job=%s attempt=%d failed to prepare", entry.job_id, entry.attempt)
-            self.publisher.submit(self._failure(entry, f"internal error preparing the job: {exc}", INTERNAL_ERROR))
+            self.publisher.publish(self._failure(entry, f"internal error preparing the job: {exc}", INTERNAL_ERROR))
             return
         self.ready.put(*samples)
 
