@@ -485,11 +485,6 @@ class Queue:
             return []
         return parse_pull(self.run(self.calls.pull(members, worker_id)))
 
-    def publish_deltas(self, items: list[tuple[str, str, bytes, int]], client=None):
-        """Fenced append + publish of token deltas; returns the job keys whose lease was lost
-        (with a pipeline as ``client``: its reply)."""
-        return self.run(self.calls.deltas(items), client)
-
     def complete(self, job_id, owner, status, result: bytes, final_delta: bytes = b"", client=None):
         return self.run(self.calls.complete(job_id, owner, status, result, final_delta), client)
 

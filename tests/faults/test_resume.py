@@ -17,8 +17,8 @@ from mlxq.shared import codec
 from mlxq.shared.keys import ModelKeys
 from mlxq.shared.schemas import Delta
 from mlxq.shared.replay import read_payloads
-from mlxq.worker.jobs import read_published, read_samples
-from workerkit import fast_settings
+from mlxq.worker.jobs import read_samples
+from workerkit import fast_settings, read_published
 from faultkit import StreamCollector, WorkerProc, reference_tokens, wait_registered
 
 K = ModelKeys("tiny")
