@@ -170,7 +170,7 @@ def _text_size(prompt, messages) -> int:
 
 class DefaultModel:
     """``AsyncClient.model``: awaited, the model the client submits to when none is given (the one
-    ``MLXQ_MODEL`` names, else the only one workers serve), as ``Client.model`` is on the sync client."""
+    client's settings' ``model`` names, else the only one workers serve), as ``Client.model`` is on the sync client."""
 
     def __init__(self, client: "AsyncClient"):
         self._client = client
@@ -308,7 +308,7 @@ class AsyncClient:
 
     async def _default_model(self) -> str:
         if self._model is None:
-            self._model = pick_model(None, await self.models())
+            self._model = pick_model(self.settings.model, await self.models())
         return self._model
 
     @property

@@ -194,12 +194,13 @@ class Client:
 
     @property
     def model(self) -> str:
-        """The model this client submits to when none is given: the one passed in, else ``MLXQ_MODEL``,
+        """The model this client submits to when none is given: the one passed in, else its settings' ``model``
+        (``MLXQ_MODEL``),
         else the only one workers serve (``NoModelError`` when that is not one).  ``AsyncClient.model``
         is the same, awaited."""
         with self._lock:
             if self._model is None:
-                self._model = pick_model(None, self.models())
+                self._model = pick_model(self.settings.model, self.models())
             return self._model
 
     @property

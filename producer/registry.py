@@ -4,7 +4,6 @@ submission goes to, whether it exists, and whether a live worker serves it."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Optional
@@ -16,11 +15,10 @@ log = logging.getLogger("mlxq.producer")
 
 
 def pick_model(explicit: Optional[str], registered: dict[str, dict]) -> str:
+    """The model a submission goes to: ``explicit`` (a client's ``model=``, else its settings' ``model``),
+    else the only one workers serve."""
     if explicit:
         return explicit
-    env = os.environ.get("MLXQ_MODEL")
-    if env:
-        return env
     if len(registered) == 1:
         return next(iter(registered))
     if not registered:
