@@ -294,6 +294,8 @@ class ScriptCalls:
 
     def submit(self, job_id: str, request: bytes, key_hash: str | None, floor: str | None,
                idempotency_key: str | None):
+        """submit.lua (the Function ``mlxq_submit``: script names are the protocol's): the job's record and
+        its id on the intake list, where a worker's ``admit`` decides tier and score."""
         k, s = self.k, self.s
         idem = k.idempotency(idempotency_key, key_hash) if idempotency_key else k.job(job_id)
         return ("submit", [k.job(job_id), idem, k.intake, k.wake],
