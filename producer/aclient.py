@@ -12,13 +12,14 @@ from typing import Any, AsyncIterator, Optional
 from redis.exceptions import NoPermissionError, ResponseError
 
 from ..shared import apikeys
-from ..shared.connection import close_pins, connect_async, for_slot, is_cluster, one_connection_async, replica_acked
+from ..shared.connection import connect_async, replica_acked
 from ..shared.keys import GlobalKeys, ModelKeys
 from ..shared.linkwatch import LinkWatch
 from ..shared.protocol import (SCRIPT_NAMES, CopyPolicy, Enqueued, ScriptCalls, cancel_steps, copy_policy,
                                enqueue_steps, fcall_failed, run_script, script_source)
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
+from ..shared.slots import close_pins, for_slot, is_cluster, one_connection_async
 from ..shared.steps import Steps, adrive, arun_steps
 
 from .asubscriber import AsyncSubscriber, link_watch

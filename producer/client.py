@@ -9,12 +9,13 @@ from typing import Any, Iterator, Optional
 from redis.exceptions import NoPermissionError
 
 from ..shared import apikeys
-from ..shared.connection import connect as shared_connect, is_cluster, nodes_tried, refresh_topology
-from ..shared.linkwatch import LinkWatch
+from ..shared.connection import connect as shared_connect, nodes_tried
 from ..shared.keys import GlobalKeys
+from ..shared.linkwatch import LinkWatch
 from ..shared.protocol import Enqueued, Queue
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
+from ..shared.slots import is_cluster, refresh_topology
 from ..shared.steps import Steps, drive, run_steps
 from .bulkmap import map_results
 from .registry import decode_registry, known_model, pick_model, registry_unreadable, status_text

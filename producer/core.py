@@ -36,10 +36,10 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ..shared import codec, replay
-from ..shared.connection import is_cluster
-from ..shared.linkwatch import Backoff, LinkWatch, is_link_error
 from ..shared.keys import ModelKeys
+from ..shared.linkwatch import Backoff, LinkWatch, is_link_error
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
+from ..shared.slots import is_cluster
 from ..shared.steps import Step
 from .errors import ClientClosed, ConfirmCut, ContextLengthError, JobNotFound, JobTimeout
 from .records import StreamState, entry_deltas, payload_deltas, result_from_hash

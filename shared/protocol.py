@@ -15,10 +15,11 @@ from typing import Any, NamedTuple, Optional
 
 from redis.exceptions import NoPermissionError, ResponseError
 
-from .connection import for_slot, is_cluster, one_connection, replica_acked
+from .connection import replica_acked
 from .apikeys import AuthError
 from .keys import ModelKeys
 from .settings import Settings
+from .slots import for_slot, is_cluster, one_connection
 from .steps import run_steps
 
 SCRIPT_NAMES = ("enqueue", "admit", "pull", "deltas", "complete", "requeue", "cancel", "renew", "reap",
@@ -60,7 +61,7 @@ def function_library() -> str:
 
 def load_functions(redis) -> None:
     """Load (or replace) the library on every master: a worker does it at start."""
-    from .connection import SlotRedis
+    from .slots import SlotRedis
 
     code = function_library()
     cluster = redis.cluster if isinstance(redis, SlotRedis) else redis
