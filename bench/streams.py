@@ -103,7 +103,7 @@ FAKE_WORKER = textwrap.dedent('''
             return codec.pack({"a": p.attempt, "s": seq, "n": seq - 1, "c": seq - 1, "t": "x", "i": [7],
                                "f": finish})
         if not last:  # the worker's fenced append + publish: one script call for the step
-            q.publish_deltas([(p.job_id, f"fake:{p.attempt}", delta(p), seq) for p in pulled], client=pipe)
+            q.run(q.calls.deltas([(p.job_id, f"fake:{p.attempt}", delta(p), seq) for p in pulled]), pipe)
         else:
             for p in pulled:
                 res = codec.pack({"id": p.job_id, "text": "x" * tokens, "token_ids": [7] * tokens,

@@ -12,19 +12,20 @@ from typing import Any, AsyncIterator, Optional
 from redis.exceptions import NoPermissionError, ResponseError
 
 from ..shared import apikeys
-from ..shared.connection import (LinkWatch, close_pins, connect_async, for_slot_async, is_cluster, one_connection_async,
-                                 replica_acked)
+from ..shared.connection import connect_async, replica_acked
 from ..shared.keys import GlobalKeys, ModelKeys
+from ..shared.linkwatch import LinkWatch
 from ..shared.protocol import (SCRIPT_NAMES, CopyPolicy, Enqueued, ScriptCalls, cancel_steps, copy_policy,
                                enqueue_steps, fcall_failed, run_script, script_source)
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
+from ..shared.slots import close_pins, for_slot, is_cluster, one_connection_async
 from ..shared.steps import Steps, adrive, arun_steps
 
 from .asubscriber import AsyncSubscriber, link_watch
 from .bulkmap import amap_results
-from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobHandle, Origin, Receive, Resubmit,
+from .registry import decode_registry, known_model, pick_model, registry_unreadable, status_text
+from .core import (REPLAY_FIELDS, SYNC, Emit, Enqueue, JobHandle, Origin, Pause, Receive, Resubmit,
                    WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,8 @@ class AsyncJob(JobHandle):
     async def _io_wait_done(self, op: WaitDone) -> None:
         await self._redis.blpop([self._keys.done(self.id)], timeout=op.seconds)
 
-    async def _io_backoff(self, op: Backoff) -> float:
-        return await self._client.watch.abackoff(op.error, op.deadline, op.delay, retryable)
+    async def _io_pause(self, op: Pause) -> None:
+        await self._client.watch.abackoff(op.error, op.deadline, op.backoff, retryable)
 
     async def _io_resubmit(self, op: Resubmit) -> str:
         origin = self._core.origin
@@ -170,7 +171,7 @@ def _text_size(prompt, messages) -> int:
 
 class DefaultModel:
     """``AsyncClient.model``: awaited, the model the client submits to when none is given (the one
-    ``MLXQ_MODEL`` names, else the only one workers serve), as ``Client.model`` is on the sync client."""
+    client's settings' ``model`` names, else the only one workers serve), as ``Client.model`` is on the sync client."""
 
     def __init__(self, client: "AsyncClient"):
         self._client = client
@@ -223,7 +224,7 @@ class AsyncClient:
     def at(self, key: str):
         """The client for ``key``'s slot: ``self.redis`` on a single Redis; on a cluster a plain
         client on the slot's master, shared by every task, re-resolved once per failover."""
-        return for_slot_async(self.redis, key, self._pins)
+        return for_slot(self.redis, key, self._pins)
 
     def calls(self, model: str) -> ScriptCalls:
         return ScriptCalls(self.gkeys.model_keys(model), self.settings, self.cluster)
@@ -273,7 +274,7 @@ class AsyncClient:
         return await self._run_steps(cancel_steps(self, self.calls(model), job_id), model)
 
     def _copy_policy_blocking(self, model: str) -> None:
-        from ..shared.connection import connect, for_slot
+        from ..shared.connection import connect
 
         keys = self.gkeys.model_keys(model)
         r = connect(self._url) if self._url is not None else None
@@ -308,7 +309,7 @@ class AsyncClient:
 
     async def _default_model(self) -> str:
         if self._model is None:
-            self._model = pick_model(None, await self.models())
+            self._model = pick_model(self.settings.model, await self.models())
         return self._model
 
     @property

@@ -9,10 +9,11 @@ from typing import Optional
 
 import redis
 
-from ..shared.connection import LinkWatch, is_cluster, is_link_error, node_client_async, \
-    nodes_tried, refresh_topology_async
+from ..shared.connection import nodes_tried
+from ..shared.linkwatch import LinkWatch, is_link_error
+from ..shared.slots import is_cluster, node_client_async, refresh_topology_async
 
-from .common import ClientClosed
+from .errors import ClientClosed
 from .core import Inboxes, channel_bytes
 
 log = logging.getLogger(__name__)

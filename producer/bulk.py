@@ -52,7 +52,7 @@ from ..shared.protocol import OverloadError
 from ..shared.schemas import INVALID_REQUEST, Result
 from ..shared.genopts import check_defaults, error_text
 from .bulkmap import BULK_TIER_FLOOR, as_params, submit_with_backoff
-from .common import result_from_hash
+from .records import result_from_hash
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from ..shared.genopts import check_defaults, error_text
 from ..shared.protocol import OverloadError
 from ..shared.schemas import Result
 from ..shared.steps import Step, Steps, adrive, arun_steps, drive, run_steps
-from .common import NoModelError, known_model
+from .errors import NoModelError
+from .registry import known_model
 from .core import MAX_RESUBMITS, Enqueue, Origin, prepare
 
 log = logging.getLogger(__name__)

@@ -9,15 +9,17 @@ from typing import Any, Iterator, Optional
 from redis.exceptions import NoPermissionError
 
 from ..shared import apikeys
-from ..shared.connection import LinkWatch, connect as shared_connect, is_cluster, nodes_tried, refresh_topology
+from ..shared.connection import connect as shared_connect, nodes_tried
 from ..shared.keys import GlobalKeys
+from ..shared.linkwatch import LinkWatch
 from ..shared.protocol import Enqueued, Queue
 from ..shared.schemas import Delta, Result
 from ..shared.settings import Settings
+from ..shared.slots import is_cluster, refresh_topology
 from ..shared.steps import Steps, drive, run_steps
 from .bulkmap import map_results
-from .common import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Backoff, Emit, Enqueue, JobHandle, Origin, Receive, Resubmit,
+from .registry import decode_registry, known_model, pick_model, registry_unreadable, status_text
+from .core import (REPLAY_FIELDS, SYNC, Emit, Enqueue, JobHandle, Origin, Pause, Receive, Resubmit,
                    WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
@@ -96,8 +98,8 @@ class Job(JobHandle):
     def _io_wait_done(self, op: WaitDone) -> None:
         self._client.redis.blpop([self._keys.done(self.id)], timeout=op.seconds)
 
-    def _io_backoff(self, op: Backoff) -> float:
-        return self._client.watch.backoff(op.error, op.deadline, op.delay, retryable)
+    def _io_pause(self, op: Pause) -> None:
+        self._client.watch.backoff(op.error, op.deadline, op.backoff, retryable)
 
     def _io_resubmit(self, op: Resubmit) -> str:
         origin = self._core.origin
@@ -193,12 +195,13 @@ class Client:
 
     @property
     def model(self) -> str:
-        """The model this client submits to when none is given: the one passed in, else ``MLXQ_MODEL``,
+        """The model this client submits to when none is given: the one passed in, else its settings' ``model``
+        (``MLXQ_MODEL``),
         else the only one workers serve (``NoModelError`` when that is not one).  ``AsyncClient.model``
         is the same, awaited."""
         with self._lock:
             if self._model is None:
-                self._model = pick_model(None, self.models())
+                self._model = pick_model(self.settings.model, self.models())
             return self._model
 
     @property

@@ -6,7 +6,7 @@ The two clients only do I/O.  Everything they must agree on lives here, with no 
   its JSON schema and packs the payload (the size limit included);
 - **a job's two waits** (``JobCore.stream`` and ``JobCore.wait_result``) are generators that say
   which Redis read they need next (``Receive``, ``READ_EVENTS``, ``READ_RECORD``, ``WaitDone``), what
-  to hand the caller (``Emit``) and when to back off (``Backoff``).  Each job class runs them with
+  to hand the caller (``Emit``) and when to back off (``Pause``).  Each job class runs them with
   one short loop (``Job._drive`` / ``AsyncJob._drive`` over ``Steps``) that does the read it is told
   (the method ``JobHandle._handlers`` maps the request's class to), with its own socket and its own
   way of waiting, and sends back the reply or throws in the error;
@@ -36,17 +36,17 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ..shared import codec, replay
-from ..shared.connection import LinkWatch, is_cluster, is_link_error
 from ..shared.keys import ModelKeys
+from ..shared.linkwatch import Backoff, LinkWatch, is_link_error
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
+from ..shared.slots import is_cluster
 from ..shared.steps import Step
-from .common import (ClientClosed, ConfirmCut, JobNotFound, JobTimeout, StreamState, build_request, check_fits,
-                     entry_deltas, payload_deltas, result_from_hash)
+from .errors import ClientClosed, ConfirmCut, ContextLengthError, JobNotFound, JobTimeout
+from .records import StreamState, entry_deltas, payload_deltas, result_from_hash
 
 log = logging.getLogger("mlxq.producer")
 
 SYNC = b"sync"  # what a job's inbox gets when it must read its durable record (the link was lost)
-FIRST_DELAY_S = 0.05  # the first backoff after a lost link (it doubles, see LinkWatch)
 WAIT_S = 1.0  # the longest single wait on a job's inbox or done list
 
 
@@ -119,6 +119,47 @@ def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes:
     if len(payload) > max_bytes:
         raise ValueError(f"request of {len(payload)} bytes exceeds the {max_bytes}-byte limit")
     return Prepared(req, payload, schema)
+
+
+def build_request(model: str, kwargs: dict[str, Any]) -> GenerateRequest:
+    """Validate a submission before anything reaches Redis (pydantic raises ValueError)."""
+    if kwargs.get("id") is not None:  # ids are 128 random bits, never the caller's choice (guessable)
+        raise ValueError("id= is not accepted: mlxq chooses job ids (128 random bits)")
+    return GenerateRequest.model_validate({"model": model, **{k: v for k, v in kwargs.items() if v is not None}})
+
+
+def check_fits(req: GenerateRequest, info: Optional[dict], count_tokens=None) -> None:
+    """Refuse at submit what the model's worker would refuse anyway (a ValueError, HTTP 400).
+
+    The prompt's length: for ``prompt_tokens`` the count is exact; for text, ``count_tokens(text)``
+    when the caller can tokenize (the gateway on the models' host), else ``bytes / longest token``,
+    a lower bound, so nothing that could fit is refused.  Also ids outside the vocabulary and
+    ``max_tokens`` above the workers' limit.
+    """
+    if not info:
+        return
+    limit = int(info.get("max_new_tokens") or 0)
+    if limit and req.max_tokens > limit:
+        raise ValueError(f"max_tokens {req.max_tokens} exceeds the workers' limit of {limit}")
+    vocab = int(info.get("vocab_size") or 0)
+    if vocab and req.prompt_tokens is not None and any(t >= vocab for t in req.prompt_tokens):
+        raise ValueError(f"prompt_tokens contains ids outside the vocabulary (size {vocab})")
+    ctx = int(info.get("context_length") or 0)
+    if not ctx:
+        return
+    if req.prompt_tokens is not None:
+        n, what = len(req.prompt_tokens), "of"
+    elif req.prompt is not None and count_tokens is not None:
+        n, what = count_tokens(req.prompt), "of"
+    else:
+        text = req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or [])
+        n, what = len(text.encode()) // max(1, int(info.get("max_token_bytes") or 1)), "of at least"
+    if n >= ctx:
+        raise ContextLengthError(f"prompt {what} {n} tokens can never fit the model's context of {ctx} tokens")
+    if "max_tokens" in req.model_fields_set and n + req.max_tokens > ctx:  # n is exact or a lower bound
+        has = f"at least {n}" if what != "of" else str(n)
+        raise ContextLengthError(f"this model's context is {ctx} tokens; the prompt has {has} and max_tokens asks "
+                                 f"for {req.max_tokens} more: lower max_tokens, or shorten the prompt")
 
 
 def pack_request(req: GenerateRequest) -> bytes:
@@ -273,12 +314,12 @@ class WaitDone:
 
 
 @dataclass(frozen=True)
-class Backoff:
+class Pause:
     """A failed read: ``LinkWatch.backoff`` with ``retryable`` (re-raises what is not a pause, gives
-    up past ``deadline``, sleeps); reply: the next delay."""
+    up past ``deadline``, sleeps what ``backoff`` draws); reply ignored."""
     error: Exception
     deadline: Optional[float]
-    delay: float
+    backoff: Backoff
 
 
 @dataclass(frozen=True)
@@ -358,7 +399,7 @@ class JobCore:
         """``attempt`` until ``finished()``: a lost link is a pause (backoff), within ``timeout``."""
         deadline = deadline_of(timeout)
         late = f"job {self.id} did not finish within {timeout}s"
-        delay = FIRST_DELAY_S
+        backoff = self.watch.new_backoff()
         while not finished():
             self._check_open()
             check_deadline(self.watch, deadline, late)
@@ -368,9 +409,9 @@ class JobCore:
                 self._check_open(exc)  # what a read fails with once its socket was closed under it
                 if isinstance(exc, ConfirmCut):  # a wait the deadline cut short is no lost link
                     check_deadline(self.watch, deadline, late)
-                delay = yield Backoff(exc, deadline, delay)
+                yield Pause(exc, deadline, backoff)
                 continue
-            delay = FIRST_DELAY_S
+            backoff.ok()
             self.watch.ok()
             self.undelivered.extend(out)
             if self.undelivered:
@@ -477,7 +518,7 @@ class JobHandle:
     def _handlers(self) -> dict:
         """Each request of the core and the method that does it."""
         return {Receive: self._io_receive, ReadEvents: self._io_read_events, ReadReplay: self._io_read_replay,
-                ReadRecord: self._io_read_record, WaitDone: self._io_wait_done, Backoff: self._io_backoff,
+                ReadRecord: self._io_read_record, WaitDone: self._io_wait_done, Pause: self._io_pause,
                 Resubmit: self._io_resubmit}
 
 

@@ -112,9 +112,8 @@ def generate(prompt: Optional[str] = None, **kwargs: Any) -> dict:
         # the bridge's own key, as under a worker's --rq-queues (the queue name is a floor on its tier)
         client = Client(settings=settings, redis_client=rq_job.connection, api_key=settings.rq_api_key)
         tier, idem = tier_for_queue(rq_job.origin), f"rq:{rq_job.id}"
-    else:  # called directly: the caller's own key, from where the CLI takes it (not a Settings field: a
-        # caller's credential, which no worker or gateway uses)
-        client = Client(settings=settings, api_key=os.environ.get("MLXQ_API_KEY"))
+    else:  # called directly: the caller's own key, as the CLI takes it
+        client = Client(settings=settings, api_key=settings.api_key)
         tier, idem = client.tier(DEFAULT_TIER), None
     enq = enqueue_generation(client, {"prompt": prompt, **kwargs}, tier, idem)
     log.info("job=%s attempt=%d submitted for rq job %s", enq.job_id, 0, rq_job.id if rq_job else "-")
@@ -277,7 +276,7 @@ class RqBridge:
 
     def mirror_once(self) -> int:
         """Mirror every pending job that has ended; cancel in mlxq what was cancelled in rq."""
-        from .common import result_from_hash
+        from .records import result_from_hash
 
         items = self.pending()
         if not items:

@@ -20,8 +20,10 @@ from typing import Optional
 
 import redis
 
-from ..shared.connection import LINK_ERRORS, LinkWatch, SlotRedis, nodes_tried, refresh_topology
-from .common import ClientClosed
+from ..shared.connection import nodes_tried
+from ..shared.linkwatch import LINK_ERRORS, LinkWatch
+from ..shared.slots import SlotRedis, refresh_topology
+from .errors import ClientClosed
 from .core import Inboxes, channel_bytes
 
 log = logging.getLogger(__name__)

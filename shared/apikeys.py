@@ -263,7 +263,7 @@ def set_policy(redis, gk: GlobalKeys, offsets: Optional[dict[str, float]] = None
     if anonymous == "default":  # back to the default: refused once keys exist
         redis.hdel(gk.policy, "anonymous")
     redis.incr(gk.policy_version)
-    from .connection import for_slot
+    from .slots import for_slot
 
     for model in _models(redis, gk):
         sync_model(redis, for_slot(redis, gk.model_keys(model).policy), gk, model)

@@ -14,22 +14,15 @@ Cluster mode is detected (``INFO cluster`` reports ``cluster_enabled:1``) unless
   within ``wait_s`` the connect fails with one line naming them (never a guess).
 
 A cluster client keeps its configured seeds for good: every topology refresh mlxq asks for
-(:func:`refresh_topology`) asks the seeds plus every node discovered so far, so losing any one
+(:func:`.slots.refresh_topology`) asks the seeds plus every node discovered so far, so losing any one
 node, the one in the URL included, never leaves it without a node to ask.
 
-On a cluster every model's keys share one hash slot (``{mlxq:<model>}``), so all
-of a model's traffic can go to the master serving that slot over one plain
-connection: :class:`SlotRedis` pins it there and re-resolves the slot's owner
-after a ``MOVED`` reply or a lost link (a failover).  Plain connections keep
-Lua scripts and pipelines working exactly as on a single Redis, which redis-py's
-cluster pipeline does not (it refuses EVALSHA).
+Once connected, a cluster client's traffic goes through the pins of :mod:`.slots` (one plain
+connection to the master serving a model's hash slot).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
 import logging
 import threading
 import time
@@ -37,24 +30,17 @@ from typing import Any, Callable, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
-from redis.backoff import FullJitterBackoff
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import (ClusterDownError, MovedError, ReadOnlyError, RedisClusterException,
-                              TryAgainError)
+from redis.exceptions import ClusterDownError
 
+# LINK_ERRORS and RedisUnreachable: what every caller of connect() catches, importable from here
+from .linkwatch import LINK_ERRORS, LinkWatch, RedisUnreachable  # noqa: F401
 from .settings import Settings
+# close_pins: the gateway's import path, until its split imports it from .slots
+from .slots import close_pins  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-# Errors after which a slot's owner must be looked up again (and the call retried by its caller).
-RESLOT_ERRORS = (redis.ConnectionError, redis.TimeoutError, MovedError, ClusterDownError, TryAgainError,
-                 ReadOnlyError)
-# Everything a lost link, a restarting server or a failover can raise: a producer retries these
-# (with backoff, within its request's time) instead of failing.  RedisClusterException is what
-# redis-py's cluster client raises when no node it knows answers a topology refresh.
-# (socket errors: the builtin ConnectionError, not OSError, which a refusal such as a PermissionError is)
-LINK_ERRORS = (redis.BusyLoadingError, ConnectionError, RedisClusterException) + RESLOT_ERRORS
 
 _TRUE = {"1", "yes", "true", "on"}
 _FALSE = {"0", "no", "false", "off"}
@@ -64,11 +50,6 @@ _FALSE = {"0", "no", "false", "off"}
 # BLPOP, waits at most a few seconds).
 DEFAULT_KW = dict(health_check_interval=30, socket_keepalive=True, max_connections=10_000,
                   socket_connect_timeout=5, socket_timeout=20)
-
-
-class RedisUnreachable(redis.ConnectionError, ConnectionError):
-    """No Redis node answered within the time allowed; the message names the nodes tried.
-    Both a ``redis.ConnectionError`` and a builtin ``ConnectionError``."""
 
 
 def _outage_s() -> float:
@@ -127,169 +108,6 @@ def _is_link_failure(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-class LinkWatch:
-    """How one client's Redis links fare: a log line when they start failing and one when they
-    work again, however many threads or tasks notice at once; the retry loops of its calls
-    (backoff, a deadline, a topology refresh per failure on a cluster, at most one at a time)."""
-
-    # A failure this long after the one before starts a new outage: no retry loop ran in between (their
-    # backoff is at most 2 s, a call on a hung server at most the 20 s read timeout), so the links
-    # worked, unseen, and an outage long over does not count against the give-up.
-    STALE_S = 30.0
-
-    def __init__(self, what: str, nodes: Callable[[], str], refresh: Optional[Callable[[], Any]] = None,
-                 give_up_s: Optional[float] = None, give_up_timed: bool = True):
-        self.what, self._nodes, self._refresh = what, nodes, refresh
-        self.give_up_s = give_up_s  # past this long down, every retrying call fails (the gateway's 503)
-        # whether a call with a deadline of its own gives up too (False: the clients' job waits, which
-        # honour their timeout; the give-up ends a wait with none)
-        self.give_up_timed = give_up_timed
-        self._lock = threading.Lock()
-        self._refreshing = threading.Lock()
-        self._down_since: Optional[float] = None
-        self._failed_at = 0.0
-        self.last_error: Optional[BaseException] = None
-
-    @property
-    def down(self) -> bool:
-        return self._down_since is not None
-
-    def failed(self, exc: BaseException) -> None:
-        with self._lock:
-            now = time.monotonic()
-            self.last_error = exc
-            stale, self._failed_at = now - self._failed_at > self.STALE_S, now
-            if self._down_since is not None and not stale:
-                return
-            self._down_since = now
-        log.warning("%s: Redis link lost (%s: %s); retrying with backoff (nodes: %s)", self.what,
-                    type(exc).__name__, exc, self._nodes())
-
-    def ok(self) -> None:
-        if self._down_since is None:
-            return
-        with self._lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            log.warning("%s: Redis link back after %.1fs", self.what, time.monotonic() - since)
-
-    def unreachable(self, exc: Optional[BaseException] = None) -> RedisUnreachable:
-        exc = exc or self.last_error
-        return RedisUnreachable(f"{self.what}: Redis unreachable (tried {self._nodes()}; last error: "
-                                f"{type(exc).__name__}: {exc})")
-
-    def refresh(self) -> None:
-        """A topology refresh (a cluster), unless one is under way in another thread."""
-        if self._refresh is None or not self._refreshing.acquire(blocking=False):
-            return
-        try:
-            self._refresh()
-        except Exception as exc:
-            log.debug("topology refresh failed: %s", exc)
-        finally:
-            self._refreshing.release()
-
-    async def arefresh(self) -> None:
-        """``refresh`` for an asyncio client (its refresh is a coroutine function)."""
-        if self._refresh is None or not self._refreshing.acquire(blocking=False):
-            return
-        try:
-            await self._refresh()
-        except Exception as exc:
-            log.debug("topology refresh failed: %s", exc)
-        finally:
-            self._refreshing.release()
-
-    def _next_delay(self, exc: Exception, deadline: Optional[float], delay: float, is_link) -> float:
-        """After a failed call: re-raise what is not a link failure, give up past ``deadline``, else
-        the delay after this one (a ceiling: the sleep is drawn under it, :meth:`_pause`)."""
-        if not (is_link or is_link_error)(exc):
-            raise exc
-        self.failed(exc)
-        now, since = time.monotonic(), self._down_since
-        if deadline is not None and now >= deadline:
-            raise self.unreachable(exc) from None
-        if self.give_up_s is not None and since is not None and now - since > self.give_up_s \
-                and (deadline is None or self.give_up_timed):
-            raise self.unreachable(exc) from None
-        return min(2.0, delay * 2)
-
-    @staticmethod
-    def _pause(delay: float, deadline: Optional[float]) -> float:
-        """The sleep before the next try: drawn under ``delay`` (:func:`jittered`), and never past
-        ``deadline``, where the last try goes (a call gives up at its deadline, not a draw before it)."""
-        pause = jittered(delay)
-        return pause if deadline is None else min(pause, max(0.0, deadline - time.monotonic()))
-
-    def backoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
-        """After a failed call: re-raise what is not a link failure, raise :class:`RedisUnreachable`
-        past ``deadline``, else sleep up to ``delay`` (:func:`jittered`), refresh the topology and
-        return the next delay."""
-        nxt = self._next_delay(exc, deadline, delay, is_link)
-        time.sleep(self._pause(delay, deadline))
-        if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
-            self.refresh()
-        return nxt
-
-    async def abackoff(self, exc: Exception, deadline: Optional[float], delay: float, is_link=None) -> float:
-        """``backoff`` for asyncio code."""
-        nxt = self._next_delay(exc, deadline, delay, is_link)
-        await asyncio.sleep(self._pause(delay, deadline))
-        if isinstance(exc, LINK_ERRORS):  # (a connection closed under us needs no new topology)
-            await self.arefresh()
-        return nxt
-
-    def call(self, fn: Callable[[], Any], deadline: Optional[float], is_link=None) -> Any:
-        """``fn()`` until it returns; a link failure is retried with backoff until ``deadline``
-        (monotonic; None: no end), then :class:`RedisUnreachable`."""
-        delay = 0.05
-        while True:
-            try:
-                result = fn()
-            except Exception as exc:
-                delay = self.backoff(exc, deadline, delay, is_link)
-                continue
-            self.ok()
-            return result
-
-    async def acall(self, fn: Callable[[], Any], deadline: Optional[float], is_link=None) -> Any:
-        """``call`` for coroutines: ``await fn()`` until it returns."""
-        delay = 0.05
-        while True:
-            try:
-                result = await fn()
-            except Exception as exc:
-                delay = await self.abackoff(exc, deadline, delay, is_link)
-                continue
-            self.ok()
-            return result
-
-
-def jittered(ceiling: float) -> float:
-    """A retry's sleep: full jitter under the capped exponential ``ceiling`` (redis-py's
-    ``FullJitterBackoff``, one step of it): after a restart or a failover every worker, client and
-    gateway retried on the same beat, all at once."""
-    return FullJitterBackoff(cap=ceiling, base=ceiling).compute(0)
-
-
-def is_link_error(exc: BaseException) -> bool:
-    """A lost link, a restarting server or a failover (retry it), not a refusal."""
-    return isinstance(exc, LINK_ERRORS) or _closed_under_us(exc)
-
-
-def _closed_under_us(exc: BaseException) -> bool:
-    """redis-py's asyncio cluster client disconnects a node's connections when a topology refresh
-    drops or recycles the node, also while another task is sending on one: that task then fails
-    with an AttributeError from inside redis-py's connection code (its stream writer is None).
-    It is a lost link like any other."""
-    if not isinstance(exc, AttributeError):
-        return False
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("redis/asyncio/connection.py")
 
 
 def until_answered(what: str, seeds, wait_s: Optional[float], attempt: Callable[[], Any]) -> Any:
@@ -398,7 +216,7 @@ class AsyncSeededCluster(AsyncRedisCluster):
 
     def __init__(self, *args, mlxq_seeds: Seeds, **kw):
         self.mlxq_seeds = mlxq_seeds
-        self.mlxq_pins: dict[int, AsyncSlotRedis] = {}  # one pin per slot, shared by every task and client
+        self.mlxq_pins: dict = {}  # slot -> its slots.AsyncSlotRedis, shared by every task and client
         super().__init__(*args, **kw)
 
 
@@ -412,39 +230,6 @@ def nodes_tried(client: Any) -> str:
         return f"{kw.get('host', kw.get('path'))}:{kw.get('port', '')}".rstrip(":")
     except AttributeError:
         return repr(client)
-
-
-def refresh_topology(cluster: RedisCluster) -> None:
-    """Ask who serves which slot now: the configured seeds plus every node discovered so far
-    (raises when none answers; the caller retries)."""
-    nm = cluster.nodes_manager
-    seeds: Optional[Seeds] = getattr(cluster, "mlxq_seeds", None)
-    if seeds is None:
-        nm.initialize()
-        return
-    seeds.learn(list(nm.nodes_cache.values()))
-    nm.initialize(additional_startup_nodes_info=seeds.missing_from(dict(nm.startup_nodes)))
-    seeds.learn(list(nm.nodes_cache.values()))
-
-
-async def refresh_topology_async(cluster) -> None:
-    """``refresh_topology`` for the asyncio cluster client.  Only the slot map is re-read (the
-    NodesManager) once the client is initialized: a failed ``RedisCluster.initialize`` closes every
-    node's connections, also those other tasks are sending on.  A client that redis-py marked for
-    re-initialization (after a failed command of its own) is initialized here, from the seeds too:
-    mlxq's traffic goes over pinned plain clients (:class:`AsyncSlotRedis`) and pub/sub links of
-    its own, which that does not disturb, and the pins and pub/sub links need the new slot map."""
-    nm = cluster.nodes_manager
-    seeds: Optional[Seeds] = getattr(cluster, "mlxq_seeds", None)
-    if seeds is not None:
-        seeds.learn(list(nm.nodes_cache.values()))
-    extra = None if seeds is None else seeds.missing_from(dict(nm.startup_nodes)) or None
-    if cluster._initialize:
-        await cluster.initialize(additional_startup_nodes_info=extra)
-    else:
-        await nm.initialize(additional_startup_nodes_info=extra)
-    if seeds is not None:
-        seeds.learn(list(cluster.nodes_manager.nodes_cache.values()))
 
 
 def connect(url: Optional[str], *, wait_s: Optional[float] = None, **kw: Any) -> redis.Redis | RedisCluster:
@@ -476,265 +261,9 @@ def connect_async(url: Optional[str], *, wait_s: Optional[float] = None, **kw: A
     return AsyncSeededCluster.from_url(first, startup_nodes=others, mlxq_seeds=Seeds(seeds), **opts)
 
 
-def is_cluster(client: Any) -> bool:
-    return isinstance(client, (RedisCluster, AsyncRedisCluster, SlotRedis, AsyncSlotRedis))
-
-
-def for_slot(client: Any, key: str) -> Any:
-    """The client to use for the keys that share ``key``'s hash slot: the client itself on a
-    single Redis, a :class:`SlotRedis` pinned to the slot's master on a cluster."""
-    if isinstance(client, RedisCluster):
-        return SlotRedis(client, key)
-    return client
-
-
-def for_slot_async(client: Any, key: str, pins: Optional[dict] = None) -> Any:
-    """``for_slot`` for an asyncio client: an :class:`AsyncSlotRedis` on a cluster, one per slot,
-    kept in the cluster client (``mlxq_pins``) or else in ``pins``, so that every task (and every
-    ``AsyncClient`` sharing the cluster client, as the gateway's do) shares it."""
-    if not isinstance(client, AsyncRedisCluster):
-        return client
-    pins = getattr(client, "mlxq_pins", pins)
-    slot = client.keyslot(key)
-    if pins is None:
-        return AsyncSlotRedis(client, slot)
-    pin = pins.get(slot)
-    if pin is None:
-        pin = pins[slot] = AsyncSlotRedis(client, slot)
-    return pin
-
-
-def _not_sent(exc: Exception) -> bool:
-    """True when the failed command certainly did not run (safe to send again)."""
-    if isinstance(exc, (MovedError, ClusterDownError, TryAgainError)):
-        return True
-    return isinstance(exc, redis.ConnectionError) and "connecting to" in str(exc)
-
-
-class SlotRedis:
-    """A plain ``redis.Redis`` on the master that serves one hash slot of a cluster.
-
-    Attribute access goes to that node's client.  A call that fails with a
-    ``MOVED``, a lost link or a cluster-down error marks the pin stale and
-    re-raises; the next call asks the cluster who serves the slot now (after a
-    failover: the promoted replica).  Pipelines do the same on ``execute``.
-    """
-
-    cluster_mode = True
-
-    def __init__(self, cluster: RedisCluster, key: str):
-        self.cluster = cluster
-        self.key = key
-        self.slot = cluster.keyslot(key)
-        self._lock = threading.Lock()
-        self._node_client: Optional[redis.Redis] = None
-
-    def __repr__(self) -> str:
-        return f"SlotRedis(slot={self.slot})"
-
-    def current(self) -> redis.Redis:
-        with self._lock:
-            if self._node_client is None:
-                node = self.cluster.nodes_manager.get_node_from_slot(self.slot)
-                self._node_client = self.cluster.get_redis_connection(node)
-            return self._node_client
-
-    def invalidate(self) -> None:
-        """Forget the pinned node and refresh the cluster's view of slot owners."""
-        with self._lock:
-            self._node_client = None
-        try:
-            refresh_topology(self.cluster)
-        except Exception as exc:  # every known node unreachable: the next call retries
-            log.debug("cluster topology refresh failed: %s", exc)
-
-    def _guard(self, name: str, fn):
-        @functools.wraps(fn)
-        def call(*a, **kw):
-            try:
-                return fn(*a, **kw)
-            except RESLOT_ERRORS as exc:
-                self.invalidate()
-                if not _not_sent(exc):
-                    raise
-            # the command never ran (MOVED, or the old master refused the connection): once more,
-            # on the slot's master now
-            return getattr(self.current(), name)(*a, **kw)
-        return call
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.current(), name)
-        return self._guard(name, attr) if callable(attr) else attr
-
-    def pipeline(self, transaction: bool = True, shard_hint=None):
-        """The node's own pipeline (scripts can be queued in it); ``execute`` re-resolves the slot on
-        a lost link, and raises a ``MOVED`` found among the replies so the caller resends the batch."""
-        pipe = self.current().pipeline(transaction=transaction, shard_hint=shard_hint)
-        raw_execute = pipe.execute
-
-        def execute(raise_on_error: bool = True):
-            try:
-                replies = raw_execute(raise_on_error=raise_on_error)
-            except RESLOT_ERRORS:
-                self.invalidate()
-                raise
-            for r in replies:
-                if isinstance(r, (MovedError, ClusterDownError, TryAgainError, ReadOnlyError)):
-                    self.invalidate()
-                    raise r
-            return replies
-
-        pipe.execute = execute
-        return pipe
-
-    def register_script(self, script: str):
-        return self.cluster.register_script(script)  # a Script object; it runs on whichever client it is given
-
-
-
-def node_client_async(cluster, node):
-    """A plain asyncio client on one cluster node, with the cluster's credentials and TLS.  It does
-    not retry on its own: redis-py's default (3 reconnects, exponential backoff from 1 s) kept a
-    call on a killed master failing for several seconds before its caller learned of it; mlxq's
-    callers retry through :class:`LinkWatch`, re-resolving the slot's owner first."""
-    import redis.asyncio as aredis
-    from redis.asyncio.retry import Retry as AsyncRetry
-    from redis.backoff import NoBackoff
-
-    kw = {k: v for k, v in node.connection_kwargs.items()
-          if k in ("username", "password", "socket_timeout", "socket_connect_timeout", "socket_keepalive",
-                   "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_check_hostname")}
-    ssl = "SSL" in getattr(node.connection_class, "__name__", "")
-    return aredis.Redis(host=node.host, port=node.port, ssl=ssl, retry=AsyncRetry(NoBackoff(), 0), **kw)
-
-
-class AsyncSlotRedis:
-    """:class:`SlotRedis` for asyncio: a plain ``redis.asyncio.Redis`` on the master serving one slot.
-
-    redis-py's asyncio cluster client recovers from a failover one command at a time: every
-    command that meets the dead master marks the whole client for re-initialization, the next
-    one re-reads the topology (and the COMMAND table) under one lock, a failed or CLUSTERDOWN
-    attempt closes every node's connections, also those other tasks are waiting on, and those
-    tasks start over behind the lock.  With many jobs waiting (BLPOP, XRANGE) they come back
-    one by one, seconds apart.  Here the slot's owner is looked up once per failure, however
-    many tasks notice it: the first task to see the pinned client fail re-reads the topology
-    under an asyncio lock and the others just take the new pin (the caller's retry loop, with
-    backoff, sends the command again).  Plain connections also keep scripts working as on a
-    single Redis.
-    """
-
-    cluster_mode = True
-
-    def __init__(self, cluster, slot: int):
-        self.cluster = cluster
-        self.slot = slot
-        self._lock: Optional[asyncio.Lock] = None
-        self._client = None
-
-    def __repr__(self) -> str:
-        return f"AsyncSlotRedis(slot={self.slot})"
-
-    def _locked(self) -> asyncio.Lock:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
-
-    async def current(self):
-        client = self._client
-        if client is not None:
-            return client
-        async with self._locked():
-            if self._client is None:
-                if self.cluster._initialize:  # a first use, or the cluster client gave up its map
-                    await refresh_topology_async(self.cluster)
-                node = self.cluster.nodes_manager.get_node_from_slot(self.slot)
-                self._client = node_client_async(self.cluster, node)
-                log.debug("slot %d pinned to %s", self.slot, node.name)
-            return self._client
-
-    async def invalidate(self, stale) -> None:
-        """``stale`` failed: forget it and re-read the topology, unless another task already did."""
-        async with self._locked():
-            if self._client is not stale:
-                return
-            log.debug("slot %d: pinned node failed; re-reading the topology", self.slot)
-            self._client = None
-            try:
-                await refresh_topology_async(self.cluster)
-            except Exception as exc:  # every known node unreachable: the caller's retry comes back here
-                log.debug("cluster topology refresh failed: %s", exc)
-        await _close_quietly(stale)  # its other users fail at once and retry on the new pin
-
-    def __getattr__(self, name: str) -> Any:
-        async def call(*a, **kw):
-            client = await self.current()
-            try:
-                return await getattr(client, name)(*a, **kw)
-            except RESLOT_ERRORS as exc:
-                await self.invalidate(client)
-                if not _not_sent(exc):
-                    raise
-            # the command never ran (MOVED, or the old master refused the connection): once more
-            return await getattr(await self.current(), name)(*a, **kw)
-        call.__name__ = name
-        return call
-
-    async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await _close_quietly(client)
-
-
-@contextlib.contextmanager
-def one_connection(client):
-    """One connection of ``client``'s pool for the block: ``WAIT`` counts the writes sent on its own
-    connection, so a write and its ``WAIT`` must share one.  On a cluster the pin's node (a failover's
-    error marks the pin stale, as any of its calls does)."""
-    node = client.current() if isinstance(client, SlotRedis) else client
-    conn = node.client()
-    try:
-        yield conn
-    except RESLOT_ERRORS:
-        if isinstance(client, SlotRedis):
-            client.invalidate()
-        raise
-    finally:
-        conn.close()
-
-
-@contextlib.asynccontextmanager
-async def one_connection_async(client):
-    """``one_connection`` for an asyncio client (an :class:`AsyncSlotRedis` pin on a cluster)."""
-    node = await client.current() if isinstance(client, AsyncSlotRedis) else client
-    conn = node.client()
-    try:
-        yield conn
-    except RESLOT_ERRORS:
-        if isinstance(client, AsyncSlotRedis):
-            await client.invalidate(node)
-        raise
-    finally:
-        await conn.aclose()
-
-
 def replica_acked(acked: Any, job_id: str, wait_ms: int) -> None:
     """After ``WAIT 1 wait_ms``: a warning when no replica had the job in time (it is queued all the
     same; lost in a failover, its producer submits it again)."""
     if int(acked or 0) < 1:
         log.warning("job %s: no replica acknowledged its submit within %d ms (submit_replica_ack_ms); a failover "
                     "now could lose it (its producer would submit it again)", job_id, wait_ms)
-
-
-async def _close_quietly(client) -> None:
-    try:
-        await client.aclose()
-    except Exception as exc:
-        log.debug("closing a pinned client: %s", exc)
-
-
-async def close_pins(client) -> None:
-    """Close the pinned per-slot clients of an asyncio cluster client (before closing it)."""
-    pins = getattr(client, "mlxq_pins", None) or {}
-    for pin in list(pins.values()):
-        await pin.aclose()
-    pins.clear()

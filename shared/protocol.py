@@ -15,10 +15,11 @@ from typing import Any, NamedTuple, Optional
 
 from redis.exceptions import NoPermissionError, ResponseError
 
-from .connection import for_slot, is_cluster, one_connection, replica_acked
+from .connection import replica_acked
 from .apikeys import AuthError
 from .keys import ModelKeys
 from .settings import Settings
+from .slots import for_slot, is_cluster, one_connection
 from .steps import run_steps
 
 SCRIPT_NAMES = ("enqueue", "admit", "pull", "deltas", "complete", "requeue", "cancel", "renew", "reap",
@@ -60,7 +61,7 @@ def function_library() -> str:
 
 def load_functions(redis) -> None:
     """Load (or replace) the library on every master: a worker does it at start."""
-    from .connection import SlotRedis
+    from .slots import SlotRedis
 
     code = function_library()
     cluster = redis.cluster if isinstance(redis, SlotRedis) else redis
@@ -294,6 +295,8 @@ class ScriptCalls:
 
     def submit(self, job_id: str, request: bytes, key_hash: str | None, floor: str | None,
                idempotency_key: str | None):
+        """submit.lua (the Function ``mlxq_submit``: script names are the protocol's): the job's record and
+        its id on the intake list, where a worker's ``admit`` decides tier and score."""
         k, s = self.k, self.s
         idem = k.idempotency(idempotency_key, key_hash) if idempotency_key else k.job(job_id)
         return ("submit", [k.job(job_id), idem, k.intake, k.wake],
@@ -484,11 +487,6 @@ class Queue:
         if not members:
             return []
         return parse_pull(self.run(self.calls.pull(members, worker_id)))
-
-    def publish_deltas(self, items: list[tuple[str, str, bytes, int]], client=None):
-        """Fenced append + publish of token deltas; returns the job keys whose lease was lost
-        (with a pipeline as ``client``: its reply)."""
-        return self.run(self.calls.deltas(items), client)
 
     def complete(self, job_id, owner, status, result: bytes, final_delta: bytes = b"", client=None):
         return self.run(self.calls.complete(job_id, owner, status, result, final_delta), client)

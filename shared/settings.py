@@ -27,11 +27,12 @@ DEFAULT_TIER_OFFSETS = {"high": 0.0, "normal": 30.0, "low": 300.0}
 ATTENTION_MODES = ("auto", "fused", "gather")
 MATMUL_MODES = ("auto", "pool", "mlx")
 MAX_IDLE_BLOCK_S = 10.0  # connections read with a 20 s timeout (shared/connection.py)
-# MLXQ_* variables read elsewhere (the CLI's defaults, the BLAS set-up, the extension, the tests):
-# any other MLXQ_* name that is not a setting is reported as unknown (a misspelt setting)
-OTHER_ENV = frozenset({"MLXQ_MODEL", "MLXQ_API_KEY", "MLXQ_LOG_LEVEL", "MLXQ_CACHE_DIR",
+# MLXQ_* variables read elsewhere (the BLAS set-up and the extension, before MLX loads; the cache
+# directory; the test kit's model seed): any other MLXQ_* name that is not a setting is reported as
+# unknown (a misspelt setting)
+OTHER_ENV = frozenset({"MLXQ_CACHE_DIR",
                        "MLXQ_BLAS", "MLXQ_BLAS_LIB", "MLXQ_BLAS_THREADS", "MLXQ_ATTN_ISA", "MLXQ_ATTN_THREADS",
-                       "MLXQ_POOL_SPIN_US", "MLXQ_TEST_MODEL_SEED", "MLXQ_TEST_FREEZE_STEP",
+                       "MLXQ_POOL_SPIN_US", "MLXQ_TEST_MODEL_SEED",
                        "MLXQ_TIMEOUT_S"})  # (the last: examples/node/producer.mjs reads it)
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,7 @@ class Settings:
     # one setting for every process (worker, gateway, CLI): a shared option of every command (mlxq/cli/options.py)
     log_format: str = opt("text", "log lines as text, or one JSON object per line (json) with job and attempt "
                           "fields", worker=False, choices=("text", "json"))
+    log_level: str = opt("INFO", "the lowest level logged: DEBUG, INFO, WARNING or ERROR", worker=False)
     redis_outage_s: float = opt(30.0, "producers retry an unreachable Redis this long, a job's result() or stream() "
                                 "with no timeout included (then: ConnectionError, HTTP 503)", worker=False,
                                 gateway=True)
@@ -190,6 +192,13 @@ class Settings:
                                      "many ms with a warning; 0: off (a failover may lose a job just submitted, "
                                      "which its producer then submits again)", worker=False,
                                      gateway=True)
+
+    # -- a producer's own: the CLI's producer commands, a Client's default queue, the rq bridge called directly -
+    model: Optional[str] = opt(None, "the queue a producer submits to when it names none (a served model's name)",
+                               worker=False, shown_default="the only model served")
+    # the caller's credential (its jobs' tier); a secret: masked wherever settings are shown
+    api_key: Optional[str] = opt(None, "an mlxq API key: the CLI's producer and operator commands, and the rq "
+                                 "bridge called directly, use it", worker=False, secret=True)
 
     # -- the worker process -----------------------------------------------------------------------------------
     keep_dtype: bool = opt(False, "keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
@@ -333,6 +342,20 @@ class Settings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
+    @classmethod
+    def read(cls, name: str, env: dict[str, str] | None = None):
+        """One setting from ``MLXQ_<NAME>`` (its default when unset), without building or checking the
+        others: the CLI's shared options take their defaults before logging is set up, and the
+        command's own settings report unknown variables once."""
+        raw = (os.environ if env is None else env).get(env_var(name))
+        if raw is None or raw == "":
+            f = _FIELDS[name]
+            return f.default if f.default_factory is MISSING else f.default_factory()
+        try:
+            return parser(name)(raw)
+        except ValueError as exc:
+            raise ValueError(f"{env_var(name)}={raw!r}: {exc}") from None
+
     def engine_config(self) -> EngineConfig:
         """The engine's configuration these settings make (what comes from the model is not in it)."""
         out = {}
@@ -383,8 +406,8 @@ def flag(name: str) -> Optional[str]:
     meta = _FIELDS[name].metadata
     if name == "redis_url":
         return "--redis-url"
-    if name == "log_format":
-        return "--log-format"  # a shared option of every command
+    if name in ("log_format", "log_level"):
+        return "--" + name.replace("_", "-")  # a shared option of every command
     if not (meta["worker"] or meta["gateway"]):
         return None
     return meta["flag"] or "--" + name.replace("_", "-")

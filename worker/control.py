@@ -26,7 +26,8 @@ from ..shared.keys import GlobalKeys
 from ..shared.protocol import Queue, load_functions
 from ..shared.schemas import JOB_ID
 from .inbox import Inbox
-from .redis_io import REDIS_ERRORS, Backoff
+from ..shared.linkwatch import Backoff
+from .redis_io import REDIS_ERRORS
 
 log = logging.getLogger(__name__)
 

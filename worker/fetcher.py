@@ -18,7 +18,8 @@ from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
 from .jobs import (JobError, check_published_ids, check_token_ids, decode_request, job_grammar, prompt_in_thinking,
                    read_samples, seen_output, start_job, tokenize)
 from .publisher import StepOutput
-from .redis_io import REDIS_ERRORS, Backoff
+from ..shared.linkwatch import Backoff
+from .redis_io import REDIS_ERRORS
 from .textstream import chat_format
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class Preparer:
             raise
         except Exception as exc:  # e.g. the events key holds another type: the record cannot be read
             log.exception("job=%s attempt=%d: reading its durable record failed", entry.job_id, entry.attempt)
-            self.publisher.submit(self._failure(entry, f"its durable record cannot be read: {exc}", INTERNAL_ERROR))
+            self.publisher.publish(self._failure(entry, f"its durable record cannot be read: {exc}", INTERNAL_ERROR))
             return
         tokenizer, vocab = self.loaded.tokenizer, self.model_vocab
         try:
@@ -222,13 +223,13 @@ class Preparer:
                                 grammar=grammar, in_thinking=thinking)
         except JobError as exc:
             log.warning("job=%s attempt=%d refused: %s", entry.job_id, entry.attempt, exc)
-            self.publisher.submit(self._failure(entry, str(exc), INVALID_REQUEST))
+            self.publisher.publish(self._failure(entry, str(exc), INVALID_REQUEST))
             return
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # a tokenizer bug, or a Rust panic (a BaseException), must not kill the worker
             log.exception("job=%s attempt=%d failed to prepare", entry.job_id, entry.attempt)
-            self.publisher.submit(self._failure(entry, f"internal error preparing the job: {exc}", INTERNAL_ERROR))
+            self.publisher.publish(self._failure(entry, f"internal error preparing the job: {exc}", INTERNAL_ERROR))
             return
         self.ready.put(*samples)
 

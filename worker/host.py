@@ -73,14 +73,14 @@ class Host:
                 job.tokens = list(p.tokens)
                 out.requeues.append((job.id, job.owner, job.resume_state()))
                 self.stats.count("requeued")
-        self.publisher.submit(out)
+        self.publisher.publish(out)
 
     def finish_done(self, jobs: list[ActiveJob]) -> None:
         """End jobs whose every token an earlier attempt published."""
         out = StepOutput()
         for job in jobs:
             self._alone(job, out, lambda j=job: self.finish(j, "length", out, j.text.finish()))
-        self.publisher.submit(out)
+        self.publisher.publish(out)
 
     def end_by_control(self, kind: str, ended: list) -> None:
         """End cancelled and timed-out jobs (every sample), drop jobs whose lease another worker took
@@ -96,7 +96,7 @@ class Host:
             else:  # lost lease: another worker owns the job now; write nothing
                 self.active.pop(job.uid, None)
                 log.warning("job=%s attempt=%d dropped: lease lost", job.uid, job.attempt)
-        self.publisher.submit(out)
+        self.publisher.publish(out)
 
     def _take_event(self, job: ActiveJob, ev, top, out: StepOutput) -> None:
         """One sequence's token (or its end) of a step: text, a delta or the job's result."""

@@ -5,7 +5,7 @@ worker does with a step's tokens (detokenize, stop strings, deltas, results, sta
 them to the publisher) needs no MLX, so it runs here, in step order, while the MLX thread is
 already inside the next launch (``mx.async_eval`` releases the GIL while MLX computes).
 
-``HostWork`` runs submitted callables one at a time, in order, on one thread.  At most
+``HostWork`` runs the callables put on it one at a time, in order, on one thread.  At most
 ``depth`` steps wait: the MLX thread blocks rather than run ahead of its output (the
 engine's next steps would otherwise pile up tokens nobody has published).  An exception in a
 callable is kept and raised on the MLX thread by the next ``check()``: the worker stops as it
@@ -25,10 +25,10 @@ class HostWork:
         self.inline = inline
         self._q: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue(maxsize=depth)
         self._error: Optional[BaseException] = None
-        self._thread: Optional[threading.Thread] = None  # started by the first submit
+        self._thread: Optional[threading.Thread] = None  # started by the first put
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` after everything submitted before it (blocks while ``depth`` steps wait)."""
+    def put(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the host thread after everything put before it (blocks while ``depth`` steps wait)."""
         if self.inline:
             fn()
             return
@@ -39,7 +39,7 @@ class HostWork:
         self._q.put(fn)
 
     def drain(self) -> None:
-        """Wait until everything submitted has run (then raise its first error, if any)."""
+        """Wait until everything put has run (then raise its first error, if any)."""
         if not self.inline:
             self._q.join()
         self.check()

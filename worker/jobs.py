@@ -486,11 +486,6 @@ def seen_output(req: GenerateRequest, prompt: list[int], tokenizer, in_thinking:
                      calls=len(stream.calls), args_chars=len(partial[1]) if partial else 0)
 
 
-def read_published(entries: list) -> Published:
-    """What an n == 1 job (sample 0) published."""
-    return read_samples(entries).get(0) or Published()
-
-
 def start_job(pulled: Pulled, req: GenerateRequest, prompt: list[int], tokenizer, worker_id: str,
               clock_offset: float, published: Optional[dict[int, Published]] = None,
               grammar: Optional[str] = None, in_thinking: Optional[bool] = None) -> list[ActiveJob]:

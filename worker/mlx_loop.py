@@ -103,7 +103,7 @@ class MLXLoop:
             self._engine_free = self.engine.free_slots()
             self._engine_urgent_below = self.engine.urgent_below()
         if done:
-            self.hostwork.submit(partial(self.host.finish_done, done))
+            self.hostwork.put(partial(self.host.finish_done, done))
         if jobs:
             self.kick.set()
 
@@ -146,7 +146,7 @@ class MLXLoop:
                 tops[i] = _logprobs(ev, job.request.logprobs)
         self.stats.step(len(events))
         if events or preempted:
-            self.hostwork.submit(partial(self.host.after_step, events, preempted, tops))
+            self.hostwork.put(partial(self.host.after_step, events, preempted, tops))
 
     def _apply_removals(self) -> None:
         uids = self.host.take_removals()
@@ -178,7 +178,7 @@ class MLXLoop:
                     self.engine.remove([s.uid for s in running + waiting])
                 ended += [(s, True) for s in running] + [(s, False) for s in waiting]
             if ended:
-                self.hostwork.submit(partial(self.host.end_by_control, kind, ended))
+                self.hostwork.put(partial(self.host.end_by_control, kind, ended))
 
     def _samples(self, job_id: str) -> list[ActiveJob]:
         """The job's active sequences: the job itself (n == 1), or its samples still running."""

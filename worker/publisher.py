@@ -17,7 +17,8 @@ from redis.exceptions import NoScriptError
 
 from ..shared import codec
 from ..shared.protocol import Queue
-from .redis_io import REDIS_ERRORS, Backoff
+from ..shared.linkwatch import Backoff
+from .redis_io import REDIS_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class StepOutput:
             staged[1].append(wire)
 
     def seal(self) -> "StepOutput":
-        """Pack what add_delta gathered into ``deltas``, numbered (Publisher.submit does it)."""
+        """Pack what add_delta gathered into ``deltas``, numbered (Publisher.publish does it)."""
         for job_id, (owner, wires) in self._staged.items():
             self.deltas.append((job_id, owner, codec.pack(wires[0] if len(wires) == 1 else wires), next_delta_seq()))
         self._staged.clear()
@@ -99,12 +100,13 @@ class Publisher(threading.Thread):
         # (publishing past the hole would leave their streams with a gap no reader fills)
         self.loop_inbox = loop_inbox
 
-    def submit(self, out: StepOutput) -> None:
+    def publish(self, out: StepOutput) -> None:
+        """Hand a step's writes to the publisher thread, which sends them after every step before it."""
         if out.seal():
             self.inbox.put(out)
 
     def drain(self, timeout: float) -> bool:
-        """Wait until everything submitted has reached Redis (shutdown)."""
+        """Wait until everything handed to ``publish`` has reached Redis (shutdown)."""
         deadline = time.monotonic() + timeout
         while (self.inbox.unfinished_tasks and time.monotonic() < deadline):
             time.sleep(0.01)

@@ -199,7 +199,7 @@ class Worker:
             log.exception("the host thread failed; requeueing what is left")
         self.loop.hostwork.close()
         out = self.loop.give_back(failure)
-        self.publisher.submit(out)
+        self.publisher.publish(out)
         self.loop.refresh_stats(force=True)
         if not self.publisher.drain(timeout=30.0):
             log.error("could not flush all output to Redis before exit")

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple:
     import redis
 
-    from ..producer.common import JobTimeout, NoModelError
+    from ..producer.errors import JobTimeout, NoModelError
     from ..shared.apikeys import AuthError
     from ..shared.protocol import JobRefused, OverloadError
 

@@ -60,7 +60,7 @@ class Jobs:
 
     def record(self, queue: str, job_id: str) -> dict:
         """The job's record by field, a finished one's tier, attempts and times included."""
-        from ..producer.common import record_fields
+        from ..producer.records import record_fields
 
         return record_fields(self.r.hgetall(self.gk.model_keys(queue).job(job_id)))
 

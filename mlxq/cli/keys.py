@@ -32,7 +32,7 @@ def _prefix() -> str:
 def read_secret(what: str, env_name: Optional[str]) -> str:
     """A secret from the environment variable named, else stdin: one line, or a prompt without echo on a
     terminal."""
-    if env_name:
+    if env_name:  # a variable the operator named to hand over a secret (no setting: any name will do)
         value = os.environ.get(env_name)
         if not value:
             raise ValueError(f"the environment variable {env_name} that should hold the {what} is not set")

@@ -27,27 +27,25 @@ class SharedOption:
     choices: Optional[tuple] = None
 
 
-# --redis-url and --log-format default to their Settings fields' variables (MLXQ_REDIS_URL, MLXQ_LOG_FORMAT),
-# read here as Settings.from_env() reads them: at parse time logging is not set up yet, and from_env would
-# also check (and warn of) every other MLXQ_ variable, which the command's own settings do once.
-# --log-level and --api-key are the command's own: the log level of this process, and the caller's
-# credential (no worker or gateway setting; never logged with the settings).
+# The defaults of --redis-url, --log-level, --log-format and --api-key are their Settings fields, each read
+# alone (Settings.read): at parse time logging is not set up yet, and the command's own settings report
+# unknown MLXQ_ variables once.
 SHARED = {
     "redis_url": SharedOption("--redis-url", "Redis URL: redis://, rediss:// (TLS), unix://; "
-                              "default: $MLXQ_REDIS_URL", lambda: os.environ.get("MLXQ_REDIS_URL")),
+                              "default: $MLXQ_REDIS_URL", lambda: Settings.read("redis_url")),
     "log_level": SharedOption("--log-level", "DEBUG, INFO, WARNING or ERROR (default: $MLXQ_LOG_LEVEL or INFO)",
-                              lambda: os.environ.get("MLXQ_LOG_LEVEL", "INFO")),
-    # the Settings field log_format (every process logs alike: worker, gateway, the CLI's commands)
+                              lambda: Settings.read("log_level")),
+    # every process logs alike: worker, gateway, the CLI's commands
     "log_format": SharedOption("--log-format", "text, or one JSON object per line with job and attempt fields "
                                "(default: $MLXQ_LOG_FORMAT or text)",
-                               lambda: os.environ.get("MLXQ_LOG_FORMAT") or "text", LOG_FORMATS),
+                               lambda: Settings.read("log_format"), LOG_FORMATS),
     "model": SharedOption("--model", "the model: a model directory, GGUF file or hub id (default: none)",
                           lambda: None),
     "queue": SharedOption("--queue", "the queue to send to: a served model's name (default: $MLXQ_MODEL, "
                           "or the only model served)", lambda: None),
     "api_key": SharedOption("--api-key", "an mlxq API key; it sets the tier; prefer $MLXQ_API_KEY: a command "
                             "line lands in shell history and `ps` (default: $MLXQ_API_KEY)",
-                            lambda: os.environ.get("MLXQ_API_KEY")),
+                            lambda: Settings.read("api_key")),
 }
 ALWAYS = ("log_level", "log_format")
 

@@ -13,7 +13,7 @@ from .output import add_output_options, output_params
 
 def cmd_submit(args) -> int:
     from ..producer.client import Client
-    from ..producer.common import build_request
+    from ..producer.core import build_request
 
     params = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                   stop=args.stop or None, **output_params(args))

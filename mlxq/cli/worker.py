@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-import threading
 
 from ..shared.settings import Settings, worker_flags
 from .options import add_setting_flags, add_shared, deprecated_alias, settings_from
@@ -109,8 +107,6 @@ def run(args) -> int:
         from ..worker.health import WorkerHealth
 
         metrics.serve(settings.metrics_port, settings.metrics_host, health=WorkerHealth.of(worker))
-    if os.environ.get("MLXQ_TEST_FREEZE_STEP"):
-        _freeze_at_step(worker.engine, int(os.environ["MLXQ_TEST_FREEZE_STEP"]))
     worker.install_signal_handlers()
     if bridge is not None:
         bridge.start()
@@ -122,21 +118,6 @@ def run(args) -> int:
         if metrics is not None:
             metrics.shutdown()  # and hands its queue-depth lease on
     return 0
-
-
-def _freeze_at_step(engine, n: int) -> None:
-    """A test hook (``MLXQ_TEST_FREEZE_STEP=n``): the engine's n-th step never returns, as a hung
-    kernel's would, so that a test sees the worker's watchdog notice it (tests/faults/test_takeover.py)."""
-    step, count = engine.step, [0]
-
-    def frozen_step():
-        count[0] += 1
-        if count[0] >= n:
-            log.warning("MLXQ_TEST_FREEZE_STEP: step %d never returns", count[0])
-            threading.Event().wait()
-        return step()
-
-    engine.step = frozen_step
 
 
 def add_commands(sub) -> None:

@@ -238,7 +238,9 @@ def ensure_model(out_dir, preset: str = "tiny", *, seed: int = 0) -> Path:
 def seed_from_env() -> int:
     """The seed the test suite's tiny model is trained from: ``$MLXQ_TEST_MODEL_SEED``
     (default 0).  Another seed gives other weights (and another tokenizer); the
-    suite's verdict must not change with it."""
+    suite's verdict must not change with it.  A knob of a test or bench run, read here and not in
+    ``Settings``: no producer, worker or gateway uses it (Settings only knows its name, so as not to
+    report it as a misspelt setting)."""
     raw = os.environ.get(SEED_ENV, "").strip()
     try:
         return int(raw) if raw else 0

@@ -25,7 +25,8 @@ import redis
 from mlxq import AsyncClient, Client
 from mlxq.cli import build_parser, main
 from mlxq.cli.options import DefaultsFormatter
-from mlxq.producer.common import NoModelError, decode_registry
+from mlxq.producer.errors import NoModelError
+from mlxq.producer.registry import decode_registry
 from mlxq.shared import apikeys, codec
 from mlxq.shared.acl import producer_rules
 from mlxq.shared.keys import GlobalKeys

@@ -128,7 +128,7 @@ def test_redis_restart_mid_run_keeps_active_jobs(tiny_model, tmp_path, hard, cap
 
 
 def test_backoff_is_capped():
-    from mlxq.worker.redis_io import Backoff
+    from mlxq.shared.linkwatch import Backoff
 
     b = Backoff(first=0.05, cap=5.0)
     delays = [b.fail() for _ in range(200)]

@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import redis
 
 from mlxq import Client
-from mlxq.producer.common import StreamState
+from mlxq.producer.records import StreamState
 from mlxq.producer.core import feed_message
 from mlxq.shared import codec
 from mlxq.shared.keys import ModelKeys
 from mlxq.shared.schemas import Delta
 from mlxq.shared.replay import read_payloads
-from mlxq.worker.jobs import read_published, read_samples
-from workerkit import fast_settings
+from mlxq.worker.jobs import read_samples
+from workerkit import fast_settings, read_published
 from faultkit import StreamCollector, WorkerProc, reference_tokens, wait_registered
 
 K = ModelKeys("tiny")
@@ -207,7 +207,7 @@ def test_a_write_the_client_cannot_send_costs_its_own_step_only(redis_url):
         pub.inbox.put(StepOutput(deltas=[(bad, "w:1", {"not": "bytes"}, next_delta_seq())]))
         pub.inbox.put(StepOutput(deltas=[(good, "w:1", b"g2", next_delta_seq())]))
         assert pub.drain(30)
-        pub.submit(StepOutput(deltas=[(later, "w:1", b"l1", next_delta_seq())]))
+        pub.publish(StepOutput(deltas=[(later, "w:1", b"l1", next_delta_seq())]))
         assert pub.drain(30) and pub.is_alive()
     finally:
         stop.set()
@@ -371,7 +371,7 @@ def test_a_step_sent_again_after_its_reply_was_lost_is_written_once(redis_url):
     first = StepOutput()
     first.add_delta(job, "w:1", {"s": 1})
     first.add_delta(other, "w:1", {"s": 1})
-    first.seal()  # (numbered in the order the steps go out, as Publisher.submit does)
+    first.seal()  # (numbered in the order the steps go out, as Publisher.publish does)
     second = StepOutput(deltas=[(job, "w:1", b"d2", next_delta_seq()), (job, "w:1", b"d3", next_delta_seq())])
     pub._send([first, second])
     assert q.redis.losses == 0  # (sent three times)

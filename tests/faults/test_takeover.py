@@ -117,15 +117,14 @@ def test_a_worker_judged_dead_while_only_slow_loses_those_jobs_and_serves_on(tin
 
 def test_a_worker_whose_engine_is_stuck_stops_renewing_and_exits_and_its_jobs_move(tiny_model, tiny_model_dir,
                                                                                   redis_url, tmp_path):
-    """A's engine freezes in its 12th step (the test hook MLXQ_TEST_FREEZE_STEP) with three jobs in it. Its
+    """A's engine freezes in its 12th step (kit/frozen_worker.py) with three jobs in it. Its
     leases would be renewed for ever by the control thread; the watchdog (stall_s 2) stops that: A logs
     why, withdraws its heartbeat, exits with 70, and B finishes A's jobs, every stream exact."""
     specs = [(p, 200, True) for p, _, _ in _specs(69, 6, 200)]
     refs = [reference_tokens(tiny_model, p, n, ignore_eos=ie) for p, n, ie in specs]
     client = Client(redis_url, model="tiny", settings=fast_settings(redis_url, **LEASE))
     r = client.redis
-    a = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=3, stall_s=2, **LEASE,
-                   MLXQ_TEST_FREEZE_STEP="12")
+    a = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=3, stall_s=2, **LEASE, freeze_at_step=12)
     b = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=3, **LEASE)
     try:
         assert wait_registered(redis_url, n=2), a.log() + b.log()

@@ -20,6 +20,8 @@ from workerkit import neutral_cwd
 
 from mlxq.shared.keys import ModelKeys
 
+FROZEN_WORKER = Path(__file__).with_name("frozen_worker.py")  # `mlxq` whose engine hangs at a step
+
 FIGURES: list[dict] = []  # one row per fault test, printed at the end of each test
 
 
@@ -49,9 +51,12 @@ class WorkerProc:
     """``mlxq worker`` as a subprocess (logs to a file, shown when a test fails)."""
 
     def __init__(self, url: str, model_dir, log_dir: Path, *, name: str = "tiny", max_batch: int = 16,
-                 grace: float = 30.0, extra: Optional[list[str]] = None, **settings):
+                 grace: float = 30.0, extra: Optional[list[str]] = None, freeze_at_step: Optional[int] = None,
+                 **settings):
+        """``freeze_at_step``: the engine's step of that number never returns (kit/frozen_worker.py)."""
         self.log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
-        cmd = [sys.executable, "-m", "mlxq", "--log-level", "INFO", "worker", "--redis-url", url,
+        mlxq = ["-m", "mlxq"] if freeze_at_step is None else [str(FROZEN_WORKER), str(freeze_at_step)]
+        cmd = [sys.executable, *mlxq, "--log-level", "INFO", "worker", "--redis-url", url,
                "--model", str(model_dir), "--queue", name, "--max-batch", str(max_batch), "--grace", str(grace)]
         cmd += extra or []
         self._log = open(self.log_path, "wb")

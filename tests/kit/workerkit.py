@@ -104,7 +104,7 @@ def wait_for(pred, timeout=10.0, interval=0.02):
 
 def job_fields(r, key: str) -> dict:
     """A job record's fields by name, a finished one's tier, worker and times included."""
-    from mlxq.producer.common import record_fields
+    from mlxq.producer.records import record_fields
 
     return record_fields(r.hgetall(key))
 
@@ -119,3 +119,17 @@ def raw_post(url: str, path: str, body, headers=None, timeout=30) -> tuple[int, 
     out = resp.status, json.loads(resp.read() or b"null")
     conn.close()
     return out
+
+
+def publish_deltas(q, items: list, client=None):
+    """What the worker's publisher sends for a step's deltas: the fenced append + publish of each
+    (job id, owner, payload, seq); returns the job keys whose lease was lost (with a pipeline as
+    ``client``: its reply)."""
+    return q.run(q.calls.deltas(items), client)
+
+
+def read_published(entries: list):
+    """What an n == 1 job (sample 0) published, read from its durable record's entries."""
+    from mlxq.worker.jobs import Published, read_samples
+
+    return read_samples(entries).get(0) or Published()

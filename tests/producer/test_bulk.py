@@ -61,7 +61,7 @@ def test_async_client_map_gives_what_client_map_gives(tiny_model, redis_url):
     client.close()
 
 
-def test_both_clients_have_the_same_methods_and_name_the_same_model(redis_url, monkeypatch):
+def test_both_clients_have_the_same_methods_and_name_the_same_model(redis_url):
     """The same public names on both clients (close is aclose; queue_for is the sync transport, at and
     calls the async one); ``await aclient.model`` is ``client.model``, and the coroutine it was
     (``await aclient.model()``) still works, with a DeprecationWarning."""
@@ -73,11 +73,10 @@ def test_both_clients_have_the_same_methods_and_name_the_same_model(redis_url, m
 
     assert public(Client) - {"close", "queue_for"} == public(AsyncClient) - {"aclose", "at", "calls"}
     assert public(Job) == public(AsyncJob)
-    monkeypatch.setenv("MLXQ_MODEL", "tiny")
-    client = Client(redis_url, api_key="k-123456789", settings=fast_settings(redis_url))
+    client = Client(redis_url, api_key="k-123456789", settings=fast_settings(redis_url, model="tiny"))
 
     async def run() -> None:
-        async with AsyncClient(redis_url, api_key="k-123456789", settings=fast_settings(redis_url)) as aclient:
+        async with AsyncClient(redis_url, api_key="k-123456789", settings=fast_settings(redis_url, model="tiny")) as aclient:
             assert await aclient.model == client.model == "tiny"
             with pytest.warns(DeprecationWarning, match="await client.model"):
                 assert await aclient.model() == "tiny"

@@ -668,28 +668,29 @@ def test_the_give_up_counts_only_the_outage_under_way_and_spares_timed_waits(mon
     over: a client whose last call failed, then idle for an hour while Redis worked, gave up at the
     first error of the next blip. And it cut waits that had a timeout of their own (an rq-bridged
     job's result(timeout=3600) failed on a 31 s restart)."""
-    from mlxq.shared import connection
+    from mlxq.shared import linkwatch
     from mlxq.shared.connection import RedisUnreachable
 
     clock = [1000.0]
-    monkeypatch.setattr(connection.time, "monotonic", lambda: clock[0])
-    watch = connection.LinkWatch("t", lambda: "n0", give_up_s=30.0, give_up_timed=False)
+    monkeypatch.setattr(linkwatch.time, "monotonic", lambda: clock[0])
+    watch = linkwatch.LinkWatch("t", lambda: "n0", give_up_s=30.0, give_up_timed=False)
+    backoff = watch.new_backoff()
     down = redis.ConnectionError("down")
 
     def retry_for(seconds, deadline=None):
         """A retry loop's failures, one every 2 s (the longest backoff)."""
         end = clock[0] + seconds
         while clock[0] < end:
-            watch._next_delay(down, deadline, 2.0, None)
+            watch.pause(down, deadline, backoff)
             clock[0] += 2.0
 
     retry_for(20)
-    watch._next_delay(down, clock[0] + 3600, 2.0, None)  # a timed wait: within its timeout, no give-up
+    watch.pause(down, clock[0] + 3600, backoff)  # a timed wait: within its timeout, no give-up
     retry_for(20, deadline=clock[0] + 3600)
     with pytest.raises(RedisUnreachable):
-        watch._next_delay(down, None, 2.0, None)  # a wait with no timeout: 40 s down, past 30
+        watch.pause(down, None, backoff)  # a wait with no timeout: 40 s down, past 30
     clock[0] += 3600  # idle, the links working unseen; then a blip
-    assert watch._next_delay(down, None, 0.1, None) == 0.2  # retried, not given up
+    assert watch.pause(down, None, backoff) <= linkwatch.LinkWatch.CAP_S  # retried, not given up
     retry_for(20)  # the blip's own 20 s: within the give-up
 
 

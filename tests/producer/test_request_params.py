@@ -86,7 +86,8 @@ def test_max_tokens_past_the_context_is_refused_when_given_and_cut_when_not():
     """An explicit max_tokens the context cannot hold after the prompt is refused, naming both (as
     vLLM); it was accepted, and the job ran past the model's context.  The default is cut to the
     context, so the job ends with "length" there."""
-    from mlxq.producer.common import ContextLengthError, check_fits
+    from mlxq.producer.core import check_fits
+    from mlxq.producer.errors import ContextLengthError
     from mlxq.producer.core import prepare
     from mlxq.shared import codec
     from mlxq.worker.jobs import JobError

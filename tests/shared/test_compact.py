@@ -18,7 +18,7 @@ from mlxq.shared.keys import ModelKeys
 from mlxq.shared.protocol import Queue
 from mlxq.shared.schemas import Delta, Result
 
-from workerkit import fast_settings, running_worker
+from workerkit import fast_settings, publish_deltas, running_worker
 
 OWNER = "w:1"
 KEYS = ModelKeys("tiny")
@@ -133,7 +133,7 @@ def play(q: Queue, job_id, payloads, result, upto=None) -> None:
     the result through complete.lua; stop after ``upto`` payloads (the job runs on)."""
     if upto is not None:
         for seq, p in enumerate(payloads[:upto], 1):
-            q.publish_deltas([(job_id, OWNER, pack_payload(p), seq)])
+            publish_deltas(q, [(job_id, OWNER, pack_payload(p), seq)])
         return
     play_rest(q, job_id, payloads, result, 0)
 
@@ -141,7 +141,7 @@ def play(q: Queue, job_id, payloads, result, upto=None) -> None:
 def play_rest(q, job_id, payloads, result, cut) -> None:
     """The payloads after the first ``cut``, then the completion."""
     for seq, p in enumerate(payloads[cut:-1], cut + 1):
-        q.publish_deltas([(job_id, OWNER, pack_payload(p), seq)])
+        publish_deltas(q, [(job_id, OWNER, pack_payload(p), seq)])
     assert q.complete(job_id, OWNER, "done", as_record(result), pack_payload(payloads[-1])) == 1
 
 

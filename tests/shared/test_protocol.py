@@ -12,6 +12,7 @@ from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.protocol import OverloadError, Queue, owner_token
 from mlxq.shared.settings import Settings
+from workerkit import publish_deltas
 
 GK = GlobalKeys()
 
@@ -96,7 +97,7 @@ def test_deltas_are_fenced_on_the_lease_owner(rr):
     enq(q, a, "normal")
     enq(q, b, "normal")
     q.pull(2, "w1")
-    refused = q.publish_deltas([(a, "w1:1", b"d1", 1), (b, "zombie:1", b"d2", 2), (b, "zombie:1", b"d3", 3),
+    refused = publish_deltas(q, [(a, "w1:1", b"d1", 1), (b, "zombie:1", b"d2", 2), (b, "zombie:1", b"d3", 3),
                                 (a, "w1:1", b"d4", 4)])
     assert [k.decode() for k in refused] == [q.keys.job(b)]
     assert [f[b"d"] for _, f in rr.xrange(q.keys.events(a))] == [b"d1", b"d4"]
@@ -202,7 +203,7 @@ def test_a_dead_workers_jobs_are_taken_over_before_their_leases_expire(rr):
     assert q.reap() == (1, 0, 0, 1)
     assert rr.hget(q.keys.job(a), "status") == b"queued" and rr.zscore(q.keys.inflight, a) is None
     assert rr.hget(q.keys.job(b), "owner") == b"w2:1"
-    assert q.publish_deltas([(a, "w1:1", b"late", 1)]) == [q.keys.job(a).encode()]  # fenced out
+    assert publish_deltas(q, [(a, "w1:1", b"late", 1)]) == [q.keys.job(a).encode()]  # fenced out
     assert q.complete(a, "w1:1", "done", b"late") == 0
     lost, _, late = q.heartbeat("w1", {a: "w1:1"})
     assert lost == [a] and late > 0  # it was only slow: it drops the job and serves on
@@ -266,7 +267,7 @@ def test_requeue_with_an_error_counts_the_attempt_and_ends_the_lease_for_the_rea
 
 
 def test_a_suspect_cancelled_in_the_queue_ends_cancelled_without_the_old_failure(rr):
-    from mlxq.producer.common import result_from_hash
+    from mlxq.producer.records import result_from_hash
 
     q = make_queue(rr)
     a, b = ids(2)
@@ -532,13 +533,13 @@ def test_a_requeued_job_keeps_its_record_while_it_waits(rr):
     enq(q, a, "normal")
     ek = q.keys.events(a)
     q.pull(1, "w")
-    q.publish_deltas([(a, "w:1", b"d1", 1)])
+    publish_deltas(q, [(a, "w:1", b"d1", 1)])
     rr.expire(ek, 5)  # (a stream an older worker gave a TTL at its first delta)
-    q.publish_deltas([(a, "w:1", b"d2", 2)])
+    publish_deltas(q, [(a, "w:1", b"d2", 2)])
     assert q.requeue(a, "w:1", b"state") == 1  # a preemption
     assert rr.ttl(ek) == -1
     [p] = q.pull(1, "w")
-    q.publish_deltas([(a, f"w:{p.attempt}", b"d3", 3)])
+    publish_deltas(q, [(a, f"w:{p.attempt}", b"d3", 3)])
     assert rr.ttl(ek) == -1
     rr.expire(ek, 5)
     rr.zadd(q.keys.inflight, {a: 0}, xx=True)  # (its lease expired)
@@ -550,7 +551,7 @@ def test_a_requeued_job_keeps_its_record_while_it_waits(rr):
     assert rr.ttl(ek) > 0
     enq(q, b, "normal")  # a running job whose record vanished: the reaper drops it, and its stream expires
     q.pull(1, "w")
-    q.publish_deltas([(b, "w:1", b"d1", 1)])
+    publish_deltas(q, [(b, "w:1", b"d1", 1)])
     rr.persist(q.keys.events(b))
     rr.delete(q.keys.job(b))
     rr.zadd(q.keys.inflight, {b: 0}, xx=True)

@@ -21,7 +21,7 @@ def test_runs_in_order_off_the_caller_thread():
         threads.add(threading.get_ident())
 
     for i in range(200):
-        host.submit(lambda i=i: note(i))
+        host.put(lambda i=i: note(i))
     host.drain()
     host.close()
     assert seen == list(range(200))
@@ -31,11 +31,11 @@ def test_runs_in_order_off_the_caller_thread():
 def test_the_caller_waits_when_depth_steps_are_pending():
     host = HostWork(depth=2)
     gate, started = threading.Event(), threading.Event()
-    host.submit(lambda: (started.set(), gate.wait(30)))
+    host.put(lambda: (started.set(), gate.wait(30)))
     assert started.wait(30)
-    host.submit(lambda: None)
-    host.submit(lambda: None)  # the queue holds two: the next submit must wait
-    blocked = threading.Thread(target=host.submit, args=(lambda: None,))
+    host.put(lambda: None)
+    host.put(lambda: None)  # the queue holds two: the next put must wait
+    blocked = threading.Thread(target=host.put, args=(lambda: None,))
     blocked.start()
     blocked.join(0.2)
     assert blocked.is_alive()
@@ -49,10 +49,10 @@ def test_the_caller_waits_when_depth_steps_are_pending():
 def test_an_error_reaches_the_caller_and_work_goes_on_after_it():
     host = HostWork()
     ran = []
-    host.submit(lambda: 1 / 0)
+    host.put(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         host.drain()
-    host.submit(lambda: ran.append(1))  # after the error was raised, work goes on
+    host.put(lambda: ran.append(1))  # after the error was raised, work goes on
     host.drain()
     host.close()
     assert ran == [1]
@@ -61,7 +61,7 @@ def test_an_error_reaches_the_caller_and_work_goes_on_after_it():
 def test_inline_runs_at_once_on_the_caller_thread():
     host = HostWork(inline=True)
     where = []
-    host.submit(lambda: where.append(threading.get_ident()))
+    host.put(lambda: where.append(threading.get_ident()))
     assert where == [threading.get_ident()]
     host.drain()
     host.close()
@@ -139,7 +139,7 @@ def test_a_lost_lease_ends_only_the_attempt_that_lost_it(tiny_model, redis_url):
     job and this worker pulled it again (a newer owner token): that attempt goes on. Before, the
     worker matched the report by job id and dropped the new attempt too, whose lease then lapsed."""
     worker = _idle_worker(tiny_model, redis_url)
-    worker.loop.hostwork.submit = lambda fn: fn()
+    worker.loop.hostwork.put = lambda fn: fn()
     again, ready = _job(owner="w:2"), _job(owner="w:2")
     worker.active[again.uid] = again
     worker.ready.items.append(ready)
@@ -155,20 +155,20 @@ def test_a_lost_lease_ends_only_the_attempt_that_lost_it(tiny_model, redis_url):
 
 def test_admit_hands_work_to_the_host_only_after_letting_go_of_the_ready_lock(tiny_model, redis_url):
     """The host thread puts preempted samples of a job with n > 1 back through ``ready.put``, and a
-    full host queue makes ``submit`` wait for that thread: ``admit`` handing it a resumed job that
+    full host queue makes ``put`` wait for that thread: ``admit`` handing it a resumed job that
     needs no generation (every token published by an earlier attempt) while it held the ready lock
     deadlocked the two threads."""
     worker = _idle_worker(tiny_model, redis_url)
     done = _job()
     free = []
 
-    def submit(fn):  # what the host thread does meanwhile: take the ready lock
+    def put(fn):  # what the host thread does meanwhile: take the ready lock
         other = threading.Thread(target=lambda: free.append(worker.ready.put() or True))
         other.start()
         other.join(30)
         free.append(not other.is_alive())
 
-    worker.loop.hostwork.submit = submit
+    worker.loop.hostwork.put = put
     worker.ready.put(done)
     worker.loop.admit()
     assert free == [True, True] and worker.active == {done.uid: done}

@@ -18,10 +18,10 @@ from mlxq.devkit.make_model import TOOL_CALL_END, TOOL_CALL_START, THINK_END, TH
 from mlxq.shared.constraints import ModelFormat
 from mlxq.shared.schemas import GenerateRequest
 from mlxq.shared.tools import ToolError, check_tools, format_from_info, format_info, tool_grammar
-from mlxq.worker.jobs import ActiveJob, Published, chat_stream, job_grammar, prompt_in_thinking, read_published, tokenize
+from mlxq.worker.jobs import ActiveJob, Published, chat_stream, job_grammar, prompt_in_thinking, tokenize
 from mlxq.worker.textstream import ChatStream, TextStream, chat_format
 from toolcallkit import MESSAGES, SCHEMAS, TOOLS, check_calls, sample
-from workerkit import fast_settings, running_worker
+from workerkit import fast_settings, read_published, running_worker
 
 
 def request(**kw) -> GenerateRequest:
