@@ -37,8 +37,6 @@ from redis.exceptions import ClusterDownError
 # LINK_ERRORS and RedisUnreachable: what every caller of connect() catches, importable from here
 from .linkwatch import LINK_ERRORS, LinkWatch, RedisUnreachable  # noqa: F401
 from .settings import Settings
-# close_pins: the gateway's import path, until its split imports it from .slots
-from .slots import close_pins  # noqa: F401
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,8 @@ from starlette.routing import Route
 
 from ...shared import apikeys
 from ...shared.apikeys import AuthError
-from ...shared.connection import RedisUnreachable, close_pins, connect_async
+from ...shared.connection import RedisUnreachable, connect_async
+from ...shared.slots import close_pins
 from ...shared.keys import GlobalKeys
 from ...shared.settings import Settings
 from ..aclient import AsyncClient

@@ -30,7 +30,8 @@ from ...shared.protocol import JobRefused, OverloadError
 from ...shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result
 from ...shared.tools import check_format, format_from_info, uses_tools
 from ..aclient import AsyncClient, AsyncJob
-from ..common import ContextLengthError, NoModelError, has_live_worker
+from ..errors import ContextLengthError, NoModelError
+from ..registry import has_live_worker
 from ..openai_api import OpenAIError, check_bias_vocab, validation_error
 
 log = logging.getLogger("mlxq.gateway")
@@ -242,7 +243,7 @@ class DrainRate:
         seen = [(t, n) for t, n in self._seen.get(model, []) if now - t <= self.WINDOW_S]
         seen.append((now, processed))
         self._seen[model] = seen
-        (t0, n0), span = seen[0], now - seen[0][0]
+        (_, n0), span = seen[0], now - seen[0][0]
         if span < 1.0 or processed <= n0:
             return None
         rate = (processed - n0) / span

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from ...shared import codec
 from ...shared.schemas import Delta, Result
 from ..aclient import AsyncClient, AsyncJob
-from ..common import TERMINAL, result_from_hash
+from ..records import TERMINAL, result_from_hash
 from ..openai_api import OpenAIError
 from ..responses_api import (ResponseEvents, ResponsesRequest, job_id_of, now, output_items, previous_turns,
                              response_id, response_object, status_of)
