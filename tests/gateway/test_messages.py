@@ -74,8 +74,8 @@ def submitted(r) -> int:
 
 def test_create_is_the_chat_completions_answer(stack):
     url, r, _ = stack
-    # (the anthropic client sends no sampling fields of its own any more: temperature, top_p and top_k
-    # come as the API still takes them, in the body)
+    # (temperature and top_k in the body, as the API takes them: the anthropic client has no arguments
+    # for them from its 1.0 on)
     msg = claude(url).messages.create(model="tiny", system=SYSTEM, messages=ASK, max_tokens=12,
                                       metadata={"user_id": "u-1"}, extra_body={"temperature": 0, "top_k": 0})
     want = chat(url, messages=[{"role": "system", "content": SYSTEM}, *ASK], max_tokens=12, temperature=0)
@@ -143,9 +143,10 @@ def test_tool_use_has_a_valid_input_streamed_or_not(stack):
 def test_a_tool_result_round_trip_is_the_chat_completions_one(stack):
     url, _, tok = stack
     first = claude(url).messages.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                        max_tokens=200, tools=TOOLS, tool_choice={"type": "any"},
+                                        max_tokens=200, tools=TOOLS,
+                                        tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                         extra_body={"logit_bias": no_thought(tok)})
-    call = next(b for b in first.content if b.type == "tool_use")
+    (call,) = [b for b in first.content if b.type == "tool_use"]  # one call: disable_parallel_tool_use
     turns = [{"role": "user", "content": "Weather in Paris?"},
              {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}]}]
@@ -276,3 +277,25 @@ def test_a_refusal_after_the_headers_is_an_error_event():
     assert [e.split("\n")[0] for e in events] == ["event: message_start", "event: ping", "event: error"]
     error = json.loads(events[-1].split("data: ", 1)[1])
     assert error == {"type": "error", "error": {"type": "invalid_request_error", "message": "the prompt is too long"}}
+
+
+def test_blocks_become_chat_messages_in_their_order():
+    """A turn's blocks as the chat template reads them: an assistant's thought dropped, its text and
+    calls one message; each tool result a tool message named after its call, text after it a user
+    message after it."""
+    from mlxq.producer.anthropic_api import InMessage, mlxq_messages
+
+    turns = [InMessage(role="user", content="hi"),
+             InMessage(role="assistant", content=[
+                 {"type": "thinking", "thinking": "hm", "signature": ""}, {"type": "text", "text": "Let me look."},
+                 {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}]),
+             InMessage(role="user", content=[
+                 {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "sunny"}]},
+                 {"type": "text", "text": "thanks"}])]
+    call = {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert mlxq_messages([{"type": "text", "text": "Be brief."}], turns) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "t1", "content": "sunny", "name": "get_weather"},
+        {"role": "user", "content": "thanks"}]
