@@ -136,11 +136,11 @@ class Messages:
                 if first and (d.text or d.reasoning):
                     first = False
                     metrics.ttft.labels(PATH, answer.tier).observe(time.monotonic() - answer.started)
-                if d.finish_reason == "error":
+                if d.finish_reason == "error":  # refused after a ping sent the headers (its 400), or failed
                     finished = True
                     res = await job.result(timeout=gw.result_wait_s)
-                    if refused(d):  # refused after a ping sent the headers: its 400 as the error event
-                        jlog(logging.INFO, job.id, res.stats.attempts, "refused while streaming: %s", res.error)
+                    jlog(logging.INFO, job.id, res.stats.attempts, "%s while streaming: %s",
+                         "refused" if refused(d) else "failed", res.error)
                     err = job_error(res)
                     metrics.errors.labels(err.type).inc()
                     yield sse_event("error", error_body(err))
