@@ -291,16 +291,26 @@ def tool_input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"arguments": arguments}
 
 
-def stop_reason(out: Union[Result, SampleOutput]) -> tuple[str, Optional[str]]:
-    """(``stop_reason``, ``stop_sequence``) of a finished output."""
-    reason = out.finish_reason
+def stop_fields(out: Union[Result, SampleOutput], max_tokens: int) -> dict[str, Optional[str]]:
+    """``stop_reason`` and ``stop_sequence`` of a finished output.  An output cut short before
+    ``max_tokens`` ran out of room (the worker caps a job where its KV pool would end); a job past its
+    ``timeout_s`` reads as cut short and a cancelled one as ended, with ``mlxq_stop_reason`` saying
+    which (Anthropic has no word for them)."""
+    reason, stop = out.finish_reason, None
     if reason == "tool_calls":
-        return "tool_use", None
-    if reason in ("length", "timeout"):  # a job cut at its time limit: a cut-short answer too
-        return "max_tokens", None
-    if reason == "stop" and out.stop is not None:  # (the worker cut the text before it)
-        return "stop_sequence", out.stop
-    return "end_turn", None
+        kind = "tool_use"
+    elif reason == "length":
+        kind = "max_tokens" if len(out.token_ids) >= max_tokens else "model_context_window_exceeded"
+    elif reason == "timeout":
+        kind = "max_tokens"
+    elif reason == "stop" and out.stop is not None:  # (the worker cut the text before it)
+        kind, stop = "stop_sequence", out.stop
+    else:
+        kind = "end_turn"
+    fields = {"stop_reason": kind, "stop_sequence": stop}
+    if reason in ("timeout", "cancelled"):
+        fields["mlxq_stop_reason"] = reason
+    return fields
 
 
 class BlockEvents:

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ...shared.schemas import Delta
-from ..anthropic_api import (BlockEvents, MessagesRequest, PromptRequest, content_blocks, error_body, stop_reason,
+from ..anthropic_api import (BlockEvents, MessagesRequest, PromptRequest, content_blocks, error_body, stop_fields,
                              usage)
 from ..openai_api import ChatDeltas, OpenAIError, failed_output
 from .chat_completions import SSE_HEADERS
@@ -76,7 +76,7 @@ class Messages:
         got = await self._submit(request, PATH, MessagesRequest, MessagesRequest.submit_kwargs)
         if isinstance(got, Response):
             return got
-        answer = _Answer(got.sub, got.tier, started)
+        answer = _Answer(got.sub, got.req.max_tokens, got.tier, started)
         if got.req.stream:
             return await self._stream(request, answer)
         res = await self.jobs.result_unless_gone(request, answer.job)
@@ -86,9 +86,8 @@ class Messages:
         if failed is not None:
             return self.error(job_error(failed))
         self.gw.metrics.served(PATH, answer.tier, started, res.stats.generated_tokens)
-        reason, sequence = stop_reason(res)
-        return JSONResponse({**answer.head(), "content": content_blocks(res), "stop_reason": reason,
-                             "stop_sequence": sequence, "usage": usage(res)})
+        return JSONResponse({**answer.head(), "content": content_blocks(res),
+                             **stop_fields(res, got.req.max_tokens), "usage": usage(res)})
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's tokens, counted by the worker that renders it (chat template, tools and all):
@@ -153,10 +152,8 @@ class Messages:
                 yield sse_event(event, data)
             if finished:
                 res = await job.result(timeout=gw.result_wait_s)
-                reason, sequence = stop_reason(res)
                 yield sse_event("message_delta", {"type": "message_delta",
-                                                  "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                                  "usage": usage(res)})
+                                                  "delta": stop_fields(res, answer.max_tokens), "usage": usage(res)})
                 metrics.tokens.inc(res.stats.generated_tokens)
                 jlog(logging.INFO, job.id, res.stats.attempts, "streamed: %s, %d tokens", res.finish_reason,
                      res.stats.generated_tokens)
@@ -184,10 +181,12 @@ class _Submission(NamedTuple):
 
 
 class _Answer:
-    """What a message's reply says besides its content: its id and model, for its tier's metrics."""
+    """What a message's reply says besides its content: its id and model, how it stopped; its tier
+    for the metrics."""
 
-    def __init__(self, sub: Submitted, tier: str, started: float):
+    def __init__(self, sub: Submitted, max_tokens: int, tier: str, started: float):
         self.job, self.model, self.tier, self.started = sub.job, sub.model, tier, started
+        self.max_tokens = max_tokens  # what the stop reason is told by
 
     def head(self) -> dict:
         return {"id": "msg_" + self.job.id, "type": "message", "role": "assistant", "model": self.model}

@@ -270,7 +270,7 @@ def test_a_refusal_after_the_headers_is_an_error_event():
             yield KEEPALIVE
             yield Delta(seq=1, finish_reason="error", error="the prompt is too long")
 
-        answer = _Answer(Submitted(Job(), "tiny", None, False), "normal", 0.0)
+        answer = _Answer(Submitted(Job(), "tiny", None, False), 4, "normal", 0.0)
         return [e async for e in Messages(gw)._sse(answer, deltas())]
 
     events = asyncio.run(stream())
@@ -299,3 +299,20 @@ def test_blocks_become_chat_messages_in_their_order():
         {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "t1", "content": "sunny", "name": "get_weather"},
         {"role": "user", "content": "thanks"}]
+
+
+def test_every_finish_has_its_stop_reason():
+    from mlxq.producer.anthropic_api import stop_fields
+    from mlxq.shared.schemas import Result
+
+    def fields(reason, n=4, **kw):
+        return stop_fields(Result(id="j", finish_reason=reason, token_ids=list(range(n)), **kw), 4)
+
+    assert fields("stop") == {"stop_reason": "end_turn", "stop_sequence": None}
+    assert fields("stop", stop="##") == {"stop_reason": "stop_sequence", "stop_sequence": "##"}
+    assert fields("tool_calls")["stop_reason"] == "tool_use"
+    assert fields("length")["stop_reason"] == "max_tokens"
+    assert fields("length", n=3)["stop_reason"] == "model_context_window_exceeded"  # capped before max_tokens
+    assert fields("timeout", n=1) == {"stop_reason": "max_tokens", "stop_sequence": None,
+                                      "mlxq_stop_reason": "timeout"}
+    assert fields("cancelled")["stop_reason"] == "end_turn" and fields("cancelled")["mlxq_stop_reason"] == "cancelled"
