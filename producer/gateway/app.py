@@ -7,12 +7,12 @@
     GET  /health                                        (liveness: no key, no Redis; always 200 while serving)
     GET  /ready                                         (Redis answers and some model has a live worker)
 
-The bearer token (or ``x-api-key``, as Anthropic's clients send it) is an mlxq API key: it decides
-the tier. Two modes, as vLLM, ollama and mlx-lm's server behave: while no key is registered the
-gateway is open (any token, e.g. the openai client's ``api_key="EMPTY"``, is normal tier; a warning
-is logged at start); once any key exists, an unknown or revoked token gets 401 on every endpoint,
-and so does a request with no token, unless the admin let anonymous callers in (``mlxq tiers
---anonymous normal|low``).  The start-up log says which mode.
+The bearer token is an mlxq API key: it decides the tier.  Two modes, as vLLM, ollama and mlx-lm's
+server behave: while no key is registered the gateway is open (any token, e.g. the openai client's
+``api_key="EMPTY"``, is normal tier; a warning is logged at start); once any key exists, an unknown
+or revoked token gets 401 on every endpoint, and so does a request with no token, unless the admin
+let anonymous callers in (``mlxq tiers --anonymous normal|low``).  The start-up log says which mode.
+The key may come as ``x-api-key`` too, as Anthropic's clients send it.
 
 Each request becomes one queue job through ``AsyncClient`` (``jobs.Jobs``: the same path for every
 API); a stream reads the job's token channel.

@@ -215,6 +215,12 @@ def test_keys_and_errors_are_anthropics(stack):
     status, out = raw_post(url, "/v1/messages/nothing", {}, {"x-api-key": KEY})
     assert status == 404 and out == {"type": "error", "error": {"type": "not_found_error",
                                                                  "message": out["error"]["message"]}}
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", "/v1/messages", headers={"x-api-key": KEY})
+    resp = conn.getresponse()
+    assert resp.status == 405 and json.loads(resp.read())["error"]["type"] == "invalid_request_error"
+    conn.close()
     status, out = raw_post(url, "/v1/nothing", {}, {"x-api-key": KEY})  # OpenAI's shape elsewhere
     assert status == 404 and set(out["error"]) == {"message", "type", "param", "code"}
     assert claude(url).messages.create(model="tiny", messages=ASK, max_tokens=2).stop_reason  # alive
