@@ -140,6 +140,14 @@ def test_tool_use_has_a_valid_input_streamed_or_not(stack):
     assert sum(e.type == "input_json" for e in events) > 1  # the input streamed as the model wrote it
 
 
+def test_output_config_format_holds_the_answer_to_its_schema(stack):
+    url, _, tok = stack
+    msg = claude(url).messages.create(model="tiny", messages=ASK, max_tokens=200, extra_body={
+        "output_config": {"format": {"type": "json_schema", "schema": WEATHER}}, "logit_bias": no_thought(tok)})
+    assert msg.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(text_of(msg)), WEATHER)
+
+
 def test_a_tool_result_round_trip_is_the_chat_completions_one(stack):
     url, _, tok = stack
     first = claude(url).messages.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
