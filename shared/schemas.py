@@ -409,6 +409,7 @@ class SampleOutput(Parsed):
     logprobs: Optional[list] = None
     tool_calls: Optional[list[ToolCall]] = None
     reasoning: Optional[str] = None
+    stop: Optional[str] = None  # finish_reason "stop" at one of the request's stop strings: that one
 
     @field_validator("token_ids", mode="before")
     @classmethod
@@ -430,6 +431,7 @@ class Result(BaseModel):
     logprobs: Optional[list] = None
     tool_calls: Optional[list[ToolCall]] = None
     reasoning: Optional[str] = None  # a chat job's thinking (``text`` is then the answer only)
+    stop: Optional[str] = None  # finish_reason "stop" at one of the request's stop strings: that one
     stats: JobStats = Field(default_factory=JobStats)
     samples: Optional[list[SampleOutput]] = None  # n > 1: every sample's output, sample 0 first
 

@@ -182,10 +182,12 @@ class ActiveJob:
 
     def output(self, finish: str, error: Optional[str] = None, error_code: Optional[str] = None) -> SampleOutput:
         """This sample's output as it ends."""
+        reason = self.final_reason(finish)
         return SampleOutput(index=self.sample or 0, text=self.full_text, token_ids=list(self.tokens),
-                            finish_reason=self.final_reason(finish), error=error, error_code=error_code,
+                            finish_reason=reason, error=error, error_code=error_code,
                             logprobs=self.logprobs or None, tool_calls=self.tool_calls() or None,
-                            reasoning=self.text.reasoning or None)
+                            reasoning=self.text.reasoning or None,
+                            stop=self.text.stop_string if reason == "stop" else None)
 
     def end(self, finish: str, error: Optional[str] = None, error_code: Optional[str] = None) -> Optional[Result]:
         """This sample ended: the job's result when it was the job's last sample, else None (its

@@ -115,6 +115,7 @@ class TextStream:
         self._stop = [s for s in (stop or []) if s]
         self._pending = ""  # decoded but not yet emitted (a possible stop prefix)
         self.stopped = False  # a stop string was found; nothing more is emitted
+        self.stop_string: Optional[str] = None  # the one found (the first in the text)
         self.emitted_chars = 0
 
     @classmethod
@@ -136,9 +137,9 @@ class TextStream:
     def _take(self, segment: str, final: bool = False) -> str:
         text = self._pending + segment
         if self._stop:
-            cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+            cut, first = min(((i, s) for s in self._stop if (i := text.find(s)) >= 0), default=(-1, None))
             if cut >= 0:
-                self.stopped = True
+                self.stopped, self.stop_string = True, first
                 self._pending = ""
                 return self._emit(text[:cut])
             if not final:
@@ -229,6 +230,10 @@ class ChatStream:
     @property
     def stopped(self) -> bool:
         return self._text.stopped
+
+    @property
+    def stop_string(self) -> Optional[str]:
+        return self._text.stop_string
 
     def add(self, token: int) -> str:
         """Feed one token; return the answer text that is now safe to emit."""

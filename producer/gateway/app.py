@@ -1,6 +1,7 @@
 """The gateway's house: one Redis link, the API keys, health, metrics and errors; the API rooms.
 
     POST /v1/chat/completions, /v1/completions, /v1/batch/...  (chat_completions.py: OpenAI's APIs)
+    POST /v1/messages, /v1/messages/count_tokens        (messages.py: Anthropic's Messages API)
     GET  /v1/models                                     (models that live workers serve)
     GET  /metrics                                       (this gateway's request metrics)
     GET  /health                                        (liveness: no key, no Redis; always 200 while serving)
@@ -11,6 +12,7 @@ server behave: while no key is registered the gateway is open (any token, e.g. t
 ``api_key="EMPTY"``, is normal tier; a warning is logged at start); once any key exists, an unknown
 or revoked token gets 401 on every endpoint, and so does a request with no token, unless the admin
 let anonymous callers in (``mlxq tiers --anonymous normal|low``).  The start-up log says which mode.
+The key may come as ``x-api-key`` too, as Anthropic's clients send it.
 
 Each request becomes one queue job through ``AsyncClient`` (``jobs.Jobs``: the same path for every
 API); a stream reads the job's token channel.
@@ -45,6 +47,7 @@ from ..asubscriber import AsyncSubscriber, link_watch
 from ..openai_api import OpenAIError, TokenNames
 from .chat_completions import ChatCompletions
 from .jobs import RETRY_AFTER_DEFAULT_S, Jobs, bearer, live_models, unreachable_error
+from .messages import Messages
 from .responses import Responses
 
 log = logging.getLogger("mlxq.gateway")
@@ -105,7 +108,7 @@ class Gateway:
         self.max_body_bytes = 4 * self.settings.max_prompt_bytes
         self._key_names: dict[str, tuple[float, str]] = {}  # sha256(key) -> (read at, name): key_name
         self.jobs = Jobs(self)
-        self.rooms = [ChatCompletions(self), Responses(self)]  # each API the gateway speaks
+        self.rooms = [ChatCompletions(self), Responses(self), Messages(self)]  # each API the gateway speaks
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -262,24 +265,31 @@ class Gateway:
         self.metrics.requests.labels(endpoint, "499").inc()
         return Response(status_code=499)
 
+    def shape_of(self, path: str) -> Callable[[OpenAIError], dict]:
+        """The error body of the API ``path`` belongs to: a room's own (``error_shape``), else OpenAI's."""
+        shapes = (getattr(room, "error_shape", lambda p: None)(path) for room in self.rooms)
+        return next((shape for shape in shapes if shape is not None), OpenAIError.body)
+
     async def unreachable(self, request: Request, exc: RedisUnreachable) -> Response:
         """Any endpoint, when Redis stayed unreachable past ``redis_outage_s``: 503 + Retry-After."""
-        return self.error(request.url.path, unreachable_error(exc))
+        return self.error(request.url.path, unreachable_error(exc), shape=self.shape_of(request.url.path))
 
     async def http_error(self, request: Request, exc: HTTPException) -> Response:
-        """A path no route serves (404) or a method it does not take (405), in OpenAI's error shape
-        (Starlette's own answer is plain text, which OpenAI clients cannot read as an error)."""
+        """A path no route serves (404) or a method it does not take (405), in the error shape of the API
+        the path belongs to (Starlette's own answer is plain text, which no API's client reads as an error)."""
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         err = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", param=None, code=code)
         # a 404's path is whatever was asked for: one metrics label for all of them
-        response = self.error("(no route)" if exc.status_code == 404 else request.url.path, err)
+        response = self.error("(no route)" if exc.status_code == 404 else request.url.path, err,
+                              shape=self.shape_of(request.url.path))
         response.headers.update(exc.headers or {})
         return response
 
     async def internal_error(self, request: Request, exc: Exception) -> Response:
-        """What no handler caught: a 500 in OpenAI's error shape (Starlette logs the traceback)."""
+        """What no handler caught: a 500 in its API's error shape (Starlette logs the traceback)."""
         return self.error(request.url.path, OpenAIError(500, f"internal error: {type(exc).__name__}",
-                                                         "server_error", code="internal_error"))
+                                                         "server_error", code="internal_error"),
+                          shape=self.shape_of(request.url.path))
 
 
 def create_app(redis_url: Optional[str] = None, settings: Optional[Settings] = None) -> Starlette:

@@ -311,11 +311,13 @@ def sse_data(obj: dict) -> str:
 
 
 def bearer(request: Request) -> Optional[str]:
+    """The caller's API key: ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>``
+    (Anthropic's); the same keys and tiers either way."""
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
-    return None
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 async def json_body(request: Request, limit: int) -> dict:

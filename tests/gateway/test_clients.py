@@ -124,6 +124,20 @@ def test_pydantic_ai_function_tool_then_output(gateway):
     assert returns and returns[0].content == weather(calls[0])
 
 
+def test_pydantic_ai_anthropic_model_output_type(gateway):
+    """The same agent through Anthropic's Messages API: pydantic-ai's Anthropic model, its output a
+    tool it must call (``tool_choice`` of type "tool", which the grammar enforces)."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.anthropic import AnthropicModel
+    from pydantic_ai.providers.anthropic import AnthropicProvider
+
+    provider = AnthropicProvider(base_url=gateway.removesuffix("/v1"), api_key="EMPTY")
+    agent = Agent(AnthropicModel(MODEL, provider=provider), output_type=City, instructions=SYSTEM,
+                  model_settings={"temperature": 0, "max_tokens": 80}, retries=0)
+    result = agent.run_sync(QUESTION)
+    assert isinstance(result.output, City) and result.output.name
+
+
 # -- the openai-agents SDK ---------------------------------------------------------------------------
 
 def _agents_model(base_url: str):

@@ -107,7 +107,7 @@ def test_stop_string_is_cut_and_never_leaks(tiny_model):
     tok = tiny_model.tokenizer
     pieces, ts = stream_all(tok, "hello world. The END is near", stop=["END", "zzz"])
     assert "".join(pieces) == "hello world. The "
-    assert ts.stopped
+    assert ts.stopped and ts.stop_string == "END"  # which one: the result's ``stop``
     pieces, ts = stream_all(tok, " a stop at the start", stop=["stop"])
     assert "".join(pieces) == " a "  # the leading space survives a stop string too
 
@@ -116,4 +116,4 @@ def test_partial_stop_prefix_is_released_when_it_is_not_a_stop(tiny_model):
     tok = tiny_model.tokenizer
     pieces, ts = stream_all(tok, "an ENDing without the word", stop=["END."])
     assert "".join(pieces) == tok.decode(tok.encode("an ENDing without the word"))
-    assert not ts.stopped
+    assert not ts.stopped and ts.stop_string is None
