@@ -137,6 +137,8 @@ def test_backoff_is_capped():
     assert len(set(delays)) > 100 and max(delays) > 2.5
     b.ok()
     assert b.fail() <= 0.05
+    b.failures = 5000  # an outage of hours: still a delay under the cap (2**5000 overflowed a float)
+    assert 0 <= b.fail() <= 5.0
 
 
 def test_producer_dies_after_enqueue_and_the_job_still_runs(tiny_model, redis_url):
