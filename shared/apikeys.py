@@ -188,7 +188,7 @@ def list_keys(redis, registry_key: str | GlobalKeys) -> list[dict]:
     rows = []
     for h, value in redis.hgetall(gk.api_keys).items():
         value, meta = _s(value), info.get(_s(h), {})
-        rows.append({"name": meta.get("name"), "tier": value.split(":", 1)[-1],
+        rows.append({"name": meta.get("name"), "tier": value.split(":", 1)[-1], "weight": key_weight(redis, gk, _s(h)),
                      "admin": bool(meta.get("admin")), "revoked": value.startswith(REVOKED),
                      "created": meta.get("created")})
     return sorted(rows, key=lambda r: (r["revoked"], r["name"] or "", r["created"] or 0))
@@ -258,16 +258,49 @@ def set_policy(redis, gk: GlobalKeys, offsets: Optional[dict[str, float]] = None
         if anonymous not in ANONYMOUS_CHOICES:
             raise ValueError(f"anonymous must be one of {ANONYMOUS_CHOICES} (or default)")
         mapping["anonymous"] = anonymous
+    # back to the default: refused once keys exist
+    _store_policy(redis, gk, mapping, ("anonymous",) if anonymous == "default" else ())
+    return get_policy(redis, gk)
+
+
+def _store_policy(redis, gk: GlobalKeys, mapping: dict, drop: tuple = ()) -> None:
+    """Write policy fields (and drop ``drop``), then copy the policy to every model's slot."""
     if mapping:
         redis.hset(gk.policy, mapping=mapping)
-    if anonymous == "default":  # back to the default: refused once keys exist
-        redis.hdel(gk.policy, "anonymous")
+    if drop:
+        redis.hdel(gk.policy, *drop)
     redis.incr(gk.policy_version)
     from .slots import for_slot
 
     for model in _models(redis, gk):
         sync_model(redis, for_slot(redis, gk.model_keys(model).policy), gk, model)
-    return get_policy(redis, gk)
+
+
+# A key's share of its tier against the other keys with queued work there (pick.lua serves their groups
+# in turn, a key of weight 2 twice as often as one of weight 1). Kept in the policy, as
+# ``weight:<sha1(sha256(key))>`` (the registry copy's field, the key's group), so each model's slot has it.
+DEFAULT_WEIGHT = 1.0
+MAX_WEIGHT = 1000.0
+
+
+def set_weight(redis, gk: GlobalKeys, name: str, weight: float) -> None:
+    """Set the fair-share weight of the key named ``name`` (``mlxq keys set --weight``)."""
+    weight = float(weight)
+    if not 0 < weight <= MAX_WEIGHT:
+        raise ValueError(f"a key's weight must be above 0 and at most {MAX_WEIGHT:g}, got {weight:g}")
+    h = _hash_of_name(redis, gk, name)
+    if h is None:
+        raise ValueError(f"no key named {name!r} (`mlxq keys list` shows them)")
+    field = f"weight:{copy_field(h)}"
+    if weight == DEFAULT_WEIGHT:
+        _store_policy(redis, gk, {}, (field,))
+    else:
+        _store_policy(redis, gk, {field: weight})
+
+
+def key_weight(redis, gk: GlobalKeys, kh: str) -> float:
+    raw = redis.hget(gk.policy, f"weight:{copy_field(kh)}")
+    return float(raw) if raw is not None else DEFAULT_WEIGHT
 
 
 def get_policy(redis, gk: GlobalKeys) -> dict:

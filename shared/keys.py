@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import re
 
+from .settings import TIERS
+
 _BAD_MODEL_CHARS = re.compile(r"[{}\s]")
 
 
@@ -125,6 +127,29 @@ class ModelKeys:
         pull take a job's tier, score and suspect flag from here, never from the job hash, which a
         producer under the ACL recipe may write."""
         return f"{self._base}:sched"
+
+    # fair shares between API keys within a tier (docs/PROTOCOL.md, "Fair shares"; _fair.lua)
+    def fair_ring(self, tier: str) -> str:
+        """zset: group (sha1(sha256(api key)), or "-" for jobs without a key) -> its turn, for each group
+        with jobs queued at ``tier``; the lowest turn is served next (pick.lua)."""
+        return f"{self._base}:fair:{tier}"
+
+    @property
+    def fair_jobs(self) -> str:
+        """zset, every score 0: ``<tier>|<group>|<score %020.6f>|<job id>`` for each indexed queued job, so
+        one group's oldest job at a tier is the first member of its lexical range (ZRANGEBYLEX)."""
+        return f"{self._base}:fairq"
+
+    @property
+    def fair_state(self) -> str:
+        """hash, worker-side: ``v:<tier>`` the turn last served, ``f:<tier>:<group>`` the turn a group
+        that ran out of jobs would have had next, ``j:<job id>`` a job's member of ``fair_jobs``."""
+        return f"{self._base}:fair"
+
+    @property
+    def fair_keys(self) -> list[str]:
+        """The keys the scripts that index or pick jobs declare, in their order: three rings, jobs, state."""
+        return [*(self.fair_ring(t) for t in TIERS), self.fair_jobs, self.fair_state]
 
     @property
     def cancel_channel(self) -> str:  # pub/sub: ids of running jobs to cancel

@@ -22,12 +22,13 @@ from .settings import Settings
 from .slots import for_slot, is_cluster, one_connection
 from .steps import run_steps
 
-SCRIPT_NAMES = ("enqueue", "admit", "pull", "deltas", "complete", "requeue", "cancel", "renew", "reap",
+SCRIPT_NAMES = ("enqueue", "admit", "pick", "pull", "deltas", "complete", "requeue", "cancel", "renew", "reap",
                 "check", "submit", "cancel_request")
 # shared helpers put ahead of a script's body: _id checks a job id, _tier decides a tier, _end ends a
 # job's record, _sched reads and writes an admitted job's worker-only facts, _compact folds a finished
-# job's event stream into its record
-_PRELUDES = {"complete": ("_compact",), "enqueue": ("_id", "_tier"), "submit": ("_id",), "admit": ("_id", "_tier", "_end", "_sched"),
+# job's event stream into its record, _fair indexes a job for fair shares between API keys
+_PRELUDES = {"complete": ("_compact",), "enqueue": ("_id", "_tier", "_fair"), "submit": ("_id",),
+             "admit": ("_id", "_tier", "_end", "_sched", "_fair"), "pick": ("_fair",),
              "check": ("_tier",), "pull": ("_id", "_end", "_sched"), "reap": ("_end", "_sched"),
              "requeue": ("_end", "_sched"), "cancel": ("_end", "_sched"), "cancel_request": ("_end",)}
 _READ_ONLY = ("check",)  # registered with the no-writes flag: callable with FCALL_RO
@@ -51,7 +52,7 @@ def function_name(name: str) -> str:
 def function_library() -> str:
     """Every script as a Redis Function of one library (``FUNCTION LOAD``), so that an ACL can
     allow ``FCALL`` while refusing ``EVAL``/``EVALSHA`` (no new code can be run)."""
-    parts = [f"#!lua name={FUNCTION_LIBRARY}", *(_lua(p) for p in ("_id", "_tier", "_end", "_sched", "_compact"))]
+    parts = [f"#!lua name={FUNCTION_LIBRARY}", *(_lua(p) for p in ("_id", "_tier", "_end", "_sched", "_compact", "_fair"))]
     for name in SCRIPT_NAMES:
         flags = ", flags = {'no-writes'}" if name in _READ_ONLY else ""
         parts.append(f"redis.register_function{{function_name = '{function_name(name)}', "
@@ -284,7 +285,7 @@ class ScriptCalls:
         idem = k.idempotency(idempotency_key, key_hash) if idempotency_key else k.job(job_id)
         return (
             "enqueue",
-            [k.job(job_id), k.counts, k.wake, idem, k.intake, k.queue, k.key_copy, k.policy],
+            [k.job(job_id), k.counts, k.wake, idem, k.intake, k.queue, k.key_copy, k.policy, *k.fair_keys],
             [job_id, request, key_hash or "", floor or "", "1" if idempotency_key else "0", s.idempotency_ttl_s],
         )
 
@@ -322,11 +323,17 @@ class ScriptCalls:
     def admit(self, ids: list):
         """Admit ``ids``, the head of the intake list as the caller read it (LRANGE)."""
         k = self.k
-        return ("admit", [k.intake, k.queue, k.counts, k.key_copy, k.policy, k.wake, k.sched, *self._per_member(ids)],
+        return ("admit", [k.intake, k.queue, k.counts, k.key_copy, k.policy, k.wake, k.sched, *k.fair_keys,
+                          *self._per_member(ids)],
                 [self.s.result_ttl_s, self.pubcmd, *ids])
 
+    def pick(self, n: int):
+        """Choose up to ``n`` queued jobs, fairly between API keys within a tier (pick.lua)."""
+        k = self.k
+        return ("pick", [k.queue, k.policy, *k.fair_keys], [n])
+
     def pull(self, members: list, worker_id: str):
-        """Lease the jobs among ``members``, the head of the queue as the caller read it (ZRANGE)."""
+        """Lease the jobs among ``members``, as ``pick`` chose them."""
         k = self.k
         return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info, k.sched, *self._per_member(members)],
                 [len(members), self.s.lease_s, worker_id, self.s.result_ttl_s, self.pubcmd, *members])
@@ -475,15 +482,13 @@ class Queue:
         return int(admitted), int(refused)
 
     def pull(self, n: int, worker_id: str) -> list[Pulled]:
-        """Admit what waits on the intake list, then lease up to ``n`` jobs, highest priority first.
-        Both scripts are given the members they may touch (read first), so every key is declared."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.lrange(self.keys.intake, 0, 999)
-        pipe.zrange(self.keys.queue, 0, n - 1)
-        intake, members = pipe.execute()
+        """Admit what waits on the intake list, then lease up to ``n`` jobs: the lowest scores across tiers,
+        by turns between API keys within a tier (``pick``). Admit and pull are given the members they may
+        touch (read or chosen first), so every key is declared."""
+        intake = self.redis.lrange(self.keys.intake, 0, 999)
         if intake:
             self.run(self.calls.admit(intake))
-            members = self.redis.zrange(self.keys.queue, 0, n - 1)
+        members = self.run(self.calls.pick(n))
         if not members:
             return []
         return parse_pull(self.run(self.calls.pull(members, worker_id)))

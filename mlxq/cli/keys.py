@@ -67,6 +67,8 @@ def cmd_keys(args) -> int:
         r, gk = _connect(args)
         key = apikeys.generate_key()
         apikeys.add_key(r, gk, key, args.tier, name=args.name, admin=args.admin)
+        if args.weight is not None:
+            apikeys.set_weight(r, gk, args.name, args.weight)
         role = ", admin" if args.admin else ""
         print(f"key {args.name!r} created at tier {args.tier}{role}; it is shown this once: keep it now",
               file=sys.stderr)
@@ -78,6 +80,11 @@ def cmd_keys(args) -> int:
         r, gk = _connect(args)
         apikeys.add_key(r, gk, key, args.tier, name=args.name, admin=args.admin)
         print(f"key {args.name or '(unnamed)'} added at tier {args.tier}" + (", admin" if args.admin else ""))
+        return 0
+    if args.action == "set":
+        r, gk = _connect(args)
+        apikeys.set_weight(r, gk, args.name, args.weight)
+        print(f"key {args.name!r}: weight {args.weight:g}")
         return 0
     if args.action == "revoke":
         _refuse_argv(args, "key", "`mlxq keys revoke < keyfile`", "--key-env")
@@ -100,6 +107,8 @@ def cmd_keys(args) -> int:
         when = (datetime.fromtimestamp(row["created"], timezone.utc).strftime("%Y-%m-%d %H:%M")
                 if row["created"] else "-")
         flags = " ".join(x for x in ("admin" if row["admin"] else "", "REVOKED" if row["revoked"] else "") if x)
+        weight = f"weight {row['weight']:g}" if row["weight"] != apikeys.DEFAULT_WEIGHT else ""
+        flags = " ".join(x for x in (flags, weight) if x)
         print(f"{row['name'] or '(unnamed)':24} {row['tier']:7} {when:16} {flags}".rstrip())
     return 0
 
@@ -140,6 +149,10 @@ def _secret_options(p: argparse.ArgumentParser, what: str, dest: str, env_flag: 
                    help=f"read the {what} from this environment variable (default: from stdin)")
 
 
+WEIGHT_HELP = ("the key's share of its tier against other keys with jobs queued there: a key of weight 2 is "
+               "served twice as often as one of weight 1 (default: 1)")
+
+
 def add_commands(sub) -> None:
     keys_help = "manage API keys (they set the tier)"
     p = sub.add_parser("keys", help=keys_help, description=f"{keys_help}. {KEY_RULES}")
@@ -154,6 +167,13 @@ def add_commands(sub) -> None:
     c.add_argument("--tier", choices=TIERS, required=True, help="the tier the key's jobs run at (required)")
     c.add_argument("--admin", action="store_true",
                    help="the admin role: the operator's actions (jobs cancel, requeue, failed purge)")
+
+    c.add_argument("--weight", type=float, help=WEIGHT_HELP)
+
+    st = ks.add_parser("set", help="set a key's share of its tier (by --name)")
+    add_shared(st, "redis_url")
+    st.add_argument("--name", required=True, help="the key's name")
+    st.add_argument("--weight", type=float, required=True, help=WEIGHT_HELP)
 
     a = ks.add_parser("add", help=f"register a key you have (read from stdin; at least {MIN_KEY_LENGTH} "
                                   "characters)", description=KEY_RULES)

@@ -3,8 +3,8 @@
 -- (nothing a producer wrote into its own job record can raise its priority).  Workers run this
 -- before each pull and on each heartbeat.
 -- KEYS: 1 intake, 2 queue, 3 counts, 4 key registry copy, 5 policy copy, 6 wake, 7 sched (worker-only:
---       the tier and score given here, _sched.lua), then four per id (the caller read the ids with
---       LRANGE, in ARGV order): job, events, done list, job channel
+--       the tier and score given here, _sched.lua), 8..12 the fair-share keys (ModelKeys.fair_keys), then
+--       four per id (the caller read the ids with LRANGE, in ARGV order): job, events, done list, job channel
 -- A job is admitted once: one that has an entry in sched is queued or running already, whatever
 -- its hash says (its producer may write it: pushed again, it inflated the queue's counters).
 -- ARGV: 1 ttl (s), 2 publish command (PUBLISH | SPUBLISH on a cluster), 3.. the ids at the head of intake
@@ -24,7 +24,7 @@ local nowstr = string.format('%.6f', now)
 local ttl = tonumber(ARGV[1])
 local admitted, refused = 0, 0
 for i, id in ipairs(ids) do
-  local base = 7 + (i - 1) * 4
+  local base = 12 + (i - 1) * 4
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   if mlxq_is_job_id(id) then
     local ktype = redis.call('TYPE', jk)
@@ -48,6 +48,8 @@ for i, id in ipairs(ids) do
           mlxq_sched_set(KEYS[7], id, tier, string.format('%.6f', score), false)
           redis.call('HDEL', jk, 'kh')  -- the key hash is a credential: kept no longer than needed
           redis.call('ZADD', KEYS[2], score, id)
+          -- fair shares: the job joins its key's group at its tier
+          mlxq_fair_add({KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]}, tier, mlxq_fair_group(f[3]), score, id)
           redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
           redis.call('HINCRBY', KEYS[3], 'submitted', 1)
           admitted = admitted + 1

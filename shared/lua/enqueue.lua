@@ -1,7 +1,9 @@
 -- Enqueue one job atomically.  The caller gives its API-key hash, never a tier: the tier and the
 -- score are decided here.  (Producers whose ACL may not write the queue use check + submit.)
 -- KEYS: 1 job, 2 counts, 3 wake, 4 idempotency key (ignored unless ARGV[5] == '1'), 5 unused (intake),
---       6 queue, 7 key registry copy, 8 policy copy
+--       6 queue, 7 key registry copy, 8 policy copy, 9..13 the fair-share keys (ModelKeys.fair_keys:
+--       rings high, normal, low, fair jobs, fair state; a caller older than fair shares gives 8 keys, and
+--       its jobs are taken by score alone: pick.lua)
 -- ARGV: 1 id, 2 request (msgpack), 3 sha256 of the API key ('' for none), 4 tier floor ('' for none),
 --       5 use idempotency key ('1'/'0'), 6 idempotency ttl (s)
 -- Returns {status, job id, score | reason, server time};
@@ -43,6 +45,10 @@ local score = now + mlxq_offset(KEYS[8], tier)
 redis.call('ZADD', KEYS[6], score, id)
 redis.call('HINCRBY', KEYS[2], 'queued:' .. tier, 1)
 redis.call('HINCRBY', KEYS[2], 'submitted', 1)
+-- fair shares: the job joins its key's group at its tier
+if #KEYS >= 13 then
+  mlxq_fair_add({KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]}, tier, mlxq_fair_group(ARGV[3]), score, id)
+end
 redis.call('HSET', KEYS[1], 'req', ARGV[2], 'tier', tier, 'score', string.format('%.6f', score),
   'status', 'queued', 'attempts', '0', 'queued_at', string.format('%.6f', now), 'admitted', '1')
 if ARGV[5] == '1' then

@@ -1,0 +1,111 @@
+"""Fair shares between API keys within a tier, decided by the scripts on a real Valkey (no worker):
+pick.lua serves the keys with work at a tier in turn (weighted), oldest first within a key."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from mlxq.shared import apikeys
+from mlxq.shared.keys import GlobalKeys, ModelKeys
+from mlxq.shared.protocol import Queue
+from mlxq.shared.settings import Settings
+
+GK = GlobalKeys()
+KEYS = {"a": "key-of-tenant-a", "b": "key-of-tenant-b", "c": "key-of-tenant-c"}
+
+
+@pytest.fixture
+def q(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    r.hset(GK.models, "m", b"")
+    for name, key in KEYS.items():
+        apikeys.add_key(r, GK, key, "low", name=name)
+    settings = Settings()
+    apikeys.set_policy(r, GK, settings.tier_offsets, 100_000, anonymous="low")
+    q = Queue(r, ModelKeys("m"), settings)
+    q.load_scripts()
+    yield q
+    r.close()
+
+
+def flood(q: Queue, who: str | None, n: int, start: int) -> list[str]:
+    """Enqueue ``n`` jobs as key ``who`` (None: no key), in one pipeline; their ids, in order."""
+    ids = [f"{start + i:032x}" for i in range(n)]
+    kh = apikeys.key_hash(KEYS[who]) if who else None
+    pipe = q.redis.pipeline(transaction=False)
+    for job_id in ids:
+        q.queue_call(pipe, q.calls.enqueue(job_id, b"x", kh, None, None))
+    assert all(reply[0] == b"ok" for reply in pipe.execute())
+    return ids
+
+
+def pulled(q: Queue, n: int, batch: int = 8) -> list[str]:
+    out: list[str] = []
+    while len(out) < n:
+        got = q.pull(min(batch, n - len(out)), "w")
+        assert got, "the queue ran dry"
+        out += [p.job_id for p in got]
+    return out
+
+
+def test_a_flood_does_not_starve_another_keys_first_jobs(q):
+    """The figure (docs/pipelines/fair-shares.md): key A floods 2,000 low-tier jobs, then key B submits
+    10: B's 10 are all pulled before A's next 20. Without turns B waited behind all 2,000."""
+    a = flood(q, "a", 2000, 1)
+    assert pulled(q, 16) == a[:16]  # A alone: oldest first
+    b = flood(q, "b", 10, 100_000)
+    order = pulled(q, 30)
+    assert set(b) <= set(order[:20])  # all 10 of B's before A's 11th next job, so before its 20th
+    assert [j for j in order if j in set(b)] == b  # oldest first within a key
+    assert [j for j in order if j not in set(b)] == a[16:36]  # A keeps its order too
+
+
+def test_weights_share_a_tier(q):
+    """A key of weight 3 is served three times as often as one of weight 1 while both have work."""
+    apikeys.set_weight(q.redis, GK, "a", 3)
+    a, b = flood(q, "a", 60, 1), flood(q, "b", 60, 1000)
+    order = pulled(q, 40)
+    served_a = sum(j in set(a) for j in order)
+    assert 29 <= served_a <= 31, served_a
+    assert [k["weight"] for k in apikeys.list_keys(q.redis, GK) if k["name"] == "a"] == [3.0]
+
+
+def test_jobs_without_a_key_form_one_group(q):
+    """Callers without a key share one turn: their flood does not starve a key's job, nor the reverse."""
+    anon = flood(q, None, 100, 1)
+    c = flood(q, "c", 3, 1000)
+    order = pulled(q, 6, batch=1)
+    assert sorted(order) == sorted(anon[:3] + c)
+
+
+def test_tiers_still_decide_across_tiers(q):
+    """Turns are taken within a tier; across tiers the score (tier offset + age) decides as before."""
+    apikeys.add_key(q.redis, GK, "key-of-high-tier", "high", name="h")
+    low = flood(q, "a", 5, 1)
+    kh = apikeys.key_hash("key-of-high-tier")
+    high = f"{999:032x}"
+    q.enqueue(high, b"x", kh)
+    assert pulled(q, 6, batch=6) == [high, *low]
+
+
+def test_cancelled_and_requeued_jobs_keep_the_queue_whole(q):
+    """A job cancelled while indexed is dropped on the way; one put back (preemption) is taken by its
+    score; a job queued by a caller that does not index (an older producer: 8 keys) is taken too."""
+    a = flood(q, "a", 4, 1)
+    assert q.cancel(a[0]) == "cancelled"
+    [first] = q.pull(1, "w")
+    assert first.job_id == a[1]
+    assert q.requeue(a[1], "w:1") == 1
+    old = f"{777:032x}"
+    call = q.calls.enqueue(old, b"x", None, None, None)
+    assert q.redis.evalsha(q._scripts["enqueue"].sha, 8, *call[1][:8], *call[2])[0] == b"ok"
+    assert sorted(pulled(q, 4, batch=4)) == sorted([a[1], a[2], a[3], old])
+    assert q.pull(4, "w") == [] and q.redis.zcard(q.keys.fair_jobs) == 0
+
+
+def test_fair_keys_share_the_models_slot():
+    """Every key the fair scripts touch carries the model's hash tag (one cluster slot)."""
+    k = ModelKeys("m")
+    assert {key_slot(x.encode()) for x in [*k.fair_keys, k.queue, k.policy]} == {key_slot(k.queue.encode())}
