@@ -188,7 +188,7 @@ def list_keys(redis, registry_key: str | GlobalKeys) -> list[dict]:
     rows = []
     for h, value in redis.hgetall(gk.api_keys).items():
         value, meta = _s(value), info.get(_s(h), {})
-        rows.append({"name": meta.get("name"), "tier": value.split(":", 1)[-1], "weight": key_weight(redis, gk, _s(h)),
+        rows.append({"name": meta.get("name"), "tier": value.split(":", 1)[-1], **key_limits(redis, gk, _s(h)),
                      "admin": bool(meta.get("admin")), "revoked": value.startswith(REVOKED),
                      "created": meta.get("created")})
     return sorted(rows, key=lambda r: (r["revoked"], r["name"] or "", r["created"] or 0))
@@ -276,31 +276,44 @@ def _store_policy(redis, gk: GlobalKeys, mapping: dict, drop: tuple = ()) -> Non
         sync_model(redis, for_slot(redis, gk.model_keys(model).policy), gk, model)
 
 
-# A key's share of its tier against the other keys with queued work there (pick.lua serves their groups
-# in turn, a key of weight 2 twice as often as one of weight 1). Kept in the policy, as
-# ``weight:<sha1(sha256(key))>`` (the registry copy's field, the key's group), so each model's slot has it.
+# A key's limits, kept in the policy as ``<limit>:<sha1(sha256(key))>`` (the registry copy's field, the
+# key's group in the fair-share scripts), so each model's slot has them:
+# - weight: its share of its tier against the other keys with queued work there (pick.lua serves their
+#   groups in turn, a key of weight 2 twice as often as one of weight 1);
+# - inflight: the most of its jobs leased at once (per model); past it, its jobs wait at pick and pull.
 DEFAULT_WEIGHT = 1.0
 MAX_WEIGHT = 1000.0
 
 
-def set_weight(redis, gk: GlobalKeys, name: str, weight: float) -> None:
-    """Set the fair-share weight of the key named ``name`` (``mlxq keys set --weight``)."""
-    weight = float(weight)
-    if not 0 < weight <= MAX_WEIGHT:
-        raise ValueError(f"a key's weight must be above 0 and at most {MAX_WEIGHT:g}, got {weight:g}")
+def set_limits(redis, gk: GlobalKeys, name: str, weight: Optional[float] = None,
+               max_inflight: Optional[int] = None) -> None:
+    """Set the fair-share weight and the cap on jobs in flight of the key named ``name`` (``mlxq keys
+    set``); ``max_inflight`` 0 lifts the cap, weight 1 is the default."""
     h = _hash_of_name(redis, gk, name)
     if h is None:
         raise ValueError(f"no key named {name!r} (`mlxq keys list` shows them)")
-    field = f"weight:{copy_field(h)}"
-    if weight == DEFAULT_WEIGHT:
-        _store_policy(redis, gk, {}, (field,))
-    else:
-        _store_policy(redis, gk, {field: weight})
+    group = copy_field(h)
+    mapping: dict = {}
+    drop: list = []
+    if weight is not None:
+        weight = float(weight)
+        if not 0 < weight <= MAX_WEIGHT:
+            raise ValueError(f"a key's weight must be above 0 and at most {MAX_WEIGHT:g}, got {weight:g}")
+        (drop.append(f"weight:{group}") if weight == DEFAULT_WEIGHT else mapping.update({f"weight:{group}": weight}))
+    if max_inflight is not None:
+        if int(max_inflight) < 0:
+            raise ValueError(f"a key's cap on jobs in flight must be 0 (none) or more, got {max_inflight}")
+        (drop.append(f"inflight:{group}") if int(max_inflight) == 0
+         else mapping.update({f"inflight:{group}": int(max_inflight)}))
+    _store_policy(redis, gk, mapping, tuple(drop))
 
 
-def key_weight(redis, gk: GlobalKeys, kh: str) -> float:
-    raw = redis.hget(gk.policy, f"weight:{copy_field(kh)}")
-    return float(raw) if raw is not None else DEFAULT_WEIGHT
+def key_limits(redis, gk: GlobalKeys, kh: str) -> dict:
+    """``{weight, max_inflight}`` of the key whose sha256 is ``kh`` (max_inflight None: no cap)."""
+    group = copy_field(kh)
+    weight, cap = redis.hmget(gk.policy, f"weight:{group}", f"inflight:{group}")
+    return {"weight": float(weight) if weight is not None else DEFAULT_WEIGHT,
+            "max_inflight": int(cap) if cap is not None else None}
 
 
 def get_policy(redis, gk: GlobalKeys) -> dict:

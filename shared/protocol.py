@@ -27,10 +27,10 @@ SCRIPT_NAMES = ("enqueue", "admit", "pick", "pull", "deltas", "complete", "reque
 # shared helpers put ahead of a script's body: _id checks a job id, _tier decides a tier, _end ends a
 # job's record, _sched reads and writes an admitted job's worker-only facts, _compact folds a finished
 # job's event stream into its record, _fair indexes a job for fair shares between API keys
-_PRELUDES = {"complete": ("_compact",), "enqueue": ("_id", "_tier", "_fair"), "submit": ("_id",),
+_PRELUDES = {"complete": ("_compact", "_fair"), "enqueue": ("_id", "_tier", "_fair"), "submit": ("_id",),
              "admit": ("_id", "_tier", "_end", "_sched", "_fair"), "pick": ("_fair",),
-             "check": ("_tier",), "pull": ("_id", "_end", "_sched"), "reap": ("_end", "_sched"),
-             "requeue": ("_end", "_sched"), "cancel": ("_end", "_sched"), "cancel_request": ("_end",)}
+             "check": ("_tier",), "pull": ("_id", "_end", "_sched", "_fair"), "reap": ("_end", "_sched", "_fair"),
+             "requeue": ("_end", "_sched", "_fair"), "cancel": ("_end", "_sched"), "cancel_request": ("_end",)}
 _READ_ONLY = ("check",)  # registered with the no-writes flag: callable with FCALL_RO
 FUNCTION_LIBRARY = "mlxq"
 
@@ -335,7 +335,8 @@ class ScriptCalls:
     def pull(self, members: list, worker_id: str):
         """Lease the jobs among ``members``, as ``pick`` chose them."""
         k = self.k
-        return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info, k.sched, *self._per_member(members)],
+        return ("pull", [k.queue, k.inflight, k.counts, k.dead, k.dead_info, k.sched, k.policy, k.fair_state,
+                         *self._per_member(members)],
                 [len(members), self.s.lease_s, worker_id, self.s.result_ttl_s, self.pubcmd, *members])
 
     def deltas(self, items: list[tuple[str, str, bytes, int]]):
@@ -354,7 +355,8 @@ class ScriptCalls:
         k = self.k
         return (
             "complete",
-            [k.job(job_id), k.inflight, k.counts, k.events(job_id), k.done(job_id), k.channel(job_id), k.sched],
+            [k.job(job_id), k.inflight, k.counts, k.events(job_id), k.done(job_id), k.channel(job_id), k.sched,
+             k.policy, *k.fair_keys],
             [job_id, owner, status, result, self.s.result_ttl_s, final_delta, self.pubcmd],
         )
 
@@ -363,7 +365,7 @@ class ScriptCalls:
         now (requeue.lua), for ``reap`` to requeue or dead-letter it."""
         k = self.k
         return ("requeue", [k.job(job_id), k.inflight, k.queue, k.counts, k.wake, k.events(job_id), k.done(job_id),
-                            k.channel(job_id), k.sched],
+                            k.channel(job_id), k.sched, k.policy, *k.fair_keys],
                 [job_id, owner, resume, error, self.s.result_ttl_s, self.pubcmd])
 
     def cancel(self, job_id: str, mode: str = "queue"):
@@ -372,7 +374,7 @@ class ScriptCalls:
         return (
             "cancel",
             [k.queue, k.job(job_id), k.counts, k.events(job_id), k.done(job_id), k.cancel_channel,
-             k.channel(job_id), k.sched],
+             k.channel(job_id), k.sched, k.fair_state],
             [job_id, self.pubcmd, mode, self.s.result_ttl_s],
         )
 
@@ -390,8 +392,8 @@ class ScriptCalls:
         whose owner's beat looked overdue); drop the beats of ``forget`` (overdue workers that hold
         nothing)."""
         k = self.k
-        return ("reap", [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake, k.sched, k.beats,
-                         *self._per_member(candidates)],
+        return ("reap", [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake, k.sched, k.beats, k.policy,
+                         *k.fair_keys, *self._per_member(candidates)],
                 [self.s.max_attempts, self.s.result_ttl_s, self.pubcmd, len(forget), *forget, *candidates])
 
 

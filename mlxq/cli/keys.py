@@ -67,8 +67,8 @@ def cmd_keys(args) -> int:
         r, gk = _connect(args)
         key = apikeys.generate_key()
         apikeys.add_key(r, gk, key, args.tier, name=args.name, admin=args.admin)
-        if args.weight is not None:
-            apikeys.set_weight(r, gk, args.name, args.weight)
+        if args.weight is not None or args.max_inflight is not None:
+            apikeys.set_limits(r, gk, args.name, args.weight, args.max_inflight)
         role = ", admin" if args.admin else ""
         print(f"key {args.name!r} created at tier {args.tier}{role}; it is shown this once: keep it now",
               file=sys.stderr)
@@ -83,8 +83,10 @@ def cmd_keys(args) -> int:
         return 0
     if args.action == "set":
         r, gk = _connect(args)
-        apikeys.set_weight(r, gk, args.name, args.weight)
-        print(f"key {args.name!r}: weight {args.weight:g}")
+        apikeys.set_limits(r, gk, args.name, args.weight, args.max_inflight)
+        limits = next(k for k in apikeys.list_keys(r, gk) if k["name"] == args.name)
+        print(f"key {args.name!r}: weight {limits['weight']:g}, at most "
+              f"{limits['max_inflight'] or 'any number of'} jobs in flight")
         return 0
     if args.action == "revoke":
         _refuse_argv(args, "key", "`mlxq keys revoke < keyfile`", "--key-env")
@@ -108,7 +110,8 @@ def cmd_keys(args) -> int:
                 if row["created"] else "-")
         flags = " ".join(x for x in ("admin" if row["admin"] else "", "REVOKED" if row["revoked"] else "") if x)
         weight = f"weight {row['weight']:g}" if row["weight"] != apikeys.DEFAULT_WEIGHT else ""
-        flags = " ".join(x for x in (flags, weight) if x)
+        cap = f"at most {row['max_inflight']} in flight" if row["max_inflight"] else ""
+        flags = " ".join(x for x in (flags, weight, cap) if x)
         print(f"{row['name'] or '(unnamed)':24} {row['tier']:7} {when:16} {flags}".rstrip())
     return 0
 
@@ -151,6 +154,8 @@ def _secret_options(p: argparse.ArgumentParser, what: str, dest: str, env_flag: 
 
 WEIGHT_HELP = ("the key's share of its tier against other keys with jobs queued there: a key of weight 2 is "
                "served twice as often as one of weight 1 (default: 1)")
+INFLIGHT_HELP = ("the most of the key's jobs running at once on a model; past it its jobs wait until one ends "
+                 "(0: no cap, the default)")
 
 
 def add_commands(sub) -> None:
@@ -169,11 +174,13 @@ def add_commands(sub) -> None:
                    help="the admin role: the operator's actions (jobs cancel, requeue, failed purge)")
 
     c.add_argument("--weight", type=float, help=WEIGHT_HELP)
+    c.add_argument("--max-inflight", type=int, help=INFLIGHT_HELP)
 
-    st = ks.add_parser("set", help="set a key's share of its tier (by --name)")
+    st = ks.add_parser("set", help="set a key's share of its tier and its cap on jobs in flight (by --name)")
     add_shared(st, "redis_url")
     st.add_argument("--name", required=True, help="the key's name")
-    st.add_argument("--weight", type=float, required=True, help=WEIGHT_HELP)
+    st.add_argument("--weight", type=float, help=WEIGHT_HELP)
+    st.add_argument("--max-inflight", type=int, help=INFLIGHT_HELP)
 
     a = ks.add_parser("add", help=f"register a key you have (read from stdin; at least {MIN_KEY_LENGTH} "
                                   "characters)", description=KEY_RULES)

@@ -16,16 +16,51 @@ end
 -- Index a job just queued at ``tier`` with ``score``. A group that had no job at the tier joins the
 -- ring at the turn last served there, or later if it left with turns in hand (so a key that drains
 -- and comes back at once does not jump its round).
+-- The job's group is kept (``g:<id>``) for its whole life: its lease counts against the group's cap on
+-- jobs in flight, and ends with mlxq_fair_release.
 local function mlxq_fair_add(fk, tier, group, score, id)
   local m = tier .. '|' .. group .. '|' .. string.format('%020.6f', score) .. '|' .. id
   redis.call('ZADD', fk[4], 0, m)
-  redis.call('HSET', fk[5], 'j:' .. id, m)
+  redis.call('HSET', fk[5], 'j:' .. id, m, 'g:' .. id, group)
   local ring = fk[FAIR_RING[tier]]
-  if not redis.call('ZSCORE', ring, group) then
+  -- (a group parked at its cap stays out of the ring until one of its jobs ends)
+  if not redis.call('ZSCORE', ring, group) and redis.call('HEXISTS', fk[5], 'p:' .. tier .. ':' .. group) == 0 then
     local v = tonumber(redis.call('HGET', fk[5], 'v:' .. tier)) or 0
     local left = 'f:' .. tier .. ':' .. group
     local f = tonumber(redis.call('HGET', fk[5], left)) or 0
     redis.call('HDEL', fk[5], left)
     redis.call('ZADD', ring, math.max(v, f), group)
+  end
+end
+
+-- A group at its cap on jobs in flight (policy ``inflight:<group>``, `mlxq keys set --max-inflight`),
+-- counting ``more`` jobs about to be leased? ``state``: the fair state hash.
+local function mlxq_fair_capped(state, policy, group, more)
+  local cap = tonumber(redis.call('HGET', policy, 'inflight:' .. group))
+  return cap ~= nil and (tonumber(redis.call('HGET', state, 'run:' .. group)) or 0) + (more or 0) >= cap
+end
+
+-- Lease a job of ``group`` (pull.lua): one more in flight for it.
+local function mlxq_fair_leased(state, group)
+  redis.call('HINCRBY', state, 'run:' .. group, 1)
+end
+
+-- A job's lease ended (completion, a requeue, the reaper): one fewer in flight for its group, which,
+-- parked at its cap, takes its turns again at every tier where it was parked. ``ended``: the job is
+-- over, and its group is forgotten.
+local function mlxq_fair_release(fk, policy, id, ended)
+  local group = redis.call('HGET', fk[5], 'g:' .. id)
+  if not group then return end
+  if ended then redis.call('HDEL', fk[5], 'g:' .. id) end
+  local run = redis.call('HINCRBY', fk[5], 'run:' .. group, -1)
+  if run <= 0 then redis.call('HDEL', fk[5], 'run:' .. group) end
+  if mlxq_fair_capped(fk[5], policy, group) then return end
+  for ti, tier in ipairs(FAIR_TIERS) do
+    local parked = 'p:' .. tier .. ':' .. group
+    local turn = redis.call('HGET', fk[5], parked)
+    if turn then
+      redis.call('HDEL', fk[5], parked)
+      redis.call('ZADD', fk[ti], turn, group)
+    end
   end
 end

@@ -11,8 +11,11 @@
 -- Returns the chosen members of the queue, in order.
 local fk = {KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
 local taken = {}
+local chosen = {}  -- group -> jobs this call chose (their leases come at pull)
 -- the next job of a tier's ring: {id, score, group, turn, member}; groups found empty leave the
--- ring (keeping their turn), members no longer queued (cancelled, expired) are dropped on the way
+-- ring (keeping their turn), and so do groups at their cap on jobs in flight (parked with their turn,
+-- until one of their jobs ends: mlxq_fair_release); members no longer queued (cancelled, expired) are
+-- dropped on the way
 local function tier_head(ti)
   local tier, ring = FAIR_TIERS[ti], fk[ti]
   while true do
@@ -21,7 +24,10 @@ local function tier_head(ti)
     local group, turn = g[1], tonumber(g[2])
     local prefix = tier .. '|' .. group .. '|'
     local m = redis.call('ZRANGEBYLEX', fk[4], '[' .. prefix, '[' .. prefix .. '~', 'LIMIT', 0, 1)
-    if #m == 0 then
+    if #m > 0 and mlxq_fair_capped(fk[5], KEYS[2], group, chosen[group]) then
+      redis.call('ZREM', ring, group)
+      redis.call('HSET', fk[5], 'p:' .. tier .. ':' .. group, turn)
+    elseif #m == 0 then
       redis.call('ZREM', ring, group)
       redis.call('HSET', fk[5], 'f:' .. tier .. ':' .. group, turn)
     else
@@ -30,22 +36,31 @@ local function tier_head(ti)
       local score = tonumber(redis.call('ZSCORE', KEYS[1], id))
       if indexed and score then return {id = id, score = score, group = group, turn = turn, member = m[1]} end
       redis.call('ZREM', fk[4], m[1])
-      if indexed then redis.call('HDEL', fk[5], 'j:' .. id) end
+      if indexed then
+        redis.call('HDEL', fk[5], 'j:' .. id)
+        if not score then redis.call('HDEL', fk[5], 'g:' .. id) end  -- it ended while queued
+      end
     end
   end
 end
 local qpos = 0
--- the queue's head when the index does not hold it (skipping what this call chose already)
+-- the queue's head when the index does not hold it (skipping what this call chose already, and jobs
+-- of groups at their cap: at most LOOSE_SCAN of those, past which it waits for the next pick)
+local LOOSE_SCAN = 64
 local function loose_head()
-  while true do
+  while qpos < LOOSE_SCAN do
     local q = redis.call('ZRANGE', KEYS[1], qpos, qpos, 'WITHSCORES')
     if #q == 0 then return nil end
     if not taken[q[1]] then
       if redis.call('HEXISTS', fk[5], 'j:' .. q[1]) == 1 then return nil end
-      return {id = q[1], score = tonumber(q[2])}
+      local group = redis.call('HGET', fk[5], 'g:' .. q[1])
+      if not (group and mlxq_fair_capped(fk[5], KEYS[2], group, chosen[group])) then
+        return {id = q[1], score = tonumber(q[2]), group = group}
+      end
     end
     qpos = qpos + 1
   end
+  return nil
 end
 local out = {}
 local heads = {}
@@ -68,6 +83,7 @@ for _ = 1, tonumber(ARGV[1]) do
     heads[from] = nil
   end
   taken[best.id] = true
+  if best.group then chosen[best.group] = (chosen[best.group] or 0) + 1 end
   out[#out + 1] = best.id
 end
 return out

@@ -1,8 +1,9 @@
 -- Take the given queue members (the caller read them with ZRANGE, lowest score first: highest
 -- priority first) and lease the jobs among them.  A member another worker took meanwhile is skipped.
 -- KEYS: 1 queue, 2 inflight, 3 counts, 4 dead, 5 deadinfo, 6 sched (worker-only tier, score and suspect
---       flag of admitted jobs, _sched.lua), then four per member, in ARGV order: job, events, done
---       list, job channel
+--       flag of admitted jobs, _sched.lua), 7 policy copy, 8 fair state (_fair.lua: a job's group and
+--       its jobs in flight), then four per member, in ARGV order: job, events, done list, job channel
+-- A job whose group (API key) is at its cap on jobs in flight is left in the queue, unleased.
 -- ARGV: 1 unused, 2 lease (s), 3 worker id, 4 ttl (s), 5 publish command (PUBLISH | SPUBLISH on a cluster),
 --       6.. the members
 -- Returns a list of {id, kind, req, attempt, tier, score, queued_at, resume, now, suspect}
@@ -20,7 +21,7 @@ local popped = {}
 for i = 6, #ARGV do
   local sc = redis.call('ZSCORE', KEYS[1], ARGV[i])
   if sc and redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
-    table.insert(popped, {ARGV[i], sc, 6 + (i - 6) * 4})
+    table.insert(popped, {ARGV[i], sc, 8 + (i - 6) * 4})
   end
 end
 local out = {}
@@ -73,7 +74,9 @@ for _, entry in ipairs(popped) do
       end
     end
   end
+  local group = mlxq_is_job_id(id) and redis.call('HGET', KEYS[8], 'g:' .. id)
   if why then
+    if group then redis.call('HDEL', KEYS[8], 'g:' .. id) end  -- (fair shares: the job is over)
     -- an admitted job (so counted) whose record vanished (expired, deleted) or went bad: its count and
     -- its entry go with it (a member forged into the queue has neither)
     local gone = mlxq_is_job_id(id) and mlxq_sched(KEYS[6], id)
@@ -99,8 +102,14 @@ for _, entry in ipairs(popped) do
     redis.call('HDEL', KEYS[6], id)
     redis.call('HINCRBY', KEYS[3], 'cancelled', 1)
     redis.call('HINCRBY', KEYS[3], 'processed', 1)
+    if group then redis.call('HDEL', KEYS[8], 'g:' .. id) end
     mlxq_end_record(ARGV[5], jk, ek, dk, ch, tonumber(ARGV[4]), 'f', 'cancelled')
+  elseif group and mlxq_fair_capped(KEYS[8], KEYS[7], group) then
+    -- fair shares: its key is at its cap on jobs in flight (another worker leased one since the
+    -- pick): it stays queued, and is picked again by its score once one of them ends
+    redis.call('ZADD', KEYS[1], entry[2], id)
   else
+    if group then mlxq_fair_leased(KEYS[8], group) end
     local tier = sd and sd.tier or redis.call('HGET', jk, 'tier') or 'normal'
     local attempt = redis.call('HINCRBY', jk, 'attempts', 1)
     local owner = ARGV[3] .. ':' .. attempt

@@ -7,7 +7,8 @@
 -- Taking a job over ends its owner's lease as an expiry does (the owner field goes): a worker judged
 -- dead that was only slow finds its writes refused (deltas.lua, complete.lua) and the lease lost at its
 -- next renew, and drops the job; the attempt counts, as for a worker that died.
--- KEYS: 1 inflight, 2 queue, 3 counts, 4 dead, 5 deadinfo, 6 wake, 7 sched, 8 beats, then four per
+-- KEYS: 1 inflight, 2 queue, 3 counts, 4 dead, 5 deadinfo, 6 wake, 7 sched, 8 beats, 9 policy copy,
+--       10..14 the fair-share keys (ModelKeys.fair_keys: the jobs in flight of each job's key), then four per
 --       candidate (the caller read in-flight members whose lease looked expired or whose owner's beat
 --       looked overdue, in ARGV order): job, events, done list, channel
 -- ARGV: 1 max attempts, 2 ttl (s), 3 publish command (PUBLISH | SPUBLISH on a cluster), 4 the count k of
@@ -37,13 +38,16 @@ local requeued, dead, cancelled, taken = 0, 0, 0, 0
 local first = 5 + forget
 for i = first, #ARGV do
   local id = ARGV[i]
-  local base = 8 + (i - first) * 4
+  local base = 14 + (i - first) * 4
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local deadline = tonumber(redis.call('ZSCORE', KEYS[1], id))
   local takeover = deadline and deadline > now and owner_overdue(jk)
   if takeover then taken = taken + 1 end
   if deadline and (deadline <= now or takeover) then  -- (renewed meanwhile: left alone)
     redis.call('ZREM', KEYS[1], id)
+    -- fair shares: the lease ended, one fewer in flight for the job's key (its group is kept while the
+    -- job may be queued again; an ended job's is dropped below)
+    mlxq_fair_release({KEYS[10], KEYS[11], KEYS[12], KEYS[13], KEYS[14]}, KEYS[9], id, false)
     local ktype = redis.call('TYPE', jk)
     if type(ktype) == 'table' then ktype = ktype['ok'] end
     local gone = ktype ~= 'hash' and mlxq_sched(KEYS[7], id)
@@ -51,7 +55,10 @@ for i = first, #ARGV do
       redis.call('HINCRBY', KEYS[3], 'running', -1)
       redis.call('HDEL', KEYS[7], id)
     end
-    if ktype ~= 'hash' then redis.call('EXPIRE', ek, ttl) end  -- nothing will end its stream now
+    if ktype ~= 'hash' then
+      redis.call('EXPIRE', ek, ttl)  -- nothing will end its stream now
+      redis.call('HDEL', KEYS[14], 'g:' .. id)
+    end
     if ktype ~= 'hash' and ktype ~= 'none' then  -- forged: never a script error (it would stop the reaper)
       redis.call('ZADD', KEYS[4], now, id)
       redis.call('HSET', KEYS[5], id, 'in-flight member whose job record is a ' .. tostring(ktype))
@@ -75,6 +82,7 @@ for i = first, #ARGV do
         redis.call('HINCRBY', KEYS[3], 'cancelled', 1)
         redis.call('HINCRBY', KEYS[3], 'processed', 1)
         redis.call('HDEL', KEYS[7], id)
+        redis.call('HDEL', KEYS[14], 'g:' .. id)
         mlxq_end_record(ARGV[3], jk, ek, dk, ch, ttl, 'f', 'cancelled')
         cancelled = cancelled + 1
       elseif attempts >= tonumber(ARGV[1]) then
@@ -86,6 +94,7 @@ for i = first, #ARGV do
         redis.call('HINCRBY', KEYS[3], 'dead', 1)
         redis.call('HINCRBY', KEYS[3], 'processed', 1)
         redis.call('HDEL', KEYS[7], id)
+        redis.call('HDEL', KEYS[14], 'g:' .. id)
         mlxq_end_record(ARGV[3], jk, ek, dk, ch, ttl, 'f', 'error', 'e', err)
         dead = dead + 1
       else

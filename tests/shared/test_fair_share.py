@@ -64,7 +64,7 @@ def test_a_flood_does_not_starve_another_keys_first_jobs(q):
 
 def test_weights_share_a_tier(q):
     """A key of weight 3 is served three times as often as one of weight 1 while both have work."""
-    apikeys.set_weight(q.redis, GK, "a", 3)
+    apikeys.set_limits(q.redis, GK, "a", weight=3)
     a, b = flood(q, "a", 60, 1), flood(q, "b", 60, 1000)
     order = pulled(q, 40)
     served_a = sum(j in set(a) for j in order)
@@ -109,3 +109,25 @@ def test_fair_keys_share_the_models_slot():
     """Every key the fair scripts touch carries the model's hash tag (one cluster slot)."""
     k = ModelKeys("m")
     assert {key_slot(x.encode()) for x in [*k.fair_keys, k.queue, k.policy]} == {key_slot(k.queue.encode())}
+
+
+def test_a_key_at_its_cap_waits_until_one_of_its_jobs_ends(q):
+    """A key's cap on jobs in flight: its jobs are skipped at pick and pull while it holds that many,
+    and others' jobs run; when one of its jobs ends (completed, given back, reaped), the next runs."""
+    apikeys.set_limits(q.redis, GK, "a", max_inflight=2)
+    a, b = flood(q, "a", 5, 1), flood(q, "b", 3, 1000)
+    got = [p.job_id for p in q.pull(8, "w")]
+    assert sorted(got) == sorted(a[:2] + b)  # A's other three wait
+    assert q.pull(8, "w") == []
+    assert q.complete(a[0], "w:1", "done", b"r") == 1
+    assert [p.job_id for p in q.pull(8, "w")] == [a[2]]
+    assert q.requeue(a[1], "w:1") == 1  # given back (preempted): it runs next, by its score
+    assert [p.job_id for p in q.pull(8, "w")] == [a[1]]
+    apikeys.set_limits(q.redis, GK, "a", max_inflight=0)  # the cap lifted: the rest run
+    assert q.complete(a[1], "w:1", "done", b"r") == 1  # (a requeue gives its attempt back)
+    assert sorted(p.job_id for p in q.pull(8, "w")) == sorted(a[3:])
+    run = b"run:" + apikeys.copy_field(apikeys.key_hash(KEYS["a"])).encode()
+    assert q.redis.hget(q.keys.fair_state, run) == b"3"
+    assert q.requeue(a[2], "w:1", error="engine raised") == 1  # its lease ends at the reaper
+    assert q.redis.hget(q.keys.fair_state, run) == b"3"
+    assert q.reap().requeued == 1 and q.redis.hget(q.keys.fair_state, run) == b"2"
