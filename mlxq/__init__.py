@@ -28,6 +28,7 @@ try:
         JobTimeout,
         NoModelError,
         OverloadError,
+        QuotaExceeded,
     )
 except ModuleNotFoundError as _exc:
     if _exc.name != f"{__name__}.producer":
@@ -39,7 +40,7 @@ except ModuleNotFoundError as _exc:
     ) from None
 
 __all__ = ["Client", "AsyncClient", "Job", "AsyncJob", "OverloadError", "AuthError", "JobRefused",
-           "JobTimeout", "JobNotFound", "ClientClosed", "NoModelError", "generate"]
+           "JobTimeout", "JobNotFound", "ClientClosed", "NoModelError", "QuotaExceeded", "generate"]
 
 
 def __getattr__(name):

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import redis
 
+# raised by the enqueue reply itself (shared.protocol.parse_enqueue, which Client and AsyncClient share):
+# the key's daily token quota is used up; ``retry_after_s`` says when the next day's begins
+from ..shared.protocol import QuotaExceeded  # noqa: F401  (the clients' error, named here with the others)
+
 
 class NoModelError(LookupError):
     """No model given and none could be chosen, or the one given is served by no worker."""

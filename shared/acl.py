@@ -47,7 +47,7 @@ def producer_key_rules(prefix: str = "mlxq") -> tuple[str, ...]:
     job, idem, events, done = m.job("*"), m.idempotency_prefix + "*", m.events("*"), m.done("*")
     return (
         f"%R~{GlobalKeys(prefix).models}",  # which models are served
-        f"%R~{m.counts}", f"%R~{m.key_copy}", f"%R~{m.policy}",  # read by enqueue
+        f"%R~{m.counts}", f"%R~{m.key_copy}", f"%R~{m.policy}", f"%R~{m.usage}",  # read by check
         f"~{job}", f"~{idem}", f"~{events}", f"~{done}",  # its own jobs
         f"&{m.channel('*')}", f"&{m.cancel_channel}",  # token deltas; cancel requests
         # hand jobs to the workers, in a selector of their own: submit declares both lists (and under

@@ -280,15 +280,17 @@ def _store_policy(redis, gk: GlobalKeys, mapping: dict, drop: tuple = ()) -> Non
 # key's group in the fair-share scripts), so each model's slot has them:
 # - weight: its share of its tier against the other keys with queued work there (pick.lua serves their
 #   groups in turn, a key of weight 2 twice as often as one of weight 1);
-# - inflight: the most of its jobs leased at once (per model); past it, its jobs wait at pick and pull.
+# - inflight: the most of its jobs leased at once (per model); past it, its jobs wait at pick and pull;
+# - quota: the most tokens (prompt and completion) its jobs may use per UTC day on a model (as OpenAI's
+#   limits are per model); past it, enqueue refuses its new jobs until the next day.
 DEFAULT_WEIGHT = 1.0
 MAX_WEIGHT = 1000.0
 
 
 def set_limits(redis, gk: GlobalKeys, name: str, weight: Optional[float] = None,
-               max_inflight: Optional[int] = None) -> None:
-    """Set the fair-share weight and the cap on jobs in flight of the key named ``name`` (``mlxq keys
-    set``); ``max_inflight`` 0 lifts the cap, weight 1 is the default."""
+               max_inflight: Optional[int] = None, daily_tokens: Optional[int] = None) -> None:
+    """Set the fair-share weight, the cap on jobs in flight and the daily token quota of the key named
+    ``name`` (``mlxq keys set``); 0 lifts the cap or the quota, weight 1 is the default."""
     h = _hash_of_name(redis, gk, name)
     if h is None:
         raise ValueError(f"no key named {name!r} (`mlxq keys list` shows them)")
@@ -305,15 +307,30 @@ def set_limits(redis, gk: GlobalKeys, name: str, weight: Optional[float] = None,
             raise ValueError(f"a key's cap on jobs in flight must be 0 (none) or more, got {max_inflight}")
         (drop.append(f"inflight:{group}") if int(max_inflight) == 0
          else mapping.update({f"inflight:{group}": int(max_inflight)}))
+    if daily_tokens is not None:
+        if int(daily_tokens) < 0:
+            raise ValueError(f"a key's daily token quota must be 0 (none) or more, got {daily_tokens}")
+        (drop.append(f"quota:{group}") if int(daily_tokens) == 0
+         else mapping.update({f"quota:{group}": int(daily_tokens)}))
     _store_policy(redis, gk, mapping, tuple(drop))
 
 
 def key_limits(redis, gk: GlobalKeys, kh: str) -> dict:
-    """``{weight, max_inflight}`` of the key whose sha256 is ``kh`` (max_inflight None: no cap)."""
+    """``{weight, max_inflight, daily_tokens}`` of the key whose sha256 is ``kh`` (None: no cap, no quota)."""
     group = copy_field(kh)
-    weight, cap = redis.hmget(gk.policy, f"weight:{group}", f"inflight:{group}")
+    weight, cap, quota = redis.hmget(gk.policy, f"weight:{group}", f"inflight:{group}", f"quota:{group}")
     return {"weight": float(weight) if weight is not None else DEFAULT_WEIGHT,
-            "max_inflight": int(cap) if cap is not None else None}
+            "max_inflight": int(cap) if cap is not None else None,
+            "daily_tokens": int(quota) if quota is not None else None}
+
+
+def key_names(redis, gk: GlobalKeys) -> dict[str, str]:
+    """Each key's group (sha1(sha256(key)), as the usage and fair-share records name it) -> its name;
+    "-" (jobs without a key) -> "(no key)"."""
+    info = {_s(h): raw for h, raw in redis.hgetall(gk.api_key_info).items()}
+    names = {copy_field(_s(h)): key_label(info[_s(h)]) if _s(h) in info else "unnamed"
+             for h in redis.hkeys(gk.api_keys)}
+    return {**names, "-": "(no key)"}
 
 
 def get_policy(redis, gk: GlobalKeys) -> dict:
@@ -354,3 +371,30 @@ def sync_if_stale(redis, slot_redis, gk: GlobalKeys, model: str) -> bool:
         return False
     sync_model(redis, slot_redis, gk, model)
     return True
+
+
+def usage(redis, gk: GlobalKeys, days: int = 1, models: Optional[list[str]] = None) -> list[dict]:
+    """The tokens of each key's finished jobs per UTC day on ``models`` (default: every model), the last ``days`` days by the
+    server's clock (ModelKeys.usage): ``{day, model, key, prompt_tokens, completion_tokens, jobs}`` rows,
+    the key by its name (never the key or its hash; "unregistered" for a key used in open mode)."""
+    from .slots import for_slot
+
+    if days < 1:
+        raise ValueError(f"days must be 1 or more, got {days}")
+    sec, _ = redis.time()
+    first = int(sec) // 86400 - days + 1
+    names = key_names(redis, gk)
+    rows: dict[tuple, dict] = {}
+    for model in models if models is not None else _models(redis, gk):
+        mk = gk.model_keys(model)
+        for field, value in for_slot(redis, mk.usage).hgetall(mk.usage).items():
+            day, _, rest = _s(field).partition("|")
+            group, _, kind = rest.rpartition("|")
+            if not day.isdigit() or int(day) < first or kind not in ("prompt", "completion", "jobs"):
+                continue
+            date = time.strftime("%Y-%m-%d", time.gmtime(int(day) * 86400))
+            row = rows.setdefault((date, model, group), {"day": date, "model": model,
+                                                         "key": names.get(group, "unregistered"),
+                                                         "prompt_tokens": 0, "completion_tokens": 0, "jobs": 0})
+            row["prompt_tokens" if kind == "prompt" else "completion_tokens" if kind == "completion" else "jobs"] += int(value)
+    return sorted(rows.values(), key=lambda r: (r["day"], r["model"], r["key"]))

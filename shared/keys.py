@@ -147,9 +147,17 @@ class ModelKeys:
         return f"{self._base}:fair"
 
     @property
+    def usage(self) -> str:
+        """hash: ``<day>|<group>|prompt``, ``...|completion``, ``...|jobs``: the tokens each API key's jobs
+        used on this model, per UTC day (days since 1970-01-01, by the server's clock); written by
+        complete.lua, read by the quota check and ``mlxq usage``."""
+        return f"{self._base}:usage"
+
+    @property
     def fair_keys(self) -> list[str]:
-        """The keys the scripts that index or pick jobs declare, in their order: three rings, jobs, state."""
-        return [*(self.fair_ring(t) for t in TIERS), self.fair_jobs, self.fair_state]
+        """The keys of fair shares and quotas that scripts declare, in their order: three rings, jobs,
+        state, usage (_fair.lua's ``fk``)."""
+        return [*(self.fair_ring(t) for t in TIERS), self.fair_jobs, self.fair_state, self.usage]
 
     @property
     def cancel_channel(self) -> str:  # pub/sub: ids of running jobs to cancel

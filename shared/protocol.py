@@ -29,7 +29,7 @@ SCRIPT_NAMES = ("enqueue", "admit", "pick", "pull", "deltas", "complete", "reque
 # job's event stream into its record, _fair indexes a job for fair shares between API keys
 _PRELUDES = {"complete": ("_compact", "_fair"), "enqueue": ("_id", "_tier", "_fair"), "submit": ("_id",),
              "admit": ("_id", "_tier", "_end", "_sched", "_fair"), "pick": ("_fair",),
-             "check": ("_tier",), "pull": ("_id", "_end", "_sched", "_fair"), "reap": ("_end", "_sched", "_fair"),
+             "check": ("_tier", "_fair"), "pull": ("_id", "_end", "_sched", "_fair"), "reap": ("_end", "_sched", "_fair"),
              "requeue": ("_end", "_sched", "_fair"), "cancel": ("_end", "_sched"), "cancel_request": ("_end",)}
 _READ_ONLY = ("check",)  # registered with the no-writes flag: callable with FCALL_RO
 FUNCTION_LIBRARY = "mlxq"
@@ -93,6 +93,16 @@ class OverloadError(RuntimeError):
     """The tier's queue is full (HTTP 429): retry later."""
 
 
+class QuotaExceeded(RuntimeError):
+    """The API key's daily token quota on this model is used up (HTTP 429): ``retry_after_s``, the seconds
+    until the next UTC day, when it is counted afresh."""
+
+    def __init__(self, retry_after_s: float):
+        self.retry_after_s = float(retry_after_s)
+        super().__init__(f"the API key's daily token quota is used up: retry in {self.retry_after_s:.0f} s, "
+                         "at the next UTC day")
+
+
 class JobRefused(ValueError):
     """A job the system will not take (unknown key, too large, invalid)."""
 
@@ -141,6 +151,8 @@ def parse_enqueue(reply: list) -> Enqueued:
         raise PolicyNotCopied(job_id)
     if status == "overload":
         raise OverloadError(f"queue full: {score} jobs already waiting at this tier")
+    if status == "quota":
+        raise QuotaExceeded(float(score))
     if status == "exists":
         raise JobRefused(f"job id {job_id} already exists")
     if status == "invalid_id":
@@ -160,6 +172,8 @@ def parse_check(reply: list) -> str:
         raise OverloadError(f"queue full: {detail} jobs already waiting at this tier")
     if status == "unsynced":
         raise PolicyNotCopied("")
+    if status == "quota":
+        raise QuotaExceeded(float(detail))
     return detail
 
 
@@ -292,7 +306,7 @@ class ScriptCalls:
     # -- producers under the ACL recipe (mlxq.shared.acl): no write to the queue ------------------
     def check(self, key_hash: str | None, floor: str | None):
         k = self.k
-        return ("check", [k.key_copy, k.policy, k.counts], [key_hash or "", floor or ""])
+        return ("check", [k.key_copy, k.policy, k.counts, k.usage], [key_hash or "", floor or ""])
 
     def submit(self, job_id: str, request: bytes, key_hash: str | None, floor: str | None,
                idempotency_key: str | None):
@@ -351,13 +365,15 @@ class ScriptCalls:
             args += [owner, payload, seq]
         return ("deltas", keys, args)
 
-    def complete(self, job_id: str, owner: str, status: str, result: bytes, final_delta: bytes):
+    def complete(self, job_id: str, owner: str, status: str, result: bytes, final_delta: bytes,
+                 usage: tuple[int, int] = (0, 0)):
+        """``usage``: the job's (prompt, completion) tokens, counted for its API key (ModelKeys.usage)."""
         k = self.k
         return (
             "complete",
             [k.job(job_id), k.inflight, k.counts, k.events(job_id), k.done(job_id), k.channel(job_id), k.sched,
              k.policy, *k.fair_keys],
-            [job_id, owner, status, result, self.s.result_ttl_s, final_delta, self.pubcmd],
+            [job_id, owner, status, result, self.s.result_ttl_s, final_delta, self.pubcmd, *usage],
         )
 
     def requeue(self, job_id: str, owner: str, resume: bytes = b"", error: str = ""):
@@ -495,8 +511,9 @@ class Queue:
             return []
         return parse_pull(self.run(self.calls.pull(members, worker_id)))
 
-    def complete(self, job_id, owner, status, result: bytes, final_delta: bytes = b"", client=None):
-        return self.run(self.calls.complete(job_id, owner, status, result, final_delta), client)
+    def complete(self, job_id, owner, status, result: bytes, final_delta: bytes = b"", client=None,
+                 usage: tuple[int, int] = (0, 0)):
+        return self.run(self.calls.complete(job_id, owner, status, result, final_delta, usage), client)
 
     def requeue(self, job_id, owner, resume: bytes = b"", client=None, error: str = ""):
         return self.run(self.calls.requeue(job_id, owner, resume, error), client)

@@ -261,7 +261,7 @@ class Preparer:
         final = Delta(attempt=entry.attempt, seq=1, finish_reason="error", error=message)
         self.stats.count("failed")
         return StepOutput(completions=[(entry.job_id, owner, "failed", result.record(),
-                                        codec.pack(final.to_wire()))])
+                                        codec.pack(final.to_wire()), (0, 0))])
 
 
 class ReadyQueue:

@@ -178,7 +178,8 @@ class Host:
         if len(packed) > codec.MAX_MESSAGE_BYTES:
             result, delta, packed = _too_large(job, result, delta, len(packed))
         status = {"cancelled": "cancelled", "error": "failed"}.get(result.finish_reason, "done")
-        out.completions.append((job.id, job.owner, status, packed, job.wire(delta)))
+        usage = (result.stats.prompt_tokens or 0, result.stats.generated_tokens or 0)
+        out.completions.append((job.id, job.owner, status, packed, job.wire(delta), usage))
         self.stats.finished(status)
         self.observers.notify("on_finish", job, result)
         log.info("job=%s attempt=%d finished: %s, %d tokens", job.id, job.attempt, finish, len(job.tokens))

@@ -27,6 +27,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..shared import apikeys
+from ..shared.keys import GlobalKeys
 from ..shared.settings import TIERS
 from .jobs import sample_uid
 
@@ -214,16 +216,26 @@ class _ScrapeCollector:
                                   "worker of the model: sum by model and tier)", labels=["model", "tier"])
         running = GaugeMetricFamily("mlxq_running_jobs", "Jobs leased to workers (exported by one worker of "
                                     "the model)", labels=["model"])
+        tokens = GaugeMetricFamily("mlxq_key_tokens_today", "Tokens of each API key's finished jobs this UTC day, "
+                                   "by key name (exported by one worker of the model)", labels=["model", "key", "kind"])
         try:
             if self.exporter():
                 counts = {k.decode(): int(v) for k, v in self.redis.hgetall(self.keys.counts).items()}
                 for tier in TIERS:
                     depth.add_metric([model, tier], counts.get(f"queued:{tier}", 0))
                 running.add_metric([model], counts.get("running", 0))
+                # by the key's name (never the key or its hash), as `mlxq usage` reports it
+                today: dict[tuple[str, str], int] = {}  # (keys used in open mode share "unregistered")
+                for row in apikeys.usage(self.redis, GlobalKeys(self.keys.prefix), 1, [model]):
+                    for kind in ("prompt", "completion"):
+                        today[row["key"], kind] = today.get((row["key"], kind), 0) + row[f"{kind}_tokens"]
+                for (key, kind), n in sorted(today.items()):
+                    tokens.add_metric([model, key, kind], n)
         except Exception as exc:  # a scrape must not fail because Redis blinked
             log.warning("metrics: queue depth unavailable: %s", exc)
         yield depth
         yield running
+        yield tokens
 
         snap = self.m._snapshot
         yield _gauge("mlxq_active_jobs", "Jobs in this worker's batch", model, snap.get("active", 0))

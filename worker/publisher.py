@@ -57,7 +57,8 @@ class StepOutput:
     # (job id, owner token, msgpack payload, sequence number): appended and published fenced on the
     # lease, once; the payload is one delta, or the list of a job's samples' deltas of this step (add_delta)
     deltas: list[tuple[str, str, bytes, int]] = field(default_factory=list)
-    completions: list[tuple[str, str, str, bytes, bytes]] = field(default_factory=list)
+    # (job id, owner token, status, result record, final delta, (prompt, completion) tokens for its key's usage)
+    completions: list[tuple[str, str, str, bytes, bytes, tuple[int, int]]] = field(default_factory=list)
     requeues: list[tuple[str, str, bytes]] = field(default_factory=list)
     # (job id, owner token, error): jobs given up by a worker whose engine raised; the attempt counts
     abandons: list[tuple[str, str, str]] = field(default_factory=list)
@@ -226,8 +227,9 @@ class Publisher(threading.Thread):
             deltas.extend(out.deltas)
             if out.completions or out.requeues or out.abandons:
                 flush()
-            for job_id, owner, status, result, final in out.completions:
-                calls.append((self.q.calls.complete(job_id, owner, status, result, final), job_id, "complete", []))
+            for job_id, owner, status, result, final, usage in out.completions:
+                calls.append((self.q.calls.complete(job_id, owner, status, result, final, usage), job_id,
+                              "complete", []))
             for job_id, owner, resume in out.requeues:
                 calls.append((self.q.calls.requeue(job_id, owner, resume), job_id, "requeue", []))
             for job_id, owner, error in out.abandons:

@@ -17,8 +17,9 @@ const id = randomBytes(16).toString("hex"); // 32 hex digits, never guessable
 const k = { queue: `${base}:queue`, job: `${base}:job:${id}`, counts: `${base}:counts`, wake: `${base}:wake`,
             intake: `${base}:intake`, keyCopy: `${base}:apikeys`, policy: `${base}:policy`,
             events: `${base}:events:${id}`, chan: `${base}:chan:${id}`, done: `${base}:done:${id}` };
-// fair shares between API keys within a tier (PROTOCOL.md section 9): the rings, the indexed jobs, their state
-const fair = ["high", "normal", "low"].map((t) => `${base}:fair:${t}`).concat([`${base}:fairq`, `${base}:fair`]);
+// fair shares and quotas between API keys (PROTOCOL.md section 9): the rings, the indexed jobs, their state, usage
+const fair = ["high", "normal", "low"].map((t) => `${base}:fair:${t}`).concat([`${base}:fairq`, `${base}:fair`,
+                                                                                `${base}:usage`]);
 
 const redis = createClient({ url: env.MLXQ_REDIS_URL }); await redis.connect();
 const sub = redis.duplicate(); await sub.connect();
@@ -65,9 +66,10 @@ const fields = { id, model, prompt, max_tokens: Number(maxTokens), temperature: 
 if (env.MLXQ_TIMEOUT_S) fields.timeout_s = Number(env.MLXQ_TIMEOUT_S); // > 0, or the job is refused
 if (schema) fields.response_format = { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(schema) } };
 const request = Buffer.from(encode(fields));
-const [status, , why] = (await redis.sendCommand(["FCALL", "mlxq_enqueue", "13", k.job, k.counts, k.wake, k.job,
+const [status, , why] = (await redis.sendCommand(["FCALL", "mlxq_enqueue", "14", k.job, k.counts, k.wake, k.job,
   k.intake, k.queue, k.keyCopy, k.policy, ...fair, id, request, keyHash, "", "0", "86400"])).map(String);
-// overload: the tier's queue is full; unauthorized: `why` says which key rule; unsynced: no worker yet
+// overload: the tier's queue is full; quota: the key's daily tokens are used up (`why`: seconds to the
+// next UTC day); unauthorized: `why` says which key rule; unsynced: no worker yet
 if (status !== "ok") throw new Error(`enqueue refused: ${status} ${why}`);
 const tier = String(await redis.hGet(k.job, "tier"));
 

@@ -67,8 +67,8 @@ def cmd_keys(args) -> int:
         r, gk = _connect(args)
         key = apikeys.generate_key()
         apikeys.add_key(r, gk, key, args.tier, name=args.name, admin=args.admin)
-        if args.weight is not None or args.max_inflight is not None:
-            apikeys.set_limits(r, gk, args.name, args.weight, args.max_inflight)
+        if args.weight is not None or args.max_inflight is not None or args.daily_tokens is not None:
+            apikeys.set_limits(r, gk, args.name, args.weight, args.max_inflight, args.daily_tokens)
         role = ", admin" if args.admin else ""
         print(f"key {args.name!r} created at tier {args.tier}{role}; it is shown this once: keep it now",
               file=sys.stderr)
@@ -83,10 +83,11 @@ def cmd_keys(args) -> int:
         return 0
     if args.action == "set":
         r, gk = _connect(args)
-        apikeys.set_limits(r, gk, args.name, args.weight, args.max_inflight)
+        apikeys.set_limits(r, gk, args.name, args.weight, args.max_inflight, args.daily_tokens)
         limits = next(k for k in apikeys.list_keys(r, gk) if k["name"] == args.name)
         print(f"key {args.name!r}: weight {limits['weight']:g}, at most "
-              f"{limits['max_inflight'] or 'any number of'} jobs in flight")
+              f"{limits['max_inflight'] or 'any number of'} jobs in flight, "
+              f"{limits['daily_tokens'] or 'unlimited'} tokens a day")
         return 0
     if args.action == "revoke":
         _refuse_argv(args, "key", "`mlxq keys revoke < keyfile`", "--key-env")
@@ -111,7 +112,8 @@ def cmd_keys(args) -> int:
         flags = " ".join(x for x in ("admin" if row["admin"] else "", "REVOKED" if row["revoked"] else "") if x)
         weight = f"weight {row['weight']:g}" if row["weight"] != apikeys.DEFAULT_WEIGHT else ""
         cap = f"at most {row['max_inflight']} in flight" if row["max_inflight"] else ""
-        flags = " ".join(x for x in (flags, weight, cap) if x)
+        quota = f"{row['daily_tokens']} tokens a day" if row["daily_tokens"] else ""
+        flags = " ".join(x for x in (flags, weight, cap, quota) if x)
         print(f"{row['name'] or '(unnamed)':24} {row['tier']:7} {when:16} {flags}".rstrip())
     return 0
 
@@ -136,6 +138,22 @@ def cmd_tiers(args) -> int:
     return 0
 
 
+def cmd_usage(args) -> int:
+    """Tokens per key per UTC day on every model (counted by the workers at each job's end)."""
+    from ..shared import apikeys
+
+    r, gk = _connect(args)
+    rows = apikeys.usage(r, gk, args.days)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'day':10}  {'model':16} {'key':24} {'prompt':>10} {'completion':>10} {'jobs':>7}")
+    for row in rows:
+        print(f"{row['day']:10}  {row['model']:16} {row['key']:24} {row['prompt_tokens']:>10} "
+              f"{row['completion_tokens']:>10} {row['jobs']:>7}")
+    return 0
+
+
 def cmd_acl(args) -> int:
     """Print the ACL SETUSER line of the producer recipe (mlxq.shared.acl)."""
     from ..shared.acl import producer_acl_line
@@ -156,6 +174,8 @@ WEIGHT_HELP = ("the key's share of its tier against other keys with jobs queued 
                "served twice as often as one of weight 1 (default: 1)")
 INFLIGHT_HELP = ("the most of the key's jobs running at once on a model; past it its jobs wait until one ends "
                  "(0: no cap, the default)")
+QUOTA_HELP = ("the most tokens (prompt and completion) the key's jobs may use per UTC day on a model; past it "
+              "new jobs are refused (429, Retry-After: the next day) (0: no quota, the default)")
 
 
 def add_commands(sub) -> None:
@@ -175,12 +195,14 @@ def add_commands(sub) -> None:
 
     c.add_argument("--weight", type=float, help=WEIGHT_HELP)
     c.add_argument("--max-inflight", type=int, help=INFLIGHT_HELP)
+    c.add_argument("--daily-tokens", type=int, help=QUOTA_HELP)
 
     st = ks.add_parser("set", help="set a key's share of its tier and its cap on jobs in flight (by --name)")
     add_shared(st, "redis_url")
     st.add_argument("--name", required=True, help="the key's name")
     st.add_argument("--weight", type=float, help=WEIGHT_HELP)
     st.add_argument("--max-inflight", type=int, help=INFLIGHT_HELP)
+    st.add_argument("--daily-tokens", type=int, help=QUOTA_HELP)
 
     a = ks.add_parser("add", help=f"register a key you have (read from stdin; at least {MIN_KEY_LENGTH} "
                                   "characters)", description=KEY_RULES)
@@ -211,6 +233,12 @@ def add_commands(sub) -> None:
                    help="callers with no API key: served at the normal or low tier, or refused; 'default': "
                         "served while no key is registered, refused (401) once one is (default: unchanged)")
     p.set_defaults(func=cmd_tiers)
+
+    p = sub.add_parser("usage", help="tokens used per API key per UTC day on every model (by key name)")
+    add_shared(p, "redis_url")
+    p.add_argument("--days", type=int, default=1, help="the last N UTC days, today included (default: 1)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_usage)
 
     p = sub.add_parser("acl-producer", help="print the Redis ACL rule for a producer service (password on stdin)")
     p.add_argument("user", help="the Redis user name")

@@ -26,7 +26,7 @@ from starlette.requests import Request
 
 from ...shared.apikeys import AuthError
 from ...shared.connection import LINK_ERRORS, RedisUnreachable
-from ...shared.protocol import JobRefused, OverloadError
+from ...shared.protocol import JobRefused, OverloadError, QuotaExceeded
 from ...shared.schemas import INVALID_REQUEST, Delta, GenerateRequest, Result
 from ...shared.tools import check_format, format_from_info, uses_tools
 from ..aclient import AsyncClient, AsyncJob
@@ -103,6 +103,8 @@ class Jobs:
         if isinstance(exc, OverloadError):
             wait = await self._drain_wait(client, model or client._model, tier or "normal")
             return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full"), wait
+        if isinstance(exc, QuotaExceeded):  # OpenAI's shape for a used-up quota; again at the next day
+            return OpenAIError(429, str(exc), "insufficient_quota", code="insufficient_quota"), exc.retry_after_s
         if isinstance(exc, RedisUnreachable):  # retried for redis_outage_s first: a dropped link alone is a pause
             return unreachable_error(exc), None
         if isinstance(exc, NoModelError):

@@ -4,7 +4,7 @@
 -- member '<tier>|<group>|<score>|<id>' of one lexical zset (ModelKeys.fair_jobs), so a group's oldest
 -- job is the first of its range. pick.lua serves the group with the lowest turn and moves it on by
 -- 1 / its weight: round robin, weighted. Only fixed keys, so every script declares what it touches.
--- KEYS given as a table fk: {ring high, ring normal, ring low, jobs, state} (ModelKeys.fair_keys).
+-- KEYS given as a table fk: {ring high, ring normal, ring low, jobs, state, usage} (ModelKeys.fair_keys).
 local FAIR_TIERS = {'high', 'normal', 'low'}
 local FAIR_RING = {high = 1, normal = 2, low = 3}
 
@@ -63,4 +63,30 @@ local function mlxq_fair_release(fk, policy, id, ended)
       redis.call('ZADD', fk[ti], turn, group)
     end
   end
+end
+
+-- Usage (ModelKeys.usage): tokens per key per UTC day, as days since 1970-01-01 by the server's clock.
+local function mlxq_usage_day(now)
+  return tostring(math.floor(now / 86400))
+end
+
+-- The seconds until the next day when ``group`` has used its daily token quota on this model (policy
+-- ``quota:<group>``, prompt and completion tokens together), else nil.
+local function mlxq_over_quota(usage, policy, group, now)
+  local quota = tonumber(redis.call('HGET', policy, 'quota:' .. group))
+  if not quota then return nil end
+  local day = mlxq_usage_day(now) .. '|' .. group .. '|'
+  local used = redis.call('HMGET', usage, day .. 'prompt', day .. 'completion')
+  if (tonumber(used[1]) or 0) + (tonumber(used[2]) or 0) < quota then return nil end
+  return math.max(1, math.ceil(86400 - now % 86400))
+end
+
+-- Count a finished job's tokens for its group (before mlxq_fair_release forgets it).
+local function mlxq_meter(fk, id, prompt, completion, now)
+  local group = redis.call('HGET', fk[5], 'g:' .. id)
+  if not group then return end  -- (queued by a producer older than fair shares)
+  local day = mlxq_usage_day(now) .. '|' .. group .. '|'
+  redis.call('HINCRBY', fk[6], day .. 'prompt', tonumber(prompt) or 0)
+  redis.call('HINCRBY', fk[6], day .. 'completion', tonumber(completion) or 0)
+  redis.call('HINCRBY', fk[6], day .. 'jobs', 1)
 end

@@ -3,7 +3,7 @@
 -- (nothing a producer wrote into its own job record can raise its priority).  Workers run this
 -- before each pull and on each heartbeat.
 -- KEYS: 1 intake, 2 queue, 3 counts, 4 key registry copy, 5 policy copy, 6 wake, 7 sched (worker-only:
---       the tier and score given here, _sched.lua), 8..12 the fair-share keys (ModelKeys.fair_keys), then
+--       the tier and score given here, _sched.lua), 8..13 the fair-share keys (ModelKeys.fair_keys), then
 --       four per id (the caller read the ids with LRANGE, in ARGV order): job, events, done list, job channel
 -- A job is admitted once: one that has an entry in sched is queued or running already, whatever
 -- its hash says (its producer may write it: pushed again, it inflated the queue's counters).
@@ -22,9 +22,10 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local nowstr = string.format('%.6f', now)
 local ttl = tonumber(ARGV[1])
+local fk = {KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]}
 local admitted, refused = 0, 0
 for i, id in ipairs(ids) do
-  local base = 12 + (i - 1) * 4
+  local base = 13 + (i - 1) * 4
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   if mlxq_is_job_id(id) then
     local ktype = redis.call('TYPE', jk)
@@ -40,6 +41,8 @@ for i, id in ipairs(ids) do
           local maxq = tonumber(redis.call('HGET', KEYS[5], 'max_queued') or '') or 10000
           if queued >= 2 * maxq then
             tier, why = nil, 'the ' .. tier .. ' queue is full (' .. queued .. ' waiting; the bound is ' .. maxq .. ')'
+          elseif mlxq_over_quota(fk[6], KEYS[5], mlxq_fair_group(f[3]), now) then
+            tier, why = nil, "the API key's daily token quota is used up"
           end
         end
         if tier then
@@ -49,7 +52,7 @@ for i, id in ipairs(ids) do
           redis.call('HDEL', jk, 'kh')  -- the key hash is a credential: kept no longer than needed
           redis.call('ZADD', KEYS[2], score, id)
           -- fair shares: the job joins its key's group at its tier
-          mlxq_fair_add({KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]}, tier, mlxq_fair_group(f[3]), score, id)
+          mlxq_fair_add(fk, tier, mlxq_fair_group(f[3]), score, id)
           redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
           redis.call('HINCRBY', KEYS[3], 'submitted', 1)
           admitted = admitted + 1

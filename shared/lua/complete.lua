@@ -1,9 +1,10 @@
 -- Finish a job, fenced on the lease owner: a worker that lost its lease writes nothing.
 -- KEYS: 1 job, 2 inflight, 3 counts, 4 events, 5 done list, 6 job channel (declared for cluster routing),
---       7 sched (the job's entry, if admitted, ends with it), 8 policy copy, 9..13 the fair-share keys
---       (ModelKeys.fair_keys: its key's jobs in flight, _fair.lua)
+--       7 sched (the job's entry, if admitted, ends with it), 8 policy copy, 9..14 the fair-share keys
+--       (ModelKeys.fair_keys: its key's jobs in flight and usage, _fair.lua)
 -- ARGV: 1 id, 2 owner token, 3 status (done|failed|cancelled), 4 result (msgpack),
---       5 ttl (s), 6 final delta (msgpack, may be ''), 7 publish command (PUBLISH | SPUBLISH on a cluster)
+--       5 ttl (s), 6 final delta (msgpack, may be ''), 7 publish command (PUBLISH | SPUBLISH on a cluster),
+--       8 prompt tokens, 9 completion tokens (counted for the job's API key: ModelKeys.usage)
 -- Returns 1, or 0 when the lease was lost (a job key that is not a hash counts as lost: pcall).
 -- An events stream or done list of another type (clobbered) is skipped: the result is in the hash.
 -- The stream, final delta included, is then compacted into the record's 'events' field and deleted
@@ -20,8 +21,12 @@ redis.call('HDEL', KEYS[1], 'owner', 'cancel', 'resume', 'sent', 'admitted',
   'queued_at', 'started_at', 'score', 'attempts', 'worker', 'tier')
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[7], ARGV[1])
--- fair shares: one fewer in flight for the job's key
-if KEYS[13] then mlxq_fair_release({KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]}, KEYS[8], ARGV[1], true) end
+-- fair shares and usage: the job's tokens counted for its key, and one fewer of its jobs in flight
+if KEYS[14] then
+  local fk = {KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13], KEYS[14]}
+  mlxq_meter(fk, ARGV[1], ARGV[8], ARGV[9], tonumber(t[1]) + tonumber(t[2]) / 1000000)
+  mlxq_fair_release(fk, KEYS[8], ARGV[1], true)
+end
 redis.call('HINCRBY', KEYS[3], 'running', -1)
 redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
 redis.call('HINCRBY', KEYS[3], 'processed', 1)

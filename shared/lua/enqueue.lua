@@ -1,14 +1,15 @@
 -- Enqueue one job atomically.  The caller gives its API-key hash, never a tier: the tier and the
 -- score are decided here.  (Producers whose ACL may not write the queue use check + submit.)
 -- KEYS: 1 job, 2 counts, 3 wake, 4 idempotency key (ignored unless ARGV[5] == '1'), 5 unused (intake),
---       6 queue, 7 key registry copy, 8 policy copy, 9..13 the fair-share keys (ModelKeys.fair_keys:
---       rings high, normal, low, fair jobs, fair state; a caller older than fair shares gives 8 keys, and
---       its jobs are taken by score alone: pick.lua)
+--       6 queue, 7 key registry copy, 8 policy copy, 9..14 the fair-share keys (ModelKeys.fair_keys:
+--       rings high, normal, low, fair jobs, fair state, usage; a caller older than fair shares gives 8
+--       keys, and its jobs are taken by score alone: pick.lua, with no quota)
 -- ARGV: 1 id, 2 request (msgpack), 3 sha256 of the API key ('' for none), 4 tier floor ('' for none),
 --       5 use idempotency key ('1'/'0'), 6 idempotency ttl (s)
 -- Returns {status, job id, score | reason, server time};
 -- status in ok | duplicate | overload | exists | invalid_id | invalid_idempotency_key | unauthorized |
--- unsynced (no policy copy in this slot yet)
+-- unsynced (no policy copy in this slot yet) | quota (the key's daily tokens are used up: the third
+-- element is the seconds until the next UTC day)
 local id = ARGV[1]
 -- a job id is 32 lowercase hex digits (pull and admit take no other: a job under any other id
 -- would wait for ever, queued for nobody)
@@ -40,15 +41,19 @@ if queued >= maxq then
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+-- quotas: a key whose daily tokens are used up is refused until the next day
+local fk = #KEYS >= 14 and {KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13], KEYS[14]}
+if fk then
+  local retry = mlxq_over_quota(fk[6], KEYS[8], mlxq_fair_group(ARGV[3]), now)
+  if retry then return {'quota', id, tostring(retry), string.format('%.6f', now)} end
+end
 local score = now + mlxq_offset(KEYS[8], tier)
 -- the first write: a caller without write access to the queue fails here, having changed nothing
 redis.call('ZADD', KEYS[6], score, id)
 redis.call('HINCRBY', KEYS[2], 'queued:' .. tier, 1)
 redis.call('HINCRBY', KEYS[2], 'submitted', 1)
 -- fair shares: the job joins its key's group at its tier
-if #KEYS >= 13 then
-  mlxq_fair_add({KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]}, tier, mlxq_fair_group(ARGV[3]), score, id)
-end
+if fk then mlxq_fair_add(fk, tier, mlxq_fair_group(ARGV[3]), score, id) end
 redis.call('HSET', KEYS[1], 'req', ARGV[2], 'tier', tier, 'score', string.format('%.6f', score),
   'status', 'queued', 'attempts', '0', 'queued_at', string.format('%.6f', now), 'admitted', '1')
 if ARGV[5] == '1' then

@@ -8,7 +8,7 @@
 -- dead that was only slow finds its writes refused (deltas.lua, complete.lua) and the lease lost at its
 -- next renew, and drops the job; the attempt counts, as for a worker that died.
 -- KEYS: 1 inflight, 2 queue, 3 counts, 4 dead, 5 deadinfo, 6 wake, 7 sched, 8 beats, 9 policy copy,
---       10..14 the fair-share keys (ModelKeys.fair_keys: the jobs in flight of each job's key), then four per
+--       10..15 the fair-share keys (ModelKeys.fair_keys: the jobs in flight of each job's key), then four per
 --       candidate (the caller read in-flight members whose lease looked expired or whose owner's beat
 --       looked overdue, in ARGV order): job, events, done list, channel
 -- ARGV: 1 max attempts, 2 ttl (s), 3 publish command (PUBLISH | SPUBLISH on a cluster), 4 the count k of
@@ -38,7 +38,7 @@ local requeued, dead, cancelled, taken = 0, 0, 0, 0
 local first = 5 + forget
 for i = first, #ARGV do
   local id = ARGV[i]
-  local base = 14 + (i - first) * 4
+  local base = 15 + (i - first) * 4
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local deadline = tonumber(redis.call('ZSCORE', KEYS[1], id))
   local takeover = deadline and deadline > now and owner_overdue(jk)
@@ -47,7 +47,7 @@ for i = first, #ARGV do
     redis.call('ZREM', KEYS[1], id)
     -- fair shares: the lease ended, one fewer in flight for the job's key (its group is kept while the
     -- job may be queued again; an ended job's is dropped below)
-    mlxq_fair_release({KEYS[10], KEYS[11], KEYS[12], KEYS[13], KEYS[14]}, KEYS[9], id, false)
+    mlxq_fair_release({KEYS[10], KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]}, KEYS[9], id, false)
     local ktype = redis.call('TYPE', jk)
     if type(ktype) == 'table' then ktype = ktype['ok'] end
     local gone = ktype ~= 'hash' and mlxq_sched(KEYS[7], id)

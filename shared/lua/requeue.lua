@@ -13,7 +13,7 @@
 -- Requeued, the job's event stream loses its TTL until the job ends (it waited past it, and its
 -- resume lost what it had emitted).
 -- KEYS: 1 job, 2 inflight, 3 queue, 4 counts, 5 wake, 6 events, 7 done list, 8 job channel, 9 sched,
---       10 policy copy, 11..15 the fair-share keys (ModelKeys.fair_keys: its key's jobs in flight)
+--       10 policy copy, 11..16 the fair-share keys (ModelKeys.fair_keys: its key's jobs in flight)
 -- (with an error the lease has not ended yet: the reaper ends it, and releases it there)
 -- ARGV: 1 id, 2 owner token, 3 resume state (msgpack, '' for none), 4 error ('' for none), 5 ttl (s),
 --       6 publish command (PUBLISH | SPUBLISH on a cluster)
@@ -32,8 +32,8 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[4], 'running', -1)
 redis.call('HDEL', KEYS[1], 'owner')
 -- fair shares: one fewer in flight for the job's key (the job is over if it was cancelled)
-if KEYS[15] then
-  mlxq_fair_release({KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]}, KEYS[10], ARGV[1], f[3] == '1')
+if KEYS[16] then
+  mlxq_fair_release({KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]}, KEYS[10], ARGV[1], f[3] == '1')
 end
 if f[3] == '1' then
   local t = redis.call('TIME')

@@ -157,6 +157,29 @@ def test_keys_create_list_and_no_secret_on_argv(redis_url, r, capsys, monkeypatc
         apikeys.resolve_tier(r, GK.api_keys, "a-key-from-stdin")
 
 
+def test_keys_limits_and_usage_by_key_name(redis_url, r, capsys):
+    """`keys create/set` give a key a weight, a cap on jobs in flight and a daily token quota; `mlxq usage`
+    reports the tokens each key's jobs used today, by name (never the key or its hash)."""
+    rc, out, _ = run(capsys, "keys", "create", "--name", "ingest", "--tier", "low", "--weight", "2",
+                     "--max-inflight", "4", "--redis-url", redis_url)
+    key = out.strip()
+    rc, out, _ = run(capsys, "keys", "set", "--name", "ingest", "--daily-tokens", "5000", "--redis-url", redis_url)
+    assert rc == 0 and "weight 2, at most 4 jobs in flight, 5000 tokens a day" in out
+    rc, out, _ = run(capsys, "keys", "list", "--redis-url", redis_url)
+    assert "weight 2 at most 4 in flight 5000 tokens a day" in out
+    (job,) = submit(redis_url, api_key=key)
+    q = Queue(r, GK.model_keys(MODEL), Settings())
+    assert [p.job_id for p in q.pull(1, "w")] == [job]
+    assert q.complete(job, "w:1", "done", b"r", usage=(17, 3)) == 1
+    rc, out, _ = run(capsys, "usage", "--redis-url", redis_url)
+    [header, row] = out.strip().splitlines()
+    assert header.split() == ["day", "model", "key", "prompt", "completion", "jobs"]
+    assert row.split()[1:] == [MODEL, "ingest", "17", "3", "1"]
+    assert key not in out and apikeys.key_hash(key)[:8] not in out
+    rc, out, _ = run(capsys, "usage", "--days", "7", "--json", "--redis-url", redis_url)
+    assert [(u["key"], u["prompt_tokens"]) for u in json.loads(out)] == [("ingest", 17)]
+
+
 def test_operator_actions_need_an_admin_key_once_keys_exist(redis_url, r, capsys, monkeypatch):
     apikeys.add_key(r, GK, "ops-admin-key", "high", name="ops", admin=True)
     apikeys.add_key(r, GK, "producer-key", "normal", name="app")

@@ -65,6 +65,10 @@ def test_worker_metrics_scrape(tiny_model, redis_url):
     assert sum(s.value for s in after["mlxq_jobs_finished"].samples if s.name.endswith("_total")) == 4
     assert value(after, "mlxq_job_errors", "mlxq_job_errors_total", model="tiny") == 0
     assert value(after, "mlxq_queue_depth", model="tiny", tier="normal") == 0
+    # each job's tokens, counted for its key (here none) by the worker's completion, by the key's name
+    assert value(after, "mlxq_key_tokens_today", model="tiny", key="(no key)", kind="completion") == generated
+    assert value(after, "mlxq_key_tokens_today", model="tiny", key="(no key)", kind="prompt") == sum(
+        res.stats.prompt_tokens for res in results)
     assert {"mlxq_active_jobs", "mlxq_tokens_per_second", "mlxq_prefix_hit_rate"} <= set(after)
     assert 0.0 <= value(after, "mlxq_prefix_hit_rate", model="tiny") <= 1.0
     used, free = value(after, "mlxq_kv_blocks_used", model="tiny"), value(after, "mlxq_kv_blocks_free", model="tiny")

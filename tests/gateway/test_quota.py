@@ -1,0 +1,69 @@
+"""A daily token quota per API key, without a worker: usage as complete.lua counts it, then a refusal
+with the time to the next UTC day through Client, AsyncClient and the gateway (429, Retry-After, OpenAI's
+``insufficient_quota`` error)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import redis
+
+from mlxq import AsyncClient, Client, QuotaExceeded
+from mlxq.shared import apikeys, codec
+from mlxq.shared.keys import GlobalKeys
+from mlxq.shared.protocol import Queue
+from mlxq.shared.settings import Settings
+
+GK = GlobalKeys()
+MODEL = "quota"
+
+
+@pytest.fixture
+def r(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    # a model as a worker registers it (its jobs wait: no worker runs them)
+    client.hset(GK.models, MODEL, codec.pack({"name": MODEL, "context_length": 4096, "max_token_bytes": 8,
+                                              "seen_at": 4e9}))
+    yield client
+    client.close()
+
+
+def test_a_key_over_its_daily_tokens_is_refused_until_the_next_day(redis_url, r):
+    from mlxq.producer.gateway import ServerThread, create_app
+
+    apikeys.add_key(r, GK, "metered-key-aaaa", "normal", name="metered")
+    apikeys.add_key(r, GK, "other-key-bbbbbb", "normal", name="other")
+    apikeys.set_limits(r, GK, "metered", daily_tokens=50)
+    with Client(redis_url, model=MODEL, api_key="metered-key-aaaa") as c:
+        job = c.submit("a prompt", max_tokens=3, subscribe=False)  # under its quota: queued
+        q = Queue(r, GK.model_keys(MODEL), Settings())
+        [pulled] = q.pull(1, "w")
+        assert q.complete(job.id, "w:1", "done", b"r", usage=(40, 12)) == 1  # 52 tokens today
+        with pytest.raises(QuotaExceeded) as refused:
+            c.submit("one more", max_tokens=3, subscribe=False)
+        assert 0 < refused.value.retry_after_s <= 86400
+    with Client(redis_url, model=MODEL, api_key="other-key-bbbbbb") as c:
+        assert c.submit("another key's job", max_tokens=3, subscribe=False)  # its own day, untouched
+
+    async def async_submit():
+        async with AsyncClient(redis_url, model=MODEL, api_key="metered-key-aaaa") as ac:
+            await ac.submit("from asyncio", max_tokens=3, subscribe=False)
+
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(async_submit())
+    [row] = [u for u in apikeys.usage(r, GK) if u["key"] == "metered"]
+    assert (row["model"], row["prompt_tokens"], row["completion_tokens"], row["jobs"]) == (MODEL, 40, 12, 1)
+
+    with ServerThread(create_app(redis_url, Settings(no_worker_wait_s=0.1))) as base:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30,
+                           headers={"Authorization": "Bearer metered-key-aaaa"})
+        assert reply.status_code == 429
+        assert 0 < int(reply.headers["Retry-After"]) <= 86400
+        error = reply.json()["error"]
+        assert error["code"] == "insufficient_quota" and "quota" in error["message"]
+    apikeys.set_limits(r, GK, "metered", daily_tokens=0)  # lifted: served again
+    with Client(redis_url, model=MODEL, api_key="metered-key-aaaa") as c:
+        assert c.submit("after the quota", max_tokens=3, subscribe=False)
