@@ -11,7 +11,6 @@ import json
 
 import httpx
 import pytest
-import redis
 
 from mlxq import AsyncClient, AuthError, Client
 from mlxq.cli import main
@@ -19,6 +18,7 @@ from mlxq.shared import apikeys, codec
 from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.protocol import Queue
 from mlxq.shared.settings import Settings
+from workerkit import model_without_worker
 
 GK = GlobalKeys()
 MODEL = "opq"
@@ -26,12 +26,8 @@ MODEL = "opq"
 
 @pytest.fixture
 def r(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    # a model as a worker registers it, alive for the test's length (its jobs wait: no worker runs them)
-    client.hset(GK.models, MODEL, codec.pack({"name": MODEL, "context_length": 4096, "max_token_bytes": 8,
-                                              "seen_at": 4e9}))
-    yield client
-    client.close()
+    with model_without_worker(redis_url, MODEL) as client:  # (its jobs wait: no worker runs them)
+        yield client
 
 
 def run(capsys, *argv, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:

@@ -8,29 +8,24 @@ import asyncio
 
 import httpx
 import pytest
-import redis
 
 from mlxq import AsyncClient, Client, QuotaExceeded
-from mlxq.shared import apikeys, codec
+from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.protocol import Queue
 from mlxq.shared.settings import Settings
+from workerkit import model_without_worker
 
 GK = GlobalKeys()
 MODEL = "quota"
 
 
-@pytest.fixture
-def r(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    # a model as a worker registers it (its jobs wait: no worker runs them)
-    client.hset(GK.models, MODEL, codec.pack({"name": MODEL, "context_length": 4096, "max_token_bytes": 8,
-                                              "seen_at": 4e9}))
-    yield client
-    client.close()
+def test_a_key_over_its_daily_tokens_is_refused_until_the_next_day(redis_url):
+    with model_without_worker(redis_url, MODEL) as r:  # (its jobs wait: no worker runs them)
+        over_quota(redis_url, r)
 
 
-def test_a_key_over_its_daily_tokens_is_refused_until_the_next_day(redis_url, r):
+def over_quota(redis_url, r):
     from mlxq.producer.gateway import ServerThread, create_app
 
     apikeys.add_key(r, GK, "metered-key-aaaa", "normal", name="metered")

@@ -93,6 +93,22 @@ def tier_clients(url: str, settings: Settings, tag: str):
     return admin, low, high
 
 
+@contextlib.contextmanager
+def model_without_worker(url: str, model: str):
+    """A Redis client on ``url`` with ``model`` registered as a live worker registers it (alive for the
+    test's length): producers and the gateway take its jobs, which wait (no worker runs them)."""
+    from mlxq.shared import codec
+    from mlxq.shared.keys import GlobalKeys
+
+    client = redis.Redis.from_url(url)
+    client.hset(GlobalKeys().models, model, codec.pack({"name": model, "context_length": 4096,
+                                                        "max_token_bytes": 8, "seen_at": 4e9}))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
 def wait_for(pred, timeout=10.0, interval=0.02):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
