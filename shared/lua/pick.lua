@@ -5,8 +5,8 @@
 -- A queued job the index does not hold (one put back by a requeue or the reaper, chosen here and not
 -- pulled, or queued by a script that does not index) is taken by its score alone, as the queue's
 -- head: nothing in the queue waits for ever.
--- KEYS: 1 queue, 2 policy copy (weight:<group>), 3 ring high, 4 ring normal, 5 ring low, 6 fair jobs,
---       7 fair state
+-- KEYS: 1 queue, 2 policy copy (weight:<group>, inflight:<group>), 3 ring high, 4 ring normal, 5 ring low,
+--       6 fair jobs, 7 fair state, 8 usage (unread: ModelKeys.fair_keys, declared as they come)
 -- ARGV: 1 how many
 -- Returns the chosen members of the queue, in order.
 local fk = {KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
