@@ -245,8 +245,8 @@ def test_a_clobbered_key_costs_its_own_job_only(redis_url):
                                   (good, "w:1", b"g2", next_delta_seq())])])
     assert [f[b"d"] for _, f in r.xrange(K.events(good))] == [b"g1", b"g2"]
     assert r.get(K.events(bad)) == b"clobbered"
-    pub._send([StepOutput(completions=[(bad, "w:1", "done", b"result", b"final"),
-                                       (forged, "w:1", "done", b"result", b"final")])])
+    pub._send([StepOutput(completions=[(bad, "w:1", "done", b"result", b"final", (1, 1)),
+                                       (forged, "w:1", "done", b"result", b"final", (1, 1))])])
     assert r.hget(K.job(bad), "status") == b"done" and r.hget(K.job(bad), "result") == b"result"
     assert fenced == [(bad, "complete", True), (forged, "complete", False)]
     r.close()
