@@ -149,8 +149,9 @@ class ModelKeys:
     @property
     def usage(self) -> str:
         """hash: ``<day>|<group>|prompt``, ``...|completion``, ``...|jobs``: the tokens each API key's jobs
-        used on this model, per UTC day (days since 1970-01-01, by the server's clock); written by
-        complete.lua, read by the quota check and ``mlxq usage``."""
+        used on this model, per UTC day (days since 1970-01-01, by the server's clock), for the last 92
+        days (``day``: the last day counted); written by complete.lua, read by the quota check and
+        ``mlxq usage``."""
         return f"{self._base}:usage"
 
     @property

@@ -236,7 +236,8 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("usage", help="tokens used per API key per UTC day on every model (by key name)")
     add_shared(p, "redis_url")
-    p.add_argument("--days", type=int, default=1, help="the last N UTC days, today included (default: 1)")
+    p.add_argument("--days", type=int, default=1,
+                   help="the last N UTC days, today included; 92 are kept (default: 1)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_usage)
 

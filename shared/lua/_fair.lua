@@ -81,11 +81,23 @@ local function mlxq_over_quota(usage, policy, group, now)
   return math.max(1, math.ceil(86400 - now % 86400))
 end
 
--- Count a finished job's tokens for its group (before mlxq_fair_release forgets it).
+-- Count a finished job's tokens for its group (before mlxq_fair_release forgets it). The first count of
+-- a day (the hash's field 'day' names the last one counted) drops the days older than USAGE_DAYS: one
+-- pass over the hash a day, which holds three fields per key per day kept.
+local USAGE_DAYS = 92
 local function mlxq_meter(fk, id, prompt, completion, now)
   local group = redis.call('HGET', fk[5], 'g:' .. id)
   if not group then return end  -- (queued by a producer older than fair shares)
-  local day = mlxq_usage_day(now) .. '|' .. group .. '|'
+  local today = mlxq_usage_day(now)
+  if redis.call('HGET', fk[6], 'day') ~= today then
+    redis.call('HSET', fk[6], 'day', today)
+    local keep = tonumber(today) - USAGE_DAYS + 1
+    for _, field in ipairs(redis.call('HKEYS', fk[6])) do
+      local d = tonumber(string.match(field, '^(%d+)|'))
+      if d and d < keep then redis.call('HDEL', fk[6], field) end
+    end
+  end
+  local day = today .. '|' .. group .. '|'
   redis.call('HINCRBY', fk[6], day .. 'prompt', tonumber(prompt) or 0)
   redis.call('HINCRBY', fk[6], day .. 'completion', tonumber(completion) or 0)
   redis.call('HINCRBY', fk[6], day .. 'jobs', 1)

@@ -131,3 +131,17 @@ def test_a_key_at_its_cap_waits_until_one_of_its_jobs_ends(q):
     assert q.requeue(a[2], "w:1", error="engine raised") == 1  # its lease ends at the reaper
     assert q.redis.hget(q.keys.fair_state, run) == b"3"
     assert q.reap().requeued == 1 and q.redis.hget(q.keys.fair_state, run) == b"2"
+
+
+def test_usage_keeps_92_days(q):
+    """The first count of a day drops the days past the 92 kept (one pass a day over the usage hash)."""
+    today = int(q.redis.time()[0]) // 86400
+    group = apikeys.copy_field(apikeys.key_hash(KEYS["a"]))
+    q.redis.hset(q.keys.usage, mapping={f"{today - 92}|{group}|prompt": 5, f"{today - 91}|{group}|prompt": 7,
+                                        "day": today - 1})
+    [job] = flood(q, "a", 1, 1)
+    q.pull(1, "w")
+    assert q.complete(job, "w:1", "done", b"r", usage=(3, 2)) == 1
+    fields = {k.decode(): int(v) for k, v in q.redis.hgetall(q.keys.usage).items()}
+    assert fields == {f"{today - 91}|{group}|prompt": 7, "day": today, f"{today}|{group}|prompt": 3,
+                      f"{today}|{group}|completion": 2, f"{today}|{group}|jobs": 1}
