@@ -14,19 +14,23 @@ local taken = {}
 local chosen = {}  -- group -> jobs this call chose (their leases come at pull)
 -- the next job of a tier's ring: {id, score, group, turn, member}; groups found empty leave the
 -- ring (keeping their turn), and so do groups at their cap on jobs in flight (parked with their turn,
--- until one of their jobs ends: mlxq_fair_release); members no longer queued (cancelled, expired) are
--- dropped on the way
+-- until one of their jobs ends: mlxq_fair_release); a group this call chose enough jobs of to reach
+-- its cap is passed over (skip: the ring members at the front passed over so far), not parked, for
+-- those jobs may yet not be leased; members no longer queued (cancelled, expired) are dropped
+local skip = {0, 0, 0}
 local function tier_head(ti)
   local tier, ring = FAIR_TIERS[ti], fk[ti]
   while true do
-    local g = redis.call('ZRANGE', ring, 0, 0, 'WITHSCORES')
+    local g = redis.call('ZRANGE', ring, skip[ti], skip[ti], 'WITHSCORES')
     if #g == 0 then return nil end
     local group, turn = g[1], tonumber(g[2])
     local prefix = tier .. '|' .. group .. '|'
     local m = redis.call('ZRANGEBYLEX', fk[4], '[' .. prefix, '[' .. prefix .. '~', 'LIMIT', 0, 1)
-    if #m > 0 and mlxq_fair_capped(fk[5], KEYS[2], group, chosen[group]) then
+    if #m > 0 and mlxq_fair_capped(fk[5], KEYS[2], group) then
       redis.call('ZREM', ring, group)
       redis.call('HSET', fk[5], 'p:' .. tier .. ':' .. group, turn)
+    elseif #m > 0 and mlxq_fair_capped(fk[5], KEYS[2], group, chosen[group]) then
+      skip[ti] = skip[ti] + 1
     elseif #m == 0 then
       redis.call('ZREM', ring, group)
       redis.call('HSET', fk[5], 'f:' .. tier .. ':' .. group, turn)
@@ -63,12 +67,11 @@ local function loose_head()
   return nil
 end
 local out = {}
-local heads = {}
 for _ = 1, tonumber(ARGV[1]) do
+  -- (each tier's head afresh: what this call chose may have brought a group to its cap)
   local best, from = loose_head(), 0
   for ti = 1, 3 do
-    if heads[ti] == nil then heads[ti] = tier_head(ti) or false end
-    local h = heads[ti]
+    local h = tier_head(ti)
     if h and (not best or h.score < best.score) then best, from = h, ti end
   end
   if not best then break end
@@ -80,7 +83,6 @@ for _ = 1, tonumber(ARGV[1]) do
     local w = tonumber(redis.call('HGET', KEYS[2], 'weight:' .. best.group))
     if not w or w ~= w or w <= 0 or w == math.huge then w = 1 end
     redis.call('ZADD', fk[from], best.turn + 1 / w, best.group)
-    heads[from] = nil
   end
   taken[best.id] = true
   if best.group then chosen[best.group] = (chosen[best.group] or 0) + 1 end

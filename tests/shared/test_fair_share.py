@@ -145,3 +145,15 @@ def test_usage_keeps_92_days(q):
     fields = {k.decode(): int(v) for k, v in q.redis.hgetall(q.keys.usage).items()}
     assert fields == {f"{today - 91}|{group}|prompt": 7, "day": today, f"{today}|{group}|prompt": 3,
                       f"{today}|{group}|completion": 2, f"{today}|{group}|jobs": 1}
+
+
+def test_a_key_is_parked_only_for_leases_it_holds(q):
+    """A pick that reaches a key's cap with the jobs it chose passes the key over without parking it:
+    a chosen job that is then not leased (cancelled meanwhile) leaves the key free to run the next."""
+    apikeys.set_limits(q.redis, GK, "a", max_inflight=1)
+    a = flood(q, "a", 3, 1)
+    chosen = q.run(q.calls.pick(8))
+    assert [m.decode() for m in chosen] == a[:1]
+    assert q.cancel(a[0]) == "cancelled"
+    assert q.run(q.calls.pull(chosen, "w")) == []
+    assert [p.job_id for p in q.pull(8, "w")] == [a[1]]
