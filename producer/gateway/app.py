@@ -46,7 +46,7 @@ from ..aclient import AsyncClient
 from ..asubscriber import AsyncSubscriber, link_watch
 from ..openai_api import OpenAIError, TokenNames
 from .chat_completions import ChatCompletions
-from .jobs import RETRY_AFTER_DEFAULT_S, Jobs, bearer, live_models, unreachable_error
+from .jobs import RETRY_AFTER_DEFAULT_S, Jobs, Refusal, bearer, live_models, unreachable_error
 from .messages import Messages
 from .responses import Responses
 
@@ -260,10 +260,14 @@ class Gateway:
             headers = {"Retry-After": str(max(1, math.ceil(wait)))}
         return JSONResponse(shape(exc), status_code=exc.status, headers=headers)
 
-    def gone(self, endpoint: str) -> Response:
-        """The client left while its request's body was still coming: nothing was queued."""
-        self.metrics.requests.labels(endpoint, "499").inc()
-        return Response(status_code=499)
+    def refused(self, endpoint: str, refusal: Refusal,
+                shape: Callable[[OpenAIError], dict] = OpenAIError.body) -> Response:
+        """A request that was not queued: its error, or a 499 for a client that left while its body was
+        still coming."""
+        if refusal.gone:
+            self.metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
+        return self.error(endpoint, refusal.error, refusal.retry_after, shape)
 
     def shape_of(self, path: str) -> Callable[[OpenAIError], dict]:
         """The error body of the API ``path`` belongs to: a room's own (``error_shape``), else OpenAI's."""
