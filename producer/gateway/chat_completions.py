@@ -15,7 +15,7 @@ import logging
 import time
 from typing import AsyncIterator, Optional
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -23,7 +23,7 @@ from ...shared.schemas import Delta
 from ..aclient import AsyncJob
 from ..openai_api import (ChatCompletionRequest, ChatDeltas, CompletionRequest, LogprobFormatter, OpenAIError,
                           choice, failed_output, finish_fields, now_s, usage)
-from .jobs import job_error, jlog, json_body, refused, sse_data, stream_error
+from .jobs import Call, job_error, jlog, refused, sse_data, stream_error
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -46,21 +46,16 @@ class ChatCompletions:
         return await self._generate(request, CompletionRequest, chat=False)
 
     async def _generate(self, request: Request, schema, chat: bool) -> Response:
-        gw, endpoint = self.gw, request.url.path
-        floor = "low" if endpoint.startswith("/v1/batch/") else None
-        started = time.monotonic()
-        client = gw.client(request)
-        req = tier = None
+        gw, call = self.gw, Call(self.gw, request)
         try:
-            tier = await client.tier(floor)  # 401 before anything else
-            req = schema.model_validate(await json_body(request, gw.max_body_bytes))
+            req = await call.read(schema)
             kwargs = req.submit_kwargs()
-            sub = await self.jobs.submit(request, client, tier=tier, floor=floor, model=req.model, kwargs=kwargs,
-                                         prompt_param="messages" if chat else "prompt", stream=req.stream)
-        except ClientDisconnect:  # gone while its body was still coming: nothing was queued
-            return gw.gone(endpoint)
-        except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
-            return gw.error(endpoint, *await self.jobs.api_error(exc, client, req and req.model, tier))
+            sub = await self.jobs.submit(request, call.client, tier=call.tier, floor=call.floor, model=req.model,
+                                         kwargs=kwargs, prompt_param="messages" if chat else "prompt",
+                                         stream=req.stream)
+        except Exception as exc:  # noqa: BLE001 - nothing was queued
+            return await call.refusal(exc)
+        endpoint, started, tier = call.endpoint, call.started, call.tier
         fmt = LogprobFormatter(gw.token_names.for_model(sub.info), req.top_n)
         meta = _Meta(id=("chatcmpl-" if chat else "cmpl-") + sub.job.id, model=sub.model, created=now_s(), chat=chat,
                      endpoint=endpoint, started=started, include_usage=req.include_usage, tools=sub.tools,

@@ -22,7 +22,8 @@ import time
 from typing import Any, AsyncIterator, NamedTuple, Optional
 
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 
 from ...shared.apikeys import AuthError
 from ...shared.connection import LINK_ERRORS, RedisUnreachable
@@ -58,6 +59,35 @@ class First(NamedTuple):
     deltas: Optional[AsyncIterator[Delta | str]] = None
     failed: Optional[Result] = None
     gone: bool = False
+
+
+class Call:
+    """One request to an OpenAI room, as its handler reads it: the endpoint, the tier floor (low under
+    ``/v1/batch/``), when it started and its client; ``tier`` and ``req`` once ``read`` has them."""
+
+    def __init__(self, gw, request: Request):
+        self.gw, self.request = gw, request
+        self.endpoint = request.url.path
+        self.floor = "low" if self.endpoint.startswith("/v1/batch/") else None
+        self.started = time.monotonic()
+        self.client = gw.client(request)
+        self.tier: Optional[str] = None
+        self.req = None
+
+    async def read(self, schema):
+        """The caller's tier (a 401 before anything else), then its body as ``schema``."""
+        self.tier = await self.client.tier(self.floor)
+        self.req = schema.model_validate(await json_body(self.request, self.gw.max_body_bytes))
+        return self.req
+
+    async def refusal(self, exc: Exception) -> Response:
+        """The answer to what was raised before anything was queued (``Jobs.api_error`` re-raises
+        what is not a refusal); a client gone while its body was still coming gets none."""
+        if isinstance(exc, ClientDisconnect):
+            return self.gw.gone(self.endpoint)
+        req = self.req
+        return self.gw.error(self.endpoint, *await self.gw.jobs.api_error(exc, self.client, req and req.model,
+                                                                          self.tier))
 
 
 class Jobs:
