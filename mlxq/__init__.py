@@ -22,6 +22,7 @@ try:
         AuthError,
         Client,
         ClientClosed,
+        EmbeddingFailed,
         Job,
         JobNotFound,
         JobRefused,
@@ -39,7 +40,7 @@ except ModuleNotFoundError as _exc:
     ) from None
 
 __all__ = ["Client", "AsyncClient", "Job", "AsyncJob", "OverloadError", "AuthError", "JobRefused",
-           "JobTimeout", "JobNotFound", "ClientClosed", "NoModelError", "generate"]
+           "JobTimeout", "JobNotFound", "ClientClosed", "NoModelError", "EmbeddingFailed", "generate"]
 
 
 def __getattr__(name):

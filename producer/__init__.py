@@ -5,7 +5,7 @@ from ..shared.protocol import JobRefused, OverloadError
 
 from .aclient import AsyncClient, AsyncJob
 from .client import Client, Job
-from .errors import ClientClosed, JobNotFound, JobTimeout, NoModelError
+from .errors import ClientClosed, EmbeddingFailed, JobNotFound, JobTimeout, NoModelError
 
 __all__ = ["Client", "AsyncClient", "Job", "AsyncJob", "OverloadError", "AuthError", "JobRefused",
-           "JobTimeout", "JobNotFound", "ClientClosed", "NoModelError"]
+           "JobTimeout", "JobNotFound", "ClientClosed", "NoModelError", "EmbeddingFailed"]

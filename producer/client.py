@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 from redis.exceptions import NoPermissionError
 
@@ -19,8 +19,9 @@ from ..shared.slots import is_cluster, refresh_topology
 from ..shared.steps import Steps, drive, run_steps
 from .bulkmap import map_results
 from .registry import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Emit, Enqueue, JobHandle, Origin, Pause, Receive, Resubmit,
-                   WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, EmbedInput, Emit, Enqueue, JobHandle, Origin, Pause, Receive, Resubmit,
+                   WaitDone, decode_status, embed_answer, embed_jobs, embed_kwargs, prepare, retryable, schema_of,
+                   submission, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
 
@@ -248,6 +249,19 @@ class Client:
             return Job(self, enq.job_id, keys, None, enq, prep.schema, origin)
         job.enqueued = enq
         return job
+
+    def embed(self, input: EmbedInput, *, model: Optional[str] = None, dimensions: Optional[int] = None,
+              pooling: Optional[str] = None, normalize: bool = True, timeout: Optional[float] = None,
+              _floor: Optional[str] = None) -> Union[list[float], list[list[float]]]:
+        """Embed a text (or one list of token ids): its vector; or a list of them: a vector each, in
+        order.  Each input is one embedding job (the worker batches them); ``dimensions`` keeps the
+        first this many values, renormalised; ``pooling`` "last" or "mean" (default: the worker's
+        rule).  Every input is validated before any is queued; ``EmbeddingFailed`` if a job fails."""
+        model = model or self.model
+        jobs, single = embed_jobs(model, input, embed_kwargs(dimensions, pooling, normalize),
+                                  known_model(model, self._registry()), self.settings.max_prompt_bytes)
+        handles = [self.submit(model=model, _floor=_floor, **kw) for kw in jobs]
+        return embed_answer([h.result(timeout) for h in handles], single)
 
     def _enqueue(self, op: Enqueue) -> Enqueued:
         return self.queue_for(op.model).enqueue(op.job_id, op.payload, self.key_hash, op.floor, op.idempotency_key,

@@ -202,6 +202,10 @@ class Settings:
 
     # -- the worker process -----------------------------------------------------------------------------------
     keep_dtype: bool = opt(False, "keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
+    embed_pooling: str = opt("auto", "how an embedding job's hidden states are pooled when the job does not say: "
+                             "last (the last token's: decoder embedders such as Qwen3-Embedding), mean, or auto "
+                             "(the model directory's sentence-transformers 1_Pooling/config.json, else last)",
+                             choices=("auto", "last", "mean"))
     grace_s: float = opt(30.0, "warm-shutdown grace period in seconds", flag="--grace")
     burst: bool = opt(False, "exit when the queue is empty")
     host_thread: bool = opt(True, "detokenize and publish each step's tokens on a thread of their own while "

@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions, /v1/completions, /v1/batch/...  (chat_completions.py: OpenAI's APIs)
     POST /v1/messages, /v1/messages/count_tokens        (messages.py: Anthropic's Messages API)
+    POST /v1/embeddings, /v1/batch/embeddings           (embeddings.py: OpenAI's embeddings)
     GET  /v1/models                                     (models that live workers serve)
     GET  /metrics                                       (this gateway's request metrics)
     GET  /health                                        (liveness: no key, no Redis; always 200 while serving)
@@ -46,6 +47,7 @@ from ..aclient import AsyncClient
 from ..asubscriber import AsyncSubscriber, link_watch
 from ..openai_api import OpenAIError, TokenNames
 from .chat_completions import ChatCompletions
+from .embeddings import Embeddings
 from .jobs import RETRY_AFTER_DEFAULT_S, Jobs, Refusal, bearer, live_models, unreachable_error
 from .messages import Messages
 from .responses import Responses
@@ -108,7 +110,8 @@ class Gateway:
         self.max_body_bytes = 4 * self.settings.max_prompt_bytes
         self._key_names: dict[str, tuple[float, str]] = {}  # sha256(key) -> (read at, name): key_name
         self.jobs = Jobs(self)
-        self.rooms = [ChatCompletions(self), Responses(self), Messages(self)]  # each API the gateway speaks
+        self.rooms = [ChatCompletions(self), Responses(self), Messages(self),  # each API the gateway speaks
+                      Embeddings(self)]
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):

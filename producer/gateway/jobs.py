@@ -55,7 +55,7 @@ class Submitted(NamedTuple):
 
 class Admitted(NamedTuple):
     req: Any  # the room's parsed request
-    sub: Submitted
+    sub: Any  # its Submitted job (what ``queue`` returned, for a request of several jobs)
     tier: str
     client: AsyncClient
 
@@ -82,20 +82,26 @@ class Jobs:
         self.drain = DrainRate()
 
     async def admit(self, request: Request, parse: Callable[[dict], Any], plan: Callable, *,
-                    floor: Optional[str] = None, prompt_param: str) -> Admitted | Refusal:
+                    floor: Optional[str] = None, prompt_param: str, queue: Optional[Callable] = None
+                    ) -> Admitted | Refusal:
         """A room's request, from its key to its queued job: the tier (a 401 before anything else),
-        the body, ``parse(body)`` (the room's request model), ``plan(req, client)`` (the
-        ``AsyncClient.submit`` kwargs and ``submit``'s options, awaited if it is a coroutine), then
-        ``submit``; or the refusal (nothing was queued)."""
+        the body, ``parse(body)`` (the room's request model), ``plan(req, client)`` (awaited if it is a
+        coroutine: the ``AsyncClient.submit`` kwargs and ``submit``'s options), then ``submit``, or
+        ``queue(request, client, tier, floor, planned)`` for a room whose request is several jobs;
+        or the refusal (nothing was queued)."""
         client = self.gw.client(request)
         req = tier = None
         try:
             tier = await client.tier(floor)
             req = parse(await json_body(request, self.gw.max_body_bytes))
             planned = plan(req, client)
-            kwargs, options = await planned if inspect.isawaitable(planned) else planned
-            sub = await self.submit(request, client, tier=tier, floor=floor, model=req.model, kwargs=kwargs,
-                                    prompt_param=prompt_param, **options)
+            planned = await planned if inspect.isawaitable(planned) else planned
+            if queue is not None:
+                sub = await queue(request, client, tier, floor, planned)
+            else:
+                kwargs, options = planned
+                sub = await self.submit(request, client, tier=tier, floor=floor, model=req.model, kwargs=kwargs,
+                                        prompt_param=prompt_param, **options)
         except ClientDisconnect:
             return Refusal(gone=True)
         except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
