@@ -114,7 +114,7 @@ class Job(JobHandle):
         return self._client._retry(lambda: self._client._cancel(self._keys.model, self.id))
 
     def status(self) -> Optional[str]:
-        """The job's status: queued, running, done, failed, cancelled, dead; a queued job that no
+        """The job's status: queued, running, done, failed, cancelled, dead, expired; a queued job that no
         live worker can take now reads "queued, no live worker for MODEL"."""
         s = decode_status(self._client._retry(lambda: self._client.redis.hget(self._keys.job(self.id), "status")))
         if s != "queued":

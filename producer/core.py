@@ -125,7 +125,32 @@ def build_request(model: str, kwargs: dict[str, Any]) -> GenerateRequest:
     """Validate a submission before anything reaches Redis (pydantic raises ValueError)."""
     if kwargs.get("id") is not None:  # ids are 128 random bits, never the caller's choice (guessable)
         raise ValueError("id= is not accepted: mlxq chooses job ids (128 random bits)")
-    return GenerateRequest.model_validate({"model": model, **{k: v for k, v in kwargs.items() if v is not None}})
+    kwargs = life_times({k: v for k, v in kwargs.items() if v is not None}, time.time())
+    return GenerateRequest.model_validate({"model": model, **kwargs})
+
+
+def life_times(kwargs: dict[str, Any], now: float) -> dict[str, Any]:
+    """``defer_s`` and ``expires_in`` (seconds from ``now``) as ``run_at`` and ``expires_at`` (epoch
+    seconds); an expiry already past is refused here (ValueError, HTTP 400), before anything is queued
+    (the enqueue script checks it again on the server's clock)."""
+    kwargs = dict(kwargs)
+    for rel, absolute in (("defer_s", "run_at"), ("expires_in", "expires_at")):
+        if rel not in kwargs:
+            continue
+        if absolute in kwargs:
+            raise ValueError(f"give {rel}= or {absolute}=, not both")
+        v = kwargs.pop(rel)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+            raise ValueError(f"{rel} must be a number of seconds, 0 or more, not {v!r:.40}")
+        kwargs[absolute] = now + v
+    for name in ("run_at", "expires_at"):
+        v = kwargs.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{name} must be a time in epoch seconds, not {v!r:.40}")
+    if kwargs.get("expires_at") is not None and kwargs["expires_at"] <= now:
+        raise ValueError(f"expires_at {kwargs['expires_at']:.3f} is already past (now is {now:.3f}): "
+                         "the job could never run")
+    return kwargs
 
 
 def check_fits(req: GenerateRequest, info: Optional[dict], count_tokens=None) -> None:

@@ -1,0 +1,102 @@
+"""Jobs with a life of their own (docs/pipelines/job-life.md) against a real Valkey: an expiry already
+past is refused at submit; a job not started by its expires_at ends ``expired`` and never runs, whether
+the reaper's sweep or a pull finds it; a deferred job is not pulled before its run_at and is after it,
+through a worker killed (-9) while it waits. Assertions read statuses and events, never durations."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from mlxq import Client
+from mlxq.producer.core import life_times
+from mlxq.shared import codec
+from mlxq.shared.keys import ModelKeys
+from mlxq.shared.protocol import JobRefused, Queue
+from faultkit import WorkerProc, wait_registered
+from workerkit import fast_settings, running_worker, wait_for
+
+
+def server_now(r) -> float:
+    sec, usec = r.time()
+    return sec + usec / 1e6
+
+
+@pytest.fixture
+def env(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    q = Queue(r, ModelKeys("tiny"), settings)
+    yield r, client, q
+    client.close()
+    r.close()
+
+
+def test_times_that_could_never_run_are_refused_at_submit(env):
+    r, client, q = env
+    with pytest.raises(ValueError, match="already past"):
+        client.submit("hi", max_tokens=2, expires_at=time.time() - 1)
+    with pytest.raises(ValueError, match="must be after run_at"):
+        client.submit("hi", max_tokens=2, defer_s=60, expires_in=30)
+    with pytest.raises(ValueError, match="not both"):
+        client.submit("hi", max_tokens=2, defer_s=1, run_at=time.time() + 1)
+    with pytest.raises(ValueError, match="defer_s must be"):
+        life_times({"defer_s": "soon"}, time.time())
+    # a producer that skips the check (another language's): the enqueue script refuses on the server's clock
+    past = server_now(r) - 5
+    req = codec.pack({"id": "a" * 32, "model": "tiny", "prompt": "hi", "expires_at": past})
+    with pytest.raises(JobRefused, match="expires_at is already past"):
+        q.enqueue("a" * 32, req, global_redis=r)
+    assert not r.exists(q.keys.job("a" * 32)) and r.zcard(q.keys.queue) == 0
+
+
+def test_a_job_not_started_by_its_expiry_ends_expired_and_never_runs(env):
+    r, client, q = env
+    # no worker: the reaper's sweep (run here as the control thread runs it) ends it, and its caller hears
+    swept = client.submit("hi", max_tokens=2, expires_in=0.2)
+    assert wait_for(lambda: q.reap() is not None and r.hget(q.keys.job(swept.id), "status") == b"expired",
+                    timeout=30)
+    res = swept.result(timeout=30)
+    assert res.finish_reason == "error" and res.error.startswith("expired:")
+    assert swept.status() == "expired"
+    # one past its time that a worker's pull reaches first: it ends there, and the pull leases nothing
+    pulled_late = client.submit("hi", max_tokens=2, expires_in=0.2)
+    expires_at = float(r.hget(q.keys.job(pulled_late.id), "expires_at"))
+    assert wait_for(lambda: server_now(r) > expires_at, timeout=30)
+    assert q.pull(4, "w-test") == []
+    rec = {k.decode(): v for k, v in r.hgetall(q.keys.job(pulled_late.id)).items()}
+    assert rec["status"] == b"expired" and rec["attempts"] == b"0" and "started_at" not in rec
+    assert pulled_late.result(timeout=30).error.startswith("expired:")
+    counts = q.counts()
+    assert counts["expired"] == 2 and counts.get("queued:normal", 0) == 0 and counts.get("running", 0) == 0
+    # a job with an expiry that starts in time runs as any other (tests below run them with a worker)
+
+
+def test_a_deferred_job_waits_in_redis_through_a_worker_killed_while_it_waits(env, tiny_model, tiny_model_dir,
+                                                                               redis_url, tmp_path):
+    r, client, q = env
+    job = client.submit("hi", max_tokens=3, ignore_eos=True, defer_s=1.5, expires_in=600)
+    run_at = float(r.hget(q.keys.job(job.id), "run_at"))
+    assert r.zscore(q.keys.deferred, job.id) == pytest.approx(run_at)
+    # not pulled before its time (the pull checks the server's clock; only a pull that ended before
+    # run_at says so)
+    pulled = q.pull(4, "w-test")
+    if server_now(r) < run_at:
+        assert pulled == [] and r.hget(q.keys.job(job.id), "status") == b"queued"
+    worker = WorkerProc(redis_url, tiny_model_dir, tmp_path)
+    try:
+        assert wait_registered(redis_url)
+        if server_now(r) < run_at:  # the worker is up, pulling, and leaves the job where it waits
+            worker.kill9()
+            assert r.hget(q.keys.job(job.id), "attempts") == b"0" and r.zscore(q.keys.deferred, job.id)
+    finally:
+        worker.stop()
+    with running_worker(tiny_model, redis_url, fast_settings(redis_url)):
+        res = job.result(timeout=60)
+    assert res.finish_reason == "length" and len(res.token_ids) == 3
+    rec = {k.decode(): v for k, v in r.hgetall(q.keys.job(job.id)).items()}
+    assert rec["status"] == b"done" and float(rec.get("started_at") or res.stats.started_at) >= run_at
+    assert res.stats.attempts == 1 and r.zcard(q.keys.deferred) == 0
