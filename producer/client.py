@@ -235,10 +235,15 @@ class Client:
         presence_penalty, frequency_penalty, logit_bias, seed, stop, logprobs.  Output: tools,
         tool_choice, parallel_tool_calls, response_format (a dict, or a pydantic model class: the
         result then carries ``parsed``, the validated instance, or ``parse_error``).
+
+        A job's life (docs/pipelines/job-life.md): ``run_at`` (epoch seconds) or ``defer_s`` queue it
+        later; ``expires_at`` or ``expires_in`` end it ``expired`` (never run) if no worker started it
+        by then (its result: finish_reason "error", error "expired: ..."); ``webhook`` names a URL (on
+        the operator's ``webhook_hosts``) that is POSTed a signed summary when it ends.
         """
         model = model or self.model
         prep = prepare(model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
-                       known_model(model, self._registry()), self.settings.max_prompt_bytes)
+                       known_model(model, self._registry()), self.settings.max_prompt_bytes, settings=self.settings)
         keys = self.gkeys.model_keys(model)
         origin = Origin.of(prep, _floor, idempotency_key)
         job = Job(self, prep.request.id, keys, None, None, prep.schema, origin)

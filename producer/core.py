@@ -39,10 +39,12 @@ from ..shared import codec, replay
 from ..shared.keys import ModelKeys
 from ..shared.linkwatch import Backoff, LinkWatch, is_link_error
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
+from ..shared.settings import Settings
 from ..shared.slots import is_cluster
 from ..shared.steps import Step
 from .errors import ClientClosed, ConfirmCut, ContextLengthError, JobNotFound, JobTimeout
 from .records import StreamState, entry_deltas, payload_deltas, result_from_hash
+from .webhooks import WebhookRefused, check_url
 
 log = logging.getLogger("mlxq.producer")
 
@@ -105,15 +107,20 @@ def schema_of(response_format: Any) -> Optional[type[BaseModel]]:
 
 
 def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes: int,
-            count_tokens=None) -> Prepared:
+            count_tokens=None, settings: Optional[Settings] = None) -> Prepared:
     """Validate a submission before anything reaches Redis: ValueError (pydantic's included) for a
     bad request, ``ContextLengthError`` for a prompt that can never fit, ``ValueError`` past
-    ``max_bytes``.  ``info``: the model's registry entry (None: unchecked)."""
+    ``max_bytes``, ``WebhookRefused`` (a ValueError) for a webhook URL ``settings`` does not allow
+    (it may resolve the host: blocking).  ``info``: the model's registry entry (None: unchecked)."""
     kwargs = dict(kwargs)
     schema = schema_of(kwargs.get("response_format"))
     if schema is not None:
         kwargs["response_format"] = schema_format(schema)
     req = build_request(model, kwargs)
+    if req.webhook is not None:
+        if settings is None:
+            raise WebhookRefused("webhook= is not taken on this path (Client.submit and the gateway take it)")
+        check_url(req.webhook, settings)
     check_fits(req, info, count_tokens)
     payload = pack_request(req)
     if len(payload) > max_bytes:

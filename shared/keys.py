@@ -65,6 +65,12 @@ class GlobalKeys:
     def rq_pending(self) -> str:  # hash: rq job id -> msgpack {model, job} of a bridged job not yet mirrored back
         return f"{self.prefix}:rqbridge:pending"
 
+    @property
+    def webhook_secrets(self) -> str:
+        """hash: sha1(sha256(api key)) (the slot copies' field) | "anonymous" -> the Standard Webhooks
+        secret (whsec_<base64>) that signs the webhooks of that key's jobs (`mlxq keys webhook-secret`)."""
+        return f"{self.prefix}:webhooksecrets"
+
     def model_keys(self, model: str) -> "ModelKeys":
         return ModelKeys(model, self.prefix)
 

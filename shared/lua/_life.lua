@@ -25,15 +25,16 @@ local function mlxq_life(run_at, expires_at, webhook, at_admit)
   return {run_at = ra, expires_at = ea, webhook = (webhook ~= nil and webhook ~= '') and webhook or nil}
 end
 
--- Record them in the job hash, and index an expiry (for the reaper's sweep) and a webhook (for the sender).
-local function mlxq_life_set(life, jk, expiring_key, webhooks_key, id, now)
+-- Record them in the job hash, and index an expiry (for the reaper's sweep) and a webhook (for the
+-- sender, with 'whk': the key's field in the secrets hash, sha1 of its sha256, 'anonymous' for none).
+local function mlxq_life_set(life, jk, expiring_key, webhooks_key, id, now, key_hash)
   if life.run_at then redis.call('HSET', jk, 'run_at', string.format('%.6f', life.run_at)) end
   if life.expires_at then
     redis.call('HSET', jk, 'expires_at', string.format('%.6f', life.expires_at))
     redis.call('ZADD', expiring_key, life.expires_at, id)
   end
   if life.webhook then
-    redis.call('HSET', jk, 'webhook', life.webhook)
+    redis.call('HSET', jk, 'webhook', life.webhook, 'whk', key_hash ~= '' and redis.sha1hex(key_hash) or 'anonymous')
     redis.call('ZADD', webhooks_key, now, id)
   end
 end

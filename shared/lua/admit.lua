@@ -57,8 +57,8 @@ for i, id in ipairs(ids) do
             redis.call('ZADD', KEYS[2], score, id)
             redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
           end
-          if life.expires_at then redis.call('ZADD', KEYS[9], life.expires_at, id) end
-          if life.webhook then redis.call('ZADD', KEYS[10], now, id) end
+          -- (run_at is recorded already: a producer wrote it)
+          mlxq_life_set({expires_at = life.expires_at, webhook = life.webhook}, jk, KEYS[9], KEYS[10], id, now, f[3] or '')
           redis.call('HINCRBY', KEYS[3], 'submitted', 1)
           admitted = admitted + 1
         else

@@ -59,7 +59,7 @@ if ARGV[5] == '1' then
   redis.call('SET', KEYS[4], id, 'EX', tonumber(ARGV[6]))
   redis.call('HSET', KEYS[1], 'idem', KEYS[4])
 end
-mlxq_life_set(life, KEYS[1], KEYS[10], KEYS[11], id, now)
+mlxq_life_set(life, KEYS[1], KEYS[10], KEYS[11], id, now, ARGV[3])
 if deferred then return {'ok', id, string.format('%.6f', score), string.format('%.6f', now)} end
 redis.call('LPUSH', KEYS[3], '1')
 redis.call('LTRIM', KEYS[3], 0, 63)
