@@ -7,7 +7,7 @@
 -- (the job is indexed, and ends expired at its pull or the sweep)
 local function mlxq_life(run_at, expires_at, webhook, at_admit)
   local function epoch(s, what)
-    if s == nil or s == '' then return nil end
+    if not s or s == '' then return nil end  -- (HMGET gives false for a field not there)
     local x = tonumber(s)
     if not x or x ~= x or x <= 0 or x >= 1e11 then return nil, what .. ' is not a time in epoch seconds' end
     return x
@@ -22,7 +22,7 @@ local function mlxq_life(run_at, expires_at, webhook, at_admit)
     if ea <= tonumber(t[1]) + tonumber(t[2]) / 1000000 then return nil, 'expires_at is already past' end
     if ra and ea <= ra then return nil, 'expires_at is not after run_at' end
   end
-  return {run_at = ra, expires_at = ea, webhook = (webhook ~= nil and webhook ~= '') and webhook or nil}
+  return {run_at = ra, expires_at = ea, webhook = (webhook and webhook ~= '') and webhook or nil}
 end
 
 -- Record them in the job hash, and index an expiry (for the reaper's sweep) and a webhook (for the

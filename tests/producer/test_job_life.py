@@ -75,28 +75,59 @@ def test_a_job_not_started_by_its_expiry_ends_expired_and_never_runs(env):
     # a job with an expiry that starts in time runs as any other (tests below run them with a worker)
 
 
+def test_a_deferred_job_is_not_pulled_before_its_time_and_is_after_it(env):
+    r, client, q = env
+    job = client.submit("hi", max_tokens=3, defer_s=0.5)
+    run_at = float(r.hget(q.keys.job(job.id), "run_at"))
+    assert r.zscore(q.keys.deferred, job.id) == pytest.approx(run_at) and r.zcard(q.keys.queue) == 0
+    pulled = q.pull(4, "w-test")
+    if server_now(r) < run_at:  # (the pull checks the server's clock: only one that ended before run_at says so)
+        assert pulled == [] and r.hget(q.keys.job(job.id), "status") == b"queued"
+    assert wait_for(lambda: server_now(r) > run_at, timeout=30)
+    pulled = pulled or q.pull(4, "w-test")
+    assert [(p.job_id, p.kind, p.attempt) for p in pulled] == [(job.id, "job", 1)]
+    assert float(r.hget(q.keys.job(job.id), "started_at")) >= run_at and r.zcard(q.keys.deferred) == 0
+
+
 def test_a_deferred_job_waits_in_redis_through_a_worker_killed_while_it_waits(env, tiny_model, tiny_model_dir,
                                                                                redis_url, tmp_path):
     r, client, q = env
-    job = client.submit("hi", max_tokens=3, ignore_eos=True, defer_s=1.5, expires_in=600)
-    run_at = float(r.hget(q.keys.job(job.id), "run_at"))
-    assert r.zscore(q.keys.deferred, job.id) == pytest.approx(run_at)
-    # not pulled before its time (the pull checks the server's clock; only a pull that ended before
-    # run_at says so)
-    pulled = q.pull(4, "w-test")
-    if server_now(r) < run_at:
-        assert pulled == [] and r.hget(q.keys.job(job.id), "status") == b"queued"
     worker = WorkerProc(redis_url, tiny_model_dir, tmp_path)
     try:
         assert wait_registered(redis_url)
-        if server_now(r) < run_at:  # the worker is up, pulling, and leaves the job where it waits
-            worker.kill9()
-            assert r.hget(q.keys.job(job.id), "attempts") == b"0" and r.zscore(q.keys.deferred, job.id)
+        job = client.submit("hi", max_tokens=3, ignore_eos=True, defer_s=600, expires_in=3600)
+        worker.kill9()  # while the job waits (for ten minutes: it is still waiting below)
     finally:
         worker.stop()
+    assert r.hget(q.keys.job(job.id), "attempts") == b"0" and r.zscore(q.keys.deferred, job.id)
+    # its time comes (moved to now in Redis, rather than waited for) with no process alive that knew of it
+    r.zadd(q.keys.deferred, {job.id: server_now(r)}, xx=True)
     with running_worker(tiny_model, redis_url, fast_settings(redis_url)):
         res = job.result(timeout=60)
     assert res.finish_reason == "length" and len(res.token_ids) == 3
-    rec = {k.decode(): v for k, v in r.hgetall(q.keys.job(job.id)).items()}
-    assert rec["status"] == b"done" and float(rec.get("started_at") or res.stats.started_at) >= run_at
-    assert res.stats.attempts == 1 and r.zcard(q.keys.deferred) == 0
+    assert res.stats.attempts == 1 and r.hget(q.keys.job(job.id), "status") == b"done"
+    assert r.zcard(q.keys.deferred) == 0 and r.zcard(q.keys.queue) == 0
+
+
+def test_a_restricted_producers_job_keeps_its_life_through_admission(env):
+    """A producer under the ACL recipe submits to the intake list (submit.lua, the record holds the fields);
+    the worker's admission defers, indexes the expiry and the webhook, as the enqueue script does."""
+    r, client, q = env
+    client.submit("warm", max_tokens=1).cancel()  # (the slot's policy copy, as any first submit makes it)
+    now = server_now(r)
+    ids = {"deferred": "b" * 32, "expiring": "c" * 32}
+    for name, life in (("deferred", {"run_at": now + 300}), ("expiring", {"expires_at": now + 0.2})):
+        job_id = ids[name]
+        req = codec.pack({"id": job_id, "model": "tiny", "prompt": "hi", **life})
+        assert q.run(q.calls.submit(job_id, req, None, None, None))[0] == b"ok"
+    past = codec.pack({"id": "d" * 32, "model": "tiny", "prompt": "hi", "expires_at": now - 1})
+    assert q.run(q.calls.submit("d" * 32, past, None, None, None))[:3] == [b"invalid_time", b"d" * 32,
+                                                                           b"expires_at is already past"]
+    assert q.admit() == (2, 0)
+    assert r.zscore(q.keys.deferred, ids["deferred"]) == pytest.approx(now + 300)
+    assert r.zscore(q.keys.queue, ids["deferred"]) is None and r.zscore(q.keys.queue, ids["expiring"])
+    assert r.zscore(q.keys.expiring, ids["expiring"]) == pytest.approx(now + 0.2)
+    assert wait_for(lambda: server_now(r) > now + 0.2, timeout=30)
+    q.reap()  # the sweep
+    assert r.hget(q.keys.job(ids["expiring"]), "status") == b"expired" and r.zcard(q.keys.queue) == 0
+    assert q.cancel(ids["deferred"]) == "cancelled" and q.pull(4, "w-test") == []
