@@ -5,6 +5,7 @@ recorded, and a URL off the allowlist or on a private address is refused at subm
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -15,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import redis
 
-from mlxq import Client
+from mlxq import AsyncClient, Client
 from mlxq.producer import webhooks
 from mlxq.producer.webhooks import WebhookRefused, WebhookSender, check_url, deliveries
 from mlxq.shared import apikeys
@@ -101,6 +102,15 @@ def test_webhook_urls_off_the_allowlist_or_on_private_addresses_are_refused(redi
             client.submit("hi", max_tokens=2, webhook="https://evil.example.net/hook")
     finally:
         client.close()
+
+    async def submit_async():  # AsyncClient: the same check (the host resolved off the event loop)
+        async with AsyncClient(redis_url, model="tiny", settings=settings) as aclient:
+            with pytest.raises(WebhookRefused, match="loopback, private or reserved"):
+                await aclient.submit("hi", max_tokens=2, webhook="http://127.0.0.1:8080/hook")
+            with pytest.raises(ValueError, match="already past"):
+                await aclient.submit("hi", max_tokens=2, expires_in=0, run_at=None, expires_at=None)
+
+    asyncio.run(submit_async())
     with pytest.raises(WebhookRefused, match="10.1.2.3"):
         check_url("http://10.1.2.3/hook", settings)
     # an allowed name that resolves to a private address (a DNS record pointing inside): refused too
