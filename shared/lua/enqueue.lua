@@ -16,6 +16,9 @@ if not mlxq_is_job_id(id) then return {'invalid_id', id, '', ''} end
 if redis.call('EXISTS', KEYS[8]) == 0 then return {'unsynced', id, '', ''} end
 local life, bad = mlxq_life(ARGV[7], ARGV[8], ARGV[9])
 if not life then return {'invalid_time', id, bad, ''} end
+if (life.run_at or life.expires_at or life.webhook) and #KEYS < 11 then
+  return {'invalid_time', id, 'run_at, expires_at and webhook need keys 9-11 (deferred, expiring, webhooks)', ''}
+end
 local tier, why = mlxq_tier(KEYS[7], KEYS[8], ARGV[3], ARGV[4])
 if not tier then return {'unauthorized', id, why, ''} end
 if ARGV[5] == '1' then
@@ -43,7 +46,8 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local score = now + mlxq_offset(KEYS[8], tier)
--- the first write: a caller without write access to the queue fails here, having changed nothing
+-- the first write (the queue, or the deferred set): a caller without write access fails here, having
+-- changed nothing
 local deferred = life.run_at and life.run_at > now
 if deferred then
   score = life.run_at + mlxq_offset(KEYS[8], tier)

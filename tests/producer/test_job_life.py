@@ -131,3 +131,13 @@ def test_a_restricted_producers_job_keeps_its_life_through_admission(env):
     q.reap()  # the sweep
     assert r.hget(q.keys.job(ids["expiring"]), "status") == b"expired" and r.zcard(q.keys.queue) == 0
     assert q.cancel(ids["deferred"]) == "cancelled" and q.pull(4, "w-test") == []
+
+
+def test_life_arguments_without_their_keys_are_refused(env):
+    """An enqueue call with run_at/expires_at/webhook (ARGV 7-9) but the old eight keys writes nothing."""
+    r, client, q = env
+    client.submit("warm", max_tokens=1).cancel()  # (the slot's policy copy)
+    req = codec.pack({"id": "e" * 32, "model": "tiny", "prompt": "hi", "run_at": server_now(r) + 60})
+    name, keys, args = q.calls.enqueue("e" * 32, req, None, None, None)
+    reply = q.run((name, keys[:8], args))
+    assert reply[0] == b"invalid_time" and b"keys 9-11" in reply[2] and not r.exists(q.keys.job("e" * 32))
