@@ -18,7 +18,7 @@ def cmd_webhooks(args) -> int:
     settings = Settings.from_env()
     r = connect(args.redis_url, settings.redis_outage_s)
     gk = GlobalKeys(settings.prefix)
-    models = [args.queue] if args.queue else None
+    models = [args.queue] if getattr(args, "queue", None) else None
     if args.action == "run":
         stop = threading.Event()
         try:
@@ -43,11 +43,9 @@ def add_commands(sub) -> None:
     add_shared(p, "redis_url")
     ws = p.add_subparsers(dest="action", required=True)
     run = ws.add_parser("run", help="deliver the webhooks of ended jobs, signed, with retries (one per deployment)")
-    add_shared(run, "redis_url")
-    run.add_argument("--queue", help="only this model's jobs (default: every model served)")
+    add_shared(run, "redis_url", "queue", help={"queue": "only this model's jobs (default: every model served)"})
     run.add_argument("--interval", type=float, default=0.5, help="seconds between passes (default: 0.5)")
     ls = ws.add_parser("list", help="every recorded delivery: job, state, attempts, last result, URL")
-    add_shared(ls, "redis_url")
-    ls.add_argument("--queue", help="only this model's deliveries")
+    add_shared(ls, "redis_url", "queue", help={"queue": "only this model's deliveries (default: every model's)"})
     ls.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_webhooks)

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from mlxq import AsyncClient, Client
+from mlxq.cli import main
 from mlxq.producer import webhooks
 from mlxq.producer.webhooks import WebhookRefused, WebhookSender, check_url, deliveries
 from mlxq.shared import apikeys
@@ -59,12 +60,13 @@ def verify(secret: str, headers: dict, body: bytes) -> bool:
                for sig in headers["webhook-signature"].split() if sig.startswith("v1,"))
 
 
-def test_a_signed_webhook_is_delivered_after_the_receiver_fails_once(redis_url, receiver, monkeypatch):
+def test_a_signed_webhook_is_delivered_after_the_receiver_fails_once(redis_url, receiver, monkeypatch, capsys):
     monkeypatch.setattr(webhooks, "FIRST_RETRY_S", 0.01)  # the retry's backoff, drawn with jitter below it
     r = redis.Redis.from_url(redis_url)
     settings = fast_settings(redis_url, webhook_hosts="127.0.0.1", webhook_private=True)
-    secret = webhooks.new_secret()
-    apikeys.set_webhook_secret(r, GlobalKeys(), None, secret)
+    assert main(["keys", "webhook-secret", "--anonymous", "--redis-url", redis_url]) == 0  # an admin makes it
+    secret = capsys.readouterr().out.strip()
+    assert secret.startswith("whsec_") and len(base64.b64decode(secret[len("whsec_"):])) == 24
     client = Client(redis_url, model="tiny", settings=settings)
     try:
         # no worker: the job ends by a cancel, which is an end the webhook reports as any other
@@ -89,6 +91,23 @@ def test_a_signed_webhook_is_delivered_after_the_receiver_fails_once(redis_url, 
     assert done["state"] == "delivered" and done["attempts"] == 2 and done["url"] == receiver
     assert r.zcard(ModelKeys("tiny").webhooks) == 0
     assert sender.run_once() == 0 and len(Receiver.got) == 2  # delivered once: never again
+    assert main(["webhooks", "list", "--queue", "tiny", "--json", "--redis-url", redis_url]) == 0
+    (listed,) = json.loads(capsys.readouterr().out)
+    assert listed["job"] == job.id and listed["state"] == "delivered" and listed["attempts"] == 2
+    # a key's own secret: set by name, under the field the job records (whk)
+    apikeys.add_key(r, GlobalKeys().api_keys, "ingest-key-0001", "low", name="ingest")
+    assert main(["keys", "webhook-secret", "--name", "ingest", "--redis-url", redis_url]) == 0
+    field = apikeys.copy_field(apikeys.key_hash("ingest-key-0001"))
+    ingest_secret = capsys.readouterr().out.strip()
+    assert r.hget(GlobalKeys().webhook_secrets, field).decode() == ingest_secret
+    with Client(redis_url, api_key="ingest-key-0001", model="tiny", settings=settings) as keyed:
+        job = keyed.submit("hi", max_tokens=2, webhook=receiver)
+        assert job.cancel() == "cancelled"
+    assert sender.run_once() == 1
+    headers, body = Receiver.got[-1]
+    assert headers["webhook-id"] == job.id and verify(ingest_secret, headers, body) and not verify(secret, headers, body)
+    with pytest.raises(ValueError, match="no key named"):
+        apikeys.set_webhook_secret(r, GlobalKeys(), "nobody", "whsec_x")
     r.close()
 
 
