@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from mlxq import Client
+from mlxq.cli import main
 from mlxq.producer.core import life_times
 from mlxq.shared import codec
 from mlxq.shared.keys import ModelKeys
@@ -35,7 +36,7 @@ def env(redis_url):
     r.close()
 
 
-def test_times_that_could_never_run_are_refused_at_submit(env):
+def test_times_that_could_never_run_are_refused_at_submit(env, capsys):
     r, client, q = env
     with pytest.raises(ValueError, match="already past"):
         client.submit("hi", max_tokens=2, expires_at=time.time() - 1)
@@ -51,6 +52,10 @@ def test_times_that_could_never_run_are_refused_at_submit(env):
     with pytest.raises(JobRefused, match="expires_at is already past"):
         q.enqueue("a" * 32, req, global_redis=r)
     assert not r.exists(q.keys.job("a" * 32)) and r.zcard(q.keys.queue) == 0
+    # mlxq submit's flags: the same refusal, before anything is queued
+    assert main(["submit", "hi", "--expires-in", "-1", "--queue", "tiny", "--redis-url", client.settings.redis_url]) == 2
+    assert "expires_in must be a number of seconds" in capsys.readouterr().err
+    assert r.zcard(q.keys.queue) == r.zcard(q.keys.deferred) == 0
 
 
 def test_a_job_not_started_by_its_expiry_ends_expired_and_never_runs(env):
