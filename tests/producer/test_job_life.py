@@ -13,6 +13,8 @@ import redis
 from mlxq import Client
 from mlxq.cli import main
 from mlxq.producer.core import life_times
+from mlxq.producer.records import record_fields
+from mlxq.producer.webhooks import summary
 from mlxq.shared import codec
 from mlxq.shared.keys import ModelKeys
 from mlxq.shared.protocol import JobRefused, Queue
@@ -112,6 +114,10 @@ def test_a_deferred_job_waits_in_redis_through_a_worker_killed_while_it_waits(en
     assert res.finish_reason == "length" and len(res.token_ids) == 3
     assert res.stats.attempts == 1 and r.hget(q.keys.job(job.id), "status") == b"done"
     assert r.zcard(q.keys.deferred) == 0 and r.zcard(q.keys.queue) == 0
+    # what a webhook would say of it (the summary of a finished record, read as clients read it)
+    msg = summary("tiny", job.id, record_fields(r.hgetall(q.keys.job(job.id))))
+    assert msg["type"] == "job.done" and msg["data"]["finish_reason"] == "length"
+    assert msg["data"]["usage"] == {"prompt_tokens": res.stats.prompt_tokens, "completion_tokens": 3}
 
 
 def test_a_restricted_producers_job_keeps_its_life_through_admission(env):
