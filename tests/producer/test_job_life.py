@@ -5,6 +5,7 @@ through a worker killed (-9) while it waits. Assertions read statuses and events
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -82,11 +83,14 @@ def test_a_job_not_started_by_its_expiry_ends_expired_and_never_runs(env):
     # a job with an expiry that starts in time runs as any other (tests below run them with a worker)
 
 
-def test_a_deferred_job_is_not_pulled_before_its_time_and_is_after_it(env):
+def test_a_deferred_job_is_not_pulled_before_its_time_and_is_after_it(env, capsys):
     r, client, q = env
     job = client.submit("hi", max_tokens=3, defer_s=0.5)
     run_at = float(r.hget(q.keys.job(job.id), "run_at"))
     assert r.zscore(q.keys.deferred, job.id) == pytest.approx(run_at) and r.zcard(q.keys.queue) == 0
+    assert main(["jobs", "list", "--queue", "tiny", "--status", "deferred", "--json", "--redis-url",
+                 client.settings.redis_url]) == 0
+    assert [row["id"] for row in json.loads(capsys.readouterr().out)] == [job.id]
     pulled = q.pull(4, "w-test")
     if server_now(r) < run_at:  # (the pull checks the server's clock: only one that ended before run_at says so)
         assert pulled == [] and r.hget(q.keys.job(job.id), "status") == b"queued"
