@@ -340,8 +340,9 @@ class AsyncClient:
         await self._unsubscribe_dropped()
         model = model or await self.model
         args = (model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
-                known_model(model, await self._registry()), self.settings.max_prompt_bytes, _count_tokens)
-        if _text_size(prompt, messages) > OFF_LOOP_CHARS:
+                known_model(model, await self._registry()), self.settings.max_prompt_bytes, _count_tokens,
+                self.settings)
+        if _text_size(prompt, messages) > OFF_LOOP_CHARS or params.get("webhook"):  # (a webhook's host is resolved)
             # validating, packing and (the gateway) tokenizing a long prompt: seconds for a few MiB, in
             # which every other request and stream on this loop stood still
             prep = await asyncio.to_thread(prepare, *args)

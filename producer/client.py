@@ -115,7 +115,7 @@ class Job(JobHandle):
         return self._client._retry(lambda: self._client._cancel(self._keys.model, self.id))
 
     def status(self) -> Optional[str]:
-        """The job's status: queued, running, done, failed, cancelled, dead; a queued job that no
+        """The job's status: queued, running, done, failed, cancelled, dead, expired; a queued job that no
         live worker can take now reads "queued, no live worker for MODEL"."""
         s = decode_status(self._client._retry(lambda: self._client.redis.hget(self._keys.job(self.id), "status")))
         if s != "queued":
@@ -236,10 +236,15 @@ class Client:
         presence_penalty, frequency_penalty, logit_bias, seed, stop, logprobs.  Output: tools,
         tool_choice, parallel_tool_calls, response_format (a dict, or a pydantic model class: the
         result then carries ``parsed``, the validated instance, or ``parse_error``).
+
+        A job's life (docs/pipelines/job-life.md): ``run_at`` (epoch seconds) or ``defer_s`` queue it
+        later; ``expires_at`` or ``expires_in`` end it ``expired`` (never run) if no worker started it
+        by then (its result: finish_reason "error", error "expired: ..."); ``webhook`` names a URL (on
+        the operator's ``webhook_hosts``) that is POSTed a signed summary when it ends.
         """
         model = model or self.model
         prep = prepare(model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
-                       known_model(model, self._registry()), self.settings.max_prompt_bytes)
+                       known_model(model, self._registry()), self.settings.max_prompt_bytes, settings=self.settings)
         keys = self.gkeys.model_keys(model)
         origin = Origin.of(prep, _floor, idempotency_key)
         job = Job(self, prep.request.id, keys, None, None, prep.schema, origin)

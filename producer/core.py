@@ -41,10 +41,12 @@ from ..shared import codec, replay
 from ..shared.keys import ModelKeys
 from ..shared.linkwatch import Backoff, LinkWatch, is_link_error
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
+from ..shared.settings import Settings
 from ..shared.slots import is_cluster
 from ..shared.steps import Step
 from .errors import ClientClosed, ConfirmCut, ContextLengthError, EmbeddingFailed, JobNotFound, JobTimeout
 from .records import StreamState, entry_deltas, payload_deltas, result_from_hash
+from .webhooks import WebhookRefused, check_url
 
 log = logging.getLogger("mlxq.producer")
 
@@ -107,15 +109,20 @@ def schema_of(response_format: Any) -> Optional[type[BaseModel]]:
 
 
 def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes: int,
-            count_tokens=None) -> Prepared:
+            count_tokens=None, settings: Optional[Settings] = None) -> Prepared:
     """Validate a submission before anything reaches Redis: ValueError (pydantic's included) for a
     bad request, ``ContextLengthError`` for a prompt that can never fit, ``ValueError`` past
-    ``max_bytes``.  ``info``: the model's registry entry (None: unchecked)."""
+    ``max_bytes``, ``WebhookRefused`` (a ValueError) for a webhook URL ``settings`` does not allow
+    (it may resolve the host: blocking).  ``info``: the model's registry entry (None: unchecked)."""
     kwargs = dict(kwargs)
     schema = schema_of(kwargs.get("response_format"))
     if schema is not None:
         kwargs["response_format"] = schema_format(schema)
     req = build_request(model, kwargs)
+    if req.webhook is not None:
+        if settings is None:
+            raise WebhookRefused("webhook= is not taken on this path (Client.submit and the gateway take it)")
+        check_url(req.webhook, settings)
     check_fits(req, info, count_tokens)
     payload = pack_request(req)
     if len(payload) > max_bytes:
@@ -127,7 +134,32 @@ def build_request(model: str, kwargs: dict[str, Any]) -> GenerateRequest:
     """Validate a submission before anything reaches Redis (pydantic raises ValueError)."""
     if kwargs.get("id") is not None:  # ids are 128 random bits, never the caller's choice (guessable)
         raise ValueError("id= is not accepted: mlxq chooses job ids (128 random bits)")
-    return GenerateRequest.model_validate({"model": model, **{k: v for k, v in kwargs.items() if v is not None}})
+    kwargs = life_times({k: v for k, v in kwargs.items() if v is not None}, time.time())
+    return GenerateRequest.model_validate({"model": model, **kwargs})
+
+
+def life_times(kwargs: dict[str, Any], now: float) -> dict[str, Any]:
+    """``defer_s`` and ``expires_in`` (seconds from ``now``) as ``run_at`` and ``expires_at`` (epoch
+    seconds); an expiry already past is refused here (ValueError, HTTP 400), before anything is queued
+    (the enqueue script checks it again on the server's clock)."""
+    kwargs = dict(kwargs)
+    for rel, absolute in (("defer_s", "run_at"), ("expires_in", "expires_at")):
+        if rel not in kwargs:
+            continue
+        if absolute in kwargs:
+            raise ValueError(f"give {rel}= or {absolute}=, not both")
+        v = kwargs.pop(rel)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+            raise ValueError(f"{rel} must be a number of seconds, 0 or more, not {v!r:.40}")
+        kwargs[absolute] = now + v
+    for name in ("run_at", "expires_at"):
+        v = kwargs.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{name} must be a time in epoch seconds, not {v!r:.40}")
+    if kwargs.get("expires_at") is not None and kwargs["expires_at"] <= now:
+        raise ValueError(f"expires_at {kwargs['expires_at']:.3f} is already past (now is {now:.3f}): "
+                         "the job could never run")
+    return kwargs
 
 
 def check_fits(req: GenerateRequest, info: Optional[dict], count_tokens=None) -> None:

@@ -199,6 +199,21 @@ class GenerateRequest(SamplingParams):
             raise ValueError(f"must be a number of seconds above 0, not {type(v).__name__} {v!r:.40}")
         return v
 
+    # a job's life of its own (docs/pipelines/job-life.md; Redis holds it, PROTOCOL.md section 9):
+    # queued at run_at (epoch seconds) rather than now; ended "expired", never run, if no worker has
+    # started it by expires_at; its webhook URL called (signed) once it ends. Producers turn defer_s
+    # and expires_in into these and refuse a time already past; the enqueue script checks again.
+    run_at: Optional[float] = Field(None, gt=0, lt=1e11, allow_inf_nan=False)
+    expires_at: Optional[float] = Field(None, gt=0, lt=1e11, allow_inf_nan=False)
+    webhook: Optional[StrictStr] = Field(None, min_length=1, max_length=2048)
+
+    @model_validator(mode="after")
+    def _life(self) -> "GenerateRequest":
+        if self.run_at is not None and self.expires_at is not None and self.expires_at <= self.run_at:
+            raise ValueError(f"expires_at ({self.expires_at:.3f}) must be after run_at ({self.run_at:.3f}): "
+                             "the job would expire before it may start")
+        return self
+
     # the output's first token ids, already out to the caller: a producer that found its job's record
     # gone (a write lost in a failover) submits the job again with what it had streamed, and the
     # worker takes these as published output (no token twice, text offsets go on after their text)

@@ -192,6 +192,16 @@ class Settings:
                                      "many ms with a warning; 0: off (a failover may lose a job just submitted, "
                                      "which its producer then submits again)", worker=False,
                                      gateway=True)
+    # completion webhooks (docs/pipelines/job-life.md): only hosts an operator allowed are ever called
+    webhook_hosts: Optional[str] = opt(None, "hosts a job's webhook URL may name (comma-separated, e.g. "
+                                       "hooks.example.com,ci.example.com); a URL for any other is refused at "
+                                       "submit and again at send", worker=False, gateway=True,
+                                       shown_default="none: webhooks are refused")
+    webhook_private: bool = opt(False, "let an allowed webhook host resolve to a loopback, private, link-local "
+                                "or reserved address (off: refused, so a caller cannot make the server probe its "
+                                "own network)", worker=False, gateway=True)
+    webhook_max_attempts: int = opt(8, "deliveries of one webhook tried before it is recorded as failed "
+                                    "(backoff with jitter between them)", worker=False)
 
     # -- a producer's own: the CLI's producer commands, a Client's default queue, the rq bridge called directly -
     model: Optional[str] = opt(None, "the queue a producer submits to when it names none (a served model's name)",
@@ -286,6 +296,7 @@ class Settings:
             ("result_ttl_s", self.result_ttl_s >= 1, "must be at least 1 (seconds results and streams are kept)"),
             ("idempotency_ttl_s", self.idempotency_ttl_s >= 1, "must be at least 1"),
             ("submit_replica_ack_ms", self.submit_replica_ack_ms >= 0, "must not be negative (0: off)"),
+            ("webhook_max_attempts", self.webhook_max_attempts >= 1, pos),
             ("idle_block_s", 0 < self.idle_block_s <= MAX_IDLE_BLOCK_S,
              f"must be above 0 and at most {MAX_IDLE_BLOCK_S:g} (a blocking pull returns well inside the "
              "connection's read timeout)"),

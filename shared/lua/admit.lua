@@ -3,7 +3,7 @@
 -- (nothing a producer wrote into its own job record can raise its priority).  Workers run this
 -- before each pull and on each heartbeat.
 -- KEYS: 1 intake, 2 queue, 3 counts, 4 key registry copy, 5 policy copy, 6 wake, 7 sched (worker-only:
---       the tier and score given here, _sched.lua), then four per id (the caller read the ids with
+--       the tier and score given here, _sched.lua), 8 deferred, 9 expiring, 10 webhooks (_life.lua), then four per id (the caller read the ids with
 --       LRANGE, in ARGV order): job, events, done list, job channel
 -- A job is admitted once: one that has an entry in sched is queued or running already, whatever
 -- its hash says (its producer may write it: pushed again, it inflated the queue's counters).
@@ -24,7 +24,7 @@ local nowstr = string.format('%.6f', now)
 local ttl = tonumber(ARGV[1])
 local admitted, refused = 0, 0
 for i, id in ipairs(ids) do
-  local base = 7 + (i - 1) * 4
+  local base = 10 + (i - 1) * 4
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   if mlxq_is_job_id(id) then
     local ktype = redis.call('TYPE', jk)
@@ -44,11 +44,21 @@ for i, id in ipairs(ids) do
         end
         if tier then
           local score = now + mlxq_offset(KEYS[5], tier) + i * 0.000001
+          -- a job's life (_life.lua), as its producer recorded it: a run_at ahead waits in the deferred set
+          local lf = redis.call('HMGET', jk, 'run_at', 'expires_at', 'webhook')
+          local life = mlxq_life(lf[1], lf[2], lf[3], true) or {}
+          if life.run_at and life.run_at > now then score = life.run_at + mlxq_offset(KEYS[5], tier) end
           redis.call('HSET', jk, 'tier', tier, 'score', string.format('%.6f', score), 'admitted', '1')
           mlxq_sched_set(KEYS[7], id, tier, string.format('%.6f', score), false)
           redis.call('HDEL', jk, 'kh')  -- the key hash is a credential: kept no longer than needed
-          redis.call('ZADD', KEYS[2], score, id)
-          redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
+          if life.run_at and life.run_at > now then
+            redis.call('ZADD', KEYS[8], life.run_at, id)
+          else
+            redis.call('ZADD', KEYS[2], score, id)
+            redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
+          end
+          -- (run_at is recorded already: a producer wrote it)
+          mlxq_life_set({expires_at = life.expires_at, webhook = life.webhook}, jk, KEYS[9], KEYS[10], id, now, f[3] or '')
           redis.call('HINCRBY', KEYS[3], 'submitted', 1)
           admitted = admitted + 1
         else

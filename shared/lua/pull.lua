@@ -7,7 +7,8 @@
 --       6.. the members
 -- Returns a list of {id, kind, req, attempt, tier, score, queued_at, resume, now, suspect}
 -- kind 'job' is leased to this worker; 'garbage' was moved to the dead-letter set. A job flagged for
--- cancelling (cancel_request.lua) ends cancelled here instead of being leased.
+-- cancelling (cancel_request.lua) ends cancelled here instead of being leased, and one past its
+-- expires_at ends expired (_life.lua).
 -- suspect: the error a failed worker gave the job back with (requeue.lua with an error), '' if none:
 -- the job was in a batch when an engine raised, so the worker runs it alone (PROTOCOL.md section 7).
 -- Anything may sit in Redis (bugs, hostile writers): a member that is not a job id, a job key
@@ -100,6 +101,10 @@ for _, entry in ipairs(popped) do
     redis.call('HINCRBY', KEYS[3], 'cancelled', 1)
     redis.call('HINCRBY', KEYS[3], 'processed', 1)
     mlxq_end_record(ARGV[5], jk, ek, dk, ch, tonumber(ARGV[4]), 'f', 'cancelled')
+  elseif mlxq_is_expired(jk, now) then
+    -- not started by its expires_at (_life.lua): it ends here and never runs
+    redis.call('HINCRBY', KEYS[3], 'queued:' .. (sd and sd.tier or redis.call('HGET', jk, 'tier') or 'normal'), -1)
+    mlxq_expire(ARGV[5], jk, ek, dk, ch, tonumber(ARGV[4]), KEYS[3], KEYS[6], id, nowstr)
   else
     local tier = sd and sd.tier or redis.call('HGET', jk, 'tier') or 'normal'
     local attempt = redis.call('HINCRBY', jk, 'attempts', 1)
