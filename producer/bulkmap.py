@@ -39,13 +39,17 @@ class Submitted:
     resubmits: int = 0
 
     def again(self, client) -> "Submitted":
+        """``again_steps`` with a ``Client``."""
+        return run_steps(self.again_steps(), _sync_io(client))
+
+    def again_steps(self) -> Step:
         """The job submitted again, its record lost (a write lost with a failed master): under the
         same idempotency key, so every reader of this lost job lands on one new job. ValueError
         past ``MAX_RESUBMITS``: a record lost that often was not lost to a failover."""
         if self.origin is None or self.resubmits >= MAX_RESUBMITS:
             raise ValueError(f"job {self.job_id}: its record in Redis is gone, and it cannot be submitted again")
         job_id, payload = self.origin.again(None)
-        enq = client._enqueue(Enqueue(self.model, job_id, payload, self.origin.floor, self.origin.idempotency_key))
+        enq = yield Enqueue(self.model, job_id, payload, self.origin.floor, self.origin.idempotency_key)
         log.warning("job=%s attempt=0 record lost (a failover?): submitted again as job=%s", self.job_id, enq.job_id)
         return Submitted(self.model, enq.job_id, False, self.schema, self.origin, self.resubmits + 1)
 
