@@ -288,10 +288,13 @@ class BatchLines:
             await self.store.update_batch(self.batch_id, status="in_progress", in_progress_at=int(time.time()))
         cancelling = False
         window = self.driver.gw.settings.batch_window
+        renewed = time.monotonic()
         while True:
-            if not await self.driver._renew(self.client, self.batch_id):
-                log.warning("batch %s: lease lost; another gateway runs it", self.batch_id)
-                return
+            if time.monotonic() - renewed > self.driver.LEASE_S / 3:
+                if not await self.driver._renew(self.client, self.batch_id):
+                    log.warning("batch %s: lease lost; another gateway runs it", self.batch_id)
+                    return
+                renewed = time.monotonic()
             if not cancelling and await self._status() == "cancelling":
                 cancelling = True
                 todo.clear()

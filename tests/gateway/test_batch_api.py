@@ -9,8 +9,9 @@ import json
 import openai
 import pytest
 
+from mlxq.producer.gateway import ServerThread, create_app
 from mlxq.shared.keys import GlobalKeys
-from workerkit import serving_gateway, wait_for
+from workerkit import fast_settings, serving_gateway, wait_for
 
 PROMPTS = ["Tell me about the sea.", "Name a colour.", "Count to three.", "Why is the sky blue?", "Hello!"]
 
@@ -66,6 +67,8 @@ def test_batch_answers_every_line_once_as_chat_completions_would(stack):
         assert body["object"] == "chat.completion" and body["model"] == "tiny"
         assert body["choices"][0]["message"]["content"] == direct[o["custom_id"]]
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    # behind interactive work, though the caller's tier is normal
+    assert {o["response"]["body"]["stats"]["tier"] for o in out} == {"low"}
 
     assert client.files.delete(f.id).deleted
     with pytest.raises(openai.NotFoundError):
@@ -87,6 +90,18 @@ def test_a_bad_file_is_refused_naming_its_line(stack):
         client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
     with pytest.raises(openai.NotFoundError):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def test_an_upload_over_the_cap_is_refused(stack, redis_server):
+    _, r = stack
+    before = r.dbsize()
+    with ServerThread(create_app(redis_server.url, fast_settings(redis_server.url, max_file_bytes=300))) as url:
+        small = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIStatusError, match="over the gateway's limit of 300 bytes") as info:
+            upload(small, [line(f"x{i}", "hi") for i in range(3)])
+        assert info.value.status_code == 413
+        assert upload(small, [line("x", "hi")]).bytes < 300
+    assert r.dbsize() == before + 1  # the small one
 
 
 def test_cancel_and_list(stack):
