@@ -8,8 +8,8 @@
 **Who drives a batch.**  No HTTP request stays open while a batch runs: every gateway runs a
 ``BatchDriver`` task.  It takes each unfinished batch (the ``batches_active`` set) under a lease in
 Redis (``BatchKeys.lease``, renewed while it runs it), submits its lines ``batch_window`` at a time and
-polls their job records, as ``mlxq batch`` does, with the same machinery (``bulkmap.bulk_submit`` and
-``Submitted.again``, ``bulk.batch_line``).  A gateway that stops or dies leaves the lease to expire;
+polls their job records, as ``mlxq batch`` does, with the same machinery (``bulkmap.bulk_submit``
+and ``reap_lines``, which submits a lost record again; ``bulk.batch_line``).  A gateway that stops or dies leaves the lease to expire;
 then any gateway (this one restarted, too) takes the batch up again.
 
 **Each line once.**  A line's idempotency key is ``openai-batch:<batch id>:<custom_id>``, under the
@@ -41,14 +41,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ...shared import apikeys
-from ...shared.protocol import OverloadError
 from ...shared.steps import arun_steps
 from ..aclient import AsyncClient
 from ..bulk import _line_params, batch_line, refused_line
-from ..bulkmap import BULK_TIER_FLOOR, Submitted, _async_io, bulk_submit_patiently
+from ..bulkmap import BULK_TIER_FLOOR, Line, Submitted, _async_io, bulk_submit_patiently, reap_lines
 from ..openai_api import LogprobFormatter, OpenAIError
 from ..openai_batch import COMPLETION_WINDOWS, ENDED, MAX_METADATA_PAIRS, FileStore, check_lines, request_lines
-from ..records import result_from_hash
 from .files import owner
 from .jobs import bearer, json_body
 
@@ -273,7 +271,7 @@ class BatchLines:
         self.driver, self.client, self.batch_id, self.fields = driver, client, batch_id, fields
         self.keys = client.gkeys.batch(batch_id)
         self.store = FileStore(client.at, driver.gw.settings.prefix)
-        self.inflight: dict[str, tuple] = {}  # job id -> (line, custom_id, chat, top logprobs shown, Submitted)
+        self.inflight: dict[str, Line] = {}  # job id -> its line
         self.prefix = f"openai-batch:{batch_id}"
 
     async def run(self) -> None:
@@ -323,60 +321,31 @@ class BatchLines:
             await self._write(n, refused_line(n, custom_id, f"invalid request: {exc}"))
             return
         await self.client.at(self.keys.jobs).hset(self.keys.jobs, n, f"{sub.model} {sub.job_id}")
-        self.inflight[sub.job_id] = (n, custom_id, chat, top_n, sub)
+        self.inflight[sub.job_id] = Line(n, custom_id, chat, top_n, sub)
 
     async def _reap(self) -> None:
-        ids = list(self.inflight)
-        gk = self.client.gkeys
-        async with self.client.redis.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.hgetall(gk.model_keys(self.inflight[job_id][4].model).job(job_id))
-            hashes = await pipe.execute()
-        for job_id, h in zip(ids, hashes):
-            n, custom_id, chat, top_n, sub = self.inflight[job_id]
-            if not h:  # its record is gone (a write lost with a failed master): it runs again
-                await self._again(job_id)
-                continue
-            res = result_from_hash(job_id, h)
-            if res is None:
-                continue
-            del self.inflight[job_id]
+        ended = await arun_steps(reap_lines(self.inflight, self.client.gkeys), _async_io(self.client))
+        for line, job_id, res in ended:
             fmt = None
-            if top_n > 0 or any(o.logprobs is not None for o in res.outputs):
-                names = self.driver.gw.token_names.for_model(await self.client.model_info(sub.model))
-                fmt = LogprobFormatter(names, max(top_n, 0))
-            await self._write(n, batch_line(n, custom_id, job_id, sub.model, chat, res, fmt))
-
-    async def _again(self, job_id: str) -> None:
-        n, custom_id, chat, top_n, sub = entry = self.inflight.pop(job_id)
-        try:
-            sub = await arun_steps(sub.again_steps(), _async_io(self.client))
-        except OverloadError:  # the queue is full: again at the next poll
-            self.inflight[job_id] = entry
-            return
-        except ValueError as exc:
-            await self._write(n, refused_line(n, custom_id, str(exc), "record_lost"))
-            return
-        self.inflight[sub.job_id] = (n, custom_id, chat, top_n, sub)
+            if line.top_n > 0 or any(o.logprobs is not None for o in res.outputs):
+                names = self.driver.gw.token_names.for_model(await self.client.model_info(line.sub.model))
+                fmt = LogprobFormatter(names, max(line.top_n, 0))
+            await self._write(line.n, batch_line(line.n, line.custom_id, job_id, line.sub.model, line.chat, res, fmt))
 
     async def _cancel_jobs(self, done: set[int]) -> None:
         """Cancel the batch's jobs not yet answered, this driver's and any an earlier one queued."""
-        queued = {n for n, *_ in self.inflight.values()}
+        queued = {line.n for line in self.inflight.values()}
+        ids = {n: item["custom_id"] for n, item in request_lines(
+            await self.store.content(None, self.fields["input_file_id"]) or b"")}
+        chat = self.fields["endpoint"] == "/v1/chat/completions"
         jobs = await self.client.at(self.keys.jobs).hgetall(self.keys.jobs)
         for raw_n, raw in jobs.items():
             n, (model, job_id) = int(raw_n), raw.decode().split(" ", 1)
-            if n not in done and n not in queued:
-                self.inflight[job_id] = (n, None, False, 0, Submitted(model, job_id, True))
-        for job_id, (_, _, _, _, sub) in list(self.inflight.items()):
+            if n not in done and n not in queued:  # queued by an earlier driver
+                self.inflight[job_id] = Line(n, ids.get(n), chat, 0, Submitted(model, job_id, True))
+        for job_id, line in list(self.inflight.items()):
             with contextlib.suppress(Exception):  # one that ended meanwhile is answered as it ended
-                await self.client._cancel(sub.model, job_id)
-        # lines found in the jobs hash only: their custom_id is in the input file
-        ids = {n: item["custom_id"] for n, item in request_lines(
-            await self.store.content(None, self.fields["input_file_id"]) or b"")}
-        for job_id, (n, cid, chat, top_n, sub) in list(self.inflight.items()):
-            if cid is None:
-                chat = self.fields["endpoint"] == "/v1/chat/completions"
-                self.inflight[job_id] = (n, ids.get(n), chat, top_n, sub)
+                await self.client._cancel(line.sub.model, job_id)
 
     async def _write(self, n: int, line: dict) -> None:
         """A line's answer, once: the line and, for an error, its mark, in one transaction."""
