@@ -41,10 +41,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ...shared import apikeys
+from ...shared.protocol import OverloadError
 from ...shared.steps import arun_steps
 from ..aclient import AsyncClient
 from ..bulk import _line_params, batch_line, refused_line
-from ..bulkmap import BULK_TIER_FLOOR, Line, Submitted, _async_io, bulk_submit_patiently, reap_lines
+from ..bulkmap import BULK_TIER_FLOOR, Line, Submitted, _async_io, bulk_submit, reap_lines
 from ..openai_api import LogprobFormatter, OpenAIError
 from ..openai_batch import COMPLETION_WINDOWS, ENDED, MAX_METADATA_PAIRS, FileStore, check_lines, request_lines
 from .files import owner
@@ -298,7 +299,9 @@ class BatchLines:
                 todo.clear()
                 await self._cancel_jobs(done)
             while todo and len(self.inflight) < window:
-                await self._submit(*todo.popleft())
+                if not await self._submit(*todo[0]):
+                    break  # the queue is full: this line again at the next poll, the lease renewed meanwhile
+                todo.popleft()
             if self.inflight:
                 await self._reap()
             if not todo and not self.inflight:
@@ -309,19 +312,22 @@ class BatchLines:
     async def _status(self) -> str:
         return json.loads(await self.client.at(self.keys.meta).hget(self.keys.meta, "status"))
 
-    async def _submit(self, n: int, item: dict) -> None:
+    async def _submit(self, n: int, item: dict) -> bool:
+        """The line queued (or answered, when it cannot run); False when the queue is full."""
         custom_id = item["custom_id"]
         try:
             params, fallback, _, chat, top_n = _line_params(item)
-            sub = await arun_steps(bulk_submit_patiently({**fallback, **params}, BULK_TIER_FLOOR,
-                                                         self.client.settings.max_prompt_bytes,
-                                                         f"{self.prefix}:{custom_id}"),
+            sub = await arun_steps(bulk_submit({**fallback, **params}, BULK_TIER_FLOOR,
+                                               self.client.settings.max_prompt_bytes, f"{self.prefix}:{custom_id}"),
                                    _async_io(self.client))
+        except OverloadError:
+            return False
         except ValueError as exc:  # (checked at create: a model gone since, say)
             await self._write(n, refused_line(n, custom_id, f"invalid request: {exc}"))
-            return
+            return True
         await self.client.at(self.keys.jobs).hset(self.keys.jobs, n, f"{sub.model} {sub.job_id}")
         self.inflight[sub.job_id] = Line(n, custom_id, chat, top_n, sub)
+        return True
 
     async def _reap(self) -> None:
         ended = await arun_steps(reap_lines(self.inflight, self.client.gkeys), _async_io(self.client))
