@@ -36,8 +36,8 @@ import uuid
 from collections import deque
 from typing import Optional
 
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 
 from ...shared import apikeys
@@ -47,8 +47,8 @@ from ..aclient import AsyncClient
 from ..bulk import _line_params, batch_line, refused_line
 from ..bulkmap import BULK_TIER_FLOOR, Line, Submitted, _async_io, bulk_submit, reap_lines
 from ..openai_api import LogprobFormatter, OpenAIError
-from ..openai_batch import COMPLETION_WINDOWS, ENDED, MAX_METADATA_PAIRS, FileStore, check_lines, request_lines
-from .files import owner
+from ..openai_batch import BATCH_ENDPOINTS, COMPLETION_WINDOWS, ENDED, MAX_METADATA_PAIRS, check_lines, request_lines
+from .files import owner, serve, store
 from .jobs import bearer, json_body
 
 log = logging.getLogger("mlxq.gateway")
@@ -65,94 +65,76 @@ class Batches:
                 Route("/v1/batches/{batch_id}", self.retrieve, methods=["GET"]),
                 Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"])]
 
-    def store(self, request: Request) -> FileStore:
-        return FileStore(self.gw.client(request).at, self.gw.settings.prefix)
-
     async def create(self, request: Request) -> Response:
-        gw, endpoint = self.gw, "/v1/batches"
-        client = gw.client(request)
-        try:
-            await client.tier()
-            body = await json_body(request, gw.max_body_bytes)
+        async def answer(client) -> dict:
+            body = await json_body(request, self.gw.max_body_bytes)
             target, window, metadata = body.get("endpoint"), body.get("completion_window"), body.get("metadata")
             if window not in COMPLETION_WINDOWS:
                 raise OpenAIError(400, f"completion_window must be one of {COMPLETION_WINDOWS}, got {window!r}",
                                   param="completion_window")
+            if target not in BATCH_ENDPOINTS:
+                raise OpenAIError(400, f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {target!r}",
+                                  param="endpoint")
             check_metadata(metadata)
             file_id = body.get("input_file_id")
-            store, who = self.store(request), owner(request)
-            meta = await store.file(who, file_id) if isinstance(file_id, str) else None
+            files, who = store(self.gw, client), owner(request)
+            meta = await files.file(who, file_id) if isinstance(file_id, str) else None
             if meta is None or meta["purpose"] != "batch":
                 raise OpenAIError(404 if meta is None else 400, f"no batch input file {file_id!r}",
                                   param="input_file_id", code="file_not_found" if meta is None else "invalid_file")
-            lines = request_lines(await store.content(who, file_id))
+            lines = request_lines(await files.content(who, file_id))
             try:
                 check_lines(target, lines, await client._registry())
             except ValueError as exc:  # nothing queued: the file's line (or the endpoint) is named
                 raise OpenAIError(400, f"input file {file_id!r}: {exc}", param="input_file_id",
                                   code="invalid_file") from None
             token = bearer(request)
-            obj = await store.create_batch(who, apikeys.key_hash(token) if token else None, target, file_id, window,
+            obj = await files.create_batch(who, apikeys.key_hash(token) if token else None, target, file_id, window,
                                            metadata, len(lines))
-        except ClientDisconnect:
-            return gw.gone(endpoint)
-        except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
-            return gw.error(endpoint, *await gw.jobs.api_error(exc, client, None, None))
-        log.info("batch %s created: %d lines of %s on %s", obj["id"], len(lines), file_id, target)
-        self.driver.wake.set()
-        gw.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(obj)
+            log.info("batch %s created: %d lines of %s on %s", obj["id"], len(lines), file_id, target)
+            self.driver.wake.set()
+            return obj
+
+        return await serve(self.gw, request, "/v1/batches", answer)
 
     async def retrieve(self, request: Request) -> Response:
-        gw, endpoint = self.gw, "/v1/batches/{batch_id}"
-        try:
-            await gw.client(request).tier()
-            obj = await self._batch(request)
-        except Exception as exc:  # noqa: BLE001
-            return gw.error(endpoint, *await gw.jobs.api_error(exc, gw.client(request), None, None))
-        gw.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(obj)
+        return await serve(self.gw, request, "/v1/batches/{batch_id}", lambda client: self._batch(request, client))
 
-    async def _batch(self, request: Request) -> dict:
+    async def _batch(self, request: Request, client) -> dict:
         batch_id = request.path_params["batch_id"]
-        obj = await self.store(request).batch(owner(request), batch_id)
+        obj = await store(self.gw, client).batch(owner(request), batch_id)
         if obj is None:
             raise OpenAIError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
         return obj
 
     async def list(self, request: Request) -> Response:
-        gw, endpoint = self.gw, "/v1/batches"
-        try:
-            await gw.client(request).tier()
+        async def answer(client) -> dict:
             limit = request.query_params.get("limit", "20")
             if not limit.isdigit() or not 1 <= int(limit) <= 100:
                 raise OpenAIError(400, f"limit must be an integer from 1 to 100, got {limit!r}", param="limit")
-            page, more = await self.store(request).list_batches(owner(request), request.query_params.get("after"),
-                                                                int(limit))
-        except Exception as exc:  # noqa: BLE001
-            return gw.error(endpoint, *await gw.jobs.api_error(exc, gw.client(request), None, None))
-        gw.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": more})
+            page, more = await store(self.gw, client).list_batches(owner(request), request.query_params.get("after"),
+                                                                   int(limit))
+            return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                    "last_id": page[-1]["id"] if page else None, "has_more": more}
+
+        return await serve(self.gw, request, "/v1/batches", answer)
 
     async def cancel(self, request: Request) -> Response:
         """A running batch becomes ``cancelling``: its driver queues no more lines, cancels the jobs
         queued or running, and ends it ``cancelled`` with the lines answered so far."""
-        gw, endpoint = self.gw, "/v1/batches/{batch_id}/cancel"
-        try:
-            await gw.client(request).tier()
-            obj = await self._batch(request)
+        async def answer(client) -> dict:
+            obj = await self._batch(request, client)
             if obj["status"] in ("validating", "in_progress"):
-                await self.store(request).update_batch(obj["id"], status="cancelling", cancelling_at=int(time.time()))
-                obj = await self._batch(request)
-            elif obj["status"] not in ("cancelling", "cancelled"):
+                await store(self.gw, client).update_batch(obj["id"], status="cancelling",
+                                                          cancelling_at=int(time.time()))
+                self.driver.wake.set()
+                return await self._batch(request, client)
+            if obj["status"] not in ("cancelling", "cancelled"):
                 raise OpenAIError(409, f"batch {obj['id']!r} is {obj['status']}: it can no longer be cancelled",
                                   code="batch_not_cancellable")
-        except Exception as exc:  # noqa: BLE001
-            return gw.error(endpoint, *await gw.jobs.api_error(exc, gw.client(request), None, None))
-        self.driver.wake.set()
-        gw.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(obj)
+            return obj
+
+        return await serve(self.gw, request, "/v1/batches/{batch_id}/cancel", answer)
 
 
 def check_metadata(metadata) -> None:
@@ -248,7 +230,7 @@ class BatchDriver:
     async def _drive(self, batch_id: str) -> None:
         client = self._client()
         try:
-            fields = await FileStore(client.at, self.gw.settings.prefix).batch_fields(batch_id)
+            fields = await store(self.gw, client).batch_fields(batch_id)
             if fields is None or fields["status"] in ENDED:
                 await client.at(client.gkeys.batches_active).srem(client.gkeys.batches_active, batch_id)
                 return
@@ -271,7 +253,7 @@ class BatchLines:
     def __init__(self, driver: BatchDriver, client: AsyncClient, batch_id: str, fields: dict):
         self.driver, self.client, self.batch_id, self.fields = driver, client, batch_id, fields
         self.keys = client.gkeys.batch(batch_id)
-        self.store = FileStore(client.at, driver.gw.settings.prefix)
+        self.store = store(driver.gw, client)
         self.inflight: dict[str, Line] = {}  # job id -> its line
         self.prefix = f"openai-batch:{batch_id}"
 

@@ -37,8 +37,23 @@ def owner(request: Request) -> str:
     return owner_of(apikeys.key_hash(token) if token else None)
 
 
-def store(gw, request: Request) -> FileStore:
-    return FileStore(gw.client(request).at, gw.settings.prefix)
+def store(gw, client) -> FileStore:
+    return FileStore(client.at, gw.settings.prefix)
+
+
+async def serve(gw, request: Request, endpoint: str, answer) -> Response:
+    """``await answer(client)`` (a dict, sent as JSON, or a ``Response``) for a caller whose key the
+    registry knows; what it raises as OpenAI's error (``endpoint``: the metrics label)."""
+    client = gw.client(request)
+    try:
+        await client.tier()  # 401 before anything else (the body is not read)
+        out = await answer(client)
+    except ClientDisconnect:  # gone while its upload was still coming: nothing was stored
+        return gw.gone(endpoint)
+    except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
+        return gw.error(endpoint, *await gw.jobs.api_error(exc, client, None, None))
+    gw.metrics.requests.labels(endpoint, "200").inc()
+    return out if isinstance(out, Response) else JSONResponse(out)
 
 
 class Files:
@@ -52,9 +67,7 @@ class Files:
                 Route("/v1/files/{file_id}/content", self.content, methods=["GET"])]
 
     async def create(self, request: Request) -> Response:
-        gw, endpoint = self.gw, "/v1/files"
-        try:
-            await gw.client(request).tier()  # 401 before the body is read
+        async def answer(client) -> dict:
             filename, purpose, content = await self._form(request)
             if purpose not in PURPOSES:
                 raise OpenAIError(400, f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}",
@@ -64,14 +77,11 @@ class Files:
             except ValueError as exc:
                 raise OpenAIError(400, f"invalid batch file {filename!r}: {exc}", param="file",
                                   code="invalid_file") from None
-            obj = await store(gw, request).put_file(owner(request), filename, purpose, content)
-        except ClientDisconnect:
-            return gw.gone(endpoint)
-        except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
-            return gw.error(endpoint, *await gw.jobs.api_error(exc, gw.client(request), None, None))
-        log.info("file %s stored: %s, %d bytes", obj["id"], obj["filename"], obj["bytes"])
-        gw.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(obj)
+            obj = await store(self.gw, client).put_file(owner(request), filename, purpose, content)
+            log.info("file %s stored: %s, %d bytes", obj["id"], obj["filename"], obj["bytes"])
+            return obj
+
+        return await serve(self.gw, request, "/v1/files", answer)
 
     async def _form(self, request: Request) -> tuple[str, Optional[str], bytes]:
         """(file name, purpose, the file's bytes) of the upload, read no further than its cap."""
@@ -99,37 +109,31 @@ class Files:
         return upload.filename or "upload.jsonl", purpose if isinstance(purpose, str) else None, content
 
     async def retrieve(self, request: Request) -> Response:
-        return await self._read(request, "/v1/files/{file_id}", content=False)
+        async def answer(client) -> dict:
+            return found(await store(self.gw, client).file(owner(request), request.path_params["file_id"]),
+                         request)
+
+        return await serve(self.gw, request, "/v1/files/{file_id}", answer)
 
     async def content(self, request: Request) -> Response:
-        return await self._read(request, "/v1/files/{file_id}/content", content=True)
+        async def answer(client) -> Response:
+            content = await store(self.gw, client).content(owner(request), request.path_params["file_id"])
+            return Response(found(content, request), media_type="application/jsonl")
 
-    async def _read(self, request: Request, endpoint: str, content: bool) -> Response:
-        gw, file_id = self.gw, request.path_params["file_id"]
-        try:
-            await gw.client(request).tier()
-            files = store(gw, request)
-            found = await (files.content if content else files.file)(owner(request), file_id)
-            if found is None:
-                raise no_file(file_id)
-        except Exception as exc:  # noqa: BLE001
-            return gw.error(endpoint, *await gw.jobs.api_error(exc, gw.client(request), None, None))
-        gw.metrics.requests.labels(endpoint, "200").inc()
-        if content:
-            return Response(found, media_type="application/jsonl")
-        return JSONResponse(found)
+        return await serve(self.gw, request, "/v1/files/{file_id}/content", answer)
 
     async def delete(self, request: Request) -> Response:
-        gw, file_id, endpoint = self.gw, request.path_params["file_id"], "/v1/files/{file_id}"
-        try:
-            await gw.client(request).tier()
-            if not await store(gw, request).delete_file(owner(request), file_id):
-                raise no_file(file_id)
-        except Exception as exc:  # noqa: BLE001
-            return gw.error(endpoint, *await gw.jobs.api_error(exc, gw.client(request), None, None))
-        gw.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+        async def answer(client) -> dict:
+            file_id = request.path_params["file_id"]
+            found(await store(self.gw, client).delete_file(owner(request), file_id) or None, request)
+            return {"id": file_id, "object": "file", "deleted": True}
+
+        return await serve(self.gw, request, "/v1/files/{file_id}", answer)
 
 
-def no_file(file_id: str) -> OpenAIError:
-    return OpenAIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
+def found(what, request: Request):
+    """``what``, unless it is None: then a 404 naming the file asked for."""
+    if what is None:
+        file_id = request.path_params["file_id"]
+        raise OpenAIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
+    return what

@@ -88,6 +88,8 @@ def test_a_bad_file_is_refused_naming_its_line(stack):
         client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="line 1: url '/v1/chat/completions' is not the batch's"):
         client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="endpoint must be one of"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
     with pytest.raises(openai.NotFoundError):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
 
