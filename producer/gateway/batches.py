@@ -82,9 +82,10 @@ class Batches:
             if meta is None or meta["purpose"] != "batch":
                 raise OpenAIError(404 if meta is None else 400, f"no batch input file {file_id!r}",
                                   param="input_file_id", code="file_not_found" if meta is None else "invalid_file")
-            lines = request_lines(await files.content(who, file_id))
-            try:
-                check_lines(target, lines, await client._registry())
+            content, registry = await files.content(who, file_id), await client._registry()
+            try:  # off the event loop: each line's body is parsed as its endpoint parses it
+                lines = await asyncio.to_thread(request_lines, content)
+                await asyncio.to_thread(check_lines, target, lines, registry)
             except ValueError as exc:  # nothing queued: the file's line (or the endpoint) is named
                 raise OpenAIError(400, f"input file {file_id!r}: {exc}", param="input_file_id",
                                   code="invalid_file") from None
@@ -256,6 +257,7 @@ class BatchLines:
         self.store = store(driver.gw, client)
         self.inflight: dict[str, Line] = {}  # job id -> its line
         self.prefix = f"openai-batch:{batch_id}"
+        self.lines: list[tuple[int, dict]] = []  # (line number, request line) of the input file
 
     async def run(self) -> None:
         content = await self.store.content(None, self.fields["input_file_id"])
@@ -264,7 +266,8 @@ class BatchLines:
             return
         r = self.client.at(self.keys.results)
         done = {int(n) for n in await r.hkeys(self.keys.results)}
-        todo = deque((n, item) for n, item in request_lines(content) if n not in done)
+        self.lines = await asyncio.to_thread(request_lines, content)  # (off the event loop: a big file)
+        todo = deque((n, item) for n, item in self.lines if n not in done)
         if self.fields["status"] == "validating":
             await self.store.update_batch(self.batch_id, status="in_progress", in_progress_at=int(time.time()))
         cancelling = False
@@ -316,15 +319,15 @@ class BatchLines:
         for line, job_id, res in ended:
             fmt = None
             if line.top_n > 0 or any(o.logprobs is not None for o in res.outputs):
-                names = self.driver.gw.token_names.for_model(await self.client.model_info(line.sub.model))
+                info = await self.client.model_info(line.sub.model)  # (its tokenizer.json read off the event loop)
+                names = await asyncio.to_thread(self.driver.gw.token_names.for_model, info)
                 fmt = LogprobFormatter(names, max(line.top_n, 0))
             await self._write(line.n, batch_line(line.n, line.custom_id, job_id, line.sub.model, line.chat, res, fmt))
 
     async def _cancel_jobs(self, done: set[int]) -> None:
         """Cancel the batch's jobs not yet answered, this driver's and any an earlier one queued."""
         queued = {line.n for line in self.inflight.values()}
-        ids = {n: item["custom_id"] for n, item in request_lines(
-            await self.store.content(None, self.fields["input_file_id"]) or b"")}
+        ids = {n: item["custom_id"] for n, item in self.lines}
         chat = self.fields["endpoint"] == "/v1/chat/completions"
         jobs = await self.client.at(self.keys.jobs).hgetall(self.keys.jobs)
         for raw_n, raw in jobs.items():

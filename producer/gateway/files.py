@@ -12,6 +12,7 @@ before it is stored: the 400 names the first line that is not a request line, or
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Optional
 
@@ -72,8 +73,8 @@ class Files:
             if purpose not in PURPOSES:
                 raise OpenAIError(400, f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}",
                                   param="purpose", code="invalid_purpose")
-            try:
-                request_lines(content)
+            try:  # off the event loop: a file of 100,000 lines takes a while to parse
+                await asyncio.to_thread(request_lines, content)
             except ValueError as exc:
                 raise OpenAIError(400, f"invalid batch file {filename!r}: {exc}", param="file",
                                   code="invalid_file") from None
