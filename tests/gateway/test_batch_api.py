@@ -46,7 +46,8 @@ def ended(client: openai.OpenAI, batch_id: str, timeout: float = 60.0):
 
 def test_batch_answers_every_line_once_as_chat_completions_would(stack):
     client, _ = stack
-    lines = [line(f"req-{i}", p) for i, p in enumerate(PROMPTS)]
+    lines = [line(f"req-{i}", p, **({"logprobs": True, "top_logprobs": 2} if i == 1 else {}))
+             for i, p in enumerate(PROMPTS)]
     f = upload(client, lines)
     assert f.object == "file" and f.purpose == "batch" and f.bytes == len(jsonl(lines))
     assert client.files.retrieve(f.id).filename == "requests.jsonl"
@@ -67,6 +68,9 @@ def test_batch_answers_every_line_once_as_chat_completions_would(stack):
         assert body["object"] == "chat.completion" and body["model"] == "tiny"
         assert body["choices"][0]["message"]["content"] == direct[o["custom_id"]]
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    assert out[0]["response"]["body"]["choices"][0]["logprobs"] is None
+    shown = out[1]["response"]["body"]["choices"][0]["logprobs"]["content"]  # named as the gateway names them
+    assert "".join(t["token"] for t in shown) == direct["req-1"] and {len(t["top_logprobs"]) for t in shown} == {2}
     # behind interactive work, though the caller's tier is normal
     assert {o["response"]["body"]["stats"]["tier"] for o in out} == {"low"}
 
