@@ -117,9 +117,40 @@ class FileStore:
         obj = {"id": file_id or new_id("file-"), "object": "file", "bytes": len(content),
                "created_at": int(time.time()), "filename": filename, "purpose": purpose, "status": "processed",
                "expires_at": None, "status_details": None}
-        key = self.gkeys.file(obj["id"])
+        key, listing = self.gkeys.file(obj["id"]), self.gkeys.files(owner)
         await self.at(key).hset(key, mapping={"meta": json.dumps(obj), "owner": owner, "content": content})
+        await self.at(listing).zadd(listing, {obj["id"]: time.time()})
         return obj
+
+    async def list_files(self, owner: str, purpose: Optional[str], after: Optional[str],
+                         limit: int) -> tuple[list[dict], bool]:
+        """The owner's files of ``purpose`` (None: all), newest first, from the one after ``after``;
+        (page, more after it)."""
+        listing = self.gkeys.files(owner)
+        r = self.at(listing)
+        start = await self._after(r, listing, after, "file")
+        page: list[dict] = []
+        while True:
+            ids = await r.zrevrange(listing, start, start + limit)
+            start += len(ids)
+            for i in ids:
+                obj = await self.file(owner, i.decode())
+                if obj is not None and (purpose is None or obj["purpose"] == purpose):
+                    if len(page) == limit:
+                        return page, True
+                    page.append(obj)
+            if len(ids) <= limit:
+                return page, False
+
+    @staticmethod
+    async def _after(r, listing: str, after: Optional[str], kind: str) -> int:
+        """Where a page that starts after ``after`` starts in a newest-first listing."""
+        if not after:
+            return 0
+        rank = await r.zrevrank(listing, after)
+        if rank is None:
+            raise ValueError(f"after: no {kind} {after!r}")
+        return rank + 1
 
     async def file(self, owner: str, file_id: str) -> Optional[dict]:
         key = self.gkeys.file(file_id)
@@ -135,7 +166,8 @@ class FileStore:
     async def delete_file(self, owner: str, file_id: str) -> bool:
         if await self.file(owner, file_id) is None:
             return False
-        key = self.gkeys.file(file_id)
+        key, listing = self.gkeys.file(file_id), self.gkeys.files(owner)
+        await self.at(listing).zrem(listing, file_id)
         return bool(await self.at(key).delete(key))
 
     # batches
@@ -183,12 +215,7 @@ class FileStore:
         """The owner's batches, newest first, from the one after ``after``; (page, more after it)."""
         listing = self.gkeys.batches(owner)
         r = self.at(listing)
-        start = 0
-        if after:
-            rank = await r.zrevrank(listing, after)
-            if rank is None:
-                raise ValueError(f"after: no batch {after!r}")
-            start = rank + 1
+        start = await self._after(r, listing, after, "batch")
         ids = await r.zrevrange(listing, start, start + limit)  # one more than the page: is there more?
         page = [await self.batch(owner, i.decode()) for i in ids[:limit]]
         return [b for b in page if b is not None], len(ids) > limit

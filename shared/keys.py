@@ -69,6 +69,9 @@ class GlobalKeys:
     def file(self, file_id: str) -> str:  # hash: meta (JSON: OpenAI's file object, owner), content (the bytes)
         return f"{self.prefix}:file:{file_id}"
 
+    def files(self, owner: str) -> str:  # zset: file id -> created (s), one owner's, for GET /v1/files
+        return f"{self.prefix}:files:{owner}"
+
     def batches(self, owner: str) -> str:  # zset: batch id -> created (ms), one owner's, for GET /v1/batches
         return f"{self.prefix}:batches:{owner}"
 

@@ -48,7 +48,7 @@ from ..bulk import _line_params, batch_line, refused_line
 from ..bulkmap import BULK_TIER_FLOOR, Line, Submitted, _async_io, bulk_submit, reap_lines
 from ..openai_api import LogprobFormatter, OpenAIError
 from ..openai_batch import BATCH_ENDPOINTS, COMPLETION_WINDOWS, ENDED, MAX_METADATA_PAIRS, check_lines, request_lines
-from .files import owner, serve, store
+from .files import owner, page_limit, serve, store
 from .jobs import bearer, json_body
 
 log = logging.getLogger("mlxq.gateway")
@@ -110,11 +110,9 @@ class Batches:
 
     async def list(self, request: Request) -> Response:
         async def answer(client) -> dict:
-            limit = request.query_params.get("limit", "20")
-            if not limit.isdigit() or not 1 <= int(limit) <= 100:
-                raise OpenAIError(400, f"limit must be an integer from 1 to 100, got {limit!r}", param="limit")
+            limit = page_limit(request.query_params.get("limit", "20"), 100)
             page, more = await store(self.gw, client).list_batches(owner(request), request.query_params.get("after"),
-                                                                   int(limit))
+                                                                   limit)
             return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                     "last_id": page[-1]["id"] if page else None, "has_more": more}
 

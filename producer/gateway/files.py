@@ -1,6 +1,7 @@
 """OpenAI's Files API, for the Batch API's request files (``producer/openai_batch.py`` says where they live).
 
     POST   /v1/files                 (multipart: ``file``, ``purpose=batch``; a JSONL of request lines)
+    GET    /v1/files                 (the caller's, newest first; ``purpose``, ``after``, ``limit``)
     GET    /v1/files/{id}            (the file object)
     GET    /v1/files/{id}/content    (the bytes: an input, or a batch's output or error file)
     DELETE /v1/files/{id}
@@ -63,6 +64,7 @@ class Files:
 
     def routes(self) -> list[Route]:
         return [Route("/v1/files", self.create, methods=["POST"]),
+                Route("/v1/files", self.list, methods=["GET"]),
                 Route("/v1/files/{file_id}", self.retrieve, methods=["GET"]),
                 Route("/v1/files/{file_id}", self.delete, methods=["DELETE"]),
                 Route("/v1/files/{file_id}/content", self.content, methods=["GET"])]
@@ -109,6 +111,17 @@ class Files:
                               param="file", code="file_too_large")
         return upload.filename or "upload.jsonl", purpose if isinstance(purpose, str) else None, content
 
+    async def list(self, request: Request) -> Response:
+        async def answer(client) -> dict:
+            q = request.query_params
+            limit = page_limit(q.get("limit", "10000"), 10_000)
+            page, more = await store(self.gw, client).list_files(owner(request), q.get("purpose"), q.get("after"),
+                                                                 limit)
+            return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                    "last_id": page[-1]["id"] if page else None, "has_more": more}
+
+        return await serve(self.gw, request, "/v1/files", answer)
+
     async def retrieve(self, request: Request) -> Response:
         async def answer(client) -> dict:
             return found(await store(self.gw, client).file(owner(request), request.path_params["file_id"]),
@@ -130,6 +143,12 @@ class Files:
             return {"id": file_id, "object": "file", "deleted": True}
 
         return await serve(self.gw, request, "/v1/files/{file_id}", answer)
+
+
+def page_limit(text: str, most: int) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= most:
+        raise OpenAIError(400, f"limit must be an integer from 1 to {most}, got {text!r}", param="limit")
+    return int(text)
 
 
 def found(what, request: Request):

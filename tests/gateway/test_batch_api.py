@@ -74,7 +74,11 @@ def test_batch_answers_every_line_once_as_chat_completions_would(stack):
     # behind interactive work, though the caller's tier is normal
     assert {o["response"]["body"]["stats"]["tier"] for o in out} == {"low"}
 
+    listed = client.files.list(purpose="batch_output")
+    assert [x.id for x in listed.data] == [done.output_file_id] and not listed.has_more
+    assert f.id in [x.id for x in client.files.list()]
     assert client.files.delete(f.id).deleted
+    assert f.id not in [x.id for x in client.files.list()]
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(f.id)
 
@@ -100,14 +104,14 @@ def test_a_bad_file_is_refused_naming_its_line(stack):
 
 def test_an_upload_over_the_cap_is_refused(stack, redis_server):
     _, r = stack
-    before = r.dbsize()
+    before = set(r.keys("mlxq:file:*"))
     with ServerThread(create_app(redis_server.url, fast_settings(redis_server.url, max_file_bytes=300))) as url:
         small = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
         with pytest.raises(openai.APIStatusError, match="over the gateway's limit of 300 bytes") as info:
             upload(small, [line(f"x{i}", "hi") for i in range(3)])
         assert info.value.status_code == 413
         assert upload(small, [line("x", "hi")]).bytes < 300
-    assert r.dbsize() == before + 1  # the small one
+    assert len(set(r.keys("mlxq:file:*")) - before) == 1  # the small one
 
 
 def test_cancel_and_list(stack):
