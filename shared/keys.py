@@ -71,8 +71,53 @@ class GlobalKeys:
         secret (whsec_<base64>) that signs the webhooks of that key's jobs (`mlxq keys webhook-secret`)."""
         return f"{self.prefix}:webhooksecrets"
 
+    # OpenAI's Files and Batch APIs (producer/openai_batch.py): each owner (API key) lists its own
+    def file(self, file_id: str) -> str:  # hash: meta (JSON: OpenAI's file object, owner), content (the bytes)
+        return f"{self.prefix}:file:{file_id}"
+
+    def files(self, owner: str) -> str:  # zset: file id -> created (s), one owner's, for GET /v1/files
+        return f"{self.prefix}:files:{owner}"
+
+    def batches(self, owner: str) -> str:  # zset: batch id -> created (ms), one owner's, for GET /v1/batches
+        return f"{self.prefix}:batches:{owner}"
+
+    @property
+    def batches_active(self) -> str:  # set: batch ids not yet ended: any gateway's driver may take one up
+        return f"{self.prefix}:batches:active"
+
+    def batch(self, batch_id: str) -> "BatchKeys":
+        return BatchKeys(batch_id, self.prefix)
+
     def model_keys(self, model: str) -> "ModelKeys":
         return ModelKeys(model, self.prefix)
+
+
+class BatchKeys:
+    """The keys of one OpenAI batch, under one hash tag: a line's result and its count are written in
+    one transaction (MULTI on one slot of a cluster)."""
+
+    def __init__(self, batch_id: str, prefix: str = "mlxq"):
+        self._base = f"{prefix}:{{{prefix}:batch:{batch_id}}}"
+
+    @property
+    def meta(self) -> str:  # hash: the batch object's fields, each a JSON value
+        return f"{self._base}:meta"
+
+    @property
+    def results(self) -> str:  # hash: input line number -> its output line (JSON), written once
+        return f"{self._base}:results"
+
+    @property
+    def failed(self) -> str:  # hash: input line number -> 1, for the lines whose output is an error
+        return f"{self._base}:failed"
+
+    @property
+    def jobs(self) -> str:  # hash: input line number -> "<model> <job id>" (a cancel finds the jobs)
+        return f"{self._base}:jobs"
+
+    @property
+    def lease(self) -> str:  # string: the token of the gateway whose driver runs the batch (expires)
+        return f"{self._base}:lease"
 
 
 class ModelKeys:

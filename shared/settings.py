@@ -170,6 +170,11 @@ class Settings:
                                 gateway=True)
     max_prompt_bytes: int = opt(4 * 1024 * 1024, "a hard cap on request size at submit", worker=False,
                                   gateway=True)
+    max_file_bytes: int = opt(64 * 1024 * 1024, "the gateway's cap on an uploaded file (POST /v1/files): files "
+                              "live in Redis, so this bounds the memory one upload takes", worker=False,
+                              gateway=True)
+    batch_window: int = opt(256, "the lines of one OpenAI batch (POST /v1/batches) queued at a time", worker=False,
+                            gateway=True)
     max_new_tokens: int = opt(32_768, "the most tokens one job may ask for")
     live_worker_s: float = opt(10.0, "a model's worker counts as live while its last heartbeat is this recent",
                                worker=False, gateway=True)
@@ -295,6 +300,8 @@ class Settings:
              "offsets must be finite numbers"),
             ("result_ttl_s", self.result_ttl_s >= 1, "must be at least 1 (seconds results and streams are kept)"),
             ("idempotency_ttl_s", self.idempotency_ttl_s >= 1, "must be at least 1"),
+            ("max_file_bytes", self.max_file_bytes >= 1, "must be at least 1"),
+            ("batch_window", self.batch_window >= 1, "must be at least 1"),
             ("submit_replica_ack_ms", self.submit_replica_ack_ms >= 0, "must not be negative (0: off)"),
             ("webhook_max_attempts", self.webhook_max_attempts >= 1, pos),
             ("idle_block_s", 0 < self.idle_block_s <= MAX_IDLE_BLOCK_S,

@@ -3,6 +3,7 @@
     POST /v1/chat/completions, /v1/completions, /v1/batch/...  (chat_completions.py: OpenAI's APIs)
     POST /v1/messages, /v1/messages/count_tokens        (messages.py: Anthropic's Messages API)
     POST /v1/embeddings, /v1/batch/embeddings           (embeddings.py: OpenAI's embeddings)
+    /v1/files, /v1/batches                              (files.py, batches.py: OpenAI's Batch API)
     GET  /v1/models                                     (models that live workers serve)
     GET  /metrics                                       (this gateway's request metrics)
     GET  /health                                        (liveness: no key, no Redis; always 200 while serving)
@@ -46,8 +47,10 @@ from ...shared.settings import Settings
 from ..aclient import AsyncClient
 from ..asubscriber import AsyncSubscriber, link_watch
 from ..openai_api import OpenAIError, TokenNames
+from .batches import Batches
 from .chat_completions import ChatCompletions
 from .embeddings import Embeddings
+from .files import Files
 from .jobs import RETRY_AFTER_DEFAULT_S, Jobs, Refusal, bearer, live_models, unreachable_error
 from .messages import Messages
 from .responses import Responses
@@ -110,8 +113,9 @@ class Gateway:
         self.max_body_bytes = 4 * self.settings.max_prompt_bytes
         self._key_names: dict[str, tuple[float, str]] = {}  # sha256(key) -> (read at, name): key_name
         self.jobs = Jobs(self)
-        self.rooms = [ChatCompletions(self), Responses(self), Messages(self),  # each API the gateway speaks
-                      Embeddings(self)]
+        self.batches = Batches(self)
+        self.rooms = [ChatCompletions(self), Responses(self), Messages(self), Embeddings(self), Files(self),
+                      self.batches]  # each API the gateway speaks
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -121,9 +125,11 @@ class Gateway:
         # one log line per link state change; a request fails (503) once Redis stayed down redis_outage_s
         self.watch = link_watch("mlxq gateway", self.redis, give_up_s=self.settings.redis_outage_s)
         await self._log_auth_mode()
+        self.batches.driver.start()  # OpenAI batches run with no request open (gateway/batches.py)
         try:
             yield
         finally:
+            await self.batches.driver.stop()
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)
             await self.subscriber.aclose()

@@ -379,8 +379,8 @@ def bearer(request: Request) -> Optional[str]:
     return request.headers.get("x-api-key", "").strip() or None
 
 
-async def json_body(request: Request, limit: int) -> dict:
-    """The body as a JSON object, read no further than ``limit`` bytes (413 past it)."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, read no further than ``limit`` bytes (413 past it)."""
     too_large = OpenAIError(413, f"the request body is over {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -391,8 +391,14 @@ async def json_body(request: Request, limit: int) -> dict:
         if size > limit:
             raise too_large
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def json_body(request: Request, limit: int) -> dict:
+    """The body as a JSON object, read no further than ``limit`` bytes (413 past it)."""
+    raw = await read_body(request, limit)
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from None
     except RecursionError:
