@@ -186,7 +186,7 @@ def add_commands(sub) -> None:
                       "jobs of the key named --name (or of callers without a key: --anonymous), store it in Redis "
                       "(replacing any before) and print it once: the receiver verifies signatures with it.")
     add_shared(w, "redis_url")
-    w.add_argument("--name", help="the key's name")
+    w.add_argument("--name", help="the key's name (no default: give it or --anonymous)")
     w.add_argument("--anonymous", action="store_true", help="the secret of jobs submitted without a key")
 
     ls = ks.add_parser("list", help="the registered keys: name, tier, role (never the key or its hash)",
