@@ -22,6 +22,7 @@ try:
         AuthError,
         Client,
         ClientClosed,
+        EmbeddingFailed,
         Job,
         JobNotFound,
         JobRefused,
@@ -40,7 +41,8 @@ except ModuleNotFoundError as _exc:
     ) from None
 
 __all__ = ["Client", "AsyncClient", "Job", "AsyncJob", "OverloadError", "AuthError", "JobRefused",
-           "JobTimeout", "JobNotFound", "ClientClosed", "NoModelError", "QuotaExceeded", "generate"]
+           "JobTimeout", "JobNotFound", "ClientClosed", "NoModelError", "EmbeddingFailed", "QuotaExceeded",
+           "generate"]
 
 
 def __getattr__(name):

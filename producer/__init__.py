@@ -5,7 +5,7 @@ from ..shared.protocol import JobRefused, OverloadError
 
 from .aclient import AsyncClient, AsyncJob
 from .client import Client, Job
-from .errors import ClientClosed, JobNotFound, JobTimeout, NoModelError, QuotaExceeded
+from .errors import ClientClosed, EmbeddingFailed, JobNotFound, JobTimeout, NoModelError, QuotaExceeded
 
 __all__ = ["Client", "AsyncClient", "Job", "AsyncJob", "OverloadError", "AuthError", "JobRefused",
-           "JobTimeout", "JobNotFound", "ClientClosed", "NoModelError", "QuotaExceeded"]
+           "JobTimeout", "JobNotFound", "ClientClosed", "NoModelError", "EmbeddingFailed", "QuotaExceeded"]

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import warnings
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Union
 
 from redis.exceptions import NoPermissionError, ResponseError
 
@@ -25,8 +25,9 @@ from ..shared.steps import Steps, adrive, arun_steps
 from .asubscriber import AsyncSubscriber, link_watch
 from .bulkmap import amap_results
 from .registry import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Emit, Enqueue, JobHandle, Origin, Pause, Receive, Resubmit,
-                   WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, EmbedInput, Emit, Enqueue, JobHandle, Origin, Pause, Receive, Resubmit,
+                   WaitDone, decode_status, embed_answer, embed_jobs, embed_kwargs, prepare, retryable, schema_of,
+                   submission, submit_kwargs)
 
 log = logging.getLogger(__name__)
 
@@ -339,8 +340,9 @@ class AsyncClient:
         await self._unsubscribe_dropped()
         model = model or await self.model
         args = (model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
-                known_model(model, await self._registry()), self.settings.max_prompt_bytes, _count_tokens)
-        if _text_size(prompt, messages) > OFF_LOOP_CHARS:
+                known_model(model, await self._registry()), self.settings.max_prompt_bytes, _count_tokens,
+                self.settings)
+        if _text_size(prompt, messages) > OFF_LOOP_CHARS or params.get("webhook"):  # (a webhook's host is resolved)
             # validating, packing and (the gateway) tokenizing a long prompt: seconds for a few MiB, in
             # which every other request and stream on this loop stood still
             prep = await asyncio.to_thread(prepare, *args)
@@ -369,6 +371,16 @@ class AsyncClient:
         keys = self.gkeys.model_keys(model or await self.model)
         return AsyncJob(self, job_id, keys, None, Enqueued("existing", job_id, None, None), schema_of(response_format),
                         _origin)
+
+    async def embed(self, input: EmbedInput, *, model: Optional[str] = None, dimensions: Optional[int] = None,
+                    pooling: Optional[str] = None, normalize: bool = True, timeout: Optional[float] = None,
+                    _floor: Optional[str] = None) -> Union[list[float], list[list[float]]]:
+        """As ``Client.embed`` (the same core: ``mlxq.producer.core.embed_jobs``), the jobs awaited together."""
+        model = model or await self.model
+        jobs, single = embed_jobs(model, input, embed_kwargs(dimensions, pooling, normalize),
+                                  known_model(model, await self._registry()), self.settings.max_prompt_bytes)
+        handles = [await self.submit(model=model, _floor=_floor, **kw) for kw in jobs]
+        return embed_answer(await asyncio.gather(*(h.result(timeout) for h in handles)), single)
 
     def map(self, items, **params: Any) -> AsyncIterator[Result]:
         """As ``Client.map``, an async iterator: ``async for res in client.map(prompts, max_tokens=64)``.

@@ -48,11 +48,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from ..shared.protocol import OverloadError
 from ..shared.schemas import INVALID_REQUEST, Result
 from ..shared.genopts import check_defaults, error_text
-from .bulkmap import BULK_TIER_FLOOR, as_params, submit_with_backoff
-from .records import result_from_hash
+from ..shared.steps import run_steps
+from .bulkmap import BULK_TIER_FLOOR, Line, _sync_io, as_params, reap_lines, submit_with_backoff
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +217,7 @@ class BatchRun:
         tier = self.client.tier(BULK_TIER_FLOOR)
         bar = tqdm(total=total, initial=len(done), unit="line", disable=not self.progress, dynamic_ncols=True)
         summary = BatchSummary(total=total, skipped=len(done), written=0, duplicates=0, interrupted=False)
-        inflight: dict[str, tuple] = {}  # job id -> (line, custom_id, model, chat, top logprobs shown, Submitted)
+        inflight: dict[str, Line] = {}  # job id -> its line
         lines = self._lines(done)
         exhausted = False
         with open(self.output_path, "a", encoding="utf-8") as out:
@@ -258,45 +257,18 @@ class BatchRun:
         summary.duplicates += sub.duplicate
         if top_n < 0:  # a plain line: its logprobs k (validated by the submit) is the alternatives shown
             top_n = int(params.get("logprobs") or 0)
-        inflight[sub.job_id] = (n, custom_id, sub.model, chat, top_n, sub)
+        inflight[sub.job_id] = Line(n, custom_id, chat, top_n, sub)
 
     def _reap(self, inflight, out, summary, bar) -> bool:
         if not inflight:
             return False
-        r = self.client.redis
-        ids = list(inflight)
-        with r.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.hgetall(self.client.gkeys.model_keys(inflight[job_id][2]).job(job_id))
-            hashes = pipe.execute()
-        reaped = False
-        for job_id, h in zip(ids, hashes):
-            if not h:  # its record is gone (a write lost with a failed master): it runs again
-                self._again(job_id, inflight, out, summary, bar)
-                continue
-            res = result_from_hash(job_id, h)
-            if res is None:
-                continue
-            n, custom_id, model, chat, top_n, _ = inflight.pop(job_id)
-            fmt = self._formatter(model, top_n) if any(o.logprobs is not None for o in res.outputs) or top_n else None
-            self._write(out, batch_line(n, custom_id, job_id, model, chat, res, fmt), summary, bar)
-            reaped = True
-        return reaped
-
-    def _again(self, job_id, inflight, out, summary, bar) -> None:
-        """A line whose job's record is gone, submitted again (``Submitted.again``), or written as an
-        error once it cannot be."""
-        entry = inflight.pop(job_id)
-        n, custom_id, model, chat, top_n, sub = entry
-        try:
-            sub = sub.again(self.client)
-        except OverloadError:  # the queue is full: again at the next poll
-            inflight[job_id] = entry
-            return
-        except ValueError as exc:
-            self._write(out, refused_line(n, custom_id, str(exc), "record_lost"), summary, bar)
-            return
-        inflight[sub.job_id] = (n, custom_id, model, chat, top_n, sub)
+        ended = run_steps(reap_lines(inflight, self.client.gkeys), _sync_io(self.client))
+        for line, job_id, res in ended:
+            model = line.sub.model
+            fmt = (self._formatter(model, line.top_n)
+                   if any(o.logprobs is not None for o in res.outputs) or line.top_n else None)
+            self._write(out, batch_line(line.n, line.custom_id, job_id, model, line.chat, res, fmt), summary, bar)
+        return bool(ended)
 
     @staticmethod
     def _write(out, record: dict, summary: BatchSummary, bar) -> None:

@@ -22,6 +22,7 @@ from ..shared.steps import Step, Steps, adrive, arun_steps, drive, run_steps
 from .errors import NoModelError
 from .registry import known_model
 from .core import MAX_RESUBMITS, Enqueue, Origin, prepare
+from .records import result_from_hash
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,17 @@ class Submitted:
     resubmits: int = 0
 
     def again(self, client) -> "Submitted":
+        """``again_steps`` with a ``Client``."""
+        return run_steps(self.again_steps(), _sync_io(client))
+
+    def again_steps(self) -> Step:
         """The job submitted again, its record lost (a write lost with a failed master): under the
         same idempotency key, so every reader of this lost job lands on one new job. ValueError
         past ``MAX_RESUBMITS``: a record lost that often was not lost to a failover."""
         if self.origin is None or self.resubmits >= MAX_RESUBMITS:
             raise ValueError(f"job {self.job_id}: its record in Redis is gone, and it cannot be submitted again")
         job_id, payload = self.origin.again(None)
-        enq = client._enqueue(Enqueue(self.model, job_id, payload, self.origin.floor, self.origin.idempotency_key))
+        enq = yield Enqueue(self.model, job_id, payload, self.origin.floor, self.origin.idempotency_key)
         log.warning("job=%s attempt=0 record lost (a failover?): submitted again as job=%s", self.job_id, enq.job_id)
         return Submitted(self.model, enq.job_id, False, self.schema, self.origin, self.resubmits + 1)
 
@@ -92,7 +97,53 @@ class Yield:
     result: Result
 
 
+@dataclass(frozen=True)
+class ReadRecords:
+    """Reply: the record hash of each job (``keys``: the job hashes' keys), {} for one that is gone."""
+    keys: tuple
+
+
 PICK_MODEL, READ_REGISTRY = PickModel(), ReadRegistry()
+
+
+@dataclass
+class Line:
+    """A line of a bulk run (``mlxq batch``, an OpenAI batch) whose job is in flight."""
+    n: int  # its line number in the input
+    custom_id: Optional[str]
+    chat: bool  # answered as a chat.completion (else a text_completion)
+    top_n: int  # the top logprobs shown (-1: the line's own ``logprobs``)
+    sub: Submitted
+
+
+def reap_lines(inflight: dict[str, Line], gkeys) -> Step:
+    """Read the records of the jobs in ``inflight`` (job id -> ``Line``; ``gkeys``: the client's
+    ``GlobalKeys``) and take out the lines whose job ended: returns [(line, job id, ``Result``)].  A
+    job whose record is gone (a write lost with a failed master) is submitted again under its
+    idempotency key (``Submitted.again_steps``) and stays in flight under its new id; one that cannot
+    be comes back as a failed ``Result`` (``error_code`` ``record_lost``)."""
+    ids = list(inflight)
+    hashes = yield ReadRecords(tuple(gkeys.model_keys(inflight[i].sub.model).job(i) for i in ids))
+    ended = []
+    for job_id, h in zip(ids, hashes):
+        if h:
+            res = result_from_hash(job_id, h)
+            if res is not None:
+                ended.append((inflight.pop(job_id), job_id, res))
+            continue
+        line = inflight.pop(job_id)
+        try:
+            sub = yield from line.sub.again_steps()
+        except OverloadError:  # the queue is full: again at the next read
+            inflight[job_id] = line
+            continue
+        except ValueError as exc:
+            ended.append((line, job_id, Result(id=job_id, finish_reason="error", error=str(exc),
+                                               error_code="record_lost")))
+            continue
+        line.sub = sub
+        inflight[sub.job_id] = line
+    return ended
 
 
 def bulk_submit(params: dict, tier: str, max_bytes: int, idempotency_key: Optional[str] = None,
@@ -191,8 +242,17 @@ def _sync_io(client, sleep=time.sleep):
                 Enqueue: client._enqueue, Tier: lambda op: client.tier(op.floor), Sleep: lambda op: sleep(op.seconds),
                 Cancel: lambda op: client._cancel(op.sub.model, op.sub.job_id),
                 WaitResult: lambda op: client.job(op.sub.job_id, op.sub.model, op.sub.schema,
-                                                  _origin=op.sub.origin).result(timeout=op.timeout)}
+                                                  _origin=op.sub.origin).result(timeout=op.timeout),
+                ReadRecords: lambda op: read_records(client.redis, op.keys)}
     return lambda op: handlers[type(op)](op)
+
+
+def read_records(r, keys) -> list:
+    """``ReadRecords``: one pipeline (a cluster's client splits it by slot); awaitable with an asyncio client."""
+    with_pipe = r.pipeline(transaction=False)
+    for key in keys:
+        with_pipe.hgetall(key)
+    return with_pipe.execute()
 
 
 def enqueue_request(client, params: dict, tier: str, idempotency_key: Optional[str] = None,
@@ -242,7 +302,8 @@ def _async_io(client):
     handlers = {PickModel: lambda op: client.model, ReadRegistry: lambda op: client._registry(),
                 Enqueue: client._enqueue, Tier: lambda op: client.tier(op.floor),
                 Sleep: lambda op: asyncio.sleep(op.seconds), WaitResult: wait_result,
-                Cancel: lambda op: client._cancel(op.sub.model, op.sub.job_id)}
+                Cancel: lambda op: client._cancel(op.sub.model, op.sub.job_id),
+                ReadRecords: lambda op: read_records(client.redis, op.keys)}
     return lambda op: handlers[type(op)](op)
 
 

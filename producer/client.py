@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 from redis.exceptions import NoPermissionError
 
@@ -19,8 +19,9 @@ from ..shared.slots import is_cluster, refresh_topology
 from ..shared.steps import Steps, drive, run_steps
 from .bulkmap import map_results
 from .registry import decode_registry, known_model, pick_model, registry_unreadable, status_text
-from .core import (REPLAY_FIELDS, SYNC, Emit, Enqueue, JobHandle, Origin, Pause, Receive, Resubmit,
-                   WaitDone, decode_status, prepare, retryable, schema_of, submission, submit_kwargs)
+from .core import (REPLAY_FIELDS, SYNC, EmbedInput, Emit, Enqueue, JobHandle, Origin, Pause, Receive, Resubmit,
+                   WaitDone, decode_status, embed_answer, embed_jobs, embed_kwargs, prepare, retryable, schema_of,
+                   submission, submit_kwargs)
 from .subscriber import Subscriber, get, new_inbox
 
 
@@ -114,7 +115,7 @@ class Job(JobHandle):
         return self._client._retry(lambda: self._client._cancel(self._keys.model, self.id))
 
     def status(self) -> Optional[str]:
-        """The job's status: queued, running, done, failed, cancelled, dead; a queued job that no
+        """The job's status: queued, running, done, failed, cancelled, dead, expired; a queued job that no
         live worker can take now reads "queued, no live worker for MODEL"."""
         s = decode_status(self._client._retry(lambda: self._client.redis.hget(self._keys.job(self.id), "status")))
         if s != "queued":
@@ -235,10 +236,15 @@ class Client:
         presence_penalty, frequency_penalty, logit_bias, seed, stop, logprobs.  Output: tools,
         tool_choice, parallel_tool_calls, response_format (a dict, or a pydantic model class: the
         result then carries ``parsed``, the validated instance, or ``parse_error``).
+
+        A job's life (docs/pipelines/job-life.md): ``run_at`` (epoch seconds) or ``defer_s`` queue it
+        later; ``expires_at`` or ``expires_in`` end it ``expired`` (never run) if no worker started it
+        by then (its result: finish_reason "error", error "expired: ..."); ``webhook`` names a URL (on
+        the operator's ``webhook_hosts``) that is POSTed a signed summary when it ends.
         """
         model = model or self.model
         prep = prepare(model, submit_kwargs(prompt, messages, prompt_tokens, session_id, _source, params),
-                       known_model(model, self._registry()), self.settings.max_prompt_bytes)
+                       known_model(model, self._registry()), self.settings.max_prompt_bytes, settings=self.settings)
         keys = self.gkeys.model_keys(model)
         origin = Origin.of(prep, _floor, idempotency_key)
         job = Job(self, prep.request.id, keys, None, None, prep.schema, origin)
@@ -248,6 +254,19 @@ class Client:
             return Job(self, enq.job_id, keys, None, enq, prep.schema, origin)
         job.enqueued = enq
         return job
+
+    def embed(self, input: EmbedInput, *, model: Optional[str] = None, dimensions: Optional[int] = None,
+              pooling: Optional[str] = None, normalize: bool = True, timeout: Optional[float] = None,
+              _floor: Optional[str] = None) -> Union[list[float], list[list[float]]]:
+        """Embed a text (or one list of token ids): its vector; or a list of them: a vector each, in
+        order.  Each input is one embedding job (the worker batches them); ``dimensions`` keeps the
+        first this many values, renormalised; ``pooling`` "last" or "mean" (default: the worker's
+        rule).  Every input is validated before any is queued; ``EmbeddingFailed`` if a job fails."""
+        model = model or self.model
+        jobs, single = embed_jobs(model, input, embed_kwargs(dimensions, pooling, normalize),
+                                  known_model(model, self._registry()), self.settings.max_prompt_bytes)
+        handles = [self.submit(model=model, _floor=_floor, **kw) for kw in jobs]
+        return embed_answer([h.result(timeout) for h in handles], single)
 
     def _enqueue(self, op: Enqueue) -> Enqueued:
         return self.queue_for(op.model).enqueue(op.job_id, op.payload, self.key_hash, op.floor, op.idempotency_key,

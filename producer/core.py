@@ -17,7 +17,9 @@ The two clients only do I/O.  Everything they must agree on lives here, with no 
   time, ``redis_outage_s``), and ``ClientClosed`` once the client is closed;
 - **stream state**: what a live message or a record entry adds (``StreamState``), when to re-read
   the durable record (quiet, ``SYNC`` after a lost link, a gap);
-- **structured results**: ``parsed`` and ``parse_error`` of a job submitted with a pydantic class.
+- **structured results**: ``parsed`` and ``parse_error`` of a job submitted with a pydantic class;
+- **embeddings**: ``embed``'s input as one job each (``embed_inputs``) and its answer from their
+  results (``embed_answer``).
 
 So both clients behave the same and raise the same errors; ``tests/producer/test_client_core.py`` runs one
 set of assertions against both.
@@ -29,7 +31,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from pydantic import BaseModel, ValidationError
 import redis
@@ -39,10 +41,12 @@ from ..shared import codec, replay
 from ..shared.keys import ModelKeys
 from ..shared.linkwatch import Backoff, LinkWatch, is_link_error
 from ..shared.schemas import Delta, GenerateRequest, Parsed, Result, new_job_id
+from ..shared.settings import Settings
 from ..shared.slots import is_cluster
 from ..shared.steps import Step
-from .errors import ClientClosed, ConfirmCut, ContextLengthError, JobNotFound, JobTimeout
+from .errors import ClientClosed, ConfirmCut, ContextLengthError, EmbeddingFailed, JobNotFound, JobTimeout
 from .records import StreamState, entry_deltas, payload_deltas, result_from_hash
+from .webhooks import WebhookRefused, check_url
 
 log = logging.getLogger("mlxq.producer")
 
@@ -105,15 +109,20 @@ def schema_of(response_format: Any) -> Optional[type[BaseModel]]:
 
 
 def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes: int,
-            count_tokens=None) -> Prepared:
+            count_tokens=None, settings: Optional[Settings] = None) -> Prepared:
     """Validate a submission before anything reaches Redis: ValueError (pydantic's included) for a
     bad request, ``ContextLengthError`` for a prompt that can never fit, ``ValueError`` past
-    ``max_bytes``.  ``info``: the model's registry entry (None: unchecked)."""
+    ``max_bytes``, ``WebhookRefused`` (a ValueError) for a webhook URL ``settings`` does not allow
+    (it may resolve the host: blocking).  ``info``: the model's registry entry (None: unchecked)."""
     kwargs = dict(kwargs)
     schema = schema_of(kwargs.get("response_format"))
     if schema is not None:
         kwargs["response_format"] = schema_format(schema)
     req = build_request(model, kwargs)
+    if req.webhook is not None:
+        if settings is None:
+            raise WebhookRefused("webhook= is not taken on this path (Client.submit and the gateway take it)")
+        check_url(req.webhook, settings)
     check_fits(req, info, count_tokens)
     payload = pack_request(req)
     if len(payload) > max_bytes:
@@ -125,7 +134,32 @@ def build_request(model: str, kwargs: dict[str, Any]) -> GenerateRequest:
     """Validate a submission before anything reaches Redis (pydantic raises ValueError)."""
     if kwargs.get("id") is not None:  # ids are 128 random bits, never the caller's choice (guessable)
         raise ValueError("id= is not accepted: mlxq chooses job ids (128 random bits)")
-    return GenerateRequest.model_validate({"model": model, **{k: v for k, v in kwargs.items() if v is not None}})
+    kwargs = life_times({k: v for k, v in kwargs.items() if v is not None}, time.time())
+    return GenerateRequest.model_validate({"model": model, **kwargs})
+
+
+def life_times(kwargs: dict[str, Any], now: float) -> dict[str, Any]:
+    """``defer_s`` and ``expires_in`` (seconds from ``now``) as ``run_at`` and ``expires_at`` (epoch
+    seconds); an expiry already past is refused here (ValueError, HTTP 400), before anything is queued
+    (the enqueue script checks it again on the server's clock)."""
+    kwargs = dict(kwargs)
+    for rel, absolute in (("defer_s", "run_at"), ("expires_in", "expires_at")):
+        if rel not in kwargs:
+            continue
+        if absolute in kwargs:
+            raise ValueError(f"give {rel}= or {absolute}=, not both")
+        v = kwargs.pop(rel)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+            raise ValueError(f"{rel} must be a number of seconds, 0 or more, not {v!r:.40}")
+        kwargs[absolute] = now + v
+    for name in ("run_at", "expires_at"):
+        v = kwargs.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{name} must be a time in epoch seconds, not {v!r:.40}")
+    if kwargs.get("expires_at") is not None and kwargs["expires_at"] <= now:
+        raise ValueError(f"expires_at {kwargs['expires_at']:.3f} is already past (now is {now:.3f}): "
+                         "the job could never run")
+    return kwargs
 
 
 def check_fits(req: GenerateRequest, info: Optional[dict], count_tokens=None) -> None:
@@ -138,8 +172,10 @@ def check_fits(req: GenerateRequest, info: Optional[dict], count_tokens=None) ->
     """
     if not info:
         return
+    if req.embed is not None:
+        check_dimensions(req.embed.dimensions, info)
     limit = int(info.get("max_new_tokens") or 0)
-    if limit and req.max_tokens > limit:
+    if limit and req.embed is None and req.max_tokens > limit:
         raise ValueError(f"max_tokens {req.max_tokens} exceeds the workers' limit of {limit}")
     vocab = int(info.get("vocab_size") or 0)
     if vocab and req.prompt_tokens is not None and any(t >= vocab for t in req.prompt_tokens):
@@ -154,12 +190,19 @@ def check_fits(req: GenerateRequest, info: Optional[dict], count_tokens=None) ->
     else:
         text = req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or [])
         n, what = len(text.encode()) // max(1, int(info.get("max_token_bytes") or 1)), "of at least"
-    if n >= ctx:
+    if n >= ctx + (req.embed is not None):  # an embedding's input may fill the context: nothing follows it
         raise ContextLengthError(f"prompt {what} {n} tokens can never fit the model's context of {ctx} tokens")
     if "max_tokens" in req.model_fields_set and n + req.max_tokens > ctx:  # n is exact or a lower bound
         has = f"at least {n}" if what != "of" else str(n)
         raise ContextLengthError(f"this model's context is {ctx} tokens; the prompt has {has} and max_tokens asks "
                                  f"for {req.max_tokens} more: lower max_tokens, or shorten the prompt")
+
+
+def check_dimensions(dimensions: Optional[int], info: Optional[dict]) -> None:
+    """An embedding's ``dimensions`` within the model's embedding size, where its registry entry says."""
+    size = int((info or {}).get("embedding_size") or 0)
+    if dimensions is not None and size and dimensions > size:
+        raise ValueError(f"dimensions {dimensions} exceeds this model's embedding size of {size}")
 
 
 def pack_request(req: GenerateRequest) -> bytes:
@@ -171,6 +214,70 @@ def pack_request(req: GenerateRequest) -> bytes:
     if "max_tokens" in req.model_fields_set:
         d["max_tokens"] = req.max_tokens
     return codec.pack(d)
+
+
+# -- embeddings -------------------------------------------------------------------------------------
+
+EmbedInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+def embed_inputs(input: EmbedInput) -> tuple[list[dict[str, Any]], bool]:
+    """``embed``'s input as one job's input each (``prompt`` or ``prompt_tokens``), and whether it was
+    one input (a string, or one list of token ids) rather than a list of them."""
+    if isinstance(input, str) or (isinstance(input, list) and input and all(_is_id(t) for t in input)):
+        items, single = [input], True
+    elif isinstance(input, (list, tuple)) and input:
+        items, single = list(input), False
+    else:
+        raise ValueError("input must be a string, a list of strings, a list of token ids, or a list of those, "
+                         "not empty")
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str) and item:
+            out.append({"prompt": item})
+        elif isinstance(item, list) and item and all(_is_id(t) for t in item):
+            out.append({"prompt_tokens": item})
+        else:
+            raise ValueError(f"input[{i}] must be a non-empty string or a non-empty list of token ids")
+    return out, single
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def embed_kwargs(dimensions: Optional[int], pooling: Optional[str], normalize: bool) -> dict[str, Any]:
+    """The ``embed`` field of an embedding job's request (``GenerateRequest.embed``)."""
+    return {"embed": {k: v for k, v in (("dimensions", dimensions), ("pooling", pooling),
+                                        ("normalize", normalize)) if v is not None}}
+
+
+def embed_jobs(model: str, input: EmbedInput, options: dict[str, Any], info: Optional[dict], max_bytes: int,
+               count_tokens=None) -> tuple[list[dict[str, Any]], bool]:
+    """Each input's ``submit`` arguments (``options``: ``embed_kwargs``'s), every one validated as
+    ``prepare`` does before any is queued (one bad input refuses them all); and whether ``input`` was one."""
+    items, single = embed_inputs(input)
+    jobs = [{**item, **options} for item in items]
+    for i, kw in enumerate(jobs):
+        try:
+            prepare(model, submit_kwargs(kw.get("prompt"), None, kw.get("prompt_tokens"), None, "client",
+                                         {"embed": kw["embed"]}), info, max_bytes, count_tokens)
+        except ContextLengthError as exc:
+            raise ContextLengthError(f"input[{i}]: {exc}" if not single else f"input: {exc}") from None
+    return jobs, single
+
+
+def embedding_of(res: Result) -> list[float]:
+    """An embedding job's vector; ``EmbeddingFailed`` when the job ended without one."""
+    if res.embedding is None:
+        raise EmbeddingFailed(res)
+    return codec.unpack_vector(res.embedding)
+
+
+def embed_answer(results: list[Result], single: bool) -> Union[list[float], list[list[float]]]:
+    """``embed``'s answer: one vector for one input, else one per input in its order."""
+    vectors = [embedding_of(r) for r in results]
+    return vectors[0] if single else vectors
 
 
 # -- a submission, as requests for I/O -------------------------------------------------------------

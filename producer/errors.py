@@ -38,3 +38,11 @@ class JobNotFound(LookupError):
 
 class ContextLengthError(ValueError):
     """A prompt longer than the model's context (OpenAI's ``context_length_exceeded``)."""
+
+
+class EmbeddingFailed(RuntimeError):
+    """An embedding job ended without its vector (``result``: its Result, with the worker's error)."""
+
+    def __init__(self, result):
+        super().__init__(f"embedding job {result.id} failed: {result.error or result.finish_reason}")
+        self.result = result

@@ -101,6 +101,12 @@ class _Params(BaseModel):
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[dict[str, Any]] = None
     timeout_s: Any = None  # mlxq's: the job's time limit (checked with the request, GenerateRequest)
+    # mlxq's: a job's life (docs/pipelines/job-life.md), checked at submit (a time past, a webhook host not allowed: 400)
+    run_at: Any = None
+    defer_s: Any = None
+    expires_at: Any = None
+    expires_in: Any = None
+    webhook: Any = None
 
     def check_common(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -125,7 +131,9 @@ class _Params(BaseModel):
                    top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                    ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                    frequency_penalty=self.frequency_penalty, logit_bias=_token_bias(self.logit_bias),
-                   response_format=self.response_format, n=self.n, timeout_s=self.timeout_s)
+                   response_format=self.response_format, n=self.n, timeout_s=self.timeout_s,
+                   run_at=self.run_at, defer_s=self.defer_s, expires_at=self.expires_at, expires_in=self.expires_in,
+                   webhook=self.webhook)
         return {k: v for k, v in out.items() if v is not None}
 
 

@@ -9,7 +9,7 @@ from typing import Optional
 from ..shared import codec
 from ..shared.schemas import Delta, JobStats, Result
 
-TERMINAL = {"done", "failed", "cancelled", "dead"}
+TERMINAL = {"done", "failed", "cancelled", "dead", "expired"}
 
 
 def payload_deltas(payload: bytes) -> list[Delta]:

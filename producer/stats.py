@@ -37,6 +37,8 @@ def collect(redis, prefix: str = "mlxq") -> dict:
             "failed": counts.get("failed", 0),
             "cancelled": counts.get("cancelled", 0),
             "dead": counts.get("dead", 0),
+            "expired": counts.get("expired", 0),
+            "deferred": redis.zcard(k.deferred),  # waiting for their run_at, in no queue yet
             "requeued": counts.get("requeued", 0),
             "garbage": counts.get("garbage", 0),
             "inflight": redis.zcard(k.inflight),
@@ -60,10 +62,11 @@ def render(stats: dict) -> str:
         q = a["queued"]
         lines.append(f"model {model}")
         act = a["active_by_tier"]
-        lines.append(f"  queued    high={q['high']} normal={q['normal']} low={q['low']}   running={a['running']}")
+        lines.append(f"  queued    high={q['high']} normal={q['normal']} low={q['low']}   running={a['running']}"
+                     f"   deferred={a['deferred']}")
         lines.append(f"  active    high={act['high']} normal={act['normal']} low={act['low']}")
         lines.append(f"  processed {a['processed']} (done={a['done']} failed={a['failed']} "
-                     f"cancelled={a['cancelled']} dead={a['dead']})  requeued={a['requeued']}")
+                     f"cancelled={a['cancelled']} dead={a['dead']} expired={a['expired']})  requeued={a['requeued']}")
         lines.append(f"  tok/s     current={a['tok_s_current']:.1f} average={a['tok_s_avg']:.1f}   "
                      f"peak memory={a['peak_memory_bytes'] / 2**20:.1f} MiB")
         for w in a["workers"]:

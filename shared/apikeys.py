@@ -161,6 +161,20 @@ def add_key(redis, registry_key: str | GlobalKeys, api_key: str, tier: str, name
     _publish_key(redis, gk, h, tier)
 
 
+def set_webhook_secret(redis, registry_key: str | GlobalKeys, name: Optional[str], secret: str) -> None:
+    """Store ``secret`` as the one that signs the webhooks of the jobs of the key named ``name`` (None:
+    of callers without a key), in ``GlobalKeys.webhook_secrets`` under the key's copy field."""
+    gk = _gk(registry_key)
+    if name is None:
+        field = "anonymous"
+    else:
+        h = _hash_of_name(redis, gk, name)
+        if h is None:
+            raise ValueError(f"no key named {name!r} (`mlxq keys list` shows the names)")
+        field = copy_field(h)
+    redis.hset(gk.webhook_secrets, field, secret)
+
+
 def _hash_of_name(redis, gk: GlobalKeys, name: str) -> Optional[str]:
     for h, raw in redis.hgetall(gk.api_key_info).items():
         if _info(raw).get("name") == name:

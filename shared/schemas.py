@@ -142,6 +142,28 @@ class ToolCall(BaseModel):
 Message.model_rebuild()
 
 
+POOLINGS = ("last", "mean")
+MAX_EMBED_DIMENSIONS = 65536
+
+
+class EmbedOptions(BaseModel):
+    """What makes a job an embedding job (``GenerateRequest.embed``): its prompt is embedded, not
+    continued.  ``pooling``: the last token's final hidden state (decoder embedders such as
+    Qwen3-Embedding) or the mean of every token's; None: the worker's rule (its setting, else the
+    model's sentence-transformers config, else "last").  ``dimensions``: keep the first this many
+    (Matryoshka truncation, renormalised); above the model's hidden size it is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    pooling: Optional[Literal["last", "mean"]] = None
+    normalize: StrictBool = True
+    dimensions: Optional[StrictInt] = Field(None, ge=1, le=MAX_EMBED_DIMENSIONS)
+
+
+# what an embedding job refuses: every field that shapes generated output
+EMBED_REFUSES = frozenset(SamplingParams.model_fields) | {
+    "messages", "session_id", "response_format", "tools", "tool_choice", "parallel_tool_calls", "n", "resume_ids"}
+
+
 class GenerateRequest(SamplingParams):
     """One generation job as stored in Redis (``job.req``)."""
 
@@ -177,10 +199,38 @@ class GenerateRequest(SamplingParams):
             raise ValueError(f"must be a number of seconds above 0, not {type(v).__name__} {v!r:.40}")
         return v
 
+    # a job's life of its own (docs/pipelines/job-life.md; Redis holds it, PROTOCOL.md section 9):
+    # queued at run_at (epoch seconds) rather than now; ended "expired", never run, if no worker has
+    # started it by expires_at; its webhook URL called (signed) once it ends. Producers turn defer_s
+    # and expires_in into these and refuse a time already past; the enqueue script checks again.
+    run_at: Optional[float] = Field(None, gt=0, lt=1e11, allow_inf_nan=False)
+    expires_at: Optional[float] = Field(None, gt=0, lt=1e11, allow_inf_nan=False)
+    webhook: Optional[StrictStr] = Field(None, min_length=1, max_length=2048)
+
+    @model_validator(mode="after")
+    def _life(self) -> "GenerateRequest":
+        if self.run_at is not None and self.expires_at is not None and self.expires_at <= self.run_at:
+            raise ValueError(f"expires_at ({self.expires_at:.3f}) must be after run_at ({self.run_at:.3f}): "
+                             "the job would expire before it may start")
+        return self
+
     # the output's first token ids, already out to the caller: a producer that found its job's record
     # gone (a write lost in a failover) submits the job again with what it had streamed, and the
     # worker takes these as published output (no token twice, text offsets go on after their text)
     resume_ids: Optional[list[StrictInt]] = Field(None, max_length=1_000_000)
+    # an embedding job (PROTOCOL.md, "Embedding jobs"): prompt or prompt_tokens is embedded and the
+    # result carries the vector (``Result.embedding``); nothing is generated
+    embed: Optional[EmbedOptions] = None
+
+    @model_validator(mode="after")
+    def _embed(self) -> "GenerateRequest":
+        if self.embed is None:
+            return self
+        given = sorted(EMBED_REFUSES & self.model_fields_set)
+        if given:
+            raise ValueError(f"an embedding job generates nothing: {', '.join(given)} do not go with embed "
+                             "(give prompt= or prompt_tokens=)")
+        return self
 
     @model_validator(mode="after")
     def _resume(self) -> "GenerateRequest":
@@ -410,6 +460,7 @@ class SampleOutput(Parsed):
     tool_calls: Optional[list[ToolCall]] = None
     reasoning: Optional[str] = None
     stop: Optional[str] = None  # finish_reason "stop" at one of the request's stop strings: that one
+    embedding: Optional[str] = None  # an embedding job's vector (``Result.embedding``)
 
     @field_validator("token_ids", mode="before")
     @classmethod
@@ -432,6 +483,8 @@ class Result(BaseModel):
     tool_calls: Optional[list[ToolCall]] = None
     reasoning: Optional[str] = None  # a chat job's thinking (``text`` is then the answer only)
     stop: Optional[str] = None  # finish_reason "stop" at one of the request's stop strings: that one
+    # an embedding job's vector: its little-endian float32 values, base64 (``vector`` reads it)
+    embedding: Optional[str] = None
     stats: JobStats = Field(default_factory=JobStats)
     samples: Optional[list[SampleOutput]] = None  # n > 1: every sample's output, sample 0 first
 
@@ -465,6 +518,11 @@ class Result(BaseModel):
         if self.samples:
             return self.samples
         return [SampleOutput.model_validate(self.model_dump(include=set(SampleOutput.model_fields)))]
+
+    @property
+    def vector(self) -> Optional[list[float]]:
+        """An embedding job's vector as floats (None: not an embedding job's result)."""
+        return None if self.embedding is None else codec.unpack_vector(self.embedding)
 
     @property
     def usage(self) -> Usage:

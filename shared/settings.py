@@ -170,6 +170,11 @@ class Settings:
                                 gateway=True)
     max_prompt_bytes: int = opt(4 * 1024 * 1024, "a hard cap on request size at submit", worker=False,
                                   gateway=True)
+    max_file_bytes: int = opt(64 * 1024 * 1024, "the gateway's cap on an uploaded file (POST /v1/files): files "
+                              "live in Redis, so this bounds the memory one upload takes", worker=False,
+                              gateway=True)
+    batch_window: int = opt(256, "the lines of one OpenAI batch (POST /v1/batches) queued at a time", worker=False,
+                            gateway=True)
     max_new_tokens: int = opt(32_768, "the most tokens one job may ask for")
     live_worker_s: float = opt(10.0, "a model's worker counts as live while its last heartbeat is this recent",
                                worker=False, gateway=True)
@@ -192,6 +197,16 @@ class Settings:
                                      "many ms with a warning; 0: off (a failover may lose a job just submitted, "
                                      "which its producer then submits again)", worker=False,
                                      gateway=True)
+    # completion webhooks (docs/pipelines/job-life.md): only hosts an operator allowed are ever called
+    webhook_hosts: Optional[str] = opt(None, "hosts a job's webhook URL may name (comma-separated, e.g. "
+                                       "hooks.example.com,ci.example.com); a URL for any other is refused at "
+                                       "submit and again at send", worker=False, gateway=True,
+                                       shown_default="none: webhooks are refused")
+    webhook_private: bool = opt(False, "let an allowed webhook host resolve to a loopback, private, link-local "
+                                "or reserved address (off: refused, so a caller cannot make the server probe its "
+                                "own network)", worker=False, gateway=True)
+    webhook_max_attempts: int = opt(8, "deliveries of one webhook tried before it is recorded as failed "
+                                    "(backoff with jitter between them)", worker=False)
 
     # -- a producer's own: the CLI's producer commands, a Client's default queue, the rq bridge called directly -
     model: Optional[str] = opt(None, "the queue a producer submits to when it names none (a served model's name)",
@@ -202,6 +217,10 @@ class Settings:
 
     # -- the worker process -----------------------------------------------------------------------------------
     keep_dtype: bool = opt(False, "keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
+    embed_pooling: str = opt("auto", "how an embedding job's hidden states are pooled when the job does not say: "
+                             "last (the last token's: decoder embedders such as Qwen3-Embedding), mean, or auto "
+                             "(the model directory's sentence-transformers 1_Pooling/config.json, else last)",
+                             choices=("auto", "last", "mean"))
     grace_s: float = opt(30.0, "warm-shutdown grace period in seconds", flag="--grace")
     burst: bool = opt(False, "exit when the queue is empty")
     host_thread: bool = opt(True, "detokenize and publish each step's tokens on a thread of their own while "
@@ -281,7 +300,10 @@ class Settings:
              "offsets must be finite numbers"),
             ("result_ttl_s", self.result_ttl_s >= 1, "must be at least 1 (seconds results and streams are kept)"),
             ("idempotency_ttl_s", self.idempotency_ttl_s >= 1, "must be at least 1"),
+            ("max_file_bytes", self.max_file_bytes >= 1, "must be at least 1"),
+            ("batch_window", self.batch_window >= 1, "must be at least 1"),
             ("submit_replica_ack_ms", self.submit_replica_ack_ms >= 0, "must not be negative (0: off)"),
+            ("webhook_max_attempts", self.webhook_max_attempts >= 1, pos),
             ("idle_block_s", 0 < self.idle_block_s <= MAX_IDLE_BLOCK_S,
              f"must be above 0 and at most {MAX_IDLE_BLOCK_S:g} (a blocking pull returns well inside the "
              "connection's read timeout)"),

@@ -15,8 +15,8 @@ from typing import Callable, Optional, Protocol
 from ..shared import codec
 from ..shared.protocol import Pulled, Queue, owner_token
 from ..shared.schemas import INTERNAL_ERROR, INVALID_REQUEST, Delta, Result
-from .jobs import (JobError, check_published_ids, check_token_ids, decode_request, job_grammar, prompt_in_thinking,
-                   read_samples, seen_output, start_job, tokenize)
+from .jobs import (ActiveJob, JobError, check_embedding, check_published_ids, check_token_ids, decode_request,
+                   job_grammar, prompt_in_thinking, read_samples, seen_output, start_job, tokenize)
 from .publisher import StepOutput
 from ..shared.linkwatch import Backoff
 from .redis_io import REDIS_ERRORS
@@ -185,6 +185,8 @@ class Preparer:
         self.clock = clock
         # the embedding's rows (mlx-lm's model args), which bound the token ids a job may name too
         self.model_vocab: Optional[int] = getattr(getattr(loaded.model, "args", None), "vocab_size", None)
+        # an embedding job's pooling when it names none: the worker's setting, else the model's own
+        self.pooling = settings.embed_pooling if settings.embed_pooling != "auto" else (loaded.pooling or "last")
 
     def __call__(self, entry: Pulled) -> None:
         """Validate and tokenize; failures end the job with an error."""
@@ -208,6 +210,9 @@ class Preparer:
             req = decode_request(entry, self.loaded.name, self.settings.max_new_tokens)
             prompt = tokenize(req, tokenizer, vocab)
             check_token_ids(req, tokenizer, vocab)
+            if req.embed is not None:
+                self.ready.put(*self._embedding(entry, req, prompt, offset))
+                return
             # whether the prompt opened a reasoning block: read once (a marker of several tokens takes a
             # decode of the whole prompt) for the grammar and every sample's output stream
             thinking = prompt_in_thinking(prompt, chat_format(tokenizer), tokenizer)
@@ -232,6 +237,15 @@ class Preparer:
             self.publisher.publish(self._failure(entry, f"internal error preparing the job: {exc}", INTERNAL_ERROR))
             return
         self.ready.put(*samples)
+
+    def _embedding(self, entry: Pulled, req, prompt: list[int], offset: float) -> list[ActiveJob]:
+        """An embedding job's one sample: prefill only, so nothing of an earlier attempt is resumed."""
+        check_embedding(req, len(prompt), self.loaded.context_length, self.loaded.hidden_size)
+        if not self.engine.can_admit(len(prompt), 1):
+            raise JobError(f"input of {len(prompt)} tokens can never fit this worker's KV memory")
+        [job] = start_job(entry, req, prompt, self.loaded.tokenizer, self.worker_id, offset, in_thinking=False)
+        job.pooling = req.embed.pooling or self.pooling
+        return [job]
 
     def _record(self, entry: Pulled) -> Optional[list]:
         """What earlier attempts of this job published (its durable record's entries), for a job that

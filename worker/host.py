@@ -108,6 +108,10 @@ class Host:
         ids: list[int] = []
         text = ""
         lp = None
+        if ev.embedding is not None:  # an embedding job: its vector ends it
+            job.embedding = codec.pack_vector(ev.embedding)
+            self.finish(job, "stop", out)
+            return
         if ev.token is None:  # the engine ended the job with no token: its constraint failed
             self.finish(job, finish or "error", out, job.text.finish(), error=ev.error,
                         error_code=INVALID_REQUEST)

@@ -18,7 +18,7 @@ from ..shared.constraints import ConstraintError, ModelFormat
 from ..shared.grammars import grammar_for
 from ..shared.schemas import Delta, GenerateRequest, JobStats, Result, SampleOutput, ToolCall, wire_deltas
 from ..shared.tools import check_tools, uses_tools
-from .engine.api import SeqSpec
+from .engine.api import EmbedSpec, SeqSpec
 from .engine.sampler import make_sampler, repetition_penalty, resolve_seed
 from .textstream import ChatStream, TextStream, chat_format, decode_fn, vocab_size
 from .toolprompt import call_parser, own_tool_messages, serving_format, traits
@@ -93,6 +93,10 @@ class ActiveJob:
     # has ended the job for it already (the MLX thread asks once)
     deadline: Optional[float] = None
     timed_out: bool = False
+    # an embedding job (request.embed): the pooling it runs with (the request's, else the worker's
+    # rule), and its vector once the engine ended it (codec.pack_vector)
+    pooling: Optional[str] = None
+    embedding: Optional[str] = None
 
     @property
     def uid(self) -> str:
@@ -103,6 +107,10 @@ class ActiveJob:
         return time.time() + self.clock_offset
 
     def spec(self, eos_token_ids) -> SeqSpec:
+        embed = self.request.embed
+        if embed is not None:
+            return SeqSpec(uid=self.uid, prompt=self.prompt, max_tokens=1, priority=self.score,
+                           embed=EmbedSpec(self.pooling or "last", embed.normalize, embed.dimensions))
         params = self.request.params()
         done = len(self.tokens)
         sample = self.sample or 0
@@ -187,7 +195,8 @@ class ActiveJob:
                             finish_reason=reason, error=error, error_code=error_code,
                             logprobs=self.logprobs or None, tool_calls=self.tool_calls() or None,
                             reasoning=self.text.reasoning or None,
-                            stop=self.text.stop_string if reason == "stop" else None)
+                            stop=self.text.stop_string if reason == "stop" else None,
+                            embedding=self.embedding)
 
     def end(self, finish: str, error: Optional[str] = None, error_code: Optional[str] = None) -> Optional[Result]:
         """This sample ended: the job's result when it was the job's last sample, else None (its
@@ -264,7 +273,7 @@ def decode_request(pulled: Pulled, model_name: str, settings_max_new: int) -> Ge
         raise JobError("invalid request: its id does not match the queue entry")
     if req.model != model_name:
         raise JobError(f"unknown model {req.model!r}: this queue is served by {model_name!r}")
-    if req.max_tokens > settings_max_new:
+    if req.embed is None and req.max_tokens > settings_max_new:
         raise JobError(f"max_tokens {req.max_tokens} exceeds this worker's limit {settings_max_new}")
     return req
 
@@ -275,6 +284,16 @@ def _short(exc: ValidationError) -> str:
         loc = ".".join(str(x) for x in err.get("loc", ())) or "request"
         parts.append(f"{loc}: {err.get('msg')}")
     return "; ".join(parts)
+
+
+def check_embedding(req: GenerateRequest, prompt_len: int, ctx: int, hidden_size: Optional[int]) -> None:
+    """An embedding job fits this model: its prompt within the context, its ``dimensions`` within
+    the hidden size."""
+    if prompt_len > ctx:
+        raise JobError(f"input of {prompt_len} tokens exceeds the model's context of {ctx} tokens")
+    dims = req.embed.dimensions
+    if dims is not None and hidden_size is not None and dims > hidden_size:
+        raise JobError(f"dimensions {dims} exceeds this model's embedding size of {hidden_size}")
 
 
 def tokenize(req: GenerateRequest, tokenizer, model_vocab: Optional[int] = None) -> list[int]:

@@ -3,12 +3,13 @@ make it CPU-fast."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,6 +41,15 @@ class LoadedModel:
     num_params: int
     dtype_note: str
     load_s: float
+    # the pooling the model directory's sentence-transformers config names (1_Pooling/config.json:
+    # "last" or "mean"), None where it names none; an embedding job's default after the worker's setting
+    pooling: Optional[str] = None
+
+    @property
+    def hidden_size(self) -> Optional[int]:
+        """The width of the final hidden states: the longest embedding an embedding job gets."""
+        size = getattr(getattr(self.model, "args", None), "hidden_size", None) or self.config.get("hidden_size")
+        return int(size) if size else None
 
     def info(self) -> dict:
         """What producers and gateways may know about this model (kept in Redis)."""
@@ -52,6 +62,7 @@ class LoadedModel:
             "num_params": self.num_params,
             "has_chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
             "vocab_size": vocab_size(self.tokenizer),
+            "embedding_size": self.hidden_size,  # an embedding job's `dimensions` may be at most this
             # thinking and tool-call markers, the tool parser's family, mlxq's own call format for a
             # template with no tool slot (mlxq.shared.tools.format_info)
             "chat_format": format_info(serving_format(self.tokenizer)),
@@ -203,9 +214,27 @@ def load_model(source: str, *, name: str | None = None, keep_dtype: bool = False
         num_params=num_params,
         dtype_note=note,
         load_s=time.perf_counter() - t0,
+        pooling=None if gguf_info is not None else sentence_pooling(Path(source)),
     )
     log.info(
         "loaded model %s from %s: %.1fM params, context %d, %s, %.1fs",
         loaded.name, source, num_params / 1e6, loaded.context_length, note, loaded.load_s,
     )
     return loaded
+
+
+def sentence_pooling(model_dir: Path) -> Optional[str]:
+    """The pooling a sentence-transformers model directory names (``1_Pooling/config.json``): "last"
+    or "mean"; None where there is no such file, or it names another (cls, max: the worker's rule then)."""
+    path = model_dir / "1_Pooling" / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    for key, pooling in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean")):
+        if cfg.get(key) is True:
+            return pooling
+    log.warning("%s names a pooling mlxq does not do (only last-token and mean): the worker's rule applies", path)
+    return None

@@ -2,6 +2,8 @@
 //   npm install redis@4 @msgpack/msgpack
 //   MLXQ_REDIS_URL=redis://localhost:6379/0 MLXQ_MODEL=tiny node producer.mjs "Once upon a time" 16
 // MLXQ_TIMEOUT_S=30: the job ends with finish_reason "timeout" and its text so far once it has run 30 s.
+// MLXQ_DEFER_S=60 queues it a minute from now; MLXQ_EXPIRES_IN=300 ends it "expired" if not started in
+// 5 minutes; MLXQ_WEBHOOK=https://... is called when it ends (a host the operator allowed).
 // Structured output: a JSON Schema as the third argument constrains the text to JSON valid for it:
 //   node producer.mjs "Triage: the printer is on fire" 200 '{"type": "object", "properties": {...}}'
 // It calls mlxq's Redis Functions (library "mlxq", loaded by every worker at start): no script to ship.
@@ -16,8 +18,9 @@ const base = `mlxq:{mlxq:${model}}`; // every key of one model shares this hash 
 const id = randomBytes(16).toString("hex"); // 32 hex digits, never guessable
 const k = { queue: `${base}:queue`, job: `${base}:job:${id}`, counts: `${base}:counts`, wake: `${base}:wake`,
             intake: `${base}:intake`, keyCopy: `${base}:apikeys`, policy: `${base}:policy`,
+            deferred: `${base}:deferred`, expiring: `${base}:expiring`, webhooks: `${base}:webhooks`,
             events: `${base}:events:${id}`, chan: `${base}:chan:${id}`, done: `${base}:done:${id}` };
-// fair shares and quotas between API keys (PROTOCOL.md section 9): the rings, the indexed jobs, their state, usage
+// fair shares and quotas between API keys (PROTOCOL.md section 11): the rings, the indexed jobs, their state, usage
 const fair = ["high", "normal", "low"].map((t) => `${base}:fair:${t}`).concat([`${base}:fairq`, `${base}:fair`,
                                                                                 `${base}:usage`]);
 
@@ -64,12 +67,19 @@ const keyHash = env.MLXQ_API_KEY ? createHash("sha256").update(env.MLXQ_API_KEY)
 const fields = { id, model, prompt, max_tokens: Number(maxTokens), temperature: 0, source: "node",
                  submitted_at: Date.now() / 1000 };
 if (env.MLXQ_TIMEOUT_S) fields.timeout_s = Number(env.MLXQ_TIMEOUT_S); // > 0, or the job is refused
+const now = Date.now() / 1000; // run_at and expires_at: epoch seconds, the same in the request and the call
+if (env.MLXQ_DEFER_S) fields.run_at = now + Number(env.MLXQ_DEFER_S);
+if (env.MLXQ_EXPIRES_IN) fields.expires_at = now + Number(env.MLXQ_EXPIRES_IN); // after run_at, or refused
+if (env.MLXQ_WEBHOOK) fields.webhook = env.MLXQ_WEBHOOK;
 if (schema) fields.response_format = { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(schema) } };
 const request = Buffer.from(encode(fields));
-const [status, , why] = (await redis.sendCommand(["FCALL", "mlxq_enqueue", "14", k.job, k.counts, k.wake, k.job,
-  k.intake, k.queue, k.keyCopy, k.policy, ...fair, id, request, keyHash, "", "0", "86400"])).map(String);
+const life = ["run_at", "expires_at", "webhook"].map((f) => fields[f] === undefined ? "" : String(fields[f]));
+const [status, , why] = (await redis.sendCommand(["FCALL", "mlxq_enqueue", "17", k.job, k.counts, k.wake, k.job,
+  k.intake, k.queue, k.keyCopy, k.policy, k.deferred, k.expiring, k.webhooks, ...fair,
+  id, request, keyHash, "", "0", "86400", ...life])).map(String);
 // overload: the tier's queue is full; quota: the key's daily tokens are used up (`why`: seconds to the
-// next UTC day); unauthorized: `why` says which key rule; unsynced: no worker yet
+// next UTC day); unauthorized: `why` says which key rule; unsynced: no worker yet; invalid_time: `why`
+// says which time (expires_at past, or not after run_at)
 if (status !== "ok") throw new Error(`enqueue refused: ${status} ${why}`);
 const tier = String(await redis.hGet(k.job, "tier"));
 

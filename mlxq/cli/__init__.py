@@ -7,6 +7,7 @@
     jobs                         mlxq.cli.jobs       list, show, cancel, tail, requeue; the dead-letter set
     stats                        mlxq.cli.stats      queues and workers, once or --watch
     keys, tiers, acl-producer    mlxq.cli.keys       API keys, tier policy, the producer ACL recipe
+    webhooks                     mlxq.cli.webhooks   deliver completion webhooks; list deliveries
     demo, redis, make-model, build-ext   mlxq.cli.local   things that run on this machine
 
 Options every command shares (``--redis-url``, ``--log-level``, ...) are in :mod:`mlxq.cli.options`.
@@ -18,14 +19,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import batch, gateway, jobs, keys, local, stats, submit, worker
+from . import batch, gateway, jobs, keys, local, stats, submit, webhooks, worker
 from .options import Parser
 from ..shared.extras import MissingExtra
 from ..shared.genopts import error_text
 from ..shared.logs import setup_logging
 
 # the order `mlxq --help` lists them in
-GROUPS = (worker, submit, batch, gateway, jobs, stats, keys, local)
+GROUPS = (worker, submit, batch, gateway, jobs, stats, keys, webhooks, local)
 
 
 def _version() -> str:

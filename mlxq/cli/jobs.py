@@ -1,6 +1,6 @@
 """``mlxq jobs``: the operator's view of single jobs, after rq's ``rq info`` and ``rq requeue``.
 
-    mlxq jobs list [--queue Q] [--status queued|running|failed]   what waits, runs, and was dead-lettered
+    mlxq jobs list [--queue Q] [--status queued|deferred|running|failed]   what waits, runs, and was dead-lettered
     mlxq jobs show ID            a job's record (status, tier, attempts, times, error, request, result)
     mlxq jobs cancel ID          cancel it (Job.cancel: queued, it ends now; running, its worker stops it)
     mlxq jobs tail ID            its tokens as they come (a finished job: replayed from its record)
@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 from ..shared.settings import Settings
 from .options import add_shared
 
-STATUSES = ("queued", "running", "failed")
+STATUSES = ("queued", "deferred", "running", "failed")  # deferred: waiting for its run_at
 SHOWN_FIELDS = ("status", "tier", "attempts", "queued_at", "started_at", "finished_at", "error", "owner")
 
 
@@ -68,7 +68,7 @@ class Jobs:
         limit = self.args.limit
         for queue in self.queues():
             k = self.gk.model_keys(queue)
-            sources = {"queued": k.queue, "running": k.inflight, "failed": k.dead}
+            sources = {"queued": k.queue, "deferred": k.deferred, "running": k.inflight, "failed": k.dead}
             for status in statuses:
                 for member, _score in self.r.zrange(sources[status], 0, limit - 1, withscores=True):
                     job_id = _s(member)

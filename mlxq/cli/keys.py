@@ -100,6 +100,18 @@ def cmd_keys(args) -> int:
             done = apikeys.revoke_key(r, gk, key)
         print("revoked" if done else "unknown key")
         return 0 if done else 1
+    if args.action == "webhook-secret":
+        from ..producer.webhooks import new_secret
+
+        if (args.name is None) == (not args.anonymous):
+            raise ValueError("give --name NAME (a key's) or --anonymous (callers without a key), one of them")
+        r, gk = _connect(args)
+        secret = new_secret()
+        apikeys.set_webhook_secret(r, gk, args.name, secret)
+        print(f"webhook secret of {'callers without a key' if args.anonymous else repr(args.name)} set (it "
+              "replaces any before); it is shown this once: give it to the receiver now", file=sys.stderr)
+        print(secret)
+        return 0
     r, gk = _connect(args)
     rows = apikeys.list_keys(r, gk)
     if args.json:
@@ -217,6 +229,14 @@ def add_commands(sub) -> None:
     add_shared(r, "redis_url")
     _secret_options(r, "key", "key", "--key-env")
     r.add_argument("--name", help="the key's name (default: read the key itself from stdin)")
+
+    w = ks.add_parser("webhook-secret", help="make the secret that signs a key's job webhooks, store it and "
+                      "print it (once)", description="Make a new Standard Webhooks secret (whsec_...) for the "
+                      "jobs of the key named --name (or of callers without a key: --anonymous), store it in Redis "
+                      "(replacing any before) and print it once: the receiver verifies signatures with it.")
+    add_shared(w, "redis_url")
+    w.add_argument("--name", help="the key's name (no default: give it or --anonymous)")
+    w.add_argument("--anonymous", action="store_true", help="the secret of jobs submitted without a key")
 
     ls = ks.add_parser("list", help="the registered keys: name, tier, role (never the key or its hash)",
                        description=KEY_RULES)

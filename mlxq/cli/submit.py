@@ -16,7 +16,8 @@ def cmd_submit(args) -> int:
     from ..producer.core import build_request
 
     params = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                  stop=args.stop or None, **output_params(args))
+                  stop=args.stop or None, defer_s=args.defer_s, expires_in=args.expires_in, webhook=args.webhook,
+                  **output_params(args))
     if args.max_tokens is not None:  # else the request's default, which the worker fits to the context
         params["max_tokens"] = args.max_tokens
     if args.chat or "tools" in params:  # tools are rendered by the chat template
@@ -104,6 +105,13 @@ def add_commands(sub) -> None:
     p.add_argument("--stop", action="append", help="a stop string; repeat for several (default: none)")
     p.add_argument("--chat", action="store_true",
                    help="send as a user message (applies the chat template; implied by --tools)")
+    p.add_argument("--defer-s", type=float, metavar="SECONDS",
+                   help="queue the job this many seconds from now (it waits in Redis) (default: now)")
+    p.add_argument("--expires-in", type=float, metavar="SECONDS",
+                   help="end the job 'expired', never run, if no worker has started it within this many seconds "
+                        "(default: never)")
+    p.add_argument("--webhook", metavar="URL", help="POST a signed summary here when the job ends (a host the "
+                   "operator allowed: MLXQ_WEBHOOK_HOSTS; docs/pipelines/job-life.md) (default: none)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the job's stats")
     add_output_options(p)
     p.set_defaults(func=cmd_submit)

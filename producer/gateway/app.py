@@ -2,6 +2,8 @@
 
     POST /v1/chat/completions, /v1/completions, /v1/batch/...  (chat_completions.py: OpenAI's APIs)
     POST /v1/messages, /v1/messages/count_tokens        (messages.py: Anthropic's Messages API)
+    POST /v1/embeddings, /v1/batch/embeddings           (embeddings.py: OpenAI's embeddings)
+    /v1/files, /v1/batches                              (files.py, batches.py: OpenAI's Batch API)
     GET  /v1/models                                     (models that live workers serve)
     GET  /metrics                                       (this gateway's request metrics)
     GET  /health                                        (liveness: no key, no Redis; always 200 while serving)
@@ -45,8 +47,11 @@ from ...shared.settings import Settings
 from ..aclient import AsyncClient
 from ..asubscriber import AsyncSubscriber, link_watch
 from ..openai_api import OpenAIError, TokenNames
+from .batches import Batches
 from .chat_completions import ChatCompletions
-from .jobs import RETRY_AFTER_DEFAULT_S, Jobs, bearer, live_models, unreachable_error
+from .embeddings import Embeddings
+from .files import Files
+from .jobs import RETRY_AFTER_DEFAULT_S, Jobs, Refusal, bearer, live_models, unreachable_error
 from .messages import Messages
 from .responses import Responses
 
@@ -108,7 +113,9 @@ class Gateway:
         self.max_body_bytes = 4 * self.settings.max_prompt_bytes
         self._key_names: dict[str, tuple[float, str]] = {}  # sha256(key) -> (read at, name): key_name
         self.jobs = Jobs(self)
-        self.rooms = [ChatCompletions(self), Responses(self), Messages(self)]  # each API the gateway speaks
+        self.batches = Batches(self)
+        self.rooms = [ChatCompletions(self), Responses(self), Messages(self), Embeddings(self), Files(self),
+                      self.batches]  # each API the gateway speaks
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -118,9 +125,11 @@ class Gateway:
         # one log line per link state change; a request fails (503) once Redis stayed down redis_outage_s
         self.watch = link_watch("mlxq gateway", self.redis, give_up_s=self.settings.redis_outage_s)
         await self._log_auth_mode()
+        self.batches.driver.start()  # OpenAI batches run with no request open (gateway/batches.py)
         try:
             yield
         finally:
+            await self.batches.driver.stop()
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)
             await self.subscriber.aclose()
@@ -260,10 +269,14 @@ class Gateway:
             headers = {"Retry-After": str(max(1, math.ceil(wait)))}
         return JSONResponse(shape(exc), status_code=exc.status, headers=headers)
 
-    def gone(self, endpoint: str) -> Response:
-        """The client left while its request's body was still coming: nothing was queued."""
-        self.metrics.requests.labels(endpoint, "499").inc()
-        return Response(status_code=499)
+    def refused(self, endpoint: str, refusal: Refusal,
+                shape: Callable[[OpenAIError], dict] = OpenAIError.body) -> Response:
+        """A request that was not queued: its error, or a 499 for a client that left while its body was
+        still coming."""
+        if refusal.gone:
+            self.metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
+        return self.error(endpoint, refusal.error, refusal.retry_after, shape)
 
     def shape_of(self, path: str) -> Callable[[OpenAIError], dict]:
         """The error body of the API ``path`` belongs to: a room's own (``error_shape``), else OpenAI's."""

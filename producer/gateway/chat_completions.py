@@ -15,7 +15,7 @@ import logging
 import time
 from typing import AsyncIterator, Optional
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -23,7 +23,7 @@ from ...shared.schemas import Delta
 from ..aclient import AsyncJob
 from ..openai_api import (ChatCompletionRequest, ChatDeltas, CompletionRequest, LogprobFormatter, OpenAIError,
                           choice, failed_output, finish_fields, now_s, usage)
-from .jobs import job_error, jlog, json_body, refused, sse_data, stream_error
+from .jobs import Refusal, job_error, jlog, refused, sse_data, stream_error
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -49,22 +49,15 @@ class ChatCompletions:
         gw, endpoint = self.gw, request.url.path
         floor = "low" if endpoint.startswith("/v1/batch/") else None
         started = time.monotonic()
-        client = gw.client(request)
-        req = tier = None
-        try:
-            tier = await client.tier(floor)  # 401 before anything else
-            req = schema.model_validate(await json_body(request, gw.max_body_bytes))
-            kwargs = req.submit_kwargs()
-            sub = await self.jobs.submit(request, client, tier=tier, floor=floor, model=req.model, kwargs=kwargs,
-                                         prompt_param="messages" if chat else "prompt", stream=req.stream)
-        except ClientDisconnect:  # gone while its body was still coming: nothing was queued
-            return gw.gone(endpoint)
-        except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
-            return gw.error(endpoint, *await self.jobs.api_error(exc, client, req and req.model, tier))
+        got = await self.jobs.admit(request, schema.model_validate, _plan, floor=floor,
+                                    prompt_param="messages" if chat else "prompt")
+        if isinstance(got, Refusal):
+            return gw.refused(endpoint, got)
+        req, sub, tier, _ = got
         fmt = LogprobFormatter(gw.token_names.for_model(sub.info), req.top_n)
         meta = _Meta(id=("chatcmpl-" if chat else "cmpl-") + sub.job.id, model=sub.model, created=now_s(), chat=chat,
                      endpoint=endpoint, started=started, include_usage=req.include_usage, tools=sub.tools,
-                     n=kwargs.get("n") or 1, tier=tier)
+                     n=req.n or 1, tier=tier)
         if req.stream:
             return await self._stream(request, sub.job, meta, fmt)
         return await self._complete(request, sub.job, meta, fmt)
@@ -96,7 +89,7 @@ class ChatCompletions:
         """The job's deltas as OpenAI's SSE events; a ``str`` among them (a keep-alive comment) goes out as is."""
         gw, metrics = self.gw, self.gw.metrics
         metrics.inflight.inc()
-        finished, attempt, first = False, 0, True
+        finished, attempt = False, 0
         # per choice (a job's sample): its chat deltas and its text offset
         chats = [ChatDeltas() for _ in range(meta.n)]
         offsets = [0] * meta.n
@@ -106,16 +99,12 @@ class ChatCompletions:
                 for i in range(meta.n):
                     yield sse_data(meta.chunk({"role": "assistant", "content": None if meta.tools else ""}, None,
                                               index=i))
-            async for d in deltas:
+            async for d in self.jobs.watch(deltas, meta.endpoint, meta.tier, meta.started):
                 if isinstance(d, str):
-                    metrics.keepalives.inc()
                     yield d
                     continue
                 attempt = max(attempt, d.attempt)
                 i = d.sample or 0
-                if first and d.text:
-                    first = False
-                    metrics.ttft.labels(meta.endpoint, meta.tier).observe(time.monotonic() - meta.started)
                 if d.finish_reason == "error":
                     finished = True
                     if refused(d):  # refused after the keep-alives sent the headers: its 400 as an event,
@@ -167,6 +156,10 @@ class ChatCompletions:
                 await deltas.aclose()
             if not finished:  # the client went away (the request task is being cancelled)
                 gw.spawn(self.jobs.cancel(job, "client disconnected from the stream", attempt))
+
+
+def _plan(req, client) -> tuple[dict, dict]:
+    return req.submit_kwargs(), {"stream": req.stream}
 
 
 def _delta_chunk(meta: "_Meta", d: Delta, delta, fmt: LogprobFormatter, offset: int) -> dict:

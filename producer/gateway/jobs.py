@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import math
 import time
-from typing import Any, AsyncIterator, NamedTuple, Optional
+from typing import Any, AsyncIterator, Callable, NamedTuple, Optional
 
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from ...shared.apikeys import AuthError
 from ...shared.connection import LINK_ERRORS, RedisUnreachable
@@ -52,6 +53,21 @@ class Submitted(NamedTuple):
     tools: bool  # the job may answer with tool calls
 
 
+class Admitted(NamedTuple):
+    req: Any  # the room's parsed request
+    sub: Any  # its Submitted job (what ``queue`` returned, for a request of several jobs)
+    tier: str
+    client: AsyncClient
+
+
+class Refusal(NamedTuple):
+    """Why a request was not queued: its error (and Retry-After), or ``gone``: the client left while
+    its body was still coming."""
+    error: Optional[OpenAIError] = None
+    retry_after: Optional[float] = None
+    gone: bool = False
+
+
 class First(NamedTuple):
     """How a job's first delta came: ``deltas`` to stream (keep-alives first while it waits), or the
     job's ``failed`` result (the worker refused it), or ``gone`` (the client left; the job is cancelled)."""
@@ -64,6 +80,39 @@ class Jobs:
     def __init__(self, gw):
         self.gw = gw
         self.drain = DrainRate()
+
+    async def admit(self, request: Request, parse: Callable[[dict], Any], plan: Callable, *,
+                    floor: Optional[str] = None, prompt_param: str, queue: Optional[Callable] = None
+                    ) -> Admitted | Refusal:
+        """A room's request, from its key to its queued job: the tier (a 401 before anything else),
+        the body, ``parse(body)`` (the room's request model), ``plan(req, client)`` (awaited if it is a
+        coroutine: the ``AsyncClient.submit`` kwargs and ``submit``'s options), then ``submit``, or
+        ``queue(request, client, tier, floor, planned)`` for a room whose request is several jobs;
+        or the refusal (nothing was queued)."""
+        client = self.gw.client(request)
+        req = tier = None
+        try:
+            tier = await client.tier(floor)
+            req = parse(await json_body(request, self.gw.max_body_bytes))
+            planned = plan(req, client)
+            planned = await planned if inspect.isawaitable(planned) else planned
+            if queue is not None:
+                sub = await queue(request, client, tier, floor, planned)
+            else:
+                kwargs, options = planned
+                sub = await self.submit(request, client, tier=tier, floor=floor, model=req.model, kwargs=kwargs,
+                                        prompt_param=prompt_param, **options)
+        except ClientDisconnect:
+            return Refusal(gone=True)
+        except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
+            return Refusal(*await self.api_error(exc, client, req and req.model, tier))
+        return Admitted(req, sub, tier, client)
+
+    def watch(self, deltas: AsyncIterator[Delta | str], endpoint: str, tier: str,
+              started: Optional[float]) -> AsyncIterator[Delta | str]:
+        """``deltas`` as they come, keep-alives counted and the first token's time observed (from
+        ``started``; None: not this stream's to observe, as a resumed one)."""
+        return _watched(self.gw.metrics, deltas, endpoint, tier, started)
 
     async def submit(self, request: Request, client: AsyncClient, *, tier: str, floor: Optional[str],
                      model: Optional[str], kwargs: dict, prompt_param: str, stream: bool,
@@ -212,6 +261,16 @@ class Jobs:
                                counts.get(f"queued:{tier}", 0))
 
 
+async def _watched(metrics, deltas, endpoint: str, tier: str, started: Optional[float]):
+    async for d in deltas:
+        if isinstance(d, str):
+            metrics.keepalives.inc()
+        elif started is not None and (d.text or d.reasoning):
+            metrics.ttft.labels(endpoint, tier).observe(time.monotonic() - started)
+            started = None
+        yield d
+
+
 def live_models(models: dict[str, dict], live_worker_s: float) -> dict[str, dict]:
     """The registered models that a live worker serves now (heartbeat within ``live_worker_s``)."""
     return {name: info for name, info in models.items() if has_live_worker(info, live_worker_s)}
@@ -322,8 +381,8 @@ def bearer(request: Request) -> Optional[str]:
     return request.headers.get("x-api-key", "").strip() or None
 
 
-async def json_body(request: Request, limit: int) -> dict:
-    """The body as a JSON object, read no further than ``limit`` bytes (413 past it)."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, read no further than ``limit`` bytes (413 past it)."""
     too_large = OpenAIError(413, f"the request body is over {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -334,8 +393,14 @@ async def json_body(request: Request, limit: int) -> dict:
         if size > limit:
             raise too_large
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def json_body(request: Request, limit: int) -> dict:
+    """The body as a JSON object, read no further than ``limit`` bytes (413 past it)."""
+    raw = await read_body(request, limit)
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from None
     except RecursionError:

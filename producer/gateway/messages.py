@@ -17,9 +17,9 @@ import contextlib
 import json
 import logging
 import time
-from typing import AsyncIterator, Callable, NamedTuple, Optional
+from typing import AsyncIterator, Callable, Optional
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -28,7 +28,7 @@ from ..anthropic_api import (BlockEvents, MessagesRequest, PromptRequest, conten
                              usage)
 from ..openai_api import ChatDeltas, OpenAIError, failed_output
 from .chat_completions import SSE_HEADERS
-from .jobs import Submitted, job_error, jlog, json_body, refused, stream_error
+from .jobs import Admitted, Refusal, Submitted, job_error, jlog, refused, stream_error
 
 PATH = "/v1/messages"
 PING = 'event: ping\ndata: {"type":"ping"}\n\n'
@@ -55,25 +55,17 @@ class Messages:
     def error(self, exc: OpenAIError, retry_after: Optional[float] = None, endpoint: str = PATH) -> Response:
         return self.gw.error(endpoint, exc, retry_after, shape=error_body)
 
-    async def _submit(self, request: Request, endpoint: str, schema, kwargs_of) -> "_Submission | Response":
+    async def _admit(self, request: Request, endpoint: str, schema, kwargs_of) -> "Admitted | Response":
         """The request (``schema``) queued as a job of ``kwargs_of(request)``, or the error response
         (nothing was queued)."""
-        client = self.gw.client(request)
-        req = tier = None
-        try:
-            tier = await client.tier(None)  # 401 before anything else
-            req = schema.model_validate(await json_body(request, self.gw.max_body_bytes))
-            sub = await self.jobs.submit(request, client, tier=tier, floor=None, model=req.model, kwargs=kwargs_of(req),
-                                         prompt_param="messages", stream=bool(getattr(req, "stream", False)))
-        except ClientDisconnect:  # gone while its body was still coming
-            return self.gw.gone(endpoint)
-        except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
-            return self.error(*await self.jobs.api_error(exc, client, req and req.model, tier), endpoint)
-        return _Submission(req, sub, tier)
+        got = await self.jobs.admit(request, schema.model_validate,
+                                    lambda req, _: (kwargs_of(req), {"stream": bool(getattr(req, "stream", False))}),
+                                    prompt_param="messages")
+        return self.gw.refused(endpoint, got, shape=error_body) if isinstance(got, Refusal) else got
 
     async def create(self, request: Request) -> Response:
         started = time.monotonic()
-        got = await self._submit(request, PATH, MessagesRequest, MessagesRequest.submit_kwargs)
+        got = await self._admit(request, PATH, MessagesRequest, MessagesRequest.submit_kwargs)
         if isinstance(got, Response):
             return got
         answer = _Answer(got.sub, got.req.max_tokens, got.tier, started)
@@ -95,7 +87,7 @@ class Messages:
         not be: only the worker has the template (and mlxq's tool prompt for a template without
         a tool slot); the prefill it costs leaves the prompt in the prefix cache for the message."""
         endpoint = f"{PATH}/count_tokens"
-        got = await self._submit(request, endpoint, PromptRequest,
+        got = await self._admit(request, endpoint, PromptRequest,
                                  lambda r: {**r.prompt_kwargs(), "max_tokens": 1, "temperature": 0.0})
         if isinstance(got, Response):
             return got
@@ -119,22 +111,18 @@ class Messages:
         """The job's deltas as Anthropic's events; a keep-alive (a ``str`` among them) as a ``ping``."""
         gw, metrics, job = self.gw, self.gw.metrics, answer.job
         metrics.inflight.inc()
-        finished, attempt, first = False, 0, True
+        finished, attempt = False, 0
         chat, blocks = ChatDeltas(), BlockEvents()
         try:
             yield sse_event("message_start", {"type": "message_start", "message": {
                 **answer.head(), "content": [], "stop_reason": None, "stop_sequence": None,
                 # the prompt's count comes with the result: message_delta carries it
                 "usage": {"input_tokens": 0, "output_tokens": 0}}})
-            async for d in deltas:
+            async for d in self.jobs.watch(deltas, PATH, answer.tier, answer.started):
                 if isinstance(d, str):
-                    metrics.keepalives.inc()
                     yield PING
                     continue
                 attempt = max(attempt, d.attempt)
-                if first and (d.text or d.reasoning):
-                    first = False
-                    metrics.ttft.labels(PATH, answer.tier).observe(time.monotonic() - answer.started)
                 if d.finish_reason == "error":  # refused after a ping sent the headers (its 400), or failed
                     finished = True
                     res = await job.result(timeout=gw.result_wait_s)
@@ -172,12 +160,6 @@ class Messages:
                 await deltas.aclose()  # its channel unsubscribed now, not when the generator is collected
             if not finished:  # the client went away (the request task is being cancelled)
                 gw.spawn(self.jobs.cancel(job, "client disconnected from the stream", attempt))
-
-
-class _Submission(NamedTuple):
-    req: PromptRequest
-    sub: Submitted
-    tier: str
 
 
 class _Answer:

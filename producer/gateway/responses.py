@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -34,7 +34,7 @@ from ..records import TERMINAL, result_from_hash
 from ..openai_api import OpenAIError
 from ..responses_api import (ResponseEvents, ResponsesRequest, job_id_of, now, output_items, previous_turns,
                              response_id, response_object, status_of)
-from .jobs import from_first, job_error, jlog, json_body, stream_error
+from .jobs import Refusal, from_first, job_error, jlog, stream_error
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 ENDPOINT = "/v1/responses"  # one metrics label for every route: ids are not labels
@@ -75,23 +75,12 @@ class Responses:
     async def create(self, request: Request) -> Response:
         gw = self.gw
         started = time.monotonic()
-        client = gw.client(request)
-        req = tier = None
-        try:
-            tier = await client.tier()  # 401 before anything else
-            req = ResponsesRequest.model_validate(await json_body(request, gw.max_body_bytes))
-            history = await self._history(client, req.previous_response_id) if req.previous_response_id else None
-            kwargs = req.submit_kwargs(history)
-            sub = await self.jobs.submit(request, client, tier=tier, floor=None, model=req.model, kwargs=kwargs,
-                                         prompt_param="input", stream=req.stream,
-                                         subscribe=req.stream or not req.background,
-                                         queue_anyway=bool(req.background))
-        except ClientDisconnect:  # gone while its body was still coming: nothing was queued
-            return gw.gone(ENDPOINT)
-        except Exception as exc:  # noqa: BLE001 - api_error re-raises what is not a refusal
-            err, retry_after = await self.jobs.api_error(exc, client, req and req.model, tier)
-            err.param = PARAMS.get(err.param, err.param)
-            return gw.error(ENDPOINT, err, retry_after)
+        got = await self.jobs.admit(request, ResponsesRequest.model_validate, self._plan, prompt_param="input")
+        if isinstance(got, Refusal):
+            if got.error is not None:
+                got.error.param = PARAMS.get(got.error.param, got.error.param)
+            return gw.refused(ENDPOINT, got)
+        req, sub, tier, client = got
         r = _Response(response_id(sub.job.id), sub.job, sub.model, req.shell(sub.model, now()), client, tier, sub.info)
         if req.kept:  # the echo a poll, a replay and a follow-up read, in the job's record (under its TTL)
             key = client.gkeys.model_keys(sub.model).job(sub.job.id)
@@ -104,6 +93,13 @@ class Responses:
         if req.stream:
             return await self._stream(request, r, started)
         return await self._complete(request, r, started)
+
+    async def _plan(self, req: ResponsesRequest, client: AsyncClient) -> tuple[dict, dict]:
+        history = await self._history(client, req.previous_response_id) if req.previous_response_id else None
+        # a background response is the caller's to poll: nobody reads its channel from this request,
+        # and it is queued even while no worker is live
+        return req.submit_kwargs(history), {"stream": req.stream, "subscribe": req.stream or not req.background,
+                                            "queue_anyway": bool(req.background)}
 
     async def _stream(self, request: Request, r: _Response, started: float) -> Response:
         """A stream the request owns: a refusal before the first delta is a plain 4xx, a disconnect cancels."""
@@ -267,21 +263,17 @@ class Responses:
                            for e in evs if e["sequence_number"] > after)
 
         metrics.inflight.inc()
-        finished, attempt, first = False, 0, own
+        finished, attempt = False, 0
         try:
             chunk = sse(events.start(response_object(r.id, r.shell, "queued" if r.shell.get("background")
                                                      else "in_progress")))
             if chunk:  # (a resumed stream skips what its caller has)
                 yield chunk
-            async for d in deltas:
+            async for d in self.jobs.watch(deltas, ENDPOINT, r.tier, started if own else None):
                 if isinstance(d, str):
-                    metrics.keepalives.inc()
                     yield d
                     continue
                 attempt = max(attempt, d.attempt)
-                if first and (d.text or d.reasoning):
-                    first = False
-                    metrics.ttft.labels(ENDPOINT, r.tier).observe(time.monotonic() - started)
                 chunk = sse(events.feed(d))
                 if chunk:
                     yield chunk

@@ -33,6 +33,20 @@ local function mlxq_fair_add(fk, tier, group, score, id)
   end
 end
 
+-- A deferred job (enqueue.lua, admit.lua): only its group is kept until promote.lua queues it and
+-- indexes it with mlxq_fair_add (the key hash it came from is not kept: a credential).
+local function mlxq_fair_defer(fk, group, id)
+  redis.call('HSET', fk[5], 'g:' .. id, group)
+end
+
+-- A queued or deferred job that ended without a lease (expired: expire.lua's sweep): its index entry
+-- and its group go with it, so no pick meets it. (A cancelled job keeps its entry until a pick drops it.)
+local function mlxq_fair_drop(fk, id)
+  local m = redis.call('HGET', fk[5], 'j:' .. id)
+  if m then redis.call('ZREM', fk[4], m) end
+  redis.call('HDEL', fk[5], 'j:' .. id, 'g:' .. id)
+end
+
 -- A group at its cap on jobs in flight (policy ``inflight:<group>``, `mlxq keys set --max-inflight`),
 -- counting ``more`` jobs about to be leased? ``state``: the fair state hash.
 local function mlxq_fair_capped(state, policy, group, more)

@@ -3,8 +3,9 @@
 -- (nothing a producer wrote into its own job record can raise its priority).  Workers run this
 -- before each pull and on each heartbeat.
 -- KEYS: 1 intake, 2 queue, 3 counts, 4 key registry copy, 5 policy copy, 6 wake, 7 sched (worker-only:
---       the tier and score given here, _sched.lua), 8..13 the fair-share keys (ModelKeys.fair_keys), then
---       four per id (the caller read the ids with LRANGE, in ARGV order): job, events, done list, job channel
+--       the tier and score given here, _sched.lua), 8 deferred, 9 expiring, 10 webhooks (_life.lua),
+--       11..16 the fair-share keys (ModelKeys.fair_keys), then four per id (the caller read the ids with
+--       LRANGE, in ARGV order): job, events, done list, job channel
 -- A job is admitted once: one that has an entry in sched is queued or running already, whatever
 -- its hash says (its producer may write it: pushed again, it inflated the queue's counters).
 -- ARGV: 1 ttl (s), 2 publish command (PUBLISH | SPUBLISH on a cluster), 3.. the ids at the head of intake
@@ -22,10 +23,10 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local nowstr = string.format('%.6f', now)
 local ttl = tonumber(ARGV[1])
-local fk = {KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]}
+local fk = {KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]}
 local admitted, refused = 0, 0
 for i, id in ipairs(ids) do
-  local base = 13 + (i - 1) * 4
+  local base = 16 + (i - 1) * 4
   local jk, ek, dk, ch = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   if mlxq_is_job_id(id) then
     local ktype = redis.call('TYPE', jk)
@@ -47,13 +48,25 @@ for i, id in ipairs(ids) do
         end
         if tier then
           local score = now + mlxq_offset(KEYS[5], tier) + i * 0.000001
+          -- a job's life (_life.lua), as its producer recorded it: a run_at ahead waits in the deferred set
+          local lf = redis.call('HMGET', jk, 'run_at', 'expires_at', 'webhook')
+          local life = mlxq_life(lf[1], lf[2], lf[3], true) or {}
+          if life.run_at and life.run_at > now then score = life.run_at + mlxq_offset(KEYS[5], tier) end
           redis.call('HSET', jk, 'tier', tier, 'score', string.format('%.6f', score), 'admitted', '1')
           mlxq_sched_set(KEYS[7], id, tier, string.format('%.6f', score), false)
           redis.call('HDEL', jk, 'kh')  -- the key hash is a credential: kept no longer than needed
-          redis.call('ZADD', KEYS[2], score, id)
-          -- fair shares: the job joins its key's group at its tier
-          mlxq_fair_add(fk, tier, mlxq_fair_group(f[3]), score, id)
-          redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
+          -- fair shares: the job joins its key's group at its tier; a deferred one when promote.lua
+          -- queues it (enqueue.lua says why)
+          if life.run_at and life.run_at > now then
+            redis.call('ZADD', KEYS[8], life.run_at, id)
+            mlxq_fair_defer(fk, mlxq_fair_group(f[3]), id)
+          else
+            redis.call('ZADD', KEYS[2], score, id)
+            mlxq_fair_add(fk, tier, mlxq_fair_group(f[3]), score, id)
+            redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
+          end
+          -- (run_at is recorded already: a producer wrote it)
+          mlxq_life_set({expires_at = life.expires_at, webhook = life.webhook}, jk, KEYS[9], KEYS[10], id, now, f[3] or '')
           redis.call('HINCRBY', KEYS[3], 'submitted', 1)
           admitted = admitted + 1
         else

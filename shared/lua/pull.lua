@@ -8,7 +8,8 @@
 --       6.. the members
 -- Returns a list of {id, kind, req, attempt, tier, score, queued_at, resume, now, suspect}
 -- kind 'job' is leased to this worker; 'garbage' was moved to the dead-letter set. A job flagged for
--- cancelling (cancel_request.lua) ends cancelled here instead of being leased.
+-- cancelling (cancel_request.lua) ends cancelled here instead of being leased, and one past its
+-- expires_at ends expired (_life.lua).
 -- suspect: the error a failed worker gave the job back with (requeue.lua with an error), '' if none:
 -- the job was in a batch when an engine raised, so the worker runs it alone (PROTOCOL.md section 7).
 -- Anything may sit in Redis (bugs, hostile writers): a member that is not a job id, a job key
@@ -104,6 +105,12 @@ for _, entry in ipairs(popped) do
     redis.call('HINCRBY', KEYS[3], 'processed', 1)
     if group then redis.call('HDEL', KEYS[8], 'g:' .. id) end
     mlxq_end_record(ARGV[5], jk, ek, dk, ch, tonumber(ARGV[4]), 'f', 'cancelled')
+  elseif mlxq_is_expired(jk, now) then
+    -- not started by its expires_at (_life.lua): it ends here and never runs (and, as a cancelled job,
+    -- leaves fair shares: the pick took its index entry)
+    redis.call('HINCRBY', KEYS[3], 'queued:' .. (sd and sd.tier or redis.call('HGET', jk, 'tier') or 'normal'), -1)
+    if group then redis.call('HDEL', KEYS[8], 'g:' .. id) end
+    mlxq_expire(ARGV[5], jk, ek, dk, ch, tonumber(ARGV[4]), KEYS[3], KEYS[6], id, nowstr)
   elseif group and mlxq_fair_capped(KEYS[8], KEYS[7], group) then
     -- fair shares: its key is at its cap on jobs in flight (another worker leased one since the
     -- pick): it stays queued, and is picked again by its score once one of them ends

@@ -640,3 +640,18 @@ def test_a_call_only_answer_has_no_content():
     assert chat_message(result("\n", tool_calls=calls))["content"] is None
     assert chat_message(result("Let me check.\n", tool_calls=calls))["content"] == "Let me check.\n"
     assert chat_message(result(""))["content"] == "" and chat_message(result(" "))["content"] == " "
+
+
+def test_a_jobs_life_travels_in_the_body_and_bad_times_or_webhooks_are_a_400(stack):
+    """docs/pipelines/job-life.md: an expiry already past, or a webhook host the operator did not allow, is
+    refused before anything is queued; a job with an expiry it meets runs as any other."""
+    url, r = stack
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    queued = r.hget(GK.model_keys("tiny").counts, "submitted")
+    status, out = raw_post(url, "/v1/chat/completions", {**chat, "expires_at": time.time() - 10})
+    assert status == 400 and "already past" in out["error"]["message"]
+    status, out = raw_post(url, "/v1/chat/completions", {**chat, "webhook": "https://evil.example.net/x"})
+    assert status == 400 and "not allowed" in out["error"]["message"]
+    assert r.hget(GK.model_keys("tiny").counts, "submitted") == queued
+    status, out = raw_post(url, "/v1/chat/completions", {**chat, "expires_in": 600})
+    assert status == 200 and out["choices"][0]["finish_reason"] in ("stop", "length")

@@ -128,3 +128,35 @@ def test_node_producer_sends_a_time_limit(node_dir, tiny_model, redis_url):
         out = run_node(node_dir, redis_url, "hello", 2, MLXQ_TIMEOUT_S="0")
         assert out["finish_reason"] == "error" and "timeout_s" in out["error"], out
     r.close()
+
+
+def test_node_producer_sends_a_life_of_its_own(node_dir, redis_url):
+    """MLXQ_DEFER_S and MLXQ_EXPIRES_IN go in the request and in enqueue's ARGV 7-8 (PROTOCOL.md section 9):
+    an expiry already past is refused by the script, with its reason; a deferred job waits in the deferred
+    set with the run_at its request carries (no worker needed: the wait is in Redis)."""
+    from mlxq.shared import apikeys
+    from mlxq.shared.protocol import load_functions
+
+    # what a worker does at start (no worker here): the policy, its slot copy, mlxq's Functions
+    r = redis.Redis.from_url(redis_url)
+    apikeys.seed_policy(r, GlobalKeys(), {"high": 0, "normal": 30, "low": 300}, 10_000)
+    apikeys.sync_model(r, r, GlobalKeys(), "tiny")
+    load_functions(r)
+    env = {**os.environ, "MLXQ_REDIS_URL": redis_url, "MLXQ_MODEL": "tiny", "MLXQ_EXPIRES_IN": "-5"}
+    proc = subprocess.run([shutil.which("node"), "producer.mjs", "hi", "2"], cwd=node_dir, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "invalid_time expires_at is already past" in proc.stderr
+    k = GlobalKeys().model_keys("tiny")
+    env.update(MLXQ_EXPIRES_IN="600", MLXQ_DEFER_S="300")
+    node = subprocess.Popen([shutil.which("node"), "producer.mjs", "hi", "2"], cwd=node_dir, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: r.zcard(k.deferred) == 1, timeout=60)
+        (job_id, run_at), = r.zrange(k.deferred, 0, -1, withscores=True)
+        req = codec.unpack(r.hget(k.job(job_id.decode()), "req"))
+        assert req["run_at"] == pytest.approx(run_at) and req["expires_at"] == pytest.approx(run_at + 300)
+        assert r.zcard(k.queue) == 0 and r.zscore(k.expiring, job_id) == pytest.approx(req["expires_at"])
+    finally:
+        node.kill()
+        node.wait(timeout=10)
+        r.close()

@@ -99,7 +99,7 @@ def test_a_producer_only_venv_is_light_and_says_what_the_extras_add(tmp_path, re
     lines = out.stdout.splitlines()
     assert lines == [
         "worker: mlxq.worker needs MLX, mlx-lm, numpy: pip install 'mlxq[worker]'",
-        "gateway: mlxq.producer.gateway needs starlette, uvicorn, prometheus_client: pip install 'mlxq[gateway]'",
+        "gateway: mlxq.producer.gateway needs starlette, uvicorn, prometheus_client, python-multipart: pip install 'mlxq[gateway]'",
         "submitted: queued, no live worker for m",
         "refused: bad grammar",
         "loaded: []",

@@ -30,7 +30,7 @@ FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 # the pages of the docs site whose examples run here, in the order they build on each other (a key the
 # gateway's page adds is used by the later pages' examples)
 PAGES = ("docs/gateway.md", "docs/producers/rq.md", "docs/producers/bulk.md", "docs/producers/structured.md",
-         "docs/producers/samples.md", "docs/gateway-responses.md")
+         "docs/producers/samples.md", "docs/gateway-responses.md", "docs/gateway-messages.md")
 
 
 def sections() -> list[tuple[str, str]]:

@@ -95,7 +95,7 @@ def test_producer_user_cannot_choose_its_priority(acl_setup, redis_url, tiny_mod
     assert reply == [b"unauthorized", b"unknown API key"]
     refused += 1
     raw.fcall(function_name("submit"), 4, K.job(job_id), K.job(job_id), K.intake, K.wake, job_id, b"req", "", "high",
-              "0", 60, "high", 0)
+              "0", 60, "", "", "", "high", 0)  # (ARGV 7-9: run_at, expires_at, webhook, none here)
     assert Queue(admin, K, settings).admit() == (1, 0)
     assert admin.hget(K.job(job_id), "tier") == b"normal"
     admin.zrem(K.queue, job_id)  # (not a real request: keep it away from the worker below)

@@ -140,11 +140,12 @@ def test_idempotency_keys_are_scoped_to_the_api_key(rr):
     assert first.status == other.status == "ok" and other.job_id == b
     assert again.status == "duplicate" and again.job_id == a
     mine = apikeys.key_hash(TIER_KEYS["high"])
-    job, counts, wake, _, intake, queue, key_copy, policy, *fair = q.calls.enqueue(
+    # (the deferred, expiring and webhooks keys, then the fair-share keys)
+    job, counts, wake, _, intake, queue, key_copy, policy, *rest = q.calls.enqueue(
         d, b"x", mine, None, "order-1001")[1]
     theirs = q.keys.idempotency("order-1001", apikeys.key_hash(TIER_KEYS["low"]))
     script = q._scripts["enqueue"]
-    reply = script(keys=[job, counts, wake, theirs, intake, queue, key_copy, policy, *fair],
+    reply = script(keys=[job, counts, wake, theirs, intake, queue, key_copy, policy, *rest],
                    args=[d, b"x", mine, "", "1", 60])
     assert reply[0] == b"invalid_idempotency_key" and not rr.exists(q.keys.job(d))
     with pytest.raises(JobRefused, match="scoped"):

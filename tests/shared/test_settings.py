@@ -30,6 +30,7 @@ SAMPLES = {
     "chunk_schedule": "256:64,*:32", "step_token_budget": "128", "decode_reserve_blocks": "2",
     "priority_gap": "2.5", "max_sequences": "32", "max_waiting": "3", "session_dir": "/tmp/mlxq-sessions",
     "attention": "gather", "matmul": "pool", "kv_bits": "8", "kv_group_size": "32",
+    "embed_pooling": "mean",
 }
 ONLY_DEFAULT = {"block_size"}  # one supported value: any other is refused (tested below)
 

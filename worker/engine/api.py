@@ -17,6 +17,19 @@ Sampler = Callable[[Any], Any]
 LogitsProcessor = Callable[[Any, Any], Any]
 
 
+POOLINGS = ("last", "mean")  # an embedding's pooling rule: the last token's hidden state, or the mean of all
+
+
+@dataclass(frozen=True)
+class EmbedSpec:
+    """A sequence that is embedded, not generated: prefill only, then its final hidden states (the
+    model's last norm, before the LM head) pooled, truncated to ``dimensions`` and L2-normalised."""
+
+    pooling: str = "last"  # one of POOLINGS
+    normalize: bool = True
+    dimensions: Optional[int] = None  # keep the first this many (None: all), normalised after the cut
+
+
 @dataclass
 class SeqSpec:
     """One sequence handed to an engine."""
@@ -55,6 +68,10 @@ class SeqSpec:
     # copies its last partial one; a sibling that is gone means an ordinary admission.
     fork_of: Optional[str] = None
     fork_len: int = 0
+    # an embedding job: the engine prefills the prompt and ends the sequence with its pooled vector
+    # (TokenEvent.embedding); it never reads or fills the prefix cache's hits (mean pooling needs the
+    # hidden state of every position), and generates nothing
+    embed: Optional[EmbedSpec] = None
 
 
 @dataclass
@@ -68,6 +85,8 @@ class TokenEvent:
     # prompt tokens whose KV came from the prefix cache at the sequence's last admission; None: unknown
     cached_tokens: Optional[int] = None
     error: Optional[str] = None  # why the sequence ended with "error" (its constraint failed)
+    # an embedding sequence's end (finish_reason "stop", token None): its vector as little-endian float32
+    embedding: Optional[bytes] = None
 
 
 @dataclass

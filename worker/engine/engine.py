@@ -145,6 +145,13 @@ class PagedEngine:
 
     # ================================================================ the rest of the Engine API
     def add(self, specs: list[SeqSpec]) -> None:
+        if not self.runner.split_head and any(s.embed is not None for s in specs):
+            why = (f"this model's architecture ({type(self.model).__module__}) gives the engine no hidden "
+                   "states to pool: embeddings need a llama, qwen2 or qwen3 model")
+            for spec in specs:
+                if spec.embed is not None:
+                    self.scheduler.refuse(spec.uid, why)
+            specs = [s for s in specs if s.embed is None]
         self.scheduler.add(specs)
 
     def remove(self, uids: list[str]) -> None:

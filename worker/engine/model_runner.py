@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
+from .api import EmbedSpec
 from .kv_cache import BatchRow, BatchView, KVPool, make_layer_caches
 from .logit_shaping import GrammarBook, Shaped, shape
 from .sampler import REPETITION_CONTEXT, SampleRow, sample
@@ -72,20 +74,27 @@ class ModelRunner:
         Returns (len(keep), V), or None when ``keep`` is empty (the pass only
         writes K/V into the pool).
         """
+        out = self.run(rows, inputs)  # lazy: with keep empty, K/V writes only, evaluated with the pool
+        if keep is not None and not keep:
+            return None
+        return self.last_rows(out, last_index, keep)
+
+    def run(self, rows: list[BatchRow], inputs: mx.array) -> mx.array:
+        """The model over the pool: its final hidden states (B, N, D) where the head splits off
+        (``split_head``), else its logits (B, N, V)."""
         view = BatchView(rows, self.pool.block_size, self.pool.scratch_block)
         caches = make_layer_caches(self.pool, view)
-        if keep is not None and not keep:
-            if self.split_head:
-                self.model.model(inputs, caches)  # lazy: K/V writes only, evaluated with the pool
-            else:
-                self.model(inputs, cache=caches)
-            return None
-        out = self.model.model(inputs, caches) if self.split_head else self.model(inputs, cache=caches)
+        return self.model.model(inputs, caches) if self.split_head else self.model(inputs, cache=caches)
+
+    def last_rows(self, out: mx.array, last_index: Optional[mx.array] = None,
+                  keep: Optional[list[int]] = None) -> mx.array:
+        """``run``'s output at each row's last real position (``forward``'s arguments), as logits."""
+        rows = out.shape[0]
         if last_index is None:
             out = out[:, -1, :]
         else:
             out = mx.take_along_axis(out, last_index[:, None, None], axis=1)[:, 0, :]
-        if keep is not None and len(keep) < len(rows):
+        if keep is not None and keep != list(range(rows)):
             out = out[mx.array(keep)]
         return self.head(out) if self.split_head else out
 
@@ -106,24 +115,59 @@ class ModelRunner:
                            for seq, n in plan.rows])
         ragged = any(n != width for _, n in plan.rows)
         last = mx.array([n - 1 for _, n in plan.rows]) if ragged else None
-        logits = self.forward(rows, inputs, last, keep=plan.ending)
-        if not plan.ending:
-            mx.eval(self.pool.arrays())
-            return []
-        seqs = plan.ending_seqs()
-        if plan.firsts:  # waiting forks sample their first token from their sibling's row
-            logits = logits[mx.array(list(range(len(seqs))) + [k for _, k in plan.firsts])]
-            seqs = seqs + [w for w, _ in plan.firsts]
+        ending = plan.ending_seqs()
+        # the rows sampled: ending rows that generate, then waiting forks from their sibling's row
+        gen = [j for j, s in enumerate(ending) if s.spec.embed is None]
+        keep = [plan.ending[j] for j in gen] + [plan.ending[k] for _, k in plan.firsts]
+        seqs = [ending[j] for j in gen] + [w for w, _ in plan.firsts]
+        embedded: list[Sampled] = []
+        if any(seq.spec.embed is not None for seq, _ in plan.rows):
+            out = self.run(rows, inputs)
+            embedded = self._pool(plan, out)
+            logits = self.last_rows(out, last, keep) if keep else None
+        else:
+            logits = self.forward(rows, inputs, last, keep=keep)
+        if not seqs:
+            mx.eval(self.pool.arrays(), [s.embedding for s in embedded])
+            return [self._vector_bytes(s) for s in embedded]
         shaped = None
         if any(s.row_shape() is not None for s in seqs):
             mx.async_eval(logits, self.pool.arrays())  # the forward runs while the host shapes
             shaped = self._shape(seqs, logits.shape[-1])
         toks, lps = sample(logits, [self._sample_row(seq) for seq in seqs], self._bias(shaped))
-        mx.eval(toks, [x for x in lps if x is not None], self.pool.arrays())
+        mx.eval(toks, [x for x in lps if x is not None], self.pool.arrays(), [s.embedding for s in embedded])
         out = [Sampled(seq, tok, lp) for seq, tok, lp in zip(seqs, toks.tolist(), lps)]
         for i, why in (shaped.dead if shaped else ()):
             out[i] = Sampled(seqs[i], None, error=why)
-        return out
+        return out + [self._vector_bytes(s) for s in embedded]
+
+    # ================================================================ embeddings
+    def _pool(self, plan: PrefillPlan, hidden: mx.array) -> list[Sampled]:
+        """Pool the embedding rows of a prefill pass (``hidden``: the pass's final hidden states): a
+        mean row adds its chunk's positions to its sum; a row whose prompt ends here gets its vector
+        (lazy, in the Sampled's ``embedding``)."""
+        done = []
+        for i, (seq, n) in enumerate(plan.rows):
+            spec = seq.spec.embed
+            if spec is None:
+                continue
+            ends = n >= seq.num_uncomputed
+            if spec.pooling == "mean":
+                part = hidden[i, :n].astype(mx.float32).sum(axis=0)
+                seq.pooled = part if seq.pooled is None else seq.pooled + part
+                if ends:
+                    done.append(Sampled(seq, None, embedding=seq.pooled / len(seq.tokens)))
+            elif ends:  # last: the hidden state of the prompt's last token (decoder embedders)
+                done.append(Sampled(seq, None, embedding=hidden[i, n - 1].astype(mx.float32)))
+        for s in done:
+            s.embedding = finish_vector(s.embedding, s.seq.spec.embed)
+        return done
+
+    @staticmethod
+    def _vector_bytes(s: Sampled) -> Sampled:
+        """An evaluated vector read back as little-endian float32 bytes (what crosses to the host)."""
+        s.embedding = np.asarray(s.embedding, dtype="<f4").tobytes()
+        return s
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Make the (source, destination) block copies, in place: the decode in flight is computed
@@ -224,3 +268,12 @@ class ModelRunner:
         if spec.repetition_penalty is not None:  # a deferred row: its context is all on the host
             repetition = (spec.repetition_penalty, seq.tokens[-REPETITION_CONTEXT:])
         return SampleRow(spec.sampler, spec.logits_processors, ctx, spec.want_logprobs, repetition)
+
+
+def finish_vector(v: mx.array, spec: EmbedSpec) -> mx.array:
+    """A pooled vector cut to ``spec.dimensions`` (Matryoshka truncation), then L2-normalised."""
+    if spec.dimensions is not None:
+        v = v[:spec.dimensions]
+    if spec.normalize:
+        v = v / mx.maximum(mx.sqrt((v * v).sum()), 1e-12)
+    return v

@@ -62,12 +62,16 @@ class Scheduler:
         for spec in specs:
             seq, why = make_sequence(spec, self._arrivals, pool_tokens, self.start_grammar)
             if seq is None:
-                self._events.append(TokenEvent(spec.uid, None, "error", error=why))
+                self.refuse(spec.uid, why)
                 continue
             self.waiting.append(seq)
             self.live[seq.uid] = seq
             self.forks.join(seq)
         self.waiting.sort(key=Sequence.rank)
+
+    def refuse(self, uid: str, why: str) -> None:
+        """A spec that cannot run ends at once with "error" (its event goes out with the next step)."""
+        self._events.append(TokenEvent(uid, None, "error", error=why))
 
     def remove(self, uids: list[str]) -> None:
         """Drop these sequences; a job id also drops its samples (``job_id#i``)."""
@@ -124,6 +128,8 @@ class Scheduler:
                 continue  # removed meanwhile
             if s.error is not None:
                 self.fail(s.seq, s.error)
+            elif s.embedding is not None:
+                self._embedded(s)
             else:
                 self._emit(s)
 
@@ -203,7 +209,8 @@ class Scheduler:
         if sibling is not None:
             hit, computed = self.forks.hit(seq, sibling)
         else:
-            hit = self.hot_sessions.prefix_hit(seq) if cfg.prefix_cache else PrefixHit()
+            # an embedding computes every position (its pooling may need each one's hidden state)
+            hit = self.hot_sessions.prefix_hit(seq) if cfg.prefix_cache and seq.spec.embed is None else PrefixHit()
             computed = hit.num_blocks * self.block_size
         new_blocks = bm.blocks_needed(n) - hit.num_blocks
         revived = sum(1 for b in hit.block_ids if bm.blocks[b].ref_count == 0)
@@ -311,6 +318,11 @@ class Scheduler:
         self._events.append(TokenEvent(seq.uid, s.token, reason, s.logprobs, cached_tokens=seq.prefix_hit))
         if reason is not None:
             self._finish(seq)
+
+    def _embedded(self, s: Sampled) -> None:
+        """An embedding sequence's prefill ended: its vector ends it (nothing is generated)."""
+        self._events.append(TokenEvent(s.seq.uid, None, "stop", cached_tokens=0, embedding=s.embedding))
+        self._finish(s.seq)
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
         """Blocks whose every token is computed and known go into the prefix cache."""

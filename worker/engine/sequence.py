@@ -32,6 +32,9 @@ class Sequence:
     prefix_hit: int = 0  # prompt tokens found in the prefix cache at the last admission (reported per job)
     pending: int = 0  # tokens sampled by a launched decode, not yet read (0 or 1)
     grammar: Optional[RowGrammar] = None  # the spec's grammar, fed every emitted token
+    # an embedding sequence's pooling so far (the model runner's float32 array: the sum of the hidden
+    # states of its computed positions for mean pooling), rebuilt from scratch after a release
+    pooled: object = None
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -78,6 +81,7 @@ class Sequence:
         """Back to waiting, holding no block (its owner deallocated them)."""
         self.block_table, self.block_hashes = [], []
         self.num_computed = self.pending = 0
+        self.pooled = None
         self.status = SequenceStatus.WAITING
 
     def append_token(self, token: int, eos_token_ids) -> Optional[str]:
@@ -99,6 +103,7 @@ class Sampled:
     token: Optional[int]  # None: no token could be sampled (``error`` says why)
     logprobs: object = None  # the runner's (vocab,) log-probabilities when the spec wants them, else None
     error: Optional[str] = None  # the row's constraint dead-ended
+    embedding: Optional[bytes] = None  # an embedding sequence's pooled vector (token None): it ends
 
 
 @dataclass

@@ -1,0 +1,141 @@
+"""OpenAI's Batch API through the gateway, driven by the official ``openai`` client: a real Valkey,
+one worker on the tiny model and one gateway for the module.  Every batch line's answer is compared
+with the same request made directly through Chat Completions (greedy) in the same run."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from mlxq.producer.gateway import ServerThread, create_app
+from mlxq.shared.keys import GlobalKeys
+from workerkit import fast_settings, serving_gateway, wait_for
+
+PROMPTS = ["Tell me about the sea.", "Name a colour.", "Count to three.", "Why is the sky blue?", "Hello!"]
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, tiny_model):
+    with serving_gateway(tiny_model, redis_server.url, max_batch=8) as (url, r):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=60), r
+
+
+def line(custom_id: str, prompt: str, model: str = "tiny", **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
+                     "temperature": 0, **body}}
+
+
+def jsonl(lines: list) -> bytes:
+    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+
+
+def upload(client: openai.OpenAI, lines: list):
+    return client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
+
+
+def ended(client: openai.OpenAI, batch_id: str, timeout: float = 60.0):
+    """The batch once it has ended (polled as a pipeline polls it)."""
+    seen = {}
+    assert wait_for(lambda: seen.update(b=client.batches.retrieve(batch_id)) or seen["b"].status in (
+        "completed", "failed", "cancelled"), timeout=timeout, interval=0.05), seen
+    return seen["b"]
+
+
+def test_batch_answers_every_line_once_as_chat_completions_would(stack):
+    client, _ = stack
+    lines = [line(f"req-{i}", p, **({"logprobs": True, "top_logprobs": 2} if i == 1 else {}))
+             for i, p in enumerate(PROMPTS)]
+    f = upload(client, lines)
+    assert f.object == "file" and f.purpose == "batch" and f.bytes == len(jsonl(lines))
+    assert client.files.retrieve(f.id).filename == "requests.jsonl"
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"run": "nightly"})
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "nightly"}
+    direct = {f"req-{i}": client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                                         max_tokens=6, temperature=0).choices[0].message.content
+              for i, p in enumerate(PROMPTS)}
+    done = ended(client, batch.id)
+    assert done.status == "completed" and done.error_file_id is None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (5, 5, 0)
+    out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in out] == [f"req-{i}" for i in range(len(PROMPTS))]  # each once, in input order
+    for o in out:
+        assert o["error"] is None and o["response"]["status_code"] == 200 and o["id"].startswith("batch_req_")
+        body = o["response"]["body"]
+        assert body["object"] == "chat.completion" and body["model"] == "tiny"
+        assert body["choices"][0]["message"]["content"] == direct[o["custom_id"]]
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    assert out[0]["response"]["body"]["choices"][0]["logprobs"] is None
+    shown = out[1]["response"]["body"]["choices"][0]["logprobs"]["content"]  # named as the gateway names them
+    assert "".join(t["token"] for t in shown) == direct["req-1"] and {len(t["top_logprobs"]) for t in shown} == {2}
+    # behind interactive work, though the caller's tier is normal
+    assert {o["response"]["body"]["stats"]["tier"] for o in out} == {"low"}
+
+    listed = client.files.list(purpose="batch_output")
+    assert [x.id for x in listed.data] == [done.output_file_id] and not listed.has_more
+    assert f.id in [x.id for x in client.files.list()]
+    assert client.files.delete(f.id).deleted
+    assert f.id not in [x.id for x in client.files.list()]
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
+
+
+def test_a_bad_file_is_refused_naming_its_line(stack):
+    client, r = stack
+    before = r.dbsize()
+    with pytest.raises(openai.BadRequestError, match="line 2: not a JSON object"):
+        upload(client, [line("a", "hi"), "{not json", line("c", "hi")])
+    with pytest.raises(openai.BadRequestError, match="line 3: custom_id 'a' is a duplicate of line 1"):
+        upload(client, [line("a", "hi"), line("b", "hi"), line("a", "hi")])
+    assert r.dbsize() == before  # nothing stored, nothing queued
+    f = upload(client, [line("a", "hi"), line("b", "hi", model="no-such-model")])
+    with pytest.raises(openai.BadRequestError, match="line 2: model 'no-such-model' is not served"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="line 1: url '/v1/chat/completions' is not the batch's"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="endpoint must be one of"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def test_an_upload_over_the_cap_is_refused(stack, redis_server):
+    _, r = stack
+    before = set(r.keys("mlxq:file:*"))
+    with ServerThread(create_app(redis_server.url, fast_settings(redis_server.url, max_file_bytes=300))) as url:
+        small = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIStatusError, match="over the gateway's limit of 300 bytes") as info:
+            upload(small, [line(f"x{i}", "hi") for i in range(3)])
+        assert info.value.status_code == 413
+        assert upload(small, [line("x", "hi")]).bytes < 300
+    assert len(set(r.keys("mlxq:file:*")) - before) == 1  # the small one
+
+
+def test_cancel_and_list(stack):
+    client, r = stack
+    # a model whose registry entry has no worker behind it: its lines stay queued until the cancel
+    r.hset(GlobalKeys().models, "idle", r.hget(GlobalKeys().models, "tiny"))
+    try:
+        f = upload(client, [line(f"q{i}", "hi", model="idle") for i in range(3)])
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert wait_for(lambda: r.hlen(GlobalKeys().batch(batch.id).jobs) == 3, timeout=30)
+        assert client.batches.cancel(batch.id).status == "cancelling"
+        done = ended(client, batch.id)
+    finally:
+        r.hdel(GlobalKeys().models, "idle")
+    assert done.status == "cancelled" and done.output_file_id is None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (3, 0, 3)
+    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert sorted(e["custom_id"] for e in errors) == ["q0", "q1", "q2"]
+    assert {e["response"]["body"]["error"]["code"] for e in errors} == {"cancelled"}
+    assert client.batches.cancel(batch.id).status == "cancelled"  # again: a no-op
+    with pytest.raises(openai.NotFoundError):
+        client.batches.cancel("batch_nope")
+
+    page = client.batches.list(limit=1)
+    assert [b.id for b in page.data] == [batch.id] and page.has_more  # newest first
+    rest = client.batches.list(limit=10, after=batch.id)
+    assert batch.id not in [b.id for b in rest.data] and rest.data and not rest.has_more
