@@ -7,7 +7,7 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from mlxq.shared import apikeys
+from mlxq.shared import apikeys, codec
 from mlxq.shared.keys import GlobalKeys, ModelKeys
 from mlxq.shared.protocol import Queue
 from mlxq.shared.settings import Settings
@@ -157,3 +157,59 @@ def test_a_key_is_parked_only_for_leases_it_holds(q):
     assert q.cancel(a[0]) == "cancelled"
     assert q.run(q.calls.pull(chosen, "w")) == []
     assert [p.job_id for p in q.pull(8, "w")] == [a[1]]
+
+
+def server_now(r) -> float:
+    sec, usec = r.time()
+    return sec + usec / 1e6
+
+
+def indexed(q: Queue, job_id: str) -> dict:
+    """What the fair state and index hold of a job: its group (g:), its member (j:), its fairq members."""
+    r = q.redis
+    return {"g": r.hget(q.keys.fair_state, f"g:{job_id}"), "j": r.hget(q.keys.fair_state, f"j:{job_id}"),
+            "fairq": [m for m in r.zrange(q.keys.fair_jobs, 0, -1) if m.endswith(job_id.encode())]}
+
+
+def test_a_deferred_job_takes_its_keys_turn_once_promoted_and_is_metered(q):
+    """A deferred job is not indexed while it waits (a pick would find it not queued and drop it), only
+    its group is kept; promoted, it takes its key's turn (ahead of A's flood, though its score, from its
+    run_at, is later), counts against its key's jobs in flight, and its tokens are its key's."""
+    a = flood(q, "a", 40, 1)
+    job = f"{100_000:032x}"
+    kh = apikeys.key_hash(KEYS["b"])
+    group = apikeys.copy_field(kh).encode()
+    assert q.enqueue(job, codec.pack({"run_at": server_now(q.redis) + 600}), kh).status == "ok"
+    assert q.redis.zscore(q.keys.deferred, job) and indexed(q, job) == {"g": group, "j": None, "fairq": []}
+    assert pulled(q, 4) == a[:4]  # not due: A alone
+    q.redis.zadd(q.keys.deferred, {job: server_now(q.redis) - 1}, xx=True)  # (its time has come)
+    assert job in [p.job_id for p in q.pull(2, "w")]  # by score alone it would wait behind A's 36
+    run = b"run:" + group
+    assert q.redis.hget(q.keys.fair_state, run) == b"1"
+    assert q.complete(job, "w:1", "done", b"r", usage=(7, 3)) == 1
+    day = f"{int(server_now(q.redis)) // 86400}|{group.decode()}|"
+    usage = q.redis.hmget(q.keys.usage, day + "prompt", day + "completion", day + "jobs")
+    assert usage == [b"7", b"3", b"1"]
+    assert q.redis.hget(q.keys.fair_state, run) is None and indexed(q, job) == {"g": None, "j": None, "fairq": []}
+
+
+def test_an_expired_job_leaves_no_fair_index_entry(q):
+    """An expired job leaves fair shares as it ends: swept while queued (indexed) or deferred (its group
+    kept), or met by a pull after a pick."""
+    kh = apikeys.key_hash(KEYS["a"])
+    now = server_now(q.redis)
+    queued, deferred, picked = (f"{i:032x}" for i in (1, 2, 3))
+    lives = {queued: {"expires_at": now + 600}, deferred: {"run_at": now + 300, "expires_at": now + 600},
+             picked: {"expires_at": now + 600}}
+    for job, life in lives.items():
+        assert q.enqueue(job, codec.pack(life), kh).status == "ok"
+    assert indexed(q, queued)["j"] and indexed(q, deferred)["g"] and indexed(q, picked)["j"]
+    past = server_now(q.redis) - 1  # their expires_at passes (as time would)
+    for job in lives:
+        q.redis.hset(q.keys.job(job), "expires_at", f"{past:.6f}")
+    q.redis.zadd(q.keys.expiring, {picked: now + 600, queued: past, deferred: past}, xx=True)
+    assert q.sweep_expired(server_now(q.redis)) == 2
+    assert q.pull(4, "w") == []  # the pick chose `picked`; the pull ends it expired
+    for job in lives:
+        assert q.redis.hget(q.keys.job(job), "status") == b"expired"
+        assert indexed(q, job) == {"g": None, "j": None, "fairq": []}
