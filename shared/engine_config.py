@@ -42,3 +42,10 @@ class EngineConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "chunk_schedule", tuple(self.chunk_schedule))  # a list reads the same
+
+    def chunk_size(self, pos: int) -> int:
+        """The prefill chunk of a prompt at position ``pos``, by ``chunk_schedule``."""
+        for limit, size in self.chunk_schedule:
+            if limit is None or pos < limit:
+                return size
+        return self.chunk_schedule[-1][1]

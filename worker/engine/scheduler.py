@@ -117,7 +117,7 @@ class Scheduler:
         self.counters.prefill_tokens += sum(n for _, n in plan.rows)
         for seq, n in plan.rows:
             seq.num_computed += n
-            self._commit_full_blocks(seq)
+            seq.commit_computed(self.bm)
         firsts = {id(w) for w, _ in plan.firsts}
         for s in sampled:
             # a waiting fork's first token, drawn from its sibling's logits: it admits next step
@@ -128,8 +128,6 @@ class Scheduler:
                 continue  # removed meanwhile
             if s.error is not None:
                 self.fail(s.seq, s.error)
-            elif s.embedding is not None:
-                self._embedded(s)
             else:
                 self._emit(s)
 
@@ -255,12 +253,6 @@ class Scheduler:
         self.counters.preemptions += 1
         self._preempted.append(Preempted(seq.uid, list(seq.generated)))
 
-    def _chunk_size(self, pos: int) -> int:
-        for limit, size in self.config.chunk_schedule:
-            if limit is None or pos < limit:
-                return size
-        return self.config.chunk_schedule[-1][1]
-
     def _pick_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
         """The rows of one ragged prefill pass, (sequence, tokens this pass), most urgent first within
         the token budget; the padded size (rows x the longest chunk) too, so a long chunk does not
@@ -274,7 +266,7 @@ class Scheduler:
                 break
             n = seq.num_uncomputed
             if self.config.chunked_prefill:
-                n = min(n, self._chunk_size(seq.num_computed), left)
+                n = min(n, self.config.chunk_size(seq.num_computed), left)
             if picked and max(width, n) * (len(picked) + 1) > budget:
                 break
             picked.append((seq, n))
@@ -310,23 +302,17 @@ class Scheduler:
     # ================================================================ tokens and ends
     def _emit(self, s: Sampled) -> None:
         seq = s.seq
+        if s.embedding is not None:  # an embedding's prefill ended: its vector ends it (nothing is generated)
+            self._events.append(TokenEvent(seq.uid, None, "stop", cached_tokens=0, embedding=s.embedding))
+            return self._finish(seq)
         refused = seq.grammar.advance(s.token) if seq.grammar is not None else None
         if refused:
             return self.fail(seq, refused)
         reason = seq.append_token(s.token, self.eos_token_ids)
-        self._commit_full_blocks(seq)
+        seq.commit_computed(self.bm)
         self._events.append(TokenEvent(seq.uid, s.token, reason, s.logprobs, cached_tokens=seq.prefix_hit))
         if reason is not None:
             self._finish(seq)
-
-    def _embedded(self, s: Sampled) -> None:
-        """An embedding sequence's prefill ended: its vector ends it (nothing is generated)."""
-        self._events.append(TokenEvent(s.seq.uid, None, "stop", cached_tokens=0, embedding=s.embedding))
-        self._finish(s.seq)
-
-    def _commit_full_blocks(self, seq: Sequence) -> None:
-        """Blocks whose every token is computed and known go into the prefix cache."""
-        self.bm.commit_full(seq.block_table, seq.block_hashes, seq.tokens, min(seq.num_computed, len(seq.tokens)))
 
     def _finish(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING:  # a fork that ended on its first token

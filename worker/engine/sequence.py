@@ -77,6 +77,10 @@ class Sequence:
         self.num_computed = num_computed
         self.status = SequenceStatus.PREFILL
 
+    def commit_computed(self, bm) -> None:
+        """Its blocks whose every token is computed and known go into ``bm``'s prefix cache."""
+        bm.commit_full(self.block_table, self.block_hashes, self.tokens, min(self.num_computed, len(self.tokens)))
+
     def release(self) -> None:
         """Back to waiting, holding no block (its owner deallocated them)."""
         self.block_table, self.block_hashes = [], []
