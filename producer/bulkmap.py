@@ -111,7 +111,7 @@ class Line:
     """A line of a bulk run (``mlxq batch``, an OpenAI batch) whose job is in flight."""
     n: int  # its line number in the input
     custom_id: Optional[str]
-    chat: bool  # answered as a chat.completion (else a text_completion)
+    kind: str  # bulk.Kind: "chat", "text" or "embed" (a chat.completion, a text_completion, embeddings)
     top_n: int  # the top logprobs shown (-1: the line's own ``logprobs``)
     sub: Submitted
 

@@ -44,7 +44,7 @@ from ...shared import apikeys
 from ...shared.protocol import OverloadError
 from ...shared.steps import arun_steps
 from ..aclient import AsyncClient
-from ..bulk import _line_params, batch_line, refused_line
+from ..bulk import KINDS, _line_params, batch_line, refused_line
 from ..bulkmap import BULK_TIER_FLOOR, Line, Submitted, _async_io, bulk_submit, reap_lines
 from ..openai_api import LogprobFormatter, OpenAIError
 from ..openai_batch import BATCH_ENDPOINTS, COMPLETION_WINDOWS, ENDED, MAX_METADATA_PAIRS, check_lines, request_lines
@@ -299,7 +299,7 @@ class BatchLines:
         """The line queued (or answered, when it cannot run); False when the queue is full."""
         custom_id = item["custom_id"]
         try:
-            params, fallback, _, chat, top_n = _line_params(item)
+            params, fallback, _, kind, top_n = _line_params(item)
             sub = await arun_steps(bulk_submit({**fallback, **params}, BULK_TIER_FLOOR,
                                                self.client.settings.max_prompt_bytes, f"{self.prefix}:{custom_id}"),
                                    _async_io(self.client))
@@ -309,7 +309,7 @@ class BatchLines:
             await self._write(n, refused_line(n, custom_id, f"invalid request: {exc}"))
             return True
         await self.client.at(self.keys.jobs).hset(self.keys.jobs, n, f"{sub.model} {sub.job_id}")
-        self.inflight[sub.job_id] = Line(n, custom_id, chat, top_n, sub)
+        self.inflight[sub.job_id] = Line(n, custom_id, kind, top_n, sub)
         return True
 
     async def _reap(self) -> None:
@@ -320,18 +320,18 @@ class BatchLines:
                 info = await self.client.model_info(line.sub.model)  # (its tokenizer.json read off the event loop)
                 names = await asyncio.to_thread(self.driver.gw.token_names.for_model, info)
                 fmt = LogprobFormatter(names, max(line.top_n, 0))
-            await self._write(line.n, batch_line(line.n, line.custom_id, job_id, line.sub.model, line.chat, res, fmt))
+            await self._write(line.n, batch_line(line.n, line.custom_id, job_id, line.sub.model, line.kind, res, fmt))
 
     async def _cancel_jobs(self, done: set[int]) -> None:
         """Cancel the batch's jobs not yet answered, this driver's and any an earlier one queued."""
         queued = {line.n for line in self.inflight.values()}
         ids = {n: item["custom_id"] for n, item in self.lines}
-        chat = self.fields["endpoint"] == "/v1/chat/completions"
+        kind = KINDS[self.fields["endpoint"]]
         jobs = await self.client.at(self.keys.jobs).hgetall(self.keys.jobs)
         for raw_n, raw in jobs.items():
             n, (model, job_id) = int(raw_n), raw.decode().split(" ", 1)
             if n not in done and n not in queued:  # queued by an earlier driver
-                self.inflight[job_id] = Line(n, ids.get(n), chat, 0, Submitted(model, job_id, True))
+                self.inflight[job_id] = Line(n, ids.get(n), kind, 0, Submitted(model, job_id, True))
         for job_id, line in list(self.inflight.items()):
             with contextlib.suppress(Exception):  # one that ended meanwhile is answered as it ended
                 await self.client._cancel(line.sub.model, job_id)
