@@ -19,7 +19,9 @@ An answered line is written once (``HSETNX``): a worker killed mid-line has its 
 queue (the job's lease), and the line is answered when the job ends.  A job record lost with a
 failed Redis master is submitted again under the same key (``Submitted.again``).
 
-Lines run at the low tier, or the creator's key's tier where that is lower.  The batch ends
+Lines run at the low tier, or the creator's key's tier where that is lower.  A line refused because
+the queue is full is queued at a later poll; one refused because the creator's key is over its daily
+token quota waits for the quota's reset (``QuotaExceeded.retry_after_s``), the batch still running.  The batch ends
 ``completed`` (or ``cancelled``) with an output file of the lines answered 200 and an error file of
 the rest, each in OpenAI's line format and in the input's order.  ``completion_window`` is taken as
 OpenAI's ``24h``; a batch is not expired when it passes.
@@ -41,7 +43,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ...shared import apikeys
-from ...shared.protocol import OverloadError
+from ...shared.protocol import OverloadError, QuotaExceeded
 from ...shared.steps import arun_steps
 from ..aclient import AsyncClient
 from ..bulk import KINDS, _line_params, batch_line, refused_line
@@ -256,6 +258,7 @@ class BatchLines:
         self.inflight: dict[str, Line] = {}  # job id -> its line
         self.prefix = f"openai-batch:{batch_id}"
         self.lines: list[tuple[int, dict]] = []  # (line number, request line) of the input file
+        self.quota_until = 0.0  # (monotonic) the creator's key is over its daily token quota until then
 
     async def run(self) -> None:
         content = await self.store.content(None, self.fields["input_file_id"])
@@ -281,9 +284,10 @@ class BatchLines:
                 cancelling = True
                 todo.clear()
                 await self._cancel_jobs(done)
-            while todo and len(self.inflight) < window:
+            while todo and len(self.inflight) < window and time.monotonic() >= self.quota_until:
                 if not await self._submit(*todo[0]):
-                    break  # the queue is full: this line again at the next poll, the lease renewed meanwhile
+                    break  # the queue is full (or the key over quota): this line again at the next poll
+                    # (or once the quota resets), the lease renewed meanwhile
                 todo.popleft()
             if self.inflight:
                 await self._reap()
@@ -304,6 +308,11 @@ class BatchLines:
                                                self.client.settings.max_prompt_bytes, f"{self.prefix}:{custom_id}"),
                                    _async_io(self.client))
         except OverloadError:
+            return False
+        except QuotaExceeded as exc:  # the creator's key: the batch waits for the next UTC day, not failing
+            if not self.quota_until:
+                log.info("batch %s: %s; its lines wait", self.batch_id, exc)
+            self.quota_until = time.monotonic() + exc.retry_after_s
             return False
         except ValueError as exc:  # (checked at create: a model gone since, say)
             await self._write(n, refused_line(n, custom_id, f"invalid request: {exc}"))
