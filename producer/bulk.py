@@ -3,14 +3,18 @@
 Input lines are JSON: a string (the prompt), an object with one of ``prompt`` / ``messages`` /
 ``prompt_tokens`` plus sampling params (``max_tokens``, ``temperature``, ...) and an optional
 ``custom_id``, or an OpenAI Batch request line (``{"custom_id", "method": "POST", "url":
-"/v1/chat/completions" | "/v1/completions", "body": {...}}``).
+"/v1/chat/completions" | "/v1/completions" | "/v1/embeddings", "body": {...}}``).  A line is one job,
+so an embeddings line's ``input`` is one input (a string or one list of token ids): a line with more
+is refused, naming it.
 
 Output lines follow OpenAI's Batch output format, plus the input's ``line`` number; they are written
 as jobs finish (any order)::
 
     {"id": <job id>, "custom_id": ..., "line": 3,
      "response": {"status_code": 200, "request_id": <job id>,
-                  "body": <a chat.completion or text_completion object: choices (n of them for a
+                  "body": <an embeddings line: OpenAI's embeddings response, ``object`` "list", its
+                           one embedding as floats, usage; else a chat.completion or text_completion
+                           object: choices (n of them for a
                            line with "n"), each with its finish_reason and, for a line that
                            asks for them, its logprobs (as the gateway returns them),
                            usage (with prompt_tokens_details.cached_tokens), and mlxq's "stats">},
@@ -46,7 +50,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Literal, Optional
 
 from ..shared.schemas import INVALID_REQUEST, Result
 from ..shared.genopts import check_defaults, error_text
@@ -55,13 +59,37 @@ from .bulkmap import BULK_TIER_FLOOR, Line, _sync_io, as_params, reap_lines, sub
 
 log = logging.getLogger(__name__)
 
-OPENAI_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+OPENAI_BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # run-wide options (mlxq batch --json-schema, --tools...) that a line's explicit null turns off
 CLEARABLE = frozenset({"response_format", "tools", "tool_choice"})
+Kind = Literal["chat", "text", "embed"]  # what a line's job answers: a chat.completion, a text_completion, embeddings
+KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "text", "/v1/embeddings": "embed"}
 
 
-def _line_params(item: Any) -> tuple[dict, dict, Optional[str], bool, int]:
-    """(submit arguments, endpoint defaults, custom_id, chat?, top logprobs shown) of one input line;
+def _embedding_params(body: Any) -> tuple[dict, int]:
+    """(submit arguments, 0) of an OpenAI Batch /v1/embeddings line's ``body``: one job, so one input."""
+    from .core import embed_inputs, embed_kwargs
+    from .openai_embeddings import EmbeddingRequest
+
+    try:
+        req = EmbeddingRequest.model_validate(body)
+    except ValueError as exc:  # (a pydantic ValidationError: the first problem, in one line)
+        raise ValueError(error_text(exc)) from None
+    if req.count() != 1:
+        raise ValueError(f"input holds {req.count()} inputs: a batch line is one job, so one input "
+                         "(a string or one list of token ids); put each input on a line of its own")
+    if req.encoding_format != "float":
+        raise ValueError("encoding_format must be float in a batch line (the output file holds the values as "
+                         "numbers)")
+    items, _ = embed_inputs(req.input)
+    params = {**items[0], **embed_kwargs(req.dimensions, req.pooling, True)}
+    if req.model:
+        params["model"] = req.model
+    return params, 0
+
+
+def _line_params(item: Any) -> tuple[dict, dict, Optional[str], Kind, int]:
+    """(submit arguments, endpoint defaults, custom_id, kind, top logprobs shown) of one input line;
     ValueError when it cannot run.  The endpoint defaults (``max_tokens`` 16 of a /v1/completions
     line that does not set it) give way to the run's defaults (``mlxq batch --max-tokens``)."""
     if isinstance(item, dict) and "body" in item and "url" in item:  # an OpenAI Batch request line
@@ -70,7 +98,11 @@ def _line_params(item: Any) -> tuple[dict, dict, Optional[str], bool, int]:
         url = item.get("url")
         if url not in OPENAI_BATCH_URLS:
             raise ValueError(f"url must be one of {OPENAI_BATCH_URLS}, got {url!r}")
-        schema = ChatCompletionRequest if url == "/v1/chat/completions" else CompletionRequest
+        kind = KINDS[url]
+        if kind == "embed":
+            params, top_n = _embedding_params(item["body"])
+            return params, {}, item.get("custom_id"), kind, top_n
+        schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
             req = schema.model_validate(item["body"])
             params = req.submit_kwargs()
@@ -84,32 +116,47 @@ def _line_params(item: Any) -> tuple[dict, dict, Optional[str], bool, int]:
         fallback = {}
         if "max_tokens" not in req.model_fields_set and params.get("max_tokens") is not None:
             fallback["max_tokens"] = params.pop("max_tokens")  # CompletionRequest's default, not the line's
-        return params, fallback, item.get("custom_id"), url == "/v1/chat/completions", req.top_n
+        return params, fallback, item.get("custom_id"), kind, req.top_n
     params = as_params(item)
     custom_id = params.pop("custom_id", None)
-    return params, {}, custom_id, params.get("messages") is not None, -1  # -1: top_n is the line's logprobs
+    kind: Kind = "chat" if params.get("messages") is not None else "text"
+    return params, {}, custom_id, kind, -1  # -1: top_n is the line's logprobs
 
 
-def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, chat: bool, res: Result,
+def _failure(res: Result, kind: Kind) -> Optional[tuple[int, dict]]:
+    """(status, OpenAI error body) of a job that gave no answer, or None."""
+    from .openai_api import failed_output
+
+    err = failed_output(res) if kind != "embed" else (
+        res if res.embedding is None and res.finish_reason != "cancelled" else None)
+    if err is not None:
+        status = 400 if err.error_code == INVALID_REQUEST else 500
+        return status, {"error": {"message": err.error or "generation failed",
+                                  "type": "invalid_request_error" if status == 400 else "server_error",
+                                  "param": None, "code": err.error_code or "job_failed"}}
+    if res.finish_reason == "cancelled":  # not an answer: a 200 with no text would read as one
+        return 500, {"error": {"message": "the job was cancelled (mlxq cancel, or its queue purged) before it ended",
+                               "type": "server_error", "param": None, "code": "cancelled"}}
+    return None
+
+
+def batch_line(n: int, custom_id: Optional[str], job_id: str, model: str, kind: Kind, res: Result,
                fmt=None) -> dict:
     """One output line in OpenAI's Batch output format (plus ``line``): the body the gateway would
     answer, logprobs included (``fmt``: a ``LogprobFormatter``; token ids as ``"<id>"`` without one)."""
-    from .openai_api import LogprobFormatter, choice, failed_output, usage
+    from .openai_api import LogprobFormatter, choice, usage
+    from .openai_embeddings import embeddings_body
 
     if fmt is None:
         fmt = LogprobFormatter(lambda i: f"<{i}>", 0)
 
-    err = failed_output(res)
-    if err is not None:
-        status = 400 if err.error_code == INVALID_REQUEST else 500
-        kind = "invalid_request_error" if status == 400 else "server_error"
-        body = {"error": {"message": err.error or "generation failed", "type": kind, "param": None,
-                          "code": err.error_code or "job_failed"}}
-    elif res.finish_reason == "cancelled":  # not an answer: a 200 with no text would read as one
-        status = 500
-        body = {"error": {"message": "the job was cancelled (mlxq cancel, or its queue purged) before it ended",
-                          "type": "server_error", "param": None, "code": "cancelled"}}
+    failed = _failure(res, kind)
+    if failed is not None:
+        status, body = failed
+    elif kind == "embed":
+        status, body = 200, embeddings_body("float", model, [res])
     else:
+        chat = kind == "chat"
         status = 200
         body = {"id": ("chatcmpl-" if chat else "cmpl-") + job_id,
                 "object": "chat.completion" if chat else "text_completion",
@@ -242,11 +289,11 @@ class BatchRun:
         return summary
 
     def _submit(self, n, raw, prefix, tier, inflight, out, summary, bar) -> None:
-        custom_id, chat = None, False
+        custom_id = None
         try:
             item = json.loads(raw)  # bytes: UTF-8 or a UnicodeDecodeError (a ValueError): this line refused
             custom_id = item.get("custom_id") if isinstance(item, dict) else None
-            params, fallback, custom_id, chat, top_n = _line_params(item)
+            params, fallback, custom_id, kind, top_n = _line_params(item)
             params = {**fallback, **self.defaults, **params}
             sub = submit_with_backoff(self.client, params, tier, f"{prefix}:{n}", self.stop)
         except ValueError as exc:
@@ -257,7 +304,7 @@ class BatchRun:
         summary.duplicates += sub.duplicate
         if top_n < 0:  # a plain line: its logprobs k (validated by the submit) is the alternatives shown
             top_n = int(params.get("logprobs") or 0)
-        inflight[sub.job_id] = Line(n, custom_id, chat, top_n, sub)
+        inflight[sub.job_id] = Line(n, custom_id, kind, top_n, sub)
 
     def _reap(self, inflight, out, summary, bar) -> bool:
         if not inflight:
@@ -267,7 +314,7 @@ class BatchRun:
             model = line.sub.model
             fmt = (self._formatter(model, line.top_n)
                    if any(o.logprobs is not None for o in res.outputs) or line.top_n else None)
-            self._write(out, batch_line(line.n, line.custom_id, job_id, model, line.chat, res, fmt), summary, bar)
+            self._write(out, batch_line(line.n, line.custom_id, job_id, model, line.kind, res, fmt), summary, bar)
         return bool(ended)
 
     @staticmethod

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator, Optional
 
 from ..shared.genopts import check_defaults, error_text
-from ..shared.protocol import OverloadError
+from ..shared.protocol import OverloadError, QuotaExceeded
 from ..shared.schemas import Result
 from ..shared.steps import Step, Steps, adrive, arun_steps, drive, run_steps
 from .errors import NoModelError
@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 BULK_TIER_FLOOR = "low"
 OVERLOAD_BACKOFF_S = 0.5
+# a key over its daily token quota: a bulk run waits for a reset this near (the UTC day about to turn);
+# one further off ends the run with the QuotaExceeded, which says when the quota resets
+QUOTA_WAIT_MAX_S = 60.0
 
 
 @dataclass
@@ -111,7 +114,7 @@ class Line:
     """A line of a bulk run (``mlxq batch``, an OpenAI batch) whose job is in flight."""
     n: int  # its line number in the input
     custom_id: Optional[str]
-    chat: bool  # answered as a chat.completion (else a text_completion)
+    kind: str  # bulk.Kind: "chat", "text" or "embed" (a chat.completion, a text_completion, embeddings)
     top_n: int  # the top logprobs shown (-1: the line's own ``logprobs``)
     sub: Submitted
 
@@ -134,7 +137,7 @@ def reap_lines(inflight: dict[str, Line], gkeys) -> Step:
         line = inflight.pop(job_id)
         try:
             sub = yield from line.sub.again_steps()
-        except OverloadError:  # the queue is full: again at the next read
+        except (OverloadError, QuotaExceeded):  # the queue is full, the key over quota: again at the next read
             inflight[job_id] = line
             continue
         except ValueError as exc:
@@ -164,13 +167,20 @@ def bulk_submit(params: dict, tier: str, max_bytes: int, idempotency_key: Option
 
 
 def bulk_submit_patiently(params: dict, tier: str, max_bytes: int, idempotency_key: Optional[str]) -> Step:
-    """``bulk_submit``, again every ``OVERLOAD_BACKOFF_S`` while the queue is full."""
+    """``bulk_submit``, again every ``OVERLOAD_BACKOFF_S`` while the queue is full, and again at the
+    quota's reset when the key's daily token quota resets within ``QUOTA_WAIT_MAX_S`` (QuotaExceeded
+    when it resets later)."""
     while True:
         try:
             return (yield from bulk_submit(params, tier, max_bytes, idempotency_key))
         except OverloadError as exc:
             log.info("queue full, retrying in %.1fs: %s", OVERLOAD_BACKOFF_S, exc)
             yield Sleep(OVERLOAD_BACKOFF_S)
+        except QuotaExceeded as exc:
+            if exc.retry_after_s >= QUOTA_WAIT_MAX_S:
+                raise
+            log.info("daily token quota used up, retrying in %.0fs, when it resets", exc.retry_after_s)
+            yield Sleep(exc.retry_after_s)
 
 
 def as_params(item: Any) -> dict:

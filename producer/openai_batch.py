@@ -27,13 +27,12 @@ import uuid
 from typing import Optional
 
 from ..shared.keys import GlobalKeys
-from .bulk import _line_params
+from .bulk import OPENAI_BATCH_URLS, _line_params
 from .errors import NoModelError
 from .registry import known_model
 
-# the endpoint a batch may name -> how its lines run: the same parsing and output as `mlxq batch`
-# (bulk.py); /v1/embeddings is the embeddings room's, wired where both exist
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# the endpoints a batch may name: its lines run with the same parsing and output as `mlxq batch` (bulk.py)
+BATCH_ENDPOINTS = OPENAI_BATCH_URLS
 COMPLETION_WINDOWS = ("24h",)
 ENDED = ("completed", "failed", "cancelled", "expired")
 MAX_METADATA_PAIRS = 16

@@ -54,10 +54,10 @@ def _user_errors() -> tuple:
 
     from ..producer.errors import JobTimeout, NoModelError
     from ..shared.apikeys import AuthError
-    from ..shared.protocol import JobRefused, OverloadError
+    from ..shared.protocol import JobRefused, OverloadError, QuotaExceeded
 
     # OSError: an input file that is missing or unreadable (mlxq batch IN.jsonl)
-    return (AuthError, OverloadError, JobRefused, NoModelError, JobTimeout, ValueError, redis.ConnectionError,
+    return (AuthError, OverloadError, QuotaExceeded, JobRefused, NoModelError, JobTimeout, ValueError, redis.ConnectionError,
             OSError)
 
 

@@ -19,7 +19,9 @@ An answered line is written once (``HSETNX``): a worker killed mid-line has its 
 queue (the job's lease), and the line is answered when the job ends.  A job record lost with a
 failed Redis master is submitted again under the same key (``Submitted.again``).
 
-Lines run at the low tier, or the creator's key's tier where that is lower.  The batch ends
+Lines run at the low tier, or the creator's key's tier where that is lower.  A line refused because
+the queue is full is queued at a later poll; one refused because the creator's key is over its daily
+token quota waits for the quota's reset (``QuotaExceeded.retry_after_s``), the batch still running.  The batch ends
 ``completed`` (or ``cancelled``) with an output file of the lines answered 200 and an error file of
 the rest, each in OpenAI's line format and in the input's order.  ``completion_window`` is taken as
 OpenAI's ``24h``; a batch is not expired when it passes.
@@ -41,10 +43,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ...shared import apikeys
-from ...shared.protocol import OverloadError
+from ...shared.protocol import OverloadError, QuotaExceeded
 from ...shared.steps import arun_steps
 from ..aclient import AsyncClient
-from ..bulk import _line_params, batch_line, refused_line
+from ..bulk import KINDS, _line_params, batch_line, refused_line
 from ..bulkmap import BULK_TIER_FLOOR, Line, Submitted, _async_io, bulk_submit, reap_lines
 from ..openai_api import LogprobFormatter, OpenAIError
 from ..openai_batch import BATCH_ENDPOINTS, COMPLETION_WINDOWS, ENDED, MAX_METADATA_PAIRS, check_lines, request_lines
@@ -256,6 +258,7 @@ class BatchLines:
         self.inflight: dict[str, Line] = {}  # job id -> its line
         self.prefix = f"openai-batch:{batch_id}"
         self.lines: list[tuple[int, dict]] = []  # (line number, request line) of the input file
+        self.quota_until = 0.0  # (monotonic) the creator's key is over its daily token quota until then
 
     async def run(self) -> None:
         content = await self.store.content(None, self.fields["input_file_id"])
@@ -281,9 +284,10 @@ class BatchLines:
                 cancelling = True
                 todo.clear()
                 await self._cancel_jobs(done)
-            while todo and len(self.inflight) < window:
+            while todo and len(self.inflight) < window and time.monotonic() >= self.quota_until:
                 if not await self._submit(*todo[0]):
-                    break  # the queue is full: this line again at the next poll, the lease renewed meanwhile
+                    break  # the queue is full (or the key over quota): this line again at the next poll
+                    # (or once the quota resets), the lease renewed meanwhile
                 todo.popleft()
             if self.inflight:
                 await self._reap()
@@ -299,17 +303,22 @@ class BatchLines:
         """The line queued (or answered, when it cannot run); False when the queue is full."""
         custom_id = item["custom_id"]
         try:
-            params, fallback, _, chat, top_n = _line_params(item)
+            params, fallback, _, kind, top_n = _line_params(item)
             sub = await arun_steps(bulk_submit({**fallback, **params}, BULK_TIER_FLOOR,
                                                self.client.settings.max_prompt_bytes, f"{self.prefix}:{custom_id}"),
                                    _async_io(self.client))
         except OverloadError:
             return False
+        except QuotaExceeded as exc:  # the creator's key: the batch waits for the next UTC day, not failing
+            if not self.quota_until:
+                log.info("batch %s: %s; its lines wait", self.batch_id, exc)
+            self.quota_until = time.monotonic() + exc.retry_after_s
+            return False
         except ValueError as exc:  # (checked at create: a model gone since, say)
             await self._write(n, refused_line(n, custom_id, f"invalid request: {exc}"))
             return True
         await self.client.at(self.keys.jobs).hset(self.keys.jobs, n, f"{sub.model} {sub.job_id}")
-        self.inflight[sub.job_id] = Line(n, custom_id, chat, top_n, sub)
+        self.inflight[sub.job_id] = Line(n, custom_id, kind, top_n, sub)
         return True
 
     async def _reap(self) -> None:
@@ -320,18 +329,18 @@ class BatchLines:
                 info = await self.client.model_info(line.sub.model)  # (its tokenizer.json read off the event loop)
                 names = await asyncio.to_thread(self.driver.gw.token_names.for_model, info)
                 fmt = LogprobFormatter(names, max(line.top_n, 0))
-            await self._write(line.n, batch_line(line.n, line.custom_id, job_id, line.sub.model, line.chat, res, fmt))
+            await self._write(line.n, batch_line(line.n, line.custom_id, job_id, line.sub.model, line.kind, res, fmt))
 
     async def _cancel_jobs(self, done: set[int]) -> None:
         """Cancel the batch's jobs not yet answered, this driver's and any an earlier one queued."""
         queued = {line.n for line in self.inflight.values()}
         ids = {n: item["custom_id"] for n, item in self.lines}
-        chat = self.fields["endpoint"] == "/v1/chat/completions"
+        kind = KINDS[self.fields["endpoint"]]
         jobs = await self.client.at(self.keys.jobs).hgetall(self.keys.jobs)
         for raw_n, raw in jobs.items():
             n, (model, job_id) = int(raw_n), raw.decode().split(" ", 1)
             if n not in done and n not in queued:  # queued by an earlier driver
-                self.inflight[job_id] = Line(n, ids.get(n), chat, 0, Submitted(model, job_id, True))
+                self.inflight[job_id] = Line(n, ids.get(n), kind, 0, Submitted(model, job_id, True))
         for job_id, line in list(self.inflight.items()):
             with contextlib.suppress(Exception):  # one that ended meanwhile is answered as it ended
                 await self.client._cancel(line.sub.model, job_id)

@@ -7,47 +7,29 @@
 float (a list of numbers) or base64 (the little-endian float32 values, as OpenAI sends them and as
 the job's result holds them); ``dimensions`` keeps the first this many values, renormalised, and one
 above the model's embedding size is refused.  Every input is checked before any job is queued: a
-bad one is a 400 with nothing queued.  ``run_embeddings`` runs one request without an HTTP request
-around it (the Batch API's ``/v1/embeddings`` lines) and returns OpenAI's response body.
+bad one is a 400 with nothing queued.  The request and response shapes are ``openai_embeddings``'s,
+which the Batch API's ``/v1/embeddings`` lines share (``bulk.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...shared import codec
-from ...shared.schemas import MAX_EMBED_DIMENSIONS, Result
+from ...shared.schemas import Result
 from ..aclient import AsyncClient, AsyncJob
 from ..core import embed_jobs, embed_kwargs
 from ..errors import ContextLengthError
 from ..openai_api import OpenAIError
+from ..openai_embeddings import MAX_INPUTS, EmbeddingRequest, embeddings_body
 from .jobs import Refusal, job_error
 
 PATH = "/v1/embeddings"
-MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
-
-
-class EmbeddingRequest(BaseModel):
-    """OpenAI's embeddings request (``pooling``: mlxq's, "last" or "mean"; default the worker's rule)."""
-
-    model_config = ConfigDict(extra="forbid")
-    input: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
-    model: Optional[StrictStr] = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[StrictInt] = Field(None, ge=1, le=MAX_EMBED_DIMENSIONS)
-    user: Optional[StrictStr] = None  # OpenAI's end-user id: accepted, unused
-    pooling: Optional[Literal["last", "mean"]] = None
-
-    def count(self) -> int:
-        one = isinstance(self.input, str) or (self.input and isinstance(self.input[0], int))
-        return 1 if one else len(self.input)
 
 
 class Planned:
@@ -75,32 +57,8 @@ async def plan(gw, client: AsyncClient, req: EmbeddingRequest) -> Planned:
     return Planned(model, jobs)
 
 
-def embeddings_body(req: EmbeddingRequest, model: str, results: list[Result]) -> dict:
-    """OpenAI's response: one embedding per input, in order, and the prompt tokens they took."""
-    data = [{"object": "embedding", "index": i,
-             "embedding": r.embedding if req.encoding_format == "base64" else codec.unpack_vector(r.embedding)}
-            for i, r in enumerate(results)]
-    tokens = sum(r.stats.prompt_tokens for r in results)
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-
 def first_failed(results: list[Result]) -> Optional[Result]:
     return next((r for r in results if r.embedding is None), None)
-
-
-async def run_embeddings(gw, client: AsyncClient, body: dict, *, floor: Optional[str] = "low") -> dict:
-    """One embeddings request (its JSON ``body``) as jobs at ``floor``, waited for: OpenAI's response
-    body.  Raises what a room maps to an error (``Jobs.api_error``), or ``OpenAIError`` for a job that
-    failed (the Batch API's line runner writes it to the error file)."""
-    req = EmbeddingRequest.model_validate(body)
-    planned = await plan(gw, client, req)
-    jobs = [await client.submit(model=planned.model, _floor=floor, _source="batch", **kw) for kw in planned.jobs]
-    results = await asyncio.gather(*(job.result() for job in jobs))
-    failed = first_failed(results)
-    if failed is not None:
-        raise job_error(failed)
-    return embeddings_body(req, planned.model, results)
 
 
 class Embeddings:
@@ -134,7 +92,7 @@ class Embeddings:
         if failed is not None:
             return gw.error(endpoint, job_error(failed))
         gw.metrics.served(endpoint, tier, started, 0)
-        return JSONResponse(embeddings_body(req, planned.model, results))
+        return JSONResponse(embeddings_body(req.encoding_format, planned.model, results))
 
     async def _queue(self, request: Request, client: AsyncClient, tier: str, floor: Optional[str],
                      planned: Planned) -> tuple[Planned, list[AsyncJob]]:

@@ -1,6 +1,6 @@
 """OpenAI's Batch API through the gateway, driven by the official ``openai`` client: a real Valkey,
 one worker on the tiny model and one gateway for the module.  Every batch line's answer is compared
-with the same request made directly through Chat Completions (greedy) in the same run."""
+with the same request made directly through Chat Completions (greedy), or Embeddings, in the same run."""
 
 from __future__ import annotations
 
@@ -100,6 +100,31 @@ def test_a_bad_file_is_refused_naming_its_line(stack):
         client.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
     with pytest.raises(openai.NotFoundError):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def embedding_line(custom_id: str, input, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": "tiny", "input": input, **body}}
+
+
+def test_an_embeddings_batch_answers_as_the_embeddings_endpoint_would(stack):
+    client, _ = stack
+    texts = PROMPTS[:3]
+    f = upload(client, [embedding_line(f"e-{i}", t) for i, t in enumerate(texts)])
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    direct = [d.embedding for d in client.embeddings.create(model="tiny", input=texts, encoding_format="float").data]
+    done = ended(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 3 and done.error_file_id is None
+    out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in out] == ["e-0", "e-1", "e-2"]
+    for o, want in zip(out, direct):
+        body = o["response"]["body"]
+        assert o["response"]["status_code"] == 200 and body["object"] == "list" and body["model"] == "tiny"
+        assert [d["embedding"] for d in body["data"]] == [want] and body["usage"]["prompt_tokens"] > 0
+
+    many = upload(client, [embedding_line("a", "one"), embedding_line("b", ["two", "three"])])
+    with pytest.raises(openai.BadRequestError, match="line 2: input holds 2 inputs: a batch line is one job"):
+        client.batches.create(input_file_id=many.id, endpoint="/v1/embeddings", completion_window="24h")
 
 
 def test_an_upload_over_the_cap_is_refused(stack, redis_server):

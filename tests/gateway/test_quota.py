@@ -10,22 +10,24 @@ import httpx
 import pytest
 
 from mlxq import AsyncClient, Client, QuotaExceeded
+from mlxq.producer import bulkmap
 from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys
 from mlxq.shared.protocol import Queue
 from mlxq.shared.settings import Settings
+from mlxq.shared.steps import run_steps
 from workerkit import model_without_worker
 
 GK = GlobalKeys()
 MODEL = "quota"
 
 
-def test_a_key_over_its_daily_tokens_is_refused_until_the_next_day(redis_url):
+def test_a_key_over_its_daily_tokens_is_refused_until_the_next_day(redis_url, tmp_path, capsys, monkeypatch):
     with model_without_worker(redis_url, MODEL) as r:  # (its jobs wait: no worker runs them)
-        over_quota(redis_url, r)
+        over_quota(redis_url, r, tmp_path, capsys, monkeypatch)
 
 
-def over_quota(redis_url, r):
+def over_quota(redis_url, r, tmp_path, capsys, monkeypatch):
     from mlxq.producer.gateway import ServerThread, create_app
 
     apikeys.add_key(r, GK, "metered-key-aaaa", "normal", name="metered")
@@ -59,6 +61,43 @@ def over_quota(redis_url, r):
         assert 0 < int(reply.headers["Retry-After"]) <= 86400
         error = reply.json()["error"]
         assert error["code"] == "insufficient_quota" and "quota" in error["message"]
+    bulk_over_quota(redis_url, tmp_path, capsys, monkeypatch)
     apikeys.set_limits(r, GK, "metered", daily_tokens=0)  # lifted: served again
     with Client(redis_url, model=MODEL, api_key="metered-key-aaaa") as c:
         assert c.submit("after the quota", max_tokens=3, subscribe=False)
+
+
+def bulk_over_quota(redis_url, tmp_path, capsys, monkeypatch):
+    """``Client.map`` and ``mlxq batch`` end with the QuotaExceeded, which says when the quota resets,
+    rather than waiting for it (only a reset under ``QUOTA_WAIT_MAX_S`` away is waited for: 0 here, so
+    that the UTC day turning during the test changes nothing)."""
+    from mlxq.cli import main
+
+    monkeypatch.setattr(bulkmap, "QUOTA_WAIT_MAX_S", 0.0)
+    with Client(redis_url, model=MODEL, api_key="metered-key-aaaa") as c:
+        with pytest.raises(QuotaExceeded, match="daily token quota is used up: retry in"):
+            next(iter(c.map(["a", "b"], max_tokens=3)))
+    src = tmp_path / "in.jsonl"
+    src.write_text('"a prompt"\n')
+    monkeypatch.setenv("MLXQ_API_KEY", "metered-key-aaaa")
+    assert main(["batch", str(src), "-o", str(tmp_path / "out.jsonl"), "--redis-url", redis_url, "--queue", MODEL,
+                 "-q"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("mlxq batch: QuotaExceeded: ") and "next UTC day" in err[-1]
+
+
+def test_a_bulk_submit_waits_for_a_quota_that_resets_soon(monkeypatch):
+    """A reset under ``QUOTA_WAIT_MAX_S`` away: the submit sleeps until it and tries again."""
+    tries = []
+
+    def bulk_submit(*args):
+        tries.append(args)
+        if len(tries) == 1:
+            raise QuotaExceeded(bulkmap.QUOTA_WAIT_MAX_S / 2)
+        return "submitted"
+        yield  # (a generator, as bulk_submit is)
+
+    monkeypatch.setattr(bulkmap, "bulk_submit", bulk_submit)
+    slept = []
+    assert run_steps(bulkmap.bulk_submit_patiently({}, "low", 1000, None), lambda op: slept.append(op)) == "submitted"
+    assert len(tries) == 2 and [op.seconds for op in slept] == [bulkmap.QUOTA_WAIT_MAX_S / 2]

@@ -154,7 +154,8 @@ def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_p
          "body": {"model": "tiny", "prompt": CMPL_PROMPT, "max_tokens": 3}},
         {"custom_id": "plain-1", "prompt": "hello", "max_tokens": 2, "ignore_eos": True},
         {"custom_id": "bad-1", "prompt": "hello", "max_tokens": 0},
-        {"custom_id": "bad-2", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "bad-2", "method": "POST", "url": "/v1/embeddings", "body": {"input": ["x", "y"]}},
+        {"custom_id": "emb-1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hello", "dimensions": 8}},
         {"custom_id": "long-1", "prompt_tokens": [5] * (tiny_model.context_length + 1), "max_tokens": 2},
         # longer than the context, though not by the producer's lower bound: only the worker finds out
         {"custom_id": "long-2", "prompt": worker_only_too_long(tiny_model), "max_tokens": 2},
@@ -165,8 +166,12 @@ def test_batch_lines_follow_the_openai_batch_format(tiny_model, redis_url, tmp_p
         client = Client(redis_url, model="tiny", settings=settings)
         assert wait_for(lambda: "tiny" in client.models(), timeout=10)  # so the context check runs up front
         summary = BatchRun(client, str(src), str(out), progress=False).run()
+        direct = client.embed("hello", dimensions=8)
     assert summary.written == len(lines)
     recs = {rec["custom_id"]: rec for rec in _records(out)}
+    emb = recs["emb-1"]["response"]["body"]
+    assert emb["object"] == "list" and [d["embedding"] for d in emb["data"]] == [direct]
+    assert "one input" in recs["bad-2"]["error"]["message"]
     for rec in recs.values():
         assert set(rec) == {"id", "custom_id", "line", "response", "error"}
     chat = recs["chat-1"]["response"]
