@@ -28,12 +28,15 @@ SCRIPT_NAMES = ("enqueue", "admit", "pick", "pull", "deltas", "complete", "reque
 # shared helpers put ahead of a script's body: _id checks a job id, _tier decides a tier, _end ends a
 # job's record, _sched reads and writes an admitted job's worker-only facts, _compact folds a finished
 # job's event stream into its record, _fair indexes a job for fair shares between API keys, _life checks
-# and records run_at, expires_at and webhook
-_PRELUDES = {"complete": ("_compact", "_fair"), "enqueue": ("_id", "_tier", "_end", "_fair", "_life"),
-             "submit": ("_id", "_end", "_life"), "admit": ("_id", "_tier", "_end", "_sched", "_fair", "_life"),
+# and records run_at, expires_at and webhook, _wake rings a model's wake-up list for its workers
+_PRELUDE_NAMES = ("_id", "_tier", "_end", "_sched", "_compact", "_fair", "_life", "_wake")
+_PRELUDES = {"complete": ("_compact", "_fair"), "enqueue": ("_id", "_tier", "_end", "_fair", "_life", "_wake"),
+             "submit": ("_id", "_end", "_life"),
+             "admit": ("_id", "_tier", "_end", "_sched", "_fair", "_life", "_wake"),
              "pick": ("_fair",), "check": ("_tier", "_fair"), "pull": ("_id", "_end", "_sched", "_fair", "_life"),
-             "reap": ("_end", "_sched", "_fair"), "requeue": ("_end", "_sched", "_fair"), "cancel": ("_end", "_sched"),
-             "cancel_request": ("_end",), "promote": ("_sched", "_fair"), "expire": ("_end", "_sched", "_fair", "_life")}
+             "reap": ("_end", "_sched", "_fair", "_wake"), "requeue": ("_end", "_sched", "_fair", "_wake"),
+             "cancel": ("_end", "_sched"), "cancel_request": ("_end",), "promote": ("_sched", "_fair", "_wake"),
+             "expire": ("_end", "_sched", "_fair", "_life")}
 _READ_ONLY = ("check",)  # registered with the no-writes flag: callable with FCALL_RO
 FUNCTION_LIBRARY = "mlxq"
 
@@ -56,7 +59,7 @@ def function_library() -> str:
     """Every script as a Redis Function of one library (``FUNCTION LOAD``), so that an ACL can
     allow ``FCALL`` while refusing ``EVAL``/``EVALSHA`` (no new code can be run)."""
     parts = [f"#!lua name={FUNCTION_LIBRARY}",
-             *(_lua(p) for p in ("_id", "_tier", "_end", "_sched", "_compact", "_fair", "_life"))]
+             *(_lua(p) for p in _PRELUDE_NAMES)]
     for name in SCRIPT_NAMES:
         flags = ", flags = {'no-writes'}" if name in _READ_ONLY else ""
         parts.append(f"redis.register_function{{function_name = '{function_name(name)}', "

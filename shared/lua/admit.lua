@@ -82,7 +82,6 @@ for i, id in ipairs(ids) do
   end
 end
 if admitted > 0 then
-  redis.call('LPUSH', KEYS[6], '1')
-  redis.call('LTRIM', KEYS[6], 0, 63)
+  mlxq_wake(KEYS[6])
 end
 return {admitted, refused}

@@ -81,6 +81,5 @@ if ARGV[5] == '1' then
 end
 mlxq_life_set(life, KEYS[1], KEYS[10], KEYS[11], id, now, ARGV[3])
 if deferred then return {'ok', id, string.format('%.6f', score), string.format('%.6f', now)} end
-redis.call('LPUSH', KEYS[3], '1')
-redis.call('LTRIM', KEYS[3], 0, 63)
+mlxq_wake(KEYS[3])
 return {'ok', id, string.format('%.6f', score), string.format('%.6f', now)}

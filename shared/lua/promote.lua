@@ -34,7 +34,6 @@ for i, id in ipairs(ARGV) do
   end
 end
 if n > 0 then
-  redis.call('LPUSH', KEYS[5], '1')
-  redis.call('LTRIM', KEYS[5], 0, 63)
+  mlxq_wake(KEYS[5])
 end
 return n

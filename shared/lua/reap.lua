@@ -110,8 +110,7 @@ for i = first, #ARGV do
         redis.call('PERSIST', ek)  -- kept while it waits, however long (as requeue.lua)
         redis.call('HINCRBY', KEYS[3], 'queued:' .. tier, 1)
         redis.call('HINCRBY', KEYS[3], 'requeued', 1)
-        redis.call('LPUSH', KEYS[6], '1')
-        redis.call('LTRIM', KEYS[6], 0, 63)
+        mlxq_wake(KEYS[6])
         requeued = requeued + 1
       end
     end

@@ -55,6 +55,5 @@ redis.call('PERSIST', KEYS[6])
 redis.call('ZADD', KEYS[3], tonumber(f[1]), ARGV[1])
 redis.call('HINCRBY', KEYS[4], 'queued:' .. (f[2] or 'normal'), 1)
 redis.call('HINCRBY', KEYS[4], 'requeued', 1)
-redis.call('LPUSH', KEYS[5], '1')
-redis.call('LTRIM', KEYS[5], 0, 63)
+mlxq_wake(KEYS[5])
 return 1
