@@ -108,17 +108,17 @@ class AsyncJob(JobHandle):
     async def _io_resubmit(self, op: Resubmit) -> str:
         origin = self._core.origin
         job_id, payload = origin.again(op.resume_ids)
-        enq = await self._client._retry(lambda: self._client._enqueue(Enqueue(self._keys.model, job_id, payload,
+        enq = await self._client.retry(lambda: self._client._enqueue(Enqueue(self._keys.model, job_id, payload,
                                                                               origin.floor, origin.idempotency_key)))
         await self._close_pubsub()  # the next read subscribes the new job's channel and reads its record
         return enq.job_id
 
     async def cancel(self) -> str:
-        return await self._client._retry(lambda: self._client._cancel(self._keys.model, self.id))
+        return await self._client.retry(lambda: self._client._cancel(self._keys.model, self.id))
 
     async def status(self) -> Optional[str]:
         """As ``Job.status``: "queued, no live worker for MODEL" when no live worker can take it now."""
-        s = decode_status(await self._client._retry(lambda: self._redis.hget(self._keys.job(self.id), "status")))
+        s = decode_status(await self._client.retry(lambda: self._redis.hget(self._keys.job(self.id), "status")))
         if s != "queued":
             return s
         return status_text(s, self._keys.model, await self._client.model_info(self._keys.model),
@@ -216,8 +216,10 @@ class AsyncClient:
         self.watch = watch or link_watch("mlxq async client", self.redis, give_up_s=self.settings.redis_outage_s,
                                          give_up_timed=False)
 
-    async def _retry(self, fn, deadline: Optional[float] = None):
-        """``await fn()``, retried through a lost link for up to ``settings.redis_outage_s``."""
+    async def retry(self, fn, deadline: Optional[float] = None):
+        """``await fn()``, retried through a lost link for up to ``settings.redis_outage_s``.
+        Public for code that reads or writes a job's own keys beside the client (``client.at(key)``),
+        as the gateway's Responses room does with its stored response."""
         if deadline is None:
             deadline = time.monotonic() + self.settings.redis_outage_s
         return await self.watch.acall(fn, deadline, is_link=retryable)
@@ -286,7 +288,7 @@ class AsyncClient:
                 r.close()
 
     async def models(self) -> dict[str, dict]:
-        return decode_registry(await self._retry(lambda: self.at(self.gkeys.models).hgetall(self.gkeys.models)))
+        return decode_registry(await self.retry(lambda: self.at(self.gkeys.models).hgetall(self.gkeys.models)))
 
     async def _registry(self) -> Optional[dict[str, dict]]:
         """``models()``, or None for a Redis user that may not read the registry (ACL)."""
@@ -320,7 +322,7 @@ class AsyncClient:
 
     async def tier(self, floor: Optional[str] = None) -> str:
         """As ``Client.tier``."""
-        return await self._retry(lambda: self._tier(floor))
+        return await self.retry(lambda: self._tier(floor))
 
     async def _tier(self, floor: Optional[str]) -> str:
         """``apikeys.resolve_tier``, awaited: each read on its key's slot."""

@@ -105,19 +105,19 @@ class Job(JobHandle):
     def _io_resubmit(self, op: Resubmit) -> str:
         origin = self._core.origin
         job_id, payload = origin.again(op.resume_ids)
-        enq = self._client._retry(lambda: self._client._enqueue(Enqueue(self._keys.model, job_id, payload, origin.floor,
+        enq = self._client.retry(lambda: self._client._enqueue(Enqueue(self._keys.model, job_id, payload, origin.floor,
                                                                         origin.idempotency_key)))
         self._close_pubsub()  # the next read subscribes the new job's channel and reads its record
         return enq.job_id
 
     def cancel(self) -> str:
         """'cancelled' (was queued), 'cancelling' (leaves the batch at the next step) or the final status."""
-        return self._client._retry(lambda: self._client._cancel(self._keys.model, self.id))
+        return self._client.retry(lambda: self._client._cancel(self._keys.model, self.id))
 
     def status(self) -> Optional[str]:
         """The job's status: queued, running, done, failed, cancelled, dead, expired; a queued job that no
         live worker can take now reads "queued, no live worker for MODEL"."""
-        s = decode_status(self._client._retry(lambda: self._client.redis.hget(self._keys.job(self.id), "status")))
+        s = decode_status(self._client.retry(lambda: self._client.redis.hget(self._keys.job(self.id), "status")))
         if s != "queued":
             return s
         return status_text(s, self._keys.model, self._client.model_info(self._keys.model),
@@ -169,8 +169,10 @@ class Client:
                                give_up_s=self.settings.redis_outage_s, give_up_timed=False)
         self.subscriber = Subscriber(self.redis)  # one pub/sub connection per node for every job's deltas
 
-    def _retry(self, fn, deadline: Optional[float] = None):
-        """``fn()``, retried through a lost link for up to ``settings.redis_outage_s``."""
+    def retry(self, fn, deadline: Optional[float] = None):
+        """``fn()``, retried through a lost link for up to ``settings.redis_outage_s``.
+        Public for code that reads or writes a job's own keys beside the client (``client.at(key)``),
+        as the gateway's Responses room does with its stored response."""
         if deadline is None:
             deadline = time.monotonic() + self.settings.redis_outage_s
         return self.watch.call(fn, deadline, is_link=retryable)
@@ -178,7 +180,7 @@ class Client:
     # -- model and tier ---------------------------------------------------------
     def models(self) -> dict[str, dict]:
         """Models served by workers (name -> info)."""
-        return decode_registry(self._retry(lambda: self.redis.hgetall(self.gkeys.models)))
+        return decode_registry(self.retry(lambda: self.redis.hgetall(self.gkeys.models)))
 
     def _registry(self) -> Optional[dict[str, dict]]:
         """``models()``, or None for a Redis user that may not read the registry (ACL)."""
@@ -213,7 +215,7 @@ class Client:
     def tier(self, floor: Optional[str] = None) -> str:
         """The tier the admin's registry gives this client's key (informational, and a 401 before
         a bulk run; enqueue decides again in Redis).  Needs read access to the global registry."""
-        return self._retry(lambda: apikeys.resolve_tier(self.redis, self.gkeys.api_keys, self.api_key, floor))
+        return self.retry(lambda: apikeys.resolve_tier(self.redis, self.gkeys.api_keys, self.api_key, floor))
 
     def queue_for(self, model: str) -> Queue:
         with self._lock:

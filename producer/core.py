@@ -616,10 +616,10 @@ class JobHandle:
     def _submit_handlers(self, deadline: float) -> dict:
         """Each request of ``submission`` for this new handle, and what does it: subscribing and
         enqueueing are retried through a lost link until ``deadline`` (calls or coroutines, as the
-        client's own ``_retry``, ``_enqueue`` and the handle's ``_ensure_pubsub``/``_close_pubsub`` are)."""
+        client's own ``retry``, ``_enqueue`` and the handle's ``_ensure_pubsub``/``_close_pubsub`` are)."""
         client = self._client
-        return {Subscribe: lambda op: client._retry(self._ensure_pubsub, deadline),
-                Enqueue: lambda op: client._retry(lambda: client._enqueue(op), deadline),
+        return {Subscribe: lambda op: client.retry(self._ensure_pubsub, deadline),
+                Enqueue: lambda op: client.retry(lambda: client._enqueue(op), deadline),
                 Unsubscribe: lambda op: self._close_pubsub()}
 
     def _handlers(self) -> dict:

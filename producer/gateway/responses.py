@@ -84,7 +84,7 @@ class Responses:
         r = _Response(response_id(sub.job.id), sub.job, sub.model, req.shell(sub.model, now()), client, tier, sub.info)
         if req.kept:  # the echo a poll, a replay and a follow-up read, in the job's record (under its TTL)
             key = client.gkeys.model_keys(sub.model).job(sub.job.id)
-            await client._retry(lambda: client.at(key).hset(key, RESP_FIELD, codec.pack(r.shell)))
+            await client.retry(lambda: client.at(key).hset(key, RESP_FIELD, codec.pack(r.shell)))
         if req.background and not req.stream:
             gw.metrics.requests.labels(ENDPOINT, "200").inc()
             return JSONResponse(response_object(r.id, r.shell, "queued"))
@@ -197,7 +197,7 @@ class Responses:
         for model in sorted(await client.models()):
             key = client.gkeys.model_keys(model).job(job_id)
             fields = ("status", RESP_FIELD, "req", "result", "error", "queued_at", "finished_at", "attempts")
-            values = await client._retry(lambda: client.at(key).hmget(key, *fields))
+            values = await client.retry(lambda: client.at(key).hmget(key, *fields))
             h = {name: v for name, v in zip(fields, values) if v is not None}
             if "status" not in h:
                 continue
@@ -216,7 +216,7 @@ class Responses:
         """Delete a finished job's record, its stream (if it still has one) and its done list."""
         keys = client.gkeys.model_keys(model)
         for key in (keys.job(job_id), keys.events(job_id), keys.done(job_id)):
-            await client._retry(lambda k=key: client.at(k).expire(k, 0))  # EXPIRE <= 0 deletes (ACL: expire only)
+            await client.retry(lambda k=key: client.at(k).expire(k, 0))  # EXPIRE <= 0 deletes (ACL: expire only)
 
     async def _forget_unless_kept(self, r: _Response) -> None:
         """``store: false``: the job's record goes once its answer is out."""
