@@ -54,14 +54,6 @@ def cmd_build_ext(args) -> int:
     return 0
 
 
-def _build_ext_command(sub) -> None:
-    """``mlxq build-ext``: compile the paged-attention CPU extension now rather than on first use."""
-    p = sub.add_parser("build-ext", help="build the paged-attention CPU extension (else built on first use)")
-    add_shared(p)
-    p.add_argument("--force", action="store_true", help="rebuild even if built (also retries a failed build)")
-    p.set_defaults(func=cmd_build_ext)
-
-
 def add_commands(sub) -> None:
     p = sub.add_parser("make-model", help="build the small local model (no network)")
     p.add_argument("dir", help="where to write the model")
