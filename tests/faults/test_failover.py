@@ -230,18 +230,32 @@ def _seed_url(nodes) -> str:
     return "redis://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes) + "/0"
 
 
+@pytest.fixture(scope="module")
+def url_master(tiny_model_dir, tmp_path_factory):
+    """One cluster and one worker for the three kinds below: the worker is given only the URL of
+    the master serving the model's slot.  Each test kills that master; it is started again and made
+    the slot's master again before the next, so each kind meets the same fault (a fresh cluster
+    for each cost 6-7 s more each)."""
+    with EmbeddedCluster(masters=3, replicas=1, node_timeout_ms=1000) as c:
+        victim = c.master_for(QUEUE_KEY)
+        worker = WorkerProc(victim.url, tiny_model_dir, tmp_path_factory.mktemp("url-master"), max_batch=8)
+        try:
+            assert wait_registered(victim.url, timeout=120), worker.log()
+            yield c, victim, worker
+        finally:
+            worker.stop()
+
+
 @pytest.mark.parametrize("kind", ["client", "async", "gateway"])
-def test_the_master_in_the_url_killed_mid_stream(kind, cluster, tiny_model, tiny_model_dir, tmp_path):
+def test_the_master_in_the_url_killed_mid_stream(kind, url_master, tiny_model):
     """The URL names only the master serving the model's slot; it gets kill -9 while 24 jobs
     stream.  Every stream == its result == the reference, and a new job works afterwards."""
-    victim = cluster.master_for(QUEUE_KEY)
+    cluster, victim, worker = url_master
     url = victim.url
     prompts = _prompts(N_JOBS, salt={"client": 0, "async": 1, "gateway": 2}[kind])
     refs = [reference_tokens(tiny_model, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
-    worker = WorkerProc(url, tiny_model_dir, tmp_path, max_batch=8)
-    gw_ctx = None
+    gw_ctx, killed = None, False
     try:
-        assert wait_registered(url, timeout=120), worker.log()
         settings = fast_settings(url)
         run = Run(N_JOBS)
         if kind == "client":
@@ -255,7 +269,7 @@ def test_the_master_in_the_url_killed_mid_stream(kind, cluster, tiny_model, tiny
             oai, threads = _gateway_jobs(gw_ctx.__enter__(), prompts, run)
         assert wait_for(lambda: run.started() >= STARTED, timeout=120), worker.log()
         victim.kill()
-        run.killed_at = time.monotonic()
+        killed, run.killed_at = True, time.monotonic()
         _join(threads)
         _check(run, refs, tiny_model.tokenizer, tokens=kind != "gateway")
         live = [n for n in cluster.nodes if n is not victim]
@@ -274,7 +288,9 @@ def test_the_master_in_the_url_killed_mid_stream(kind, cluster, tiny_model, tiny
     finally:
         if gw_ctx is not None:
             gw_ctx.__exit__(None, None, None)
-        worker.stop()
+        if killed:
+            start_again(victim)
+            cluster.make_master_again(victim, QUEUE_KEY)
 
 
 def test_three_seeds_the_first_dead_at_start(cluster, tiny_model, tiny_model_dir, tmp_path):

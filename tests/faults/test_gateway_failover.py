@@ -126,16 +126,6 @@ def _stream_all(oai, prompts, rnd: Round) -> list[threading.Thread]:
     return threads
 
 
-def _make_master_again(cluster: EmbeddedCluster, node) -> None:
-    """``node`` rejoined as a replica of its slot's new master: a manual failover makes it master."""
-    c = cluster.client(node)
-    assert wait_for(lambda: c.info("replication").get("master_link_status") == "up", timeout=60)
-    c.execute_command("CLUSTER", "FAILOVER")
-    assert wait_for(lambda: c.info("replication").get("role") == "master", timeout=60)
-    cluster.wait_ok(60)
-    assert cluster.master_for(QUEUE_KEY) is node
-
-
 @pytest.mark.parametrize("victim_is", ["the_url_node", "another_master"])
 def test_gateway_rides_out_the_models_master_killed(victim_is, tiny_model, tiny_model_dir, tmp_path):
     import openai
@@ -180,7 +170,7 @@ def test_gateway_rides_out_the_models_master_killed(victim_is, tiny_model, tiny_
                 figures.append((moment, rnd.timings()))
                 if n + 1 < len(rounds):  # the same node serves the slot again for the next round
                     start_again(victim)
-                    _make_master_again(cluster, victim)
+                    cluster.make_master_again(victim, QUEUE_KEY)
             log = gw.log()
             assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-5000:]
             assert " 500 " not in log, log[-5000:]

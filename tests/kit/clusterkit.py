@@ -115,6 +115,26 @@ class EmbeddedCluster:
                 return master[2] == me
         return False
 
+    def make_master_again(self, node: EmbeddedRedis, key: str, timeout: float = 60.0) -> None:
+        """``node``, killed and started again, rejoined as a replica of its slot's new master: a
+        manual failover makes it the master of ``key``'s slot again, so that a test can kill it again."""
+        import time
+
+        c = self.client(node)
+
+        def replication(field: str):
+            try:
+                return c.info("replication").get(field)
+            except Exception:  # still loading
+                return None
+
+        deadline = time.monotonic() + timeout
+        self._wait(lambda: replication("master_link_status") == "up", deadline, "the link to its master")
+        c.execute_command("CLUSTER", "FAILOVER")
+        self._wait(lambda: replication("role") == "master", deadline, "the manual failover")
+        self.wait_ok(timeout)
+        assert self.master_for(key) is node
+
     def stop(self) -> None:
         for n in self.nodes:
             try:
