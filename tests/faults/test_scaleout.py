@@ -125,7 +125,9 @@ def test_redis_ops_per_token_and_per_step(tiny_model, redis_url):
     # so that a resend writes nothing twice) and one HMGET (the lease fence: a worker that lost the
     # job's lease writes nothing) inside one script call per step, one round trip per step; the rest is
     # per job
-    fence = stats.get("hmget", 0) + stats.get("hget", 0)
+    # (HGETs are per job or per pull, not per token: the fair-share index read by pick, pull and complete;
+    # a slower machine pulls in more rounds, so they are counted with the rest, not against the fence)
+    fence = stats.get("hmget", 0)
     assert fence <= tokens + 2 * n_jobs  # and the completion's own fence per job
     assert 3.0 <= (total - fence) / tokens < 4.5
     assert round_trips <= steps + 5
