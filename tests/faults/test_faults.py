@@ -87,7 +87,10 @@ def test_redis_restart_mid_run_keeps_active_jobs(tiny_model, tmp_path, hard, cap
     srv = EmbeddedRedis(tmp_path / "data", persist=True).start()
     try:
         url = srv.url
-        settings = fast_settings(url, lease_s=5.0)
+        # leases and the takeover judged far longer than a loaded machine's stall: a job this worker
+        # lost to a lapsed lease or a stale heartbeat before the hold would not be "kept" (another
+        # test covers those)
+        settings = fast_settings(url, lease_s=60.0, takeover_s=60.0)
         client = Client(url, model="tiny", settings=settings)
         r = client.redis
         with running_worker(tiny_model, url, settings, max_batch=16) as w, StepGate(w.engine) as gate:
