@@ -171,7 +171,7 @@ class FileStore:
 
     # batches
     async def create_batch(self, owner: str, key_hash: Optional[str], endpoint: str, input_file_id: str,
-                           window: str, metadata: Optional[dict], total: int) -> dict:
+                           window: str, metadata: Optional[dict], total: int, webhook: Optional[str] = None) -> dict:
         now = int(time.time())
         obj = {"id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "errors": None,
                "input_file_id": input_file_id, "completion_window": window, "status": "validating",
@@ -182,7 +182,8 @@ class FileStore:
         keys = self.gkeys.batch(obj["id"])
         fields = {k: json.dumps(v) for k, v in obj.items()}
         await self.at(keys.meta).hset(keys.meta, mapping={**fields, "_owner": json.dumps(owner),
-                                                         "_key_hash": json.dumps(key_hash)})
+                                                         "_key_hash": json.dumps(key_hash),
+                                                         "_webhook": json.dumps(webhook)})
         listing = self.gkeys.batches(owner)
         await self.at(listing).zadd(listing, {obj["id"]: time.time()})
         await self.at(self.gkeys.batches_active).sadd(self.gkeys.batches_active, obj["id"])

@@ -1,6 +1,7 @@
 """OpenAI's Batch API: a request file's lines run as low-tier queue jobs.
 
-    POST /v1/batches                 (input_file_id, endpoint, completion_window "24h", metadata)
+    POST /v1/batches                 (input_file_id, endpoint, completion_window "24h", metadata; mlxq's
+                                      ``webhook``: a URL POSTed the batch's summary when it ends)
     GET  /v1/batches/{id}            (status, request_counts, output_file_id, error_file_id)
     GET  /v1/batches                 (the caller's, newest first; ``after``, ``limit``)
     POST /v1/batches/{id}/cancel
@@ -47,9 +48,10 @@ from ...shared.protocol import OverloadError, QuotaExceeded
 from ...shared.steps import arun_steps
 from ..aclient import AsyncClient
 from ..bulk import KINDS, _line_params, batch_line, refused_line
-from ..bulkmap import BULK_TIER_FLOOR, Line, Submitted, _async_io, bulk_submit, reap_lines
+from ..bulkmap import BULK_TIER_FLOOR, Line, RunWebhook, Submitted, _async_io, bulk_submit, reap_lines
 from ..openai_api import LogprobFormatter, OpenAIError
 from ..openai_batch import BATCH_ENDPOINTS, COMPLETION_WINDOWS, ENDED, MAX_METADATA_PAIRS, check_lines, request_lines
+from ..webhooks import WebhookRefused, check_url
 from .files import owner, page_limit, serve, store
 from .jobs import bearer, json_body
 
@@ -78,6 +80,12 @@ class Batches:
                 raise OpenAIError(400, f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {target!r}",
                                   param="endpoint")
             check_metadata(metadata)
+            webhook = body.get("webhook")  # (the OpenAI SDK sends it with extra_body=)
+            if webhook is not None:
+                try:  # (off the event loop: the host is resolved)
+                    await asyncio.to_thread(check_url, webhook if isinstance(webhook, str) else "", self.gw.settings)
+                except WebhookRefused as exc:
+                    raise OpenAIError(400, str(exc), param="webhook", code="invalid_webhook") from None
             file_id = body.get("input_file_id")
             files, who = store(self.gw, client), owner(request)
             meta = await files.file(who, file_id) if isinstance(file_id, str) else None
@@ -93,7 +101,7 @@ class Batches:
                                   code="invalid_file") from None
             token = bearer(request)
             obj = await files.create_batch(who, apikeys.key_hash(token) if token else None, target, file_id, window,
-                                           metadata, len(lines))
+                                           metadata, len(lines), webhook)
             log.info("batch %s created: %d lines of %s on %s", obj["id"], len(lines), file_id, target)
             self.driver.wake.set()
             return obj
@@ -375,6 +383,7 @@ class BatchLines:
                                                 ("\n".join(part) + "\n").encode(), file_id=f"file-{self.batch_id}-{name}")
                 ids[name] = obj["id"]
         end = "cancelled" if cancelled else "completed"
+        await self._announce(end, len(out), len(err), output_file_id=ids.get("output"), error_file_id=ids.get("error"))
         await self.store.update_batch(self.batch_id, status=end, finalizing_at=now, **{f"{end}_at": now},
                                       output_file_id=ids.get("output"), error_file_id=ids.get("error"),
                                       request_counts={"total": self.fields["request_counts"]["total"],
@@ -382,7 +391,18 @@ class BatchLines:
         await self._forget()
         log.info("batch %s %s: %d answered, %d failed", self.batch_id, end, len(out), len(err))
 
+    async def _announce(self, status: str, completed: int, failed: int, **files) -> None:
+        """The batch's webhook, if it named one, queued for the webhook sender before the batch is marked
+        ended: a driver gone between the two ends the batch again, and queues it again (at least once)."""
+        url = self.fields.get("_webhook")
+        if url:
+            hook = RunWebhook("batch", url, self.batch_id)
+            hook.completed, hook.failed = completed, failed
+            await arun_steps(hook.end(status, self.client.gkeys, self.fields["_key_hash"],
+                                      self.fields["request_counts"]["total"], **files), _async_io(self.client))
+
     async def _fail(self, why: str) -> None:
+        await self._announce("failed", 0, 0, output_file_id=None, error_file_id=None)
         await self.store.update_batch(self.batch_id, status="failed", failed_at=int(time.time()),
                                       errors={"object": "list", "data": [{"code": "invalid_file", "message": why,
                                                                           "param": None, "line": None}]})

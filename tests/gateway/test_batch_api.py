@@ -1,6 +1,7 @@
 """OpenAI's Batch API through the gateway, driven by the official ``openai`` client: a real Valkey,
 one worker on the tiny model and one gateway for the module.  Every batch line's answer is compared
-with the same request made directly through Chat Completions (greedy), or Embeddings, in the same run."""
+with the same request made directly through Chat Completions (greedy), or Embeddings, in the same run.
+A batch that names a webhook gets its summary POSTed, signed, to a receiver on loopback when it ends."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import openai
 import pytest
 
 from mlxq.producer.gateway import ServerThread, create_app
+from mlxq.producer.webhooks import WebhookSender, new_secret
+from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys
+from mlxq.shared.settings import Settings
+from hookkit import Receiver, receiving, verify
 from workerkit import fast_settings, serving_gateway, wait_for
 
 PROMPTS = ["Tell me about the sea.", "Name a colour.", "Count to three.", "Why is the sky blue?", "Hello!"]
@@ -18,7 +23,8 @@ PROMPTS = ["Tell me about the sea.", "Name a colour.", "Count to three.", "Why i
 
 @pytest.fixture(scope="module")
 def stack(redis_server, tiny_model):
-    with serving_gateway(tiny_model, redis_server.url, max_batch=8) as (url, r):
+    hooks = dict(webhook_hosts="127.0.0.1", webhook_private=True)  # the test's receiver, on loopback
+    with serving_gateway(tiny_model, redis_server.url, hooks, max_batch=8) as (url, r):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=60), r
 
 
@@ -45,15 +51,34 @@ def ended(client: openai.OpenAI, batch_id: str, timeout: float = 60.0):
 
 
 def test_batch_answers_every_line_once_as_chat_completions_would(stack):
-    client, _ = stack
+    client, r = stack
     lines = [line(f"req-{i}", p, **({"logprobs": True, "top_logprobs": 2} if i == 1 else {}))
              for i, p in enumerate(PROMPTS)]
     f = upload(client, lines)
     assert f.object == "file" and f.purpose == "batch" and f.bytes == len(jsonl(lines))
     assert client.files.retrieve(f.id).filename == "requests.jsonl"
-    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
-                                  metadata={"run": "nightly"})
+    secret = new_secret()
+    # signed with the secret of the creator's key (open mode: the token the client sends, as for its jobs)
+    r.hset(GlobalKeys().webhook_secrets, apikeys.copy_field(apikeys.key_hash("EMPTY")), secret)
+    with receiving([]) as hook:
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                      metadata={"run": "nightly"}, extra_body={"webhook": hook})
+        check_answers(client, batch)
+        # the webhook sender (mlxq webhooks run) posts the batch's summary once it has ended
+        assert WebhookSender(r, Settings(webhook_hosts="127.0.0.1", webhook_private=True)).run_once() == 1
+    [(headers, body)] = Receiver.got
+    msg = json.loads(body)
+    done = client.batches.retrieve(batch.id)
+    assert verify(secret, headers, body) and headers["webhook-id"] == batch.id
+    assert msg["type"] == "batch.completed" and msg["data"] == {
+        "id": batch.id, "object": "batch", "status": "completed", "request_counts": {"total": 5, "completed": 5,
+                                                                                     "failed": 0},
+        "output_file_id": done.output_file_id, "error_file_id": None}
+
+
+def check_answers(client: openai.OpenAI, batch) -> None:
     assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "nightly"}
+    assert "webhook" not in batch.model_dump()  # (mlxq's own field: not in OpenAI's batch object)
     direct = {f"req-{i}": client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
                                                          max_tokens=6, temperature=0).choices[0].message.content
               for i, p in enumerate(PROMPTS)}
@@ -76,11 +101,12 @@ def test_batch_answers_every_line_once_as_chat_completions_would(stack):
 
     listed = client.files.list(purpose="batch_output")
     assert [x.id for x in listed.data] == [done.output_file_id] and not listed.has_more
-    assert f.id in [x.id for x in client.files.list()]
-    assert client.files.delete(f.id).deleted
-    assert f.id not in [x.id for x in client.files.list()]
+    f = batch.input_file_id
+    assert f in [x.id for x in client.files.list()]
+    assert client.files.delete(f).deleted
+    assert f not in [x.id for x in client.files.list()]
     with pytest.raises(openai.NotFoundError):
-        client.files.retrieve(f.id)
+        client.files.retrieve(f)
 
 
 def test_a_bad_file_is_refused_naming_its_line(stack):
@@ -96,6 +122,10 @@ def test_a_bad_file_is_refused_naming_its_line(stack):
         client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="line 1: url '/v1/chat/completions' is not the batch's"):
         client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="webhook host '10.1.2.3' is not allowed") as refused:
+        client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
+                              extra_body={"webhook": "http://10.1.2.3/hook"})
+    assert refused.value.body["param"] == "webhook"
     with pytest.raises(openai.BadRequestError, match="endpoint must be one of"):
         client.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
     with pytest.raises(openai.NotFoundError):
