@@ -28,7 +28,8 @@ def receiver():
         yield url
 
 
-def test_a_signed_webhook_is_delivered_after_the_receiver_fails_once(redis_url, receiver, monkeypatch, capsys):
+def test_a_signed_webhook_is_delivered_after_the_receiver_fails_once(redis_url, receiver, monkeypatch, capsys,
+                                                                     tmp_path):
     monkeypatch.setattr(webhooks, "FIRST_RETRY_S", 0.01)  # the retry's backoff, drawn with jitter below it
     r = redis.Redis.from_url(redis_url)
     settings = fast_settings(redis_url, webhook_hosts="127.0.0.1", webhook_private=True)
@@ -92,6 +93,19 @@ def test_a_signed_webhook_is_delivered_after_the_receiver_fails_once(redis_url, 
     assert main(["webhooks", "list", "--json", "--redis-url", redis_url]) == 0
     [run] = [row for row in json.loads(capsys.readouterr().out) if row["model"] == "-"]
     assert run["job"] == msg["data"]["id"] and run["state"] == "delivered" and "body" not in run
+    # mlxq batch --webhook: one bulk.completed once every line is in the output (its line refused here)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"prompt": "hi", "max_tokens": -1}\n')
+    monkeypatch.setenv("MLXQ_WEBHOOK_HOSTS", "127.0.0.1")
+    monkeypatch.setenv("MLXQ_WEBHOOK_PRIVATE", "1")
+    monkeypatch.setenv("MLXQ_API_KEY", "ingest-key-0001")
+    assert main(["batch", str(src), "-o", str(out), "--redis-url", redis_url, "--queue", "tiny", "-q",
+                 "--webhook", receiver]) == 0
+    assert WebhookSender(r, settings).run_once() == 1
+    headers, body = Receiver.got[-1]
+    msg = json.loads(body)["data"]
+    assert json.loads(body)["type"] == "bulk.completed" and verify(ingest_secret, headers, body)
+    assert msg["request_counts"] == {"total": 1, "completed": 0, "failed": 1} and msg["output"] == "out.jsonl"
     r.close()
 
 
