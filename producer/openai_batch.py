@@ -33,7 +33,6 @@ from .registry import known_model
 
 # the endpoints a batch may name: its lines run with the same parsing and output as `mlxq batch` (bulk.py)
 BATCH_ENDPOINTS = OPENAI_BATCH_URLS
-COMPLETION_WINDOWS = ("24h",)
 ENDED = ("completed", "failed", "cancelled", "expired")
 MAX_METADATA_PAIRS = 16
 
@@ -171,12 +170,15 @@ class FileStore:
 
     # batches
     async def create_batch(self, owner: str, key_hash: Optional[str], endpoint: str, input_file_id: str,
-                           window: str, metadata: Optional[dict], total: int, webhook: Optional[str] = None) -> dict:
+                           window: str, window_s: int, metadata: Optional[dict], total: int,
+                           webhook: Optional[str] = None) -> dict:
+        """A batch, ``validating`` until a driver takes it up; past ``window_s`` (its ``expires_at``) unended,
+        it ends ``expired``."""
         now = int(time.time())
         obj = {"id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "errors": None,
                "input_file_id": input_file_id, "completion_window": window, "status": "validating",
                "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-               "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
+               "expires_at": now + window_s, "finalizing_at": None, "completed_at": None, "failed_at": None,
                "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                "request_counts": {"total": total, "completed": 0, "failed": 0}, "metadata": metadata}
         keys = self.gkeys.batch(obj["id"])

@@ -24,8 +24,12 @@ Lines run at the low tier, or the creator's key's tier where that is lower.  A l
 the queue is full is queued at a later poll; one refused because the creator's key is over its daily
 token quota waits for the quota's reset (``QuotaExceeded.retry_after_s``), the batch still running.  The batch ends
 ``completed`` (or ``cancelled``) with an output file of the lines answered 200 and an error file of
-the rest, each in OpenAI's line format and in the input's order.  ``completion_window`` is taken as
-OpenAI's ``24h``; a batch is not expired when it passes.
+the rest, each in OpenAI's line format and in the input's order.
+
+**Its window.**  ``completion_window`` is one of ``completion_windows`` (OpenAI's ``24h`` by default).  A
+batch not ended by its ``expires_at`` ends ``expired``, as OpenAI's do: its jobs still queued are
+cancelled (never run), the lines answered stay in the output file and every other line goes to the
+error file with OpenAI's ``batch_expired`` code.
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ from starlette.routing import Route
 
 from ...shared import apikeys
 from ...shared.protocol import OverloadError, QuotaExceeded
+from ...shared.settings import completion_windows
 from ...shared.steps import arun_steps
 from ..aclient import AsyncClient
 from ..bulk import KINDS, _line_params, batch_line, refused_line
 from ..bulkmap import BULK_TIER_FLOOR, Line, RunWebhook, Submitted, _async_io, bulk_submit, reap_lines
 from ..openai_api import LogprobFormatter, OpenAIError
-from ..openai_batch import BATCH_ENDPOINTS, COMPLETION_WINDOWS, ENDED, MAX_METADATA_PAIRS, check_lines, request_lines
+from ..openai_batch import BATCH_ENDPOINTS, ENDED, MAX_METADATA_PAIRS, check_lines, request_lines
 from ..webhooks import WebhookRefused, check_url
 from .files import owner, page_limit, serve, store
 from .jobs import bearer, json_body
@@ -73,8 +78,9 @@ class Batches:
         async def answer(client) -> dict:
             body = await json_body(request, self.gw.max_body_bytes)
             target, window, metadata = body.get("endpoint"), body.get("completion_window"), body.get("metadata")
-            if window not in COMPLETION_WINDOWS:
-                raise OpenAIError(400, f"completion_window must be one of {COMPLETION_WINDOWS}, got {window!r}",
+            windows = completion_windows(self.gw.settings.completion_windows)
+            if window not in windows:
+                raise OpenAIError(400, f"completion_window must be one of {', '.join(windows)}, got {window!r}",
                                   param="completion_window")
             if target not in BATCH_ENDPOINTS:
                 raise OpenAIError(400, f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {target!r}",
@@ -101,7 +107,7 @@ class Batches:
                                   code="invalid_file") from None
             token = bearer(request)
             obj = await files.create_batch(who, apikeys.key_hash(token) if token else None, target, file_id, window,
-                                           metadata, len(lines), webhook)
+                                           windows[window], metadata, len(lines), webhook)
             log.info("batch %s created: %d lines of %s on %s", obj["id"], len(lines), file_id, target)
             self.driver.wake.set()
             return obj
@@ -288,10 +294,14 @@ class BatchLines:
                     log.warning("batch %s: lease lost; another gateway runs it", self.batch_id)
                     return
                 renewed = time.monotonic()
-            if not cancelling and await self._status() == "cancelling":
+            status, expires_at = await self._status()
+            if not cancelling and status == "cancelling":
                 cancelling = True
                 todo.clear()
                 await self._cancel_jobs(done)
+            if not cancelling and expires_at is not None and time.time() >= expires_at:
+                await self._expire(done)
+                return
             while todo and len(self.inflight) < window and time.monotonic() >= self.quota_until:
                 if not await self._submit(*todo[0]):
                     break  # the queue is full (or the key over quota): this line again at the next poll
@@ -300,12 +310,14 @@ class BatchLines:
             if self.inflight:
                 await self._reap()
             if not todo and not self.inflight:
-                await self._finish(cancelling)
+                await self._finish("cancelled" if cancelling else "completed")
                 return
             await asyncio.sleep(self.driver.POLL_S)
 
-    async def _status(self) -> str:
-        return json.loads(await self.client.at(self.keys.meta).hget(self.keys.meta, "status"))
+    async def _status(self) -> tuple[str, Optional[int]]:
+        """(status, expires_at), read at each poll: a cancel, or the window's end, may come any time."""
+        raw = await self.client.at(self.keys.meta).hmget(self.keys.meta, ["status", "expires_at"])
+        return json.loads(raw[0]), json.loads(raw[1]) if raw[1] is not None else None
 
     async def _submit(self, n: int, item: dict) -> bool:
         """The line queued (or answered, when it cannot run); False when the queue is full."""
@@ -329,9 +341,12 @@ class BatchLines:
         self.inflight[sub.job_id] = Line(n, custom_id, kind, top_n, sub)
         return True
 
-    async def _reap(self) -> None:
+    async def _reap(self, expiring: bool = False) -> None:
+        """Write the lines whose jobs have ended (``expiring``: those cancelled by the expiry are left to it)."""
         ended = await arun_steps(reap_lines(self.inflight, self.client.gkeys), _async_io(self.client))
         for line, job_id, res in ended:
+            if expiring and res.finish_reason == "cancelled":
+                continue
             fmt = None
             if line.top_n > 0 or any(o.logprobs is not None for o in res.outputs):
                 info = await self.client.model_info(line.sub.model)  # (its tokenizer.json read off the event loop)
@@ -353,6 +368,19 @@ class BatchLines:
             with contextlib.suppress(Exception):  # one that ended meanwhile is answered as it ended
                 await self.client._cancel(line.sub.model, job_id)
 
+    async def _expire(self, done: set[int]) -> None:
+        """Past its window: cancel its jobs (those queued never run), keep the lines answered by then, and
+        answer every other line with OpenAI's ``batch_expired`` error."""
+        log.info("batch %s: its completion window has passed; it expires", self.batch_id)
+        await self._cancel_jobs(done)
+        await self._reap(expiring=True)
+        answered = {int(n) for n in await self.client.at(self.keys.results).hkeys(self.keys.results)}
+        for n, item in self.lines:
+            if n not in answered:
+                await self._write(n, refused_line(n, item["custom_id"], "This request could not be executed before "
+                                                  "the completion window expired.", code="batch_expired"))
+        await self._finish("expired")
+
     async def _write(self, n: int, line: dict) -> None:
         """A line's answer, once: the line and, for an error, its mark, in one transaction."""
         line.pop("line", None)  # (mlxq batch's own field: OpenAI's lines have none)
@@ -366,8 +394,9 @@ class BatchLines:
                 pipe.hsetnx(k.failed, n, 1)
             await pipe.execute()
 
-    async def _finish(self, cancelled: bool) -> None:
-        """The output and error files, in the input's order, and the batch's end."""
+    async def _finish(self, end: str) -> None:
+        """The output and error files, in the input's order, and the batch's end (``end``: completed,
+        cancelled or expired)."""
         k = self.keys
         raw = await self.client.at(k.results).hgetall(k.results)
         failed = {int(n) for n in await self.client.at(k.failed).hkeys(k.failed)}
@@ -382,7 +411,6 @@ class BatchLines:
                 obj = await self.store.put_file(owner_, f"{self.batch_id}_{name}.jsonl", f"batch_{name}",
                                                 ("\n".join(part) + "\n").encode(), file_id=f"file-{self.batch_id}-{name}")
                 ids[name] = obj["id"]
-        end = "cancelled" if cancelled else "completed"
         await self._announce(end, len(out), len(err), output_file_id=ids.get("output"), error_file_id=ids.get("error"))
         await self.store.update_batch(self.batch_id, status=end, finalizing_at=now, **{f"{end}_at": now},
                                       output_file_id=ids.get("output"), error_file_id=ids.get("error"),

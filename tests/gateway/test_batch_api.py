@@ -5,7 +5,9 @@ A batch that names a webhook gets its summary POSTed, signed, to a receiver on l
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 
 import openai
 import pytest
@@ -23,8 +25,9 @@ PROMPTS = ["Tell me about the sea.", "Name a colour.", "Count to three.", "Why i
 
 @pytest.fixture(scope="module")
 def stack(redis_server, tiny_model):
-    hooks = dict(webhook_hosts="127.0.0.1", webhook_private=True)  # the test's receiver, on loopback
-    with serving_gateway(tiny_model, redis_server.url, hooks, max_batch=8) as (url, r):
+    # the test's webhook receiver, on loopback; a completion window short enough to pass in the test
+    settings = dict(webhook_hosts="127.0.0.1", webhook_private=True, completion_windows="24h,1s")
+    with serving_gateway(tiny_model, redis_server.url, settings, max_batch=8) as (url, r):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=60), r
 
 
@@ -46,7 +49,7 @@ def ended(client: openai.OpenAI, batch_id: str, timeout: float = 60.0):
     """The batch once it has ended (polled as a pipeline polls it)."""
     seen = {}
     assert wait_for(lambda: seen.update(b=client.batches.retrieve(batch_id)) or seen["b"].status in (
-        "completed", "failed", "cancelled"), timeout=timeout, interval=0.05), seen
+        "completed", "failed", "cancelled", "expired"), timeout=timeout, interval=0.05), seen
     return seen["b"]
 
 
@@ -169,18 +172,56 @@ def test_an_upload_over_the_cap_is_refused(stack, redis_server):
     assert len(set(r.keys("mlxq:file:*")) - before) == 1  # the small one
 
 
-def test_cancel_and_list(stack):
-    client, r = stack
-    # a model whose registry entry has no worker behind it: its lines stay queued until the cancel
+@contextlib.contextmanager
+def idle_model(r):
+    """A model whose registry entry has no worker behind it: its lines stay queued."""
     r.hset(GlobalKeys().models, "idle", r.hget(GlobalKeys().models, "tiny"))
     try:
+        yield
+    finally:
+        r.hdel(GlobalKeys().models, "idle")
+
+
+def test_a_batch_past_its_window_expires_keeping_the_lines_answered(stack):
+    client, r = stack
+    meta = GlobalKeys().batch
+    with idle_model(r):
+        f = upload(client, [line("a", "hi"), line("b", "hi", model="idle"), line("c", "hi", model="idle")])
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert batch.expires_at == batch.created_at + 24 * 3600
+        # line a answered, b and c queued: then the window is made to pass (as 24 h would)
+        assert wait_for(lambda: r.hexists(meta(batch.id).results, 1) and r.hlen(meta(batch.id).jobs) == 3, timeout=30)
+        jobs = {int(n): v.decode().split() for n, v in r.hgetall(meta(batch.id).jobs).items()}
+        r.hset(meta(batch.id).meta, "expires_at", json.dumps(int(time.time()) - 1))
+        done = ended(client, batch.id)
+        # a window from the gateway's completion_windows: the driver expires it once it passes
+        short = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1s")
+        assert short.expires_at == short.created_at + 1
+        brief = ended(client, short.id)
+    assert done.status == "expired" and done.expired_at >= done.created_at
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (3, 1, 2)
+    [kept] = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert kept["custom_id"] == "a" and kept["response"]["status_code"] == 200
+    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in errors] == [("b", None, "batch_expired"),
+                                                                                     ("c", None, "batch_expired")]
+    for n in (2, 3):  # cancelled where they waited: never run
+        model, job_id = jobs[n]
+        assert r.hget(GlobalKeys().model_keys(model).job(job_id), "status") == b"cancelled"
+    assert brief.status == "expired" and brief.request_counts.total == 3
+    with pytest.raises(openai.BadRequestError, match="completion_window must be one of 24h, 1s, got '2h'"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="2h")
+
+
+def test_cancel_and_list(stack):
+    client, r = stack
+    # an idle model's lines stay queued until the cancel
+    with idle_model(r):
         f = upload(client, [line(f"q{i}", "hi", model="idle") for i in range(3)])
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
         assert wait_for(lambda: r.hlen(GlobalKeys().batch(batch.id).jobs) == 3, timeout=30)
         assert client.batches.cancel(batch.id).status == "cancelling"
         done = ended(client, batch.id)
-    finally:
-        r.hdel(GlobalKeys().models, "idle")
     assert done.status == "cancelled" and done.output_file_id is None
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (3, 0, 3)
     errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
