@@ -170,9 +170,13 @@ class Settings:
                                 gateway=True)
     max_prompt_bytes: int = opt(4 * 1024 * 1024, "a hard cap on request size at submit", worker=False,
                                   gateway=True)
-    max_file_bytes: int = opt(64 * 1024 * 1024, "the gateway's cap on an uploaded file (POST /v1/files): files "
-                              "live in Redis, so this bounds the memory one upload takes", worker=False,
+    max_file_bytes: int = opt(64 * 1024 * 1024, "the gateway's cap on an uploaded file (POST /v1/files): it "
+                              "bounds the memory (or, with files_dir, the disk) one upload takes", worker=False,
                               gateway=True)
+    files_dir: Optional[str] = opt(None, "a directory for the bytes of the Batch API's files (uploads, output and "
+                                   "error files), each named by its file id; every gateway of a deployment must "
+                                   "see the same one (a shared volume)", worker=False, gateway=True,
+                                   shown_default="none: in Redis")
     batch_window: int = opt(256, "the lines of one OpenAI batch (POST /v1/batches) queued at a time", worker=False,
                             gateway=True)
     completion_windows: str = opt("24h", "the completion_window values POST /v1/batches takes, comma-separated, "
@@ -304,6 +308,7 @@ class Settings:
             ("result_ttl_s", self.result_ttl_s >= 1, "must be at least 1 (seconds results and streams are kept)"),
             ("idempotency_ttl_s", self.idempotency_ttl_s >= 1, "must be at least 1"),
             ("max_file_bytes", self.max_file_bytes >= 1, "must be at least 1"),
+            ("files_dir", self.files_dir is None or os.path.isdir(self.files_dir), "must be an existing directory"),
             ("batch_window", self.batch_window >= 1, "must be at least 1"),
             ("completion_windows", _valid_windows(self.completion_windows),
              "must be comma-separated durations such as 24h, 30m or 90s"),

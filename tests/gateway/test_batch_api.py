@@ -1,7 +1,9 @@
 """OpenAI's Batch API through the gateway, driven by the official ``openai`` client: a real Valkey,
 one worker on the tiny model and one gateway for the module.  Every batch line's answer is compared
 with the same request made directly through Chat Completions (greedy), or Embeddings, in the same run.
-A batch that names a webhook gets its summary POSTed, signed, to a receiver on loopback when it ends."""
+A batch that names a webhook gets its summary POSTed, signed, to a receiver on loopback when it ends.
+The module's gateway keeps the files' bytes in a directory (``files_dir``); the second gateway of the
+upload cap's test, and the fault tests (tests/faults/test_batch_failover.py), keep them in Redis."""
 
 from __future__ import annotations
 
@@ -24,9 +26,15 @@ PROMPTS = ["Tell me about the sea.", "Name a colour.", "Count to three.", "Why i
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, tiny_model):
+def files_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("files")
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, tiny_model, files_dir):
     # the test's webhook receiver, on loopback; a completion window short enough to pass in the test
-    settings = dict(webhook_hosts="127.0.0.1", webhook_private=True, completion_windows="24h,1s")
+    settings = dict(webhook_hosts="127.0.0.1", webhook_private=True, completion_windows="24h,1s",
+                    files_dir=str(files_dir))
     with serving_gateway(tiny_model, redis_server.url, settings, max_batch=8) as (url, r):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=60), r
 
@@ -53,13 +61,16 @@ def ended(client: openai.OpenAI, batch_id: str, timeout: float = 60.0):
     return seen["b"]
 
 
-def test_batch_answers_every_line_once_as_chat_completions_would(stack):
+def test_batch_answers_every_line_once_as_chat_completions_would(stack, files_dir):
     client, r = stack
     lines = [line(f"req-{i}", p, **({"logprobs": True, "top_logprobs": 2} if i == 1 else {}))
              for i, p in enumerate(PROMPTS)]
     f = upload(client, lines)
     assert f.object == "file" and f.purpose == "batch" and f.bytes == len(jsonl(lines))
     assert client.files.retrieve(f.id).filename == "requests.jsonl"
+    # in files_dir under its id, written whole; Redis holds the file object only
+    assert (files_dir / f.id).read_bytes() == jsonl(lines) and not r.hexists(GlobalKeys().file(f.id), "content")
+    assert not [p for p in files_dir.iterdir() if p.name.startswith(".")]  # no temporary file left
     secret = new_secret()
     # signed with the secret of the creator's key (open mode: the token the client sends, as for its jobs)
     r.hset(GlobalKeys().webhook_secrets, apikeys.copy_field(apikeys.key_hash("EMPTY")), secret)
@@ -77,6 +88,9 @@ def test_batch_answers_every_line_once_as_chat_completions_would(stack):
         "id": batch.id, "object": "batch", "status": "completed", "request_counts": {"total": 5, "completed": 5,
                                                                                      "failed": 0},
         "output_file_id": done.output_file_id, "error_file_id": None}
+    assert (files_dir / done.output_file_id).exists()  # the output file too
+    assert client.files.delete(done.output_file_id).deleted
+    assert not (files_dir / done.output_file_id).exists() and not r.exists(GlobalKeys().file(done.output_file_id))
 
 
 def check_answers(client: openai.OpenAI, batch) -> None:
