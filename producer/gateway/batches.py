@@ -22,7 +22,8 @@ failed Redis master is submitted again under the same key (``Submitted.again``).
 
 Lines run at the low tier, or the creator's key's tier where that is lower.  A line refused because
 the queue is full is queued at a later poll; one refused because the creator's key is over its daily
-token quota waits for the quota's reset (``QuotaExceeded.retry_after_s``), the batch still running.  The batch ends
+token quota waits for the quota's reset (``QuotaExceeded.retry_after_s``), the batch still running,
+and asks again at least every ``QUOTA_RECHECK_S`` (a quota an operator raised or lifted meanwhile).  The batch ends
 ``completed`` (or ``cancelled``) with an output file of the lines answered 200 and an error file of
 the rest, each in OpenAI's line format and in the input's order.
 
@@ -265,6 +266,8 @@ class BatchDriver:
 class BatchLines:
     """One driver's run of one batch, until it ends or the lease is lost."""
 
+    QUOTA_RECHECK_S = 60.0  # a creator over its quota is asked again this often, not only at the reset
+
     def __init__(self, driver: BatchDriver, client: AsyncClient, batch_id: str, fields: dict):
         self.driver, self.client, self.batch_id, self.fields = driver, client, batch_id, fields
         self.keys = client.gkeys.batch(batch_id)
@@ -332,7 +335,7 @@ class BatchLines:
         except QuotaExceeded as exc:  # the creator's key: the batch waits for the next UTC day, not failing
             if not self.quota_until:
                 log.info("batch %s: %s; its lines wait", self.batch_id, exc)
-            self.quota_until = time.monotonic() + exc.retry_after_s
+            self.quota_until = time.monotonic() + min(exc.retry_after_s, self.QUOTA_RECHECK_S)
             return False
         except ValueError as exc:  # (checked at create: a model gone since, say)
             await self._write(n, refused_line(n, custom_id, f"invalid request: {exc}"))

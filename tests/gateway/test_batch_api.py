@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from mlxq.producer.gateway import ServerThread, create_app
+from mlxq.producer.gateway.batches import BatchLines
 from mlxq.producer.webhooks import WebhookSender, new_secret
 from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys
@@ -249,3 +250,32 @@ def test_cancel_and_list(stack):
     assert [b.id for b in page.data] == [batch.id] and page.has_more  # newest first
     rest = client.batches.list(limit=10, after=batch.id)
     assert batch.id not in [b.id for b in rest.data] and rest.data and not rest.has_more
+
+
+def test_a_batch_over_its_creators_quota_waits_in_progress_until_the_reset(stack, monkeypatch, caplog):
+    """The creator's daily tokens are used up: the batch stays in_progress with nothing queued, then runs
+    to its end once the UTC day turns (made to turn here: today's usage count goes, as at midnight)."""
+    client, r = stack
+    monkeypatch.setattr(BatchLines, "QUOTA_RECHECK_S", 0.1)  # (asked again each 0.1 s, not each minute)
+    gk, key = GlobalKeys(), "quota-key-0000001"
+    apikeys.add_key(r, gk, key, "normal", name="bulk")
+    try:
+        apikeys.set_limits(r, gk, "bulk", daily_tokens=10)
+        usage, day = gk.model_keys("tiny").usage, r.time()[0] // 86400
+        today = f"{day}|{apikeys.copy_field(apikeys.key_hash(key))}|prompt"
+        r.hset(usage, today, 10)  # (as complete.lua counts a job's tokens)
+        keyed = openai.OpenAI(base_url=str(client.base_url), api_key=key, max_retries=0, timeout=60)
+        f = upload(keyed, [line("q0", "hi"), line("q1", "hi")])
+        with caplog.at_level("INFO", logger="mlxq.gateway"):
+            batch = keyed.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+            assert wait_for(lambda: "daily token quota is used up" in caplog.text, timeout=30)
+        waiting = keyed.batches.retrieve(batch.id)
+        assert waiting.status == "in_progress" and waiting.request_counts.completed == 0
+        assert r.hlen(gk.batch(batch.id).jobs) == 0  # nothing queued
+        r.hdel(usage, today)  # the UTC day turns
+        done = ended(keyed, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 2
+    finally:
+        apikeys.set_limits(r, gk, "bulk", daily_tokens=0)
+        apikeys.revoke_name(r, gk, "bulk")  # (no key left: the module's gateway open again)
