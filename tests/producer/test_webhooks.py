@@ -126,8 +126,17 @@ def test_webhook_urls_off_the_allowlist_or_on_private_addresses_are_refused(redi
                 await aclient.submit("hi", max_tokens=2, webhook="http://127.0.0.1:8080/hook")
             with pytest.raises(ValueError, match="already past"):
                 await aclient.submit("hi", max_tokens=2, expires_in=0, run_at=None, expires_at=None)
+            with pytest.raises(WebhookRefused, match="loopback, private or reserved"):
+                [x async for x in aclient.map(["hi"], webhook="http://127.0.0.1:8080/hook")]
+        loopback = fast_settings(redis_url, webhook_hosts="127.0.0.1", webhook_private=True)
+        async with AsyncClient(redis_url, model="tiny", settings=loopback) as aclient:  # a run's end queued
+            [res] = [x async for x in aclient.map([{"prompt": "hi", "max_tokens": -1}], webhook="http://127.0.0.1/h")]
+        return res
 
-    asyncio.run(submit_async())
+    assert asyncio.run(submit_async()).finish_reason == "error"
+    with redis.Redis.from_url(redis_url) as r:
+        [queued] = [json.loads(v) for v in r.hvals(GlobalKeys().bulk_webhook_log)]
+    assert queued["state"] == "pending" and queued["body"]["type"] == "map.completed"
     with pytest.raises(WebhookRefused, match="10.1.2.3"):
         check_url("http://10.1.2.3/hook", settings)
     # an allowed name that resolves to a private address (a DNS record pointing inside): refused too
