@@ -301,8 +301,11 @@ class BatchRun:
         hook = RunWebhook("bulk", self.webhook)
         with open(self.output_path, "rb") as f:
             for raw in f:
-                rec = json.loads(raw)
-                ok = rec.get("response") is not None and rec["response"].get("status_code") == 200
+                try:
+                    rec = json.loads(raw)
+                except ValueError:  # (not a line this command wrote)
+                    continue
+                ok = isinstance(rec, dict) and (rec.get("response") or {}).get("status_code") == 200
                 hook.completed, hook.failed = hook.completed + ok, hook.failed + (not ok)
         run_steps(hook.end("completed", self.client.gkeys, self.client.key_hash, total,
                            output=os.path.basename(self.output_path)), _sync_io(self.client))

@@ -345,7 +345,10 @@ def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Opti
     finally:
         run_steps(core.cancel_unfinished(), do)
         if hook:
-            run_steps(hook.end(status, client.gkeys, client.key_hash), do)
+            try:
+                run_steps(hook.end(status, client.gkeys, client.key_hash), do)
+            except Exception as exc:  # noqa: BLE001 - the caller's own exception matters more
+                log.warning("map %s: its webhook was not queued: %s", hook.id, exc)
 
 
 # -- the async client's I/O ------------------------------------------------------------------------------
@@ -390,5 +393,8 @@ async def amap_results(client, items: Iterable[Any], *, window: int = 64, timeou
     finally:
         await arun_steps(core.cancel_unfinished(), do)
         if hook:
-            await arun_steps(hook.end(status, client.gkeys, client.key_hash), do)
+            try:
+                await arun_steps(hook.end(status, client.gkeys, client.key_hash), do)
+            except Exception as exc:  # noqa: BLE001 - the caller's own exception matters more
+                log.warning("map %s: its webhook was not queued: %s", hook.id, exc)
 

@@ -378,23 +378,26 @@ class BatchLines:
         await self._cancel_jobs(done)
         await self._reap(expiring=True)
         answered = {int(n) for n in await self.client.at(self.keys.results).hkeys(self.keys.results)}
-        for n, item in self.lines:
-            if n not in answered:
-                await self._write(n, refused_line(n, item["custom_id"], "This request could not be executed before "
-                                                  "the completion window expired.", code="batch_expired"))
+        left = [(n, refused_line(n, item["custom_id"], "This request could not be executed before the completion "
+                                 "window expired.", code="batch_expired")) for n, item in self.lines if n not in answered]
+        for i in range(0, len(left), 1000):  # (a transaction per thousand lines, not per line)
+            await self._write_many(left[i:i + 1000])
         await self._finish("expired")
 
     async def _write(self, n: int, line: dict) -> None:
-        """A line's answer, once: the line and, for an error, its mark, in one transaction."""
-        line.pop("line", None)  # (mlxq batch's own field: OpenAI's lines have none)
-        if line.get("id"):
-            line["id"] = f"batch_req_{line['id']}"
-        ok = line["response"] is not None and line["response"]["status_code"] == 200
+        await self._write_many([(n, line)])
+
+    async def _write_many(self, answers: list[tuple[int, dict]]) -> None:
+        """Lines' answers, each once: a line and, for an error, its mark, in one transaction."""
         k = self.keys
         async with self.client.at(k.results).pipeline(transaction=True) as pipe:
-            pipe.hsetnx(k.results, n, json.dumps(line, ensure_ascii=False))
-            if not ok:
-                pipe.hsetnx(k.failed, n, 1)
+            for n, line in answers:
+                line.pop("line", None)  # (mlxq batch's own field: OpenAI's lines have none)
+                if line.get("id"):
+                    line["id"] = f"batch_req_{line['id']}"
+                pipe.hsetnx(k.results, n, json.dumps(line, ensure_ascii=False))
+                if line["response"] is None or line["response"]["status_code"] != 200:
+                    pipe.hsetnx(k.failed, n, 1)
             await pipe.execute()
 
     async def _finish(self, end: str) -> None:
