@@ -386,8 +386,8 @@ class AsyncClient:
 
     def map(self, items, **params: Any) -> AsyncIterator[Result]:
         """As ``Client.map``, an async iterator: ``async for res in client.map(prompts, max_tokens=64)``.
-        Same options (window=, timeout=, idempotency_prefix=, defaults for every item) and the same
-        core (``mlxq.producer.bulkmap``).  Left before its end, it cancels the jobs it still had queued
+        Same options (window=, timeout=, idempotency_prefix=, webhook= per run, defaults for every
+        item) and the same core (``mlxq.producer.bulkmap``).  Left before its end, it cancels the jobs it still had queued
         (unless an idempotency_prefix lets a later call find them) once the iterator is closed: at
         once under ``contextlib.aclosing(client.map(...))``, else when Python collects it."""
         return amap_results(self, items, **params)

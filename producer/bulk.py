@@ -55,7 +55,7 @@ from typing import Any, Iterator, Literal, Optional
 from ..shared.schemas import INVALID_REQUEST, Result
 from ..shared.genopts import check_defaults, error_text
 from ..shared.steps import run_steps
-from .bulkmap import BULK_TIER_FLOOR, Line, _sync_io, as_params, reap_lines, submit_with_backoff
+from .bulkmap import BULK_TIER_FLOOR, Line, RunWebhook, _sync_io, as_params, reap_lines, submit_with_backoff
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,8 @@ class BatchRun:
     """One pass over an input file; ``run()`` returns when every line is in the output or ``stop`` is set."""
 
     def __init__(self, client, input_path: str, output_path: str, *, window: int = 256, poll_s: float = 0.05,
-                 progress: bool = True, stop: Optional[threading.Event] = None, **defaults: Any):
+                 progress: bool = True, stop: Optional[threading.Event] = None, webhook: Optional[str] = None,
+                 **defaults: Any):
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
         self.client = client
@@ -224,6 +225,7 @@ class BatchRun:
         self.window, self.poll_s, self.progress = window, poll_s, progress
         self.stop = stop or threading.Event()
         self.defaults = defaults
+        self.webhook = webhook  # one POST when every line is in the output (not per line; none if interrupted)
         self._names: dict[str, Any] = {}  # model -> token id -> text, as the gateway shows them
         self._token_names = None  # an openai_api.TokenNames, made on the first line with logprobs
 
@@ -257,6 +259,10 @@ class BatchRun:
         from tqdm import tqdm
 
         check_defaults(self.defaults)
+        if self.webhook is not None:
+            from .webhooks import check_url
+
+            check_url(self.webhook, self.client.settings)
         prefix = self._key_prefix(file_identity(self.input_path))
         done = finished_lines(self.output_path)
         with open(self.input_path, "rb") as f:
@@ -286,7 +292,23 @@ class BatchRun:
             finally:
                 bar.close()
         summary.interrupted = self.stop.is_set() and (not exhausted or bool(inflight))
+        if self.webhook is not None and not summary.interrupted:
+            self._announce(total)
         return summary
+
+    def _announce(self, total: int) -> None:
+        """``bulk.completed`` for the sender, counted over the whole output (earlier runs' lines too)."""
+        hook = RunWebhook("bulk", self.webhook)
+        with open(self.output_path, "rb") as f:
+            for raw in f:
+                try:
+                    rec = json.loads(raw)
+                except ValueError:  # (not a line this command wrote)
+                    continue
+                ok = isinstance(rec, dict) and (rec.get("response") or {}).get("status_code") == 200
+                hook.completed, hook.failed = hook.completed + ok, hook.failed + (not ok)
+        run_steps(hook.end("completed", self.client.gkeys, self.client.key_hash, total,
+                           output=os.path.basename(self.output_path)), _sync_io(self.client))
 
     def _submit(self, n, raw, prefix, tier, inflight, out, summary, bar) -> None:
         custom_id = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator, Optional
@@ -23,6 +24,7 @@ from .errors import NoModelError
 from .registry import known_model
 from .core import MAX_RESUBMITS, Enqueue, Origin, prepare
 from .records import result_from_hash
+from .webhooks import bulk_summary, bulk_webhook_writes, check_url
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,36 @@ class ReadRecords:
     keys: tuple
 
 
+@dataclass(frozen=True)
+class QueueWebhook:
+    """Reply: None, once a bulk run's webhook is queued for the sender (``writes``: ``bulk_webhook_writes``)."""
+    writes: list
+
+
 PICK_MODEL, READ_REGISTRY = PickModel(), ReadRegistry()
+
+
+class RunWebhook:
+    """A bulk run's webhook: one message when the whole run ends (what a pipeline waits for), not one
+    per job.  ``end`` queues ``<kind>.<status>`` with the run's ``request_counts`` (``completed``: the
+    lines answered, ``failed``: those that ended in an error) for the webhook sender."""
+
+    def __init__(self, kind: str, url: str, run_id: Optional[str] = None):
+        self.kind, self.url = kind, url
+        self.id = run_id or f"{kind}_{uuid.uuid4().hex}"
+        self.completed = self.failed = 0
+
+    def count(self, res: Result) -> None:
+        if res.finish_reason == "error":
+            self.failed += 1
+        else:
+            self.completed += 1
+
+    def end(self, status: str, gkeys, key_hash: Optional[str], total: Optional[int] = None, **extra) -> Step:
+        counts = {"total": self.completed + self.failed if total is None else total, "completed": self.completed,
+                  "failed": self.failed}
+        message = bulk_summary(self.kind, self.id, status, counts, **extra)
+        yield QueueWebhook(bulk_webhook_writes(gkeys, self.id, self.url, key_hash, message))
 
 
 @dataclass
@@ -253,7 +284,8 @@ def _sync_io(client, sleep=time.sleep):
                 Cancel: lambda op: client._cancel(op.sub.model, op.sub.job_id),
                 WaitResult: lambda op: client.job(op.sub.job_id, op.sub.model, op.sub.schema,
                                                   _origin=op.sub.origin).result(timeout=op.timeout),
-                ReadRecords: lambda op: read_records(client.redis, op.keys)}
+                ReadRecords: lambda op: read_records(client.redis, op.keys),
+                QueueWebhook: lambda op: [getattr(client.redis, cmd)(*args) for _, cmd, args in op.writes]}
     return lambda op: handlers[type(op)](op)
 
 
@@ -291,20 +323,41 @@ def submit_with_backoff(client, params: dict, tier: str, key: Optional[str], sto
 
 
 def map_results(client, items: Iterable[Any], *, window: int = 64, timeout: Optional[float] = None,
-                idempotency_prefix: Optional[str] = None, **params: Any) -> Iterator[Result]:
+                idempotency_prefix: Optional[str] = None, webhook: Optional[str] = None,
+                **params: Any) -> Iterator[Result]:
     """``MapCore`` with a ``Client`` (``Client.map``)."""
     core = MapCore(items, window, timeout, idempotency_prefix, params, client.settings.max_prompt_bytes)
+    hook = None
+    if webhook is not None:
+        check_url(webhook, client.settings)
+        hook = RunWebhook("map", webhook)
     do = _sync_io(client)
+    status = "failed"
     try:
         for op in drive(Steps(core.steps()), do, Yield):
+            if hook:
+                hook.count(op.result)
             yield op.result
+        status = "completed"
+    except GeneratorExit:  # left before its end
+        status = "cancelled"
+        raise
     finally:
         run_steps(core.cancel_unfinished(), do)
+        if hook:
+            try:
+                run_steps(hook.end(status, client.gkeys, client.key_hash), do)
+            except Exception as exc:  # noqa: BLE001 - the caller's own exception matters more
+                log.warning("map %s: its webhook was not queued: %s", hook.id, exc)
 
 
 # -- the async client's I/O ------------------------------------------------------------------------------
 
 def _async_io(client):
+    async def queue_webhook(op: QueueWebhook) -> None:
+        for key, cmd, args in op.writes:
+            await getattr(client.at(key), cmd)(*args)
+
     async def wait_result(op: WaitResult) -> Result:
         job = await client.job(op.sub.job_id, op.sub.model, op.sub.schema, _origin=op.sub.origin)
         return await job.result(timeout=op.timeout)
@@ -313,18 +366,35 @@ def _async_io(client):
                 Enqueue: client._enqueue, Tier: lambda op: client.tier(op.floor),
                 Sleep: lambda op: asyncio.sleep(op.seconds), WaitResult: wait_result,
                 Cancel: lambda op: client._cancel(op.sub.model, op.sub.job_id),
-                ReadRecords: lambda op: read_records(client.redis, op.keys)}
+                ReadRecords: lambda op: read_records(client.redis, op.keys), QueueWebhook: queue_webhook}
     return lambda op: handlers[type(op)](op)
 
 
 async def amap_results(client, items: Iterable[Any], *, window: int = 64, timeout: Optional[float] = None,
-                       idempotency_prefix: Optional[str] = None, **params: Any) -> AsyncIterator[Result]:
+                       idempotency_prefix: Optional[str] = None, webhook: Optional[str] = None,
+                       **params: Any) -> AsyncIterator[Result]:
     """``MapCore`` with an ``AsyncClient`` (``AsyncClient.map``), each I/O awaited."""
     core = MapCore(items, window, timeout, idempotency_prefix, params, client.settings.max_prompt_bytes)
+    hook = None
+    if webhook is not None:
+        await asyncio.to_thread(check_url, webhook, client.settings)  # (it resolves the host)
+        hook = RunWebhook("map", webhook)
     do = _async_io(client)
+    status = "failed"
     try:
         async for op in adrive(Steps(core.steps()), do, Yield):
+            if hook:
+                hook.count(op.result)
             yield op.result
+        status = "completed"
+    except GeneratorExit:
+        status = "cancelled"
+        raise
     finally:
         await arun_steps(core.cancel_unfinished(), do)
+        if hook:
+            try:
+                await arun_steps(hook.end(status, client.gkeys, client.key_hash), do)
+            except Exception as exc:  # noqa: BLE001 - the caller's own exception matters more
+                log.warning("map %s: its webhook was not queued: %s", hook.id, exc)
 

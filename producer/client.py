@@ -303,6 +303,11 @@ class Client:
         """Submit many prompts (strings or dicts of submit arguments) at the low tier; yield their
         Results in input order.  Options: window= (jobs kept queued, default 64), timeout=,
         idempotency_prefix=; other params are defaults for every item.  Left before its end, it cancels
-        the jobs it still had queued, unless an idempotency_prefix lets a later call find them.  See
+        the jobs it still had queued, unless an idempotency_prefix lets a later call find them.
+
+        ``webhook=`` (a URL on the operator's ``webhook_hosts``, checked before anything is queued) is
+        per run, not per job: when the map ends, one signed POST (the webhook sender's, as a job's)
+        carries ``map.completed`` (every item yielded), ``map.cancelled`` (left before its end) or
+        ``map.failed`` (it raised), with ``request_counts`` of the Results yielded.  See
         ``mlxq.producer.bulkmap``."""
         return map_results(self, items, **params)

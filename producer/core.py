@@ -121,7 +121,8 @@ def prepare(model: str, kwargs: dict[str, Any], info: Optional[dict], max_bytes:
     req = build_request(model, kwargs)
     if req.webhook is not None:
         if settings is None:
-            raise WebhookRefused("webhook= is not taken on this path (Client.submit and the gateway take it)")
+            raise WebhookRefused("webhook= is not taken on this path (Client.submit and the gateway take it; "
+                                 "map takes one webhook= for the whole run)")
         check_url(req.webhook, settings)
     check_fits(req, info, count_tokens)
     payload = pack_request(req)

@@ -2,9 +2,12 @@
 the gateway's rooms ``gateway/files.py`` and ``gateway/batches.py`` serve them).
 
 **Where things live.**  Every file (an uploaded input, and the output and error files a batch
-writes) is one Redis hash, ``<prefix>:file:<id>``: its OpenAI file object and its bytes.  A file is
-at most ``max_file_bytes`` (64 MiB by default), checked before it is stored; files stay until
-deleted (``DELETE /v1/files/{id}``): they take Redis memory, as the queue's jobs do.  A batch is a
+writes) is one Redis hash, ``<prefix>:file:<id>``: its OpenAI file object and its bytes, or, with
+``files_dir`` set, its object in Redis and its bytes in ``<files_dir>/<file id>`` (written to a temporary
+name and renamed, so a reader never sees half a file; named by the id mlxq made, never by anything
+a caller sent).  Every gateway must then see the same directory: a shared volume.  A file is at most
+``max_file_bytes`` (64 MiB by default), checked before it is stored; files stay until deleted
+(``DELETE /v1/files/{id}``, which removes both): they take Redis memory, or disk.  A batch is a
 hash of its object's fields (``BatchKeys.meta``), with the lines it has answered so far (``results``)
 until it ends, when they become its output and error files.
 
@@ -20,8 +23,14 @@ key gets 404, and ``GET /v1/batches`` lists the caller's own.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
+import logging
+import os
+import re
+import tempfile
 import time
 import uuid
 from typing import Optional
@@ -31,11 +40,13 @@ from .bulk import OPENAI_BATCH_URLS, _line_params
 from .errors import NoModelError
 from .registry import known_model
 
+log = logging.getLogger("mlxq.gateway")
+
 # the endpoints a batch may name: its lines run with the same parsing and output as `mlxq batch` (bulk.py)
 BATCH_ENDPOINTS = OPENAI_BATCH_URLS
-COMPLETION_WINDOWS = ("24h",)
 ENDED = ("completed", "failed", "cancelled", "expired")
 MAX_METADATA_PAIRS = 16
+FILE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # the ids mlxq makes: the only names files_dir holds
 
 
 def owner_of(key_hash: Optional[str]) -> str:
@@ -105,11 +116,46 @@ def check_lines(endpoint: str, lines: list[tuple[int, dict]], registry: Optional
 # -- the store -------------------------------------------------------------------------------------
 
 class FileStore:
-    """Files and batches in Redis, through ``at(key)`` (the client of the key's slot)."""
+    """Files and batches in Redis, through ``at(key)`` (the client of the key's slot); the files' bytes
+    in ``files_dir`` when it is set."""
 
-    def __init__(self, at, prefix: str):
+    def __init__(self, at, prefix: str, files_dir: Optional[str] = None):
         self.at = at
         self.gkeys = GlobalKeys(prefix)
+        self.files_dir = files_dir
+
+    def _path(self, file_id: str) -> str:
+        if not FILE_ID.fullmatch(file_id):  # (never: ids are mlxq's own; a path is made of nothing else)
+            raise ValueError(f"not a file id: {file_id!r:.140}")
+        return os.path.join(self.files_dir, file_id)
+
+    def _write(self, file_id: str, content: bytes) -> None:
+        """The bytes under the file's id, all or nothing: a temporary file in the same directory, synced,
+        then renamed over the name."""
+        fd, tmp = tempfile.mkstemp(dir=self.files_dir, prefix=".upload-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(content)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path(file_id))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _read(self, file_id: str) -> Optional[bytes]:
+        if self.files_dir is None:
+            log.error("file %s is in a files_dir, but this gateway has none set: set files_dir (the same "
+                      "shared directory on every gateway)", file_id)
+            return None
+        try:
+            with open(self._path(file_id), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            log.error("file %s: its bytes are not in files_dir %s (another directory on this gateway?)",
+                      file_id, self.files_dir)
+            return None
 
     async def put_file(self, owner: str, filename: str, purpose: str, content: bytes,
                        file_id: Optional[str] = None) -> dict:
@@ -117,7 +163,13 @@ class FileStore:
                "created_at": int(time.time()), "filename": filename, "purpose": purpose, "status": "processed",
                "expires_at": None, "status_details": None}
         key, listing = self.gkeys.file(obj["id"]), self.gkeys.files(owner)
-        await self.at(key).hset(key, mapping={"meta": json.dumps(obj), "owner": owner, "content": content})
+        fields = {"meta": json.dumps(obj), "owner": owner}
+        if self.files_dir is None:
+            fields["content"] = content
+        else:  # the bytes first: the object never names a file that is not there
+            await asyncio.to_thread(self._write, obj["id"], content)
+            fields["stored"] = "dir"
+        await self.at(key).hset(key, mapping=fields)
         await self.at(listing).zadd(listing, {obj["id"]: time.time()})
         return obj
 
@@ -159,30 +211,43 @@ class FileStore:
     async def content(self, owner: Optional[str], file_id: str) -> Optional[bytes]:
         """The file's bytes (``owner`` None: whoever owns it, for the batch driver)."""
         key = self.gkeys.file(file_id)
-        content, who = await self.at(key).hmget(key, ["content", "owner"])
-        return content if content is not None and (owner is None or who.decode() == owner) else None
+        content, who, stored = await self.at(key).hmget(key, ["content", "owner", "stored"])
+        if who is None or (owner is not None and who.decode() != owner):
+            return None
+        if stored is not None:
+            return await asyncio.to_thread(self._read, file_id)
+        return content
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
         if await self.file(owner, file_id) is None:
             return False
         key, listing = self.gkeys.file(file_id), self.gkeys.files(owner)
         await self.at(listing).zrem(listing, file_id)
-        return bool(await self.at(key).delete(key))
+        stored = await self.at(key).hget(key, "stored")
+        deleted = bool(await self.at(key).delete(key))
+        if stored is not None and self.files_dir is not None:
+            with contextlib.suppress(FileNotFoundError):
+                await asyncio.to_thread(os.unlink, self._path(file_id))
+        return deleted
 
     # batches
     async def create_batch(self, owner: str, key_hash: Optional[str], endpoint: str, input_file_id: str,
-                           window: str, metadata: Optional[dict], total: int) -> dict:
+                           window: str, window_s: int, metadata: Optional[dict], total: int,
+                           webhook: Optional[str] = None) -> dict:
+        """A batch, ``validating`` until a driver takes it up; past ``window_s`` (its ``expires_at``) unended,
+        it ends ``expired``."""
         now = int(time.time())
         obj = {"id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "errors": None,
                "input_file_id": input_file_id, "completion_window": window, "status": "validating",
                "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-               "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
+               "expires_at": now + window_s, "finalizing_at": None, "completed_at": None, "failed_at": None,
                "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                "request_counts": {"total": total, "completed": 0, "failed": 0}, "metadata": metadata}
         keys = self.gkeys.batch(obj["id"])
         fields = {k: json.dumps(v) for k, v in obj.items()}
         await self.at(keys.meta).hset(keys.meta, mapping={**fields, "_owner": json.dumps(owner),
-                                                         "_key_hash": json.dumps(key_hash)})
+                                                         "_key_hash": json.dumps(key_hash),
+                                                         "_webhook": json.dumps(webhook)})
         listing = self.gkeys.batches(owner)
         await self.at(listing).zadd(listing, {obj["id"]: time.time()})
         await self.at(self.gkeys.batches_active).sadd(self.gkeys.batches_active, obj["id"])

@@ -14,6 +14,10 @@ POST there once it ends.
   (no 2xx, an error, a URL no longer allowed) schedules the next attempt after a backoff with full jitter,
   up to ``webhook_max_attempts``. Every attempt is recorded in ``webhook_log`` (``mlxq webhooks list``).
   Delivery is at least once: run one sender per deployment (two would each deliver).
+- **Bulk runs** (an OpenAI batch, a ``Client.map``) name a URL too: when the run ends, its producer queues
+  the run's summary (``bulk_webhook_writes``: the message, fixed then, in ``GlobalKeys.bulk_webhook_log``
+  and due in ``bulk_webhooks``), and the same sender signs, posts, retries and records it as a job's, with
+  the run id as ``webhook-id`` and the secret of the key that made the run.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
+from ..shared.apikeys import copy_field
 from ..shared.keys import GlobalKeys, ModelKeys
 from ..shared.linkwatch import Backoff
 from ..shared.settings import Settings
@@ -104,6 +109,26 @@ def summary(model: str, job_id: str, record: dict) -> dict:
     return {"type": f"job.{status}", "timestamp": int(time.time()), "data": data}
 
 
+def bulk_summary(kind: str, run_id: str, status: str, counts: dict, **extra) -> dict:
+    """The body posted when a bulk run ends: ``<kind>.<status>`` (OpenAI's own batch events are named
+    ``batch.completed``, ``batch.failed``, ``batch.cancelled``, ``batch.expired``) and the run's summary:
+    its id, status, ``request_counts`` and ``extra`` (a batch's output and error file ids)."""
+    return {"type": f"{kind}.{status}", "timestamp": int(time.time()),
+            "data": {"id": run_id, "object": kind, "status": status, "request_counts": counts, **extra}}
+
+
+def bulk_webhook_writes(gkeys: GlobalKeys, run_id: str, url: str, key_hash: Optional[str],
+                        message: dict) -> list[tuple[str, str, tuple]]:
+    """The writes that queue a bulk run's webhook, as (key, command, args), for a sync or an async client
+    (on a cluster, the client of the key's slot): the log entry that holds the message first, then its
+    due time (0: at once), so the sender never finds one without the other.  ``key_hash``: the run's
+    creator (its secret signs); None for none."""
+    entry = json.dumps({"url": url, "whk": copy_field(key_hash) if key_hash else "anonymous", "body": message,
+                        "attempts": 0, "state": "pending"})
+    return [(gkeys.bulk_webhook_log, "hset", (gkeys.bulk_webhook_log, run_id, entry)),
+            (gkeys.bulk_webhooks, "zadd", (gkeys.bulk_webhooks, {run_id: 0}))]
+
+
 @dataclass
 class Attempt:
     ok: bool
@@ -135,10 +160,14 @@ class WebhookSender:
     """Deliver the webhooks of ended jobs, for every model served (``GlobalKeys.models``) or ``models``."""
 
     def __init__(self, redis, settings: Settings, models: Optional[list[str]] = None,
-                 send: Callable[[str, dict, bytes], Attempt] = post, check: Callable = check_url):
+                 send: Callable[[str, dict, bytes], Attempt] = post, check: Callable = check_url,
+                 bulk: Optional[bool] = None):
         self.redis, self.settings = redis, settings
         self.gkeys = GlobalKeys(settings.prefix)
         self.models = models
+        # bulk runs belong to no model: delivered by the sender of every model unless asked, so that senders
+        # split by --queue do not each deliver them
+        self.bulk = models is None if bulk is None else bulk
         self.send, self.check = send, check
 
     def _models(self) -> list[str]:
@@ -148,7 +177,8 @@ class WebhookSender:
 
     def run_once(self, limit: int = 100) -> int:
         """One pass: every due delivery of every model tried once; returns the number delivered."""
-        return sum(self._model_pass(ModelKeys(m, self.settings.prefix), limit) for m in self._models())
+        jobs = sum(self._model_pass(ModelKeys(m, self.settings.prefix), limit) for m in self._models())
+        return jobs + (self._bulk_pass(limit) if self.bulk else 0)
 
     def run(self, stop, interval_s: float = 0.5) -> None:
         """Pass after pass until ``stop`` (a threading.Event) is set."""
@@ -174,11 +204,33 @@ class WebhookSender:
                 delivered += self._deliver(k, job_id, record, now)
         return delivered
 
+    def _bulk_pass(self, limit: int) -> int:
+        sec, usec = self.redis.time()
+        now = sec + usec / 1e6
+        g = self.gkeys
+        delivered = 0
+        for raw in self.redis.zrangebyscore(g.bulk_webhooks, "-inf", now, 0, limit):
+            run_id = raw.decode() if isinstance(raw, bytes) else raw
+            entry = self.redis.hget(g.bulk_webhook_log, run_id)
+            if entry is None:  # its log expired: nothing to send
+                self.redis.zrem(g.bulk_webhooks, run_id)
+                continue
+            entry = json.loads(entry)
+            delivered += self._attempt(g.bulk_webhooks, g.bulk_webhook_log, run_id, entry["url"], entry["whk"],
+                                       lambda e=entry: e["body"], now)
+        return delivered
+
     def _deliver(self, k: ModelKeys, job_id: str, record: dict, now: float) -> int:
-        url = record.get("webhook", b"").decode()
-        entry = json.loads(self.redis.hget(k.webhook_log, job_id) or b"{}")
+        return self._attempt(k.webhooks, k.webhook_log, job_id, record.get("webhook", b"").decode(),
+                             record.get("whk", b"anonymous").decode(), lambda: summary(k.model, job_id, record), now)
+
+    def _attempt(self, due_key: str, log_key: str, msg_id: str, url: str, whk: str, message: Callable[[], dict],
+                 now: float) -> int:
+        """One attempt at one webhook: checked, signed with ``whk``'s secret, sent, recorded in ``log_key``
+        and, unless delivered or out of attempts, due again in ``due_key`` after a backoff."""
+        entry = json.loads(self.redis.hget(log_key, msg_id) or b"{}")
         entry.update(url=url, attempts=entry.get("attempts", 0) + 1)
-        secret = self.redis.hget(self.gkeys.webhook_secrets, record.get("whk", b"anonymous").decode())
+        secret = self.redis.hget(self.gkeys.webhook_secrets, whk)
         try:
             self.check(url, self.settings)
             if secret is None:
@@ -186,30 +238,40 @@ class WebhookSender:
         except WebhookRefused as exc:
             result = Attempt(False, f"refused: {exc}")
         else:
-            body = json.dumps(summary(k.model, job_id, record), separators=(",", ":")).encode()
+            body = json.dumps(message(), separators=(",", ":")).encode()
             ts = int(time.time())
-            headers = {"webhook-id": job_id, "webhook-timestamp": str(ts),
-                       "webhook-signature": sign(secret.decode(), job_id, ts, body)}
+            headers = {"webhook-id": msg_id, "webhook-timestamp": str(ts),
+                       "webhook-signature": sign(secret.decode(), msg_id, ts, body)}
             result = self.send(url, headers, body)
         entry.update(last=result.detail, at=time.time())
         pipe = self.redis.pipeline(transaction=False)
         if result.ok or entry["attempts"] >= self.settings.webhook_max_attempts:
             entry["state"] = "delivered" if result.ok else "failed"
-            pipe.zrem(k.webhooks, job_id)
+            pipe.zrem(due_key, msg_id)
         else:
             entry["state"] = "retrying"
             backoff = Backoff(FIRST_RETRY_S, MAX_RETRY_S)
             backoff.failures = entry["attempts"] - 1
-            pipe.zadd(k.webhooks, {job_id: now + backoff.fail()})
-        pipe.hset(k.webhook_log, job_id, json.dumps(entry))
-        pipe.expire(k.webhook_log, self.settings.result_ttl_s)  # kept as long as results, after the last write
+            pipe.zadd(due_key, {msg_id: now + backoff.fail()})
+        pipe.hset(log_key, msg_id, json.dumps(entry))
+        pipe.expire(log_key, self.settings.result_ttl_s)  # kept as long as results, after the last write
         pipe.execute()
-        log.info("webhook of job %s: attempt %d, %s (%s)", job_id, entry["attempts"], entry["state"], result.detail)
+        log.info("webhook of %s: attempt %d, %s (%s)", msg_id, entry["attempts"], entry["state"], result.detail)
         return int(result.ok)
 
 
 def deliveries(redis, k: ModelKeys) -> list[dict]:
     """Every recorded delivery of one model: job id, url, attempts, state, last result, time."""
-    rows = [{"job": (j.decode() if isinstance(j, bytes) else j), **json.loads(v)}
-            for j, v in redis.hgetall(k.webhook_log).items()]
+    return _rows(redis, k.webhook_log)
+
+
+def bulk_deliveries(redis, gkeys: GlobalKeys) -> list[dict]:
+    """Every recorded (or pending) delivery of a bulk run's webhook, as ``deliveries`` (``job``: the run id)."""
+    return _rows(redis, gkeys.bulk_webhook_log)
+
+
+def _rows(redis, log_key: str) -> list[dict]:
+    rows = [{"job": (j.decode() if isinstance(j, bytes) else j),
+             **{f: v for f, v in json.loads(v).items() if f not in ("body", "whk")}}
+            for j, v in redis.hgetall(log_key).items()]
     return sorted(rows, key=lambda r: r.get("at") or 0)

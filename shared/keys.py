@@ -73,6 +73,18 @@ class GlobalKeys:
         secret (whsec_<base64>) that signs the webhooks of that key's jobs (`mlxq keys webhook-secret`)."""
         return f"{self.prefix}:webhooksecrets"
 
+    @property
+    def bulk_webhooks(self) -> str:
+        """zset: bulk run id (an OpenAI batch's, a ``Client.map``'s) -> when its webhook's next attempt is
+        due (0: at once); the webhook sender delivers and removes them (producer/webhooks.py)."""
+        return f"{self.prefix}:bulkwebhooks"
+
+    @property
+    def bulk_webhook_log(self) -> str:
+        """hash: bulk run id -> JSON {url, whk, body, attempts, state, last, at}: the message to send (a
+        run's summary is fixed when it ends) and its deliveries; what `mlxq webhooks list` shows."""
+        return f"{self.prefix}:bulkwebhooklog"
+
     # OpenAI's Files and Batch APIs (producer/openai_batch.py): each owner (API key) lists its own
     def file(self, file_id: str) -> str:  # hash: meta (JSON: OpenAI's file object, owner), content (the bytes)
         return f"{self.prefix}:file:{file_id}"

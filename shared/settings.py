@@ -170,11 +170,18 @@ class Settings:
                                 gateway=True)
     max_prompt_bytes: int = opt(4 * 1024 * 1024, "a hard cap on request size at submit", worker=False,
                                   gateway=True)
-    max_file_bytes: int = opt(64 * 1024 * 1024, "the gateway's cap on an uploaded file (POST /v1/files): files "
-                              "live in Redis, so this bounds the memory one upload takes", worker=False,
+    max_file_bytes: int = opt(64 * 1024 * 1024, "the gateway's cap on an uploaded file (POST /v1/files): it "
+                              "bounds the memory (or, with files_dir, the disk) one upload takes", worker=False,
                               gateway=True)
+    files_dir: Optional[str] = opt(None, "a directory for the bytes of the Batch API's files (uploads, output and "
+                                   "error files), each named by its file id; every gateway of a deployment must "
+                                   "see the same one (a shared volume)", worker=False, gateway=True,
+                                   shown_default="none: in Redis")
     batch_window: int = opt(256, "the lines of one OpenAI batch (POST /v1/batches) queued at a time", worker=False,
                             gateway=True)
+    completion_windows: str = opt("24h", "the completion_window values POST /v1/batches takes, comma-separated, "
+                                  "each a whole number of s, m, h or d (OpenAI takes 24h); a batch not ended "
+                                  "within its window ends expired", worker=False, gateway=True)
     max_new_tokens: int = opt(32_768, "the most tokens one job may ask for")
     live_worker_s: float = opt(10.0, "a model's worker counts as live while its last heartbeat is this recent",
                                worker=False, gateway=True)
@@ -301,7 +308,10 @@ class Settings:
             ("result_ttl_s", self.result_ttl_s >= 1, "must be at least 1 (seconds results and streams are kept)"),
             ("idempotency_ttl_s", self.idempotency_ttl_s >= 1, "must be at least 1"),
             ("max_file_bytes", self.max_file_bytes >= 1, "must be at least 1"),
+            ("files_dir", self.files_dir is None or os.path.isdir(self.files_dir), "must be an existing directory"),
             ("batch_window", self.batch_window >= 1, "must be at least 1"),
+            ("completion_windows", _valid_windows(self.completion_windows),
+             "must be comma-separated durations such as 24h, 30m or 90s"),
             ("submit_replica_ack_ms", self.submit_replica_ack_ms >= 0, "must not be negative (0: off)"),
             ("webhook_max_attempts", self.webhook_max_attempts >= 1, pos),
             ("idle_block_s", 0 < self.idle_block_s <= MAX_IDLE_BLOCK_S,
@@ -403,6 +413,27 @@ class Settings:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(Settings))
+
+
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def completion_windows(text: str) -> dict[str, int]:
+    """The windows of ``completion_windows``: each as written ("24h") -> its seconds; ValueError for one
+    that is not a whole positive number of s, m, h or d."""
+    out = {}
+    for w in (x.strip() for x in text.split(",")):
+        if len(w) < 2 or w[-1] not in _UNIT_S or not w[:-1].isdigit() or int(w[:-1]) < 1:
+            raise ValueError(f"completion window {w!r} is not a whole positive number of s, m, h or d")
+        out[w] = int(w[:-1]) * _UNIT_S[w[-1]]
+    return out
+
+
+def _valid_windows(text) -> bool:
+    try:
+        return bool(completion_windows(text))
+    except (ValueError, AttributeError):
+        return False
 
 
 def _valid_chunks(schedule) -> bool:

@@ -28,7 +28,7 @@ def cmd_batch(args) -> int:
         pass
     client = Client(args.redis_url, api_key=args.api_key, model=queue_of(args))
     summary = BatchRun(client, args.input, args.output, window=args.window, progress=not args.quiet,
-                       **defaults).run()
+                       webhook=args.webhook, **defaults).run()
     print(json.dumps(summary.__dict__))
     return 130 if summary.interrupted else 0
 
@@ -49,4 +49,7 @@ def add_commands(sub) -> None:
                           "tool_choice, presence_penalty, frequency_penalty or logit_bias wins.")
     p.add_argument("--window", type=_at_least_one, default=256, help="most jobs in flight (default 256)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--webhook", metavar="URL",
+                   help="POST a signed bulk.completed summary here once every line is in the output (a host on "
+                        "the operator's webhook_hosts; delivered by `mlxq webhooks run`)")
     p.set_defaults(func=cmd_batch)

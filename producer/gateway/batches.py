@@ -1,6 +1,7 @@
 """OpenAI's Batch API: a request file's lines run as low-tier queue jobs.
 
-    POST /v1/batches                 (input_file_id, endpoint, completion_window "24h", metadata)
+    POST /v1/batches                 (input_file_id, endpoint, completion_window "24h", metadata; mlxq's
+                                      ``webhook``: a URL POSTed the batch's summary when it ends)
     GET  /v1/batches/{id}            (status, request_counts, output_file_id, error_file_id)
     GET  /v1/batches                 (the caller's, newest first; ``after``, ``limit``)
     POST /v1/batches/{id}/cancel
@@ -21,10 +22,15 @@ failed Redis master is submitted again under the same key (``Submitted.again``).
 
 Lines run at the low tier, or the creator's key's tier where that is lower.  A line refused because
 the queue is full is queued at a later poll; one refused because the creator's key is over its daily
-token quota waits for the quota's reset (``QuotaExceeded.retry_after_s``), the batch still running.  The batch ends
+token quota waits for the quota's reset (``QuotaExceeded.retry_after_s``), the batch still running,
+and asks again at least every ``QUOTA_RECHECK_S`` (a quota an operator raised or lifted meanwhile).  The batch ends
 ``completed`` (or ``cancelled``) with an output file of the lines answered 200 and an error file of
-the rest, each in OpenAI's line format and in the input's order.  ``completion_window`` is taken as
-OpenAI's ``24h``; a batch is not expired when it passes.
+the rest, each in OpenAI's line format and in the input's order.
+
+**Its window.**  ``completion_window`` is one of ``completion_windows`` (OpenAI's ``24h`` by default).  A
+batch not ended by its ``expires_at`` ends ``expired``, as OpenAI's do: its jobs still queued are
+cancelled (never run), the lines answered stay in the output file and every other line goes to the
+error file with OpenAI's ``batch_expired`` code.
 """
 
 from __future__ import annotations
@@ -44,12 +50,14 @@ from starlette.routing import Route
 
 from ...shared import apikeys
 from ...shared.protocol import OverloadError, QuotaExceeded
+from ...shared.settings import completion_windows
 from ...shared.steps import arun_steps
 from ..aclient import AsyncClient
 from ..bulk import KINDS, _line_params, batch_line, refused_line
-from ..bulkmap import BULK_TIER_FLOOR, Line, Submitted, _async_io, bulk_submit, reap_lines
+from ..bulkmap import BULK_TIER_FLOOR, Line, RunWebhook, Submitted, _async_io, bulk_submit, reap_lines
 from ..openai_api import LogprobFormatter, OpenAIError
-from ..openai_batch import BATCH_ENDPOINTS, COMPLETION_WINDOWS, ENDED, MAX_METADATA_PAIRS, check_lines, request_lines
+from ..openai_batch import BATCH_ENDPOINTS, ENDED, MAX_METADATA_PAIRS, check_lines, request_lines
+from ..webhooks import WebhookRefused, check_url
 from .files import owner, page_limit, serve, store
 from .jobs import bearer, json_body
 
@@ -71,13 +79,20 @@ class Batches:
         async def answer(client) -> dict:
             body = await json_body(request, self.gw.max_body_bytes)
             target, window, metadata = body.get("endpoint"), body.get("completion_window"), body.get("metadata")
-            if window not in COMPLETION_WINDOWS:
-                raise OpenAIError(400, f"completion_window must be one of {COMPLETION_WINDOWS}, got {window!r}",
+            windows = completion_windows(self.gw.settings.completion_windows)
+            if window not in windows:
+                raise OpenAIError(400, f"completion_window must be one of {', '.join(windows)}, got {window!r}",
                                   param="completion_window")
             if target not in BATCH_ENDPOINTS:
                 raise OpenAIError(400, f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {target!r}",
                                   param="endpoint")
             check_metadata(metadata)
+            webhook = body.get("webhook")  # (the OpenAI SDK sends it with extra_body=)
+            if webhook is not None:
+                try:  # (off the event loop: the host is resolved)
+                    await asyncio.to_thread(check_url, webhook if isinstance(webhook, str) else "", self.gw.settings)
+                except WebhookRefused as exc:
+                    raise OpenAIError(400, str(exc), param="webhook", code="invalid_webhook") from None
             file_id = body.get("input_file_id")
             files, who = store(self.gw, client), owner(request)
             meta = await files.file(who, file_id) if isinstance(file_id, str) else None
@@ -93,7 +108,7 @@ class Batches:
                                   code="invalid_file") from None
             token = bearer(request)
             obj = await files.create_batch(who, apikeys.key_hash(token) if token else None, target, file_id, window,
-                                           metadata, len(lines))
+                                           windows[window], metadata, len(lines), webhook)
             log.info("batch %s created: %d lines of %s on %s", obj["id"], len(lines), file_id, target)
             self.driver.wake.set()
             return obj
@@ -251,6 +266,8 @@ class BatchDriver:
 class BatchLines:
     """One driver's run of one batch, until it ends or the lease is lost."""
 
+    QUOTA_RECHECK_S = 60.0  # a creator over its quota is asked again this often, not only at the reset
+
     def __init__(self, driver: BatchDriver, client: AsyncClient, batch_id: str, fields: dict):
         self.driver, self.client, self.batch_id, self.fields = driver, client, batch_id, fields
         self.keys = client.gkeys.batch(batch_id)
@@ -280,10 +297,14 @@ class BatchLines:
                     log.warning("batch %s: lease lost; another gateway runs it", self.batch_id)
                     return
                 renewed = time.monotonic()
-            if not cancelling and await self._status() == "cancelling":
+            status, expires_at = await self._status()
+            if not cancelling and status == "cancelling":
                 cancelling = True
                 todo.clear()
                 await self._cancel_jobs(done)
+            if not cancelling and expires_at is not None and time.time() >= expires_at:
+                await self._expire(done)
+                return
             while todo and len(self.inflight) < window and time.monotonic() >= self.quota_until:
                 if not await self._submit(*todo[0]):
                     break  # the queue is full (or the key over quota): this line again at the next poll
@@ -292,12 +313,14 @@ class BatchLines:
             if self.inflight:
                 await self._reap()
             if not todo and not self.inflight:
-                await self._finish(cancelling)
+                await self._finish("cancelled" if cancelling else "completed")
                 return
             await asyncio.sleep(self.driver.POLL_S)
 
-    async def _status(self) -> str:
-        return json.loads(await self.client.at(self.keys.meta).hget(self.keys.meta, "status"))
+    async def _status(self) -> tuple[str, Optional[int]]:
+        """(status, expires_at), read at each poll: a cancel, or the window's end, may come any time."""
+        raw = await self.client.at(self.keys.meta).hmget(self.keys.meta, ["status", "expires_at"])
+        return json.loads(raw[0]), json.loads(raw[1]) if raw[1] is not None else None
 
     async def _submit(self, n: int, item: dict) -> bool:
         """The line queued (or answered, when it cannot run); False when the queue is full."""
@@ -312,7 +335,7 @@ class BatchLines:
         except QuotaExceeded as exc:  # the creator's key: the batch waits for the next UTC day, not failing
             if not self.quota_until:
                 log.info("batch %s: %s; its lines wait", self.batch_id, exc)
-            self.quota_until = time.monotonic() + exc.retry_after_s
+            self.quota_until = time.monotonic() + min(exc.retry_after_s, self.QUOTA_RECHECK_S)
             return False
         except ValueError as exc:  # (checked at create: a model gone since, say)
             await self._write(n, refused_line(n, custom_id, f"invalid request: {exc}"))
@@ -321,9 +344,12 @@ class BatchLines:
         self.inflight[sub.job_id] = Line(n, custom_id, kind, top_n, sub)
         return True
 
-    async def _reap(self) -> None:
+    async def _reap(self, expiring: bool = False) -> None:
+        """Write the lines whose jobs have ended (``expiring``: those cancelled by the expiry are left to it)."""
         ended = await arun_steps(reap_lines(self.inflight, self.client.gkeys), _async_io(self.client))
         for line, job_id, res in ended:
+            if expiring and res.finish_reason == "cancelled":
+                continue
             fmt = None
             if line.top_n > 0 or any(o.logprobs is not None for o in res.outputs):
                 info = await self.client.model_info(line.sub.model)  # (its tokenizer.json read off the event loop)
@@ -345,21 +371,38 @@ class BatchLines:
             with contextlib.suppress(Exception):  # one that ended meanwhile is answered as it ended
                 await self.client._cancel(line.sub.model, job_id)
 
+    async def _expire(self, done: set[int]) -> None:
+        """Past its window: cancel its jobs (those queued never run), keep the lines answered by then, and
+        answer every other line with OpenAI's ``batch_expired`` error."""
+        log.info("batch %s: its completion window has passed; it expires", self.batch_id)
+        await self._cancel_jobs(done)
+        await self._reap(expiring=True)
+        answered = {int(n) for n in await self.client.at(self.keys.results).hkeys(self.keys.results)}
+        left = [(n, refused_line(n, item["custom_id"], "This request could not be executed before the completion "
+                                 "window expired.", code="batch_expired")) for n, item in self.lines if n not in answered]
+        for i in range(0, len(left), 1000):  # (a transaction per thousand lines, not per line)
+            await self._write_many(left[i:i + 1000])
+        await self._finish("expired")
+
     async def _write(self, n: int, line: dict) -> None:
-        """A line's answer, once: the line and, for an error, its mark, in one transaction."""
-        line.pop("line", None)  # (mlxq batch's own field: OpenAI's lines have none)
-        if line.get("id"):
-            line["id"] = f"batch_req_{line['id']}"
-        ok = line["response"] is not None and line["response"]["status_code"] == 200
+        await self._write_many([(n, line)])
+
+    async def _write_many(self, answers: list[tuple[int, dict]]) -> None:
+        """Lines' answers, each once: a line and, for an error, its mark, in one transaction."""
         k = self.keys
         async with self.client.at(k.results).pipeline(transaction=True) as pipe:
-            pipe.hsetnx(k.results, n, json.dumps(line, ensure_ascii=False))
-            if not ok:
-                pipe.hsetnx(k.failed, n, 1)
+            for n, line in answers:
+                line.pop("line", None)  # (mlxq batch's own field: OpenAI's lines have none)
+                if line.get("id"):
+                    line["id"] = f"batch_req_{line['id']}"
+                pipe.hsetnx(k.results, n, json.dumps(line, ensure_ascii=False))
+                if line["response"] is None or line["response"]["status_code"] != 200:
+                    pipe.hsetnx(k.failed, n, 1)
             await pipe.execute()
 
-    async def _finish(self, cancelled: bool) -> None:
-        """The output and error files, in the input's order, and the batch's end."""
+    async def _finish(self, end: str) -> None:
+        """The output and error files, in the input's order, and the batch's end (``end``: completed,
+        cancelled or expired)."""
         k = self.keys
         raw = await self.client.at(k.results).hgetall(k.results)
         failed = {int(n) for n in await self.client.at(k.failed).hkeys(k.failed)}
@@ -374,7 +417,7 @@ class BatchLines:
                 obj = await self.store.put_file(owner_, f"{self.batch_id}_{name}.jsonl", f"batch_{name}",
                                                 ("\n".join(part) + "\n").encode(), file_id=f"file-{self.batch_id}-{name}")
                 ids[name] = obj["id"]
-        end = "cancelled" if cancelled else "completed"
+        await self._announce(end, len(out), len(err), output_file_id=ids.get("output"), error_file_id=ids.get("error"))
         await self.store.update_batch(self.batch_id, status=end, finalizing_at=now, **{f"{end}_at": now},
                                       output_file_id=ids.get("output"), error_file_id=ids.get("error"),
                                       request_counts={"total": self.fields["request_counts"]["total"],
@@ -382,7 +425,18 @@ class BatchLines:
         await self._forget()
         log.info("batch %s %s: %d answered, %d failed", self.batch_id, end, len(out), len(err))
 
+    async def _announce(self, status: str, completed: int, failed: int, **files) -> None:
+        """The batch's webhook, if it named one, queued for the webhook sender before the batch is marked
+        ended: a driver gone between the two ends the batch again, and queues it again (at least once)."""
+        url = self.fields.get("_webhook")
+        if url:
+            hook = RunWebhook("batch", url, self.batch_id)
+            hook.completed, hook.failed = completed, failed
+            await arun_steps(hook.end(status, self.client.gkeys, self.fields["_key_hash"],
+                                      self.fields["request_counts"]["total"], **files), _async_io(self.client))
+
     async def _fail(self, why: str) -> None:
+        await self._announce("failed", 0, 0, output_file_id=None, error_file_id=None)
         await self.store.update_batch(self.batch_id, status="failed", failed_at=int(time.time()),
                                       errors={"object": "list", "data": [{"code": "invalid_file", "message": why,
                                                                           "param": None, "line": None}]})

@@ -40,7 +40,7 @@ def owner(request: Request) -> str:
 
 
 def store(gw, client) -> FileStore:
-    return FileStore(client.at, gw.settings.prefix)
+    return FileStore(client.at, gw.settings.prefix, gw.settings.files_dir)
 
 
 async def serve(gw, request: Request, endpoint: str, answer) -> Response:

@@ -1,24 +1,42 @@
 """OpenAI's Batch API through the gateway, driven by the official ``openai`` client: a real Valkey,
 one worker on the tiny model and one gateway for the module.  Every batch line's answer is compared
-with the same request made directly through Chat Completions (greedy), or Embeddings, in the same run."""
+with the same request made directly through Chat Completions (greedy), or Embeddings, in the same run.
+A batch that names a webhook gets its summary POSTed, signed, to a receiver on loopback when it ends.
+The module's gateway keeps the files' bytes in a directory (``files_dir``); the second gateway of the
+upload cap's test, and the fault tests (tests/faults/test_batch_failover.py), keep them in Redis."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 
 import openai
 import pytest
 
 from mlxq.producer.gateway import ServerThread, create_app
+from mlxq.producer.gateway.batches import BatchLines
+from mlxq.producer.webhooks import WebhookSender, new_secret
+from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys
+from mlxq.shared.settings import Settings
+from hookkit import Receiver, receiving, verify
 from workerkit import fast_settings, serving_gateway, wait_for
 
 PROMPTS = ["Tell me about the sea.", "Name a colour.", "Count to three.", "Why is the sky blue?", "Hello!"]
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, tiny_model):
-    with serving_gateway(tiny_model, redis_server.url, max_batch=8) as (url, r):
+def files_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("files")
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, tiny_model, files_dir):
+    # the test's webhook receiver, on loopback; a completion window short enough to pass in the test
+    settings = dict(webhook_hosts="127.0.0.1", webhook_private=True, completion_windows="24h,1s",
+                    files_dir=str(files_dir))
+    with serving_gateway(tiny_model, redis_server.url, settings, max_batch=8) as (url, r):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=60), r
 
 
@@ -40,20 +58,45 @@ def ended(client: openai.OpenAI, batch_id: str, timeout: float = 60.0):
     """The batch once it has ended (polled as a pipeline polls it)."""
     seen = {}
     assert wait_for(lambda: seen.update(b=client.batches.retrieve(batch_id)) or seen["b"].status in (
-        "completed", "failed", "cancelled"), timeout=timeout, interval=0.05), seen
+        "completed", "failed", "cancelled", "expired"), timeout=timeout, interval=0.05), seen
     return seen["b"]
 
 
-def test_batch_answers_every_line_once_as_chat_completions_would(stack):
-    client, _ = stack
+def test_batch_answers_every_line_once_as_chat_completions_would(stack, files_dir):
+    client, r = stack
     lines = [line(f"req-{i}", p, **({"logprobs": True, "top_logprobs": 2} if i == 1 else {}))
              for i, p in enumerate(PROMPTS)]
     f = upload(client, lines)
     assert f.object == "file" and f.purpose == "batch" and f.bytes == len(jsonl(lines))
     assert client.files.retrieve(f.id).filename == "requests.jsonl"
-    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
-                                  metadata={"run": "nightly"})
+    # in files_dir under its id, written whole; Redis holds the file object only
+    assert (files_dir / f.id).read_bytes() == jsonl(lines) and not r.hexists(GlobalKeys().file(f.id), "content")
+    assert not [p for p in files_dir.iterdir() if p.name.startswith(".")]  # no temporary file left
+    secret = new_secret()
+    # signed with the secret of the creator's key (open mode: the token the client sends, as for its jobs)
+    r.hset(GlobalKeys().webhook_secrets, apikeys.copy_field(apikeys.key_hash("EMPTY")), secret)
+    with receiving([]) as hook:
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                      metadata={"run": "nightly"}, extra_body={"webhook": hook})
+        check_answers(client, batch)
+        # the webhook sender (mlxq webhooks run) posts the batch's summary once it has ended
+        assert WebhookSender(r, Settings(webhook_hosts="127.0.0.1", webhook_private=True)).run_once() == 1
+    [(headers, body)] = Receiver.got
+    msg = json.loads(body)
+    done = client.batches.retrieve(batch.id)
+    assert verify(secret, headers, body) and headers["webhook-id"] == batch.id
+    assert msg["type"] == "batch.completed" and msg["data"] == {
+        "id": batch.id, "object": "batch", "status": "completed", "request_counts": {"total": 5, "completed": 5,
+                                                                                     "failed": 0},
+        "output_file_id": done.output_file_id, "error_file_id": None}
+    assert (files_dir / done.output_file_id).exists()  # the output file too
+    assert client.files.delete(done.output_file_id).deleted
+    assert not (files_dir / done.output_file_id).exists() and not r.exists(GlobalKeys().file(done.output_file_id))
+
+
+def check_answers(client: openai.OpenAI, batch) -> None:
     assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "nightly"}
+    assert "webhook" not in batch.model_dump()  # (mlxq's own field: not in OpenAI's batch object)
     direct = {f"req-{i}": client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
                                                          max_tokens=6, temperature=0).choices[0].message.content
               for i, p in enumerate(PROMPTS)}
@@ -76,11 +119,12 @@ def test_batch_answers_every_line_once_as_chat_completions_would(stack):
 
     listed = client.files.list(purpose="batch_output")
     assert [x.id for x in listed.data] == [done.output_file_id] and not listed.has_more
-    assert f.id in [x.id for x in client.files.list()]
-    assert client.files.delete(f.id).deleted
-    assert f.id not in [x.id for x in client.files.list()]
+    f = batch.input_file_id
+    assert f in [x.id for x in client.files.list()]
+    assert client.files.delete(f).deleted
+    assert f not in [x.id for x in client.files.list()]
     with pytest.raises(openai.NotFoundError):
-        client.files.retrieve(f.id)
+        client.files.retrieve(f)
 
 
 def test_a_bad_file_is_refused_naming_its_line(stack):
@@ -96,6 +140,10 @@ def test_a_bad_file_is_refused_naming_its_line(stack):
         client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="line 1: url '/v1/chat/completions' is not the batch's"):
         client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="webhook host '10.1.2.3' is not allowed") as refused:
+        client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
+                              extra_body={"webhook": "http://10.1.2.3/hook"})
+    assert refused.value.body["param"] == "webhook"
     with pytest.raises(openai.BadRequestError, match="endpoint must be one of"):
         client.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
     with pytest.raises(openai.NotFoundError):
@@ -139,18 +187,56 @@ def test_an_upload_over_the_cap_is_refused(stack, redis_server):
     assert len(set(r.keys("mlxq:file:*")) - before) == 1  # the small one
 
 
-def test_cancel_and_list(stack):
-    client, r = stack
-    # a model whose registry entry has no worker behind it: its lines stay queued until the cancel
+@contextlib.contextmanager
+def idle_model(r):
+    """A model whose registry entry has no worker behind it: its lines stay queued."""
     r.hset(GlobalKeys().models, "idle", r.hget(GlobalKeys().models, "tiny"))
     try:
+        yield
+    finally:
+        r.hdel(GlobalKeys().models, "idle")
+
+
+def test_a_batch_past_its_window_expires_keeping_the_lines_answered(stack):
+    client, r = stack
+    meta = GlobalKeys().batch
+    with idle_model(r):
+        f = upload(client, [line("a", "hi"), line("b", "hi", model="idle"), line("c", "hi", model="idle")])
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert batch.expires_at == batch.created_at + 24 * 3600
+        # line a answered, b and c queued: then the window is made to pass (as 24 h would)
+        assert wait_for(lambda: r.hexists(meta(batch.id).results, 1) and r.hlen(meta(batch.id).jobs) == 3, timeout=30)
+        jobs = {int(n): v.decode().split() for n, v in r.hgetall(meta(batch.id).jobs).items()}
+        r.hset(meta(batch.id).meta, "expires_at", json.dumps(int(time.time()) - 1))
+        done = ended(client, batch.id)
+        # a window from the gateway's completion_windows: the driver expires it once it passes
+        short = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1s")
+        assert short.expires_at == short.created_at + 1
+        brief = ended(client, short.id)
+    assert done.status == "expired" and done.expired_at >= done.created_at
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (3, 1, 2)
+    [kept] = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert kept["custom_id"] == "a" and kept["response"]["status_code"] == 200
+    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in errors] == [("b", None, "batch_expired"),
+                                                                                     ("c", None, "batch_expired")]
+    for n in (2, 3):  # cancelled where they waited: never run
+        model, job_id = jobs[n]
+        assert r.hget(GlobalKeys().model_keys(model).job(job_id), "status") == b"cancelled"
+    assert brief.status == "expired" and brief.request_counts.total == 3
+    with pytest.raises(openai.BadRequestError, match="completion_window must be one of 24h, 1s, got '2h'"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="2h")
+
+
+def test_cancel_and_list(stack):
+    client, r = stack
+    # an idle model's lines stay queued until the cancel
+    with idle_model(r):
         f = upload(client, [line(f"q{i}", "hi", model="idle") for i in range(3)])
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
         assert wait_for(lambda: r.hlen(GlobalKeys().batch(batch.id).jobs) == 3, timeout=30)
         assert client.batches.cancel(batch.id).status == "cancelling"
         done = ended(client, batch.id)
-    finally:
-        r.hdel(GlobalKeys().models, "idle")
     assert done.status == "cancelled" and done.output_file_id is None
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (3, 0, 3)
     errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
@@ -164,3 +250,32 @@ def test_cancel_and_list(stack):
     assert [b.id for b in page.data] == [batch.id] and page.has_more  # newest first
     rest = client.batches.list(limit=10, after=batch.id)
     assert batch.id not in [b.id for b in rest.data] and rest.data and not rest.has_more
+
+
+def test_a_batch_over_its_creators_quota_waits_in_progress_until_the_reset(stack, monkeypatch, caplog):
+    """The creator's daily tokens are used up: the batch stays in_progress with nothing queued, then runs
+    to its end once the UTC day turns (made to turn here: today's usage count goes, as at midnight)."""
+    client, r = stack
+    monkeypatch.setattr(BatchLines, "QUOTA_RECHECK_S", 0.1)  # (asked again each 0.1 s, not each minute)
+    gk, key = GlobalKeys(), "quota-key-0000001"
+    apikeys.add_key(r, gk, key, "normal", name="bulk")
+    try:
+        apikeys.set_limits(r, gk, "bulk", daily_tokens=10)
+        usage, day = gk.model_keys("tiny").usage, r.time()[0] // 86400
+        today = f"{day}|{apikeys.copy_field(apikeys.key_hash(key))}|prompt"
+        r.hset(usage, today, 10)  # (as complete.lua counts a job's tokens)
+        keyed = openai.OpenAI(base_url=str(client.base_url), api_key=key, max_retries=0, timeout=60)
+        f = upload(keyed, [line("q0", "hi"), line("q1", "hi")])
+        with caplog.at_level("INFO", logger="mlxq.gateway"):
+            batch = keyed.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+            assert wait_for(lambda: "daily token quota is used up" in caplog.text, timeout=30)
+        waiting = keyed.batches.retrieve(batch.id)
+        assert waiting.status == "in_progress" and waiting.request_counts.completed == 0
+        assert r.hlen(gk.batch(batch.id).jobs) == 0  # nothing queued
+        r.hdel(usage, today)  # the UTC day turns
+        done = ended(keyed, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 2
+    finally:
+        apikeys.set_limits(r, gk, "bulk", daily_tokens=0)
+        apikeys.revoke_name(r, gk, "bulk")  # (no key left: the module's gateway open again)

@@ -58,15 +58,15 @@ def running_worker(loaded, url: str, settings: Settings | None = None, **kw):
 
 
 @contextlib.contextmanager
-def serving_gateway(loaded, url: str, **worker_kw):
+def serving_gateway(loaded, url: str, settings_kw: dict | None = None, **worker_kw):
     """An emptied Redis at ``url``, a worker serving ``loaded`` (its ``name``) and the gateway in front
-    of it, for the block: yields (the gateway's URL, a Redis client)."""
+    of it, for the block: yields (the gateway's URL, a Redis client).  ``settings_kw``: settings of both."""
     from mlxq.producer.gateway import ServerThread, create_app
     from mlxq.shared.keys import GlobalKeys
 
     r = redis.Redis.from_url(url)
     r.flushall()
-    settings = fast_settings(url)
+    settings = fast_settings(url, **(settings_kw or {}))
     try:
         with running_worker(loaded, url, settings, **worker_kw):
             assert wait_for(lambda: r.hexists(GlobalKeys().models, loaded.name), timeout=60)

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import hmac
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import redis
@@ -22,45 +18,18 @@ from mlxq.producer import webhooks
 from mlxq.producer.webhooks import WebhookRefused, WebhookSender, check_url, deliveries
 from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys, ModelKeys
+from hookkit import Receiver, receiving, verify
 from workerkit import fast_settings, wait_for
-
-
-class Receiver(BaseHTTPRequestHandler):
-    replies: list[int] = []  # the status of each request in turn (200 once they run out)
-    got: list[tuple[dict, bytes]] = []
-
-    def do_POST(self):  # noqa: N802 - http.server's name
-        body = self.rfile.read(int(self.headers["content-length"]))
-        type(self).got.append(({k.lower(): v for k, v in self.headers.items()}, body))
-        self.send_response(self.replies.pop(0) if self.replies else 200)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture
 def receiver():
-    Receiver.replies, Receiver.got = [500], []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{server.server_port}/hooks/mlxq"
-    server.shutdown()
-    server.server_close()
+    with receiving([500]) as url:
+        yield url
 
 
-def verify(secret: str, headers: dict, body: bytes) -> bool:
-    """Standard Webhooks: base64(HMAC-SHA256(base64decode(secret after whsec_), "id.timestamp.body"))."""
-    key = base64.b64decode(secret.removeprefix("whsec_"))
-    signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
-    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
-    return any(hmac.compare_digest(sig.split(",", 1)[1], expected)
-               for sig in headers["webhook-signature"].split() if sig.startswith("v1,"))
-
-
-def test_a_signed_webhook_is_delivered_after_the_receiver_fails_once(redis_url, receiver, monkeypatch, capsys):
+def test_a_signed_webhook_is_delivered_after_the_receiver_fails_once(redis_url, receiver, monkeypatch, capsys,
+                                                                     tmp_path):
     monkeypatch.setattr(webhooks, "FIRST_RETRY_S", 0.01)  # the retry's backoff, drawn with jitter below it
     r = redis.Redis.from_url(redis_url)
     settings = fast_settings(redis_url, webhook_hosts="127.0.0.1", webhook_private=True)
@@ -108,6 +77,35 @@ def test_a_signed_webhook_is_delivered_after_the_receiver_fails_once(redis_url, 
     assert headers["webhook-id"] == job.id and verify(ingest_secret, headers, body) and not verify(secret, headers, body)
     with pytest.raises(ValueError, match="no key named"):
         apikeys.set_webhook_secret(r, GlobalKeys(), "nobody", "whsec_x")
+    # Client.map: one webhook for the whole run when it ends, signed with the run's key's secret, sent by
+    # the same sender (the one item here is invalid: the run ends with nothing queued)
+    with Client(redis_url, api_key="ingest-key-0001", model="tiny", settings=settings) as keyed:
+        with pytest.raises(WebhookRefused, match="not allowed"):
+            next(keyed.map(["hi"], webhook="https://evil.example.net/hook"))
+        [res] = keyed.map([{"prompt": "hi", "max_tokens": -1}], webhook=receiver)
+    assert res.finish_reason == "error" and sender.run_once() == 0  # a sender of one model leaves runs be
+    assert WebhookSender(r, settings).run_once() == 1
+    headers, body = Receiver.got[-1]
+    msg = json.loads(body)
+    assert msg["type"] == "map.completed" and msg["data"]["request_counts"] == {"total": 1, "completed": 0,
+                                                                                 "failed": 1}
+    assert headers["webhook-id"] == msg["data"]["id"] and verify(ingest_secret, headers, body)
+    assert main(["webhooks", "list", "--json", "--redis-url", redis_url]) == 0
+    [run] = [row for row in json.loads(capsys.readouterr().out) if row["model"] == "-"]
+    assert run["job"] == msg["data"]["id"] and run["state"] == "delivered" and "body" not in run
+    # mlxq batch --webhook: one bulk.completed once every line is in the output (its line refused here)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"prompt": "hi", "max_tokens": -1}\n')
+    monkeypatch.setenv("MLXQ_WEBHOOK_HOSTS", "127.0.0.1")
+    monkeypatch.setenv("MLXQ_WEBHOOK_PRIVATE", "1")
+    monkeypatch.setenv("MLXQ_API_KEY", "ingest-key-0001")
+    assert main(["batch", str(src), "-o", str(out), "--redis-url", redis_url, "--queue", "tiny", "-q",
+                 "--webhook", receiver]) == 0
+    assert WebhookSender(r, settings).run_once() == 1
+    headers, body = Receiver.got[-1]
+    msg = json.loads(body)["data"]
+    assert json.loads(body)["type"] == "bulk.completed" and verify(ingest_secret, headers, body)
+    assert msg["request_counts"] == {"total": 1, "completed": 0, "failed": 1} and msg["output"] == "out.jsonl"
     r.close()
 
 
@@ -128,8 +126,17 @@ def test_webhook_urls_off_the_allowlist_or_on_private_addresses_are_refused(redi
                 await aclient.submit("hi", max_tokens=2, webhook="http://127.0.0.1:8080/hook")
             with pytest.raises(ValueError, match="already past"):
                 await aclient.submit("hi", max_tokens=2, expires_in=0, run_at=None, expires_at=None)
+            with pytest.raises(WebhookRefused, match="loopback, private or reserved"):
+                [x async for x in aclient.map(["hi"], webhook="http://127.0.0.1:8080/hook")]
+        loopback = fast_settings(redis_url, webhook_hosts="127.0.0.1", webhook_private=True)
+        async with AsyncClient(redis_url, model="tiny", settings=loopback) as aclient:  # a run's end queued
+            [res] = [x async for x in aclient.map([{"prompt": "hi", "max_tokens": -1}], webhook="http://127.0.0.1/h")]
+        return res
 
-    asyncio.run(submit_async())
+    assert asyncio.run(submit_async()).finish_reason == "error"
+    with redis.Redis.from_url(redis_url) as r:
+        [queued] = [json.loads(v) for v in r.hvals(GlobalKeys().bulk_webhook_log)]
+    assert queued["state"] == "pending" and queued["body"]["type"] == "map.completed"
     with pytest.raises(WebhookRefused, match="10.1.2.3"):
         check_url("http://10.1.2.3/hook", settings)
     # an allowed name that resolves to a private address (a DNS record pointing inside): refused too

@@ -106,6 +106,8 @@ def test_old_flags_and_env_vars_still_work(clean_env):
     # each of these was accepted and then broke the worker or lost data
     ({"MLXQ_IDLE_BLOCK_S": "-1"}, "idle_block_s=-1.0 (MLXQ_IDLE_BLOCK_S / --idle-block-s): must be above 0"),
     ({"MLXQ_IDLE_BLOCK_S": "0"}, "must be above 0 and at most 10"),
+    ({"MLXQ_COMPLETION_WINDOWS": "24h,1w"}, "completion_windows='24h,1w' (MLXQ_COMPLETION_WINDOWS / --completion-windows): must be comma-separated durations"),
+    ({"MLXQ_FILES_DIR": "/nonexistent/mlxq-files"}, "files_dir='/nonexistent/mlxq-files' (MLXQ_FILES_DIR / --files-dir): must be an existing directory"),
     ({"MLXQ_IDLE_BLOCK_S": "30"}, "must be above 0 and at most 10"),
     ({"MLXQ_RESULT_TTL_S": "0"}, "result_ttl_s=0 (MLXQ_RESULT_TTL_S / --result-ttl-s): must be at least 1"),
     ({"MLXQ_IDEMPOTENCY_TTL_S": "0"}, "idempotency_ttl_s=0 (MLXQ_IDEMPOTENCY_TTL_S / --idempotency-ttl-s): must be at least 1"),
