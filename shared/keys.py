@@ -258,6 +258,13 @@ class ModelKeys:
         ``result_ttl_s``; what `mlxq webhooks list` shows."""
         return f"{self._base}:webhooklog"
 
+    @property
+    def series(self) -> str:
+        """stream: the dashboard's rolling series, one point per worker every ``series_interval_s`` (its
+        tokens, jobs ended, queue depth by tier, TTFT and queue wait quantiles), entries older than an
+        hour trimmed at each append (shared/series.py)."""
+        return f"{self._base}:series"
+
     def worker(self, worker_id: str) -> str:  # hash: one worker's stats (expires)
         return f"{self._base}:worker:{worker_id}"
 
