@@ -8,6 +8,7 @@
     GET  /metrics                                       (this gateway's request metrics)
     GET  /health                                        (liveness: no key, no Redis; always 200 while serving)
     GET  /ready                                         (Redis answers and some model has a live worker)
+    /dashboard/                                         (the operator's pages, after a login with an admin key)
 
 The bearer token is an mlxq API key: it decides the tier.  Two modes, as vLLM, ollama and mlx-lm's
 server behave: while no key is registered the gateway is open (any token, e.g. the openai client's
@@ -36,7 +37,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 from ...shared import apikeys
 from ...shared.apikeys import AuthError
@@ -46,6 +47,7 @@ from ...shared.keys import GlobalKeys
 from ...shared.settings import Settings
 from ..aclient import AsyncClient
 from ..asubscriber import AsyncSubscriber, link_watch
+from ..dashboard import create_dashboard
 from ..openai_api import OpenAIError, TokenNames
 from .batches import Batches
 from .chat_completions import ChatCompletions
@@ -313,6 +315,8 @@ def create_app(redis_url: Optional[str] = None, settings: Optional[Settings] = N
         Route("/metrics", gw.prometheus, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         Route("/ready", gw.ready, methods=["GET"]),
+        # the operator's pages, behind a login with an admin key (producer/dashboard)
+        Mount("/dashboard", app=create_dashboard(gw.redis_url, gw.settings, login_required=True)),
     ]
     handlers = {RedisUnreachable: gw.unreachable, HTTPException: gw.http_error, Exception: gw.internal_error}
     app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers=handlers)
