@@ -223,12 +223,10 @@ class Dashboard:
         denied = self.gate(request)
         if denied is not None:
             return denied
-        job_id = request.path_params["job_id"]
         try:
-            queue = self.admin(None).find(job_id)
+            return JSONResponse(views.job_live(self.admin(None), request.path_params["job_id"]))
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, status_code=404)
-        return JSONResponse(views.job_output(self.r, self.prefix, queue, job_id))
 
     # -- actions ---------------------------------------------------------------------------
     ACTIONS = {"cancel": "Cancel job {id}?", "requeue": "Run job {id}'s request again, as a new job?"}

@@ -89,11 +89,20 @@ def job_page(admin, job_id: str) -> dict:
         try:
             times[name] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(shown[name]))) + " UTC"
         except (KeyError, ValueError):
-            pass
+            times[name] = "-"
     return {"id": job_id, "queue": shown["queue"], "status": shown.get("status", "?"), "tier": shown.get("tier", "-"),
             "attempts": shown.get("attempts", "0"), "prompt": prompt, "params": params, "times": times,
             "finish_reason": result.get("finish_reason"), "error": result.get("error") or shown.get("error"),
             "done": shown.get("status") in TERMINAL}
+
+
+def job_live(admin, job_id: str) -> dict:
+    """What a job's page refreshes: its fields as ``job_page`` reads them, and its output so far."""
+    page = job_page(admin, job_id)
+    out = job_output(admin.r, admin.settings.prefix, page["queue"], job_id)
+    return {"status": page["status"], "attempts": page["attempts"], "times": page["times"],
+            "finish_reason": page["finish_reason"] or out.get("finish_reason"),
+            "error": page["error"] or out.get("error"), "text": out["text"], "done": page["done"]}
 
 
 def job_output(r, prefix: str, queue: str, job_id: str) -> dict:

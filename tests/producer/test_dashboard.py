@@ -96,6 +96,7 @@ def test_overview_shows_the_queue_draining_and_a_job_page_its_tokens_arriving(st
     expect(watched.locator("#job")).to_have_attribute("data-done", "1")
     assert watched.locator("#status").text_content() == "done"
     assert watched.locator("#output").text_content() == reference  # every token, once, in order
+    assert watched.locator("#finish").text_content() in ("stop", "length")
     shot(watched, "dashboard-job.png")
 
     overview.reload()  # the plots: the worker's points of the last hour, drawn by uPlot

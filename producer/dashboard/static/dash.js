@@ -46,7 +46,9 @@
         var opts = {
           title: spec.title, width: Math.max(300, Math.min(560, el.clientWidth || 480)), height: 200,
           series: [{}].concat(spec.series.map(function (s) { return {label: s[1], stroke: s[2], width: 2, spanGaps: true}; })),
-          axes: [{}, {size: 60}], scales: {x: {time: true}}
+          axes: [{}, {size: 60}],
+          // the last hour, whatever the points cover (a worker that just started has one)
+          scales: {x: {time: true, range: function () { var now = Date.now() / 1000; return [now - 3600, now]; }}}
         };
         plots[el.dataset.chart] = new uPlot(opts, columns(data, spec), el);
       });
@@ -66,9 +68,14 @@
       get(job.dataset.jobUrl, "json").then(function (d) {
         output.textContent = d.text;
         status.textContent = d.status;
+        document.getElementById("attempts").textContent = d.attempts;
         document.getElementById("tokens").textContent = "(" + d.text.length + " characters)";
-        if (d.finish_reason) { document.getElementById("finish").textContent = d.finish_reason; }
-        if (d.error) { document.getElementById("error").textContent = d.error; }
+        document.getElementById("finish").textContent = d.finish_reason || "-";
+        document.getElementById("error").textContent = d.error || "-";
+        Object.keys(d.times).forEach(function (name) {
+          var cell = document.getElementById("t-" + name);
+          if (cell) { cell.textContent = d.times[name]; }
+        });
         if (d.done) { clearInterval(timer); job.dataset.done = "1"; }
       }).catch(function () {});
     }
