@@ -39,7 +39,7 @@ def cmd_dashboard(args) -> int:
     if login_required:
         r = connect(args.redis_url, settings.redis_outage_s)
         if not any(k["admin"] and not k["revoked"] for k in apikeys.list_keys(r, GlobalKeys(settings.prefix))):
-            raise ValueError(f"mlxq dashboard on {args.host} needs an admin key to log in with, and none is registered: "
+            raise ValueError(f"on {args.host} the dashboard needs an admin key to log in with, and none is registered: "
                              "`mlxq keys create --name NAME --tier high --admin` makes one (or bind 127.0.0.1)")
     app = create_dashboard(args.redis_url, settings, login_required=login_required)
     print(f"mlxq dashboard: http://{args.host}:{args.port}/" + (" (admin key login)" if login_required else ""))

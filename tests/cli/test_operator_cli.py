@@ -302,3 +302,14 @@ def test_only_the_face_parses_command_lines():
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else []
                 found += [f"{path.relative_to(root)}:{node.lineno}" for n in names if n.split(".")[0] == "argparse"]
     assert found == []
+
+
+def test_dashboard_beyond_loopback_needs_a_registered_admin_key(redis_url, r, capsys):
+    """Bound to another address, every page needs an admin login: with no admin key to log in with, it
+    does not start (one line saying how to make one)."""
+    from mlxq.cli.dashboard import loopback
+
+    assert loopback("127.0.0.1") and loopback("::1") and loopback("localhost") and not loopback("0.0.0.0")
+    apikeys.add_key(r, GK, "a-producer-key", "normal", name="producer")
+    rc, _, err = run(capsys, "dashboard", "--host", "0.0.0.0", "--redis-url", redis_url)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--admin" in err and "none is registered" in err
