@@ -90,6 +90,12 @@ class GlobalKeys:
     def batch(self, batch_id: str) -> "BatchKeys":
         return BatchKeys(batch_id, self.prefix)
 
+    @property
+    def gateway_series(self) -> str:
+        """stream: the dashboard's gateway series, one point per gateway every ``series_interval_s`` (API
+        requests, 5xx answers, time to first streamed token p50/p95), trimmed to the hour (shared/series.py)."""
+        return f"{self.prefix}:gateways:series"
+
     def model_keys(self, model: str) -> "ModelKeys":
         return ModelKeys(model, self.prefix)
 

@@ -1,6 +1,6 @@
 """The dashboard's rolling series: what each worker appends to its model's ``ModelKeys.series`` stream
-(one point every ``series_interval_s``, the hour before trimmed at each append), and the charts read
-from it.
+and each gateway to ``GlobalKeys.gateway_series`` (one point every ``series_interval_s``, the hour
+before trimmed at each append), and the charts read from them.
 
 The workers write them as they run, so the plots are full when the page first opens, whoever opens
 it. A point covers the worker's last interval: tokens generated, jobs ended (done, failed), the TTFT
@@ -38,10 +38,10 @@ def point(interval_s: float, tokens: int, done: int, failed: int, queued: dict, 
             "wait_p50": quantile(waits, 0.5), "wait_p95": quantile(waits, 0.95)}
 
 
-def append(pipe, key: str, worker_id: str, p: dict, now_s: float, keep_s: float = KEEP_S) -> None:
-    """Queue the XADD of point ``p`` on ``pipe``, trimming the entries older than ``keep_s`` (exactly: at a
+def append(pipe, key: str, worker_id: str, p: dict, now_s: float, keep_s: float = KEEP_S):
+    """The XADD of point ``p`` on ``pipe`` (a pipeline, or a client: an asyncio one's is awaited), trimming the entries older than ``keep_s`` (exactly: at a
     point per worker every few seconds, a trim removes one or two entries)."""
-    pipe.xadd(key, {"w": worker_id, "p": json.dumps(p, separators=(",", ":"))},
+    return pipe.xadd(key, {"w": worker_id, "p": json.dumps(p, separators=(",", ":"))},
               minid=f"{int((now_s - keep_s) * 1000)}-0", approximate=False)
 
 
@@ -61,29 +61,61 @@ def read(redis, key: str, now_s: float, keep_s: float = KEEP_S) -> list[tuple[fl
     return out
 
 
+def _bins(points: list[tuple[float, str, dict]], bin_s: float):
+    """``(bin start, its points oldest first, the time they cover)`` of each ``bin_s`` bin that has points:
+    each writer's point covers its own interval, and a bin holds about one interval of each."""
+    bins: dict[int, list[tuple[float, dict]]] = {}
+    for t, _writer, p in points:
+        bins.setdefault(int(t // bin_s), []).append((t, p))
+    for b in sorted(bins):
+        rows = [p for _, p in sorted(bins[b], key=lambda tp: tp[0])]
+        yield b * bin_s, rows, max(bin_s, max(_num(p.get("s")) for p in rows))
+
+
+def _rate(rows: list[dict], fields: tuple[str, ...], span: float, per_s: float = 1.0) -> float:
+    return round(per_s * sum(_num(p.get(f)) for p in rows for f in fields) / span, 3)
+
+
+def _worst(rows: list[dict], name: str) -> Optional[float]:
+    seen = [_num(p.get(name)) for p in rows if p.get(name) is not None]
+    return max(seen) if seen else None
+
+
 def chart(points: list[tuple[float, str, dict]], bin_s: float) -> dict[str, list]:
-    """Columns for the plots, one row per ``bin_s`` bin that has points: ``t`` (bin start, s),
+    """The workers' columns for the plots, one row per ``bin_s`` bin that has points: ``t`` (bin start, s),
     ``tok_s``, ``jobs_per_min`` (done + failed), ``queued_<tier>``, and the four quantiles (s; None where
     no job ended)."""
-    bins: dict[int, list[tuple[float, dict]]] = {}
-    for t, _worker, p in points:
-        bins.setdefault(int(t // bin_s), []).append((t, p))
     cols: dict[str, list] = {"t": [], "tok_s": [], "jobs_per_min": [], **{f"queued_{t}": [] for t in TIERS},
                              **{q: [] for q in QUANTILES}}
-    for b in sorted(bins):
-        rows = sorted(bins[b], key=lambda tp: tp[0])
-        # each worker's point covers its own interval; a bin holds about one interval of each worker
-        span = max(bin_s, max(_num(p.get("s")) for _, p in rows))
-        cols["t"].append(b * bin_s)
-        cols["tok_s"].append(round(sum(_num(p.get("tokens")) for _, p in rows) / span, 3))
-        cols["jobs_per_min"].append(round(60 * sum(_num(p.get("done")) + _num(p.get("failed")) for _, p in rows)
-                                          / span, 3))
-        latest = rows[-1][1].get("queued") if isinstance(rows[-1][1].get("queued"), dict) else {}
+    for start, rows, span in _bins(points, bin_s):
+        cols["t"].append(start)
+        cols["tok_s"].append(_rate(rows, ("tokens",), span))
+        cols["jobs_per_min"].append(_rate(rows, ("done", "failed"), span, 60))
+        latest = rows[-1].get("queued") if isinstance(rows[-1].get("queued"), dict) else {}
         for tier in TIERS:
             cols[f"queued_{tier}"].append(_num(latest.get(tier)))
         for q in QUANTILES:
-            seen = [_num(p.get(q)) for _, p in rows if p.get(q) is not None]
-            cols[q].append(max(seen) if seen else None)
+            cols[q].append(_worst(rows, q))
+    return cols
+
+
+def gateway_point(interval_s: float, requests: int, errors: int, ttfts: Sequence[float]) -> dict:
+    """One gateway's point over its last ``interval_s``: API requests answered, those answered with a
+    5xx, and the time to the first streamed token (as the client sees it) p50/p95."""
+    return {"s": round(interval_s, 3), "requests": requests, "errors": errors,
+            "ttft_p50": quantile(ttfts, 0.5), "ttft_p95": quantile(ttfts, 0.95)}
+
+
+def gateway_chart(points: list[tuple[float, str, dict]], bin_s: float) -> dict[str, list]:
+    """The gateways' columns: ``t``, ``requests_per_min``, ``errors_per_min`` (added over gateways), and
+    ``ttft_p50``/``ttft_p95`` (the worst gateway's)."""
+    cols: dict[str, list] = {"t": [], "requests_per_min": [], "errors_per_min": [], "ttft_p50": [], "ttft_p95": []}
+    for start, rows, span in _bins(points, bin_s):
+        cols["t"].append(start)
+        cols["requests_per_min"].append(_rate(rows, ("requests",), span, 60))
+        cols["errors_per_min"].append(_rate(rows, ("errors",), span, 60))
+        for q in ("ttft_p50", "ttft_p95"):
+            cols[q].append(_worst(rows, q))
     return cols
 
 

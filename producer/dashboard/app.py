@@ -6,7 +6,8 @@
     GET  /jobs/{id}/cancel ...  a confirmation page; its form POSTs the action
     POST /jobs/{id}/cancel, /jobs/{id}/requeue, /failed/purge, /failed/requeue
     GET|POST /login, POST /logout
-    GET  /live/overview, /live/series/{model}, /live/jobs/{id}   what the pages poll (once a second at most)
+    GET  /live/overview, /live/series/{model}, /live/gateways, /live/jobs/{id}   what the pages poll (once
+                                a second at most)
 
 Sessions: a random id in an HttpOnly, SameSite=Strict cookie names a server-side session, which holds
 its CSRF token and, after a login, the operator's key (never sent back, never shown). Every action is
@@ -219,6 +220,9 @@ class Dashboard:
     def live_series(self, request: Request) -> Response:
         return self.gate(request) or JSONResponse(views.chart(self.r, self.prefix, request.path_params["model"]))
 
+    def live_gateways(self, request: Request) -> Response:
+        return self.gate(request) or JSONResponse(views.gateway_chart(self.r, self.prefix))
+
     def live_job(self, request: Request) -> Response:
         denied = self.gate(request)
         if denied is not None:
@@ -307,7 +311,7 @@ class Dashboard:
             Route("/failed/purge", self.confirm, methods=["GET"]), Route("/failed/purge", self.act, methods=["POST"]),
             Route("/batches", self.batches), Route("/keys", self.keys),
             Route("/live/overview", self.live_overview), Route("/live/series/{model}", self.live_series),
-            Route("/live/jobs/{job_id}", self.live_job),
+            Route("/live/gateways", self.live_gateways), Route("/live/jobs/{job_id}", self.live_job),
             Route("/login", self.login, methods=["GET", "POST"]), Route("/logout", self.logout, methods=["POST"]),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
         ]

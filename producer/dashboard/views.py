@@ -46,7 +46,8 @@ def overview(r, prefix: str) -> dict:
                        "dead": agg["dead"], "tok_s": agg["tok_s_current"], "workers": len(agg["workers"])})
         for w in agg["workers"]:
             workers.append(worker_row(name, w, now))
-    return {"models": models, "workers": workers}
+    gateways = len({g for _, g, _ in series.read(r, gk.gateway_series, server_now(r))})
+    return {"models": models, "workers": workers, "gateways": gateways}
 
 
 def worker_row(model: str, w: dict, now: float) -> dict:
@@ -67,6 +68,11 @@ def chart(r, prefix: str, model: str, bin_s: float = 10.0) -> dict:
     """The model's last hour as plot columns (shared/series.chart)."""
     key = GlobalKeys(prefix).model_keys(model).series
     return series.chart(series.read(r, key, server_now(r)), bin_s)
+
+
+def gateway_chart(r, prefix: str, bin_s: float = 10.0) -> dict:
+    """The gateways' last hour as plot columns (shared/series.gateway_chart)."""
+    return series.gateway_chart(series.read(r, GlobalKeys(prefix).gateway_series, server_now(r)), bin_s)
 
 
 def job_page(admin, job_id: str) -> dict:

@@ -20,7 +20,7 @@ from browserkit import FLAGS, chromium
 from mlxq import Client
 from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys
-from workerkit import fast_settings, model_without_worker, running_worker
+from workerkit import fast_settings, model_without_worker, running_worker, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 ADMIN_KEY, PRODUCER_KEY = "dash-admin-key-0123456789", "dash-producer-key-0123456789"
@@ -185,3 +185,7 @@ def test_an_action_without_the_admin_key_is_refused(stack):
             assert h.post("/dashboard/login", data={"csrf": token, "api_key": PRODUCER_KEY}).status_code == 403
             assert h.post("/dashboard/login", data={"csrf": token, "api_key": ADMIN_KEY}).status_code == 303
             assert h.get("/dashboard/").status_code == 200
+            # the gateway's own series: the API requests it answered, plotted beside the workers'
+            assert h.get("/v1/models", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).status_code == 200
+            assert wait_for(lambda: sum(h.get("/dashboard/live/gateways").json()["requests_per_min"]) > 0,
+                            timeout=30, interval=0.2)

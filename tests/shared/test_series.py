@@ -62,3 +62,13 @@ def test_quantile_nearest_rank():
     assert series.quantile([], 0.5) is None
     assert series.quantile([3.0], 0.95) == 3.0
     assert series.quantile(list(range(1, 101)), 0.95) == 95
+
+
+def test_gateways_requests_add_up_and_their_ttft_takes_the_worst():
+    points = [(100.0, "g1", series.gateway_point(10.0, 30, 1, [0.1, 0.2])),
+              (101.0, "g2", series.gateway_point(10.0, 10, 0, [0.5])),
+              (111.0, "g1", series.gateway_point(10.0, 0, 0, []))]
+    cols = series.gateway_chart(points, 10.0)
+    assert cols["t"] == [100.0, 110.0]
+    assert cols["requests_per_min"] == [240.0, 0.0] and cols["errors_per_min"] == [6.0, 0.0]
+    assert cols["ttft_p50"] == [0.5, None] and cols["ttft_p95"] == [0.5, None]

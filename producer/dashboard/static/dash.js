@@ -30,7 +30,11 @@
     queued: {title: "Queue depth", series: [["queued_high", "high", "#dc2626"], ["queued_normal", "normal", "#2563eb"],
                                             ["queued_low", "low", "#9ca3af"]]},
     ttft: {title: "Time to first token (s)", series: [["ttft_p50", "p50", "#2563eb"], ["ttft_p95", "p95", "#dc2626"]]},
-    wait: {title: "Queue wait (s)", series: [["wait_p50", "p50", "#2563eb"], ["wait_p95", "p95", "#dc2626"]]}
+    wait: {title: "Queue wait (s)", series: [["wait_p50", "p50", "#2563eb"], ["wait_p95", "p95", "#dc2626"]]},
+    gw_requests: {title: "API requests per minute", series: [["requests_per_min", "requests", "#2563eb"],
+                                                            ["errors_per_min", "5xx", "#dc2626"]]},
+    gw_ttft: {title: "Time to first streamed token (s)", series: [["ttft_p50", "p50", "#2563eb"],
+                                                                  ["ttft_p95", "p95", "#dc2626"]]}
   };
 
   function columns(data, spec) {
