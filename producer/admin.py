@@ -73,8 +73,8 @@ class Admin:
 
     def search(self, statuses: Iterable[str] = STATUSES, queue: Optional[str] = None, tier: Optional[str] = None,
                key: Optional[str] = None, text: Optional[str] = None, limit: int = 50) -> list[dict]:
-        """``rows`` narrowed to a tier, an API key's name (a queued job's key, as fair shares index it) and
-        ``text`` found in the id or the error; each row with ``key`` (the key's name, where known)."""
+        """``rows`` narrowed to a tier, an API key's name (a queued or running job's, as fair shares index
+        it) and ``text`` found in the id or the error; each row with ``key`` (the key's name, where known)."""
         names = apikeys.key_names(self.r, self.gk)
         out = []
         for row in self.rows(statuses, queue, limit):
@@ -89,11 +89,13 @@ class Admin:
         return out
 
     def _key_name(self, row: dict, names: dict[str, str]) -> Optional[str]:
-        """A queued job's key, by the group its fair-share member names (``<tier>|<group>|...``)."""
-        member = self.r.hget(self.gk.model_keys(row["queue"]).fair_state, f"j:{row['id']}")
-        if member is None:
-            return None
-        return names.get(_s(member).split("|")[1] if _s(member).count("|") >= 3 else "", "unregistered")
+        """A job's key by its fair-share group: a running job's ``g:<id>``, a queued one's member
+        ``<tier>|<group>|...`` (``j:<id>``); None for a job neither names (a dead-lettered one)."""
+        state = self.gk.model_keys(row["queue"]).fair_state
+        member, group = self.r.hmget(state, f"j:{row['id']}", f"g:{row['id']}")
+        if group is None and member is not None and _s(member).count("|") >= 3:
+            group = _s(member).split("|")[1]
+        return None if group is None else names.get(_s(group), "unregistered")
 
     def show(self, job_id: str, queue: Optional[str] = None) -> dict:
         """A job's record as an operator reads it: its fields, its request and its result's ending."""

@@ -169,6 +169,8 @@ def test_an_action_without_the_admin_key_is_refused(stack):
         page.click("#confirm")
         expect(page.locator("#status")).to_have_text("cancelled")
 
+        page.goto(f"{stack.base}/batches")
+        expect(page.locator("main")).to_contain_text("No batch is running")
         page.goto(f"{stack.base}/keys")  # names, never the keys or their hashes
         expect(page.locator("#keys")).to_contain_text("ingest")
         html = page.content()
