@@ -112,28 +112,30 @@ def job_live(admin, job_id: str) -> dict:
 
 
 def job_output(r, prefix: str, queue: str, job_id: str) -> dict:
-    """The job's text so far, from its durable record (the stream every worker appends to, read whole so
-    that a retried or resumed job's overlapping deltas count once), its status and how it ended."""
+    """The job's text so far and its status. A running job's from its durable record (the stream every
+    worker appends to, read whole so that a retried or resumed job's overlapping deltas count once); an
+    ended one's from its result, which has all of it (at the end the stream is folded into the record:
+    shared/replay.py). The status is read first, so an ended job's text is never a stream read short."""
     k = GlobalKeys(prefix).model_keys(queue)
-    state = StreamState()
-    texts: dict[int, list[str]] = {}
-    ending = None
-    for _id, fields in r.xrange(k.events(job_id)):
-        for d in state.feed_all(entry_deltas(fields)):
-            texts.setdefault(d.sample or 0, []).append(d.text or "")
-            if d.finish_reason and d.attempt == -1:
-                ending = {"finish_reason": d.finish_reason, "error": d.error}
     status = _s(r.hget(k.job(job_id), "status") or b"?")
-    text = "".join(texts.get(0, []))
-    if not text and status in TERMINAL:  # the record expired before the result: the result has the text
+    ending: dict = {}
+    if status in TERMINAL:
         raw = r.hget(k.job(job_id), "result")
         try:
             res = codec.unpack(raw) if raw else {}
-        except Exception:  # noqa: BLE001 - a result written badly: show what the stream had
-            res = {}
-        text = res.get("text") or "" if isinstance(res, dict) else ""
-    return {"status": status, "text": text, "done": status in TERMINAL, "samples": len(texts) or 1,
-            **(ending or {})}
+        except Exception:  # noqa: BLE001 - a result written badly: say so, do not fail the page
+            res = {"error": "the job's result is not readable"}
+        res = res if isinstance(res, dict) else {}
+        return {"status": status, "text": res.get("text") or "", "done": True,
+                **{f: res[f] for f in ("finish_reason", "error") if res.get(f)}}
+    state = StreamState()
+    texts: dict[int, list[str]] = {}
+    for _id, fields in r.xrange(k.events(job_id)):
+        for d in state.feed_all(entry_deltas(fields)):
+            texts.setdefault(d.sample or 0, []).append(d.text or "")
+            if d.finish_reason and d.attempt == -1:  # a terminal event (cancel, dead letter)
+                ending = {"finish_reason": d.finish_reason, "error": d.error}
+    return {"status": status, "text": "".join(texts.get(0, [])), "done": False, **ending}
 
 
 def batches(r, prefix: str) -> list[dict]:

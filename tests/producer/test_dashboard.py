@@ -76,6 +76,26 @@ def shot(page, name: str) -> None:
         page.screenshot(path=os.path.join(folder, name), full_page=True)
 
 
+def test_a_running_jobs_output_counts_each_token_once_and_an_ended_ones_comes_from_its_result(fake_redis):
+    """The job page's text (views.job_output): a running job's from its stream, where a retried attempt's
+    deltas overlap what an earlier one wrote; an ended one's from its result (the stream was folded
+    into the record)."""
+    from mlxq.producer.dashboard.views import job_output
+    from mlxq.shared import codec
+    from mlxq.shared.schemas import Delta
+
+    k = GlobalKeys().model_keys("m")
+    fake_redis.hset(k.job("j1"), mapping={"status": "running"})
+    for a, n, c, text in ((1, 0, 0, "Hel"), (1, 1, 3, "lo"), (2, 1, 3, "lo, w")):  # attempt 2 resumes at token 1
+        d = Delta(attempt=a, seq=n, index=n, offset=c, text=text, token_ids=list(range(n, n + len(text))))
+        fake_redis.xadd(k.events("j1"), {"d": codec.pack(d.to_wire())})
+    assert job_output(fake_redis, "mlxq", "m", "j1") == {"status": "running", "text": "Hello, w", "done": False}
+    fake_redis.hset(k.job("j1"), mapping={"status": "done",
+                                          "result": codec.pack({"text": "Hello, world", "finish_reason": "stop"})})
+    out = job_output(fake_redis, "mlxq", "m", "j1")
+    assert (out["text"], out["done"], out["finish_reason"]) == ("Hello, world", True, "stop")
+
+
 def test_overview_shows_the_queue_draining_and_a_job_page_its_tokens_arriving(stack):
     from playwright.sync_api import expect
 
