@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
-from urllib.parse import urlencode, urlparse
+from urllib.parse import quote, urlencode, urlparse
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
@@ -248,7 +248,7 @@ class Dashboard:
             question = "Empty the dead-letter set of every queue? The failed jobs' records go with it."
             target = "/failed/purge"
         else:
-            question, target = self.ACTIONS[action].format(id=job_id), f"/jobs/{job_id}/{action}"
+            question, target = self.ACTIONS[action].format(id=job_id), f"/jobs/{quote(job_id)}/{action}"
         return self.page(request, "confirm.html", question=question, target=target, job_id=job_id)
 
     async def act(self, request: Request) -> Response:
@@ -270,9 +270,10 @@ class Dashboard:
                 return RedirectResponse(f"{base}/jobs?" + urlencode({"status": "failed", "note": note}), 303)
             if action == "cancel":
                 note = await _threaded(admin.cancel, job_id)
-                return RedirectResponse(f"{base}/jobs/{job_id}?" + urlencode({"note": note}), 303)
+                return RedirectResponse(f"{base}/jobs/{quote(job_id)}?" + urlencode({"note": note}), 303)
             new_id = await _threaded(admin.requeue, job_id)
-            return RedirectResponse(f"{base}/jobs/{new_id}?" + urlencode({"note": f"requeued from {job_id}"}), 303)
+            return RedirectResponse(f"{base}/jobs/{quote(new_id)}?" + urlencode({"note": f"requeued from {job_id}"}),
+                                    303)
         except AuthError as exc:
             return self.refused(request, str(exc))
         except ValueError as exc:

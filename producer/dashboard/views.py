@@ -167,11 +167,10 @@ def keys(r, prefix: str, settings_models: Optional[list[str]] = None) -> list[di
     running: dict[str, int] = {}
     models = settings_models if settings_models is not None else sorted(_s(m) for m in r.hkeys(gk.models))
     for model in models:
-        for field, value in r.hgetall(gk.model_keys(model).fair_state).items():
-            f = _s(field)
-            if f.startswith("run:"):
-                name = names.get(f[4:], "unregistered")
-                running[name] = running.get(name, 0) + int(value)
+        # (the hash also holds an entry per queued job: scanned for the in-flight counts only)
+        for field, value in r.hscan_iter(gk.model_keys(model).fair_state, match="run:*", count=1000):
+            name = names.get(_s(field)[4:], "unregistered")
+            running[name] = running.get(name, 0) + int(value)
     today: dict[str, dict] = {}
     for row in apikeys.usage(r, gk, 1, models):
         t = today.setdefault(row["key"], {"prompt_tokens": 0, "completion_tokens": 0, "jobs": 0})

@@ -139,6 +139,12 @@ def test_cancel_from_the_job_page(stack):
         expect(page.locator("#status")).to_have_text("cancelled")
         assert c.job(job.id).status() == "cancelled"
 
+        page.click("#requeue")  # a finished job's request again, as a new job
+        page.click("#confirm")
+        expect(page.locator("#note")).to_have_text(f"requeued from {job.id}")
+        new_id = page.url.split("/jobs/")[1].split("?")[0]
+        assert new_id != job.id and c.job(new_id).status() is not None
+
 
 def test_a_script_in_a_prompt_renders_as_text_and_opens_no_dialog(stack):
     from playwright.sync_api import expect
