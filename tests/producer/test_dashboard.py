@@ -123,7 +123,6 @@ def test_overview_shows_the_queue_draining_and_a_job_page_its_tokens_arriving(st
     charts = overview.locator(f'section.charts[data-model="{stack.tiny.name}"]')
     expect(charts).to_have_attribute("data-points", re.compile(r"^[1-9]"))
     expect(charts.locator("canvas")).to_have_count(4)
-    shot(overview, "dashboard-overview.png")
 
 
 def test_cancel_from_the_job_page(stack):
@@ -217,3 +216,8 @@ def test_an_action_without_the_admin_key_is_refused(stack):
             assert h.get("/v1/models", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).status_code == 200
             assert wait_for(lambda: sum(h.get("/dashboard/live/gateways").json()["requests_per_min"]) > 0,
                             timeout=30, interval=0.2)
+
+    overview = stack.page("/")  # the workers' plots, and the gateway's beside them
+    expect(overview.locator('section.charts[data-model="(gateways)"] canvas')).to_have_count(2)
+    expect(overview.locator(f'section.charts[data-model="{stack.tiny.name}"] canvas')).to_have_count(4)
+    shot(overview, "dashboard-overview.png")
