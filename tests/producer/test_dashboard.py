@@ -22,7 +22,6 @@ from mlxq.shared import apikeys
 from mlxq.shared.keys import GlobalKeys
 from workerkit import fast_settings, model_without_worker, running_worker, wait_for
 
-pytestmark = pytest.mark.timeout(180)
 ADMIN_KEY, PRODUCER_KEY = "dash-admin-key-0123456789", "dash-producer-key-0123456789"
 
 
