@@ -253,7 +253,7 @@ class Dashboard:
 
     async def act(self, request: Request) -> Response:
         """POST of an action: CSRF and admin key checked, then the same call as the CLI's."""
-        denied = self.gate(request)
+        denied = await _threaded(self.gate, request)  # (Redis reads: off the event loop, as every one here)
         if denied is not None:
             return denied
         s, _form, bad = await self.checked_form(request)
@@ -262,7 +262,7 @@ class Dashboard:
         action, job_id = request.path_params.get("action", "purge"), request.path_params.get("job_id")
         if job_id is not None and action not in self.ACTIONS:
             return self.refused(request, f"no action {action!r}: cancel or requeue", status_code=404)
-        admin, base = self.admin(s), request.scope.get("root_path", "")
+        admin, base = await _threaded(self.admin, s), request.scope.get("root_path", "")
         try:
             if job_id is None:
                 gone = await _threaded(admin.purge_failed)
@@ -286,11 +286,11 @@ class Dashboard:
         if bad is not None:
             return bad
         key = form.get("api_key") if isinstance(form.get("api_key"), str) else ""
-        if not await _threaded(apikeys.is_admin, self.r, self.gk, key.strip()):
+        if not await _threaded(lambda: apikeys.is_admin(self.r, self.gk, key.strip())):
             return self.page(request, "login.html", status_code=403,
                              message="refused: that is not a live admin key (`mlxq keys create --admin` makes one)")
         s.api_key = key.strip()
-        info = await _threaded(self.r.hget, self.gk.api_key_info, apikeys.key_hash(s.api_key))
+        info = await _threaded(lambda: self.r.hget(self.gk.api_key_info, apikeys.key_hash(s.api_key)))
         s.key_name = apikeys.key_label(info or b"{}")
         return RedirectResponse(f"{request.scope.get('root_path', '')}/", 303)
 
