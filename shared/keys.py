@@ -102,6 +102,12 @@ class GlobalKeys:
     def batch(self, batch_id: str) -> "BatchKeys":
         return BatchKeys(batch_id, self.prefix)
 
+    @property
+    def gateway_series(self) -> str:
+        """stream: the dashboard's gateway series, one point per gateway every ``series_interval_s`` (API
+        requests, 5xx answers, time to first streamed token p50/p95), trimmed to the hour (shared/series.py)."""
+        return f"{self.prefix}:gateways:series"
+
     def model_keys(self, model: str) -> "ModelKeys":
         return ModelKeys(model, self.prefix)
 
@@ -269,6 +275,13 @@ class ModelKeys:
         """hash: job id -> JSON of its delivery (url, attempts, last status or error, delivered_at), kept
         ``result_ttl_s``; what `mlxq webhooks list` shows."""
         return f"{self._base}:webhooklog"
+
+    @property
+    def series(self) -> str:
+        """stream: the dashboard's rolling series, one point per worker every ``series_interval_s`` (its
+        tokens, jobs ended, queue depth by tier, TTFT and queue wait quantiles), entries older than an
+        hour trimmed at each append (shared/series.py)."""
+        return f"{self._base}:series"
 
     def worker(self, worker_id: str) -> str:  # hash: one worker's stats (expires)
         return f"{self._base}:worker:{worker_id}"

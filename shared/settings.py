@@ -166,6 +166,8 @@ class Settings:
     gather_ms: float = opt(5.0, "an idle worker, once woken, waits this long to gather a batch")
     idle_block_s: float = opt(1.0, "longest block on the wake-up signal, in seconds")
     stats_interval_s: float = opt(1.0, "seconds between worker stats snapshots")
+    series_interval_s: float = opt(10.0, "seconds between a worker's (or gateway's) points of the dashboard's "
+                                   "rolling series (kept an hour)", gateway=True)
     idempotency_ttl_s: int = opt(24 * 3600, "seconds an idempotency key is remembered", worker=False,
                                 gateway=True)
     max_prompt_bytes: int = opt(4 * 1024 * 1024, "a hard cap on request size at submit", worker=False,
@@ -318,6 +320,7 @@ class Settings:
              f"must be above 0 and at most {MAX_IDLE_BLOCK_S:g} (a blocking pull returns well inside the "
              "connection's read timeout)"),
             ("stats_interval_s", self.stats_interval_s > 0, pos),
+            ("series_interval_s", self.series_interval_s > 0, pos),
             ("sse_keepalive_s", self.sse_keepalive_s > 0 and math.isfinite(self.sse_keepalive_s), pos),
             ("ready_timeout_s", self.ready_timeout_s > 0 and math.isfinite(self.ready_timeout_s), pos),
             ("log_format", self.log_format in ("text", "json"), "must be text or json"),

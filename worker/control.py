@@ -152,8 +152,10 @@ class CancelListener:
 
 
 class StatsPublisher:
-    def __init__(self, q: Queue, worker_id: str, stats, model_info: dict, registry_key: str, global_redis=None):
+    def __init__(self, q: Queue, worker_id: str, stats, model_info: dict, registry_key: str, global_redis=None,
+                 series=None):
         self.q = q
+        self.series = series  # (worker.series) the dashboard's rolling series: a point now and then
         self.worker_id = worker_id
         self.worker_stats = stats  # (worker.stats) its snapshot, and publish_soon
         self.model_info = model_info
@@ -196,6 +198,8 @@ class StatsPublisher:
         # the model registry is a global key (another slot on a cluster)
         self.global_redis.hset(self.registry_key, self.model_info["name"],
                                codec.pack({**self.model_info, "seen_at": time.time()}))
+        if self.series is not None and self.series.due():
+            self.series.write(self.q.redis, k, self.worker_id)
 
     def unregister(self) -> None:
         try:
@@ -222,9 +226,9 @@ class Control(threading.Thread):
 
     @classmethod
     def build(cls, q: Queue, worker_id: str, holders: list, inbox: Inbox, stats, model_info: dict,
-              registry_key: str, stop: threading.Event, global_redis=None, watchdog=None) -> "Control":
+              registry_key: str, stop: threading.Event, global_redis=None, watchdog=None, series=None) -> "Control":
         return cls(Heartbeat(q, worker_id, holders, inbox, watchdog), Reaper(q), CancelListener(q, inbox),
-                   StatsPublisher(q, worker_id, stats, model_info, registry_key, global_redis), stop)
+                   StatsPublisher(q, worker_id, stats, model_info, registry_key, global_redis, series), stop)
 
     def run(self) -> None:
         s = self.q.settings

@@ -37,6 +37,7 @@ from .jobs import ActiveJob
 from .mlx_loop import MLXLoop
 from .model import LoadedModel
 from .publisher import Publisher
+from .series import SeriesPoints
 from .stats import Observers, WorkerStats
 from .watchdog import Watchdog
 
@@ -66,7 +67,8 @@ class Worker:
         self.draining = threading.Event()  # warm shutdown: finish or requeue, pull nothing
         self._sigterms = 0
 
-        watched = Observers(observers)
+        self.series = SeriesPoints(s.series_interval_s)  # the dashboard's plots (written by control)
+        watched = Observers([*(observers or ()), self.series])
         self.stats = WorkerStats(self.worker_id, loaded.name, type(engine).__name__, s.stats_interval_s, watched)
         # no step completing for stall_s while jobs run: renew nothing more, exit (control.Heartbeat)
         self.watchdog = Watchdog(s.stall_s)
@@ -88,7 +90,7 @@ class Worker:
         self.control = Control.build(self.q, self.worker_id, [self.fetcher, self.loop], self.inbox, self.stats,
                                      model_info={**loaded.info(), "max_new_tokens": s.max_new_tokens},
                                      registry_key=gk.models, stop=self.stop_event, global_redis=redis_client,
-                                     watchdog=self.watchdog)
+                                     watchdog=self.watchdog, series=self.series)
 
     # the jobs it holds (by engine uid), the jobs prepared for it, and what it counted
     @property

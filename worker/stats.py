@@ -19,6 +19,18 @@ from . import blas
 log = logging.getLogger(__name__)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mlxq")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
+VERSION = _version()  # in every snapshot: the dashboard shows which workers run which release
+
+
 class Observers:
     """Metrics and rq mirroring: ``on_token(job, n_tokens, now_monotonic)`` and ``on_finish(job, result)``
     on the host thread, ``on_snapshot(snapshot)`` on the MLX thread. They must be cheap and must not
@@ -84,6 +96,7 @@ class WorkerStats:
             "worker_id": self.worker_id,
             "model": self.model,
             "engine": self.engine_name,
+            "version": VERSION,
             "started_at": self.started_at,
             "updated_at": time.time(),
             "active": len(active),

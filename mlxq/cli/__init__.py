@@ -4,6 +4,7 @@
     submit                       mlxq.cli.submit     one prompt, its answer streamed
     batch                        mlxq.cli.batch      a JSONL file at the low tier, resumable
     gateway                      mlxq.cli.gateway    the OpenAI-compatible HTTP gateway
+    dashboard                    mlxq.cli.dashboard  the operator's pages (also under the gateway)
     jobs                         mlxq.cli.jobs       list, show, cancel, tail, requeue; the dead-letter set
     stats                        mlxq.cli.stats      queues and workers, once or --watch
     keys, tiers, acl-producer    mlxq.cli.keys       API keys, tier policy, the producer ACL recipe
@@ -19,14 +20,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import batch, gateway, jobs, keys, local, stats, submit, webhooks, worker
+from . import batch, dashboard, gateway, jobs, keys, local, stats, submit, webhooks, worker
 from .options import Parser
 from ..shared.extras import MissingExtra
 from ..shared.genopts import error_text
 from ..shared.logs import setup_logging
 
 # the order `mlxq --help` lists them in
-GROUPS = (worker, submit, batch, gateway, jobs, stats, keys, webhooks, local)
+GROUPS = (worker, submit, batch, gateway, dashboard, jobs, stats, keys, webhooks, local)
 
 
 def _version() -> str:

@@ -19,102 +19,28 @@ import argparse
 import json
 import sys
 import time
-from typing import Iterator, Optional
+from typing import Optional
 
+from ..producer.admin import STATUSES
 from ..shared.settings import Settings
 from .options import add_shared
 
-STATUSES = ("queued", "deferred", "running", "failed")  # deferred: waiting for its run_at
-SHOWN_FIELDS = ("status", "tier", "attempts", "queued_at", "started_at", "finished_at", "error", "owner")
-
-
-def _s(x) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
 
 class Jobs:
-    """The queues of one deployment (its prefix), read through one connection."""
+    """The CLI's arguments and the library's operator actions (producer/admin.py) on one connection."""
 
     def __init__(self, args):
+        from ..producer.admin import Admin
         from ..producer.client import connect
-        from ..shared.keys import GlobalKeys
 
         self.args = args
-        self.settings = Settings.from_env(redis_url=args.redis_url)
-        self.r = connect(args.redis_url, self.settings.redis_outage_s)
-        self.gk = GlobalKeys(self.settings.prefix)
+        settings = Settings.from_env(redis_url=args.redis_url)
+        self.admin = Admin(connect(args.redis_url, settings.redis_outage_s), settings,
+                           getattr(args, "api_key", None))
 
-    def queues(self) -> list[str]:
-        if getattr(self.args, "queue", None):
-            return [self.args.queue]
-        served = {_s(m) for m in self.r.hkeys(self.gk.models)}
-        return sorted(served | {_s(m) for m in self.r.smembers(self.gk.policy_models)})
-
-    def find(self, job_id: str) -> str:
-        """The queue that holds this job; ValueError when none does."""
-        for queue in self.queues():
-            if self.r.exists(self.gk.model_keys(queue).job(job_id)):
-                return queue
-        raise ValueError(f"no job {job_id!r} in " + (", ".join(self.queues()) or "any queue")
-                         + " (finished jobs are kept for result_ttl_s)")
-
-    def record(self, queue: str, job_id: str) -> dict:
-        """The job's record by field, a finished one's tier, attempts and times included."""
-        from ..producer.records import record_fields
-
-        return record_fields(self.r.hgetall(self.gk.model_keys(queue).job(job_id)))
-
-    def rows(self, statuses) -> Iterator[dict]:
-        limit = self.args.limit
-        for queue in self.queues():
-            k = self.gk.model_keys(queue)
-            sources = {"queued": k.queue, "deferred": k.deferred, "running": k.inflight, "failed": k.dead}
-            for status in statuses:
-                for member, _score in self.r.zrange(sources[status], 0, limit - 1, withscores=True):
-                    job_id = _s(member)
-                    rec = self.record(queue, job_id) if len(job_id) == 32 else {}
-                    why = self.r.hget(k.dead_info, member) if status == "failed" else rec.get("error")
-                    yield {"id": job_id, "queue": queue, "status": status, "tier": _s(rec.get("tier", b"-")),
-                           "attempts": int(float(_s(rec.get("attempts", b"0")))),
-                           "queued_at": float(_s(rec["queued_at"])) if rec.get("queued_at") else None,
-                           "error": _s(why) if why else None}
-
-    def require_admin(self, action: str) -> None:
-        from ..shared import apikeys
-
-        if not self.r.exists(self.gk.api_keys):
-            return  # open mode: no keys, no roles
-        if not apikeys.is_admin(self.r, self.gk, self.args.api_key):
-            raise apikeys.AuthError(f"{action} needs an admin API key (--api-key or $MLXQ_API_KEY; "
-                                    "`mlxq keys create --name NAME --tier high --admin` makes one)")
-
-    def client(self, queue: str):
-        from ..producer.client import Client
-
-        return Client(self.args.redis_url, api_key=self.args.api_key, model=queue, settings=self.settings)
-
-    def requeue(self, queue: str, job_id: str) -> str:
-        """The job's request again, as a new job at its tier at most (Queue.enqueue decides the tier from the
-        operator's key, floored to the job's), and the old id out of the dead-letter set."""
-        from ..shared.protocol import Queue
-        from ..shared.schemas import new_job_id
-
-        rec = self.record(queue, job_id)
-        status = _s(rec.get("status", b""))
-        if status in ("queued", "running", "admitted", ""):
-            raise ValueError(f"job {job_id} is {status or 'not a finished job'}: only a finished job is requeued")
-        if not rec.get("req"):
-            raise ValueError(f"job {job_id} has no request to run again")
-        from ..shared import apikeys
-
-        k = self.gk.model_keys(queue)
-        key_hash = apikeys.key_hash(self.args.api_key) if self.args.api_key else None
-        floor = _s(rec["tier"]) if rec.get("tier") else None
-        new_id = new_job_id()
-        got = Queue(self.r, k, self.settings).enqueue(new_id, rec["req"], key_hash, floor, global_redis=self.r)
-        self.r.zrem(k.dead, job_id)
-        self.r.hdel(k.dead_info, job_id)
-        return got.job_id
+    @property
+    def queue(self):
+        return getattr(self.args, "queue", None)
 
 
 def _age(t: Optional[float]) -> str:
@@ -138,44 +64,26 @@ def _print_rows(rows: list[dict], as_json: bool, empty: str) -> None:
 
 
 def cmd_list(j: Jobs) -> int:
-    rows = list(j.rows(j.args.status or STATUSES))
+    rows = list(j.admin.rows(j.args.status or STATUSES, j.queue, j.args.limit))
     _print_rows(rows, j.args.json, "no jobs waiting, running or dead-lettered")
     return 0
 
 
 def cmd_show(j: Jobs) -> int:
-    from ..shared import codec
-
-    queue = j.find(j.args.id)
-    rec = j.record(queue, j.args.id)
-    out = {"id": j.args.id, "queue": queue}
-    for name in SHOWN_FIELDS:
-        if name in rec:
-            out[name] = _s(rec[name])
-    if rec.get("req"):
-        try:
-            out["request"] = codec.unpack(rec["req"])
-        except Exception:  # a record a producer wrote badly: say so, do not fail
-            out["request"] = f"<{len(rec['req'])} bytes, not msgpack>"
-    if rec.get("result"):
-        res = codec.unpack(rec["result"])
-        out["result"] = {k: res.get(k) for k in ("finish_reason", "error", "text") if k in res} \
-            if isinstance(res, dict) else res
-    print(json.dumps(out, indent=2, default=repr, ensure_ascii=False))
+    print(json.dumps(j.admin.show(j.args.id, j.queue), indent=2, default=repr, ensure_ascii=False))
     return 0
 
 
 def cmd_cancel(j: Jobs) -> int:
-    queue = j.find(j.args.id)
-    j.require_admin("jobs cancel")
-    with j.client(queue) as c:
-        print(c.job(j.args.id, queue).cancel())
+    print(j.admin.cancel(j.args.id, j.queue))
     return 0
 
 
 def cmd_tail(j: Jobs) -> int:
-    queue = j.find(j.args.id)
-    with j.client(queue) as c:
+    from ..producer.client import Client
+
+    queue = j.admin.find(j.args.id, j.queue)
+    with Client(j.args.redis_url, api_key=j.args.api_key, model=queue, settings=j.admin.settings) as c:
         job = c.job(j.args.id, queue)
         for delta in job.stream():
             sys.stdout.write(delta.text)
@@ -189,39 +97,25 @@ def cmd_tail(j: Jobs) -> int:
 
 
 def cmd_requeue(j: Jobs) -> int:
-    queue = j.find(j.args.id)
-    j.require_admin("jobs requeue")
-    print(j.requeue(queue, j.args.id))
+    print(j.admin.requeue(j.args.id, j.queue))
     return 0
 
 
 def cmd_failed(j: Jobs) -> int:
     action = j.args.failed_action or "list"
     if action == "list":
-        _print_rows(list(j.rows(("failed",))), j.args.json, "the dead-letter set is empty")
+        _print_rows(list(j.admin.rows(("failed",), j.queue, j.args.limit)), j.args.json,
+                    "the dead-letter set is empty")
         return 0
-    j.require_admin(f"jobs failed {action}")
     if action == "purge":
-        for queue in j.queues():
-            k = j.gk.model_keys(queue)
-            n = j.r.zcard(k.dead)
-            j.r.delete(k.dead, k.dead_info)
+        for queue, n in j.admin.purge_failed(j.queue).items():
             print(f"{queue}: {n} purged")
         return 0
-    if not j.args.ids and not j.args.all:
-        raise ValueError("name the jobs to requeue, or --all")
-    targets = []
-    for queue in j.queues():
-        members = [_s(m) for m in j.r.zrange(j.gk.model_keys(queue).dead, 0, -1)]
-        targets += [(queue, m) for m in members if j.args.all or m in j.args.ids]
-    missing = set(j.args.ids or ()) - {m for _, m in targets}
-    if missing:
-        raise ValueError(f"not in the dead-letter set: {', '.join(sorted(missing))}")
-    for queue, job_id in targets:
-        if len(job_id) != 32:  # garbage a producer pushed: nothing to run
-            print(f"{job_id[:40]!r}: not a job, left for purge", file=sys.stderr)
-            continue
-        print(f"{job_id} -> {j.requeue(queue, job_id)}")
+    for old, new in j.admin.requeue_failed(j.args.ids, j.args.all, j.queue):
+        if new is None:
+            print(f"{old[:40]!r}: not a job, left for purge", file=sys.stderr)
+        else:
+            print(f"{old} -> {new}")
     return 0
 
 

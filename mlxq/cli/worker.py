@@ -26,7 +26,7 @@ GROUPS = {
     "queue": ("prefix", "tier_offsets", "max_queued_per_tier", "lease_s", "heartbeat_s", "takeover_s",
               "max_attempts", "result_ttl_s", "gather_ms", "idle_block_s", "max_new_tokens", "grace_s", "burst",
               "rq_queues"),
-    "observability": ("metrics_port", "metrics_host", "stats_interval_s", "stall_s", "log_format"),
+    "observability": ("metrics_port", "metrics_host", "stats_interval_s", "series_interval_s", "stall_s", "log_format"),
 }
 GROUP_HELP = {
     "engine": "how the engine runs the model: batching, prefill, attention and matmul kernels",

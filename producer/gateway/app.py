@@ -8,6 +8,7 @@
     GET  /metrics                                       (this gateway's request metrics)
     GET  /health                                        (liveness: no key, no Redis; always 200 while serving)
     GET  /ready                                         (Redis answers and some model has a live worker)
+    /dashboard/                                         (the operator's pages, after a login with an admin key)
 
 The bearer token is an mlxq API key: it decides the tier.  Two modes, as vLLM, ollama and mlx-lm's
 server behave: while no key is registered the gateway is open (any token, e.g. the openai client's
@@ -34,9 +35,10 @@ import redis.asyncio as aredis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 from ...shared import apikeys
 from ...shared.apikeys import AuthError
@@ -46,6 +48,7 @@ from ...shared.keys import GlobalKeys
 from ...shared.settings import Settings
 from ..aclient import AsyncClient
 from ..asubscriber import AsyncSubscriber, link_watch
+from ..dashboard import create_dashboard
 from ..openai_api import OpenAIError, TokenNames
 from .batches import Batches
 from .chat_completions import ChatCompletions
@@ -54,12 +57,14 @@ from .files import Files
 from .jobs import RETRY_AFTER_DEFAULT_S, Jobs, Refusal, bearer, live_models, unreachable_error
 from .messages import Messages
 from .responses import Responses
+from .series import CountRequests, GatewaySeries
 
 log = logging.getLogger("mlxq.gateway")
 
 
 class GatewayMetrics:
-    def __init__(self):
+    def __init__(self, series: Optional[GatewaySeries] = None):
+        self.series = series  # the dashboard's plots (gateway/series.py)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mlxq_gateway_requests", "HTTP requests", ["endpoint", "status"], registry=r)
@@ -87,6 +92,12 @@ class GatewayMetrics:
         # worker) exporting it would make sum() count it once per exporter; one worker per model exports
         # it (worker/metrics.py)
 
+    def first_token(self, endpoint: str, tier: str, seconds: float) -> None:
+        """A stream's first token reached its client ``seconds`` after the request came."""
+        self.ttft.labels(endpoint, tier).observe(seconds)
+        if self.series is not None:
+            self.series.first_token(seconds)
+
     def served(self, endpoint: str, tier: str, started: float, tokens: int) -> None:
         """A request answered whole (not streamed): its status, latency and tokens."""
         self.tokens.inc(tokens)
@@ -103,7 +114,8 @@ class Gateway:
         if not self.redis_url:
             raise ValueError("mlxq gateway: no Redis URL (pass --redis-url or set MLXQ_REDIS_URL)")
         self.redis: Optional[aredis.Redis] = None
-        self.metrics = GatewayMetrics()
+        self.series = GatewaySeries(self.settings.series_interval_s)
+        self.metrics = GatewayMetrics(self.series)
         self.token_names = TokenNames()
         self._background: set[asyncio.Task] = set()
         # a finished job's result is read once more: allow for a link that drops just then
@@ -126,9 +138,13 @@ class Gateway:
         self.watch = link_watch("mlxq gateway", self.redis, give_up_s=self.settings.redis_outage_s)
         await self._log_auth_mode()
         self.batches.driver.start()  # OpenAI batches run with no request open (gateway/batches.py)
+        plots = asyncio.get_running_loop().create_task(
+            self.series.run(self.redis, GlobalKeys(self.settings.prefix).gateway_series))
         try:
             yield
         finally:
+            plots.cancel()
+            await asyncio.gather(plots, return_exceptions=True)
             await self.batches.driver.stop()
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)
@@ -313,9 +329,12 @@ def create_app(redis_url: Optional[str] = None, settings: Optional[Settings] = N
         Route("/metrics", gw.prometheus, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         Route("/ready", gw.ready, methods=["GET"]),
+        # the operator's pages, behind a login with an admin key (producer/dashboard)
+        Mount("/dashboard", app=create_dashboard(gw.redis_url, gw.settings, login_required=True)),
     ]
     handlers = {RedisUnreachable: gw.unreachable, HTTPException: gw.http_error, Exception: gw.internal_error}
-    app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers=handlers)
+    app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers=handlers,
+                    middleware=[Middleware(CountRequests, series_=gw.series)])
     app.state.gateway = gw
     return app
 

@@ -266,7 +266,7 @@ async def _watched(metrics, deltas, endpoint: str, tier: str, started: Optional[
         if isinstance(d, str):
             metrics.keepalives.inc()
         elif started is not None and (d.text or d.reasoning):
-            metrics.ttft.labels(endpoint, tier).observe(time.monotonic() - started)
+            metrics.first_token(endpoint, tier, time.monotonic() - started)
             started = None
         yield d
 

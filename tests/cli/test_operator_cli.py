@@ -302,3 +302,29 @@ def test_only_the_face_parses_command_lines():
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else []
                 found += [f"{path.relative_to(root)}:{node.lineno}" for n in names if n.split(".")[0] == "argparse"]
     assert found == []
+
+
+def test_dashboard_beyond_loopback_needs_a_registered_admin_key(redis_url, r, capsys):
+    """Bound to another address, every page needs an admin login: with no admin key to log in with, it
+    does not start (one line saying how to make one)."""
+    from mlxq.cli.dashboard import loopback
+
+    assert loopback("127.0.0.1") and loopback("::1") and loopback("localhost") and not loopback("0.0.0.0")
+    apikeys.add_key(r, GK, "a-producer-key", "normal", name="producer")
+    rc, _, err = run(capsys, "dashboard", "--host", "0.0.0.0", "--redis-url", redis_url)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--admin" in err and "none is registered" in err
+
+
+def test_the_admin_search_narrows_by_tier_key_name_and_text(redis_url, r):
+    """What the dashboard's jobs page asks of the library (producer/admin.py): the CLI's listing, narrowed."""
+    from mlxq.producer.admin import Admin
+
+    apikeys.add_key(r, GK, "key-ingest-0001", "normal", name="ingest")
+    apikeys.add_key(r, GK, "key-ops-00000001", "high", name="ops", admin=True)
+    ingest = submit(redis_url, 2, api_key="key-ingest-0001")
+    (ops,) = submit(redis_url, 1, api_key="key-ops-00000001")
+    admin = Admin(r, Settings())
+    assert {row["id"] for row in admin.search(key="ingest")} == set(ingest)
+    assert [row["id"] for row in admin.search(tier="high")] == [ops]
+    assert [row["key"] for row in admin.search(text=ops[:12])] == ["ops"]
+    assert admin.search(statuses=("failed",)) == []

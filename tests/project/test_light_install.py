@@ -78,6 +78,10 @@ def test_a_producer_only_venv_is_light_and_says_what_the_extras_add(tmp_path, re
     size = venv_mib(venv)
     print(f"producer-only venv: {size:.1f} MiB")
     assert size <= LIMIT_MIB, f"a producer-only venv takes {size:.1f} MiB, more than {LIMIT_MIB}"
+    # the dashboard's package data ships (pyproject's package-data): its pages work offline
+    shipped = next(venv.glob("lib/python*/site-packages")) / "mlxq" / "producer" / "dashboard"
+    for name in ("templates/overview.html", "static/dash.js", "static/uPlot.iife.min.js", "static/uPlot.LICENSE"):
+        assert (shipped / name).is_file(), f"{name} is not in the installed package"
 
     def run(*argv: str) -> subprocess.CompletedProcess:
         # from an empty folder: the cwd is first on sys.path
