@@ -51,5 +51,5 @@ def add_commands(sub) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--webhook", metavar="URL",
                    help="POST a signed bulk.completed summary here once every line is in the output (a host on "
-                        "the operator's webhook_hosts; delivered by `mlxq webhooks run`)")
+                        "the operator's webhook_hosts; delivered by `mlxq webhooks run`; default: none)")
     p.set_defaults(func=cmd_batch)
