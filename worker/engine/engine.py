@@ -24,6 +24,7 @@ model runs over ``PagedLayerCache`` objects.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
@@ -40,6 +41,7 @@ from .kv_cache import KVPool, make_kv_quant, probe_kv_shape
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sessions import SessionFiles
+from .speculative import SPECULATE_MODES, Speculator
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ def make_engine(loaded, settings: Optional[Settings] = None) -> "PagedEngine":
 class PagedEngine:
     """Builds the pool, the runner and the scheduler for one model; ``step()`` drives them."""
 
+    speculator: Optional[Speculator] = None  # speculative decoding's policy (None: off)
+
     def __init__(
         self,
         model,
@@ -70,6 +74,10 @@ class PagedEngine:
         """``config`` (default: ``EngineConfig()``) with ``options``, fields of it set by name, over it
         (tests and benchmarks set a few); the rest comes from the model."""
         config = replace(config or EngineConfig(), **options)
+        if config.speculate not in SPECULATE_MODES:
+            raise ValueError(f"speculate={config.speculate!r}: must be one of {', '.join(SPECULATE_MODES)}")
+        if config.speculate_k < 1:
+            raise ValueError(f"speculate_k={config.speculate_k!r}: must be at least 1")
         self.config = config
         self.model = model
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper: constrained output needs it
@@ -104,23 +112,51 @@ class PagedEngine:
         self.sessions = SessionFiles(config.session_dir, model_id, self.pool) if config.session_dir else None
         self.scheduler = Scheduler(self.bm, config, eos_token_ids=eos_token_ids, settle=self._settle,
                                    session_files=self.sessions, start_grammar=self._start_grammar)
+        if config.speculate == "ngram":
+            self.speculator = Speculator(config.speculate_k, self.runner.can_verify)
         log.info("paged engine: %d blocks of %d tokens, %.1f MiB %s pool",
                  num_blocks, block_size, self.pool.nbytes / 2**20, self.pool.layout)
 
     def step(self) -> tuple[list[TokenEvent], list[Preempted]]:
-        """Schedule, run, postprocess: a prefill pass, then a decode launch (read one step later)."""
+        """Schedule, run, postprocess: a prefill pass, then a decode launch (read one step later),
+        or a verify pass (speculative decoding: read at once)."""
         sched = self.scheduler
+        start = time.perf_counter()
         plan = sched.schedule_prefill()
         just_prefilled = []
         if plan is not None:
             sched.postprocess_prefill(plan, self.runner.prefill(plan))
             just_prefilled = plan.ending_seqs()
         rows = sched.schedule_decode(skip=just_prefilled)
-        sched.postprocess_decode(rows, self.runner.decode(rows))
-        # rows with a grammar or penalties are sampled now, their previous token consumed
-        for seq, why in self.runner.sample_deferred(sched.is_running):
-            sched.fail(seq, why)
+        verified = None
+        if self.speculator is not None and rows:
+            rows, verified = self._verify(rows)
+        if verified is None:
+            sched.postprocess_decode(rows, self.runner.decode(rows))
+            # rows with a grammar or penalties are sampled now, their previous token consumed
+            for seq, why in self.runner.sample_deferred(sched.is_running):
+                sched.fail(seq, why)
+        if self.speculator is not None and plan is None and rows:  # a decode step alone: its time is measured
+            self.speculator.costs.record(verified is not None, verified or len(rows), time.perf_counter() - start)
         return sched.take_output()
+
+    def _verify(self, rows: list) -> tuple[list, Optional[int]]:
+        """Speculate, when the speculator picks rows this step: the decode in flight is read, the
+        picked rows propose, and every decode row runs in one verify pass (the rows without a
+        proposal feed their one token).  Returns the rows still running and the positions the pass
+        computed, or None: no pass ran, the rows make a plain decode step."""
+        sched = self.scheduler
+        picked = self.speculator.pick(rows)
+        if not picked:
+            return rows, None
+        self._settle()  # proposals continue the rows' last tokens: those in flight are read first
+        rows = [s for s in rows if sched.is_running(s)]
+        drafts = [self.speculator.propose(s, picked.get(id(s), 0)) for s in rows]
+        if not any(drafts):
+            return rows, None
+        drafts = sched.reserve_drafts(rows, drafts)
+        sched.postprocess_verify(rows, drafts, self.runner.verify(rows, drafts))
+        return rows, sum(1 + len(d) for d in drafts)
 
     def _start_grammar(self, grammar: str, resume_tokens: list[int]) -> RowGrammar:
         """The scheduler's hook for a constrained sequence: its matcher, at its resume point (the
@@ -178,6 +214,7 @@ class PagedEngine:
             "running": len(sched.running), "waiting": len(sched.waiting), "sessions_hot": len(sched.hot_sessions),
             "session_spills": k.session_spills, "session_restores": k.session_restores,
             "engine_steps": k.steps, "prefill_passes": k.prefill_passes, "decode_passes": k.decode_passes,
+            "verify_passes": k.verify_passes, "draft_proposed": k.draft_proposed, "draft_accepted": k.draft_accepted,
         }
 
     @property

@@ -1,0 +1,154 @@
+"""Speculative decoding (prompt lookup): the output is the non-speculative engine's, token for token,
+greedy and seeded alike, alone and in a mixed batch, across a resume, a cancel and a stop; rejected
+positions give their blocks back.  (Speed is bench/speculative.py's.)"""
+
+from dataclasses import replace
+
+import pytest
+
+from mlxq.shared.schemas import SamplingParams
+from mlxq.worker.engine import PagedEngine
+from mlxq.worker.engine.api import SeqSpec
+from mlxq.worker.engine.sampler import make_sampler
+from mlxq.worker.engine.speculative import NgramIndex, StepCosts
+
+from enginekit import _assert_no_leak, _prompts, random_llama, run
+
+BASE = _prompts(1, 1, 40, 40)[0]
+# prompts whose continuations repeat their spans (the random model loops: proposals are accepted),
+# and one that does not
+PROMPTS = [BASE * 3, BASE[:20] * 4 + [7], _prompts(2, 1, 30, 30)[0], list(range(50))]
+LENS = [40, 33, 25, 17]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_llama(3)
+
+
+def _always(eng):
+    """Every row that has a proposal speculates at every step (the step-time policy out of the way,
+    so the tests do not depend on how fast steps run)."""
+    eng.speculator.costs.choose = lambda rows, offers: [i for i, (k, _) in enumerate(offers) if k > 0]
+    return eng
+
+
+def _pair(model, specs, **kw):
+    """The outputs of ``specs`` (made afresh for each engine by the callable) without and with
+    speculation, and the speculating engine."""
+    outs, eng = [], None
+    for mode in ("off", "ngram"):
+        eng = PagedEngine(model, num_blocks=64, speculate=mode, **kw)
+        if mode == "ngram":
+            _always(eng)
+        out, done, _ = run(eng, specs())
+        outs.append((out, done))
+        _assert_no_leak(eng)
+        _cache_holds_only_emitted(eng, specs(), out)
+    return outs[0], outs[1], eng
+
+
+def _cache_holds_only_emitted(eng, specs, out):
+    """Every block in the prefix cache holds a block of some job's prompt and output (never a
+    rejected proposal's tokens)."""
+    bs = eng.bm.block_size
+    real = {tuple(t[i:i + bs]) for s in specs for t in [s.prompt + out[s.uid]] for i in range(0, len(t) - bs + 1, bs)}
+    cached = [b.tokens for b in eng.bm.blocks if b.hash is not None]
+    assert cached and all(t in real for t in cached)
+
+
+def _greedy():
+    return [SeqSpec(f"g{i}", p, n) for i, (p, n) in enumerate(zip(PROMPTS, LENS))]
+
+
+def _seeded(start=0, resume=None, n=None):
+    specs = []
+    for i, (p, m) in enumerate(zip(PROMPTS, LENS)):
+        params = SamplingParams(temperature=0.7, seed=10 + i)
+        specs.append(SeqSpec(f"r{i}", p, n or m, sampler=make_sampler(params, 10 + i, start_step=start),
+                             resume_tokens=list(resume or [])))
+    return specs
+
+
+def test_greedy_identical_solo_and_in_a_mixed_batch(model):
+    for specs in (lambda: _greedy()[:1], _greedy):
+        (off, off_done), (on, on_done), eng = _pair(model, specs)
+        assert on == off and on_done == off_done
+        st = eng.stats()
+        assert st["verify_passes"] > 0 and st["draft_accepted"] > 0
+        assert st["decode_passes"] < sum(LENS[:len(specs())])  # accepted runs made steps fewer
+
+
+def test_mixed_rows_penalties_bias_and_processors(model):
+    """Rows that shape their logits (penalties over the proposal's tokens too, a bias) speculate;
+    a row with a logits processor feeds its one token in the same pass."""
+    def specs():
+        g = _greedy()
+        return [replace(g[0], presence_penalty=0.5, repetition_penalty=1.1),
+                replace(g[1], logit_bias={3: 2.0}),
+                replace(g[2], logits_processors=[lambda ctx, x: x]), g[3]]
+
+    (off, _), (on, _), eng = _pair(model, specs)
+    assert on == off and eng.stats()["draft_accepted"] > 0
+
+
+def test_seeded_sampling_identical_and_resumes_at_its_step(model):
+    (off, _), (on, _), eng = _pair(model, _seeded)
+    assert on == off and eng.stats()["draft_accepted"] > 0
+    # a crash after 9 tokens: the job comes back with them as resume tokens and its sampler at step 9
+    eng = _always(PagedEngine(model, num_blocks=64, speculate="ngram"))
+    resumed = [replace(s, resume_tokens=off[s.uid][:9], max_tokens=s.max_tokens - 9,
+                       sampler=make_sampler(SamplingParams(temperature=0.7, seed=10 + i), 10 + i, start_step=9))
+               for i, s in enumerate(_seeded())]
+    out, _, _ = run(eng, resumed)
+    assert out == off
+
+
+def test_stop_token_inside_an_accepted_run(model):
+    (off, _), _, _ = _pair(model, lambda: _greedy()[:1])
+    ref = off["g0"]
+    stop = ref[25]
+    cut = ref[:ref.index(stop) + 1]
+    (o1, d1), (o2, d2), _ = _pair(model, lambda: _greedy()[:1], eos_token_ids=[stop])
+    assert o1 == o2 == {"g0": cut} and d1 == d2 == {"g0": "stop"}
+
+
+def test_cancel_mid_speculation_and_blocks_back_to_baseline(model):
+    eng = _always(PagedEngine(model, num_blocks=64, speculate="ngram"))
+    free = eng.stats()["blocks_free"]
+    specs = _greedy()
+    eng.add(specs)
+    prior = {s.uid: [] for s in specs}
+    while eng.stats()["verify_passes"] == 0:
+        for e in eng.step()[0]:
+            prior[e.uid].append(e.token)
+    eng.remove(["g0"])
+    out, _, _ = run(eng, [], added=specs[1:], prior=prior)
+    ref, _, _ = run(PagedEngine(model, num_blocks=64), _greedy()[1:])
+    assert {k: v for k, v in out.items() if k != "g0"} == ref
+    st = eng.stats()
+    assert st["blocks_used"] == 0 and st["blocks_free"] + st["blocks_cached"] == free
+    _assert_no_leak(eng)
+
+
+def test_ngram_index_proposes_the_latest_longest_match():
+    idx = NgramIndex()
+    toks = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
+    assert idx.propose(toks, 3) == [4, 5, 7]  # "2 3" last followed by 4 (the 3-gram "7 2 3" is new)
+    assert idx.propose(toks + [8], 2) == []
+    assert idx.propose(toks + [8, 1], 2) == [2, 3]
+
+
+def test_step_costs_turn_speculation_off_when_extra_positions_cost_more():
+    batch = StepCosts()  # a batch of 16: 8 ms a step, 0.5 ms a position, and a verify step loses 2 ms
+    for i in range(8):
+        batch.record(False, 16 + i % 2, 0.008 + 0.0005 * (16 + i % 2))
+        batch.record(True, 30 + i, 0.008 + 0.0005 * (30 + i) + 0.002)
+    assert batch.choose(16, [(2, 0.5)] * 12) == []  # 24 more positions for 6 more tokens: a loss
+    assert batch.choose(16, [(2, 1.9)] * 12) == list(range(12))
+    solo = StepCosts()  # solo: a step reads the weights, a position is almost free
+    for i in range(8):
+        solo.record(False, 1, 0.010)
+        solo.record(True, 2 + i % 4, 0.0105 + 0.0002 * (i % 4))
+    assert solo.choose(1, [(4, 1.0)]) == [0]
+    assert solo.choose(1, [(4, 0.01)]) == []

@@ -1,0 +1,174 @@
+"""Speculative decoding's policy: prompt-lookup proposals, each sequence's k, and whether a step
+speculates at all.  Plain Python, no MLX (the verify pass is ``ModelRunner.verify``).
+
+A proposal is what followed the most recent earlier occurrence of the sequence's last n tokens
+(n from ``MAX_NGRAM`` down to 1) in its own context, prompt and output alike: extraction and
+rewriting copy spans of their input, and there the continuation is often right for many tokens.
+The engine verifies it in one forward over the k + 1 positions and keeps each sampled token while it
+equals the proposal (``docs/design/speculative.md``: why that output is the non-speculative one).
+
+What adapts:
+
+* each sequence's k: one more after a proposal accepted whole, one less after a rejection, between 1
+  and ``k_max``; its acceptance rate (a moving average over proposed tokens) says what a proposal
+  of k is worth;
+* whether a step speculates, and which rows: :class:`StepCosts` keeps an online fit of a step's time
+  against the positions it computes (plain, pipelined decode steps and verify steps alike, with
+  what a verify step loses apart); a step speculates when the tokens it expects per second beat
+  the plain step's.  Output is
+  the same either way, so this choice only moves speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence as Seq
+
+import numpy as np
+
+from ...shared.engine_config import SPECULATE_MODES  # noqa: F401 - the modes, where the engine looks
+
+MAX_NGRAM = 3  # the longest suffix looked up
+START_K = 4  # a new sequence's k
+ACCEPT_PRIOR = 0.5  # a new sequence's acceptance rate, before its first verdict
+RATE_WEIGHT = 0.3  # the moving average's weight on the newest verdict
+FORGET = 0.97  # StepCosts: a step's weight decays by this much per later step of its kind
+MIN_FIT_STEPS = 3  # steps of each kind measured before the fit decides
+
+
+class NgramIndex:
+    """The most recent end position of every 1..MAX_NGRAM-gram of a token list that only grows
+    (a sequence's tokens), indexed lazily up to the one before the last position."""
+
+    def __init__(self):
+        self._ends: dict[tuple, int] = {}
+        self._upto = 0  # n-grams ending before this position are indexed
+
+    def propose(self, tokens: Seq[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
+        ``tokens`` (at most MAX_NGRAM long) seen before; [] when none was."""
+        last = len(tokens) - 1  # the suffix ends at len(tokens): index every n-gram ending before it
+        for end in range(max(self._upto, 1), last + 1):
+            for n in range(1, min(MAX_NGRAM, end) + 1):
+                self._ends[tuple(tokens[end - n:end])] = end
+        self._upto = max(self._upto, last + 1)
+        if k <= 0:
+            return []
+        for n in range(min(MAX_NGRAM, len(tokens)), 0, -1):
+            end = self._ends.get(tuple(tokens[len(tokens) - n:]))
+            if end is not None:
+                return list(tokens[end:end + k])
+        return []
+
+
+@dataclass
+class Drafting:
+    """One sequence's speculation state (``Sequence.drafting``)."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    k: int = START_K
+    rate: float = ACCEPT_PRIOR  # accepted / proposed, a moving average over verdicts
+    proposed: int = 0  # tokens proposed and verified (this run)
+    accepted: int = 0  # of which accepted
+
+    def expected(self, k: Optional[int] = None) -> float:
+        """Tokens a proposal of ``k`` (default: its own) is expected to add: each next one accepted
+        with probability ``rate`` once those before it were."""
+        k = self.k if k is None else k
+        r = self.rate
+        return k if r >= 1.0 else r * (1 - r ** k) / (1 - r)
+
+    def verdict(self, proposed: int, accepted: int, k_max: int) -> None:
+        """A proposal of ``proposed`` tokens kept ``accepted``: the rate and k move."""
+        if proposed <= 0:
+            return
+        self.proposed += proposed
+        self.accepted += accepted
+        self.rate += RATE_WEIGHT * (accepted / proposed - self.rate)
+        self.k = min(k_max, self.k + 1) if accepted == proposed else max(1, self.k - 1)
+
+
+class StepCosts:
+    """Measured step times as a function of the positions a step computes (see the module doc).
+
+    Weighted least squares of seconds = a + b * positions + c * verify, each step's weight decaying
+    by FORGET per later step: b is what a position costs, c what a verify step loses (it reads its
+    tokens at once: no launch overlaps the host's work).  Where the steps cannot tell c from b
+    (every verify step at one size), c is taken as 0 and b carries both: speculation then looks
+    dearer than it is, never cheaper."""
+
+    def __init__(self):
+        self._m = np.zeros((3, 3))  # sums of w * f f^T, f = (1, positions, verify)
+        self._r = np.zeros(3)  # sums of w * f * seconds
+        self.steps = [0, 0]  # plain, verify steps recorded
+
+    def record(self, verify: bool, positions: int, seconds: float) -> None:
+        f = np.array([1.0, positions, float(verify)])
+        self._m = self._m * FORGET + np.outer(f, f)
+        self._r = self._r * FORGET + f * seconds
+        self.steps[verify] += 1
+
+    def _coefficients(self) -> tuple[float, float, float]:
+        m, r = self._m, self._r
+        if np.linalg.cond(m) < 1e8:
+            a, b, c = np.linalg.solve(m, r)
+        else:  # no way to tell the verify steps' loss from a position's cost: both in b
+            a, b = np.linalg.lstsq(m[:2, :2], r[:2], rcond=None)[0] if np.linalg.cond(m[:2, :2]) < 1e8 \
+                else (r[0] / m[0, 0], 0.0)
+            c = 0.0
+        return a, max(0.0, b), max(0.0, c)
+
+    def choose(self, rows: int, offers: list[tuple[int, float]]) -> list[int]:
+        """Which rows speculate this step: indexes into ``offers`` ((k, expected extra tokens) of each
+        row that could), or [] when a plain step of ``rows`` rows is expected to make tokens faster.
+        Rows are taken best value per position first; the best prefix wins."""
+        offered = [i for i, (k, _) in enumerate(offers) if k > 0]
+        if self.steps[False] < MIN_FIT_STEPS:
+            return []  # plain steps are measured first
+        if self.steps[True] < MIN_FIT_STEPS:
+            return offered  # then verify steps
+        a, b, c = self._coefficients()
+        best_rate, best, taken = rows / max(1e-9, a + b * rows), [], []
+        positions, tokens = rows, float(rows)
+        for i in sorted(offered, key=lambda i: -offers[i][1] / offers[i][0]):
+            positions += offers[i][0]
+            tokens += offers[i][1]
+            taken.append(i)
+            rate = tokens / max(1e-9, a + b * positions + c)
+            if rate > best_rate:
+                best_rate, best = rate, list(taken)
+        return best
+
+
+class Speculator:
+    """The engine's speculation (mode "ngram"): which rows propose this step, and their proposals."""
+
+    def __init__(self, k_max: int, can_verify: Callable[[object], bool]):
+        self.k_max = k_max
+        self.can_verify = can_verify  # the runner's: a row whose sampling a verify pass can repeat
+        self.costs = StepCosts()
+
+    def pick(self, rows: list) -> dict[int, int]:
+        """{id(sequence): k} of the decode rows that speculate this step ({}: a plain step)."""
+        seqs, offers = [], []
+        for seq in rows:
+            room = seq.spec.max_tokens - seq.emitted - seq.pending - 1  # past the token it samples anyway
+            if room <= 0 or not self.can_verify(seq):
+                continue
+            d = seq.draft_state()
+            k = min(d.k, room)
+            seqs.append(seq)
+            offers.append((k, d.expected(k)))
+        return {id(seqs[i]): offers[i][0] for i in self.costs.choose(len(rows), offers)} if seqs else {}
+
+    @staticmethod
+    def propose(seq, k: int) -> list[int]:
+        """Up to ``k`` tokens to verify after ``seq``'s last one (its tokens all read: nothing
+        pending): what its context's n-gram lookup offers, cut where max_tokens would end it first
+        and at the first token its grammar forbids."""
+        if k <= 0:
+            return []
+        draft = seq.draft_state().index.propose(seq.tokens, min(k, seq.spec.max_tokens - seq.emitted - 1))
+        if draft and seq.grammar is not None:
+            draft = seq.grammar.allowed_prefix(draft)
+        return draft
