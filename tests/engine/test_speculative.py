@@ -152,3 +152,35 @@ def test_step_costs_turn_speculation_off_when_extra_positions_cost_more():
         solo.record(True, 2 + i % 4, 0.0105 + 0.0002 * (i % 4))
     assert solo.choose(1, [(4, 1.0)]) == [0]
     assert solo.choose(1, [(4, 0.01)]) == []
+
+
+def test_constrained_output_identical_and_proposals_cut_by_the_grammar(tiny_model):
+    from mlxq.shared.constraints import compile_format
+
+    tok = tiny_model.tokenizer
+    listing = "yes-12 no-345 maybe-77 yes-12 no-345 maybe-77 yes-12"
+    regex = compile_format({"type": "regex", "pattern": r"((yes|no|maybe)-[0-9]{2,4} ){6}"})
+    schema = compile_format({"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "object", "properties": {"names": {"type": "array", "items": {"enum": ["Ada", "Bob", "Cy"]}}},
+        "required": ["names"], "additionalProperties": False}}})
+    prompts = [tok.encode(f"Copy: {listing}\n"), tok.encode('Names: {"names": ["Ada", "Bob", "Cy", "Ada"]}\n')]
+
+    def specs():
+        params = SamplingParams(temperature=0.8, seed=5)
+        return [SeqSpec("re", prompts[0], 40, grammar=regex), SeqSpec("js", prompts[1], 40, grammar=schema),
+                SeqSpec("re-seeded", prompts[0], 40, grammar=regex, sampler=make_sampler(params, 5)),
+                SeqSpec("free", prompts[0], 30)]
+
+    outs = []
+    for mode in ("off", "ngram"):
+        eng = PagedEngine(tiny_model.model, num_blocks=64, speculate=mode, eos_token_ids=tiny_model.eos_token_ids,
+                          tokenizer=tok)
+        if mode == "ngram":
+            _always(eng)
+        outs.append(run(eng, specs())[:2])
+        _assert_no_leak(eng)
+    assert outs[0] == outs[1]
+    assert eng.stats()["draft_proposed"] > 0
+    grammar = eng.runner.book.start(regex, [])
+    yes = tok.encode("yes-12 ", add_special_tokens=False)
+    assert grammar.allowed_prefix(yes + yes + tok.encode("hello", add_special_tokens=False)) == yes + yes
