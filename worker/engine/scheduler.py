@@ -197,6 +197,7 @@ class Scheduler:
                 seq.drafting.verdict(len(draft), n - 1, self.config.speculate_k)
                 self.counters.draft_proposed += len(draft)
                 self.counters.draft_accepted += n - 1
+            first = len(self._events)
             for s in samples:
                 if s.token is None:
                     self.fail(seq, s.error)
@@ -204,6 +205,8 @@ class Scheduler:
                     self._emit(s)
                 if self.running.get(seq.uid) is not seq:
                     break
+            if draft and len(self._events) > first:
+                self._events[first].draft_proposed, self._events[first].draft_accepted = len(draft), n - 1
 
     def fail(self, seq: Sequence, error: str) -> None:
         """End a sequence still in the engine (running, or a waiting fork given its first token) with
