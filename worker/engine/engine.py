@@ -59,6 +59,8 @@ class PagedEngine:
     """Builds the pool, the runner and the scheduler for one model; ``step()`` drives them."""
 
     speculator: Optional[Speculator] = None  # speculative decoding's policy (None: off)
+    _last_plain = False  # the step before was a plain decode step alone (its time measured)
+    _verify_started = 0.0  # this step's verify pass began (after its settle)
 
     def __init__(
         self,
@@ -136,9 +138,21 @@ class PagedEngine:
             # rows with a grammar or penalties are sampled now, their previous token consumed
             for seq, why in self.runner.sample_deferred(sched.is_running):
                 sched.fail(seq, why)
-        if self.speculator is not None and plan is None and rows:  # a decode step alone: its time is measured
-            self.speculator.costs.record(verified is not None, verified or len(rows), time.perf_counter() - start)
+        if self.speculator is not None:
+            self._measure(plan is None and bool(rows), verified, len(rows), start)
         return sched.take_output()
+
+    def _measure(self, decode_only: bool, verified: Optional[int], rows: int, start: float) -> None:
+        """Give the speculator this step's time, where it is a decode step's alone: a verify pass
+        from after its settle (the launch it read was the step before's work), a plain step only
+        after another plain step (one after a verify pass read nothing: it cost less than its own)."""
+        after_plain, self._last_plain = self._last_plain, decode_only and verified is None
+        if not decode_only:
+            return
+        if verified is not None:
+            self.speculator.costs.record(True, verified, time.perf_counter() - self._verify_started)
+        elif after_plain:
+            self.speculator.costs.record(False, rows, time.perf_counter() - start)
 
     def _verify(self, rows: list) -> tuple[list, Optional[int]]:
         """Speculate, when the speculator picks rows this step: the decode in flight is read, the
@@ -150,6 +164,7 @@ class PagedEngine:
         if not picked:
             return rows, None
         self._settle()  # proposals continue the rows' last tokens: those in flight are read first
+        self._verify_started = time.perf_counter()
         rows = [s for s in rows if sched.is_running(s)]
         drafts = [self.speculator.propose(s, picked.get(id(s), 0)) for s in rows]
         if not any(drafts):

@@ -15,7 +15,7 @@ What adapts:
 * whether a step speculates, and which rows: :class:`StepCosts` keeps an online fit of a step's time
   against the positions it computes (plain, pipelined decode steps and verify steps alike, with
   what a verify step loses apart); a step speculates when the tokens it expects per second beat
-  the plain step's.  Output is
+  the plain step's, and once every EXPLORE_EVERY plain steps anyway (the estimates stay fresh).  Output is
   the same either way, so this choice only moves speed.
 """
 
@@ -34,6 +34,7 @@ ACCEPT_PRIOR = 0.5  # a new sequence's acceptance rate, before its first verdict
 RATE_WEIGHT = 0.3  # the moving average's weight on the newest verdict
 FORGET = 0.97  # StepCosts: a step's weight decays by this much per later step of its kind
 MIN_FIT_STEPS = 3  # steps of each kind measured before the fit decides
+EXPLORE_EVERY = 64  # plain steps after which a step speculates anyway (fresh step times and acceptance)
 
 
 class NgramIndex:
@@ -70,6 +71,7 @@ class Drafting:
     rate: float = ACCEPT_PRIOR  # accepted / proposed, a moving average over verdicts
     proposed: int = 0  # tokens proposed and verified (this run)
     accepted: int = 0  # of which accepted
+    tried: bool = False  # it was picked once (a sequence's first pick is not the step costs' to refuse)
 
     def expected(self, k: Optional[int] = None) -> float:
         """Tokens a proposal of ``k`` (default: its own) is expected to add: each next one accepted
@@ -101,12 +103,14 @@ class StepCosts:
         self._m = np.zeros((3, 3))  # sums of w * f f^T, f = (1, positions, verify)
         self._r = np.zeros(3)  # sums of w * f * seconds
         self.steps = [0, 0]  # plain, verify steps recorded
+        self.since_verify = 0  # plain steps recorded since the last verify step
 
     def record(self, verify: bool, positions: int, seconds: float) -> None:
         f = np.array([1.0, positions, float(verify)])
         self._m = self._m * FORGET + np.outer(f, f)
         self._r = self._r * FORGET + f * seconds
         self.steps[verify] += 1
+        self.since_verify = 0 if verify else self.since_verify + 1
 
     def _coefficients(self) -> tuple[float, float, float]:
         m, r = self._m, self._r
@@ -125,8 +129,8 @@ class StepCosts:
         offered = [i for i, (k, _) in enumerate(offers) if k > 0]
         if self.steps[False] < MIN_FIT_STEPS:
             return []  # plain steps are measured first
-        if self.steps[True] < MIN_FIT_STEPS:
-            return offered  # then verify steps
+        if self.steps[True] < MIN_FIT_STEPS or self.since_verify >= EXPLORE_EVERY:
+            return offered  # then verify steps, and one now and then: the batch and its texts change
         a, b, c = self._coefficients()
         best_rate, best, taken = rows / max(1e-9, a + b * rows), [], []
         positions, tokens = rows, float(rows)
@@ -159,7 +163,15 @@ class Speculator:
             k = min(d.k, room)
             seqs.append(seq)
             offers.append((k, d.expected(k)))
-        return {id(seqs[i]): offers[i][0] for i in self.costs.choose(len(rows), offers)} if seqs else {}
+        if not seqs:
+            return {}
+        picked = set(self.costs.choose(len(rows), offers))
+        if picked or self.costs.steps[True] >= MIN_FIT_STEPS:
+            # a new sequence's first pick: its own acceptance is what no estimate knows yet
+            picked.update(i for i, s in enumerate(seqs) if not s.drafting.tried)
+        for i in picked:
+            seqs[i].drafting.tried = True
+        return {id(seqs[i]): offers[i][0] for i in picked}
 
     @staticmethod
     def propose(seq, k: int) -> list[int]:
