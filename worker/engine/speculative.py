@@ -11,7 +11,8 @@ What adapts:
 
 * each sequence's k: one more after a proposal accepted whole, one less after a rejection, between 1
   and ``k_max``; its acceptance rate (a moving average over proposed tokens) says what a proposal
-  of k is worth;
+  of k is worth; while the row is not picked its rate drifts back up toward the prior, so a
+  row refused on a few early rejections is tried again where the step costs allow it;
 * whether a step speculates, and which rows: :class:`StepCosts` keeps an online fit of a step's time
   against the positions it computes (plain, pipelined decode steps and verify steps alike, with
   what a verify step loses apart); a step speculates when the tokens it expects per second beat
@@ -32,6 +33,7 @@ MAX_NGRAM = 3  # the longest suffix looked up
 START_K = 4  # a new sequence's k
 ACCEPT_PRIOR = 0.5  # a new sequence's acceptance rate, before its first verdict
 RATE_WEIGHT = 0.3  # the moving average's weight on the newest verdict
+RECOVER = 0.1  # how far a row's rate moves back up toward ACCEPT_PRIOR at each step it is not picked
 FORGET = 0.97  # StepCosts: a step's weight decays by this much per later step of its kind
 MIN_FIT_STEPS = 3  # steps of each kind measured before the fit decides
 EXPLORE_EVERY = 64  # plain steps after which a step speculates anyway (fresh step times and acceptance)
@@ -169,8 +171,12 @@ class Speculator:
         if picked or self.costs.steps[True] >= MIN_FIT_STEPS:
             # a new sequence's first pick: its own acceptance is what no estimate knows yet
             picked.update(i for i, s in enumerate(seqs) if not s.drafting.tried)
-        for i in picked:
-            seqs[i].drafting.tried = True
+        for i, seq in enumerate(seqs):
+            d = seq.drafting
+            if i in picked:
+                d.tried = True
+            elif d.rate < ACCEPT_PRIOR:  # a rate no verdict updates any more recovers: the row gets tried again,
+                d.rate += RECOVER * (ACCEPT_PRIOR - d.rate)  # as soon as the step costs allow at that rate
         return {id(seqs[i]): offers[i][0] for i in picked}
 
     @staticmethod
