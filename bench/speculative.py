@@ -54,6 +54,13 @@ By noon the reading room was full. Daniel Reyes found a photograph of the ferry 
 1979, and Lucia copied its caption into her notebook. Margaret Okafor said that the library had
 never been so busy, and Tomas Berg promised that the next campaign would pay for longer opening
 hours on Saturdays.
+
+In the afternoon the mayor, Helen Achterberg, cut a ribbon across the stairs to the new archive and
+thanked the volunteers by name: Samuel Idowu, who had carried boxes every weekend of the autumn,
+Rosa Lindqvist, who had repaired the torn maps, and the twins Oskar and Frida Holm, who had typed
+the catalogue of the letters. She said the council would keep the building open for as long as
+people kept coming through its doors, and the room laughed when Daniel Reyes answered that he
+intended to come every day.
 """
 TASKS = {
     "names": "List the names of all the people mentioned in the passage above, one per line.",
