@@ -15,7 +15,7 @@ BLOCK_SIZE = 32  # tokens per KV block: the only size the engine and its kernels
 # prefill chunk size by prompt position: (positions below this, chunk tokens); None: every later position
 DEFAULT_CHUNK_SCHEDULE = ((2048, 512), (8192, 256), (20480, 128), (None, 64))
 DEFAULT_KV_MEMORY_MB = 512  # the KV pool's budget when neither it nor a block count is set
-SPECULATE_MODES = ("off", "ngram")  # speculative decoding: none, or prompt-lookup proposals
+SPECULATE_MODES = ("off", "ngram", "draft")  # speculative decoding: none, prompt lookup, a draft model
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class EngineConfig:
     huge_pages: bool = True  # madvise the weights and the pool to 2 MiB pages (hugepages.py)
     speculate: str = "off"  # one of SPECULATE_MODES (worker/engine/speculative.py)
     speculate_k: int = 8  # the most tokens one proposal may hold
+    draft_model: Optional[str] = None  # the draft model of speculate "draft" (a path or hub id, as the model's)
 
     def __post_init__(self):
         object.__setattr__(self, "chunk_schedule", tuple(self.chunk_schedule))  # a list reads the same

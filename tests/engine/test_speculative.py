@@ -184,3 +184,37 @@ def test_constrained_output_identical_and_proposals_cut_by_the_grammar(tiny_mode
     grammar = eng.runner.book.start(regex, [])
     yes = tok.encode("yes-12 ", add_special_tokens=False)
     assert grammar.allowed_prefix(yes + yes + tok.encode("hello", add_special_tokens=False)) == yes + yes
+
+
+def test_draft_model_proposals_verified_identically(model):
+    """A draft model (its own paged KV, the same vocabulary): the same weights as the target accept
+    every greedy proposal; another random model's are mostly rejected; the output is the same."""
+    other = random_llama(9, hidden_size=32)
+    refs = {specs: run(PagedEngine(model, num_blocks=64), specs())[0] for specs in (_greedy, _seeded)}
+    for draft, name in ((model, "the target's own weights"), (other, "another random model")):
+        for specs, ref in refs.items():
+            eng = _always(PagedEngine(model, num_blocks=64, speculate="draft", draft=draft))
+            out, _, _ = run(eng, specs())
+            assert out == ref
+            _assert_no_leak(eng)
+            st = eng.stats()
+            print(f"draft model, {name}, {specs.__name__[1:]}: {st['draft_accepted']}/{st['draft_proposed']} accepted")
+            if draft is model and specs is _greedy:
+                assert st["draft_accepted"] == st["draft_proposed"] > 0
+    with pytest.raises(ValueError, match="draft model"):
+        PagedEngine(model, num_blocks=64, speculate="draft")
+
+
+def test_worker_engine_loads_its_draft_model(tiny_model, tiny_model_dir):
+    """``--speculate draft --draft-model PATH`` through the worker's settings: loaded as the model is,
+    its tokenizer checked (here: the tiny model drafts for itself, so greedy proposals all pass)."""
+    from mlxq.shared.settings import Settings
+    from mlxq.worker.engine.engine import make_engine
+
+    small = dict(kv_blocks=64, huge_pages=False)
+    eng = _always(make_engine(tiny_model, Settings(speculate="draft", draft_model=str(tiny_model_dir), **small)))
+    prompt = tiny_model.tokenizer.encode("Once upon a time")
+    out, _, _ = run(eng, [SeqSpec("d", prompt, 12, stop_token_ids=())])
+    ref, _, _ = run(make_engine(tiny_model, Settings(**small)), [SeqSpec("d", prompt, 12, stop_token_ids=())])
+    st = eng.stats()
+    assert out == ref and st["draft_accepted"] == st["draft_proposed"] > 0

@@ -51,14 +51,35 @@ def make_engine(loaded, settings: Optional[Settings] = None) -> "PagedEngine":
     batching (prefix cache, admission, preemption, sessions), configured by ``settings``
     (default: ``Settings.from_env()``)."""
     settings = settings or Settings.from_env()
-    return PagedEngine(loaded.model, settings.engine_config(), eos_token_ids=loaded.eos_token_ids,
-                       model_id=loaded.name, context_length=loaded.context_length, tokenizer=loaded.tokenizer)
+    config = settings.engine_config()
+    draft = None
+    if config.draft_model is not None and config.speculate != "draft":
+        log.warning("--draft-model %s is unused: the engine speculates with a draft model under --speculate draft "
+                    "only (here: %s)", config.draft_model, config.speculate)
+    elif config.speculate == "draft":
+        draft = load_draft(config.draft_model, loaded)
+    return PagedEngine(loaded.model, config, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name,
+                       context_length=loaded.context_length, tokenizer=loaded.tokenizer, draft=draft)
+
+
+def load_draft(source: str, loaded):
+    """The draft model at ``source`` (loaded as the worker loads its model), refused unless its
+    tokenizer is ``loaded``'s: proposals are token ids of the model's vocabulary."""
+    from ..model import load_model
+
+    draft = load_model(source, name="draft")
+    vocab = getattr(loaded.tokenizer, "get_vocab", None)
+    if vocab is None or draft.tokenizer.get_vocab() != vocab():
+        raise ValueError(f"--draft-model {source}: its tokenizer is not the model's (a draft proposes the model's "
+                         "token ids: it needs the same vocabulary)")
+    return draft.model
 
 
 class PagedEngine:
     """Builds the pool, the runner and the scheduler for one model; ``step()`` drives them."""
 
     speculator: Optional[Speculator] = None  # speculative decoding's policy (None: off)
+    drafter = None  # a draft model's proposer (draft.Drafter; None: prompt lookup)
     _last_plain = False  # the step before was a plain decode step alone (its time measured)
     _verify_started = 0.0  # this step's verify pass began (after its settle)
 
@@ -71,15 +92,19 @@ class PagedEngine:
         model_id: str = "",
         context_length: Optional[int] = None,
         tokenizer=None,
+        draft=None,
         **options,
     ):
         """``config`` (default: ``EngineConfig()``) with ``options``, fields of it set by name, over it
-        (tests and benchmarks set a few); the rest comes from the model."""
+        (tests and benchmarks set a few); the rest comes from the model.  ``draft``: the draft model
+        of speculate "draft" (an mlx-lm model with the model's vocabulary)."""
         config = replace(config or EngineConfig(), **options)
         if config.speculate not in SPECULATE_MODES:
             raise ValueError(f"speculate={config.speculate!r}: must be one of {', '.join(SPECULATE_MODES)}")
         if config.speculate_k < 1:
             raise ValueError(f"speculate_k={config.speculate_k!r}: must be at least 1")
+        if (config.speculate == "draft") != (draft is not None):
+            raise ValueError("speculate='draft' needs a draft model, and a draft model speculate='draft'")
         self.config = config
         self.model = model
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper: constrained output needs it
@@ -114,8 +139,13 @@ class PagedEngine:
         self.sessions = SessionFiles(config.session_dir, model_id, self.pool) if config.session_dir else None
         self.scheduler = Scheduler(self.bm, config, eos_token_ids=eos_token_ids, settle=self._settle,
                                    session_files=self.sessions, start_grammar=self._start_grammar)
-        if config.speculate == "ngram":
+        if config.speculate != "off":
             self.speculator = Speculator(config.speculate_k, self.runner.can_verify)
+        if draft is not None:
+            from .draft import Drafter
+
+            self.drafter = Drafter(draft, num_blocks, block_size)
+            log.info("speculative decoding with a draft model: %.1f MiB draft KV pool", self.drafter.pool.nbytes / 2**20)
         log.info("paged engine: %d blocks of %d tokens, %.1f MiB %s pool",
                  num_blocks, block_size, self.pool.nbytes / 2**20, self.pool.layout)
 
@@ -165,11 +195,20 @@ class PagedEngine:
             return rows, None
         self._settle()  # proposals continue the rows' last tokens: those in flight are read first
         self._verify_started = time.perf_counter()
+        spec = self.speculator
         rows = [s for s in rows if sched.is_running(s)]
-        drafts = [self.speculator.propose(s, picked.get(id(s), 0)) for s in rows]
+        ks = [spec.room(s, picked.get(id(s), 0)) for s in rows]
+        if self.drafter is not None:  # the draft model writes its KV in the slots the pass verifies
+            ks = sched.reserve_slots(rows, ks)
+            drafts = [spec.allowed(s, d) for s, d in zip(rows, self.drafter.propose(rows, ks))]
+        else:
+            drafts = [spec.propose(s, k) for s, k in zip(rows, ks)]
+            drafts = [spec.allowed(s, d[:k]) for s, d, k in zip(rows, drafts, sched.reserve_slots(
+                rows, [len(d) for d in drafts]))]
         if not any(drafts):
+            for s in rows:
+                sched.release_slots(s, s.num_computed + 1)  # the plain launch writes its one position
             return rows, None
-        drafts = sched.reserve_drafts(rows, drafts)
         sched.postprocess_verify(rows, drafts, self.runner.verify(rows, drafts))
         return rows, sum(1 + len(d) for d in drafts)
 

@@ -166,17 +166,24 @@ class Scheduler:
             self._emit(s)
 
     # ================================================================ speculative decoding
-    def reserve_drafts(self, rows: list[Sequence], drafts: list[list[int]]) -> list[list[int]]:
-        """Slots for each row's proposal (its rows settled: nothing pending), from blocks no one
-        holds, never the last ``decode_reserve_blocks``; a proposal is cut to the slots it got."""
+    def reserve_slots(self, rows: list[Sequence], ks: list[int]) -> list[int]:
+        """Slots for each row's proposal of ``ks[i]`` tokens (its rows settled: nothing pending), from
+        blocks no one holds, never the last ``decode_reserve_blocks``; the k each row got slots for."""
         bm, bs = self.bm, self.block_size
         out = []
-        for seq, draft in zip(rows, drafts):
-            need = bm.blocks_needed(seq.num_computed + 1 + len(draft))
+        for seq, k in zip(rows, ks):
+            need = bm.blocks_needed(seq.num_computed + 1 + k)
             while len(seq.block_table) < need and bm.num_unreferenced > self.config.decode_reserve_blocks:
                 seq.block_table.append(bm.append_block())
-            out.append(draft[:len(seq.block_table) * bs - seq.num_computed - 1])
+            out.append(max(0, min(k, len(seq.block_table) * bs - seq.num_computed - 1)))
         return out
+
+    def release_slots(self, seq: Sequence, keep: int) -> None:
+        """Give back ``seq``'s blocks past its first ``keep`` positions (slots a proposal did not use)."""
+        extra = seq.block_table[self.bm.blocks_needed(keep):]
+        if extra:
+            del seq.block_table[-len(extra):]
+            self.bm.deallocate(extra)
 
     def postprocess_verify(self, rows: list[Sequence], drafts: list[list[int]],
                            sampled: list[list[Sampled]]) -> None:
@@ -189,10 +196,7 @@ class Scheduler:
             n = len(samples)
             self.counters.decode_tokens += 1 + len(draft)
             seq.num_computed += n  # positions whose input was its last token or an accepted proposal
-            extra = seq.block_table[self.bm.blocks_needed(seq.num_computed):]
-            if extra:
-                del seq.block_table[-len(extra):]
-                self.bm.deallocate(extra)
+            self.release_slots(seq, seq.num_computed)
             if draft:
                 seq.drafting.verdict(len(draft), n - 1, self.config.speculate_k)
                 self.counters.draft_proposed += len(draft)

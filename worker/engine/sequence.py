@@ -84,6 +84,8 @@ class Sequence:
         self.block_table, self.block_hashes = block_table, list(block_hashes)
         self.num_computed = num_computed
         self.status = SequenceStatus.PREFILL
+        if self.drafting is not None:  # a hit brings the engine's KV, not a draft model's
+            self.drafting.draft_computed = 0
 
     def commit_computed(self, bm) -> None:
         """Its blocks whose every token is computed and known go into ``bm``'s prefix cache."""

@@ -74,6 +74,7 @@ class Drafting:
     proposed: int = 0  # tokens proposed and verified (this run)
     accepted: int = 0  # of which accepted
     tried: bool = False  # it was picked once (a sequence's first pick is not the step costs' to refuse)
+    draft_computed: int = 0  # a draft model's KV of its tokens is good below this position (draft.py)
 
     def expected(self, k: Optional[int] = None) -> float:
         """Tokens a proposal of ``k`` (default: its own) is expected to add: each next one accepted
@@ -180,13 +181,17 @@ class Speculator:
         return {id(seqs[i]): offers[i][0] for i in picked}
 
     @staticmethod
+    def room(seq, k: int) -> int:
+        """``k`` cut to the tokens ``seq`` may still emit past its next one (its tokens all read)."""
+        return max(0, min(k, seq.spec.max_tokens - seq.emitted - 1))
+
+    @staticmethod
     def propose(seq, k: int) -> list[int]:
         """Up to ``k`` tokens to verify after ``seq``'s last one (its tokens all read: nothing
-        pending): what its context's n-gram lookup offers, cut where max_tokens would end it first
-        and at the first token its grammar forbids."""
-        if k <= 0:
-            return []
-        draft = seq.draft_state().index.propose(seq.tokens, min(k, seq.spec.max_tokens - seq.emitted - 1))
-        if draft and seq.grammar is not None:
-            draft = seq.grammar.allowed_prefix(draft)
-        return draft
+        pending): what its context's n-gram lookup offers."""
+        return seq.draft_state().index.propose(seq.tokens, k) if k > 0 else []
+
+    @staticmethod
+    def allowed(seq, draft: list[int]) -> list[int]:
+        """A proposal cut at the first token ``seq``'s grammar forbids."""
+        return seq.grammar.allowed_prefix(draft) if draft and seq.grammar is not None else draft
