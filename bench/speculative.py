@@ -102,7 +102,7 @@ def main() -> None:
     prompts = {t: prompt_ids(loaded.tokenizer, t) for t in TASKS}
     engines = {mode: make_engine(loaded, Settings(speculate=mode)) for mode in ("off", "ngram")}
     if args.always:
-        engines["ngram"].speculator.costs.choose = lambda rows, offers: [i for i, (k, _) in enumerate(offers) if k]
+        engines["ngram"].speculator.costs.always = True
 
     def spec(uid, task):
         return SeqSpec(uid, prompts[task], args.max_tokens, stop_token_ids=eos)

@@ -29,7 +29,7 @@ def model():
 def _always(eng):
     """Every row that has a proposal speculates at every step (the step-time policy out of the way,
     so the tests do not depend on how fast steps run)."""
-    eng.speculator.costs.choose = lambda rows, offers: [i for i, (k, _) in enumerate(offers) if k > 0]
+    eng.speculator.costs.always = True
     return eng
 
 
@@ -144,14 +144,16 @@ def test_step_costs_turn_speculation_off_when_extra_positions_cost_more():
     for i in range(8):
         batch.record(False, 16 + i % 2, 0.008 + 0.0005 * (16 + i % 2))
         batch.record(True, 30 + i, 0.008 + 0.0005 * (30 + i) + 0.002)
-    assert batch.choose(16, [(2, 0.5)] * 12) == []  # 24 more positions for 6 more tokens: a loss
-    assert batch.choose(16, [(2, 1.9)] * 12) == list(range(12))
+    # 12 of 16 rows propose 2 tokens: every row computes 3 positions (padded), for 3.75 more tokens
+    # at a 25% acceptance (a loss), or 22.2 more at 95% (a win, at the longer cap)
+    assert batch.choose(16, [(2, 0.25)] * 12) == ([], 0)
+    assert batch.choose(16, [(2, 0.95)] * 12) == (list(range(12)), 2)
     solo = StepCosts()  # solo: a step reads the weights, a position is almost free
     for i in range(8):
         solo.record(False, 1, 0.010)
         solo.record(True, 2 + i % 4, 0.0105 + 0.0002 * (i % 4))
-    assert solo.choose(1, [(4, 1.0)]) == [0]
-    assert solo.choose(1, [(4, 0.01)]) == []
+    assert solo.choose(1, [(4, 1.0)]) == ([0], 4)
+    assert solo.choose(1, [(4, 0.01)]) == ([], 0)
 
 
 def test_constrained_output_identical_and_proposals_cut_by_the_grammar(tiny_model):

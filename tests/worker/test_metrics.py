@@ -35,7 +35,7 @@ def test_worker_metrics_scrape(tiny_model, redis_url):
                          eos_token_ids=tiny_model.eos_token_ids, model_id="tiny", speculate="ngram")
     # speculative decoding at every step, each row proposing its last token twice (whatever the tiny
     # model writes; the verify pass keeps the output what it would be)
-    engine.speculator.costs.choose = lambda rows, offers: [i for i, (k, _) in enumerate(offers) if k > 0]
+    engine.speculator.costs.always = True
     engine.speculator.propose = lambda seq, k: [seq.tokens[-1]] * min(k, 2)
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)

@@ -210,7 +210,7 @@ class PagedEngine:
                 sched.release_slots(s, s.num_computed + 1)  # the plain launch writes its one position
             return rows, None
         sched.postprocess_verify(rows, drafts, self.runner.verify(rows, drafts))
-        return rows, sum(1 + len(d) for d in drafts)
+        return rows, len(rows) * (1 + max(len(d) for d in drafts))  # ragged rows are padded to the longest
 
     def _start_grammar(self, grammar: str, resume_tokens: list[int]) -> RowGrammar:
         """The scheduler's hook for a constrained sequence: its matcher, at its resume point (the

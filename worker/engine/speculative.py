@@ -15,8 +15,9 @@ What adapts:
   row refused on a few early rejections is tried again where the step costs allow it;
 * whether a step speculates, and which rows: :class:`StepCosts` keeps an online fit of a step's time
   against the positions it computes (plain, pipelined decode steps and verify steps alike, with
-  what a verify step loses apart); a step speculates when the tokens it expects per second beat
-  the plain step's, and once every EXPLORE_EVERY plain steps anyway (the estimates stay fresh).  Output is
+  what a verify step loses apart; a verify pass computes every row to the longest proposal, so the
+  choice is a cap on k); a step speculates when the tokens it expects per second beat the plain
+  step's, and once every EXPLORE_EVERY plain steps anyway (the estimates stay fresh).  Output is
   the same either way, so this choice only moves speed.
 """
 
@@ -64,6 +65,12 @@ class NgramIndex:
         return []
 
 
+def expected(rate: float, k: int) -> float:
+    """Tokens a proposal of ``k`` is expected to add: each next one accepted with probability ``rate``
+    once those before it were."""
+    return k if rate >= 1.0 else rate * (1 - rate ** k) / (1 - rate)
+
+
 @dataclass
 class Drafting:
     """One sequence's speculation state (``Sequence.drafting``)."""
@@ -75,13 +82,6 @@ class Drafting:
     accepted: int = 0  # of which accepted
     tried: bool = False  # it was picked once (a sequence's first pick is not the step costs' to refuse)
     draft_computed: int = 0  # a draft model's KV of its tokens is good below this position (draft.py)
-
-    def expected(self, k: Optional[int] = None) -> float:
-        """Tokens a proposal of ``k`` (default: its own) is expected to add: each next one accepted
-        with probability ``rate`` once those before it were."""
-        k = self.k if k is None else k
-        r = self.rate
-        return k if r >= 1.0 else r * (1 - r ** k) / (1 - r)
 
     def verdict(self, proposed: int, accepted: int, k_max: int) -> None:
         """A proposal of ``proposed`` tokens kept ``accepted``: the rate and k move."""
@@ -107,6 +107,7 @@ class StepCosts:
         self._r = np.zeros(3)  # sums of w * f * seconds
         self.steps = [0, 0]  # plain, verify steps recorded
         self.since_verify = 0  # plain steps recorded since the last verify step
+        self.always = False  # speculate at every step a row has a proposal (tests, the bench's --always)
 
     def record(self, verify: bool, positions: int, seconds: float) -> None:
         f = np.array([1.0, positions, float(verify)])
@@ -125,25 +126,29 @@ class StepCosts:
             c = 0.0
         return a, max(0.0, b), max(0.0, c)
 
-    def choose(self, rows: int, offers: list[tuple[int, float]]) -> list[int]:
-        """Which rows speculate this step: indexes into ``offers`` ((k, expected extra tokens) of each
-        row that could), or [] when a plain step of ``rows`` rows is expected to make tokens faster.
-        Rows are taken best value per position first; the best prefix wins."""
+    def choose(self, rows: int, offers: list[tuple[int, float]]) -> tuple[list[int], int]:
+        """Which rows speculate this step and the most tokens any proposes: indexes into ``offers``
+        ((k, acceptance rate) of each row that could) and a cap on k, or ([], 0) when a plain step of
+        ``rows`` rows is expected to make tokens faster.  A verify pass pads every row to the longest
+        proposal (ragged rows: rows x (1 + cap) positions), so for each cap every offered row takes
+        part, and the cap with the most expected tokens per second wins."""
         offered = [i for i, (k, _) in enumerate(offers) if k > 0]
+        if not offered:
+            return [], 0
+        top = max(offers[i][0] for i in offered)
+        if self.always:
+            return offered, top
         if self.steps[False] < MIN_FIT_STEPS:
-            return []  # plain steps are measured first
+            return [], 0  # plain steps are measured first
         if self.steps[True] < MIN_FIT_STEPS or self.since_verify >= EXPLORE_EVERY:
-            return offered  # then verify steps, and one now and then: the batch and its texts change
+            return offered, top  # then verify steps, and one now and then: the batch and its texts change
         a, b, c = self._coefficients()
-        best_rate, best, taken = rows / max(1e-9, a + b * rows), [], []
-        positions, tokens = rows, float(rows)
-        for i in sorted(offered, key=lambda i: -offers[i][1] / offers[i][0]):
-            positions += offers[i][0]
-            tokens += offers[i][1]
-            taken.append(i)
-            rate = tokens / max(1e-9, a + b * positions + c)
+        best_rate, best = rows / max(1e-9, a + b * rows), ([], 0)
+        for cap in range(1, top + 1):
+            tokens = rows + sum(expected(offers[i][1], min(offers[i][0], cap)) for i in offered)
+            rate = tokens / max(1e-9, a + b * rows * (1 + cap) + c)
             if rate > best_rate:
-                best_rate, best = rate, list(taken)
+                best_rate, best = rate, (offered, cap)
         return best
 
 
@@ -163,22 +168,24 @@ class Speculator:
             if room <= 0 or not self.can_verify(seq):
                 continue
             d = seq.draft_state()
-            k = min(d.k, room)
             seqs.append(seq)
-            offers.append((k, d.expected(k)))
+            offers.append((min(d.k, room), d.rate))
         if not seqs:
             return {}
-        picked = set(self.costs.choose(len(rows), offers))
+        chosen, cap = self.costs.choose(len(rows), offers)
+        picked = set(chosen)
         if picked or self.costs.steps[True] >= MIN_FIT_STEPS:
             # a new sequence's first pick: its own acceptance is what no estimate knows yet
-            picked.update(i for i, s in enumerate(seqs) if not s.drafting.tried)
+            fresh = [i for i, s in enumerate(seqs) if not s.drafting.tried]
+            picked.update(fresh)
+            cap = max([cap] + [offers[i][0] for i in fresh])
         for i, seq in enumerate(seqs):
             d = seq.drafting
             if i in picked:
                 d.tried = True
             elif d.rate < ACCEPT_PRIOR:  # a rate no verdict updates any more recovers: the row gets tried again,
                 d.rate += RECOVER * (ACCEPT_PRIOR - d.rate)  # as soon as the step costs allow at that rate
-        return {id(seqs[i]): offers[i][0] for i in picked}
+        return {id(seqs[i]): min(offers[i][0], cap) for i in picked}
 
     @staticmethod
     def room(seq, k: int) -> int:
