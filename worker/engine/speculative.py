@@ -17,7 +17,8 @@ What adapts:
   against the positions it computes (plain, pipelined decode steps and verify steps alike, with
   what a verify step loses apart; a verify pass computes every row to the longest proposal, so the
   choice is a cap on k); a step speculates when the tokens it expects per second beat the plain
-  step's, and once every EXPLORE_EVERY plain steps anyway (the estimates stay fresh).  Output is
+  step's, and once every EXPLORE_EVERY plain steps anyway with proposals cut to cost at most
+  PROBE_POSITIONS more positions (the estimates stay fresh).  Output is
   the same either way, so this choice only moves speed.
 """
 
@@ -38,6 +39,7 @@ RECOVER = 0.1  # how far a row's rate moves back up toward ACCEPT_PRIOR at each 
 FORGET = 0.97  # StepCosts: a step's weight decays by this much per later step of its kind
 MIN_FIT_STEPS = 3  # steps of each kind measured before the fit decides
 EXPLORE_EVERY = 64  # plain steps after which a step speculates anyway (fresh step times and acceptance)
+PROBE_POSITIONS = 8  # the extra positions (over the batch) a probe may cost: its cap is this over the rows
 
 
 class NgramIndex:
@@ -63,6 +65,11 @@ class NgramIndex:
             if end is not None:
                 return list(tokens[end:end + k])
         return []
+
+
+def probe_cap(rows: int, top: int) -> int:
+    """The cap on k of a probe (a verify step the costs did not choose) of ``rows`` rows."""
+    return max(1, min(top, PROBE_POSITIONS // rows))
 
 
 def expected(rate: float, k: int) -> float:
@@ -141,7 +148,10 @@ class StepCosts:
         if self.steps[False] < MIN_FIT_STEPS:
             return [], 0  # plain steps are measured first
         if self.steps[True] < MIN_FIT_STEPS or self.since_verify >= EXPLORE_EVERY:
-            return offered, top  # then verify steps, and one now and then: the batch and its texts change
+            # then verify steps, and one now and then (the batch and its texts change): probes, whose
+            # cap keeps them within PROBE_POSITIONS more positions (solo: a whole proposal; a big
+            # batch: one token a row)
+            return offered, probe_cap(rows, top)
         a, b, c = self._coefficients()
         best_rate, best = rows / max(1e-9, a + b * rows), ([], 0)
         for cap in range(1, top + 1):
@@ -178,7 +188,8 @@ class Speculator:
             # a new sequence's first pick: its own acceptance is what no estimate knows yet
             fresh = [i for i, s in enumerate(seqs) if not s.drafting.tried]
             picked.update(fresh)
-            cap = max([cap] + [offers[i][0] for i in fresh])
+            if fresh and not cap:  # a probe where the costs said no
+                cap = probe_cap(len(rows), max(offers[i][0] for i in fresh))
         for i, seq in enumerate(seqs):
             d = seq.drafting
             if i in picked:
