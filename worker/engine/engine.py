@@ -15,6 +15,10 @@ read and the scheduler has fed it to the row's matcher, the masks are computed (
 threads, GIL released) while that forward pass runs, and the batch is sampled with them.
 A batch without such rows keeps the one-graph launch.
 
+With speculative decoding on (``speculative.py``), a step the speculator picks reads the launch in
+flight, lets the picked rows propose, and runs every decode row in one verify pass instead
+(``ModelRunner.verify``, read at once): a row emits its accepted proposal tokens and one more.
+
 ``scheduler.py`` decides (plain Python, no MLX); ``model_runner.py`` turns its
 plans into arrays and runs them (every ``mx.eval``); ``block_manager.py`` keeps
 the block bookkeeping; all KV lives in ``kv_cache.KVPool`` and the stock mlx-lm
