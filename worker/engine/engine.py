@@ -149,7 +149,8 @@ class PagedEngine:
             from .draft import Drafter
 
             self.drafter = Drafter(draft, num_blocks, block_size)
-            log.info("speculative decoding with a draft model: %.1f MiB draft KV pool", self.drafter.pool.nbytes / 2**20)
+            log.info("speculative decoding with a draft model: %.1f MiB draft KV pool",
+                     self.drafter.pool.nbytes / 2**20)
         log.info("paged engine: %d blocks of %d tokens, %.1f MiB %s pool",
                  num_blocks, block_size, self.pool.nbytes / 2**20, self.pool.layout)
 

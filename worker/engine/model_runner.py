@@ -317,7 +317,8 @@ class ModelRunner:
                 ctx = mx.concatenate([ctx, pending_tok])
         repetition = None
         if spec.repetition_penalty is not None:  # a deferred row: its context is all on the host
-            repetition = (spec.repetition_penalty, (seq.tokens[-REPETITION_CONTEXT:] + list(ahead))[-REPETITION_CONTEXT:])
+            window = seq.tokens[-REPETITION_CONTEXT:] + list(ahead)
+            repetition = (spec.repetition_penalty, window[-REPETITION_CONTEXT:])
         return SampleRow(spec.sampler, spec.logits_processors, ctx, spec.want_logprobs, repetition)
 
 
