@@ -184,8 +184,10 @@ class Speculator:
             return {}
         chosen, cap = self.costs.choose(len(rows), offers)
         picked = set(chosen)
-        if picked or self.costs.steps[True] >= MIN_FIT_STEPS:
-            # a new sequence's first pick: its own acceptance is what no estimate knows yet
+        if picked or (self.costs.steps[True] >= MIN_FIT_STEPS and len(rows) <= PROBE_POSITIONS):
+            # a new sequence's first pick: its own acceptance is what no estimate knows yet (where the
+            # costs said no, only in a batch a probe costs at most PROBE_POSITIONS more positions:
+            # in a big one, arrivals would make every few steps a probe)
             fresh = [i for i, s in enumerate(seqs) if not s.drafting.tried]
             picked.update(fresh)
             if fresh and not cap:  # a probe where the costs said no
