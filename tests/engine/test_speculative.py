@@ -12,7 +12,7 @@ from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine.sampler import make_sampler
 from mlxq.worker.engine.speculative import NgramIndex, StepCosts
 
-from enginekit import _assert_no_leak, _prompts, random_llama, run
+from enginekit import SMALL_CHUNKS, _assert_no_leak, _prompts, random_llama, run
 
 BASE = _prompts(1, 1, 40, 40)[0]
 # prompts whose continuations repeat their spans (the random model loops: proposals are accepted),
@@ -102,6 +102,31 @@ def test_seeded_sampling_identical_and_resumes_at_its_step(model):
                for i, s in enumerate(_seeded())]
     out, _, _ = run(eng, resumed)
     assert out == off
+
+
+def test_preemption_under_speculation_resumes_identically(model):
+    """A pool of 12 blocks for 10 jobs of mixed priorities: sequences are preempted (some right
+    after a verify pass) and come back with their tokens; greedy, seeded and penalized alike."""
+    def specs():
+        out = []
+        for i in range(10):
+            p = BASE[:5 + 4 * i] * 2 if i % 2 else _prompts(100 + i, 1, 5, 60)[0]
+            params = SamplingParams(temperature=0.8, seed=1000 + i)
+            out.append(SeqSpec(f"j{i}", p, 12 + 3 * i, priority=float(i % 3),
+                               sampler=make_sampler(params, 1000 + i) if i % 3 == 0 else None,
+                               presence_penalty=0.3 if i % 4 == 1 else 0.0))
+        return out
+
+    outs = []
+    for mode in ("off", "ngram"):
+        eng = PagedEngine(model, num_blocks=12, pressure=1.0, chunk_schedule=SMALL_CHUNKS, speculate=mode)
+        if mode == "ngram":
+            _always(eng)
+        out, done, preempted = run(eng, specs())
+        _assert_no_leak(eng)
+        outs.append((out, done))
+    assert outs[0] == outs[1]
+    assert preempted > 0 and eng.stats()["draft_accepted"] > 0
 
 
 def test_stop_token_inside_an_accepted_run(model):
