@@ -245,3 +245,23 @@ def test_worker_engine_loads_its_draft_model(tiny_model, tiny_model_dir):
     ref, _, _ = run(make_engine(tiny_model, Settings(**small)), [SeqSpec("d", prompt, 12, stop_token_ids=())])
     st = eng.stats()
     assert out == ref and st["draft_accepted"] == st["draft_proposed"] > 0
+
+
+def test_stop_string_inside_an_accepted_run_through_the_worker(tiny_model, redis_url):
+    """The worker cuts the text at a stop string that falls inside a step's run of tokens (the tiny
+    model drafts for itself: every greedy proposal is accepted, several tokens a step)."""
+    from mlxq import Client
+    from workerkit import fast_settings, running_worker
+
+    engine = _always(PagedEngine(tiny_model.model, num_blocks=64, eos_token_ids=tiny_model.eos_token_ids,
+                                 tokenizer=tiny_model.tokenizer, model_id="tiny", speculate="draft",
+                                 draft=tiny_model.model))
+    settings = fast_settings(redis_url)
+    client = Client(redis_url, model="tiny", settings=settings)
+    prompt = tiny_model.tokenizer.encode("Once upon a time")
+    with running_worker(tiny_model, redis_url, settings, engine=engine):
+        text = client.submit(prompt_tokens=prompt, max_tokens=24, ignore_eos=True).result(timeout=60).text
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        res = client.submit(prompt_tokens=prompt, max_tokens=24, ignore_eos=True, stop=[stop]).result(timeout=60)
+    assert (res.finish_reason, res.text) == ("stop", text[:text.index(stop)])
+    assert res.stats.draft_accepted > 0
