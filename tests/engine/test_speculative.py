@@ -1,6 +1,8 @@
-"""Speculative decoding (prompt lookup): the output is the non-speculative engine's, token for token,
-greedy and seeded alike, alone and in a mixed batch, across a resume, a cancel and a stop; rejected
-positions give their blocks back.  (Speed is bench/speculative.py's.)"""
+"""Speculative decoding (prompt lookup, a draft model): the output is the non-speculative engine's,
+token for token, greedy and seeded alike, alone and in a mixed batch, constrained, across a resume,
+a preemption, a cancel, a stop id and a stop string; rejected positions give their blocks back and
+never reach the prefix cache.  Most tests speculate at every step (``_always``): the step-time
+policy is tested on its own with fixed times.  (Speed is bench/speculative.py's.)"""
 
 from dataclasses import replace
 
