@@ -395,6 +395,9 @@ class JobStats(BaseModel):
     attempts: int = 1
     tier: Optional[str] = None
     worker: Optional[str] = None
+    # speculative decoding (a worker with --speculate): tokens proposed and verified, and of which accepted
+    draft_proposed: int = 0
+    draft_accepted: int = 0
 
     DERIVED: ClassVar[frozenset] = frozenset(("queue_wait_s", "ttft_s", "prompt_tps", "generation_tps"))
 

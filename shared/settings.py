@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlsplit, urlunsplit
 
-from .engine_config import BLOCK_SIZE, DEFAULT_CHUNK_SCHEDULE, DEFAULT_KV_MEMORY_MB, EngineConfig
+from .engine_config import BLOCK_SIZE, DEFAULT_CHUNK_SCHEDULE, DEFAULT_KV_MEMORY_MB, SPECULATE_MODES, EngineConfig
 
 TIERS = ("high", "normal", "low")
 _ENGINE = EngineConfig()  # the engine fields' defaults
@@ -283,6 +283,16 @@ class Settings:
                                     "(32, 64 or 128)")
     huge_pages: bool = engine_opt("huge_pages", "back the model's weights and the KV pool with 2 MiB pages where "
                                   "Linux allows (madvise at start: faster decode steps, docs/design/engine.md)")
+    speculate: str = engine_opt("speculate", "speculative decoding: off, ngram (prompt lookup: what followed the "
+                                "context's last tokens earlier in it is proposed and verified in the batch) or draft "
+                                "(a smaller model with the same tokenizer proposes: --draft-model); the output is the "
+                                "same token for token, and a step speculates only where measured step times say it "
+                                "pays (docs/design/speculative.md)", choices=SPECULATE_MODES)
+    speculate_k: int = engine_opt("speculate_k", "most tokens one proposal holds (each sequence's own k adapts "
+                                  "below it)")
+    draft_model: Optional[str] = engine_opt("draft_model", "the draft model of --speculate draft (unused otherwise: "
+                                            "a warning says so): a directory, GGUF file or hub id, with the model's "
+                                            "tokenizer", shown_default="none")
 
     def __post_init__(self) -> None:
         unknown = set(self.tier_offsets) - set(TIERS)
@@ -348,6 +358,10 @@ class Settings:
             ("matmul", self.matmul in MATMUL_MODES, f"must be one of {', '.join(MATMUL_MODES)}"),
             ("kv_bits", self.kv_bits in (None, 4, 8), "only 4 or 8 bit KV blocks are supported"),
             ("kv_group_size", self.kv_group_size in (32, 64, 128), "must be 32, 64 or 128"),
+            ("speculate", self.speculate in SPECULATE_MODES, f"must be one of {', '.join(SPECULATE_MODES)}"),
+            ("speculate_k", self.speculate_k >= 1, "must be at least 1"),
+            ("speculate", self.speculate != "draft" or self.draft_model is not None,
+             "draft needs a draft model (--draft-model PATH)"),
         )
 
     @property

@@ -104,6 +104,7 @@ class Host:
             job.first_token_at = job.now()
         if ev.cached_tokens is not None:  # prefix-cache hit tokens (engines that know)
             job.cached_tokens = min(ev.cached_tokens, len(job.prompt))
+        job.drafts = (job.drafts[0] + ev.draft_proposed, job.drafts[1] + ev.draft_accepted)
         finish = ev.finish_reason
         ids: list[int] = []
         text = ""

@@ -44,10 +44,12 @@ class SampleGroup:
     outputs: dict[int, SampleOutput] = field(default_factory=dict)
     first_token_at: Optional[float] = None
     cached_tokens: int = 0
+    drafts: tuple[int, int] = (0, 0)  # the samples' speculative decoding counts, summed
 
     def end(self, job: "ActiveJob", out: SampleOutput) -> bool:
         """Sample ``out.index`` ended; True when it was the job's last."""
         self.outputs[out.index] = out
+        self.drafts = (self.drafts[0] + job.drafts[0], self.drafts[1] + job.drafts[1])
         firsts = [t for t in (self.first_token_at, job.first_token_at) if t is not None]
         self.first_token_at = min(firsts) if firsts else None
         self.cached_tokens = max(self.cached_tokens, job.cached_tokens)
@@ -83,6 +85,7 @@ class ActiveJob:
     first_token_at: Optional[float] = None
     logprobs: list = field(default_factory=list)
     cached_tokens: int = 0
+    drafts: tuple[int, int] = (0, 0)  # speculative decoding: tokens proposed and accepted (TokenEvent's, summed)
     grammar: Optional[str] = None  # the llguidance grammar its output follows (None: free text)
     sample: Optional[int] = None  # the sample index of a job with n > 1 (None: n == 1)
     group: Optional[SampleGroup] = None  # n > 1: the job's samples
@@ -203,13 +206,14 @@ class ActiveJob:
         output waits in the group for the others)."""
         own = self.output(finish, error, error_code)
         if self.group is None:
-            return self.result([own], self.first_token_at, self.cached_tokens)
+            return self.result([own], self.first_token_at, self.cached_tokens, self.drafts)
         if not self.group.end(self, own):
             return None
         g = self.group
-        return self.result([g.outputs[i] for i in range(g.n)], g.first_token_at, g.cached_tokens)
+        return self.result([g.outputs[i] for i in range(g.n)], g.first_token_at, g.cached_tokens, g.drafts)
 
-    def result(self, outputs: list[SampleOutput], first_token_at: Optional[float], cached: int) -> Result:
+    def result(self, outputs: list[SampleOutput], first_token_at: Optional[float], cached: int,
+               drafts: tuple[int, int] = (0, 0)) -> Result:
         """The job's result: sample 0's output at the top level, every sample's in ``samples`` (n > 1)."""
         finished = self.now()
         gen = sum(len(o.token_ids) for o in outputs)
@@ -225,6 +229,8 @@ class ActiveJob:
             tier=self.tier,
             worker=self.owner.rsplit(":", 1)[0],  # the owner token is worker_id:attempt
             seed=self.seed,
+            draft_proposed=drafts[0],
+            draft_accepted=drafts[1],
         )
         head = outputs[0]
         return Result(id=self.id, **head.model_dump(exclude={"index"}), stats=stats,

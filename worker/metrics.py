@@ -249,6 +249,16 @@ class _ScrapeCollector:
             c = CounterMetricFamily("mlxq_preemptions", "Sequences preempted for KV memory", labels=["model"])
             c.add_metric([model], snap["engine_preemptions"])
             yield c
+        if snap.get("engine_draft_proposed"):  # speculative decoding ran (--speculate)
+            for name, key, doc in (("mlxq_draft_proposed_tokens", "engine_draft_proposed",
+                                    "Tokens proposed by speculative decoding and verified"),
+                                   ("mlxq_draft_accepted_tokens", "engine_draft_accepted",
+                                    "Proposed tokens the verify passes accepted")):
+                c = CounterMetricFamily(name, doc, labels=["model"])
+                c.add_metric([model], snap[key])
+                yield c
+            yield _gauge("mlxq_draft_acceptance_rate", "Share of proposed tokens accepted (speculative decoding)",
+                         model, snap["engine_draft_accepted"] / snap["engine_draft_proposed"])
         hits, prompt = snap.get("engine_prefix_hit_tokens"), snap.get("engine_prompt_tokens")
         if hits is None or not prompt:  # no engine figures: use finished jobs' stats
             hits, prompt = self.m._cached_total, self.m._prompt_total

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 # under "other" until it is placed here.
 GROUPS = {
     "engine": ("keep_dtype", "max_batch", "step_token_budget", "chunked_prefill", "chunk_schedule",
-               "priority_gap", "attention", "matmul", "host_thread", "embed_pooling"),
+               "priority_gap", "attention", "matmul", "host_thread", "embed_pooling", "speculate", "speculate_k",
+               "draft_model"),
     "memory": ("kv_memory_mb", "kv_blocks", "block_size", "pressure", "prefix_cache", "decode_reserve_blocks",
                "max_sequences", "max_waiting", "session_dir", "kv_bits", "kv_group_size", "huge_pages"),
     "queue": ("prefix", "tier_offsets", "max_queued_per_tier", "lease_s", "heartbeat_s", "takeover_s",

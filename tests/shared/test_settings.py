@@ -30,6 +30,7 @@ SAMPLES = {
     "chunk_schedule": "256:64,*:32", "step_token_budget": "128", "decode_reserve_blocks": "2",
     "priority_gap": "2.5", "max_sequences": "32", "max_waiting": "3", "session_dir": "/tmp/mlxq-sessions",
     "attention": "gather", "matmul": "pool", "kv_bits": "8", "kv_group_size": "32",
+    "speculate": "ngram", "speculate_k": "5", "draft_model": "/models/draft",
     "embed_pooling": "mean",
 }
 ONLY_DEFAULT = {"block_size"}  # one supported value: any other is refused (tested below)
@@ -101,6 +102,9 @@ def test_old_flags_and_env_vars_still_work(clean_env):
     ({"MLXQ_PRESSURE": "1.5"}, "pressure=1.5 (MLXQ_PRESSURE / --pressure): must be a share of the pool"),
     ({"MLXQ_BLOCK_SIZE": "16"}, "only 32-token blocks are supported"),
     ({"MLXQ_ATTENTION": "fast"}, "must be one of auto, fused, gather"),
+    ({"MLXQ_SPECULATE": "medusa"},
+     "speculate='medusa' (MLXQ_SPECULATE / --speculate): must be one of off, ngram, draft"),
+    ({"MLXQ_SPECULATE": "draft"}, "draft needs a draft model (--draft-model PATH)"),
     ({"MLXQ_CHUNK_SCHEDULE": "*:64,512:128"}, "increasing positions"),
     ({"MLXQ_HEARTBEAT_S": "40"}, "heartbeat_s must be shorter than lease_s"),
     # each of these was accepted and then broke the worker or lost data

@@ -32,7 +32,11 @@ def test_worker_metrics_scrape(tiny_model, redis_url):
     from mlxq.worker.engine import PagedEngine
 
     engine = PagedEngine(tiny_model.model, memory_budget_bytes=4 << 20, max_batch=4,
-                         eos_token_ids=tiny_model.eos_token_ids, model_id="tiny")
+                         eos_token_ids=tiny_model.eos_token_ids, model_id="tiny", speculate="ngram")
+    # speculative decoding at every step, each row proposing its last token twice (whatever the tiny
+    # model writes; the verify pass keeps the output what it would be)
+    engine.speculator.costs.always = True
+    engine.speculator.propose = lambda seq, k: [seq.tokens[-1]] * min(k, 2)
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
     try:
@@ -40,16 +44,20 @@ def test_worker_metrics_scrape(tiny_model, redis_url):
         before = scrape(port)
         assert value(before, "mlxq_queue_depth", model="tiny", tier="normal") == 1
         with running_worker(tiny_model, redis_url, settings, engine=engine, observers=[metrics]) as w:
-            jobs = [client.submit(f"prompt {i}", max_tokens=5, ignore_eos=True) for i in range(3)]
+            jobs = [client.submit(f"prompt {i}", max_tokens=8, ignore_eos=True) for i in range(3)]
             results = [j.result(timeout=60) for j in jobs + [queued]]
             generated = sum(res.stats.generated_tokens for res in results)
+            proposed = sum(res.stats.draft_proposed for res in results)
             w.stats.snap_at = 0.0  # the next loop pass publishes a fresh snapshot
             seen: dict = {}
 
             def settled():  # the observer has counted every finished job (an event, not a delay)
                 seen["after"] = fam = scrape(port)
                 finished = sum(s.value for s in fam["mlxq_jobs_finished"].samples if s.name.endswith("_total"))
-                return finished == 4 and value(fam, "mlxq_queue_depth", model="tiny", tier="normal") == 0
+                return (finished == 4 and value(fam, "mlxq_queue_depth", model="tiny", tier="normal") == 0
+                        and "mlxq_draft_proposed_tokens" in fam  # a snapshot after the last verify pass
+                        and value(fam, "mlxq_draft_proposed_tokens", "mlxq_draft_proposed_tokens_total",
+                                  model="tiny") == proposed)
 
             assert wait_for(settled, timeout=60)
             after = seen["after"]
@@ -74,6 +82,11 @@ def test_worker_metrics_scrape(tiny_model, redis_url):
     used, free = value(after, "mlxq_kv_blocks_used", model="tiny"), value(after, "mlxq_kv_blocks_free", model="tiny")
     assert free > 0 and used >= 0
     assert value(after, "mlxq_preemptions", "mlxq_preemptions_total", model="tiny") >= 0
+    # speculative decoding: each job's counts in its stats, the engine's totals in the metrics
+    st = engine.stats()
+    assert proposed == st["draft_proposed"] > 0
+    assert sum(res.stats.draft_accepted for res in results) == st["draft_accepted"]
+    assert value(after, "mlxq_draft_acceptance_rate", model="tiny") == st["draft_accepted"] / st["draft_proposed"]
 
 
 def test_inter_token_latency_is_per_sample_and_ttft_once_per_job():

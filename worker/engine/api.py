@@ -87,6 +87,10 @@ class TokenEvent:
     error: Optional[str] = None  # why the sequence ended with "error" (its constraint failed)
     # an embedding sequence's end (finish_reason "stop", token None): its vector as little-endian float32
     embedding: Optional[bytes] = None
+    # speculative decoding: the proposal verified in the pass this token came from, on the first event of
+    # that pass's run (tokens proposed, of which accepted); summed over a job's events, its own counts
+    draft_proposed: int = 0
+    draft_accepted: int = 0
 
 
 @dataclass

@@ -15,6 +15,10 @@ read and the scheduler has fed it to the row's matcher, the masks are computed (
 threads, GIL released) while that forward pass runs, and the batch is sampled with them.
 A batch without such rows keeps the one-graph launch.
 
+With speculative decoding on (``speculative.py``), a step the speculator picks reads the launch in
+flight, lets the picked rows propose, and runs every decode row in one verify pass instead
+(``ModelRunner.verify``, read at once): a row emits its accepted proposal tokens and one more.
+
 ``scheduler.py`` decides (plain Python, no MLX); ``model_runner.py`` turns its
 plans into arrays and runs them (every ``mx.eval``); ``block_manager.py`` keeps
 the block bookkeeping; all KV lives in ``kv_cache.KVPool`` and the stock mlx-lm
@@ -24,6 +28,7 @@ model runs over ``PagedLayerCache`` objects.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
@@ -40,6 +45,7 @@ from .kv_cache import KVPool, make_kv_quant, probe_kv_shape
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sessions import SessionFiles
+from .speculative import SPECULATE_MODES, Speculator
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +55,37 @@ def make_engine(loaded, settings: Optional[Settings] = None) -> "PagedEngine":
     batching (prefix cache, admission, preemption, sessions), configured by ``settings``
     (default: ``Settings.from_env()``)."""
     settings = settings or Settings.from_env()
-    return PagedEngine(loaded.model, settings.engine_config(), eos_token_ids=loaded.eos_token_ids,
-                       model_id=loaded.name, context_length=loaded.context_length, tokenizer=loaded.tokenizer)
+    config = settings.engine_config()
+    draft = None
+    if config.draft_model is not None and config.speculate != "draft":
+        log.warning("--draft-model %s is unused: the engine speculates with a draft model under --speculate draft "
+                    "only (here: %s)", config.draft_model, config.speculate)
+    elif config.speculate == "draft":
+        draft = load_draft(config.draft_model, loaded)
+    return PagedEngine(loaded.model, config, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name,
+                       context_length=loaded.context_length, tokenizer=loaded.tokenizer, draft=draft)
+
+
+def load_draft(source: str, loaded):
+    """The draft model at ``source`` (loaded as the worker loads its model), refused unless its
+    tokenizer is ``loaded``'s: proposals are token ids of the model's vocabulary."""
+    from ..model import load_model
+
+    draft = load_model(source, name="draft")
+    vocab = getattr(loaded.tokenizer, "get_vocab", None)
+    if vocab is None or draft.tokenizer.get_vocab() != vocab():
+        raise ValueError(f"--draft-model {source}: its tokenizer is not the model's (a draft proposes the model's "
+                         "token ids: it needs the same vocabulary)")
+    return draft.model
 
 
 class PagedEngine:
     """Builds the pool, the runner and the scheduler for one model; ``step()`` drives them."""
+
+    speculator: Optional[Speculator] = None  # speculative decoding's policy (None: off)
+    drafter = None  # a draft model's proposer (draft.Drafter; None: prompt lookup)
+    _last_plain = False  # the step before was a plain decode step alone (its time measured)
+    _verify_started = 0.0  # this step's verify pass began (after its settle)
 
     def __init__(
         self,
@@ -65,11 +96,19 @@ class PagedEngine:
         model_id: str = "",
         context_length: Optional[int] = None,
         tokenizer=None,
+        draft=None,
         **options,
     ):
         """``config`` (default: ``EngineConfig()``) with ``options``, fields of it set by name, over it
-        (tests and benchmarks set a few); the rest comes from the model."""
+        (tests and benchmarks set a few); the rest comes from the model.  ``draft``: the draft model
+        of speculate "draft" (an mlx-lm model with the model's vocabulary)."""
         config = replace(config or EngineConfig(), **options)
+        if config.speculate not in SPECULATE_MODES:
+            raise ValueError(f"speculate={config.speculate!r}: must be one of {', '.join(SPECULATE_MODES)}")
+        if config.speculate_k < 1:
+            raise ValueError(f"speculate_k={config.speculate_k!r}: must be at least 1")
+        if (config.speculate == "draft") != (draft is not None):
+            raise ValueError("speculate='draft' needs a draft model, and a draft model speculate='draft'")
         self.config = config
         self.model = model
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper: constrained output needs it
@@ -104,23 +143,79 @@ class PagedEngine:
         self.sessions = SessionFiles(config.session_dir, model_id, self.pool) if config.session_dir else None
         self.scheduler = Scheduler(self.bm, config, eos_token_ids=eos_token_ids, settle=self._settle,
                                    session_files=self.sessions, start_grammar=self._start_grammar)
+        if config.speculate != "off":
+            self.speculator = Speculator(config.speculate_k, self.runner.can_verify)
+        if draft is not None:
+            from .draft import Drafter
+
+            self.drafter = Drafter(draft, num_blocks, block_size)
+            log.info("speculative decoding with a draft model: %.1f MiB draft KV pool",
+                     self.drafter.pool.nbytes / 2**20)
         log.info("paged engine: %d blocks of %d tokens, %.1f MiB %s pool",
                  num_blocks, block_size, self.pool.nbytes / 2**20, self.pool.layout)
 
     def step(self) -> tuple[list[TokenEvent], list[Preempted]]:
-        """Schedule, run, postprocess: a prefill pass, then a decode launch (read one step later)."""
+        """Schedule, run, postprocess: a prefill pass, then a decode launch (read one step later),
+        or a verify pass (speculative decoding: read at once)."""
         sched = self.scheduler
+        start = time.perf_counter()
         plan = sched.schedule_prefill()
         just_prefilled = []
         if plan is not None:
             sched.postprocess_prefill(plan, self.runner.prefill(plan))
             just_prefilled = plan.ending_seqs()
         rows = sched.schedule_decode(skip=just_prefilled)
-        sched.postprocess_decode(rows, self.runner.decode(rows))
-        # rows with a grammar or penalties are sampled now, their previous token consumed
-        for seq, why in self.runner.sample_deferred(sched.is_running):
-            sched.fail(seq, why)
+        verified = None
+        if self.speculator is not None and rows:
+            rows, verified = self._verify(rows)
+        if verified is None:
+            sched.postprocess_decode(rows, self.runner.decode(rows))
+            # rows with a grammar or penalties are sampled now, their previous token consumed
+            for seq, why in self.runner.sample_deferred(sched.is_running):
+                sched.fail(seq, why)
+        if self.speculator is not None:
+            self._measure(plan is None and bool(rows), verified, len(rows), start)
         return sched.take_output()
+
+    def _measure(self, decode_only: bool, verified: Optional[int], rows: int, start: float) -> None:
+        """Give the speculator this step's time, where it is a decode step's alone: a verify pass
+        from after its settle (the launch it read was the step before's work), a plain step only
+        after another plain step (one after a verify pass read nothing: it cost less than its own)."""
+        after_plain, self._last_plain = self._last_plain, decode_only and verified is None
+        if not decode_only:
+            return
+        if verified is not None:
+            self.speculator.costs.record(True, verified, time.perf_counter() - self._verify_started)
+        elif after_plain:
+            self.speculator.costs.record(False, rows, time.perf_counter() - start)
+
+    def _verify(self, rows: list) -> tuple[list, Optional[int]]:
+        """Speculate, when the speculator picks rows this step: the decode in flight is read, the
+        picked rows propose, and every decode row runs in one verify pass (the rows without a
+        proposal feed their one token).  Returns the rows still running and the positions the pass
+        computed, or None: no pass ran, the rows make a plain decode step."""
+        sched = self.scheduler
+        picked = self.speculator.pick(rows)
+        if not picked:
+            return rows, None
+        self._settle()  # proposals continue the rows' last tokens: those in flight are read first
+        self._verify_started = time.perf_counter()
+        spec = self.speculator
+        rows = [s for s in rows if sched.is_running(s)]
+        ks = [spec.room(s, picked.get(id(s), 0)) for s in rows]
+        if self.drafter is not None:  # the draft model writes its KV in the slots the pass verifies
+            ks = sched.reserve_slots(rows, ks)
+            drafts = [spec.allowed(s, d) for s, d in zip(rows, self.drafter.propose(rows, ks))]
+        else:
+            drafts = [spec.propose(s, k) for s, k in zip(rows, ks)]
+            drafts = [spec.allowed(s, d[:k]) for s, d, k in zip(rows, drafts, sched.reserve_slots(
+                rows, [len(d) for d in drafts]))]
+        if not any(drafts):
+            for s in rows:
+                sched.release_slots(s, s.num_computed + 1)  # the plain launch writes its one position
+            return rows, None
+        sched.postprocess_verify(rows, drafts, self.runner.verify(rows, drafts))
+        return rows, len(rows) * (1 + max(len(d) for d in drafts))  # ragged rows are padded to the longest
 
     def _start_grammar(self, grammar: str, resume_tokens: list[int]) -> RowGrammar:
         """The scheduler's hook for a constrained sequence: its matcher, at its resume point (the
@@ -178,6 +273,7 @@ class PagedEngine:
             "running": len(sched.running), "waiting": len(sched.waiting), "sessions_hot": len(sched.hot_sessions),
             "session_spills": k.session_spills, "session_restores": k.session_restores,
             "engine_steps": k.steps, "prefill_passes": k.prefill_passes, "decode_passes": k.decode_passes,
+            "verify_passes": k.verify_passes, "draft_proposed": k.draft_proposed, "draft_accepted": k.draft_accepted,
         }
 
     @property

@@ -46,6 +46,18 @@ class RowGrammar:
             return None
         return f"the constraint refused token {token}: {_first_line(self.matcher.get_error()) or 'not allowed here'}"
 
+    def allowed_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of ``tokens`` the grammar accepts from here (a proposal cut at the first
+        token it forbids); the matcher is not moved."""
+        return tokens[:self.matcher.validate_tokens(tokens)] if tokens else []
+
+    def after(self, tokens: Seq[int]) -> "RowGrammar":
+        """A copy of this matcher past ``tokens`` (which it accepts: an allowed prefix)."""
+        row = RowGrammar(self.matcher.deep_copy())
+        if tokens:
+            row.matcher.consume_tokens(list(tokens))
+        return row
+
     @property
     def stopped(self) -> bool:
         """The grammar is complete and allows nothing more (EOS included): the job ends "stop"."""

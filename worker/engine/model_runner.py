@@ -25,7 +25,7 @@ import numpy as np
 from .api import EmbedSpec
 from .kv_cache import BatchRow, BatchView, KVPool, make_layer_caches
 from .logit_shaping import GrammarBook, Shaped, shape
-from .sampler import REPETITION_CONTEXT, SampleRow, sample
+from .sampler import REPETITION_CONTEXT, RowSampler, SampleRow, sample
 from .sequence import PrefillPlan
 from .sequence import Sampled, Sequence
 
@@ -249,6 +249,56 @@ class ModelRunner:
         mx.async_eval(toks, [x for x in lps if x is not None])
         return _InFlight(rows, toks, lps)
 
+    # ================================================================ speculative decoding
+    @staticmethod
+    def can_verify(seq: Sequence) -> bool:
+        """Whether a verify pass samples ``seq``'s positions as its decode steps would: greedy or the
+        engine's own sampler (its draws keyed by step), no logits processors (callables with state
+        of their own)."""
+        spec = seq.spec
+        return (spec.embed is None and not spec.logits_processors
+                and (spec.sampler is None or isinstance(spec.sampler, RowSampler)))
+
+    def verify(self, rows: list[Sequence], drafts: list[list[int]]) -> list[list[Sampled]]:
+        """One forward over each row's last token and its proposal ``drafts[i]`` (may be empty),
+        evaluated and read.  Each of a row's 1 + k positions is shaped and drawn as a decode step at
+        that place would be (its grammar and penalties past the proposal's earlier tokens; its
+        RowSampler draws steps n..n+k in order); a row's tokens are those drawn while they equal its
+        proposal, then the first that differs (or the one after a proposal accepted whole), and its
+        sampler's step is left after the last of them.  Nothing may be in flight."""
+        assert self._inflight is None, "a verify pass with a decode in flight"
+        width = 1 + max(len(d) for d in drafts)
+        batch = [BatchRow(s.block_table, s.num_computed, 1 + len(d)) for s, d in zip(rows, drafts)]
+        inputs = mx.array([[s.tokens[-1]] + d + [0] * (width - 1 - len(d)) for s, d in zip(rows, drafts)])
+        out = self.run(batch, inputs)
+        where = [(i, j) for i, d in enumerate(drafts) for j in range(1 + len(d))]
+        at = out[mx.array([i for i, _ in where]), mx.array([j for _, j in where])]
+        logits = self.head(at) if self.split_head else at
+        sample_rows, shapes = [], []
+        for s, d in zip(rows, drafts):
+            for j in range(1 + len(d)):
+                grammar = s.grammar.after(d[:j]) if s.grammar is not None and j else None
+                shapes.append(s.row_shape(d[:j], grammar))
+                sample_rows.append(self._sample_row(s, ahead=d[:j]))
+        shaped = None
+        if any(r is not None for r in shapes):
+            mx.async_eval(logits, self.pool.arrays())  # the forward runs while the host shapes
+            shaped = shape(shapes, logits.shape[-1], self.book)
+        toks, lps = sample(logits, sample_rows, self._bias(shaped))
+        mx.eval(toks, [x for x in lps if x is not None], self.pool.arrays())
+        flat = [Sampled(rows[i], tok, lp) for (i, _), tok, lp in zip(where, toks.tolist(), lps)]
+        for k, why in (shaped.dead if shaped else ()):
+            flat[k] = Sampled(flat[k].seq, None, error=why)
+        out_rows, k = [], 0
+        for s, d in zip(rows, drafts):
+            row = flat[k:k + 1 + len(d)]
+            k += len(row)
+            n = next((j + 1 for j, x in enumerate(row[:-1]) if x.token != d[j]), len(row))
+            if isinstance(s.spec.sampler, RowSampler):
+                s.spec.sampler.step -= len(row) - n  # the draws past the last token emitted are drawn again
+            out_rows.append(row[:n])
+        return out_rows
+
     @staticmethod
     def _read(fl: Optional[_InFlight]) -> list[Sampled]:
         if fl is None:
@@ -257,7 +307,8 @@ class ModelRunner:
         return [Sampled(seq, tok, lp) for seq, tok, lp in zip(fl.seqs, fl.toks.tolist(), fl.logprobs)]
 
     @staticmethod
-    def _sample_row(seq: Sequence, pending_tok: Optional[mx.array] = None) -> SampleRow:
+    def _sample_row(seq: Sequence, pending_tok: Optional[mx.array] = None, ahead: list[int] = ()) -> SampleRow:
+        """``ahead``: proposed tokens taken as its context's last (a verify pass's later positions)."""
         spec = seq.spec
         ctx = None
         if spec.logits_processors:
@@ -266,7 +317,8 @@ class ModelRunner:
                 ctx = mx.concatenate([ctx, pending_tok])
         repetition = None
         if spec.repetition_penalty is not None:  # a deferred row: its context is all on the host
-            repetition = (spec.repetition_penalty, seq.tokens[-REPETITION_CONTEXT:])
+            window = seq.tokens[-REPETITION_CONTEXT:] + list(ahead)
+            repetition = (spec.repetition_penalty, window[-REPETITION_CONTEXT:])
         return SampleRow(spec.sampler, spec.logits_processors, ctx, spec.want_logprobs, repetition)
 
 

@@ -165,6 +165,53 @@ class Scheduler:
             s.seq.pending -= 1
             self._emit(s)
 
+    # ================================================================ speculative decoding
+    def reserve_slots(self, rows: list[Sequence], ks: list[int]) -> list[int]:
+        """Slots for each row's proposal of ``ks[i]`` tokens (its rows settled: nothing pending), from
+        blocks no one holds, never the last ``decode_reserve_blocks``; the k each row got slots for."""
+        bm, bs = self.bm, self.block_size
+        out = []
+        for seq, k in zip(rows, ks):
+            need = bm.blocks_needed(seq.num_computed + 1 + k)
+            while len(seq.block_table) < need and bm.num_unreferenced > self.config.decode_reserve_blocks:
+                seq.block_table.append(bm.append_block())
+            out.append(max(0, min(k, len(seq.block_table) * bs - seq.num_computed - 1)))
+        return out
+
+    def release_slots(self, seq: Sequence, keep: int) -> None:
+        """Give back ``seq``'s blocks past its first ``keep`` positions (slots a proposal did not use)."""
+        extra = seq.block_table[self.bm.blocks_needed(keep):]
+        if extra:
+            del seq.block_table[-len(extra):]
+            self.bm.deallocate(extra)
+
+    def postprocess_verify(self, rows: list[Sequence], drafts: list[list[int]],
+                           sampled: list[list[Sampled]]) -> None:
+        """A verify pass's tokens (``ModelRunner.verify``: each row's accepted proposal tokens and the
+        one after them) are emitted; the positions past them are given back at once (the blocks
+        beyond them released: the prefix cache only ever commits emitted tokens' blocks)."""
+        self.counters.decode_passes += 1
+        self.counters.verify_passes += 1
+        for seq, draft, samples in zip(rows, drafts, sampled):
+            n = len(samples)
+            self.counters.decode_tokens += 1 + len(draft)
+            seq.num_computed += n  # positions whose input was its last token or an accepted proposal
+            self.release_slots(seq, seq.num_computed)
+            if draft:
+                seq.drafting.verdict(len(draft), n - 1, self.config.speculate_k)
+                self.counters.draft_proposed += len(draft)
+                self.counters.draft_accepted += n - 1
+            first = len(self._events)
+            for s in samples:
+                if s.token is None:
+                    self.fail(seq, s.error)
+                elif self.running.get(seq.uid) is seq:
+                    self._emit(s)
+                if self.running.get(seq.uid) is not seq:
+                    break
+            if draft and len(self._events) > first:
+                self._events[first].draft_proposed, self._events[first].draft_accepted = len(draft), n - 1
+
     def fail(self, seq: Sequence, error: str) -> None:
         """End a sequence still in the engine (running, or a waiting fork given its first token) with
         "error" (its constraint dead-ended), no token emitted."""

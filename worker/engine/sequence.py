@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence as Seq
 
 from .api import SeqSpec
 from .logit_shaping import RowGrammar, RowShape
+from .speculative import Drafting
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +36,12 @@ class Sequence:
     # an embedding sequence's pooling so far (the model runner's float32 array: the sum of the hidden
     # states of its computed positions for mean pooling), rebuilt from scratch after a release
     pooled: object = None
+    drafting: Optional[Drafting] = None  # its speculation state, once it was offered a proposal
+
+    def draft_state(self) -> Drafting:
+        if self.drafting is None:
+            self.drafting = Drafting()
+        return self.drafting
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -44,13 +51,14 @@ class Sequence:
         return (self.grammar is not None or spec.repetition_penalty is not None
                 or bool(spec.presence_penalty or spec.frequency_penalty))
 
-    def row_shape(self) -> Optional[RowShape]:
-        """What shaping its logits need (None: none)."""
+    def row_shape(self, ahead: Seq[int] = (), grammar: Optional[RowGrammar] = None) -> Optional[RowShape]:
+        """What shaping its logits need (None: none); ``ahead``: proposed tokens taken as generated
+        (a verify pass's later positions), with ``grammar`` the matcher past them."""
         spec = self.spec
         if not (self.needs_host_tokens or spec.logit_bias):
             return None
-        return RowShape(self.grammar, self.generated, spec.presence_penalty, spec.frequency_penalty,
-                        spec.logit_bias)
+        return RowShape(grammar or self.grammar, self.generated + list(ahead), spec.presence_penalty,
+                        spec.frequency_penalty, spec.logit_bias)
 
     @property
     def uid(self) -> str:
@@ -76,6 +84,8 @@ class Sequence:
         self.block_table, self.block_hashes = block_table, list(block_hashes)
         self.num_computed = num_computed
         self.status = SequenceStatus.PREFILL
+        if self.drafting is not None:  # a hit brings the engine's KV, not a draft model's
+            self.drafting.draft_computed = 0
 
     def commit_computed(self, bm) -> None:
         """Its blocks whose every token is computed and known go into ``bm``'s prefix cache."""
@@ -125,6 +135,9 @@ class StepCounters:
     steps: int = 0
     prefill_passes: int = 0
     decode_passes: int = 0
+    verify_passes: int = 0  # decode passes that verified proposals (speculative decoding)
+    draft_proposed: int = 0  # proposed tokens verified
+    draft_accepted: int = 0  # of which accepted
 
 
 @dataclass
