@@ -290,8 +290,8 @@ class Settings:
                                 "pays (docs/design/speculative.md)", choices=SPECULATE_MODES)
     speculate_k: int = engine_opt("speculate_k", "most tokens one proposal holds (each sequence's own k adapts "
                                   "below it)")
-    draft_model: Optional[str] = engine_opt("draft_model", "the draft model of --speculate draft (unused otherwise: "
-                                            "a warning says so): a directory, GGUF file or hub id, with the model's "
+    draft_model: Optional[str] = engine_opt("draft_model", "the draft model of --speculate draft (refused with any "
+                                            "other --speculate): a directory, GGUF file or hub id, with the model's "
                                             "tokenizer", shown_default="none")
 
     def __post_init__(self) -> None:
@@ -362,6 +362,8 @@ class Settings:
             ("speculate_k", self.speculate_k >= 1, "must be at least 1"),
             ("speculate", self.speculate != "draft" or self.draft_model is not None,
              "draft needs a draft model (--draft-model PATH)"),
+            ("draft_model", self.draft_model is None or self.speculate == "draft",
+             f"is read by --speculate draft only (here: {self.speculate})"),
         )
 
     @property

@@ -34,6 +34,7 @@ SAMPLES = {
     "embed_pooling": "mean",
 }
 ONLY_DEFAULT = {"block_size"}  # one supported value: any other is refused (tested below)
+WITH = {"draft_model": ("speculate", "draft")}  # a sample refused alone: set with this companion setting
 
 
 @pytest.fixture
@@ -71,8 +72,13 @@ def _env_text(value) -> str:
 def test_env_var_and_flag_set_the_same_value(name, clean_env):
     f = next(f for f in worker_flags() if f.name == name)
     value = SAMPLES[name]
-    from_env = getattr(Settings.from_env({env_var(name): _env_text(value)}), name)
-    args = build_parser().parse_args(["worker", "--model", "m", *_argv(f, value)])
+    env, argv = {env_var(name): _env_text(value)}, _argv(f, value)
+    if name in WITH:
+        other, other_value = WITH[name]
+        env[env_var(other)] = other_value
+        argv += ["--" + other.replace("_", "-"), other_value]
+    from_env = getattr(Settings.from_env(env), name)
+    args = build_parser().parse_args(["worker", "--model", "m", *argv])
     from_flag = getattr(settings_from_args(args), name)
     assert from_env == from_flag != getattr(Settings(), name)
     assert env_var(name) in f.help and "default" in f.help
@@ -105,6 +111,8 @@ def test_old_flags_and_env_vars_still_work(clean_env):
     ({"MLXQ_SPECULATE": "medusa"},
      "speculate='medusa' (MLXQ_SPECULATE / --speculate): must be one of off, ngram, draft"),
     ({"MLXQ_SPECULATE": "draft"}, "draft needs a draft model (--draft-model PATH)"),
+    ({"MLXQ_DRAFT_MODEL": "/models/draft"},
+     "draft_model='/models/draft' (MLXQ_DRAFT_MODEL / --draft-model): is read by --speculate draft only (here: off)"),
     ({"MLXQ_CHUNK_SCHEDULE": "*:64,512:128"}, "increasing positions"),
     ({"MLXQ_HEARTBEAT_S": "40"}, "heartbeat_s must be shorter than lease_s"),
     # each of these was accepted and then broke the worker or lost data

@@ -56,12 +56,7 @@ def make_engine(loaded, settings: Optional[Settings] = None) -> "PagedEngine":
     (default: ``Settings.from_env()``)."""
     settings = settings or Settings.from_env()
     config = settings.engine_config()
-    draft = None
-    if config.draft_model is not None and config.speculate != "draft":
-        log.warning("--draft-model %s is unused: the engine speculates with a draft model under --speculate draft "
-                    "only (here: %s)", config.draft_model, config.speculate)
-    elif config.speculate == "draft":
-        draft = load_draft(config.draft_model, loaded)
+    draft = load_draft(config.draft_model, loaded) if config.speculate == "draft" else None
     return PagedEngine(loaded.model, config, eos_token_ids=loaded.eos_token_ids, model_id=loaded.name,
                        context_length=loaded.context_length, tokenizer=loaded.tokenizer, draft=draft)
 
