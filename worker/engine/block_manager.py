@@ -138,6 +138,20 @@ class BlockManager:
             raise MemoryError("no free block")
         return self._take_fresh()
 
+    def grow_table(self, table: list[int], positions: int, keep_free: int) -> int:
+        """Append blocks to ``table`` until it holds ``positions`` slots, while more than ``keep_free``
+        blocks stay unreferenced; the slots it holds then (speculation's room for a proposal)."""
+        while len(table) < self.blocks_needed(positions) and self.num_unreferenced > keep_free:
+            table.append(self.append_block())
+        return len(table) * self.block_size
+
+    def shrink_table(self, table: list[int], positions: int) -> None:
+        """Give back ``table``'s blocks past its first ``positions`` slots (a proposal's unused ones)."""
+        extra = table[self.blocks_needed(positions):]
+        if extra:
+            del table[-len(extra):]
+            self.deallocate(extra)
+
     def ref(self, block_ids: Sequence[int]) -> None:
         """Add one reference to each block (a session pinning its blocks)."""
         for bid in block_ids:

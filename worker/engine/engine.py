@@ -43,6 +43,7 @@ from .logit_shaping import GrammarBook, GrammarError, RowGrammar
 from .decode_forward import DecodeForward
 from .kv_cache import KVPool, make_kv_quant, probe_kv_shape
 from .model_runner import ModelRunner
+from .rows import proposal_slots
 from .scheduler import Scheduler
 from .sessions import SessionFiles
 from .speculative import SPECULATE_MODES, Speculator
@@ -199,15 +200,15 @@ class PagedEngine:
         rows = [s for s in rows if sched.is_running(s)]
         ks = [spec.room(s, picked.get(id(s), 0)) for s in rows]
         if self.drafter is not None:  # the draft model writes its KV in the slots the pass verifies
-            ks = sched.reserve_slots(rows, ks)
+            ks = proposal_slots(sched.bm, rows, ks, self.config.decode_reserve_blocks)
             drafts = [spec.allowed(s, d) for s, d in zip(rows, self.drafter.propose(rows, ks))]
         else:
             drafts = [spec.propose(s, k) for s, k in zip(rows, ks)]
-            drafts = [spec.allowed(s, d[:k]) for s, d, k in zip(rows, drafts, sched.reserve_slots(
-                rows, [len(d) for d in drafts]))]
+            ks = proposal_slots(sched.bm, rows, [len(d) for d in drafts], self.config.decode_reserve_blocks)
+            drafts = [spec.allowed(s, d[:k]) for s, d, k in zip(rows, drafts, ks)]
         if not any(drafts):
             for s in rows:
-                sched.release_slots(s, s.num_computed + 1)  # the plain launch writes its one position
+                sched.bm.shrink_table(s.block_table, s.num_computed + 1)  # the plain launch writes its one position
             return rows, None
         sched.postprocess_verify(rows, drafts, self.runner.verify(rows, drafts))
         return rows, len(rows) * (1 + max(len(d) for d in drafts))  # ragged rows are padded to the longest

@@ -31,6 +31,7 @@ from .block_manager import BlockManager, PrefixHit
 from .forks import Forks
 from .hot_sessions import HotSessions
 from .intake import StartGrammar, make_sequence
+from .rows import decode_rows, prefill_rows
 from .sequence import PrefillPlan, Sampled, Sequence, SequenceStatus, StepCounters
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class Scheduler:
         self._admit()
         copies = self.forks.take_copies()
         n_decoding = sum(1 for s in self.running.values() if s.status is SequenceStatus.DECODE)
-        rows = self._pick_prefill(max(1, self.config.step_token_budget - n_decoding))
+        rows = prefill_rows(self.running.values(), self.config, max(1, self.config.step_token_budget - n_decoding))
         if not (rows or copies):
             return None
         plan = PrefillPlan(rows, copies)
@@ -136,14 +137,14 @@ class Scheduler:
         """The decode rows of this step (``skip``: just prefilled), each with a slot for its token.
         Short of blocks, the pending tokens are read first (finished rows free theirs), then
         sessions are spilled or sequences preempted row by row."""
-        rows = self._decode_rows(skip)
+        rows = decode_rows(self.running.values(), skip)
         if sum(1 for s in rows if self._needs_block(s)) <= self.bm.num_unreferenced:
             for seq in rows:
                 if self._needs_block(seq):
                     seq.block_table.append(self.bm.append_block())
             return rows
         self.settle()
-        ready = [seq for seq in self._decode_rows(skip)
+        ready = [seq for seq in decode_rows(self.running.values(), skip)
                  if self.running.get(seq.uid) is seq and self._ensure_slot(seq)]
         return [s for s in ready if self.running.get(s.uid) is s]
 
@@ -166,25 +167,6 @@ class Scheduler:
             self._emit(s)
 
     # ================================================================ speculative decoding
-    def reserve_slots(self, rows: list[Sequence], ks: list[int]) -> list[int]:
-        """Slots for each row's proposal of ``ks[i]`` tokens (its rows settled: nothing pending), from
-        blocks no one holds, never the last ``decode_reserve_blocks``; the k each row got slots for."""
-        bm, bs = self.bm, self.block_size
-        out = []
-        for seq, k in zip(rows, ks):
-            need = bm.blocks_needed(seq.num_computed + 1 + k)
-            while len(seq.block_table) < need and bm.num_unreferenced > self.config.decode_reserve_blocks:
-                seq.block_table.append(bm.append_block())
-            out.append(max(0, min(k, len(seq.block_table) * bs - seq.num_computed - 1)))
-        return out
-
-    def release_slots(self, seq: Sequence, keep: int) -> None:
-        """Give back ``seq``'s blocks past its first ``keep`` positions (slots a proposal did not use)."""
-        extra = seq.block_table[self.bm.blocks_needed(keep):]
-        if extra:
-            del seq.block_table[-len(extra):]
-            self.bm.deallocate(extra)
-
     def postprocess_verify(self, rows: list[Sequence], drafts: list[list[int]],
                            sampled: list[list[Sampled]]) -> None:
         """A verify pass's tokens (``ModelRunner.verify``: each row's accepted proposal tokens and the
@@ -196,7 +178,7 @@ class Scheduler:
             n = len(samples)
             self.counters.decode_tokens += 1 + len(draft)
             seq.num_computed += n  # positions whose input was its last token or an accepted proposal
-            self.release_slots(seq, seq.num_computed)
+            self.bm.shrink_table(seq.block_table, seq.num_computed)
             if draft:
                 seq.drafting.verdict(len(draft), n - 1, self.config.speculate_k)
                 self.counters.draft_proposed += len(draft)
@@ -299,34 +281,6 @@ class Scheduler:
         self._release(seq)
         self.counters.preemptions += 1
         self._preempted.append(Preempted(seq.uid, list(seq.generated)))
-
-    def _pick_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
-        """The rows of one ragged prefill pass, (sequence, tokens this pass), most urgent first within
-        the token budget; the padded size (rows x the longest chunk) too, so a long chunk does not
-        drag many short rows' padding along."""
-        todo = sorted((s for s in self.running.values() if s.status is SequenceStatus.PREFILL),
-                      key=Sequence.rank)
-        picked: list[tuple[Sequence, int]] = []
-        width, left = 0, budget
-        for seq in todo:
-            if left <= 0:
-                break
-            n = seq.num_uncomputed
-            if self.config.chunked_prefill:
-                n = min(n, self.config.chunk_size(seq.num_computed), left)
-            if picked and max(width, n) * (len(picked) + 1) > budget:
-                break
-            picked.append((seq, n))
-            width = max(width, n)
-            left -= n
-        return picked
-
-    def _decode_rows(self, skip: Seq[Sequence]) -> list[Sequence]:
-        # a row whose pending token is its last (max_tokens) needs no launch
-        skipped = {id(s) for s in skip}
-        return sorted((s for s in self.running.values()
-                       if s.status is SequenceStatus.DECODE and id(s) not in skipped
-                       and s.emitted + s.pending < s.spec.max_tokens), key=Sequence.rank)
 
     def _needs_block(self, seq: Sequence) -> bool:
         return seq.num_computed >= len(seq.block_table) * self.block_size
