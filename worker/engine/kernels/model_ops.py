@@ -13,6 +13,11 @@ one :class:`LinearGroup`) is not bit-identical to MLX's matmul, but gives a row 
 any batch; it is checked against an error bound (:func:`_check_linear`) and used as the
 ``matmul`` setting says (``attention.resolve_matmul``).  Why, and what each op saves:
 docs/design/attention.md.
+
+``quantized_linear`` (:class:`FastQuantizedLinear`, :class:`FastQuantizedEmbedding`) multiplies by
+4- and 8-bit weights as stored, for a model loaded with ``cpu_weights=quantized``; it is used with
+``linear`` (the same ``matmul`` setting), checked against an error bound and for batch invariance
+(:func:`_check_quantized_linear`).  docs/design/quantized-weights.md.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from mlx_lm.models.activations import swiglu as mlx_swiglu
 
 log = logging.getLogger(__name__)
 
-OPS = ("swiglu", "rope", "rms_norm", "linear")
+OPS = ("swiglu", "rope", "rms_norm", "linear", "quantized_linear")
 
 
 # ============================================================== checks
@@ -158,6 +163,30 @@ def _check_linear(ext) -> None:
             raise OpMismatch("linear differs from MLX's matmul by more than float32 rounding")
 
 
+def _check_quantized_linear(ext) -> None:
+    """quantized_linear against x @ dequantize(w)^T within float32 rounding, 4 and 8 bits, groups of
+    32 and 64, at 1 and 5 rows; and each row of a batch bit for bit its solo call."""
+    rs = mx.random.split(mx.random.key(17), 3)
+    w = mx.random.normal((75, 256), key=rs[0])
+    x = mx.random.normal((5, 256), key=rs[1])
+    for bits in (4, 8):
+        for group in (32, 64):
+            wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+            scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+            # |s q| + |b| elementwise (q >= 0): each product's magnitude in the kernel's two sums
+            size = mx.dequantize(wq, mx.abs(scales), mx.abs(biases), group_size=group, bits=bits)
+            want = x @ mx.dequantize(wq, scales, biases, group_size=group, bits=bits).T
+            got = ext.quantized_linear(x, wq, scales, biases, group, bits)
+            bound = 4 * x.shape[-1] * 2.0 ** -24 * (mx.abs(x) @ size.T)
+            if got.shape != want.shape or not mx.all(mx.abs(got - want) <= bound + 1e-30).item():
+                raise OpMismatch(f"quantized_linear ({bits} bits, group {group}) differs from x @ dequantize(w).T "
+                                 "by more than float32 rounding")
+            solo = mx.concatenate([ext.quantized_linear(x[i:i + 1], wq, scales, biases, group, bits)
+                                   for i in range(x.shape[0])])
+            if not mx.array_equal(solo, got).item():
+                raise OpMismatch("quantized_linear gives a row other bits in a batch than alone")
+
+
 def within_float32_rounding(got, x, w, bias=None) -> bool:
     """``got`` is ``x @ w.T (+ bias)`` up to float32 rounding in any summation order:
     |got - MLX's| <= 2 K 2^-24 (|x| @ |w|^T + |bias|) elementwise (the bound of a length-K
@@ -176,7 +205,7 @@ def checked_ops(ext) -> tuple:
     if _checked is None:
         ok = []
         for name, check in (("swiglu", _check_swiglu), ("rope", _check_rope), ("rms_norm", _check_rms_norm),
-                            ("linear", _check_linear)):
+                            ("linear", _check_linear), ("quantized_linear", _check_quantized_linear)):
             try:
                 check(ext)
                 ok.append(name)
@@ -201,7 +230,8 @@ def describe(ext, ops: tuple) -> str:
     parts = [f"swiglu {ext.swiglu_isa()}" if "swiglu" in ops else "mlx-lm's swiglu",
              "rope" if "rope" in ops else "MLX's rope",
              "rms_norm" if "rms_norm" in ops else "MLX's rms_norm",
-             "linear on the pool" if "linear" in ops else "MLX's matmul"]
+             "linear on the pool" if "linear" in ops else "MLX's matmul",
+             f"quantized_linear {ext.qlinear_isa()}" if "quantized_linear" in ops else "MLX's quantized_matmul"]
     return "; ".join(parts)
 
 
@@ -422,6 +452,60 @@ def install_linear(model, op: Optional[Callable]) -> int:
     return n
 
 
+# ============================================================== quantized linear
+QUANT_BITS, QUANT_GROUPS = (4, 8), (32, 64, 128)
+
+
+def _qtakes(x, m) -> bool:
+    """Whether the extension's quantized_linear computes ``m`` (a quantized layer) on ``x``: float32
+    on the CPU, MLX's affine 4- or 8-bit blocks with float32 scales and biases."""
+    return (x.dtype == mx.float32 and x.ndim >= 1 and mx.default_device() == mx.cpu and m.bits in QUANT_BITS
+            and m.group_size in QUANT_GROUPS and getattr(m, "mode", "affine") == "affine" and "biases" in m
+            and m["scales"].dtype == mx.float32 and m["biases"].dtype == mx.float32)
+
+
+def _qlinear(m, x):
+    """The extension's quantized_linear of layer ``m`` on ``x``, or None where it does not apply."""
+    op = getattr(m, "_mlxq_qlinear", None)
+    if op is None or not _qtakes(x, m):
+        return None
+    return op(x, m["weight"], m["scales"], m["biases"], m.group_size, m.bits)
+
+
+class FastQuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear with the extension's quantized_linear (``_mlxq_qlinear``, set by
+    :func:`install_quantized_linear`; None: MLX's quantized_matmul) where :func:`_qtakes`."""
+
+    def __call__(self, x):
+        y = _qlinear(self, x)
+        if y is None:
+            return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class FastQuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose ``as_linear`` (a tied vocabulary head) takes the same path."""
+
+    def as_linear(self, x):
+        y = _qlinear(self, x)
+        return super().as_linear(x) if y is None else y
+
+
+def install_quantized_linear(model, op: Optional[Callable]) -> int:
+    """Make the model's plain quantized layers the Fast ones calling ``op`` (None: MLX's own);
+    returns how many quantized Linear layers call ``op``."""
+    _installed()
+    n = 0
+    for fast, plain in ((FastQuantizedEmbedding, nn.QuantizedEmbedding), (FastQuantizedLinear, nn.QuantizedLinear)):
+        if op is not None:
+            _swap_class(model, plain, fast)
+        for _, m in model.named_modules():
+            if type(m) is fast:
+                object.__setattr__(m, "_mlxq_qlinear", op)
+                n += fast is FastQuantizedLinear and op is not None
+    return n
+
+
 def install(model, ext, ops: tuple) -> None:
     if "swiglu" in ops:
         install_swiglu(model, ext.swiglu)
@@ -431,3 +515,4 @@ def install(model, ext, ops: tuple) -> None:
         install_rms_norm(model, ext.rms_norm)
     install_linear(model, ext.linear if "linear" in ops else None)
     install_groups(model, ext.linear_group if "linear" in ops else None)
+    install_quantized_linear(model, ext.quantized_linear if "quantized_linear" in ops else None)

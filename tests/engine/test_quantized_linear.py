@@ -1,0 +1,144 @@
+"""The CPU extension's ``quantized_linear``: 4- and 8-bit weights (MLX's affine blocks, as a GGUF's
+Q4_0/Q4_1/Q8_0 load) read as stored (``csrc/qmatmul.h``), and the worker setting that chooses it
+(``cpu_weights=quantized``).
+
+Not MLX's bits (each output sums in its own order), so checks against MLX are a float32 error bound;
+what must hold exactly is that a row gets the same bits alone and in any batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlxq.shared.settings import Settings
+from mlxq.worker.engine import PagedEngine, attention
+from mlxq.worker.engine.api import SeqSpec
+from mlxq.worker.engine.kernels import model_ops
+from mlxq.worker.model import load_model, to_fp32_packed
+
+from enginekit import SMALL_CHUNKS, run
+
+
+@pytest.fixture(scope="module")
+def ext():
+    ext = attention.cpu_extension()
+    if "quantized_linear" not in model_ops.checked_ops(ext):
+        pytest.skip("quantized_linear did not pass its check here")
+    return ext
+
+
+def _quantized(N, K, bits, group, seed):
+    rs = mx.random.split(mx.random.key(seed), 2)
+    wq, scales, biases = mx.quantize(mx.random.normal((N, K), key=rs[0]), group_size=group, bits=bits)
+    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+    return wq, scales, biases, mx.dequantize(wq, scales, biases, group_size=group, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(ext, bits, group):
+    """Every tile shape (one row: 4 weight rows at a time; pairs of rows; an odd last row; a ragged
+    column split) gives a row the bits it gets alone, within float32 rounding of x @ dequantize(w)^T."""
+    K, N = 384, 333
+    wq, scales, biases, w = _quantized(N, K, bits, group, bits * 1000 + group)
+    x = mx.random.normal((17, K), key=mx.random.key(group)) * 3
+    alone = mx.concatenate([ext.quantized_linear(x[i:i + 1], wq, scales, biases, group, bits) for i in range(17)])
+    size = mx.dequantize(wq, mx.abs(scales), mx.abs(biases), group_size=group, bits=bits)  # |s q| + |b|
+    bound = 4 * K * 2.0 ** -24 * (mx.abs(x) @ size.T)
+    assert mx.all(mx.abs(alone - x @ w.T) <= bound).item()
+    for M in (2, 3, 5, 17):
+        assert mx.array_equal(ext.quantized_linear(x[:M], wq, scales, biases, group, bits), alone[:M]).item(), M
+    x3 = x[:4].reshape(2, 2, K)  # the model's (B, L, K)
+    assert mx.array_equal(ext.quantized_linear(x3, wq, scales, biases, group, bits).reshape(4, N), alone[:4]).item()
+
+
+def test_bad_input_is_a_clear_error(ext):
+    wq, scales, biases, _ = _quantized(16, 64, 4, 32, 1)
+    x = mx.zeros((2, 64))
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        ext.quantized_linear(x, wq, scales, biases, 32, 3)
+    with pytest.raises(ValueError, match="group_size must be"):
+        ext.quantized_linear(x, wq, scales, biases, 16, 4)
+    with pytest.raises(ValueError, match="x must be float32"):
+        ext.quantized_linear(x.astype(mx.float16), wq, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match=r"w must be uint32 \(N, K \* bits / 32\)"):
+        ext.quantized_linear(mx.zeros((2, 128)), wq, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match="scales and biases must be float32"):
+        ext.quantized_linear(x, wq, scales.astype(mx.float16), biases, 32, 4)
+
+
+@pytest.fixture(scope="module")
+def quantized_tiny(tiny_model_dir):
+    """The tiny model with its Linear and Embedding layers quantized to 4 bits in groups of 32, the
+    rest float32: what cpu_weights=quantized keeps of a 4-bit checkpoint."""
+    loaded = load_model(str(tiny_model_dir), name="tiny-q4", cpu_weights="quantized")
+    assert loaded.dtype_note.startswith("no quantized layers")
+    nn.quantize(loaded.model, group_size=32, bits=4)
+    assert to_fp32_packed(loaded.model).startswith("quantized layers kept packed (4-bit x 15)")
+    return loaded.model
+
+
+def test_the_engine_on_4_bit_weights_is_batch_invariant_and_close_to_their_fp32_values(ext, quantized_tiny):
+    model = quantized_tiny
+    eng = PagedEngine(model, num_blocks=64, matmul="pool", chunk_schedule=SMALL_CHUNKS)
+    layers = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    assert all(type(m) in (model_ops.FastQuantizedLinear, model_ops.FastQuantizedEmbedding)
+               and m._mlxq_qlinear is not None for m in layers)
+    prompts = [[1, 17, 250, 9, 400, 33, 700, 5, 64, 128, 900, 12, 3, 511] * 3, [5, 9, 13], [700, 2]]
+    # against MLX's quantized_matmul of the same blocks (x @ dequantize(w)^T, fp32): close, not equal
+    ids = mx.array([prompts[0]])
+    ours = model(ids)
+    model_ops.install_quantized_linear(model, None)
+    theirs = model(ids)
+    model_ops.install_quantized_linear(model, ext.quantized_linear)
+    assert mx.allclose(ours, theirs, rtol=1e-4, atol=1e-4).item()
+    # greedy: each sequence alone equals the three together (prefilled in chunks, decoded as a batch)
+    specs = [SeqSpec(f"s{i}", p, 12, stop_token_ids=()) for i, p in enumerate(prompts)]
+    together, _, _ = run(eng, specs)
+    for s in specs:
+        alone, _, _ = run(eng, [s])
+        assert alone[s.uid] == together[s.uid], s.uid
+    PagedEngine(model, num_blocks=16, matmul="mlx")  # the matmul setting takes it away with linear's
+    assert all(m._mlxq_qlinear is None for m in layers)
+
+
+def test_cpu_weights_is_a_checked_setting(tiny_model_dir):
+    assert Settings().cpu_weights == "fp32"
+    assert Settings.from_env(cpu_weights="quantized").cpu_weights == "quantized"
+    with pytest.raises(ValueError, match="cpu_weights"):
+        Settings.from_env(cpu_weights="int4")
+    with pytest.raises(ValueError, match="cpu_weights must be one of fp32, quantized"):
+        load_model(str(tiny_model_dir), cpu_weights="int4")
+
+
+def test_the_generic_loops_give_the_avx2_bits(ext, tmp_path):
+    """The fallback for a CPU without AVX2+FMA emulates the 8 lanes with the same operations: a fresh
+    process forced onto it (MLXQ_ATTN_ISA=generic) computes the very same outputs."""
+    if ext.qlinear_isa() != "avx2":
+        pytest.skip("this CPU has no AVX2+FMA: only the generic loops run here")
+    cases = {}
+    for bits in (4, 8):
+        wq, scales, biases, _ = _quantized(40, 128, bits, 32, bits)
+        cases.update({f"w{bits}": wq, f"s{bits}": scales, f"b{bits}": biases})
+    cases["x"] = mx.random.normal((3, 128), key=mx.random.key(5))
+    mx.savez(str(tmp_path / "q.npz"), **cases)
+    want = mx.concatenate([ext.quantized_linear(cases["x"], cases[f"w{b}"], cases[f"s{b}"], cases[f"b{b}"], 32, b)
+                           for b in (4, 8)])
+    mx.save(str(tmp_path / "want.npy"), want)
+    script = (
+        "import mlx.core as mx\n"
+        "from mlxq.worker.engine import attention\n"
+        "ext = attention.cpu_extension()\n"
+        "assert ext.qlinear_isa() == 'generic', ext.qlinear_isa()\n"
+        f"c, want = mx.load({str(tmp_path / 'q.npz')!r}), mx.load({str(tmp_path / 'want.npy')!r})\n"
+        "got = mx.concatenate([ext.quantized_linear(c['x'], c[f'w{b}'], c[f's{b}'], c[f'b{b}'], 32, b) for b in (4, 8)])\n"
+        "assert mx.array_equal(got, want).item()\n"
+    )
+    env = {**os.environ, "MLXQ_ATTN_ISA": "generic"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

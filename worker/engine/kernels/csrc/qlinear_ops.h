@@ -1,0 +1,37 @@
+// quantized_linear(x, w, scales, biases, group_size, bits): x @ dequantize(w)^T for float32 x and
+// a weight in MLX's affine quantization as stored (nn.QuantizedLinear's weight, scales, biases;
+// from a GGUF Q4_0/Q4_1/Q8_0 file: 4 or 8 bits, group 32), read as it is (qmatmul.h), split over
+// output columns on the extension's thread pool. A decode step at few rows is bound by the bytes
+// of weights it reads: 4-bit weights are ~5x fewer bytes than their fp32 copy (with fp32 scales
+// and biases per group of 32: 6 bits a weight; 8-bit: 10).
+//
+// Not MLX's quantized_matmul's bits (nor the fp32 copy's): each output sums in its own fixed
+// order, the same in any batch and any split (qmatmul.h), so a row decoded alone and in a batch
+// gets the same logits. model_ops checks it against MLX within a float32 error bound.
+#pragma once
+
+#include "cpu_ops.h"
+
+namespace mlxq {
+
+// The loops quantized_linear runs: "avx2" (AVX2 + FMA) or "generic" (the same bits).
+const char* qlinear_isa();
+
+mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits);
+
+class QuantizedLinear : public CpuPrimitive {
+ public:
+  QuantizedLinear(mx::Stream stream, int group_size, int bits)
+      : CpuPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "MlxqQuantizedLinear";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int group_size_, bits_;
+};
+
+} // namespace mlxq
