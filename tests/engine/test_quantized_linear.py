@@ -2,8 +2,9 @@
 Q4_0/Q4_1/Q8_0 load) read as stored (``csrc/qmatmul.h``), and the worker setting that chooses it
 (``cpu_weights=quantized``).
 
-Not MLX's bits (each output sums in its own order), so checks against MLX are a float32 error bound;
-what must hold exactly is that a row gets the same bits alone and in any batch."""
+Where ``linear`` runs its own loops (AVX2+FMA) the op is bit for bit ``linear`` on the weights MLX's
+dequantize gives, so the quantized model computes what its fp32 copy does; anywhere, a row gets the
+same bits alone and in any batch."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from mlxq.shared.settings import Settings
 from mlxq.worker.engine import PagedEngine, attention
 from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine.kernels import model_ops
-from mlxq.worker.model import load_model, to_fp32_packed
+from mlxq.worker.model import load_model, to_fp32, to_fp32_packed
 
 from enginekit import SMALL_CHUNKS, run
 
@@ -41,17 +42,18 @@ def _quantized(N, K, bits, group, seed):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_a_row_gets_the_same_bits_alone_and_in_any_batch(ext, bits, group):
-    """Every tile shape (one row: 4 weight rows at a time; pairs of rows; an odd last row; a ragged
-    column split) gives a row the bits it gets alone, within float32 rounding of x @ dequantize(w)^T."""
+def test_a_row_gets_linears_bits_on_the_dequantized_weights_alone_and_in_any_batch(ext, bits, group):
+    """One row (dequantized in registers, 4 weight rows at a time) and several (a strip of weight rows
+    dequantized into a buffer, then linear's own tiles: pairs of rows, past 64 rows blocks), a ragged
+    column split: each row the bits it gets alone, and those of linear() on dequantize(w)."""
     K, N = 384, 333
     wq, scales, biases, w = _quantized(N, K, bits, group, bits * 1000 + group)
-    x = mx.random.normal((17, K), key=mx.random.key(group)) * 3
-    alone = mx.concatenate([ext.quantized_linear(x[i:i + 1], wq, scales, biases, group, bits) for i in range(17)])
-    size = mx.dequantize(wq, mx.abs(scales), mx.abs(biases), group_size=group, bits=bits)  # |s q| + |b|
-    bound = 4 * K * 2.0 ** -24 * (mx.abs(x) @ size.T)
-    assert mx.all(mx.abs(alone - x @ w.T) <= bound).item()
-    for M in (2, 3, 5, 17):
+    x = mx.random.normal((70, K), key=mx.random.key(group)) * 3
+    alone = mx.concatenate([ext.quantized_linear(x[i:i + 1], wq, scales, biases, group, bits) for i in range(70)])
+    assert model_ops.within_float32_rounding(alone, x, w)
+    if ext.linear_isa() != "blas":
+        assert mx.array_equal(alone, ext.linear(x, w, None)).item()
+    for M in (2, 3, 5, 9, 17, 70):
         assert mx.array_equal(ext.quantized_linear(x[:M], wq, scales, biases, group, bits), alone[:M]).item(), M
     x3 = x[:4].reshape(2, 2, K)  # the model's (B, L, K)
     assert mx.array_equal(ext.quantized_linear(x3, wq, scales, biases, group, bits).reshape(4, N), alone[:4]).item()
@@ -72,37 +74,39 @@ def test_bad_input_is_a_clear_error(ext):
         ext.quantized_linear(x, wq, scales.astype(mx.float16), biases, 32, 4)
 
 
-@pytest.fixture(scope="module")
-def quantized_tiny(tiny_model_dir):
-    """The tiny model with its Linear and Embedding layers quantized to 4 bits in groups of 32, the
-    rest float32: what cpu_weights=quantized keeps of a 4-bit checkpoint."""
-    loaded = load_model(str(tiny_model_dir), name="tiny-q4", cpu_weights="quantized")
-    assert loaded.dtype_note.startswith("no quantized layers")
+def _tiny_4_bit(model_dir, cpu_weights: str):
+    """The tiny model with its Linear and Embedding layers quantized to 4 bits in groups of 32 (as a
+    4-bit checkpoint loads), then as the worker's cpu_weights setting leaves it."""
+    loaded = load_model(str(model_dir), name="tiny-q4", cpu_weights=cpu_weights)
     nn.quantize(loaded.model, group_size=32, bits=4)
-    assert to_fp32_packed(loaded.model).startswith("quantized layers kept packed (4-bit x 15)")
-    return loaded.model
+    return loaded.model, (to_fp32_packed if cpu_weights == "quantized" else to_fp32)(loaded.model)
 
 
-def test_the_engine_on_4_bit_weights_is_batch_invariant_and_close_to_their_fp32_values(ext, quantized_tiny):
-    model = quantized_tiny
+def test_the_engine_on_4_bit_weights_computes_what_it_does_on_their_fp32_values(ext, tiny_model_dir):
+    model, note = _tiny_4_bit(tiny_model_dir, "quantized")
+    assert note == "quantized layers kept packed (4-bit x 15)"
     eng = PagedEngine(model, num_blocks=64, matmul="pool", chunk_schedule=SMALL_CHUNKS)
     layers = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     assert all(type(m) in (model_ops.FastQuantizedLinear, model_ops.FastQuantizedEmbedding)
                and m._mlxq_qlinear is not None for m in layers)
     prompts = [[1, 17, 250, 9, 400, 33, 700, 5, 64, 128, 900, 12, 3, 511] * 3, [5, 9, 13], [700, 2]]
-    # against MLX's quantized_matmul of the same blocks (x @ dequantize(w)^T, fp32): close, not equal
-    ids = mx.array([prompts[0]])
-    ours = model(ids)
-    model_ops.install_quantized_linear(model, None)
-    theirs = model(ids)
-    model_ops.install_quantized_linear(model, ext.quantized_linear)
-    assert mx.allclose(ours, theirs, rtol=1e-4, atol=1e-4).item()
-    # greedy: each sequence alone equals the three together (prefilled in chunks, decoded as a batch)
     specs = [SeqSpec(f"s{i}", p, 12, stop_token_ids=()) for i, p in enumerate(prompts)]
     together, _, _ = run(eng, specs)
+    # greedy: each sequence alone equals the three together (prefilled in chunks, decoded as a batch)
     for s in specs:
         alone, _, _ = run(eng, [s])
         assert alone[s.uid] == together[s.uid], s.uid
+    # the same blocks dequantized to float32 at load (cpu_weights=fp32): the same logits, bit for bit
+    # where linear runs its own loops, and the same tokens
+    dense, note = _tiny_4_bit(tiny_model_dir, "fp32")
+    assert note == "dequantized"
+    eng_f = PagedEngine(dense, num_blocks=64, matmul="pool", chunk_schedule=SMALL_CHUNKS)
+    ids = mx.array([prompts[0]])
+    if ext.linear_isa() != "blas":
+        assert mx.array_equal(model(ids), dense(ids)).item()
+    else:
+        assert mx.allclose(model(ids), dense(ids), rtol=1e-4, atol=1e-4).item()
+    assert run(eng_f, specs)[0] == together
     PagedEngine(model, num_blocks=16, matmul="mlx")  # the matmul setting takes it away with linear's
     assert all(m._mlxq_qlinear is None for m in layers)
 
@@ -131,6 +135,7 @@ def test_the_generic_loops_give_the_avx2_bits(ext, tmp_path):
                            for b in (4, 8)])
     mx.save(str(tmp_path / "want.npy"), want)
     script = (
+        "from mlxq.worker import blas; blas.setup()\n"
         "import mlx.core as mx\n"
         "from mlxq.worker.engine import attention\n"
         "ext = attention.cpu_extension()\n"

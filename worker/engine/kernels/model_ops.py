@@ -15,8 +15,9 @@ any batch; it is checked against an error bound (:func:`_check_linear`) and used
 docs/design/attention.md.
 
 ``quantized_linear`` (:class:`FastQuantizedLinear`, :class:`FastQuantizedEmbedding`) multiplies by
-4- and 8-bit weights as stored, for a model loaded with ``cpu_weights=quantized``; it is used with
-``linear`` (the same ``matmul`` setting), checked against an error bound and for batch invariance
+4- and 8-bit weights as stored, for a model loaded with ``cpu_weights=quantized``: bit for bit
+``linear`` on the weights MLX's dequantize gives (the ``cpu_weights=fp32`` model's), where ``linear``
+runs its own loops; used with ``linear`` (the same ``matmul`` setting) and checked as it is
 (:func:`_check_quantized_linear`).  docs/design/quantized-weights.md.
 """
 
@@ -165,22 +166,26 @@ def _check_linear(ext) -> None:
 
 def _check_quantized_linear(ext) -> None:
     """quantized_linear against x @ dequantize(w)^T within float32 rounding, 4 and 8 bits, groups of
-    32 and 64, at 1 and 5 rows; and each row of a batch bit for bit its solo call."""
-    rs = mx.random.split(mx.random.key(17), 3)
+    32 and 64, at 1 and 5 rows; where linear runs its own loops, bit for bit linear() on the
+    dequantized weights (so cpu_weights=quantized computes what cpu_weights=fp32 does); and each row
+    of a batch bit for bit its solo call."""
+    rs = mx.random.split(mx.random.key(17), 2)
     w = mx.random.normal((75, 256), key=rs[0])
     x = mx.random.normal((5, 256), key=rs[1])
+    exact = blas_addresses() is not None and ext.linear_isa() != "blas"  # linear's own loops (set_blas: _check_linear)
     for bits in (4, 8):
         for group in (32, 64):
             wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
             scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-            # |s q| + |b| elementwise (q >= 0): each product's magnitude in the kernel's two sums
-            size = mx.dequantize(wq, mx.abs(scales), mx.abs(biases), group_size=group, bits=bits)
-            want = x @ mx.dequantize(wq, scales, biases, group_size=group, bits=bits).T
-            got = ext.quantized_linear(x, wq, scales, biases, group, bits)
-            bound = 4 * x.shape[-1] * 2.0 ** -24 * (mx.abs(x) @ size.T)
-            if got.shape != want.shape or not mx.all(mx.abs(got - want) <= bound + 1e-30).item():
-                raise OpMismatch(f"quantized_linear ({bits} bits, group {group}) differs from x @ dequantize(w).T "
-                                 "by more than float32 rounding")
+            wd = mx.dequantize(wq, scales, biases, group_size=group, bits=bits)
+            for rows in (x[:1], x):
+                got = ext.quantized_linear(rows, wq, scales, biases, group, bits)
+                if not within_float32_rounding(got, rows, wd):
+                    raise OpMismatch(f"quantized_linear ({bits} bits, group {group}) differs from x @ dequantize(w).T "
+                                     "by more than float32 rounding")
+                if exact and not mx.array_equal(got, ext.linear(rows, wd, None)).item():
+                    raise OpMismatch(f"quantized_linear ({bits} bits, group {group}) is not bit for bit linear on "
+                                     "the dequantized weights")
             solo = mx.concatenate([ext.quantized_linear(x[i:i + 1], wq, scales, biases, group, bits)
                                    for i in range(x.shape[0])])
             if not mx.array_equal(solo, got).item():

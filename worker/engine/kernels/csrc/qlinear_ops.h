@@ -5,9 +5,10 @@
 // of weights it reads: 4-bit weights are ~5x fewer bytes than their fp32 copy (with fp32 scales
 // and biases per group of 32: 6 bits a weight; 8-bit: 10).
 //
-// Not MLX's quantized_matmul's bits (nor the fp32 copy's): each output sums in its own fixed
-// order, the same in any batch and any split (qmatmul.h), so a row decoded alone and in a batch
-// gets the same logits. model_ops checks it against MLX within a float32 error bound.
+// Bit for bit linear() on the weights as MLX's dequantize widens them (the cpu_weights=fp32 path)
+// where linear runs its own loops (AVX2 + FMA): each weight (s * q) + b, each output summed in
+// linear's order, the same in any batch (qmatmul.h). Without AVX2 the generic loops give those
+// bits too, but linear then calls the BLAS, so the two paths differ by float32 rounding there.
 #pragma once
 
 #include "cpu_ops.h"

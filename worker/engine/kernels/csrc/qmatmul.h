@@ -1,36 +1,41 @@
 // The matmul quantized_linear runs (qlinear_ops.h): y[m, n] = dot(x[m, :], w[n, :]) where w is
-// MLX's affine quantization as stored (4 or 8 bits packed little-endian in uint32 words, a float
-// scale s and bias b per group of gs values: w = s q + b), read as it is, never widened to fp32.
+// MLX's affine quantization as stored (4 or 8 bits packed little-endian in uint32 words, a float32
+// scale s and bias b per group of gs values), read as it is, never widened to fp32 in memory.
 //
-// Per group g of an output: d = q . x over the group's 8-lane chunks (a multiply, then one
-// fused multiply-add a chunk), then acc = fma(s, d, fma(b, xs_g, acc)), where xs_g is the 8-lane
-// partial sum of x over the group's chunks (computed once a call, group_sums); the 8 lanes added
-// in one fixed tree at the end. So every output has one chain of operations whatever M is,
-// whichever tile it falls in and however the columns are split: a row's bits do not depend on
-// its batch. The generic loops emulate the 8 lanes one float at a time with the same operations
-// (std::fma, compiled without contraction): the same bits as the AVX2 build.
+// Each weight is dequantized as MLX's dequantize computes it, (s * q) + b in two roundings (no
+// fused multiply-add), and each output summed as linear's own loops sum it (rowdot.h): an 8-lane
+// fused multiply-add chain from zero over k = 0, 8, 16, ..., then the lanes in hsum's tree. So a
+// row's output is bit for bit linear()'s on the weights dequantized at load (the cpu_weights=fp32
+// path), in any batch. Few rows: the chunks dequantized in registers (matvec); more: a strip of
+// weight rows dequantized into a buffer that stays in cache (dequantize_rows), which linear's loops
+// then read (qlinear_ops.cpp). The generic build emulates the 8 lanes one float at a time with the
+// same operations (std::fma, compiled without contraction): the same bits as the AVX2 build.
 #pragma once
 
 #include <cstdint>
 
 namespace mlxq::qmatmul {
 
-using MatmulFn = void (*)(const float* x, const float* xs, int M, int K, const uint32_t* w, const float* s,
-                          const float* b, int bits, int gs, float* y, int64_t ldy, int n0, int n1);
+// A weight as stored: N rows of K * bits / 32 words; s, b: N rows of K / gs.
+struct QWeight {
+  const uint32_t* w;
+  const float* s;
+  const float* b;
+  int K, bits, gs;
+};
 
-// xs[(m * G + g) * 8 + lane] = sum over the group's chunks c of x[m, g * gs + 8 c + lane], in chunk
-// order (plain adds: the same bits in any build).
-void group_sums(const float* x, int M, int K, int gs, float* xs);
+// In registers: y[m * ldy + n] for m in [0, M), n in [n0, n1); x: M rows of K, contiguous.
+using MatvecFn = void (*)(const float* x, int M, const QWeight& q, float* y, int64_t ldy, int n0, int n1);
+// Weight rows [n0, n1) as float32, (s * q) + b, into out (n1 - n0 rows of K).
+using DequantFn = void (*)(const QWeight& q, int n0, int n1, float* out);
 
-// y[m * ldy + n] for m in [0, M), n in [n0, n1); x: M rows of K, contiguous; w: N rows of K * bits
-// / 32 words; s, b: N rows of K / gs.
 namespace avx2 {
-void matmul(const float* x, const float* xs, int M, int K, const uint32_t* w, const float* s, const float* b,
-            int bits, int gs, float* y, int64_t ldy, int n0, int n1);
-}
+void matvec(const float* x, int M, const QWeight& q, float* y, int64_t ldy, int n0, int n1);
+void dequantize_rows(const QWeight& q, int n0, int n1, float* out);
+} // namespace avx2
 namespace generic {
-void matmul(const float* x, const float* xs, int M, int K, const uint32_t* w, const float* s, const float* b,
-            int bits, int gs, float* y, int64_t ldy, int n0, int n1);
-}
+void matvec(const float* x, int M, const QWeight& q, float* y, int64_t ldy, int n0, int n1);
+void dequantize_rows(const QWeight& q, int n0, int n1, float* out);
+} // namespace generic
 
 } // namespace mlxq::qmatmul

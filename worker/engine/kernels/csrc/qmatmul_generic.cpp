@@ -1,29 +1,10 @@
 // qmatmul_impl.h with 8 lanes emulated one float at a time, the AVX2 build's operations in the
 // same order (built with -ffp-contract=off: a multiply stays a multiply, std::fma is the only
-// fused one), so the same bits; also the group sums every build shares.
+// fused one), so the same bits.
 #include <cmath>
 #include <cstdint>
 
-#include "qmatmul.h"
-
-namespace mlxq::qmatmul {
-
-void group_sums(const float* x, int M, int K, int gs, float* xs) {
-  const int G = K / gs;
-  for (int m = 0; m < M; ++m)
-    for (int g = 0; g < G; ++g) {
-      const float* xg = x + (int64_t)m * K + (int64_t)g * gs;
-      float* out = xs + ((int64_t)m * G + g) * 8;
-      for (int l = 0; l < 8; ++l) {
-        float a = xg[l];
-        for (int c = 8; c < gs; c += 8)
-          a += xg[c + l];
-        out[l] = a;
-      }
-    }
-}
-
-namespace generic {
+namespace mlxq::qmatmul::generic {
 namespace {
 struct V {
   float l[8];
@@ -35,18 +16,27 @@ inline V vload(const float* p) {
     v.l[i] = p[i];
   return v;
 }
+inline void vstore(float* p, const V& v) {
+  for (int i = 0; i < 8; ++i)
+    p[i] = v.l[i];
+}
 inline V vset1(float f) {
   V v;
   for (int i = 0; i < 8; ++i)
     v.l[i] = f;
   return v;
 }
-inline V vmul(V a, V b) {
+inline V vmul(V a, const V& b) {
   for (int i = 0; i < 8; ++i)
     a.l[i] *= b.l[i];
   return a;
 }
-inline V vfma(V a, V b, V c) {
+inline V vadd(V a, const V& b) {
+  for (int i = 0; i < 8; ++i)
+    a.l[i] += b.l[i];
+  return a;
+}
+inline V vfma(const V& a, const V& b, V c) {
   for (int i = 0; i < 8; ++i)
     c.l[i] = std::fma(a.l[i], b.l[i], c.l[i]);
   return c;
@@ -68,8 +58,7 @@ inline float vhsum(const V& v) {
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 } // namespace
-} // namespace generic
-} // namespace mlxq::qmatmul
+} // namespace mlxq::qmatmul::generic
 
 #define QMATMUL_NS generic
 #include "qmatmul_impl.h"

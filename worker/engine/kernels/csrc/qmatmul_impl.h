@@ -1,6 +1,6 @@
-// qmatmul.h's loops for one vector type (QMATMUL_NS: avx2 or generic), included once by each.
-// A tile is TM rows of x against TN weight rows; each output's chain is the same in any tile
-// (see qmatmul.h), so the tile shapes are free to follow the row count.
+// qmatmul.h's loops for one vector type (QMATMUL_NS: avx2 or generic), included once by each after
+// it defines V and its operations. A tile is TM rows of x against TN weight rows; every output's
+// chain is the same in any tile (qmatmul.h), so the tile shapes are free to follow the row count.
 #include <algorithm>
 #include <cstdint>
 
@@ -10,90 +10,91 @@ namespace mlxq::qmatmul::QMATMUL_NS {
 
 namespace {
 
-// One weight row's quantized values, chunk by chunk (8 values as floats: exact small integers).
+// Weight values k .. k + 7 (k a multiple of 8) of the row at words w, dequantized: (s * q) + b.
 template <int BITS>
-struct Row {
-  const uint32_t* w; // the row's words
-  V chunk(int k) const { // values k .. k + 7 (k a multiple of 8)
-    if constexpr (BITS == 4)
-      return unpack4(w[k / 8]);
-    else
-      return unpack8(w + k / 4);
-  }
-};
+inline V chunk(const uint32_t* w, int k, V s, V b) {
+  const V q = BITS == 4 ? unpack4(w[k / 8]) : unpack8(w + k / 4);
+  return vadd(vmul(s, q), b);
+}
 
 template <int BITS, int TM, int TN>
-inline void tile(const float* x, const float* xs, int K, int gs, const uint32_t* w, int64_t ldw, const float* s,
-                 const float* b, int G, float* y, int64_t ldy) {
+inline void tile(const float* x, const QWeight& q, int64_t ldw, int G, int n, float* y, int64_t ldy) {
+  const int K = q.K, gs = q.gs;
   V acc[TM][TN];
   for (int i = 0; i < TM; ++i)
     for (int j = 0; j < TN; ++j)
       acc[i][j] = vzero();
-  Row<BITS> rows[TN];
-  for (int j = 0; j < TN; ++j)
-    rows[j].w = w + j * ldw;
   for (int g = 0; g < G; ++g) {
-    const int k0 = g * gs;
-    V d[TM][TN];
+    V s[TN], b[TN];
     for (int j = 0; j < TN; ++j) {
-      V q = rows[j].chunk(k0);
-      for (int i = 0; i < TM; ++i)
-        d[i][j] = vmul(q, vload(x + (int64_t)i * K + k0));
+      s[j] = vset1(q.s[(int64_t)(n + j) * G + g]);
+      b[j] = vset1(q.b[(int64_t)(n + j) * G + g]);
     }
-    for (int k = k0 + 8; k < k0 + gs; k += 8)
-      for (int j = 0; j < TN; ++j) {
-        V q = rows[j].chunk(k);
-        for (int i = 0; i < TM; ++i)
-          d[i][j] = vfma(q, vload(x + (int64_t)i * K + k), d[i][j]);
-      }
-    for (int j = 0; j < TN; ++j) {
-      const V sj = vset1(s[j * (int64_t)G + g]), bj = vset1(b[j * (int64_t)G + g]);
+    for (int k = g * gs; k < (g + 1) * gs; k += 8) {
+      V xv[TM];
       for (int i = 0; i < TM; ++i)
-        acc[i][j] = vfma(sj, d[i][j], vfma(bj, vload(xs + ((int64_t)i * G + g) * 8), acc[i][j]));
+        xv[i] = vload(x + (int64_t)i * K + k);
+      for (int j = 0; j < TN; ++j) {
+        const V wv = chunk<BITS>(q.w + (int64_t)(n + j) * ldw, k, s[j], b[j]);
+        for (int i = 0; i < TM; ++i)
+          acc[i][j] = vfma(wv, xv[i], acc[i][j]);
+      }
     }
   }
   for (int i = 0; i < TM; ++i)
     for (int j = 0; j < TN; ++j)
-      y[i * ldy + j] = vhsum(acc[i][j]);
+      y[i * ldy + n + j] = vhsum(acc[i][j]);
 }
 
-// Weight rows [n0, n1) TN at a time (the rest one at a time) against rows of x TM at a time.
 template <int BITS, int TM, int TN>
-inline void strip(const float* x, const float* xs, int K, int gs, const uint32_t* w, int64_t ldw, const float* s,
-                  const float* b, int G, float* y, int64_t ldy, int n0, int n1) {
+inline void strip(const float* x, const QWeight& q, int64_t ldw, int G, float* y, int64_t ldy, int n0, int n1) {
   int n = n0;
   for (; n + TN <= n1; n += TN)
-    tile<BITS, TM, TN>(x, xs, K, gs, w + n * ldw, ldw, s + (int64_t)n * G, b + (int64_t)n * G, G, y + n, ldy);
+    tile<BITS, TM, TN>(x, q, ldw, G, n, y, ldy);
   for (; n < n1; ++n)
-    tile<BITS, TM, 1>(x, xs, K, gs, w + n * ldw, ldw, s + (int64_t)n * G, b + (int64_t)n * G, G, y + n, ldy);
+    tile<BITS, TM, 1>(x, q, ldw, G, n, y, ldy);
 }
 
 template <int BITS>
-void run(const float* x, const float* xs, int M, int K, const uint32_t* w, const float* s, const float* b, int gs,
-         float* y, int64_t ldy, int n0, int n1) {
-  const int G = K / gs;
-  const int64_t ldw = (int64_t)K * BITS / 32;
-  // one row: 4 weight rows in flight (their chains overlap); more: 2 x 2 tiles, each weight
-  // chunk unpacked once for two rows; an odd last row alone.
-  if (M == 1) {
-    strip<BITS, 1, 4>(x, xs, K, gs, w, ldw, s, b, G, y, ldy, n0, n1);
-    return;
-  }
-  int m = 0;
+void rows(const float* x, int M, const QWeight& q, float* y, int64_t ldy, int n0, int n1) {
+  const int G = q.K / q.gs;
+  const int64_t ldw = (int64_t)q.K * BITS / 32;
+  int m = 0; // pairs of rows against 4 weight rows, then an odd last row
   for (; m + 2 <= M; m += 2)
-    strip<BITS, 2, 2>(x + (int64_t)m * K, xs + (int64_t)m * G * 8, K, gs, w, ldw, s, b, G, y + m * ldy, ldy, n0, n1);
+    strip<BITS, 2, 4>(x + (int64_t)m * q.K, q, ldw, G, y + m * ldy, ldy, n0, n1);
   if (m < M)
-    strip<BITS, 1, 4>(x + (int64_t)m * K, xs + (int64_t)m * G * 8, K, gs, w, ldw, s, b, G, y + m * ldy, ldy, n0, n1);
+    strip<BITS, 1, 4>(x + (int64_t)m * q.K, q, ldw, G, y + m * ldy, ldy, n0, n1);
+}
+
+template <int BITS>
+void dequant(const QWeight& q, int n0, int n1, float* out) {
+  const int G = q.K / q.gs;
+  const int64_t ldw = (int64_t)q.K * BITS / 32;
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* w = q.w + n * ldw;
+    float* o = out + (int64_t)(n - n0) * q.K;
+    for (int g = 0; g < G; ++g) {
+      const V s = vset1(q.s[(int64_t)n * G + g]), b = vset1(q.b[(int64_t)n * G + g]);
+      for (int k = g * q.gs; k < (g + 1) * q.gs; k += 8)
+        vstore(o + k, chunk<BITS>(w, k, s, b));
+    }
+  }
 }
 
 } // namespace
 
-void matmul(const float* x, const float* xs, int M, int K, const uint32_t* w, const float* s, const float* b,
-            int bits, int gs, float* y, int64_t ldy, int n0, int n1) {
-  if (bits == 4)
-    run<4>(x, xs, M, K, w, s, b, gs, y, ldy, n0, n1);
+void matvec(const float* x, int M, const QWeight& q, float* y, int64_t ldy, int n0, int n1) {
+  if (q.bits == 4)
+    rows<4>(x, M, q, y, ldy, n0, n1);
   else
-    run<8>(x, xs, M, K, w, s, b, gs, y, ldy, n0, n1);
+    rows<8>(x, M, q, y, ldy, n0, n1);
+}
+
+void dequantize_rows(const QWeight& q, int n0, int n1, float* out) {
+  if (q.bits == 4)
+    dequant<4>(q, n0, n1, out);
+  else
+    dequant<8>(q, n0, n1, out);
 }
 
 } // namespace mlxq::qmatmul::QMATMUL_NS
