@@ -86,6 +86,7 @@ def test_the_engine_on_4_bit_weights_computes_what_it_does_on_their_fp32_values(
     model, note = _tiny_4_bit(tiny_model_dir, "quantized")
     assert note == "quantized layers kept packed (4-bit x 15)"
     eng = PagedEngine(model, num_blocks=64, matmul="pool", chunk_schedule=SMALL_CHUNKS)
+    assert eng.decode_path.startswith("decode_forward"), eng.decode_path  # the packed layers' own calls
     layers = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     assert all(type(m) in (model_ops.FastQuantizedLinear, model_ops.FastQuantizedEmbedding)
                and m._mlxq_qlinear is not None for m in layers)

@@ -461,12 +461,17 @@ def install_linear(model, op: Optional[Callable]) -> int:
 QUANT_BITS, QUANT_GROUPS = (4, 8), (32, 64, 128)
 
 
+def quantized_layer_fits(m) -> bool:
+    """Whether the extension's quantized_linear takes layer ``m``'s weights: MLX's affine 4- or 8-bit
+    blocks in groups of 32, 64 or 128, with float32 scales and biases."""
+    return (m.bits in QUANT_BITS and m.group_size in QUANT_GROUPS and getattr(m, "mode", "affine") == "affine"
+            and "biases" in m and m["scales"].dtype == mx.float32 and m["biases"].dtype == mx.float32)
+
+
 def _qtakes(x, m) -> bool:
     """Whether the extension's quantized_linear computes ``m`` (a quantized layer) on ``x``: float32
-    on the CPU, MLX's affine 4- or 8-bit blocks with float32 scales and biases."""
-    return (x.dtype == mx.float32 and x.ndim >= 1 and mx.default_device() == mx.cpu and m.bits in QUANT_BITS
-            and m.group_size in QUANT_GROUPS and getattr(m, "mode", "affine") == "affine" and "biases" in m
-            and m["scales"].dtype == mx.float32 and m["biases"].dtype == mx.float32)
+    on the CPU, and weights it takes."""
+    return x.dtype == mx.float32 and x.ndim >= 1 and mx.default_device() == mx.cpu and quantized_layer_fits(m)
 
 
 def _qlinear(m, x):
