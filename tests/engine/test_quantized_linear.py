@@ -17,20 +17,17 @@ import mlx.nn as nn
 import pytest
 
 from mlxq.shared.settings import Settings
-from mlxq.worker.engine import PagedEngine, attention
+from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine.kernels import model_ops
 from mlxq.worker.model import load_model, to_fp32, to_fp32_packed
 
-from enginekit import SMALL_CHUNKS, run
+from enginekit import SMALL_CHUNKS, extension_with, run
 
 
 @pytest.fixture(scope="module")
 def ext():
-    ext = attention.cpu_extension()
-    if "quantized_linear" not in model_ops.checked_ops(ext):
-        pytest.skip("quantized_linear did not pass its check here")
-    return ext
+    return extension_with("quantized_linear", "quantized_linear did not pass its check here")
 
 
 def _quantized(N, K, bits, group, seed):

@@ -442,19 +442,25 @@ class FastEmbedding(nn.Embedding):
         return super().as_linear(x)
 
 
-def install_linear(model, op: Optional[Callable]) -> int:
-    """Make the model's plain nn.Linear and nn.Embedding instances FastLinear and FastEmbedding
-    calling ``op`` (None: MLX's own matmul); returns how many Linear layers call ``op``."""
+def _install_op(model, embedding: tuple, linear: tuple, attr: str, op: Optional[Callable]) -> int:
+    """Make the model's plain embedding and linear layers (each pair: (fast class, plain class)) the
+    fast ones, with ``attr`` set to ``op`` (None: MLX's own); returns how many linear layers call ``op``."""
     _installed()
     n = 0
-    for fast, plain in ((FastEmbedding, nn.Embedding), (FastLinear, nn.Linear)):
+    for fast, plain in (embedding, linear):
         if op is not None:
             _swap_class(model, plain, fast)
         for _, m in model.named_modules():
             if type(m) is fast:
-                object.__setattr__(m, "_mlxq_linear", op)
-                n += fast is FastLinear and op is not None
+                object.__setattr__(m, attr, op)
+                n += fast is linear[0] and op is not None
     return n
+
+
+def install_linear(model, op: Optional[Callable]) -> int:
+    """Make the model's plain nn.Linear and nn.Embedding instances FastLinear and FastEmbedding
+    calling ``op`` (None: MLX's own matmul); returns how many Linear layers call ``op``."""
+    return _install_op(model, (FastEmbedding, nn.Embedding), (FastLinear, nn.Linear), "_mlxq_linear", op)
 
 
 # ============================================================== quantized linear
@@ -504,16 +510,8 @@ class FastQuantizedEmbedding(nn.QuantizedEmbedding):
 def install_quantized_linear(model, op: Optional[Callable]) -> int:
     """Make the model's plain quantized layers the Fast ones calling ``op`` (None: MLX's own);
     returns how many quantized Linear layers call ``op``."""
-    _installed()
-    n = 0
-    for fast, plain in ((FastQuantizedEmbedding, nn.QuantizedEmbedding), (FastQuantizedLinear, nn.QuantizedLinear)):
-        if op is not None:
-            _swap_class(model, plain, fast)
-        for _, m in model.named_modules():
-            if type(m) is fast:
-                object.__setattr__(m, "_mlxq_qlinear", op)
-                n += fast is FastQuantizedLinear and op is not None
-    return n
+    return _install_op(model, (FastQuantizedEmbedding, nn.QuantizedEmbedding),
+                       (FastQuantizedLinear, nn.QuantizedLinear), "_mlxq_qlinear", op)
 
 
 def install(model, ext, ops: tuple) -> None:
