@@ -5,7 +5,7 @@
 
 The request (on stdin): {"op": "probe" | "solo" | "prompt" | "batch", "model": GGUF path, "threads": n,
 "prompts": [[token ids], ...], "gen": n, "extra_bufts": bool}. Prints one JSON line: {"tokens",
-"wall", "api"}. ``extra_bufts``: llama.cpp's extra buffer types (weight repacking, AMX tiles), its
+"wall", "api"} (batch: and "token_ids", each sequence's greedy tokens). ``extra_bufts``: llama.cpp's extra buffer types (weight repacking, AMX tiles), its
 default; the build on the bench machine of 2026-12-01 crashed in its first decode with them
 (use_extra_bufts, a model parameter the high-level API does not expose), so the bench probes first.
 
@@ -135,15 +135,16 @@ def batch(req: dict) -> dict:
 
     t0 = time.perf_counter()
     nxt = decode([(tok, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, tok in enumerate(p)])
-    n = n_seq
+    out = [[t] for t in nxt]
     for step in range(1, gen):
         nxt = decode([(nxt[s], len(p) + step - 1, s, True) for s, p in enumerate(prompts)])
-        n += n_seq
+        for s, t in enumerate(nxt):
+            out[s].append(t)
     wall = time.perf_counter() - t0
     L.llama_batch_free(b)
     L.llama_free(ctx)
     L.llama_model_free(model)
-    return {"tokens": n, "wall": wall, "api": f"llama_batch, {n_seq} sequence ids"}
+    return {"tokens": sum(map(len, out)), "wall": wall, "api": f"llama_batch, {n_seq} sequence ids", "token_ids": out}
 
 
 def main() -> int:
