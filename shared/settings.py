@@ -218,11 +218,10 @@ class Settings:
 
     # -- the worker process -----------------------------------------------------------------------------------
     keep_dtype: bool = opt(False, "keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
-    cpu_weights: str = opt("fp32", "on the CPU, a quantized model's weights: fp32 (dequantized at load, 4 bytes a "
-                           "weight; fastest at many rows a step) or quantized (4/8-bit blocks kept packed and read as "
-                           "stored, ~6/10 bits a weight; fastest at few rows). Fixed per worker, so a job's result "
-                           "never depends on its batch; keep_dtype overrides it",
-                           choices=CPU_WEIGHTS)
+    cpu_weights: str = opt("fp32", "on the CPU, a quantized model's weights: fp32 (dequantized at load: 4 bytes a "
+                           "weight) or quantized (4/8-bit blocks kept packed and read as stored: ~6/10 bits a weight, "
+                           "fewer bytes read a decode step; where the CPU has AVX2+FMA the same results as fp32). "
+                           "Fixed per worker; keep_dtype overrides it", choices=CPU_WEIGHTS)
     embed_pooling: str = opt("auto", "how an embedding job's hidden states are pooled when the job does not say: "
                              "last (the last token's: decoder embedders such as Qwen3-Embedding), mean, or auto "
                              "(the model directory's sentence-transformers 1_Pooling/config.json, else last)",

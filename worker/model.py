@@ -79,34 +79,35 @@ def to_fp32(model: nn.Module) -> str:
     """Dequantize and cast to float32: on the CPU, fp32 matmul is many times faster.  The cast comes
     first: quantization scales and biases (float16 in a GGUF, often bfloat16 in MLX checkpoints) in
     float32 make the dequantized weights exactly the blocks' values, not those rounded to float16."""
+    cast = _cast_to_fp32(model)
     notes = []
-    cast = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16)})
-    if cast:
-        model.set_dtype(mx.float32)  # floating parameters only: packed weights stay uint32
     if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()):
         dequantize_model(model)
         notes.append("dequantized")
-    if cast:
-        notes.append(f"cast {', '.join(d.removeprefix('mlx.core.') for d in cast)} to float32")
     mx.eval(model.parameters())
-    return ", ".join(notes) or "already float32"
+    return ", ".join(notes + cast) or "already float32"
+
+
+def _cast_to_fp32(model: nn.Module) -> list[str]:
+    """float16/bfloat16 parameters to float32 (floating ones only: packed weights stay uint32); the
+    note of what was cast, if anything."""
+    cast = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16)})
+    if cast:
+        model.set_dtype(mx.float32)
+    return [f"cast {', '.join(d.removeprefix('mlx.core.') for d in cast)} to float32"] if cast else []
 
 
 def to_fp32_packed(model: nn.Module) -> str:
     """Cast the floating parameters to float32 (the scales and biases of quantized layers too) and keep
     the quantized layers' blocks packed, for the extension's quantized_linear (cpu_weights=quantized);
     the note counts the layers kept, by bits."""
-    cast = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16)})
-    if cast:
-        model.set_dtype(mx.float32)  # floating parameters only: packed weights stay uint32
+    cast = _cast_to_fp32(model)
     kept = Counter(m.bits for _, m in model.named_modules()
                    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)))
     mx.eval(model.parameters())
-    notes = [f"quantized layers kept packed ({', '.join(f'{b}-bit x {n}' for b, n in sorted(kept.items()))})"
-             if kept else "no quantized layers"]
-    if cast:
-        notes.append(f"cast {', '.join(d.removeprefix('mlx.core.') for d in cast)} to float32")
-    return ", ".join(notes)
+    note = (f"quantized layers kept packed ({', '.join(f'{b}-bit x {n}' for b, n in sorted(kept.items()))})"
+            if kept else "no quantized layers")
+    return ", ".join([note] + cast)
 
 
 def _context_length(config: dict) -> int:
