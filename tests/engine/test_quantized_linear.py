@@ -56,6 +56,18 @@ def test_a_row_gets_linears_bits_on_the_dequantized_weights_alone_and_in_any_bat
     assert mx.array_equal(ext.quantized_linear(x3, wq, scales, biases, group, bits).reshape(4, N), alone[:4]).item()
 
 
+def test_a_group_is_bit_for_bit_each_call(ext):
+    """q/k/v (or gate/up) as one call: each output its own quantized_linear's, at one row and several."""
+    parts = [_quantized(n, 128, 4, 32, n) for n in (96, 32, 40)]
+    for M in (1, 5):
+        x = mx.random.normal((M, 128), key=mx.random.key(M))
+        outs = ext.quantized_linear_group(x, *([p[i] for p in parts] for i in range(3)), 32, 4)
+        for (wq, scales, biases, _), out in zip(parts, outs):
+            assert mx.array_equal(out, ext.quantized_linear(x, wq, scales, biases, 32, 4)).item()
+    with pytest.raises(ValueError, match="each with its scales and biases"):
+        ext.quantized_linear_group(x, [parts[0][0]], [], [], 32, 4)
+
+
 def test_bad_input_is_a_clear_error(ext):
     wq, scales, biases, _ = _quantized(16, 64, 4, 32, 1)
     x = mx.zeros((2, 64))

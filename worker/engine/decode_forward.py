@@ -13,8 +13,9 @@ A layer is two fused primitives, ``attn_in`` (rms_norm, q/k/v, RoPE of q and k) 
 ``mlp_block`` (o_proj and the residual, rms_norm, gate/up, swiglu, down and the residual): the
 separate ops' C++ tasks on the same inputs in the same order, so the bits do not change;
 :func:`fused_exact` checks each once a process and keeps the separate ops where one differs.
-A layer of packed 4/8-bit projections (``cpu_weights=quantized``) runs the separate ops with its
-projections' own calls (the extension's ``quantized_linear``), as the model file does.
+A layer of packed 4/8-bit projections (``cpu_weights=quantized``) runs the separate ops with what its
+projections' own calls give (the extension's ``quantized_linear``; q/k/v and gate/up each one
+``quantized_linear_group`` call), as the model file does.
 What it saves, measured: docs/design/attention.md.
 """
 
@@ -194,12 +195,23 @@ def attn_in_ops(ext, h, norm_weight, eps, ws, biases, heads, kv_heads, dims, tra
             v.reshape(B, kv_heads, 1, -1))
 
 
+def _packed(ext, x, mods: tuple) -> list:
+    """Packed projections of one x: one quantized_linear_group call where they share a kind and have no
+    bias (each output bit for bit its module's own call, the extension's quantized_linear), else the
+    modules' own calls."""
+    m0 = mods[0]
+    if all("bias" not in m and (m.bits, m.group_size) == (m0.bits, m0.group_size) for m in mods):
+        return ext.quantized_linear_group(x, [m["weight"] for m in mods], [m["scales"] for m in mods],
+                                          [m["biases"] for m in mods], m0.group_size, m0.bits)
+    return [m(x) for m in mods]
+
+
 def attn_in_modules(ext, h, norm, qkv, heads, kv_heads, dims, traditional, base, scale, offsets):
-    """attn_in_ops for a layer of packed weights: the q, k, v modules' own calls (the extension's
-    quantized_linear, and a bias where they have one), as the model file makes them."""
+    """attn_in_ops for a layer of packed weights: what the q, k, v modules' own calls give (the
+    extension's quantized_linear, and a bias where they have one), as the model file makes them."""
     B = h.shape[0]
     x = ext.rms_norm(h, norm["weight"], norm.eps)
-    q, k, v = (m(x) for m in qkv)
+    q, k, v = _packed(ext, x, qkv)
     rope = (dims, traditional, base, scale, offsets)
     return (ext.rope(q.reshape(B, heads, 1, -1), *rope), ext.rope(k.reshape(B, kv_heads, 1, -1), *rope),
             v.reshape(B, kv_heads, 1, -1))
@@ -209,7 +221,7 @@ def mlp_block_modules(ext, h, o, o_proj, norm, gate_proj, up_proj, down_proj):
     """mlp_block_ops for a layer of packed weights: the projections' own calls."""
     h = h + o_proj(o)
     x = ext.rms_norm(h, norm["weight"], norm.eps)
-    return h + down_proj(ext.swiglu(gate_proj(x), up_proj(x)))
+    return h + down_proj(ext.swiglu(*_packed(ext, x, (gate_proj, up_proj))))
 
 
 def mlp_block_ops(ext, h, o, w_o, norm_weight, eps, w_gate, w_up, w_down, biases):

@@ -74,27 +74,45 @@ const char* qlinear_isa() {
   return "generic";
 }
 
-mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits) {
+std::vector<mx::array> quantized_linear_group(const mx::array& x, const std::vector<mx::array>& ws,
+                                              const std::vector<mx::array>& scales,
+                                              const std::vector<mx::array>& biases, int group_size, int bits) {
   if (bits != 4 && bits != 8)
     throw std::invalid_argument("quantized_linear: bits must be 4 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128)
     throw std::invalid_argument("quantized_linear: group_size must be 32, 64 or 128");
   if (x.dtype() != mx::float32 || x.ndim() < 1)
     throw std::invalid_argument("quantized_linear: x must be float32 (..., K)");
+  if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size())
+    throw std::invalid_argument("quantized_linear: one or more weights, each with its scales and biases");
   const int K = x.shape(-1);
   if (K == 0 || K % group_size != 0)
     throw std::invalid_argument("quantized_linear: K must be a positive multiple of group_size");
-  if (w.dtype() != mx::uint32 || w.ndim() != 2 || (int64_t)w.shape(1) * 32 != (int64_t)K * bits || w.shape(0) == 0)
-    throw std::invalid_argument("quantized_linear: w must be uint32 (N, K * bits / 32) for x (..., K)");
-  for (const auto* a : {&scales, &biases})
-    if (a->dtype() != mx::float32 || a->ndim() != 2 || a->shape(0) != w.shape(0) || a->shape(1) != K / group_size)
-      throw std::invalid_argument("quantized_linear: scales and biases must be float32 (N, K / group_size)");
-  auto shape = x.shape();
-  shape.back() = w.shape(0);
+  std::vector<mx::array> inputs = {x};
+  std::vector<mx::Shape> shapes;
+  for (size_t g = 0; g < ws.size(); ++g) {
+    const auto& w = ws[g];
+    if (w.dtype() != mx::uint32 || w.ndim() != 2 || (int64_t)w.shape(1) * 32 != (int64_t)K * bits || w.shape(0) == 0)
+      throw std::invalid_argument("quantized_linear: w must be uint32 (N, K * bits / 32) for x (..., K)");
+    for (const auto* a : {&scales[g], &biases[g]})
+      if (a->dtype() != mx::float32 || a->ndim() != 2 || a->shape(0) != w.shape(0) || a->shape(1) != K / group_size)
+        throw std::invalid_argument("quantized_linear: scales and biases must be float32 (N, K / group_size)");
+    inputs.insert(inputs.end(), {w, scales[g], biases[g]});
+    auto shape = x.shape();
+    shape.back() = w.shape(0);
+    shapes.push_back(shape);
+  }
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedLinear>(s, group_size, bits),
-                   {x, w, scales, biases});
+  auto prim = std::make_shared<QuantizedLinear>(s, group_size, bits, (int)ws.size());
+  if (ws.size() == 1)
+    return {mx::array(shapes[0], mx::float32, prim, std::move(inputs))};
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32), prim,
+                                std::move(inputs));
+}
+
+mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits) {
+  return quantized_linear_group(x, {w}, {scales}, {biases}, group_size, bits)[0];
 }
 
 void QuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -104,37 +122,56 @@ void QuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     in.push_back(row_contiguous(a, encoder));
     encoder.set_input_array(in.back());
   }
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  encoder.set_output_array(out);
-  const int K = in[0].shape(-1), N = in[1].shape(0);
+  const int K = in[0].shape(-1);
   const int M = (int)(in[0].size() / (size_t)K);
   const float* x = in[0].data<float>();
-  const uint32_t* w = in[1].data<uint32_t>();
-  const float* sc = in[2].data<float>();
-  const float* bi = in[3].data<float>();
-  float* y = out.data<float>();
-  const int gs = group_size_, bits = bits_;
+  struct Target {
+    qmatmul::QWeight q;
+    float* y;
+    int N;
+  };
+  std::vector<Target> targets;
+  for (int g = 0; g < groups_; ++g) {
+    auto& out = outputs[g];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+    const auto& w = in[1 + 3 * g];
+    targets.push_back({{w.data<uint32_t>(), in[2 + 3 * g].data<float>(), in[3 + 3 * g].data<float>(), K, bits_,
+                        group_size_},
+                       out.data<float>(), w.shape(0)});
+  }
   encoder.dispatch([=]() {
-    const qmatmul::QWeight q{w, sc, bi, K, bits, gs};
     // x packed once for linear's loops where they read a packing (many rows)
     thread_local std::vector<float> pairs;
     const float* xpairs = M > kRegisterRows && rowdot_loops() != nullptr ? rowdot_pack(x, M, K, pairs) : nullptr;
     ThreadPool& tp = pool();
-    const int n = std::max(1, std::min(tp.size() * kPartsPerThread, (N + kColAlign - 1) / kColAlign));
-    const int per = ((N + n - 1) / n + kColAlign - 1) / kColAlign * kColAlign;
-    const int parts = (N + per - 1) / per;
-    auto part = [&](int p) { run_part(q, x, xpairs, M, y, N, p * per, std::min(N, (p + 1) * per)); };
-    if (parts == 1)
+    // each weight split as it is alone (the same parts: a part's bits do not depend on it anyway), every
+    // part of every weight in one pass of the pool
+    struct Part {
+      int target, c0, c1;
+    };
+    std::vector<Part> parts;
+    for (int t = 0; t < (int)targets.size(); ++t) {
+      const int N = targets[t].N;
+      const int n = std::max(1, std::min(tp.size() * kPartsPerThread, (N + kColAlign - 1) / kColAlign));
+      const int per = ((N + n - 1) / n + kColAlign - 1) / kColAlign * kColAlign;
+      for (int c0 = 0; c0 < N; c0 += per)
+        parts.push_back({t, c0, std::min(N, c0 + per)});
+    }
+    auto part = [&](int p) {
+      const Target& t = targets[parts[p].target];
+      run_part(t.q, x, xpairs, M, t.y, t.N, parts[p].c0, parts[p].c1);
+    };
+    if (parts.size() == 1)
       part(0);
     else
-      tp.parallel_for(parts, part);
+      tp.parallel_for((int)parts.size(), part);
   });
 }
 
 bool QuantizedLinear::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedLinear&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && groups_ == o.groups_;
 }
 
 } // namespace mlxq

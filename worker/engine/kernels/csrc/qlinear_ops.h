@@ -11,6 +11,8 @@
 // bits too, but linear then calls the BLAS, so the two paths differ by float32 rounding there.
 #pragma once
 
+#include <vector>
+
 #include "cpu_ops.h"
 
 namespace mlxq {
@@ -21,10 +23,17 @@ const char* qlinear_isa();
 mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            int group_size, int bits);
 
+// Several weights of one width and kind applied to one x as one primitive and one pass of the pool
+// (a layer's q/k/v projections, an MLP's gate and up): each output bit for bit its own
+// quantized_linear call; what it saves is the per-call cost (an MLX task, a wake-up of the pool).
+std::vector<mx::array> quantized_linear_group(const mx::array& x, const std::vector<mx::array>& ws,
+                                              const std::vector<mx::array>& scales,
+                                              const std::vector<mx::array>& biases, int group_size, int bits);
+
 class QuantizedLinear : public CpuPrimitive {
  public:
-  QuantizedLinear(mx::Stream stream, int group_size, int bits)
-      : CpuPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedLinear(mx::Stream stream, int group_size, int bits, int groups)
+      : CpuPrimitive(stream), group_size_(group_size), bits_(bits), groups_(groups) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override {
     return "MlxqQuantizedLinear";
@@ -32,7 +41,7 @@ class QuantizedLinear : public CpuPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
-  int group_size_, bits_;
+  int group_size_, bits_, groups_;
 };
 
 } // namespace mlxq
