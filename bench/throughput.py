@@ -124,11 +124,12 @@ def read_stream(job, sink: list, index: int, t0: float) -> None:
     sink[index] = (ids, first, time.perf_counter())
 
 
-def mlxq_batch(client: Client, prompts, gen: int) -> tuple[float, int]:
-    """All jobs at once; one reader thread per job reads every token delta."""
+def mlxq_batch(client: Client, prompts, gen: int, **params) -> tuple[float, int]:
+    """All jobs at once; one reader thread per job reads every token delta (``params``: each job's
+    other sampling parameters, e.g. ignore_eos)."""
     sink: list = [None] * len(prompts)
     t0 = time.perf_counter()
-    jobs = [client.submit(prompt_tokens=p, max_tokens=gen) for p in prompts]
+    jobs = [client.submit(prompt_tokens=p, max_tokens=gen, **params) for p in prompts]
     threads = [threading.Thread(target=read_stream, args=(j, sink, i, t0)) for i, j in enumerate(jobs)]
     for t in threads:
         t.start()
@@ -139,12 +140,12 @@ def mlxq_batch(client: Client, prompts, gen: int) -> tuple[float, int]:
     return n / (end - t0), n
 
 
-def mlxq_solo(client: Client, prompts, gen: int) -> tuple[float, int]:
+def mlxq_solo(client: Client, prompts, gen: int, **params) -> tuple[float, int]:
     n = 0
     t0 = time.perf_counter()
     for p in prompts:
         sink: list = [None]
-        read_stream(client.submit(prompt_tokens=p, max_tokens=gen), sink, 0, t0)
+        read_stream(client.submit(prompt_tokens=p, max_tokens=gen, **params), sink, 0, t0)
         n += len(sink[0][0])
     return n / (time.perf_counter() - t0), n
 

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -18,6 +19,7 @@ from mlx_lm import load as mlx_load
 from mlx_lm.utils import dequantize_model
 
 from ..shared.keys import model_name
+from ..shared.settings import CPU_WEIGHTS
 from ..shared.tools import format_info
 from .gguf import GGUFError, GGUFInfo, load_gguf
 from .textstream import vocab_size
@@ -77,17 +79,35 @@ def to_fp32(model: nn.Module) -> str:
     """Dequantize and cast to float32: on the CPU, fp32 matmul is many times faster.  The cast comes
     first: quantization scales and biases (float16 in a GGUF, often bfloat16 in MLX checkpoints) in
     float32 make the dequantized weights exactly the blocks' values, not those rounded to float16."""
+    cast = _cast_to_fp32(model)
     notes = []
-    cast = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16)})
-    if cast:
-        model.set_dtype(mx.float32)  # floating parameters only: packed weights stay uint32
     if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()):
         dequantize_model(model)
         notes.append("dequantized")
-    if cast:
-        notes.append(f"cast {', '.join(d.removeprefix('mlx.core.') for d in cast)} to float32")
     mx.eval(model.parameters())
-    return ", ".join(notes) or "already float32"
+    return ", ".join(notes + cast) or "already float32"
+
+
+def _cast_to_fp32(model: nn.Module) -> list[str]:
+    """float16/bfloat16 parameters to float32 (floating ones only: packed weights stay uint32); the
+    note of what was cast, if anything."""
+    cast = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16)})
+    if cast:
+        model.set_dtype(mx.float32)
+    return [f"cast {', '.join(d.removeprefix('mlx.core.') for d in cast)} to float32"] if cast else []
+
+
+def to_fp32_packed(model: nn.Module) -> str:
+    """Cast the floating parameters to float32 (the scales and biases of quantized layers too) and keep
+    the quantized layers' blocks packed, for the extension's quantized_linear (cpu_weights=quantized);
+    the note counts the layers kept, by bits."""
+    cast = _cast_to_fp32(model)
+    kept = Counter(m.bits for _, m in model.named_modules()
+                   if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)))
+    mx.eval(model.parameters())
+    note = (f"quantized layers kept packed ({', '.join(f'{b}-bit x {n}' for b, n in sorted(kept.items()))})"
+            if kept else "no quantized layers")
+    return ", ".join([note] + cast)
 
 
 def _context_length(config: dict) -> int:
@@ -185,8 +205,13 @@ def _log_gguf(source: str, info: GGUFInfo) -> None:
         )
 
 
-def load_model(source: str, *, name: str | None = None, keep_dtype: bool = False) -> LoadedModel:
-    """``mlx_lm.load`` of a directory or hub id, or a GGUF file, then fp32 on the CPU unless ``keep_dtype``."""
+def load_model(source: str, *, name: str | None = None, keep_dtype: bool = False,
+               cpu_weights: str = "fp32") -> LoadedModel:
+    """``mlx_lm.load`` of a directory or hub id, or a GGUF file, then fp32 on the CPU unless ``keep_dtype``:
+    ``cpu_weights`` "fp32" dequantizes quantized layers, "quantized" keeps their blocks packed (the rest
+    float32) for the CPU extension's quantized_linear."""
+    if cpu_weights not in CPU_WEIGHTS:
+        raise ValueError(f"cpu_weights must be one of {', '.join(CPU_WEIGHTS)} (got {cpu_weights!r})")
     t0 = time.perf_counter()
     gguf_info = None
     if is_gguf(source):
@@ -196,6 +221,8 @@ def load_model(source: str, *, name: str | None = None, keep_dtype: bool = False
         model, tokenizer, config = _mlx_load(source)
     if keep_dtype or not _is_cpu():
         note = "dtype kept" + ("" if keep_dtype else " (not on the CPU)")
+    elif cpu_weights == "quantized":
+        note = to_fp32_packed(model)
     else:
         note = to_fp32(model)
     if gguf_info is not None:  # what the policy costs: a quantized file may grow many times in fp32

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 # ``mlxq worker --help`` groups its flags by what they tune; a field named in none (a new one) is listed
 # under "other" until it is placed here.
 GROUPS = {
-    "engine": ("keep_dtype", "max_batch", "step_token_budget", "chunked_prefill", "chunk_schedule",
+    "engine": ("keep_dtype", "cpu_weights", "max_batch", "step_token_budget", "chunked_prefill", "chunk_schedule",
                "priority_gap", "attention", "matmul", "host_thread", "embed_pooling", "speculate", "speculate_k",
                "draft_model"),
     "memory": ("kv_memory_mb", "kv_blocks", "block_size", "pressure", "prefix_cache", "decode_reserve_blocks",
@@ -82,7 +82,8 @@ def run(args) -> int:
     from ..worker.runner import Worker
 
     try:
-        loaded = load_model(args.model, name=args.queue, keep_dtype=settings.keep_dtype)
+        loaded = load_model(args.model, name=args.queue, keep_dtype=settings.keep_dtype,
+                            cpu_weights=settings.cpu_weights)
     except ModelNotFound as exc:
         print(f"mlxq worker: {exc}", file=sys.stderr)
         return 2

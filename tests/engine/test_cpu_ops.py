@@ -307,9 +307,9 @@ def test_engine_uses_the_ops_only_with_the_fused_backend(ext, tiny_model):
     model = tiny_model.model
     fused = PagedEngine(model, num_blocks=16, attention="fused")
     assert fused.pool.kv_write is not None
-    # linear too, over the optimized BLAS (tests/engine/test_linear_op.py)
+    # linear and quantized_linear too, over the optimized BLAS (tests/engine/test_linear_op.py, test_quantized_linear.py)
     assert fused.attention.model_ops[:3] == ("swiglu", "rope", "rms_norm"), fused.attention.reason
-    assert set(fused.attention.model_ops[3:]) <= {"linear"}
+    assert set(fused.attention.model_ops[3:]) <= {"linear", "quantized_linear"}
     gather = PagedEngine(model, num_blocks=16, attention="gather")
     assert gather.pool.kv_write is None
 

@@ -20,17 +20,16 @@ import pytest
 
 from mlxq.shared.settings import Settings
 from mlxq.worker import blas
-from mlxq.worker.engine import PagedEngine, attention
+from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.kernels import model_ops
 from mlxq.worker.engine.kernels.extbuild import ExtensionUnavailable
+
+from enginekit import extension_with
 
 
 @pytest.fixture(scope="module")
 def ext():
-    ext = attention.cpu_extension()
-    if "linear" not in model_ops.checked_ops(ext):
-        pytest.skip("no optimized BLAS loaded here: the engine keeps MLX's matmul")
-    return ext
+    return extension_with("linear", "no optimized BLAS loaded here: the engine keeps MLX's matmul")
 
 
 @pytest.mark.parametrize("M", [1, 3, 64, 300])

@@ -168,3 +168,16 @@ def evict_cached(bm, max_blocks: int) -> int:
 def warm_count(session_dir: str) -> int:
     """Session files written (whole: no temporary) in ``session_dir``."""
     return sum(1 for f in os.listdir(session_dir) if f.endswith(".safetensors") and ".tmp." not in f)
+
+
+def extension_with(op: str, why: str):
+    """The CPU extension, or a skip (``why``) where its ``op`` did not pass its check here."""
+    import pytest
+
+    from mlxq.worker.engine import attention
+    from mlxq.worker.engine.kernels import model_ops
+
+    ext = attention.cpu_extension()
+    if op not in model_ops.checked_ops(ext):
+        pytest.skip(why)
+    return ext

@@ -23,7 +23,8 @@ from workerkit import neutral_cwd
 SAMPLES = {
     "prefix": "other", "tier_offsets": "low=120", "max_queued_per_tier": "50", "lease_s": "12.5",
     "heartbeat_s": "0.5", "takeover_s": "6", "stall_s": "300", "max_attempts": "5", "result_ttl_s": "600", "gather_ms": "2.5", "idle_block_s": "0.25",
-    "stats_interval_s": "0.5", "series_interval_s": "30", "max_new_tokens": "1000", "keep_dtype": True, "grace_s": "4", "burst": True,
+    "stats_interval_s": "0.5", "series_interval_s": "30", "max_new_tokens": "1000", "keep_dtype": True,
+    "cpu_weights": "quantized", "grace_s": "4", "burst": True,
     "host_thread": False,
     "rq_queues": "mlxq-high,mlxq-low", "metrics_port": "9100", "metrics_host": "0.0.0.0", "max_batch": "6",
     "kv_memory_mb": "64", "kv_blocks": "40", "pressure": "0.5", "prefix_cache": False, "huge_pages": False, "chunked_prefill": False,

@@ -209,6 +209,12 @@ def test_quantized_gguf_computes_what_its_blocks_stand_for(qtype, tiny_model_dir
     # would move logits by whole units
     np.testing.assert_allclose(logits(kept.model, PROMPT_IDS), want, rtol=1e-2, atol=2e-2)
 
+    packed = load_model(str(path), cpu_weights="quantized")  # the blocks kept, the rest float32
+    assert packed.dtype_note.startswith(f"quantized layers kept packed ({bits}-bit x 15)")
+    layer = dict(packed.model.named_modules())["model.layers.1.mlp.down_proj"]
+    assert isinstance(layer, nn.QuantizedLinear) and layer.scales.dtype == mx.float32
+    np.testing.assert_allclose(logits(packed.model, PROMPT_IDS), want, rtol=1e-4, atol=1e-4)
+
 
 def test_a_type_mlx_reads_as_float16_is_said_and_computes_its_values(tiny_model_dir, gguf_dir, caplog):
     path = gguf_dir / "tiny-BF16.gguf"

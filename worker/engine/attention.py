@@ -403,11 +403,12 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str =
         ext = cpu_extension()
         pool.kv_quantize = ext.kv_quantize if model_ops.checked_kv_quantize(ext) else None
     if backend.fused and backend.model_ops:
-        ops = tuple(o for o in backend.model_ops if o != "linear" or matmul == "pool")
+        ops = tuple(o for o in backend.model_ops if o not in ("linear", "quantized_linear") or matmul == "pool")
         model_ops.install(model, cpu_extension(), ops)
     else:
         model_ops.install_linear(model, None)  # a model an earlier engine set up keeps MLX's matmul too
         model_ops.install_groups(model, None)
+        model_ops.install_quantized_linear(model, None)
     backend = replace(backend, matmul=matmul)
     log.info("attention: %s (%s); weight matmuls: %s (%s)", backend.name, backend.reason, matmul, matmul_why)
     return backend

@@ -13,6 +13,9 @@ A layer is two fused primitives, ``attn_in`` (rms_norm, q/k/v, RoPE of q and k) 
 ``mlp_block`` (o_proj and the residual, rms_norm, gate/up, swiglu, down and the residual): the
 separate ops' C++ tasks on the same inputs in the same order, so the bits do not change;
 :func:`fused_exact` checks each once a process and keeps the separate ops where one differs.
+A layer of packed 4/8-bit projections (``cpu_weights=quantized``) runs the separate ops with what its
+projections' own calls give (the extension's ``quantized_linear``; q/k/v and gate/up each one
+``quantized_linear_group`` call), as the model file does.
 What it saves, measured: docs/design/attention.md.
 """
 
@@ -36,7 +39,7 @@ _MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 
 class _Layer:
     __slots__ = ("ln_in", "ln_post", "qkv", "o", "gate_up", "down", "heads", "kv_heads", "scale", "rope",
-                 "mlp_biases")
+                 "mlp_biases", "quantized")
 
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
@@ -49,6 +52,8 @@ class _Layer:
         r = attn.rope
         self.rope = (r.dims, r.traditional, r.base, r.scale)
         self.mlp_biases = [_bias(m) for m in (self.o, *self.gate_up, self.down)]
+        # packed 4/8-bit projections (cpu_weights=quantized): each called as the model file calls it
+        self.quantized = type(self.o) is model_ops.FastQuantizedLinear
 
 
 def _bias(m) -> Optional[mx.array]:
@@ -60,6 +65,22 @@ def _biases(ms) -> list:
     return [m["bias"] for m in ms if "bias" in m]
 
 
+def _projections_unsupported(lins: list) -> Optional[str]:
+    """Why a layer's seven projections cannot run here, or None: all the extension's linear (the
+    siblings grouped), or all its quantized_linear on weights it takes."""
+    if all(type(x) is model_ops.FastQuantizedLinear and getattr(x, "_mlxq_qlinear", None) is not None
+           and model_ops.quantized_layer_fits(x) for x in lins):
+        return None
+    if any(type(x) is not model_ops.FastLinear or getattr(x, "_mlxq_linear", None) is None for x in lins):
+        return "a projection is not the extension's linear"
+    if any(getattr(x, "_mlxq_group", None) is None for x in lins[:3] + lins[4:6]):
+        return "the sibling projections are not grouped"
+    for sib in (lins[:3], lins[4:6]):
+        if len({"bias" in x for x in sib}) != 1:
+            return "sibling projections with and without a bias"
+    return None
+
+
 class DecodeForward:
     """One decode step over the pool, up to the vocabulary head (see the module doc)."""
 
@@ -69,6 +90,7 @@ class DecodeForward:
         inner = model.model
         self.embed, self.norm = inner.embed_tokens, inner.norm
         self.layers = [_Layer(x) for x in inner.layers]
+        self.quantized_embed = type(self.embed) is model_ops.FastQuantizedEmbedding
         self.attn_in = ext.attn_in if fused_exact(ext, "attn_in") else None
         self.mlp_block = ext.mlp_block if fused_exact(ext, "mlp_block") else None
 
@@ -99,7 +121,11 @@ class DecodeForward:
         inner = getattr(model, "model", None)
         if inner is None or getattr(inner, "pipeline_size", 1) != 1:
             return "a pipelined model"
-        norms, weights = [inner.norm], [inner.embed_tokens["weight"]]
+        embed = inner.embed_tokens
+        packed = type(embed) is model_ops.FastQuantizedEmbedding
+        if packed and not model_ops.quantized_layer_fits(embed):
+            return "a quantized embedding the extension does not take"
+        norms, weights = [inner.norm], [] if packed else [embed["weight"]]
         for layer in inner.layers:
             if getattr(layer, "use_sliding", False):
                 return "sliding-window layers"
@@ -107,15 +133,11 @@ class DecodeForward:
             if type(attn.rope) is not model_ops.FastRoPE:
                 return f"rope {type(attn.rope).__name__}"
             lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-            if any(type(x) is not model_ops.FastLinear or getattr(x, "_mlxq_linear", None) is None for x in lins):
-                return "a projection is not the extension's linear"
-            if any(getattr(x, "_mlxq_group", None) is None for x in lins[:3] + lins[4:6]):
-                return "the sibling projections are not grouped"
-            for sib in (lins[:3], lins[4:6]):
-                if len({"bias" in x for x in sib}) != 1:
-                    return "sibling projections with and without a bias"
+            why = _projections_unsupported(lins)
+            if why is not None:
+                return why
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
-            weights += [x["weight"] for x in lins]
+            weights += [x["weight"] for x in lins if type(x) is model_ops.FastLinear]
         if any(type(x) is not model_ops.FastRMSNorm for x in norms):
             return "a norm is not the extension's"
         # the ops the model file would take are the extension's only for float32 (else MLX's own)
@@ -142,17 +164,25 @@ class DecodeForward:
         mlp = self.mlp_block or partial(mlp_block_ops, ext)
         view = BatchView(rows, pool.block_size, pool.scratch_block)
         B = inputs.shape[0]
-        h = self.embed["weight"][inputs]  # (B, 1, D), what nn.Embedding computes
+        # (B, 1, D): what nn.Embedding computes, or the quantized embedding's own call
+        h = self.embed(inputs) if self.quantized_embed else self.embed["weight"][inputs]
         offsets, slots = view.q_offsets, view.write_slots
         for i, L in enumerate(self.layers):
-            # each half: one fused primitive, or the same ops one by one (the same bits)
-            q, k, v = attn_in(h, L.ln_in["weight"], L.ln_in.eps, [m["weight"] for m in L.qkv], _biases(L.qkv),
-                              L.heads, L.kv_heads, *L.rope, offsets)
+            # each half: one fused primitive, or the same ops one by one (the same bits); a layer of
+            # packed weights, its modules' own calls between the same ops
+            if L.quantized:
+                q, k, v = attn_in_modules(ext, h, L.ln_in, L.qkv, L.heads, L.kv_heads, *L.rope, offsets)
+            else:
+                q, k, v = attn_in(h, L.ln_in["weight"], L.ln_in.eps, [m["weight"] for m in L.qkv], _biases(L.qkv),
+                                  L.heads, L.kv_heads, *L.rope, offsets)
             pool.write_rows(i, k, v, slots)
             o = pool.attention(q, pool.keys[i], pool.values[i], view.tables, view.q_offsets, view.kv_lens,
                                L.scale, None, **pool.quant_kwargs(i))
-            h = mlp(h, o.reshape(B, 1, -1), L.o["weight"], L.ln_post["weight"], L.ln_post.eps,
-                    L.gate_up[0]["weight"], L.gate_up[1]["weight"], L.down["weight"], L.mlp_biases)
+            if L.quantized:
+                h = mlp_block_modules(ext, h, o.reshape(B, 1, -1), L.o, L.ln_post, *L.gate_up, L.down)
+            else:
+                h = mlp(h, o.reshape(B, 1, -1), L.o["weight"], L.ln_post["weight"], L.ln_post.eps,
+                        L.gate_up[0]["weight"], L.gate_up[1]["weight"], L.down["weight"], L.mlp_biases)
         return ext.rms_norm(h, self.norm["weight"], self.norm.eps)[:, 0, :]
 
 
@@ -163,6 +193,35 @@ def attn_in_ops(ext, h, norm_weight, eps, ws, biases, heads, kv_heads, dims, tra
     rope = (dims, traditional, base, scale, offsets)
     return (ext.rope(q.reshape(B, heads, 1, -1), *rope), ext.rope(k.reshape(B, kv_heads, 1, -1), *rope),
             v.reshape(B, kv_heads, 1, -1))
+
+
+def _packed(ext, x, mods: tuple) -> list:
+    """Packed projections of one x: one quantized_linear_group call where they share a kind and have no
+    bias (each output bit for bit its module's own call, the extension's quantized_linear), else the
+    modules' own calls."""
+    m0 = mods[0]
+    if all("bias" not in m and (m.bits, m.group_size) == (m0.bits, m0.group_size) for m in mods):
+        return ext.quantized_linear_group(x, [m["weight"] for m in mods], [m["scales"] for m in mods],
+                                          [m["biases"] for m in mods], m0.group_size, m0.bits)
+    return [m(x) for m in mods]
+
+
+def attn_in_modules(ext, h, norm, qkv, heads, kv_heads, dims, traditional, base, scale, offsets):
+    """attn_in_ops for a layer of packed weights: what the q, k, v modules' own calls give (the
+    extension's quantized_linear, and a bias where they have one), as the model file makes them."""
+    B = h.shape[0]
+    x = ext.rms_norm(h, norm["weight"], norm.eps)
+    q, k, v = _packed(ext, x, qkv)
+    rope = (dims, traditional, base, scale, offsets)
+    return (ext.rope(q.reshape(B, heads, 1, -1), *rope), ext.rope(k.reshape(B, kv_heads, 1, -1), *rope),
+            v.reshape(B, kv_heads, 1, -1))
+
+
+def mlp_block_modules(ext, h, o, o_proj, norm, gate_proj, up_proj, down_proj):
+    """mlp_block_ops for a layer of packed weights: the projections' own calls."""
+    h = h + o_proj(o)
+    x = ext.rms_norm(h, norm["weight"], norm.eps)
+    return h + down_proj(ext.swiglu(*_packed(ext, x, (gate_proj, up_proj))))
 
 
 def mlp_block_ops(ext, h, o, w_o, norm_weight, eps, w_gate, w_up, w_down, biases):

@@ -13,6 +13,12 @@ one :class:`LinearGroup`) is not bit-identical to MLX's matmul, but gives a row 
 any batch; it is checked against an error bound (:func:`_check_linear`) and used as the
 ``matmul`` setting says (``attention.resolve_matmul``).  Why, and what each op saves:
 docs/design/attention.md.
+
+``quantized_linear`` (:class:`FastQuantizedLinear`, :class:`FastQuantizedEmbedding`) multiplies by
+4- and 8-bit weights as stored, for a model loaded with ``cpu_weights=quantized``: bit for bit
+``linear`` on the weights MLX's dequantize gives (the ``cpu_weights=fp32`` model's), where ``linear``
+runs its own loops; used with ``linear`` (the same ``matmul`` setting) and checked as it is
+(:func:`_check_quantized_linear`).  docs/design/quantized-weights.md.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from mlx_lm.models.activations import swiglu as mlx_swiglu
 
 log = logging.getLogger(__name__)
 
-OPS = ("swiglu", "rope", "rms_norm", "linear")
+OPS = ("swiglu", "rope", "rms_norm", "linear", "quantized_linear")
 
 
 # ============================================================== checks
@@ -158,6 +164,34 @@ def _check_linear(ext) -> None:
             raise OpMismatch("linear differs from MLX's matmul by more than float32 rounding")
 
 
+def _check_quantized_linear(ext) -> None:
+    """quantized_linear against x @ dequantize(w)^T within float32 rounding, 4 and 8 bits, groups of
+    32 and 64, at 1 and 5 rows; where linear runs its own loops, bit for bit linear() on the
+    dequantized weights (so cpu_weights=quantized computes what cpu_weights=fp32 does); and each row
+    of a batch bit for bit its solo call."""
+    rs = mx.random.split(mx.random.key(17), 2)
+    w = mx.random.normal((75, 256), key=rs[0])
+    x = mx.random.normal((5, 256), key=rs[1])
+    exact = blas_addresses() is not None and ext.linear_isa() != "blas"  # linear's own loops (set_blas: _check_linear)
+    for bits in (4, 8):
+        for group in (32, 64):
+            wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+            scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+            wd = mx.dequantize(wq, scales, biases, group_size=group, bits=bits)
+            for rows in (x[:1], x):
+                got = ext.quantized_linear(rows, wq, scales, biases, group, bits)
+                if not within_float32_rounding(got, rows, wd):
+                    raise OpMismatch(f"quantized_linear ({bits} bits, group {group}) differs from x @ dequantize(w).T "
+                                     "by more than float32 rounding")
+                if exact and not mx.array_equal(got, ext.linear(rows, wd, None)).item():
+                    raise OpMismatch(f"quantized_linear ({bits} bits, group {group}) is not bit for bit linear on "
+                                     "the dequantized weights")
+            solo = mx.concatenate([ext.quantized_linear(x[i:i + 1], wq, scales, biases, group, bits)
+                                   for i in range(x.shape[0])])
+            if not mx.array_equal(solo, got).item():
+                raise OpMismatch("quantized_linear gives a row other bits in a batch than alone")
+
+
 def within_float32_rounding(got, x, w, bias=None) -> bool:
     """``got`` is ``x @ w.T (+ bias)`` up to float32 rounding in any summation order:
     |got - MLX's| <= 2 K 2^-24 (|x| @ |w|^T + |bias|) elementwise (the bound of a length-K
@@ -176,7 +210,7 @@ def checked_ops(ext) -> tuple:
     if _checked is None:
         ok = []
         for name, check in (("swiglu", _check_swiglu), ("rope", _check_rope), ("rms_norm", _check_rms_norm),
-                            ("linear", _check_linear)):
+                            ("linear", _check_linear), ("quantized_linear", _check_quantized_linear)):
             try:
                 check(ext)
                 ok.append(name)
@@ -201,7 +235,8 @@ def describe(ext, ops: tuple) -> str:
     parts = [f"swiglu {ext.swiglu_isa()}" if "swiglu" in ops else "mlx-lm's swiglu",
              "rope" if "rope" in ops else "MLX's rope",
              "rms_norm" if "rms_norm" in ops else "MLX's rms_norm",
-             "linear on the pool" if "linear" in ops else "MLX's matmul"]
+             "linear on the pool" if "linear" in ops else "MLX's matmul",
+             f"quantized_linear {ext.qlinear_isa()}" if "quantized_linear" in ops else "MLX's quantized_matmul"]
     return "; ".join(parts)
 
 
@@ -407,19 +442,76 @@ class FastEmbedding(nn.Embedding):
         return super().as_linear(x)
 
 
-def install_linear(model, op: Optional[Callable]) -> int:
-    """Make the model's plain nn.Linear and nn.Embedding instances FastLinear and FastEmbedding
-    calling ``op`` (None: MLX's own matmul); returns how many Linear layers call ``op``."""
+def _install_op(model, embedding: tuple, linear: tuple, attr: str, op: Optional[Callable]) -> int:
+    """Make the model's plain embedding and linear layers (each pair: (fast class, plain class)) the
+    fast ones, with ``attr`` set to ``op`` (None: MLX's own); returns how many linear layers call ``op``."""
     _installed()
     n = 0
-    for fast, plain in ((FastEmbedding, nn.Embedding), (FastLinear, nn.Linear)):
+    for fast, plain in (embedding, linear):
         if op is not None:
             _swap_class(model, plain, fast)
         for _, m in model.named_modules():
             if type(m) is fast:
-                object.__setattr__(m, "_mlxq_linear", op)
-                n += fast is FastLinear and op is not None
+                object.__setattr__(m, attr, op)
+                n += fast is linear[0] and op is not None
     return n
+
+
+def install_linear(model, op: Optional[Callable]) -> int:
+    """Make the model's plain nn.Linear and nn.Embedding instances FastLinear and FastEmbedding
+    calling ``op`` (None: MLX's own matmul); returns how many Linear layers call ``op``."""
+    return _install_op(model, (FastEmbedding, nn.Embedding), (FastLinear, nn.Linear), "_mlxq_linear", op)
+
+
+# ============================================================== quantized linear
+QUANT_BITS, QUANT_GROUPS = (4, 8), (32, 64, 128)
+
+
+def quantized_layer_fits(m) -> bool:
+    """Whether the extension's quantized_linear takes layer ``m``'s weights: MLX's affine 4- or 8-bit
+    blocks in groups of 32, 64 or 128, with float32 scales and biases."""
+    return (m.bits in QUANT_BITS and m.group_size in QUANT_GROUPS and getattr(m, "mode", "affine") == "affine"
+            and "biases" in m and m["scales"].dtype == mx.float32 and m["biases"].dtype == mx.float32)
+
+
+def _qtakes(x, m) -> bool:
+    """Whether the extension's quantized_linear computes ``m`` (a quantized layer) on ``x``: float32
+    on the CPU, and weights it takes."""
+    return x.dtype == mx.float32 and x.ndim >= 1 and mx.default_device() == mx.cpu and quantized_layer_fits(m)
+
+
+def _qlinear(m, x):
+    """The extension's quantized_linear of layer ``m`` on ``x``, or None where it does not apply."""
+    op = getattr(m, "_mlxq_qlinear", None)
+    if op is None or not _qtakes(x, m):
+        return None
+    return op(x, m["weight"], m["scales"], m["biases"], m.group_size, m.bits)
+
+
+class FastQuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear with the extension's quantized_linear (``_mlxq_qlinear``, set by
+    :func:`install_quantized_linear`; None: MLX's quantized_matmul) where :func:`_qtakes`."""
+
+    def __call__(self, x):
+        y = _qlinear(self, x)
+        if y is None:
+            return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class FastQuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose ``as_linear`` (a tied vocabulary head) takes the same path."""
+
+    def as_linear(self, x):
+        y = _qlinear(self, x)
+        return super().as_linear(x) if y is None else y
+
+
+def install_quantized_linear(model, op: Optional[Callable]) -> int:
+    """Make the model's plain quantized layers the Fast ones calling ``op`` (None: MLX's own);
+    returns how many quantized Linear layers call ``op``."""
+    return _install_op(model, (FastQuantizedEmbedding, nn.QuantizedEmbedding),
+                       (FastQuantizedLinear, nn.QuantizedLinear), "_mlxq_qlinear", op)
 
 
 def install(model, ext, ops: tuple) -> None:
@@ -431,3 +523,4 @@ def install(model, ext, ops: tuple) -> None:
         install_rms_norm(model, ext.rms_norm)
     install_linear(model, ext.linear if "linear" in ops else None)
     install_groups(model, ext.linear_group if "linear" in ops else None)
+    install_quantized_linear(model, ext.quantized_linear if "quantized_linear" in ops else None)

@@ -14,6 +14,7 @@
 #include "linear_ops.h"
 #include "norm_ops.h"
 #include "paged_attention.h"
+#include "qlinear_ops.h"
 #include "quant_ops.h"
 #include "sample_ops.h"
 #include "thread_pool.h"
@@ -178,6 +179,30 @@ NB_MODULE(_mlxq_paged_attention, m) {
   m.def("kv_write_waits", &mlxq::kv_write_waits,
         "paged_kv_write evaluations that waited for the reads queued ahead of them on "
         "the stream, then wrote in place (cpu_ops.cpp, writable_in_place).");
+  m.def(
+      "quantized_linear",
+      &mlxq::quantized_linear,
+      "x"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      "x @ dequantize(w, scales, biases)^T for float32 x (..., K) and MLX's affine 4- or 8-bit weight "
+      "(N, K * bits / 32) uint32 with float32 scales and biases (N, K / group_size), read as stored; "
+      "each output in one summation order whatever the batch.");
+  m.def(
+      "quantized_linear_group",
+      &mlxq::quantized_linear_group,
+      "x"_a,
+      "ws"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      "[quantized_linear(x, ws[i], scales[i], biases[i], group_size, bits)] as one primitive and one pass "
+      "of the pool, each output bit for bit its own call.");
+  m.def("qlinear_isa", &mlxq::qlinear_isa, "The quantized_linear loops this CPU runs: avx2 or generic.");
   m.def("linear_isa", &mlxq::linear_isa,
         "The loops linear runs: avx512vl or avx2 (our own, the same bits either way), or blas.");
   m.def("swiglu_isa", &mlxq::swiglu_isa, "The swiglu loop this CPU runs: avx2 or generic.");

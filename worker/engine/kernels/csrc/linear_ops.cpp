@@ -91,6 +91,14 @@ bool has_blas() {
   return g_blas.load() != nullptr;
 }
 
+rowdot::MatmulFn rowdot_loops() {
+  return g_rowdot;
+}
+
+const float* rowdot_pack(const float* x, int M, int K, std::vector<float>& buf) {
+  return pack_for_parts(x, M, K, buf, pool());
+}
+
 const char* linear_isa() {
   if (g_rowdot == nullptr)
     return "blas";

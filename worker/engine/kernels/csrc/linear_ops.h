@@ -37,6 +37,7 @@
 #include <optional>
 
 #include "cpu_ops.h"
+#include "rowdot.h"
 #include "mlx/backend/cpu/encoder.h"
 
 namespace mlxq {
@@ -49,6 +50,12 @@ bool has_blas();
 
 // The loops linear() runs: "avx512vl" or "avx2" (rowdot.h), or "blas" (sgemm/sgemv).
 const char* linear_isa();
+
+// Our own loops (rowdot.h's matmul where the CPU has AVX2 and FMA; nullptr: linear uses the BLAS),
+// and x's M rows packed once for every part of a call (null where those loops do not read a
+// packing): for quantized_linear, whose weights, dequantized a strip at a time, go through them.
+rowdot::MatmulFn rowdot_loops();
+const float* rowdot_pack(const float* x, int M, int K, std::vector<float>& buf);
 
 // One weight of a call: where its rows are and where its output goes.
 struct LinearTarget {

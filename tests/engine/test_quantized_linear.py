@@ -1,0 +1,159 @@
+"""The CPU extension's ``quantized_linear``: 4- and 8-bit weights (MLX's affine blocks, as a GGUF's
+Q4_0/Q4_1/Q8_0 load) read as stored (``csrc/qmatmul.h``), and the worker setting that chooses it
+(``cpu_weights=quantized``).
+
+Where ``linear`` runs its own loops (AVX2+FMA) the op is bit for bit ``linear`` on the weights MLX's
+dequantize gives, so the quantized model computes what its fp32 copy does; anywhere, a row gets the
+same bits alone and in any batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlxq.shared.settings import Settings
+from mlxq.worker.engine import PagedEngine
+from mlxq.worker.engine.api import SeqSpec
+from mlxq.worker.engine.kernels import model_ops
+from mlxq.worker.model import load_model, to_fp32, to_fp32_packed
+
+from enginekit import SMALL_CHUNKS, extension_with, run
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return extension_with("quantized_linear", "quantized_linear did not pass its check here")
+
+
+def _quantized(N, K, bits, group, seed):
+    rs = mx.random.split(mx.random.key(seed), 2)
+    wq, scales, biases = mx.quantize(mx.random.normal((N, K), key=rs[0]), group_size=group, bits=bits)
+    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+    return wq, scales, biases, mx.dequantize(wq, scales, biases, group_size=group, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_a_row_gets_linears_bits_on_the_dequantized_weights_alone_and_in_any_batch(ext, bits, group):
+    """One row (dequantized in registers, 4 weight rows at a time) and several (a strip of weight rows
+    dequantized into a buffer, then linear's own tiles: pairs of rows, past 64 rows blocks), a ragged
+    column split: each row the bits it gets alone, and those of linear() on dequantize(w)."""
+    K, N = 384, 333
+    wq, scales, biases, w = _quantized(N, K, bits, group, bits * 1000 + group)
+    x = mx.random.normal((70, K), key=mx.random.key(group)) * 3
+    alone = mx.concatenate([ext.quantized_linear(x[i:i + 1], wq, scales, biases, group, bits) for i in range(70)])
+    assert model_ops.within_float32_rounding(alone, x, w)
+    if ext.linear_isa() != "blas":
+        assert mx.array_equal(alone, ext.linear(x, w, None)).item()
+    for M in (2, 3, 5, 9, 17, 70):
+        assert mx.array_equal(ext.quantized_linear(x[:M], wq, scales, biases, group, bits), alone[:M]).item(), M
+    x3 = x[:4].reshape(2, 2, K)  # the model's (B, L, K)
+    assert mx.array_equal(ext.quantized_linear(x3, wq, scales, biases, group, bits).reshape(4, N), alone[:4]).item()
+
+
+def test_a_group_is_bit_for_bit_each_call(ext):
+    """q/k/v (or gate/up) as one call: each output its own quantized_linear's, at one row and several."""
+    parts = [_quantized(n, 128, 4, 32, n) for n in (96, 32, 40)]
+    for M in (1, 5):
+        x = mx.random.normal((M, 128), key=mx.random.key(M))
+        outs = ext.quantized_linear_group(x, *([p[i] for p in parts] for i in range(3)), 32, 4)
+        for (wq, scales, biases, _), out in zip(parts, outs):
+            assert mx.array_equal(out, ext.quantized_linear(x, wq, scales, biases, 32, 4)).item()
+    with pytest.raises(ValueError, match="each with its scales and biases"):
+        ext.quantized_linear_group(x, [parts[0][0]], [], [], 32, 4)
+
+
+def test_bad_input_is_a_clear_error(ext):
+    wq, scales, biases, _ = _quantized(16, 64, 4, 32, 1)
+    x = mx.zeros((2, 64))
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        ext.quantized_linear(x, wq, scales, biases, 32, 3)
+    with pytest.raises(ValueError, match="group_size must be"):
+        ext.quantized_linear(x, wq, scales, biases, 16, 4)
+    with pytest.raises(ValueError, match="x must be float32"):
+        ext.quantized_linear(x.astype(mx.float16), wq, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match=r"w must be uint32 \(N, K \* bits / 32\)"):
+        ext.quantized_linear(mx.zeros((2, 128)), wq, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match="scales and biases must be float32"):
+        ext.quantized_linear(x, wq, scales.astype(mx.float16), biases, 32, 4)
+
+
+def _tiny_4_bit(model_dir, cpu_weights: str):
+    """The tiny model with its Linear and Embedding layers quantized to 4 bits in groups of 32 (as a
+    4-bit checkpoint loads), then as the worker's cpu_weights setting leaves it."""
+    loaded = load_model(str(model_dir), name="tiny-q4", cpu_weights=cpu_weights)
+    nn.quantize(loaded.model, group_size=32, bits=4)
+    return loaded.model, (to_fp32_packed if cpu_weights == "quantized" else to_fp32)(loaded.model)
+
+
+def test_the_engine_on_4_bit_weights_computes_what_it_does_on_their_fp32_values(ext, tiny_model_dir):
+    model, note = _tiny_4_bit(tiny_model_dir, "quantized")
+    assert note == "quantized layers kept packed (4-bit x 15)"
+    eng = PagedEngine(model, num_blocks=64, matmul="pool", chunk_schedule=SMALL_CHUNKS)
+    assert eng.decode_path.startswith("decode_forward"), eng.decode_path  # the packed layers' own calls
+    layers = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    assert all(type(m) in (model_ops.FastQuantizedLinear, model_ops.FastQuantizedEmbedding)
+               and m._mlxq_qlinear is not None for m in layers)
+    prompts = [[1, 17, 250, 9, 400, 33, 700, 5, 64, 128, 900, 12, 3, 511] * 3, [5, 9, 13], [700, 2]]
+    specs = [SeqSpec(f"s{i}", p, 12, stop_token_ids=()) for i, p in enumerate(prompts)]
+    together, _, _ = run(eng, specs)
+    # greedy: each sequence alone equals the three together (prefilled in chunks, decoded as a batch)
+    for s in specs:
+        alone, _, _ = run(eng, [s])
+        assert alone[s.uid] == together[s.uid], s.uid
+    # the same blocks dequantized to float32 at load (cpu_weights=fp32): the same logits, bit for bit
+    # where linear runs its own loops, and the same tokens
+    dense, note = _tiny_4_bit(tiny_model_dir, "fp32")
+    assert note == "dequantized"
+    eng_f = PagedEngine(dense, num_blocks=64, matmul="pool", chunk_schedule=SMALL_CHUNKS)
+    ids = mx.array([prompts[0]])
+    if ext.linear_isa() != "blas":
+        assert mx.array_equal(model(ids), dense(ids)).item()
+    else:
+        assert mx.allclose(model(ids), dense(ids), rtol=1e-4, atol=1e-4).item()
+    assert run(eng_f, specs)[0] == together
+    PagedEngine(model, num_blocks=16, matmul="mlx")  # the matmul setting takes it away with linear's
+    assert all(m._mlxq_qlinear is None for m in layers)
+
+
+def test_cpu_weights_is_a_checked_setting(tiny_model_dir):
+    assert Settings().cpu_weights == "fp32"
+    assert Settings.from_env(cpu_weights="quantized").cpu_weights == "quantized"
+    with pytest.raises(ValueError, match="cpu_weights"):
+        Settings.from_env(cpu_weights="int4")
+    with pytest.raises(ValueError, match="cpu_weights must be one of fp32, quantized"):
+        load_model(str(tiny_model_dir), cpu_weights="int4")
+
+
+def test_the_generic_loops_give_the_avx2_bits(ext, tmp_path):
+    """The fallback for a CPU without AVX2+FMA emulates the 8 lanes with the same operations: a fresh
+    process forced onto it (MLXQ_ATTN_ISA=generic) computes the very same outputs."""
+    if ext.qlinear_isa() != "avx2":
+        pytest.skip("this CPU has no AVX2+FMA: only the generic loops run here")
+    cases = {}
+    for bits in (4, 8):
+        wq, scales, biases, _ = _quantized(40, 128, bits, 32, bits)
+        cases.update({f"w{bits}": wq, f"s{bits}": scales, f"b{bits}": biases})
+    cases["x"] = mx.random.normal((3, 128), key=mx.random.key(5))
+    mx.savez(str(tmp_path / "q.npz"), **cases)
+    want = mx.concatenate([ext.quantized_linear(cases["x"], cases[f"w{b}"], cases[f"s{b}"], cases[f"b{b}"], 32, b)
+                           for b in (4, 8)])
+    mx.save(str(tmp_path / "want.npy"), want)
+    script = (
+        "from mlxq.worker import blas; blas.setup()\n"
+        "import mlx.core as mx\n"
+        "from mlxq.worker.engine import attention\n"
+        "ext = attention.cpu_extension()\n"
+        "assert ext.qlinear_isa() == 'generic', ext.qlinear_isa()\n"
+        f"c, want = mx.load({str(tmp_path / 'q.npz')!r}), mx.load({str(tmp_path / 'want.npy')!r})\n"
+        "got = mx.concatenate([ext.quantized_linear(c['x'], c[f'w{b}'], c[f's{b}'], c[f'b{b}'], 32, b) for b in (4, 8)])\n"
+        "assert mx.array_equal(got, want).item()\n"
+    )
+    env = {**os.environ, "MLXQ_ATTN_ISA": "generic"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
