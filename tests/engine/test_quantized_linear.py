@@ -155,5 +155,6 @@ def test_the_generic_loops_give_the_avx2_bits(ext, tmp_path):
         "assert mx.array_equal(got, want).item()\n"
     )
     env = {**os.environ, "MLXQ_ATTN_ISA": "generic"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=str(tmp_path))  # not the checkout: its mlxq/ would shadow the installed one
     assert proc.returncode == 0, proc.stderr[-2000:]

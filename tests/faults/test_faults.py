@@ -40,6 +40,9 @@ def test_worker_kill9_mid_stream_loses_and_duplicates_nothing(tiny_model, tiny_m
     b = None
     try:
         assert wait_registered(redis_url), a.log()
+        # frozen while the jobs go in: a loaded machine's slow submits would otherwise give it time to
+        # finish them all before the first look
+        a.freeze()
         jobs, collectors = submit_and_follow(client, specs)
         # kill -9 once every job has streamed a few deltas (or already finished: the ones that may
         # stop at EOS). Freeze the worker first so the states read below are the states at the kill.

@@ -130,6 +130,7 @@ def test_worker_kill9_streams_resume_token_exact(tiny_model, tiny_model_dir, red
                 for i, (p, _) in enumerate(specs)]
         assert all(res.token_ids == ref for res, ref in zip(undisturbed, refs))  # batched == solo
 
+        a.freeze()  # while the jobs go in (slow submits would give it time to run them to the end)
         jobs, collectors = _follow(client, specs)
         # frozen once every job has streamed 10 tokens (the worker runs only in short slices meanwhile),
         # so every job is mid-stream at the kill by construction
