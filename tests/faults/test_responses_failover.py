@@ -34,6 +34,7 @@ def test_background_response_survives_a_worker_kill9(tiny_model_dir, redis_url, 
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
             want = client.responses.create(**REQUEST).output_text
             assert want
+            a.freeze()  # while the job goes in: it runs in slices from the first look
             resp = client.responses.create(background=True, **REQUEST)
             job_id = resp.id.removeprefix("resp_")
             # kill -9 once the job has streamed a while: the worker runs in short slices from here and

@@ -404,6 +404,7 @@ def test_constrained_job_resumes_exactly_after_a_worker_crash(served, tiny_model
     b = None
     try:
         assert wait_registered(url, model="tinyc"), a.log()
+        a.freeze()  # while the job goes in: it runs in slices from the first look
         job = crash_client.submit(PROMPTS[3], max_tokens=220, response_format=fmt)
         assert a.run_until(lambda: crash_client.redis.xlen(keys.events(job.id)) >= 5), a.log()
         at_kill = (job.status(), crash_client.redis.xlen(keys.events(job.id)))
