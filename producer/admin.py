@@ -12,15 +12,12 @@ from __future__ import annotations
 from typing import Iterable, Iterator, Optional
 
 from ..shared import apikeys, codec
+from ..shared.codec import text as _s
 from ..shared.keys import GlobalKeys
 from ..shared.settings import Settings
 
 STATUSES = ("queued", "deferred", "running", "failed")  # deferred: waiting for its run_at
 SHOWN_FIELDS = ("status", "tier", "attempts", "queued_at", "started_at", "finished_at", "error", "owner")
-
-
-def _s(x) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 class Admin:

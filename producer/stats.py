@@ -5,12 +5,9 @@ from __future__ import annotations
 import time
 
 from ..shared import codec
+from ..shared.codec import text as _s
 from ..shared.keys import GlobalKeys
 from ..shared.settings import TIERS
-
-
-def _s(x) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def collect(redis, prefix: str = "mlxq") -> dict:

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from .codec import text as _s
 from .keys import GlobalKeys
 from .settings import DEFAULT_TIER_OFFSETS, TIERS
 from .steps import run_steps
@@ -130,10 +131,6 @@ def _gk(registry_key: str | GlobalKeys) -> GlobalKeys:
     if isinstance(registry_key, GlobalKeys):
         return registry_key
     return GlobalKeys(registry_key.rsplit(":apikeys", 1)[0])
-
-
-def _s(x) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def generate_key() -> str:

@@ -16,6 +16,11 @@ class CodecError(ValueError):
     """Bytes that are not a valid mlxq message."""
 
 
+def text(x: Any) -> str:
+    """A Redis reply (bytes, as a client without decode_responses gives it) or any value, as str."""
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True, strict_types=False)
 

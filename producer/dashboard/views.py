@@ -9,6 +9,7 @@ import time
 from typing import Optional
 
 from ...shared import apikeys, codec, series
+from ...shared.codec import text as _s
 from ...shared.keys import GlobalKeys
 from ...shared.settings import TIERS
 from ..records import TERMINAL, StreamState, entry_deltas
@@ -16,10 +17,6 @@ from ..stats import collect
 
 PROMPT_CHARS = 2000  # a job page shows at most this much of a prompt
 VALUE_CHARS = 300  # and of any other request parameter
-
-
-def _s(x) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def _clip(text: str, n: int) -> str:
