@@ -32,7 +32,7 @@ import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from ...shared.engine_config import DEFAULT_KV_MEMORY_MB, EngineConfig
+from ...shared.engine_config import DEFAULT_KV_MEMORY_MB, SPECULATE_MODES, EngineConfig
 from ...shared.settings import Settings
 
 from .api import Preempted, SeqSpec, TokenEvent
@@ -46,7 +46,7 @@ from .model_runner import ModelRunner
 from .rows import proposal_slots
 from .scheduler import Scheduler
 from .sessions import SessionFiles
-from .speculative import SPECULATE_MODES, Speculator
+from .speculative import Speculator
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,10 @@ What adapts:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import numpy as np
 
-from ...shared.engine_config import SPECULATE_MODES  # noqa: F401 - the modes, where the engine looks
 
 MAX_NGRAM = 3  # the longest suffix looked up
 START_K = 4  # a new sequence's k
