@@ -26,7 +26,7 @@ _ENGINE = EngineConfig()  # the engine fields' defaults
 DEFAULT_TIER_OFFSETS = {"high": 0.0, "normal": 30.0, "low": 300.0}
 ATTENTION_MODES = ("auto", "fused", "gather")
 MATMUL_MODES = ("auto", "pool", "mlx")
-CPU_WEIGHTS = ("fp32", "quantized")  # a quantized model on the CPU: dequantized at load, or read as stored
+CPU_WEIGHTS = ("fp32", "quantized", "int8-dot")  # a quantized model on the CPU: dequantized at load, or read as stored
 MAX_IDLE_BLOCK_S = 10.0  # connections read with a 20 s timeout (shared/connection.py)
 # MLXQ_* variables read elsewhere (the BLAS set-up and the extension, before MLX loads; the cache
 # directory; the test kit's model seed): any other MLXQ_* name that is not a setting is reported as
@@ -229,8 +229,10 @@ class Settings:
     keep_dtype: bool = opt(False, "keep quantized/bf16 weights (on the CPU they are converted to fp32 by default)")
     cpu_weights: str = opt("fp32", "on the CPU, a quantized model's weights: fp32 (dequantized at load: 4 bytes a "
                            "weight) or quantized (4/8-bit blocks kept packed and read as stored: ~6/10 bits a weight, "
-                           "fewer bytes read a decode step; where the CPU has AVX2+FMA the same results as fp32). "
-                           "Fixed per worker; keep_dtype overrides it", choices=CPU_WEIGHTS)
+                           "fewer bytes read a decode step; where the CPU has AVX2+FMA the same results as fp32), or int8-dot "
+                           "(the same packed blocks, dot products in 8-bit integers on activations rounded to 8 bits "
+                           "per 32, as llama.cpp: fastest at a few rows; logits differ from fp32 by the rounding, a "
+                           "row's still the same in any batch). Fixed per worker; keep_dtype overrides it", choices=CPU_WEIGHTS)
     embed_pooling: str = opt("auto", "how an embedding job's hidden states are pooled when the job does not say: "
                              "last (the last token's: decoder embedders such as Qwen3-Embedding), mean, or auto "
                              "(the model directory's sentence-transformers 1_Pooling/config.json, else last)",

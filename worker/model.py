@@ -25,6 +25,10 @@ from .gguf import GGUFError, GGUFInfo, load_gguf
 from .textstream import vocab_size
 from .toolprompt import serving_format
 
+# A packed layer's attribute (cpu_weights=int8-dot, set at load): the extension's quantized_linear runs its
+# integer dot products on it (worker/engine/kernels/model_ops.py reads it).
+INT8_DOT_ATTR = "_mlxq_int8_dot"
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = 4096
@@ -97,15 +101,19 @@ def _cast_to_fp32(model: nn.Module) -> list[str]:
     return [f"cast {', '.join(d.removeprefix('mlx.core.') for d in cast)} to float32"] if cast else []
 
 
-def to_fp32_packed(model: nn.Module) -> str:
+def to_fp32_packed(model: nn.Module, int8_dot: bool = False) -> str:
     """Cast the floating parameters to float32 (the scales and biases of quantized layers too) and keep
     the quantized layers' blocks packed, for the extension's quantized_linear (cpu_weights=quantized);
-    the note counts the layers kept, by bits."""
+    ``int8_dot`` marks them for its integer dot products (cpu_weights=int8-dot). The note counts the
+    layers kept, by bits."""
     cast = _cast_to_fp32(model)
-    kept = Counter(m.bits for _, m in model.named_modules()
-                   if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)))
+    packed = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    for m in packed:
+        object.__setattr__(m, INT8_DOT_ATTR, int8_dot)
+    kept = Counter(m.bits for m in packed)
     mx.eval(model.parameters())
-    note = (f"quantized layers kept packed ({', '.join(f'{b}-bit x {n}' for b, n in sorted(kept.items()))})"
+    note = (f"quantized layers kept packed ({', '.join(f'{b}-bit x {n}' for b, n in sorted(kept.items()))}"
+            f"{', int8 dot products' if int8_dot else ''})"
             if kept else "no quantized layers")
     return ", ".join([note] + cast)
 
@@ -221,8 +229,8 @@ def load_model(source: str, *, name: str | None = None, keep_dtype: bool = False
         model, tokenizer, config = _mlx_load(source)
     if keep_dtype or not _is_cpu():
         note = "dtype kept" + ("" if keep_dtype else " (not on the CPU)")
-    elif cpu_weights == "quantized":
-        note = to_fp32_packed(model)
+    elif cpu_weights in ("quantized", "int8-dot"):
+        note = to_fp32_packed(model, int8_dot=cpu_weights == "int8-dot")
     else:
         note = to_fp32(model)
     if gguf_info is not None:  # what the policy costs: a quantized file may grow many times in fp32

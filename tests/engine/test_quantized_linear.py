@@ -1,10 +1,11 @@
 """The CPU extension's ``quantized_linear``: 4- and 8-bit weights (MLX's affine blocks, as a GGUF's
 Q4_0/Q4_1/Q8_0 load) read as stored (``csrc/qmatmul.h``), and the worker setting that chooses it
-(``cpu_weights=quantized``).
+(``cpu_weights=quantized``); its integer dot products on x rounded to 8 bits (``csrc/qdot.h``,
+``cpu_weights=int8-dot``).
 
 Where ``linear`` runs its own loops (AVX2+FMA) the op is bit for bit ``linear`` on the weights MLX's
-dequantize gives, so the quantized model computes what its fp32 copy does; anywhere, a row gets the
-same bits alone and in any batch."""
+dequantize gives, so the quantized model computes what its fp32 copy does; int8_dot is within x's
+rounding of it; anywhere, a row gets the same bits alone and in any batch."""
 
 from __future__ import annotations
 
@@ -56,6 +57,28 @@ def test_a_row_gets_linears_bits_on_the_dequantized_weights_alone_and_in_any_bat
     assert mx.array_equal(ext.quantized_linear(x3, wq, scales, biases, group, bits).reshape(4, N), alone[:4]).item()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 128])
+def test_int8_dot_is_within_xs_rounding_and_a_row_gets_its_bits_in_any_batch(ext, bits, group):
+    """x rounded to 8 bits per block of 32, integer dot products: within that rounding's bound of
+    x @ dequantize(w).T, and (rows in pairs against 4 weight rows, a ragged column split, calls small
+    enough to run on one thread and large enough to split) each row the bits it gets alone."""
+    K, N = 384, 333
+    wq, scales, biases, w = _quantized(N, K, bits, group, bits * 100 + group)
+    x = mx.random.normal((70, K), key=mx.random.key(group + 1)) * 3
+    x = x.at[3, :32].add(40.0)  # one block with a large value: a coarse step for that block only
+    alone = mx.concatenate([ext.quantized_linear(x[i:i + 1], wq, scales, biases, group, bits, int8_dot=True)
+                            for i in range(70)])
+    assert model_ops.within_int8_rounding(alone, x, w)
+    assert not mx.array_equal(alone, ext.quantized_linear(x, wq, scales, biases, group, bits)).item()
+    for M in (2, 3, 9, 70):
+        got = ext.quantized_linear(x[:M], wq, scales, biases, group, bits, int8_dot=True)
+        assert mx.array_equal(got, alone[:M]).item(), M
+    outs = ext.quantized_linear_group(x[:5], [wq, wq[:40]], [scales, scales[:40]], [biases, biases[:40]], group, bits,
+                                      True)
+    assert mx.array_equal(outs[0], alone[:5]).item() and mx.array_equal(outs[1], alone[:5, :40]).item()
+
+
 def test_a_group_is_bit_for_bit_each_call(ext):
     """q/k/v (or gate/up) as one call: each output its own quantized_linear's, at one row and several."""
     parts = [_quantized(n, 128, 4, 32, n) for n in (96, 32, 40)]
@@ -77,10 +100,19 @@ def test_bad_input_is_a_clear_error(ext):
         ext.quantized_linear(x, wq, scales, biases, 16, 4)
     with pytest.raises(ValueError, match="x must be float32"):
         ext.quantized_linear(x.astype(mx.float16), wq, scales, biases, 32, 4)
-    with pytest.raises(ValueError, match=r"w must be uint32 \(N, K \* bits / 32\)"):
+    with pytest.raises(ValueError, match=r"packed weight must be uint32 \(N, K \* bits / 32\)"):
         ext.quantized_linear(mx.zeros((2, 128)), wq, scales, biases, 32, 4)
     with pytest.raises(ValueError, match="scales and biases must be float32"):
         ext.quantized_linear(x, wq, scales.astype(mx.float16), biases, 32, 4)
+    # the fused layer ops take packed weights only whole, and without biases
+    h, ln = mx.zeros((1, 1, 64)), mx.ones((64,))
+    with pytest.raises(ValueError, match="attn_in: packed weights need a scales and a biases array each"):
+        ext.attn_in(h, ln, 1e-5, [wq, wq, wq], [], 4, 2, 16, False, 1e4, 1.0, mx.array([0]), qscales=[scales],
+                    qbiases=[biases], group_size=32, bits=4)
+    w64, s64, b64, _ = _quantized(64, 64, 4, 32, 2)
+    with pytest.raises(ValueError, match="mlp_block: packed weights take no biases"):
+        ext.mlp_block(h, h, w64, ln, 1e-5, w64, w64, w64, [mx.zeros((64,)), None, None, None], qscales=[s64] * 4,
+                      qbiases=[b64] * 4, group_size=32, bits=4)
 
 
 def _tiny_4_bit(model_dir, cpu_weights: str):
@@ -88,14 +120,16 @@ def _tiny_4_bit(model_dir, cpu_weights: str):
     4-bit checkpoint loads), then as the worker's cpu_weights setting leaves it."""
     loaded = load_model(str(model_dir), name="tiny-q4", cpu_weights=cpu_weights)
     nn.quantize(loaded.model, group_size=32, bits=4)
-    return loaded.model, (to_fp32_packed if cpu_weights == "quantized" else to_fp32)(loaded.model)
+    if cpu_weights == "fp32":
+        return loaded.model, to_fp32(loaded.model)
+    return loaded.model, to_fp32_packed(loaded.model, int8_dot=cpu_weights == "int8-dot")
 
 
 def test_the_engine_on_4_bit_weights_computes_what_it_does_on_their_fp32_values(ext, tiny_model_dir):
     model, note = _tiny_4_bit(tiny_model_dir, "quantized")
     assert note == "quantized layers kept packed (4-bit x 15)"
     eng = PagedEngine(model, num_blocks=64, matmul="pool", chunk_schedule=SMALL_CHUNKS)
-    assert eng.decode_path.startswith("decode_forward"), eng.decode_path  # the packed layers' own calls
+    assert "on packed weights" in eng.decode_path, eng.decode_path  # the fused ops on the packed blocks
     layers = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     assert all(type(m) in (model_ops.FastQuantizedLinear, model_ops.FastQuantizedEmbedding)
                and m._mlxq_qlinear is not None for m in layers)
@@ -121,18 +155,41 @@ def test_the_engine_on_4_bit_weights_computes_what_it_does_on_their_fp32_values(
     assert all(m._mlxq_qlinear is None for m in layers)
 
 
+def test_the_engine_with_int8_dot_products_is_batch_invariant_and_close_to_fp32(ext, tiny_model_dir):
+    """cpu_weights=int8-dot: each sequence alone equals the batch (prefill chunks, decode steps through
+    the fused ops on packed weights, the model file's path for the tied head), and the logits stay
+    within x's rounding of the fp32 model's."""
+    model, note = _tiny_4_bit(tiny_model_dir, "int8-dot")
+    assert note == "quantized layers kept packed (4-bit x 15, int8 dot products)"
+    eng = PagedEngine(model, num_blocks=64, matmul="pool", chunk_schedule=SMALL_CHUNKS)
+    assert "on packed weights" in eng.decode_path, eng.decode_path
+    prompts = [[1, 17, 250, 9, 400, 33, 700, 5, 64, 128, 900, 12, 3, 511] * 3, [5, 9, 13], [700, 2]]
+    specs = [SeqSpec(f"i{i}", p, 12, stop_token_ids=()) for i, p in enumerate(prompts)]
+    together, _, _ = run(eng, specs)
+    for s in specs:
+        assert run(eng, [s])[0][s.uid] == together[s.uid], s.uid
+    dense, _ = _tiny_4_bit(tiny_model_dir, "fp32")
+    ids = mx.array([prompts[0]])
+    got, want = model(ids), dense(ids)
+    assert not mx.array_equal(got, want).item()  # the other kernel ran
+    spread = mx.max(want) - mx.min(want)
+    assert mx.max(mx.abs(got - want)).item() < 0.05 * spread.item()
+
+
 def test_cpu_weights_is_a_checked_setting(tiny_model_dir):
     assert Settings().cpu_weights == "fp32"
     assert Settings.from_env(cpu_weights="quantized").cpu_weights == "quantized"
+    assert Settings.from_env(cpu_weights="int8-dot").cpu_weights == "int8-dot"
     with pytest.raises(ValueError, match="cpu_weights"):
         Settings.from_env(cpu_weights="int4")
-    with pytest.raises(ValueError, match="cpu_weights must be one of fp32, quantized"):
+    with pytest.raises(ValueError, match="cpu_weights must be one of fp32, quantized, int8-dot"):
         load_model(str(tiny_model_dir), cpu_weights="int4")
 
 
 def test_the_generic_loops_give_the_avx2_bits(ext, tmp_path):
     """The fallback for a CPU without AVX2+FMA emulates the 8 lanes with the same operations: a fresh
-    process forced onto it (MLXQ_ATTN_ISA=generic) computes the very same outputs."""
+    process forced onto it (MLXQ_ATTN_ISA=generic) computes the very same outputs, int8_dot's too
+    (here from AVX-VNNI's or AVX2's integer dot products)."""
     if ext.qlinear_isa() != "avx2":
         pytest.skip("this CPU has no AVX2+FMA: only the generic loops run here")
     cases = {}
@@ -141,8 +198,8 @@ def test_the_generic_loops_give_the_avx2_bits(ext, tmp_path):
         cases.update({f"w{bits}": wq, f"s{bits}": scales, f"b{bits}": biases})
     cases["x"] = mx.random.normal((3, 128), key=mx.random.key(5))
     mx.savez(str(tmp_path / "q.npz"), **cases)
-    want = mx.concatenate([ext.quantized_linear(cases["x"], cases[f"w{b}"], cases[f"s{b}"], cases[f"b{b}"], 32, b)
-                           for b in (4, 8)])
+    want = mx.concatenate([ext.quantized_linear(cases["x"], cases[f"w{b}"], cases[f"s{b}"], cases[f"b{b}"], 32, b, i8)
+                           for b in (4, 8) for i8 in (False, True)])
     mx.save(str(tmp_path / "want.npy"), want)
     script = (
         "from mlxq.worker import blas; blas.setup()\n"
@@ -151,7 +208,8 @@ def test_the_generic_loops_give_the_avx2_bits(ext, tmp_path):
         "ext = attention.cpu_extension()\n"
         "assert ext.qlinear_isa() == 'generic', ext.qlinear_isa()\n"
         f"c, want = mx.load({str(tmp_path / 'q.npz')!r}), mx.load({str(tmp_path / 'want.npy')!r})\n"
-        "got = mx.concatenate([ext.quantized_linear(c['x'], c[f'w{b}'], c[f's{b}'], c[f'b{b}'], 32, b) for b in (4, 8)])\n"
+        "got = mx.concatenate([ext.quantized_linear(c['x'], c[f'w{b}'], c[f's{b}'], c[f'b{b}'], 32, b, i8)\n"
+        "                      for b in (4, 8) for i8 in (False, True)])\n"
         "assert mx.array_equal(got, want).item()\n"
     )
     env = {**os.environ, "MLXQ_ATTN_ISA": "generic"}

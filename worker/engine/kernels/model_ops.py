@@ -18,7 +18,10 @@ docs/design/attention.md.
 4- and 8-bit weights as stored, for a model loaded with ``cpu_weights=quantized``: bit for bit
 ``linear`` on the weights MLX's dequantize gives (the ``cpu_weights=fp32`` model's), where ``linear``
 runs its own loops; used with ``linear`` (the same ``matmul`` setting) and checked as it is
-(:func:`_check_quantized_linear`).  docs/design/quantized-weights.md.
+(:func:`_check_quantized_linear`).  A model loaded with ``cpu_weights=int8-dot`` marks its packed
+layers (:func:`int8_dot`) for the op's integer dot products on x rounded to 8 bits (``csrc/qdot.h``):
+checked against that rounding's bound, and a row's bits the same in any batch.
+docs/design/quantized-weights.md.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu as mlx_swiglu
+
+from ...model import INT8_DOT_ATTR
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +195,26 @@ def _check_quantized_linear(ext) -> None:
                                    for i in range(x.shape[0])])
             if not mx.array_equal(solo, got).item():
                 raise OpMismatch("quantized_linear gives a row other bits in a batch than alone")
+            # int8_dot: within its rounding of x, and a row's bits alone as in the batch
+            got = ext.quantized_linear(x, wq, scales, biases, group, bits, int8_dot=True)
+            if not within_int8_rounding(got, x, wd):
+                raise OpMismatch(f"quantized_linear's int8_dot ({bits} bits, group {group}) differs from "
+                                 "x @ dequantize(w).T by more than x's rounding to 8 bits")
+            solo = mx.concatenate([ext.quantized_linear(x[i:i + 1], wq, scales, biases, group, bits, int8_dot=True)
+                                   for i in range(x.shape[0])])
+            if not mx.array_equal(solo, got).item():
+                raise OpMismatch("quantized_linear's int8_dot gives a row other bits in a batch than alone")
+
+
+def within_int8_rounding(got, x, w) -> bool:
+    """``got`` is ``x @ w.T`` with each block of 32 of x's rows rounded to 8 bits (step d = max|x| / 127,
+    so each element moved by at most d / 2), up to float32 rounding: |got - MLX's| <= |w| @ (d / 2) +
+    2 K 2^-24 (|x| @ |w|^T) elementwise (the float32 term doubled again for the rounded x's own sums)."""
+    K = x.shape[-1]
+    xb = x.reshape(*x.shape[:-1], K // 32, 32)
+    half_step = mx.broadcast_to(mx.max(mx.abs(xb), axis=-1, keepdims=True) / 254, xb.shape).reshape(x.shape)
+    bound = half_step @ mx.abs(w).T + 4 * K * 2.0 ** -24 * (mx.abs(x) @ mx.abs(w).T)
+    return got.shape[:-1] == x.shape[:-1] and mx.all(mx.abs(got - x @ w.T) <= bound * 1.0001 + 1e-30).item()
 
 
 def within_float32_rounding(got, x, w, bias=None) -> bool:
@@ -236,7 +261,8 @@ def describe(ext, ops: tuple) -> str:
              "rope" if "rope" in ops else "MLX's rope",
              "rms_norm" if "rms_norm" in ops else "MLX's rms_norm",
              "linear on the pool" if "linear" in ops else "MLX's matmul",
-             f"quantized_linear {ext.qlinear_isa()}" if "quantized_linear" in ops else "MLX's quantized_matmul"]
+             f"quantized_linear {ext.qlinear_isa()} (int8_dot {ext.qdot_isa()})" if "quantized_linear" in ops
+             else "MLX's quantized_matmul"]
     return "; ".join(parts)
 
 
@@ -480,12 +506,17 @@ def _qtakes(x, m) -> bool:
     return x.dtype == mx.float32 and x.ndim >= 1 and mx.default_device() == mx.cpu and quantized_layer_fits(m)
 
 
+def int8_dot(m) -> bool:
+    """Whether packed layer ``m`` runs quantized_linear's integer dot products (cpu_weights=int8-dot)."""
+    return getattr(m, INT8_DOT_ATTR, False)
+
+
 def _qlinear(m, x):
     """The extension's quantized_linear of layer ``m`` on ``x``, or None where it does not apply."""
     op = getattr(m, "_mlxq_qlinear", None)
     if op is None or not _qtakes(x, m):
         return None
-    return op(x, m["weight"], m["scales"], m["biases"], m.group_size, m.bits)
+    return op(x, m["weight"], m["scales"], m["biases"], m.group_size, m.bits, int8_dot=int8_dot(m))
 
 
 class FastQuantizedLinear(nn.QuantizedLinear):

@@ -124,9 +124,16 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "base"_a,
       "scale"_a,
       "offsets"_a,
+      "qscales"_a = std::vector<mx::array>{},
+      "qbiases"_a = std::vector<mx::array>{},
+      "group_size"_a = 0,
+      "bits"_a = 0,
+      "int8_dot"_a = false,
       "A llama/qwen2 layer's first half at one token a row, one primitive: x = rms_norm(h (B, 1, D)); "
       "q, k, v = linear_group(x, ws, biases); [rope(q as (B, heads, 1, hd)), rope(k as (B, kv_heads, 1, "
-      "hd)), v as (B, kv_heads, 1, hd)]. Bit for bit those ops one after another.");
+      "hd)), v as (B, kv_heads, 1, hd)]. Bit for bit those ops one after another. With qscales and qbiases "
+      "(q, k, v), ws are packed: quantized_linear_group(x, ws, qscales, qbiases, group_size, bits, int8_dot) "
+      "instead of linear_group (biases: none).");
   m.def(
       "mlp_block",
       &mlxq::mlp_block,
@@ -139,9 +146,16 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "w_up"_a,
       "w_down"_a,
       "biases"_a,
+      "qscales"_a = std::vector<mx::array>{},
+      "qbiases"_a = std::vector<mx::array>{},
+      "group_size"_a = 0,
+      "bits"_a = 0,
+      "int8_dot"_a = false,
       "A llama/qwen2 layer after its attention, one primitive: h1 = h + linear(o, w_o); out = h1 + "
       "linear(swiglu(*linear_group(rms_norm(h1, norm_weight, eps), [w_gate, w_up])), w_down); biases "
-      "[o, gate, up, down], each an array or None. Bit for bit those ops one after another.");
+      "[o, gate, up, down], each an array or None. Bit for bit those ops one after another. With qscales and "
+      "qbiases (o, gate, up, down), the weights are packed: quantized_linear(_group) with group_size, bits and "
+      "int8_dot for each linear(_group) (biases: all None).");
   m.def(
       "linear_group",
       &mlxq::linear_group,
@@ -188,9 +202,11 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "biases"_a,
       "group_size"_a,
       "bits"_a,
+      "int8_dot"_a = false,
       "x @ dequantize(w, scales, biases)^T for float32 x (..., K) and MLX's affine 4- or 8-bit weight "
       "(N, K * bits / 32) uint32 with float32 scales and biases (N, K / group_size), read as stored; "
-      "each output in one summation order whatever the batch.");
+      "each output in one summation order whatever the batch. int8_dot: x rounded to 8 bits per block "
+      "of 32 and integer dot products (llama.cpp's method; qdot.h), not the fp32 path's bits.");
   m.def(
       "quantized_linear_group",
       &mlxq::quantized_linear_group,
@@ -200,9 +216,12 @@ NB_MODULE(_mlxq_paged_attention, m) {
       "biases"_a,
       "group_size"_a,
       "bits"_a,
-      "[quantized_linear(x, ws[i], scales[i], biases[i], group_size, bits)] as one primitive and one pass "
-      "of the pool, each output bit for bit its own call.");
+      "int8_dot"_a = false,
+      "[quantized_linear(x, ws[i], scales[i], biases[i], group_size, bits, int8_dot)] as one primitive and "
+      "one pass of the pool, each output bit for bit its own call.");
   m.def("qlinear_isa", &mlxq::qlinear_isa, "The quantized_linear loops this CPU runs: avx2 or generic.");
+  m.def("qdot_isa", &mlxq::qdot_isa,
+        "The loops quantized_linear's int8_dot runs on this CPU: avx-vnni, avx2 or generic (the same bits).");
   m.def("linear_isa", &mlxq::linear_isa,
         "The loops linear runs: avx512vl or avx2 (our own, the same bits either way), or blas.");
   m.def("swiglu_isa", &mlxq::swiglu_isa, "The swiglu loop this CPU runs: avx2 or generic.");

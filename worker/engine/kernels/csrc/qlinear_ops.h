@@ -14,26 +14,53 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "qmatmul.h"
 
 namespace mlxq {
 
 // The loops quantized_linear runs: "avx2" (AVX2 + FMA) or "generic" (the same bits).
 const char* qlinear_isa();
+// The loops quantized_linear's int8_dot runs: "avx-vnni", "avx2" or "generic" (the same bits).
+const char* qdot_isa();
 
+// int8_dot: qdot.h's method instead (x rounded to 8 bits per block of 32, integer dot products): not
+// linear()'s bits, still the same bits for a row in any batch.
 mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits);
+                           int group_size, int bits, bool int8_dot = false);
 
 // Several weights of one width and kind applied to one x as one primitive and one pass of the pool
 // (a layer's q/k/v projections, an MLP's gate and up): each output bit for bit its own
 // quantized_linear call; what it saves is the per-call cost (an MLX task, a wake-up of the pool).
 std::vector<mx::array> quantized_linear_group(const mx::array& x, const std::vector<mx::array>& ws,
                                               const std::vector<mx::array>& scales,
-                                              const std::vector<mx::array>& biases, int group_size, int bits);
+                                              const std::vector<mx::array>& biases, int group_size, int bits,
+                                              bool int8_dot = false);
+
+// One packed weight of a call: its blocks and where its output goes (y: M rows of N).
+struct QTarget {
+  qmatmul::QWeight q;
+  float* y;
+  int N;
+};
+
+// What quantized_linear takes of a packed weight for x (..., K), or an invalid_argument naming `op`.
+void check_packed(const char* op, const mx::array& w, const mx::array& scales, const mx::array& biases, int K,
+                  int group_size, int bits);
+
+// A packed weight (N, K * bits / 32) with its scales and biases as a target, registered with the encoder;
+// y is left for the caller to set.
+QTarget qlinear_target(const mx::array& w, const mx::array& scales, const mx::array& biases, int K, int group_size,
+                       int bits, mx::cpu::CommandEncoder& encoder);
+
+// y = x @ dequantize(w)^T for every target (one bits), M rows of x (K wide, contiguous): QuantizedLinear's
+// task, on the pool; a fused op that calls it gets each output bit for bit as quantized_linear() would.
+void quantized_linear_run(const std::vector<QTarget>& targets, const float* x, int M, int K, bool int8_dot);
 
 class QuantizedLinear : public CpuPrimitive {
  public:
-  QuantizedLinear(mx::Stream stream, int group_size, int bits, int groups)
-      : CpuPrimitive(stream), group_size_(group_size), bits_(bits), groups_(groups) {}
+  QuantizedLinear(mx::Stream stream, int group_size, int bits, int groups, bool int8_dot)
+      : CpuPrimitive(stream), group_size_(group_size), bits_(bits), groups_(groups), int8_dot_(int8_dot) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override {
     return "MlxqQuantizedLinear";
@@ -42,6 +69,7 @@ class QuantizedLinear : public CpuPrimitive {
 
  private:
   int group_size_, bits_, groups_;
+  bool int8_dot_;
 };
 
 } // namespace mlxq
