@@ -13,9 +13,11 @@ A layer is two fused primitives, ``attn_in`` (rms_norm, q/k/v, RoPE of q and k) 
 ``mlp_block`` (o_proj and the residual, rms_norm, gate/up, swiglu, down and the residual): the
 separate ops' C++ tasks on the same inputs in the same order, so the bits do not change;
 :func:`fused_exact` checks each once a process and keeps the separate ops where one differs.
-A layer of packed 4/8-bit projections (``cpu_weights=quantized``) runs the separate ops with what its
-projections' own calls give (the extension's ``quantized_linear``; q/k/v and gate/up each one
-``quantized_linear_group`` call), as the model file does.
+A layer of packed 4/8-bit projections (``cpu_weights=quantized`` or ``int8-dot``) runs the same two
+fused primitives on its packed weights where its projections share bits and group size and have no
+bias (each projection then the task of its own ``quantized_linear`` call, so the same bits as the
+model file's); else the separate ops with what its projections' own calls give (q/k/v and gate/up
+each one ``quantized_linear_group`` call).
 What it saves, measured: docs/design/attention.md.
 """
 
@@ -39,7 +41,7 @@ _MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 
 class _Layer:
     __slots__ = ("ln_in", "ln_post", "qkv", "o", "gate_up", "down", "heads", "kv_heads", "scale", "rope",
-                 "mlp_biases", "quantized")
+                 "mlp_biases", "quantized", "attn_packing", "mlp_packing")
 
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
@@ -54,6 +56,20 @@ class _Layer:
         self.mlp_biases = [_bias(m) for m in (self.o, *self.gate_up, self.down)]
         # packed 4/8-bit projections (cpu_weights=quantized): each called as the model file calls it
         self.quantized = type(self.o) is model_ops.FastQuantizedLinear
+        # ... and what the fused primitives take of them, where they can
+        self.attn_packing = _packing(self.qkv) if self.quantized else None
+        self.mlp_packing = _packing((self.o, *self.gate_up, self.down)) if self.quantized else None
+
+
+def _packing(mods) -> Optional[dict]:
+    """A fused primitive's arguments for packed projections ``mods`` (their scales and biases, bits, group
+    size and int8_dot), or None where they differ in those or one has a bias."""
+    m0 = mods[0]
+    kind = (m0.bits, m0.group_size, model_ops.int8_dot(m0))
+    if any("bias" in m or (m.bits, m.group_size, model_ops.int8_dot(m)) != kind for m in mods):
+        return None
+    return dict(qscales=[m["scales"] for m in mods], qbiases=[m["biases"] for m in mods], group_size=kind[1],
+                bits=kind[0], int8_dot=kind[2])
 
 
 def _bias(m) -> Optional[mx.array]:
@@ -93,6 +109,9 @@ class DecodeForward:
         self.quantized_embed = type(self.embed) is model_ops.FastQuantizedEmbedding
         self.attn_in = ext.attn_in if fused_exact(ext, "attn_in") else None
         self.mlp_block = ext.mlp_block if fused_exact(ext, "mlp_block") else None
+        packed = any(L.quantized for L in self.layers) and fused_exact(ext, "packed")
+        self.packed_attn_in = ext.attn_in if packed else None
+        self.packed_mlp_block = ext.mlp_block if packed else None
 
     @classmethod
     def build(cls, model, pool: KVPool, backend) -> tuple[Optional["DecodeForward"], str]:
@@ -106,6 +125,8 @@ class DecodeForward:
         fwd = cls(model, pool, backend, ext)
         how = "the extension's ops straight, one reshape per view"
         fused = [name for name in ("attn_in", "mlp_block") if getattr(fwd, name) is not None]
+        fused += [f"{name} on packed weights" for name in ("attn_in", "mlp_block")
+                  if getattr(fwd, "packed_" + name) is not None and any(L.quantized for L in fwd.layers)]
         if fused:
             how += f"; fused: {', '.join(fused)}"
         return fwd, how
@@ -170,7 +191,10 @@ class DecodeForward:
         for i, L in enumerate(self.layers):
             # each half: one fused primitive, or the same ops one by one (the same bits); a layer of
             # packed weights, its modules' own calls between the same ops
-            if L.quantized:
+            if L.attn_packing is not None and self.packed_attn_in is not None:
+                q, k, v = self.packed_attn_in(h, L.ln_in["weight"], L.ln_in.eps, [m["weight"] for m in L.qkv], [],
+                                              L.heads, L.kv_heads, *L.rope, offsets, **L.attn_packing)
+            elif L.quantized:
                 q, k, v = attn_in_modules(ext, h, L.ln_in, L.qkv, L.heads, L.kv_heads, *L.rope, offsets)
             else:
                 q, k, v = attn_in(h, L.ln_in["weight"], L.ln_in.eps, [m["weight"] for m in L.qkv], _biases(L.qkv),
@@ -178,7 +202,11 @@ class DecodeForward:
             pool.write_rows(i, k, v, slots)
             o = pool.attention(q, pool.keys[i], pool.values[i], view.tables, view.q_offsets, view.kv_lens,
                                L.scale, None, **pool.quant_kwargs(i))
-            if L.quantized:
+            if L.mlp_packing is not None and self.packed_mlp_block is not None:
+                h = self.packed_mlp_block(h, o.reshape(B, 1, -1), L.o["weight"], L.ln_post["weight"], L.ln_post.eps,
+                                          L.gate_up[0]["weight"], L.gate_up[1]["weight"], L.down["weight"],
+                                          [None] * 4, **L.mlp_packing)
+            elif L.quantized:
                 h = mlp_block_modules(ext, h, o.reshape(B, 1, -1), L.o, L.ln_post, *L.gate_up, L.down)
             else:
                 h = mlp(h, o.reshape(B, 1, -1), L.o["weight"], L.ln_post["weight"], L.ln_post.eps,
@@ -200,9 +228,10 @@ def _packed(ext, x, mods: tuple) -> list:
     bias (each output bit for bit its module's own call, the extension's quantized_linear), else the
     modules' own calls."""
     m0 = mods[0]
-    if all("bias" not in m and (m.bits, m.group_size) == (m0.bits, m0.group_size) for m in mods):
+    kind = (m0.bits, m0.group_size, model_ops.int8_dot(m0))
+    if all("bias" not in m and (m.bits, m.group_size, model_ops.int8_dot(m)) == kind for m in mods):
         return ext.quantized_linear_group(x, [m["weight"] for m in mods], [m["scales"] for m in mods],
-                                          [m["biases"] for m in mods], m0.group_size, m0.bits)
+                                          [m["biases"] for m in mods], m0.group_size, m0.bits, kind[2])
     return [m(x) for m in mods]
 
 
@@ -237,14 +266,14 @@ _EXACT: dict[tuple[int, str], bool] = {}
 
 
 def fused_exact(ext, name: str) -> bool:
-    """Whether the extension's fused op ``name`` (``attn_in`` or ``mlp_block``) gives, bit for bit,
-    what its separate ops give one after another (the adds are MLX's), with and without biases,
-    at one row and at several; checked once a process. False (logged): the layers keep the
-    separate ops."""
+    """Whether the extension's fused op ``name`` (``attn_in`` or ``mlp_block``; ``packed``: both on packed
+    weights) gives, bit for bit, what its separate ops give one after another (the adds are MLX's),
+    with and without biases, at one row and at several; checked once a process. False (logged): the
+    layers keep the separate ops."""
     key = (id(ext), name)
     if key not in _EXACT:
         ok = False
-        if hasattr(ext, name):
+        if all(hasattr(ext, op) for op in _NEEDS.get(name, (name,))):
             try:
                 ok = _CHECKS[name](ext)
             except Exception:  # noqa: BLE001 - a fused op that cannot run here is not used
@@ -291,4 +320,44 @@ def _check_attn_in(ext) -> bool:
     return ok
 
 
-_CHECKS = {"mlp_block": _check_mlp_block, "attn_in": _check_attn_in}
+def _check_packed(ext) -> bool:
+    """attn_in and mlp_block on packed weights (4 bits; 8 bits for gate/up/down would do the same)
+    against the packed layer's separate ops (attn_in_modules, mlp_block_modules), both kernels."""
+    from mlx import nn
+
+    from ..model import INT8_DOT_ATTR
+
+    D, H, KH, hd, I = 64, 4, 2, 16, 96
+    r = _random(9)
+
+    def packed(n_out: int, n_in: int, int8: bool):  # a packed layer as the engine installs it
+        m = model_ops.FastQuantizedLinear(n_in, n_out, bias=False, group_size=32, bits=4)
+        w, s, b = mx.quantize(r(n_out, n_in), group_size=32, bits=4)
+        m.update({"weight": w, "scales": s, "biases": b})
+        object.__setattr__(m, INT8_DOT_ATTR, int8)
+        object.__setattr__(m, "_mlxq_qlinear", ext.quantized_linear)
+        return m
+
+    ok = True
+    for int8 in (False, True):
+        qkv = (packed(H * hd, D, int8), packed(KH * hd, D, int8), packed(KH * hd, D, int8))
+        o_proj, gate, up, down = packed(D, H * hd, int8), packed(I, D, int8), packed(I, D, int8), packed(D, I, int8)
+        norm = nn.RMSNorm(D)
+        norm.update({"weight": r(D)})
+        for rows in (1, 9):
+            h = r(rows, 1, D)
+            offsets = mx.array([7 + 977 * i for i in range(rows)], dtype=mx.int32)
+            rope = (hd, False, 10000.0, 1.0)
+            got = ext.attn_in(h, norm["weight"], norm.eps, [m["weight"] for m in qkv], [], H, KH, *rope, offsets,
+                              **_packing(qkv))
+            want = attn_in_modules(ext, h, norm, qkv, H, KH, *rope, offsets)
+            ok = ok and all(g.shape == w.shape and mx.array_equal(g, w).item() for g, w in zip(got, want))
+            o = r(rows, 1, H * hd)
+            got = ext.mlp_block(h, o, o_proj["weight"], norm["weight"], norm.eps, gate["weight"], up["weight"],
+                                down["weight"], [None] * 4, **_packing((o_proj, gate, up, down)))
+            ok = ok and mx.array_equal(got, mlp_block_modules(ext, h, o, o_proj, norm, gate, up, down)).item()
+    return ok
+
+
+_CHECKS = {"mlp_block": _check_mlp_block, "attn_in": _check_attn_in, "packed": _check_packed}
+_NEEDS = {"packed": ("attn_in", "mlp_block", "quantized_linear_group")}  # the ops a check calls, if not its name
