@@ -97,7 +97,7 @@ def main() -> int:
     ap.add_argument("--threads", action="store_true", help="each thread's busy share of the timed steps")
     args = ap.parse_args()
     roles = thread_roles() if args.threads else {}
-    loaded = load_model(args.model or bench_model_dir())
+    loaded = load_model(args.model or bench_model_dir(), cpu_weights=os.environ.get("MLXQ_CPU_WEIGHTS", "fp32"))
     model = loaded.model
     vocab = model.args.vocab_size
     rng = random.Random(0)
