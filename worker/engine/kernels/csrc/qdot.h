@@ -4,14 +4,21 @@
 //   y[m, n] = sum over blocks b of  s[n, g] * d[m, b] * dot(q_w, q_x)  +  b[n, g] * d[m, b] * sum(q_x)
 // with dot(q_w, q_x) an exact integer (4- or 8-bit unsigned weights times signed 8-bit x). The integer
 // dot products run 32 multiply-adds an instruction (AVX2 maddubs, or AVX-VNNI dpbusd), against 8 for
-// the fp32 path, and read 4 or 8 bits a weight: fastest at few rows. The price: x is rounded, so logits
-// differ from the fp32 path's (docs/design/quantized-weights.md gives by how much).
+// the fp32 path, and read 4 or 8 bits a weight. The price: x is rounded, so logits differ from the
+// fp32 path's (docs/design/quantized-weights.md gives by how much).
 //
-// What a row's output is does not depend on the batch, the tile, the column split or the ISA: the
-// integer parts are exact, and the float parts run in one order (lane l of block b holds the integer
-// dot of bytes 4l..4l+3 in the block's byte order; acc[l] = fma(float(lane), s * d, acc[l]) over
-// the blocks in order; then hsum's tree; then the bias terms added from zero in block order). The
-// generic loops emulate the 8 lanes with the same operations.
+// What a row's output is does not depend on the batch, the column split or the ISA: the integer dot of
+// each block is exact, and the float parts run in one order. The blocks go in chunks of 8, lane l of
+// chunk c standing for block 8c + lane_block(bits, l) (zeros past the last block): from acc = 0 (8 lanes),
+// for each chunk
+//   acc = fma(float(dot), s * d, acc);  acc = fma(b, d * sum(q_x), acc)
+// then the lanes added in hsum's tree. The generic loops emulate the lanes with the same operations.
+//
+// The layouts serve the AVX loops. A 4-bit block's 16 bytes hold its even elements in their low nibbles
+// and its odd ones in the high: two blocks' 32 bytes masked are their evens, shifted and masked their
+// odds, each one register against x laid out to match, and the two blocks' dot products land in lanes
+// 0-3 and 4-7 of one register. Four such pairs reduce to one register in three horizontal adds, in
+// the lane order 0 2 4 6 1 3 5 7; x's steps and sums are stored in that order so that lanes match.
 #pragma once
 
 #include <cstdint>
@@ -22,9 +29,27 @@ namespace mlxq::qdot {
 
 constexpr int kBlock = 32;
 
-// x's rows rounded: q (M rows of K int8, each block of 32 in the weight's byte order: for 4 bits the
-// even elements then the odd ones, as a block's 16 bytes hold them in their low and high nibbles;
-// for 8 bits as they are), d and sum (M rows of K / 32 floats: the block's step, and d * sum(q)).
+// Blocks a row of x holds: K / 32 rounded up to a whole chunk of 8 (the rest zeros).
+inline int padded_blocks(int K) {
+  return (K / kBlock + 7) / 8 * 8;
+}
+
+// The block (within its chunk) lane l stands for.
+inline int lane_block(int bits, int l) {
+  return bits == 4 ? (l < 4 ? 2 * l : 2 * (l - 4) + 1) : l;
+}
+
+// Where element e of block b (within its chunk) lies in x's chunk of 8 x 32 bytes: for 4 bits, each
+// pair of blocks' evens (first block's 16, second's 16), then their odds; for 8 bits as they are.
+inline int x_at(int bits, int b, int e) {
+  if (bits != 4)
+    return b * kBlock + e;
+  return 64 * (b / 2) + 32 * (e % 2) + 16 * (b % 2) + e / 2;
+}
+
+// x's rows rounded: q (M rows of padded_blocks(K) * 32 int8, chunk by chunk in x_at's layout, zeros
+// past K), d and sum (M rows of padded_blocks(K) floats in lane_block's order: each block's step, and
+// d * sum(q); zeros past the last block).
 struct QAct {
   const int8_t* q;
   const float* d;

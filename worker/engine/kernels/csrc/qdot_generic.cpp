@@ -1,6 +1,7 @@
 // qdot_impl.h with the 8 lanes emulated one at a time, the AVX2 build's operations in the same
 // order (built with -ffp-contract=off: std::fma is the only fused one), so the same bits; and the
 // rounding of x's rows, which every build shares (element by element: no order to keep).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -9,26 +10,33 @@
 namespace mlxq::qdot {
 
 void quantize_rows(const float* x, int M, int K, int bits, int8_t* q, float* d, float* sum) {
-  const int B = K / kBlock;
-  for (int m = 0; m < M; ++m)
+  const int B = K / kBlock, Bp = padded_blocks(K);
+  const int64_t Kp = (int64_t)Bp * kBlock;
+  int lane_of[8];
+  for (int l = 0; l < 8; ++l)
+    lane_of[lane_block(bits, l)] = l;
+  for (int m = 0; m < M; ++m) {
+    std::fill(q + m * Kp, q + (m + 1) * Kp, (int8_t)0);
+    std::fill(d + (int64_t)m * Bp, d + (int64_t)(m + 1) * Bp, 0.0f);
+    std::fill(sum + (int64_t)m * Bp, sum + (int64_t)(m + 1) * Bp, 0.0f);
     for (int b = 0; b < B; ++b) {
       const float* xb = x + (int64_t)m * K + (int64_t)b * kBlock;
       float amax = 0.0f;
       for (int k = 0; k < kBlock; ++k)
         amax = std::fmax(amax, std::fabs(xb[k]));
       const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* qb = q + (int64_t)m * K + (int64_t)b * kBlock;
+      int8_t* qc = q + m * Kp + (int64_t)(b / 8) * 8 * kBlock;
       int total = 0;
       for (int k = 0; k < kBlock; ++k) {
         const int v = (int)std::nearbyint(xb[k] * inv); // ties to even, as cvtps_epi32
         total += v;
-        // 4 bits: a block's byte p holds elements 2p (low nibble) and 2p + 1 (high): evens, then odds
-        const int at = bits == 4 ? (k % 2) * 16 + k / 2 : k;
-        qb[at] = (int8_t)v;
+        qc[x_at(bits, b % 8, k)] = (int8_t)v;
       }
-      d[(int64_t)m * B + b] = step;
-      sum[(int64_t)m * B + b] = step * (float)total;
+      const int64_t at = (int64_t)m * Bp + (b / 8) * 8 + lane_of[b % 8];
+      d[at] = step;
+      sum[at] = step * (float)total;
     }
+  }
 }
 
 namespace generic {
@@ -39,22 +47,23 @@ struct V {
 struct I {
   int32_t l[8];
 };
-struct W {
-  uint8_t b[32]; // the block's weights as values, in the byte order of qdot.h
-};
 inline V vzero() { return V{}; }
-inline V vset1(float f) {
+inline V vload(const float* p) {
   V v;
-  for (float& x : v.l)
-    x = f;
+  for (int i = 0; i < 8; ++i)
+    v.l[i] = p[i];
   return v;
+}
+inline V vmul(V a, const V& b) {
+  for (int i = 0; i < 8; ++i)
+    a.l[i] *= b.l[i];
+  return a;
 }
 inline V vfma(const V& a, const V& b, V c) {
   for (int i = 0; i < 8; ++i)
     c.l[i] = std::fma(a.l[i], b.l[i], c.l[i]);
   return c;
 }
-inline float sfma(float a, float b, float c) { return std::fma(a, b, c); }
 inline V vcvt(const I& x) {
   V v;
   for (int i = 0; i < 8; ++i)
@@ -65,26 +74,35 @@ inline float vhsum(const V& v) {
   const float* l = v.l;
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
-template <int BITS>
-inline W load_weights(const uint8_t* p) {
-  W w;
-  if (BITS == 4)
-    for (int i = 0; i < 16; ++i) {
-      w.b[i] = p[i] & 15;
-      w.b[16 + i] = p[i] >> 4;
-    }
-  else
-    for (int i = 0; i < 32; ++i)
-      w.b[i] = p[i];
-  return w;
+inline V vperm_blocks(const V& v) { // lanes 0 2 4 6 1 3 5 7
+  V r;
+  for (int l = 0; l < 8; ++l)
+    r.l[l] = v.l[lane_block(4, l)];
+  return r;
 }
+// A chunk's weights: block b's 32 values in element order, nb blocks (the rest unused).
+struct WChunk {
+  uint8_t v[8][kBlock];
+  int nb;
+};
 template <int BITS>
-inline I dot4(const W& w, const int8_t* x) {
-  I r;
+inline void load_chunk(const uint8_t* p, int nb, WChunk* w) {
+  w->nb = nb;
+  for (int b = 0; b < nb; ++b)
+    for (int e = 0; e < kBlock; ++e)
+      w->v[b][e] = BITS == 4 ? (p[b * 16 + e / 2] >> (4 * (e % 2))) & 15 : p[b * 32 + e];
+}
+// Lane l: the exact integer dot of block lane_block(BITS, l) with x's chunk (0 past nb).
+template <int BITS>
+inline I dots8(const WChunk& w, const int8_t* x) {
+  I r{};
   for (int l = 0; l < 8; ++l) {
+    const int b = lane_block(BITS, l);
+    if (b >= w.nb)
+      continue;
     int32_t s = 0;
-    for (int k = 4 * l; k < 4 * l + 4; ++k)
-      s += (int32_t)w.b[k] * (int32_t)x[k];
+    for (int e = 0; e < kBlock; ++e)
+      s += (int32_t)w.v[b][e] * (int32_t)x[x_at(BITS, b, e)];
     r.l[l] = s;
   }
   return r;

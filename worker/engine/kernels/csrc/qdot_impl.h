@@ -1,7 +1,10 @@
 // qdot.h's loops for one vector type (QDOT_NS), included once by each after it defines V (8 float
-// lanes), I (8 int32 lanes) and: vzero, vset1, vfma, vhsum, vcvt (int lanes to float), and
-// dot4<BITS>(weight block bytes, x block) giving each lane the integer dot of its 4 bytes.
+// lanes), I (8 int32 lanes), WChunk (a chunk's weights) and: vzero, vload, vmul, vfma, vcvt, vhsum,
+// vperm_blocks (lanes 0 2 4 6 1 3 5 7), load_chunk<BITS>(bytes, nb, &chunk), and
+// dots8<BITS>(chunk, x's chunk) giving lane l the exact integer dot of block lane_block(BITS, l).
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "qdot.h"
 
@@ -9,59 +12,64 @@ namespace mlxq::qdot::QDOT_NS {
 
 namespace {
 
-template <int BITS, int TM, int TN>
-inline void tile(const QAct& a, const qmatmul::QWeight& q, int64_t ldw, int n, float* y, int64_t ldy) {
-  const int K = q.K, B = K / kBlock, G = K / q.gs, per = q.gs / kBlock;
-  V acc[TM][TN];
-  float bias[TM][TN];
-  for (int i = 0; i < TM; ++i)
+// Lane l: row[(8c + lane_block(BITS, l)) / per] (a scale or bias per group of `per` blocks) where that
+// block exists, else 0.
+template <int BITS>
+inline V chunk_of(const float* row, int c, int per, int nb) {
+  if (per == 1 && nb == 8)
+    return BITS == 4 ? vperm_blocks(vload(row + 8 * c)) : vload(row + 8 * c);
+  alignas(32) float t[8] = {};
+  for (int l = 0; l < 8; ++l) {
+    const int b = lane_block(BITS, l);
+    if (b < nb)
+      t[l] = row[(8 * c + b) / per];
+  }
+  return vload(t);
+}
+
+// Weight rows [n, n + TN) against every row of x: TN independent chains in flight, each chunk's
+// weights decoded once for all of x's rows.
+template <int BITS, int TN>
+inline void tile(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int64_t ldy, int n, V* acc) {
+  const int K = q.K, B = K / kBlock, Bp = padded_blocks(K), G = K / q.gs, per = q.gs / kBlock;
+  const int64_t ldw = (int64_t)K * BITS / 32, Kp = (int64_t)Bp * kBlock;
+  constexpr int kBlockBytes = kBlock * BITS / 8;
+  for (int m = 0; m < M * TN; ++m)
+    acc[m] = vzero();
+  for (int c = 0; c < Bp / 8; ++c) {
+    const int nb = std::min(8, B - 8 * c);
+    WChunk w[TN];
+    V s8[TN], b8[TN];
     for (int j = 0; j < TN; ++j) {
-      acc[i][j] = vzero();
-      bias[i][j] = 0.0f;
+      const uint8_t* wrow = reinterpret_cast<const uint8_t*>(q.w + (int64_t)(n + j) * ldw);
+      load_chunk<BITS>(wrow + (int64_t)8 * c * kBlockBytes, nb, &w[j]);
+      s8[j] = chunk_of<BITS>(q.s + (int64_t)(n + j) * G, c, per, nb);
+      b8[j] = chunk_of<BITS>(q.b + (int64_t)(n + j) * G, c, per, nb);
     }
-  for (int b = 0; b < B; ++b) {
-    const int g = b / per;
-    const int8_t* xq[TM];
-    for (int i = 0; i < TM; ++i)
-      xq[i] = a.q + (int64_t)i * K + (int64_t)b * kBlock;
-    for (int j = 0; j < TN; ++j) {
-      const uint8_t* wb = reinterpret_cast<const uint8_t*>(q.w + (int64_t)(n + j) * ldw) + (int64_t)b * kBlock * BITS / 8;
-      const float s = q.s[(int64_t)(n + j) * G + g], bb = q.b[(int64_t)(n + j) * G + g];
-      const W wv = load_weights<BITS>(wb);
-      for (int i = 0; i < TM; ++i) {
-        const int64_t at = (int64_t)i * B + b;
-        acc[i][j] = vfma(vcvt(dot4<BITS>(wv, xq[i])), vset1(s * a.d[at]), acc[i][j]);
-        bias[i][j] = sfma(bb, a.sum[at], bias[i][j]);
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = a.q + m * Kp + (int64_t)8 * c * kBlock;
+      const V d8 = vload(a.d + (int64_t)m * Bp + 8 * c), sum8 = vload(a.sum + (int64_t)m * Bp + 8 * c);
+      for (int j = 0; j < TN; ++j) {
+        const V t = vfma(vcvt(dots8<BITS>(w[j], xq)), vmul(s8[j], d8), acc[m * TN + j]);
+        acc[m * TN + j] = vfma(b8[j], sum8, t);
       }
     }
   }
-  for (int i = 0; i < TM; ++i)
+  for (int m = 0; m < M; ++m)
     for (int j = 0; j < TN; ++j)
-      y[i * ldy + n + j] = vhsum(acc[i][j]) + bias[i][j];
-}
-
-template <int BITS, int TM>
-inline void strip(const QAct& a, const qmatmul::QWeight& q, float* y, int64_t ldy, int n0, int n1) {
-  const int64_t ldw = (int64_t)q.K * BITS / 32;
-  int n = n0;
-  for (; n + 4 <= n1; n += 4)
-    tile<BITS, TM, 4>(a, q, ldw, n, y, ldy);
-  for (; n < n1; ++n)
-    tile<BITS, TM, 1>(a, q, ldw, n, y, ldy);
+      y[m * ldy + n + j] = vhsum(acc[m * TN + j]);
 }
 
 template <int BITS>
 void rows(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int64_t ldy, int n0, int n1) {
-  const int B = q.K / kBlock;
-  int m = 0; // pairs of rows against 4 weight rows, then an odd last row
-  for (; m + 2 <= M; m += 2) {
-    const QAct am{a.q + (int64_t)m * q.K, a.d + (int64_t)m * B, a.sum + (int64_t)m * B, q.K};
-    strip<BITS, 2>(am, q, y + m * ldy, ldy, n0, n1);
-  }
-  if (m < M) {
-    const QAct am{a.q + (int64_t)m * q.K, a.d + (int64_t)m * B, a.sum + (int64_t)m * B, q.K};
-    strip<BITS, 1>(am, q, y + m * ldy, ldy, n0, n1);
-  }
+  constexpr int TN = 4;
+  thread_local std::vector<V> acc;
+  acc.resize((size_t)M * TN);
+  int n = n0;
+  for (; n + TN <= n1; n += TN)
+    tile<BITS, TN>(a, M, q, y, ldy, n, acc.data());
+  for (; n < n1; ++n)
+    tile<BITS, 1>(a, M, q, y, ldy, n, acc.data());
 }
 
 } // namespace

@@ -7,19 +7,18 @@
 
 #include <immintrin.h>
 
+#include "qdot.h"
+
 #include <cstdint>
 
 namespace mlxq::qdot::QDOT_NS {
 namespace {
 using V = __m256;
 using I = __m256i;
-using W = __m256i;
 inline V vzero() { return _mm256_setzero_ps(); }
-inline V vset1(float f) { return _mm256_set1_ps(f); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-inline float sfma(float a, float b, float c) {
-  return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
-}
 inline V vcvt(I x) { return _mm256_cvtepi32_ps(x); }
 inline float vhsum(V v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -27,33 +26,66 @@ inline float vhsum(V v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline V vperm_blocks(V v) { // lanes 0 2 4 6 1 3 5 7
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+}
+// A chunk's weights as 8 registers: 4 bits, for each pair of blocks their low nibbles (evens) then
+// their high (odds); 8 bits, each block's bytes. Zeros where no block is.
+struct WChunk {
+  __m256i v[8];
+};
 template <int BITS>
-inline W load_weights(const uint8_t* p) {
+inline void load_chunk(const uint8_t* p, int nb, WChunk* w) {
   if constexpr (BITS == 4) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
-    return _mm256_set_m128i(hi, lo);
+    const __m256i m = _mm256_set1_epi8(15);
+    for (int k = 0; k < 4; ++k) {
+      const int left = nb - 2 * k;
+      const __m256i b = left >= 2   ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k))
+                        : left == 1 ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * k)))
+                                    : _mm256_setzero_si256();
+      w->v[2 * k] = _mm256_and_si256(b, m);
+      w->v[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    }
   } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    for (int k = 0; k < 8; ++k)
+      w->v[k] = k < nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k)) : _mm256_setzero_si256();
   }
 }
-template <int BITS>
-inline I dot4(W w, const int8_t* xp) {
+// 8 lanes, each the integer dot of 4 of w's bytes with x's, added to acc.
+inline __m256i dot4(__m256i acc, __m256i w, const int8_t* xp) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
 #ifdef QDOT_VNNI
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
 #else
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (BITS == 4) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-  } else {
-    const __m256i m = _mm256_set1_epi8(15);
-    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, m), x), ones);
-    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m), x), ones);
-    return _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4));
-  }
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
+}
+// Lane l: the exact integer dot of block lane_block(BITS, l) with x's chunk (0 past the blocks).
+template <int BITS>
+inline I dots8(const WChunk& w, const int8_t* x) {
+  const __m256i z = _mm256_setzero_si256();
+  if constexpr (BITS == 4) {
+    __m256i r[4]; // pair k: lanes 0-3 its first block's, 4-7 its second's
+    for (int k = 0; k < 4; ++k)
+      r[k] = dot4(dot4(z, w.v[2 * k], x + 64 * k), w.v[2 * k + 1], x + 64 * k + 32);
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(r[0], r[1]), _mm256_hadd_epi32(r[2], r[3]));
+  } else {
+    __m256i v[8];
+    for (int b = 0; b < 8; ++b) {
+#ifdef QDOT_VNNI
+      v[b] = dot4(z, w.v[b], x + 32 * b);
+#else
+      // a whole byte times 127, twice, would overflow maddubs' 16 bits: two nibbles
+      const __m256i m = _mm256_set1_epi8(15);
+      const __m256i lo = dot4(z, _mm256_and_si256(w.v[b], m), x + 32 * b);
+      const __m256i hi = dot4(z, _mm256_and_si256(_mm256_srli_epi16(w.v[b], 4), m), x + 32 * b);
+      v[b] = _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4));
+#endif
+    }
+    const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+  }
 }
 } // namespace
 } // namespace mlxq::qdot::QDOT_NS

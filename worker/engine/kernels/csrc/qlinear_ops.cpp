@@ -137,8 +137,8 @@ void quantized_linear_run(const std::vector<QTarget>& targets, const float* x, i
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xsum;
   if (int8_dot) {
-    const int64_t blocks = (int64_t)M * (K / qdot::kBlock);
-    xq.resize((size_t)M * K);
+    const int64_t blocks = (int64_t)M * qdot::padded_blocks(K);
+    xq.resize((size_t)blocks * qdot::kBlock);
     xd.resize(blocks);
     xsum.resize(blocks);
     qdot::quantize_rows(x, M, K, targets[0].q.bits, xq.data(), xd.data(), xsum.data());
