@@ -57,18 +57,17 @@ struct QAct {
   int K;
 };
 
-void quantize_rows(const float* x, int M, int K, int bits, int8_t* q, float* d, float* sum);
-
+using QuantizeFn = void (*)(const float* x, int M, int K, int bits, int8_t* q, float* d, float* sum);
 using DotFn = void (*)(const QAct& a, int M, const qmatmul::QWeight& w, float* y, int64_t ldy, int n0, int n1);
 
-namespace generic {
-void dot(const QAct& a, int M, const qmatmul::QWeight& w, float* y, int64_t ldy, int n0, int n1);
-}
-namespace avx2 {
-void dot(const QAct& a, int M, const qmatmul::QWeight& w, float* y, int64_t ldy, int n0, int n1);
-}
-namespace vnni {
-void dot(const QAct& a, int M, const qmatmul::QWeight& w, float* y, int64_t ldy, int n0, int n1);
-}
+#define MLXQ_QDOT_DECLARE(ns)                                                                      \
+  namespace ns {                                                                                   \
+  void quantize_rows(const float* x, int M, int K, int bits, int8_t* q, float* d, float* sum);    \
+  void dot(const QAct& a, int M, const qmatmul::QWeight& w, float* y, int64_t ldy, int n0, int n1); \
+  }
+MLXQ_QDOT_DECLARE(generic)
+MLXQ_QDOT_DECLARE(avx2)
+MLXQ_QDOT_DECLARE(vnni)
+#undef MLXQ_QDOT_DECLARE
 
 } // namespace mlxq::qdot

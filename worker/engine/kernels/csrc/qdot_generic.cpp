@@ -1,6 +1,5 @@
 // qdot_impl.h with the 8 lanes emulated one at a time, the AVX2 build's operations in the same
-// order (built with -ffp-contract=off: std::fma is the only fused one), so the same bits; and the
-// rounding of x's rows, which every build shares (element by element: no order to keep).
+// order (built with -ffp-contract=off: std::fma is the only fused one), so the same bits.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -8,37 +7,6 @@
 #include "qdot.h"
 
 namespace mlxq::qdot {
-
-void quantize_rows(const float* x, int M, int K, int bits, int8_t* q, float* d, float* sum) {
-  const int B = K / kBlock, Bp = padded_blocks(K);
-  const int64_t Kp = (int64_t)Bp * kBlock;
-  int lane_of[8];
-  for (int l = 0; l < 8; ++l)
-    lane_of[lane_block(bits, l)] = l;
-  for (int m = 0; m < M; ++m) {
-    std::fill(q + m * Kp, q + (m + 1) * Kp, (int8_t)0);
-    std::fill(d + (int64_t)m * Bp, d + (int64_t)(m + 1) * Bp, 0.0f);
-    std::fill(sum + (int64_t)m * Bp, sum + (int64_t)(m + 1) * Bp, 0.0f);
-    for (int b = 0; b < B; ++b) {
-      const float* xb = x + (int64_t)m * K + (int64_t)b * kBlock;
-      float amax = 0.0f;
-      for (int k = 0; k < kBlock; ++k)
-        amax = std::fmax(amax, std::fabs(xb[k]));
-      const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* qc = q + m * Kp + (int64_t)(b / 8) * 8 * kBlock;
-      int total = 0;
-      for (int k = 0; k < kBlock; ++k) {
-        const int v = (int)std::nearbyint(xb[k] * inv); // ties to even, as cvtps_epi32
-        total += v;
-        qc[x_at(bits, b % 8, k)] = (int8_t)v;
-      }
-      const int64_t at = (int64_t)m * Bp + (b / 8) * 8 + lane_of[b % 8];
-      d[at] = step;
-      sum[at] = step * (float)total;
-    }
-  }
-}
-
 namespace generic {
 namespace {
 struct V {

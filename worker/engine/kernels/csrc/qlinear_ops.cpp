@@ -36,6 +36,7 @@ const Loops g_loops = pick();
 
 // int8_dot's loops: AVX-VNNI where the CPU has it, else AVX2, else the generic ones (the same bits).
 struct DotLoops {
+  qdot::QuantizeFn quantize;
   qdot::DotFn fn;
   const char* name;
 };
@@ -45,11 +46,11 @@ DotLoops pick_dot() {
   if (use_avx2_fma()) {
     __builtin_cpu_init();
     if (isa_request() != "avx2" && __builtin_cpu_supports("avxvnni"))
-      return {&qdot::vnni::dot, "avx-vnni"};
-    return {&qdot::avx2::dot, "avx2"};
+      return {&qdot::vnni::quantize_rows, &qdot::vnni::dot, "avx-vnni"};
+    return {&qdot::avx2::quantize_rows, &qdot::avx2::dot, "avx2"};
   }
 #endif
-  return {&qdot::generic::dot, "generic"};
+  return {&qdot::generic::quantize_rows, &qdot::generic::dot, "generic"};
 }
 
 const DotLoops g_dot = pick_dot();
@@ -141,7 +142,7 @@ void quantized_linear_run(const std::vector<QTarget>& targets, const float* x, i
     xq.resize((size_t)blocks * qdot::kBlock);
     xd.resize(blocks);
     xsum.resize(blocks);
-    qdot::quantize_rows(x, M, K, targets[0].q.bits, xq.data(), xd.data(), xsum.data());
+    g_dot.quantize(x, M, K, targets[0].q.bits, xq.data(), xd.data(), xsum.data());
   }
   const qdot::QAct act{xq.data(), xd.data(), xsum.data(), K};
   // x packed once for linear's loops where they read a packing (many rows)
