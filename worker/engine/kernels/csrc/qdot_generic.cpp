@@ -15,6 +15,22 @@ struct V {
 struct I {
   int32_t l[8];
 };
+// The 32 values of x's block at xb: step = max|x| / 127, each round(x * 127 / max|x|) (ties to even)
+// at x_at(bits, b, e) of the chunk qc; total their sum.
+inline void quantize_block(const float* xb, int bits, int b, int8_t* qc, float* step, int* total) {
+  float amax = 0.0f;
+  for (int k = 0; k < kBlock; ++k)
+    amax = std::fmax(amax, std::fabs(xb[k]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  *step = amax / 127.0f;
+  int t = 0;
+  for (int k = 0; k < kBlock; ++k) {
+    const int v = (int)std::nearbyint(xb[k] * inv);
+    t += v;
+    qc[x_at(bits, b, k)] = (int8_t)v;
+  }
+  *total = t;
+}
 inline V vzero() { return V{}; }
 inline V vload(const float* p) {
   V v;

@@ -1,9 +1,9 @@
 // qdot.h's loops for one vector type (QDOT_NS), included once by each after it defines V (8 float
-// lanes), I (8 int32 lanes), WChunk (a chunk's weights) and: vzero, vload, vmul, vfma, vcvt, vhsum,
+// lanes), I (8 int32 lanes), WChunk (a chunk's weights) and: quantize_block (one block of x rounded into
+// its chunk at x_at's places, its step and the sum of its values), vzero, vload, vmul, vfma, vcvt, vhsum,
 // vperm_blocks (lanes 0 2 4 6 1 3 5 7), load_chunk<BITS>(bytes, nb, &chunk), and
 // dots8<BITS>(chunk, x's chunk) giving lane l the exact integer dot of block lane_block(BITS, l).
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -75,8 +75,7 @@ void rows(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int64_t ldy
 
 } // namespace
 
-// Each element on its own (no order to keep), so every build gives the same q, d and sum; compiled
-// for AVX2 the rounding is one instruction instead of a call into libm.
+// Each block by quantize_block (each element on its own: every build gives the same q, d and sum).
 void quantize_rows(const float* x, int M, int K, int bits, int8_t* q, float* d, float* sum) {
   const int B = K / kBlock, Bp = padded_blocks(K);
   const int64_t Kp = (int64_t)Bp * kBlock;
@@ -88,18 +87,10 @@ void quantize_rows(const float* x, int M, int K, int bits, int8_t* q, float* d, 
     std::fill(d + (int64_t)m * Bp, d + (int64_t)(m + 1) * Bp, 0.0f);
     std::fill(sum + (int64_t)m * Bp, sum + (int64_t)(m + 1) * Bp, 0.0f);
     for (int b = 0; b < B; ++b) {
-      const float* xb = x + (int64_t)m * K + (int64_t)b * kBlock;
-      float amax = 0.0f;
-      for (int k = 0; k < kBlock; ++k)
-        amax = std::fmax(amax, std::fabs(xb[k]));
-      const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* qc = q + m * Kp + (int64_t)(b / 8) * 8 * kBlock;
-      int total = 0;
-      for (int k = 0; k < kBlock; ++k) {
-        const int v = (int)std::nearbyint(xb[k] * inv); // ties to even, as cvtps_epi32
-        total += v;
-        qc[x_at(bits, b % 8, k)] = (int8_t)v;
-      }
+      float step;
+      int total;
+      quantize_block(x + (int64_t)m * K + (int64_t)b * kBlock, bits, b % 8, q + m * Kp + (int64_t)(b / 8) * 8 * kBlock,
+                     &step, &total);
       const int64_t at = (int64_t)m * Bp + (b / 8) * 8 + lane_of[b % 8];
       d[at] = step;
       sum[at] = step * (float)total;

@@ -15,6 +15,46 @@ namespace mlxq::qdot::QDOT_NS {
 namespace {
 using V = __m256;
 using I = __m256i;
+// generic's quantize_block in registers: max|x| exact in any order, x * inv and cvtps_epi32's
+// rounding (to nearest, ties to even, as nearbyint) element by element, so the same bits.
+inline void quantize_block(const float* xb, int bits, int b, int8_t* qc, float* step, int* total) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 x[4];
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    x[k] = _mm256_loadu_ps(xb + 8 * k);
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, x[k]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  *step = amax / 127.0f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  __m256i q[4];
+  for (int k = 0; k < 4; ++k)
+    q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(x[k], vinv));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  *total = _mm_cvtsi128_si32(s4);
+  // the 32 values as bytes in element order (|v| <= 127: the packs never saturate)
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  const __m256i v = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (bits != 4) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qc + b * kBlock), v);
+    return;
+  }
+  // evens then odds within each 16 bytes, then the two halves' evens together and their odds
+  const __m256i split = _mm256_shuffle_epi8(
+      v, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7,
+                          9, 11, 13, 15));
+  const __m256i eo = _mm256_permute4x64_epi64(split, 0xd8); // qwords 0 2 1 3
+  int8_t* base = qc + 64 * (b / 2) + 16 * (b % 2);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(base), _mm256_castsi256_si128(eo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(base + 32), _mm256_extracti128_si256(eo, 1));
+}
 inline V vzero() { return _mm256_setzero_ps(); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
