@@ -218,6 +218,53 @@ def start_worker(url: str, model_dir: str, blas_threads: str | None, extra_env=(
     return subprocess.Popen(cmd, env=env, cwd=NEUTRAL_CWD)
 
 
+def cpu_weight_modes(spec: str) -> list[str]:
+    """The ``cpu_weights`` modes of a comma list that the installed mlxq accepts
+    (``mlxq.shared.settings.CPU_WEIGHTS``), in order; each other one is skipped with a line saying so."""
+    from mlxq.shared.settings import CPU_WEIGHTS
+
+    modes = []
+    for mode in dict.fromkeys(m.strip() for m in spec.split(",") if m.strip()):
+        if mode in CPU_WEIGHTS:
+            modes.append(mode)
+        else:
+            print(f"cpu_weights={mode}: skipped, the installed mlxq does not have it (it has {', '.join(CPU_WEIGHTS)})")
+    if not modes:
+        raise SystemExit(f"none of the cpu_weights modes {spec!r} is one the installed mlxq has")
+    return modes
+
+
+def start_mode_workers(url: str, model: str, modes: list[str], blas_threads: str | None = None,
+                       extra_env=()) -> dict[str, subprocess.Popen]:
+    """One worker per cpu_weights mode, each serving ``model`` on a queue named after its mode (a
+    mode is only a string handed to the worker as MLXQ_CPU_WEIGHTS); wait for them with
+    ``wait_mode_workers`` inside the try that stops them."""
+    return {m: start_worker(url, model, blas_threads, [*extra_env, f"MLXQ_CPU_WEIGHTS={m}"], name=m) for m in modes}
+
+
+def wait_mode_workers(url: str, procs: dict[str, subprocess.Popen]) -> dict[str, Client]:
+    """A client for each mode's queue, once its worker serves it."""
+    clients = {m: Client(url, model=m, settings=Settings(redis_url=url)) for m in procs}
+    for m, proc in procs.items():
+        wait_worker(clients[m], proc, timeout=300, name=m)
+    return clients
+
+
+def print_sides(rows, ref: str, sides: list[str], note: str) -> None:
+    """A table of mlxq sides against one reference: each row (workload, note, {label: tok/s}) gives the
+    reference's tok/s, each side's, each side's ratio to the reference, then the note (free text,
+    last).  Names carry no spaces and a missing figure prints as "-", so a row splits into fields
+    (bench/scorecard.py reads it so)."""
+    ratios = [f"{s}/{ref}" for s in sides]
+    w = [max(10, len(c)) for c in (ref, *sides, *ratios)]
+    print(f"{'workload':<9}" + "".join(f" {c:>{n}}" for c, n in zip((ref, *sides, *ratios), w)) + f"  {note}")
+    for name, text, figs in rows:
+        base = figs.get(ref)
+        cells = [f"{figs[k]:.1f}" if figs.get(k) else "-" for k in (ref, *sides)]
+        cells += [f"{figs[s] / base:.2f}" if base and figs.get(s) else "-" for s in sides]
+        print(f"{name:<9}" + "".join(f" {c:>{n}}" for c, n in zip(cells, w)) + f"  {text}")
+
+
 def memory_ratio() -> str:
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "paged.py"), "memory"], capture_output=True,
                          text=True, cwd=str(ROOT), timeout=600)
