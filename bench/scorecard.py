@@ -283,7 +283,9 @@ def rows_real(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
     err = benches["kv8-error"].output()
     ours = find(err, r"^\s+8-bit mlxq paged\s+max-abs ([\d.]+)\s+mean-abs ([\d.]+)")
     ref = find(err, r"^\s+8-bit mlx-lm QuantizedKVCache\s+max-abs ([\d.]+)\s+mean-abs ([\d.]+)")
-    card.add("kv8-error", "8-bit KV logit error vs fp32 KV, ours vs mlx-lm's QuantizedKVCache",
+    shape = find(err, r"^\(c\) logits error vs fp32 KV.*?, (\d+) prompts x (\d+) teacher-forced positions")
+    card.add("kv8-error", "8-bit KV logit error vs fp32 KV, ours vs mlx-lm's QuantizedKVCache"
+             + (f", {shape[0][1]} x {shape[0][2]} positions" if shape else ""),
              [f"max-abs {a[1]} vs {b[1]}, mean-abs {a[2]} vs {b[2]}" for a, b in zip(ours, ref)], "(reported)")
     return card.rows
 
