@@ -61,16 +61,24 @@ inline void tile(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int6
       y[m * ldy + n + j] = vhsum(acc[m * TN + j]);
 }
 
+// x's rows 64 at a time (their chunk of x, 16 KB, and their accumulators, 8 KB, stay in L1 while the
+// weight rows go by), each block of rows against every weight row [n0, n1).
 template <int BITS>
 void rows(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int64_t ldy, int n0, int n1) {
-  constexpr int TN = 4;
+  constexpr int TN = 4, kRows = 64;
+  const int64_t Bp = padded_blocks(q.K), Kp = Bp * kBlock;
   thread_local std::vector<V> acc;
-  acc.resize((size_t)M * TN);
-  int n = n0;
-  for (; n + TN <= n1; n += TN)
-    tile<BITS, TN>(a, M, q, y, ldy, n, acc.data());
-  for (; n < n1; ++n)
-    tile<BITS, 1>(a, M, q, y, ldy, n, acc.data());
+  acc.resize((size_t)std::min(M, kRows) * TN);
+  for (int m0 = 0; m0 < M; m0 += kRows) {
+    const int mb = std::min(kRows, M - m0);
+    const QAct am{a.q + m0 * Kp, a.d + m0 * Bp, a.sum + m0 * Bp, a.K};
+    float* ym = y + m0 * ldy;
+    int n = n0;
+    for (; n + TN <= n1; n += TN)
+      tile<BITS, TN>(am, mb, q, ym, ldy, n, acc.data());
+    for (; n < n1; ++n)
+      tile<BITS, 1>(am, mb, q, ym, ldy, n, acc.data());
+  }
 }
 
 } // namespace
