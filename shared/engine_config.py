@@ -15,7 +15,9 @@ BLOCK_SIZE = 32  # tokens per KV block: the only size the engine and its kernels
 # prefill chunk size by prompt position: (positions below this, chunk tokens); None: every later position
 DEFAULT_CHUNK_SCHEDULE = ((2048, 512), (8192, 256), (20480, 128), (None, 64))
 DEFAULT_KV_MEMORY_MB = 512  # the KV pool's budget when neither it nor a block count is set
-SPECULATE_MODES = ("off", "ngram", "draft")  # speculative decoding: none, prompt lookup, a draft model
+# speculative decoding: prompt lookup where a verify pass is bit for bit the plain steps (the engine's
+# choice, worker/engine/engine.py), none, prompt lookup, a draft model
+SPECULATE_MODES = ("auto", "off", "ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class EngineConfig:
     kv_bits: Optional[int] = None  # quantized KV blocks, 4 or 8 bits (None: the model's float dtype)
     kv_group_size: int = 64
     huge_pages: bool = True  # madvise the weights and the pool to 2 MiB pages (hugepages.py)
-    speculate: str = "off"  # one of SPECULATE_MODES (worker/engine/speculative.py)
+    speculate: str = "auto"  # one of SPECULATE_MODES (worker/engine/speculative.py)
     speculate_k: int = 8  # the most tokens one proposal may hold
     draft_model: Optional[str] = None  # the draft model of speculate "draft" (a path or hub id, as the model's)
 

@@ -290,10 +290,13 @@ class Settings:
                                     "(32, 64 or 128)")
     huge_pages: bool = engine_opt("huge_pages", "back the model's weights and the KV pool with 2 MiB pages where "
                                   "Linux allows (madvise at start: faster decode steps, docs/design/engine.md)")
-    speculate: str = engine_opt("speculate", "speculative decoding: off, ngram (prompt lookup: what followed the "
+    speculate: str = engine_opt("speculate", "speculative decoding: auto (ngram where the weight matmuls are the "
+                                "extension's own loops, whose rows do not depend on the batch: --matmul pool or auto on "
+                                "x86-64 with AVX2+FMA; else off), off, ngram (prompt lookup: what followed the "
                                 "context's last tokens earlier in it is proposed and verified in the batch) or draft "
                                 "(a smaller model with the same tokenizer proposes: --draft-model); the output is the "
-                                "same token for token, and a step speculates only where measured step times say it "
+                                "same token for token (with --matmul mlx, as batching there, a long greedy answer can "
+                                "part at a near-tie), and a step speculates only where measured step times say it "
                                 "pays (docs/design/speculative.md)", choices=SPECULATE_MODES)
     speculate_k: int = engine_opt("speculate_k", "most tokens one proposal holds (each sequence's own k adapts "
                                   "below it)")

@@ -37,6 +37,9 @@ class Host:
         self.eos = set(eos)
         self.inline = inline
         self.removals: deque[str] = deque()  # -> MLX thread: sequences a stop string ended
+        # by uid: (job, text, token ids, logprobs) of this step not yet in a delta.  A step can give a
+        # sequence several tokens (speculative decoding): they go out as one delta, as one token does
+        self._held: dict[str, tuple[ActiveJob, str, list[int], Optional[list]]] = {}
 
     def remove_soon(self, uid: str) -> None:
         """Drop a sequence from the engine (on the MLX thread, before its next step)."""
@@ -61,6 +64,7 @@ class Host:
                 continue
             # this job's own trouble (a parser, a detokenizer): its own end
             self._alone(job, out, partial(self._take_event, job, ev, top, out))
+        self._emit_held(out)
         for p in preempted:
             job = self.active.get(p.uid)
             if job is not None and job.group is not None:
@@ -134,8 +138,24 @@ class Host:
             text += job.text.finish()
             self.finish(job, finish, out, text, ids, lp)
         elif text or ids:
-            delta = job.emit(text, ids, logprobs=lp)
-            out.add_delta(job.id, job.owner, job.wire_dict(delta))
+            self._held[job.uid] = (job, *self._unheld(job, text, ids, lp))
+
+    def _unheld(self, job: ActiveJob, text: str, ids, lp: Optional[list]) -> tuple[str, list[int], Optional[list]]:
+        """``text``, ``ids`` and ``lp`` after what this step holds for ``job`` (taken out of ``_held``)."""
+        held = self._held.pop(job.uid, None)
+        if held is None or held[0] is not job:
+            return text, list(ids), lp
+        _, held_text, held_ids, held_lp = held
+        return (held_text + text, held_ids + list(ids),
+                None if lp is None and held_lp is None else (held_lp or []) + (lp or []))
+
+    def _emit_held(self, out: StepOutput) -> None:
+        """Each running sequence's tokens of this step, as one delta."""
+        while self._held:
+            job, text, ids, lp = self._held.pop(next(iter(self._held)))
+            if self.active.get(job.uid) is job:
+                self._alone(job, out, lambda: out.add_delta(job.id, job.owner,
+                                                            job.wire_dict(job.emit(text, ids, logprobs=lp))))
 
     def _alone(self, job: ActiveJob, out: StepOutput, handle) -> None:
         """``handle()``, one job's part of a step; what it raises ends that job alone."""
@@ -173,7 +193,8 @@ class Host:
             # the caller's final flush completed a stop string (text held back as an incomplete
             # character decodes only then): the job ended on it, as on any other stop string
             finish = "stop"
-        delta = job.emit(text, list(ids), finish, error, lp)
+        text, ids, lp = self._unheld(job, text, ids, lp)  # this step's tokens before its last go out with it
+        delta = job.emit(text, ids, finish, error, lp)
         self.active.pop(job.uid, None)
         result = job.end(finish, error, error_code)
         if result is None:  # other samples of the job still run: this one's last delta is a delta

@@ -187,6 +187,9 @@ def test_blocks_return_to_baseline_after_a_load_run():
     rng = random.Random(5)
     system = [rng.randrange(1, 256) for _ in range(64)]  # two full blocks every prompt shares
     engine = PagedEngine(model, num_blocks=20, pressure=1.0)  # small: admission waits, preemption happens
+    # speculating at every step a row has a proposal: a schedule that does not follow step times (the test
+    # needs its preemption), with the verify passes in it
+    engine.speculator.costs.always = True
     baseline = engine.stats()
     specs = [SeqSpec(uid=f"l{i}", prompt=system + [rng.randrange(1, 256) for _ in range(rng.randrange(1, 40))],
                      max_tokens=rng.randrange(5, 60), priority=float(i % 3)) for i in range(16)]
@@ -208,7 +211,7 @@ def test_blocks_return_to_baseline_after_a_load_run():
             out.setdefault(e.uid, []).append(e.token)
         step += 1
     st = engine.stats()
-    assert st["prefix_hit_tokens"] > 0 and st["preemptions"] > 0
+    assert st["prefix_hit_tokens"] > 0 and st["preemptions"] > 0 and st["verify_passes"] > 0
     assert st["blocks_used"] == baseline["blocks_used"] == 0
     assert st["blocks_free"] + st["blocks_cached"] == baseline["blocks_total"]
     engine.bm.check_invariants()

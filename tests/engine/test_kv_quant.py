@@ -248,10 +248,13 @@ def test_prefix_hits_and_batching_give_the_solo_tokens(ext, model, bits):
 def test_preemption_resume_gives_the_uninterrupted_tokens(ext, model):
     prompts = _prompts(5, 5, 20, 60)
     eng = _engine(model, 8, num_blocks=12, pressure=1.0, chunk_schedule=((64, 24), (None, 16)))
+    # speculating at every step a row has a proposal: a schedule that does not follow step times (the test
+    # needs its preemption), with the verify passes in it
+    eng.speculator.costs.always = True
     specs = [SeqSpec(f"p{i}", p, 30, priority=float(i % 3)) for i, p in enumerate(prompts)]
     before = ext.kv_write_copies()
     out, _, n_pre = run(eng, specs)
-    assert n_pre > 0
+    assert n_pre > 0 and eng.stats()["verify_passes"] > 0
     assert eng.pool.kv_write is not None and ext.kv_write_copies() == before  # packed rows written in place
     for s in specs:
         assert out[s.uid] == _solo(model, 8, s), s.uid

@@ -224,7 +224,8 @@ def test_seeded_samples_reproducible_alone_batched_and_preempted(model):
                 arrivals={2: job("s", prompt, 4, 30, seeded=True), 5: others[1:]})
     assert {u: out[u] for u in alone} == alone
     # preempted mid-run by an urgent job, resumed from resume_tokens (forking again where it can)
-    eng = PagedEngine(model, num_blocks=9, pressure=1.0)
+    # speculation off: the test needs the preemption a one-token-a-step schedule gives
+    eng = PagedEngine(model, num_blocks=9, pressure=1.0, speculate="off")
     urgent = SeqSpec("u", [1] * 100, 3, priority=0.0)
     out = drive(eng, job("s", prompt, 4, 30, seeded=True, priority=5.0), arrivals={8: [urgent]})
     assert eng.stats()["preemptions"] > 0

@@ -80,7 +80,8 @@ def test_hit_is_capped_below_prompt_length(model):
 
 def test_preemption_resume_is_exact_and_never_repeats(model):
     prompts = _prompts(5, 6, 20, 60)
-    eng = PagedEngine(model, num_blocks=14, pressure=1.0, chunk_schedule=SMALL_CHUNKS)
+    # speculation off: the test needs the preemption a one-token-a-step schedule gives
+    eng = PagedEngine(model, num_blocks=14, pressure=1.0, chunk_schedule=SMALL_CHUNKS, speculate="off")
     specs = [SeqSpec(f"p{i}", p, 40, priority=float(i % 3)) for i, p in enumerate(prompts)]
     out, done, n_pre = run(eng, specs)
     assert n_pre > 0 and eng.stats()["preemptions"] == n_pre
@@ -153,7 +154,8 @@ def test_max_batch_pins_the_batch(model):
 
 
 def test_chunked_prefill_keeps_streams_going(model):
-    eng = PagedEngine(model, num_blocks=64, chunk_schedule=((None, 32),), step_token_budget=40)
+    # speculation off: the test counts one token per stream per step
+    eng = PagedEngine(model, num_blocks=64, chunk_schedule=((None, 32),), step_token_budget=40, speculate="off")
     streams = [SeqSpec(f"s{i}", [i + 1] * 8, 30) for i in range(3)]
     eng.add(streams)
     for _ in range(3):

@@ -158,6 +158,14 @@ def test_cancel_mid_speculation_and_blocks_back_to_baseline(model):
     _assert_no_leak(eng)
 
 
+def test_auto_speculates_only_where_a_rows_bits_do_not_follow_its_batch(model):
+    # the default: prompt lookup where the matmuls are the extension's own loops (as on these CPUs, or
+    # the engine tests' outputs would not all be compared under speculation); MLX's matmul: off
+    assert PagedEngine(model, num_blocks=8).speculate == "ngram"
+    assert PagedEngine(model, num_blocks=8, matmul="mlx").speculator is None
+    assert PagedEngine(model, num_blocks=8, matmul="mlx", speculate="ngram").speculate == "ngram"  # asked for
+
+
 def test_ngram_index_proposes_the_latest_longest_match():
     idx = NgramIndex()
     toks = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]

@@ -6,6 +6,7 @@ each; a seeded sampled job gives the same tokens whether or not its worker crash
 from __future__ import annotations
 
 import random
+from functools import partial
 from types import SimpleNamespace
 
 import redis
@@ -119,7 +120,6 @@ def test_worker_kill9_streams_resume_token_exact(tiny_model, tiny_model_dir, red
         specs.append((prompt, kw))
     lease = dict(lease_s=2, heartbeat_s=0.5)
     client = Client(redis_url, model="tiny", settings=fast_settings(redis_url, **lease))
-    r = client.redis
     a = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=8, **lease)
     b = None
     try:
@@ -130,33 +130,80 @@ def test_worker_kill9_streams_resume_token_exact(tiny_model, tiny_model_dir, red
                 for i, (p, _) in enumerate(specs)]
         assert all(res.token_ids == ref for res, ref in zip(undisturbed, refs))  # batched == solo
 
-        a.freeze()  # while the jobs go in (slow submits would give it time to run them to the end)
-        jobs, collectors = _follow(client, specs)
-        # frozen once every job has streamed 10 tokens (the worker runs only in short slices meanwhile),
-        # so every job is mid-stream at the kill by construction
-        assert a.run_until(lambda: all(r.xlen(K.events(j.id)) >= 10 for j in jobs)), a.log()
-        published_at_kill = {j.id: _record_token_count(r, j.id) for j in jobs}
-        assert all(j.status() == "running" for j in jobs)
-        a.kill9()
-        b = WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=8, **lease)
-        results = [j.result(timeout=240) for j in jobs]
-        for c in collectors:
-            c.join(timeout=60)
-        for i, (job, res, c) in enumerate(zip(jobs, results, collectors)):
-            assert c.error is None, (i, c.error)
-            assert res.finish_reason == "length" and res.stats.attempts == 2, (i, res)
-            assert c.ids == res.token_ids, i  # the stream: each token index once, across the crash
-            assert c.text == res.text, i
-            assert c.finishes == ["length"], i
-            assert _record_token_count(r, job.id) == n_tok, i  # resumed: nothing published twice
-            assert 10 <= published_at_kill[job.id] < n_tok, i
-            if i < 7:
-                assert res.token_ids == refs[i], i  # greedy and seeded: exact across the crash
-        assert b.log().count("resumes after") == len(jobs), b.log()
+        # every job has streamed 10 entries at the kill
+        _, results, b = _kill9_and_resume(client, a, specs, lambda j: client.redis.xlen(K.events(j.id)) >= 10,
+                                          lambda: WorkerProc(redis_url, tiny_model_dir, tmp_path, max_batch=8, **lease))
+        for i, res in enumerate(results[:7]):
+            assert res.token_ids == refs[i], i  # greedy and seeded: exact across the crash
     finally:
         a.stop()
         if b:
             b.stop()
+
+
+def test_worker_kill9_mid_speculation_streams_resume_token_exact(tiny_model, tiny_model_dir, redis_url, tmp_path):
+    """kill -9 of a worker that speculates at every step (prompt lookup: a step gives a row several
+    tokens, one delta), a second one that does too resumes: each stream is the output without
+    speculation, token for token, greedy and seeded, each token once."""
+    rng = random.Random(29)
+    n_tok = 80
+    specs = []
+    for i in range(3):
+        span = [rng.randrange(4, 900) for _ in range(10)]
+        kw = dict(max_tokens=n_tok, ignore_eos=True)
+        if i >= 1:
+            kw.update(temperature=0.9, top_p=0.95, seed=2000 + i)
+        specs.append((span * 3 + span[:4], kw))  # repeated spans: lookups find proposals from the start
+    refs = [reference_tokens(tiny_model, p, n_tok, ignore_eos=True, speculate="off",
+                             sampling={k: v for k, v in kw.items() if k in ("temperature", "top_p", "seed")} or None)
+            for p, kw in specs]
+    lease = dict(lease_s=2, heartbeat_s=0.5)
+    client = Client(redis_url, model="tiny", settings=fast_settings(redis_url, **lease))
+    worker = partial(WorkerProc, redis_url, tiny_model_dir, tmp_path, max_batch=8, speculate_always=True, **lease)
+    a, b = worker(), None
+    try:
+        assert wait_registered(redis_url), a.log()
+        jobs, results, b = _kill9_and_resume(client, a, specs, lambda j: _record_token_count(client.redis, j.id) >= 10,
+                                             worker)
+        for i, (job, res) in enumerate(zip(jobs, results)):
+            assert res.token_ids == refs[i], i
+            # a step's tokens of the job are one delta of its entry
+            assert all(len(payload) == 1 for payload in read_payloads(client.redis, K, job.id)), i
+        assert sum(res.stats.draft_accepted for res in results) > 0  # the resumed attempts' proposals verified
+    finally:
+        a.stop()
+        if b:
+            b.stop()
+
+
+def _kill9_and_resume(client, a, specs, streamed, start_b):
+    """Submit ``specs`` to the frozen worker ``a``, let it run until every job has ``streamed``, kill -9
+    it and start ``b`` (``start_b()``); every job then ends resumed on ``b``, its stream each token
+    once (the check of both kill -9 tests).  Returns (jobs, results, b)."""
+    r = client.redis
+    a.freeze()  # while the jobs go in (slow submits would give it time to run them to the end)
+    jobs, collectors = _follow(client, specs)
+    # frozen once every job has streamed (the worker runs only in short slices meanwhile), so every job
+    # is mid-stream at the kill by construction
+    assert a.run_until(lambda: all(streamed(j) for j in jobs)), a.log()
+    published_at_kill = {j.id: _record_token_count(r, j.id) for j in jobs}
+    assert all(j.status() == "running" for j in jobs)
+    a.kill9()
+    b = start_b()
+    results = [j.result(timeout=240) for j in jobs]
+    for c in collectors:
+        c.join(timeout=60)
+    n_tok = specs[0][1]["max_tokens"]
+    for i, (job, res, c) in enumerate(zip(jobs, results, collectors)):
+        assert c.error is None and not c.is_alive(), (i, c.error)
+        assert res.finish_reason == "length" and res.stats.attempts == 2, (i, res)
+        assert c.ids == res.token_ids, i  # the stream: each token index once, across the crash
+        assert c.text == res.text, i
+        assert c.finishes == ["length"], i
+        assert _record_token_count(r, job.id) == n_tok, i  # resumed: nothing published twice
+        assert 10 <= published_at_kill[job.id] < n_tok, i
+    assert b.log().count("resumes after") == len(jobs), b.log()
+    return jobs, results, b
 
 
 def test_publisher_sends_again_what_a_lost_script_cache_refused(redis_url):

@@ -20,7 +20,7 @@ from workerkit import neutral_cwd
 
 from mlxq.shared.keys import ModelKeys
 
-FROZEN_WORKER = Path(__file__).with_name("frozen_worker.py")  # `mlxq` whose engine hangs at a step
+FROZEN_WORKER = Path(__file__).with_name("frozen_worker.py")  # `mlxq` whose engine hangs at a step, or always speculates
 
 FIGURES: list[dict] = []  # one row per fault test, printed at the end of each test
 
@@ -52,10 +52,12 @@ class WorkerProc:
 
     def __init__(self, url: str, model_dir, log_dir: Path, *, name: str = "tiny", max_batch: int = 16,
                  grace: float = 30.0, extra: Optional[list[str]] = None, freeze_at_step: Optional[int] = None,
-                 **settings):
-        """``freeze_at_step``: the engine's step of that number never returns (kit/frozen_worker.py)."""
+                 speculate_always: bool = False, **settings):
+        """``freeze_at_step``: the engine's step of that number never returns; ``speculate_always``: every
+        step where a row has a proposal verifies it (kit/frozen_worker.py)."""
         self.log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
-        mlxq = ["-m", "mlxq"] if freeze_at_step is None else [str(FROZEN_WORKER), str(freeze_at_step)]
+        mode = "speculate" if speculate_always else freeze_at_step
+        mlxq = ["-m", "mlxq"] if mode is None else [str(FROZEN_WORKER), str(mode)]
         cmd = [sys.executable, *mlxq, "--log-level", "INFO", "worker", "--redis-url", url,
                "--model", str(model_dir), "--queue", name, "--max-batch", str(max_batch), "--grace", str(grace)]
         cmd += extra or []
@@ -154,7 +156,8 @@ def wait_registered(url: str, model: str = "tiny", n: int = 1, timeout: float = 
         r.close()
 
 
-def reference_tokens(loaded, prompt_ids, max_tokens, ignore_eos=False):
+def reference_tokens(loaded, prompt_ids, max_tokens, ignore_eos=False, sampling: Optional[dict] = None,
+                     speculate: Optional[str] = None):
     """The worker's greedy answer for this one sequence (cut at the first EOS unless ``ignore_eos``),
     computed in this process by the worker's own engine (``make_engine`` with this environment's
     settings, as a worker process here builds it) with this sequence alone in it.
@@ -166,18 +169,23 @@ def reference_tokens(loaded, prompt_ids, max_tokens, ignore_eos=False):
     tested separately (tests/engine/test_engine.py, tests/worker/test_e2e.py), at horizons where two
     correct summation orders cannot part at a near-tie; a fault test's 480-token streams can (MLX's
     matmul gives a row other bits in a batch of 2 to 4 rows, depending on the BLAS), so they compare
-    with this."""
+    with this.  ``sampling``: a seeded job's SamplingParams fields (its seed among them), for its
+    tokens instead; ``speculate``: that setting instead of this environment's."""
+    from mlxq.shared.schemas import SamplingParams
     from mlxq.shared.settings import Settings
     from mlxq.worker.engine.engine import make_engine
     from mlxq.worker.engine.api import SeqSpec
+    from mlxq.worker.engine.sampler import make_sampler
 
     blocks = (len(prompt_ids) + max_tokens) // 32 + 4
-    settings = Settings.from_env(kv_blocks=blocks, kv_memory_mb=None, session_dir=None)
+    settings = Settings.from_env(kv_blocks=blocks, kv_memory_mb=None, session_dir=None, speculate=speculate)
     key = (id(loaded), tuple(prompt_ids), max_tokens, ignore_eos, settings.attention, settings.matmul,
-           settings.kv_bits, settings.kv_group_size)
+           settings.kv_bits, settings.kv_group_size, settings.speculate, tuple(sorted((sampling or {}).items())))
     if key not in _references:
         engine = make_engine(loaded, settings)
-        engine.add([SeqSpec("ref", list(prompt_ids), max_tokens, stop_token_ids=() if ignore_eos else None)])
+        sampler = make_sampler(SamplingParams(**sampling), sampling["seed"]) if sampling else None
+        engine.add([SeqSpec("ref", list(prompt_ids), max_tokens, sampler=sampler,
+                            stop_token_ids=() if ignore_eos else None)])
         out = []
         while engine.has_work():
             out += [e.token for e in engine.step()[0] if e.error is None]

@@ -1,10 +1,15 @@
-"""``mlxq worker`` whose engine's n-th step never returns, as a hung kernel's would, so that a test sees the
-worker's watchdog notice it (tests/faults/test_takeover.py)::
+"""``mlxq worker`` with its engine wrapped where the worker command makes it, after the BLAS set-up
+(which must come before MLX is imported)::
 
     python frozen_worker.py N <the arguments of `mlxq`>
 
-The engine is wrapped where the worker command makes it, after the BLAS set-up (which must come before
-MLX is imported)."""
+the engine's n-th step never returns, as a hung kernel's would, so that a test sees the worker's
+watchdog notice it (tests/faults/test_takeover.py);
+
+    python frozen_worker.py speculate <the arguments of `mlxq`>
+
+every step where a row has a proposal speculates (the step-time policy out of the way, so a test of
+speculation does not depend on how fast steps run: tests/faults/test_resume.py)."""
 
 from __future__ import annotations
 
@@ -32,8 +37,15 @@ def freeze_at_step(engine, n: int):
     return engine
 
 
-def wrap_make_engine(n: int) -> None:
-    """After ``blas.setup()``, as ``mlxq worker`` calls it: each engine made then freezes at step ``n``."""
+def speculate_always(engine):
+    if engine.speculator is None:
+        raise SystemExit("speculate: this worker's engine does not speculate (--speculate off, or auto off here)")
+    engine.speculator.costs.always = True
+    return engine
+
+
+def wrap_make_engine(wrap) -> None:
+    """After ``blas.setup()``, as ``mlxq worker`` calls it: each engine made then is ``wrap(engine)``."""
     setup = blas.setup
 
     def setup_then_wrap(*a, **kw):
@@ -41,12 +53,13 @@ def wrap_make_engine(n: int) -> None:
         from mlxq.worker.engine import engine
 
         make = engine.make_engine
-        engine.make_engine = lambda *a, **kw: freeze_at_step(make(*a, **kw), n)
+        engine.make_engine = lambda *a, **kw: wrap(make(*a, **kw))
         return out
 
     blas.setup = setup_then_wrap
 
 
 if __name__ == "__main__":
-    wrap_make_engine(int(sys.argv[1]))
+    mode = sys.argv[1]
+    wrap_make_engine(speculate_always if mode == "speculate" else lambda e, n=int(mode): freeze_at_step(e, n))
     sys.exit(main(sys.argv[2:]))

@@ -110,10 +110,10 @@ def test_old_flags_and_env_vars_still_work(clean_env):
     ({"MLXQ_BLOCK_SIZE": "16"}, "only 32-token blocks are supported"),
     ({"MLXQ_ATTENTION": "fast"}, "must be one of auto, fused, gather"),
     ({"MLXQ_SPECULATE": "medusa"},
-     "speculate='medusa' (MLXQ_SPECULATE / --speculate): must be one of off, ngram, draft"),
+     "speculate='medusa' (MLXQ_SPECULATE / --speculate): must be one of auto, off, ngram, draft"),
     ({"MLXQ_SPECULATE": "draft"}, "draft needs a draft model (--draft-model PATH)"),
     ({"MLXQ_DRAFT_MODEL": "/models/draft"},
-     "draft_model='/models/draft' (MLXQ_DRAFT_MODEL / --draft-model): is read by --speculate draft only (here: off)"),
+     "draft_model='/models/draft' (MLXQ_DRAFT_MODEL / --draft-model): is read by --speculate draft only (here: auto)"),
     ({"MLXQ_CHUNK_SCHEDULE": "*:64,512:128"}, "increasing positions"),
     ({"MLXQ_HEARTBEAT_S": "40"}, "heartbeat_s must be shorter than lease_s"),
     # each of these was accepted and then broke the worker or lost data

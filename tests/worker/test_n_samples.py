@@ -263,7 +263,9 @@ def test_preempted_samples_resume_exactly_in_a_small_pool(tiny_model, redis_url)
     ref = reference_tokens(tiny_model, prompt, 150, ignore_eos=True)
     settings = fast_settings(redis_url)
     client = Client(redis_url, model="tiny", settings=settings)
-    engine = PagedEngine(tiny_model.model, num_blocks=14, eos_token_ids=tiny_model.eos_token_ids, model_id="tiny")
+    # speculation off: the test needs the preemption a one-token-a-step schedule gives
+    engine = PagedEngine(tiny_model.model, num_blocks=14, eos_token_ids=tiny_model.eos_token_ids, model_id="tiny",
+                         speculate="off")
     with running_worker(tiny_model, redis_url, settings, engine=engine) as w:
         job = client.submit(prompt_tokens=prompt, n=4, max_tokens=150, ignore_eos=True)
         streamed = by_sample(job.stream(timeout=120))

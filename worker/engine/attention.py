@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm.models.base as mlx_base
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -412,6 +413,21 @@ def use_attention(model, pool: KVPool, mode: Optional[str] = None, matmul: str =
     backend = replace(backend, matmul=matmul)
     log.info("attention: %s (%s); weight matmuls: %s (%s)", backend.name, backend.reason, matmul, matmul_why)
     return backend
+
+
+def batch_dependence(backend: AttentionBackend, model) -> Optional[str]:
+    """None where a row's logits are the same bits in any batch shape, at any number of positions a
+    row (the weight matmuls run the extension's own loops, ``csrc/rowdot.h``; the fused attention is
+    per query), else what can make them follow the batch.  Speculation's default rests on it: a
+    verify pass over k + 1 positions then gives the bits of k + 1 one-token steps."""
+    if backend.matmul != "pool":
+        return f"the weight matmuls are {backend.matmul}'s (MLX's: a row's bits can follow its batch)"
+    if cpu_extension().linear_isa() == "blas":
+        return "the weight matmuls are the BLAS fallback's (its rounding of a row can follow the batch)"
+    if "quantized_linear" not in backend.model_ops and any(
+            isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
+        return "the model's quantized layers run MLX's quantized matmul (the extension's did not pass its check)"
+    return None
 
 
 def resolve_matmul(backend: AttentionBackend, matmul: str) -> tuple[str, str]:

@@ -37,7 +37,7 @@ from ...shared.settings import Settings
 
 from .api import Preempted, SeqSpec, TokenEvent
 from . import hugepages, intake
-from .attention import use_attention
+from .attention import batch_dependence, use_attention
 from .block_manager import BlockManager
 from .logit_shaping import GrammarBook, GrammarError, RowGrammar
 from .decode_forward import DecodeForward
@@ -139,7 +139,8 @@ class PagedEngine:
         self.sessions = SessionFiles(config.session_dir, model_id, self.pool) if config.session_dir else None
         self.scheduler = Scheduler(self.bm, config, eos_token_ids=eos_token_ids, settle=self._settle,
                                    session_files=self.sessions, start_grammar=self._start_grammar)
-        if config.speculate != "off":
+        self.speculate = self._speculation(config.speculate)
+        if self.speculate != "off":
             self.speculator = Speculator(config.speculate_k, self.runner.can_verify)
         if draft is not None:
             from .draft import Drafter
@@ -149,6 +150,16 @@ class PagedEngine:
                      self.drafter.pool.nbytes / 2**20)
         log.info("paged engine: %d blocks of %d tokens, %.1f MiB %s pool",
                  num_blocks, block_size, self.pool.nbytes / 2**20, self.pool.layout)
+
+    def _speculation(self, mode: str) -> str:
+        """The speculation this engine runs: ``mode``, where "auto" is prompt lookup only where a verify
+        pass's positions are bit for bit one-token steps' (else its output could part from the plain
+        engine's at a near-tie, which auto must never cause), off elsewhere."""
+        if mode != "auto":
+            return mode
+        why = batch_dependence(self.attention, self.model)
+        log.info("speculative decoding: %s", "prompt lookup (auto)" if why is None else f"off (auto: {why})")
+        return "ngram" if why is None else "off"
 
     def step(self) -> tuple[list[TokenEvent], list[Preempted]]:
         """Schedule, run, postprocess: a prefill pass, then a decode launch (read one step later),
