@@ -168,6 +168,11 @@ def test_the_engine_with_int8_dot_products_is_batch_invariant_and_close_to_fp32(
     together, _, _ = run(eng, specs)
     for s in specs:
         assert run(eng, [s])[0][s.uid] == together[s.uid], s.uid
+    # speculating at every step (a verify pass over several positions a row, through the model file's
+    # ops, against the decode step's fused ones): the same tokens
+    spec = PagedEngine(model, num_blocks=64, matmul="pool", chunk_schedule=SMALL_CHUNKS, speculate="ngram")
+    spec.speculator.costs.always = True
+    assert run(spec, specs)[0] == together and spec.stats()["verify_passes"] > 0
     dense, _ = _tiny_4_bit(tiny_model_dir, "fp32")
     ids = mx.array([prompts[0]])
     got, want = model(ids), dense(ids)
@@ -211,6 +216,9 @@ def test_the_generic_loops_give_the_avx2_bits(ext, tmp_path):
         "got = mx.concatenate([ext.quantized_linear(c['x'], c[f'w{b}'], c[f's{b}'], c[f'b{b}'], 32, b, i8)\n"
         "                      for b in (4, 8) for i8 in (False, True)])\n"
         "assert mx.array_equal(got, want).item()\n"
+        # checked: skip the interpreter's teardown, where MLX's and the pool's threads once ended the
+        # process with "terminate called without an active exception" after the check had passed
+        "import os; os._exit(0)\n"
     )
     env = {**os.environ, "MLXQ_ATTN_ISA": "generic"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
