@@ -67,12 +67,6 @@ constexpr int kColAlign = 16, kPartsPerThread = 4;
 // against 39-65 in register tiles of 2 rows (fp32: 35-72); 64 rows 107 against 179 (fp32).
 constexpr int kRegisterRows = 1;
 
-// int8_dot calls of fewer multiply-adds run on the calling thread (MLX's stream thread), every part
-// in turn: a layer's projections at one row (~100 us of integer dot products or less) gain less from
-// the second core than waking the pool's worker costs, and the host thread building the next step
-// wants that core. SmolLM2-135M's 30 layers of q/k/v, o, gate/up and down calls at one row, int8_dot,
-// 2 loaded cores, 2026-12-02, best of 200: 6.0-6.8 ms on one thread against 7.0-7.1 split.
-constexpr int64_t kInlineMacs = 1 << 21;
 constexpr int64_t kStripFloats = 1 << 14;
 
 // Columns [c0, c1) of y (M rows of N).
@@ -155,13 +149,9 @@ void quantized_linear_run(const std::vector<QTarget>& targets, const float* x, i
     int target, c0, c1;
   };
   std::vector<Part> parts;
-  int64_t macs = 0;
-  for (const auto& t : targets)
-    macs += (int64_t)t.N * K * M;
-  const bool here = int8_dot && macs < kInlineMacs;
   for (int t = 0; t < (int)targets.size(); ++t) {
     const int N = targets[t].N;
-    const int n = here ? 1 : std::max(1, std::min(tp.size() * kPartsPerThread, (N + kColAlign - 1) / kColAlign));
+    const int n = std::max(1, std::min(tp.size() * kPartsPerThread, (N + kColAlign - 1) / kColAlign));
     const int per = ((N + n - 1) / n + kColAlign - 1) / kColAlign * kColAlign;
     for (int c0 = 0; c0 < N; c0 += per)
       parts.push_back({t, c0, std::min(N, c0 + per)});
@@ -173,11 +163,7 @@ void quantized_linear_run(const std::vector<QTarget>& targets, const float* x, i
     else
       run_part(t.q, x, xpairs, M, t.y, t.N, parts[p].c0, parts[p].c1);
   };
-  if (parts.size() == 1 || here)
-    for (int p = 0; p < (int)parts.size(); ++p)
-      part(p);
-  else
-    tp.parallel_for((int)parts.size(), part);
+  tp.parallel_for((int)parts.size(), part); // one part: here, on this thread
 }
 
 std::vector<mx::array> quantized_linear_group(const mx::array& x, const std::vector<mx::array>& ws,
