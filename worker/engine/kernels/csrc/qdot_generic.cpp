@@ -9,9 +9,7 @@
 namespace mlxq::qdot {
 namespace generic {
 namespace {
-struct V {
-  float l[8];
-};
+#include "lanes8_generic.h"
 struct I {
   int32_t l[8];
 };
@@ -31,32 +29,11 @@ inline void quantize_block(const float* xb, int bits, int b, int8_t* qc, float* 
   }
   *total = t;
 }
-inline V vzero() { return V{}; }
-inline V vload(const float* p) {
-  V v;
-  for (int i = 0; i < 8; ++i)
-    v.l[i] = p[i];
-  return v;
-}
-inline V vmul(V a, const V& b) {
-  for (int i = 0; i < 8; ++i)
-    a.l[i] *= b.l[i];
-  return a;
-}
-inline V vfma(const V& a, const V& b, V c) {
-  for (int i = 0; i < 8; ++i)
-    c.l[i] = std::fma(a.l[i], b.l[i], c.l[i]);
-  return c;
-}
 inline V vcvt(const I& x) {
   V v;
   for (int i = 0; i < 8; ++i)
     v.l[i] = (float)x.l[i];
   return v;
-}
-inline float vhsum(const V& v) {
-  const float* l = v.l;
-  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 inline V vperm_blocks(const V& v) { // lanes 0 2 4 6 1 3 5 7
   V r;

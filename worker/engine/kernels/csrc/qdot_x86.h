@@ -13,7 +13,7 @@
 
 namespace mlxq::qdot::QDOT_NS {
 namespace {
-using V = __m256;
+#include "lanes8_avx2.h"
 using I = __m256i;
 // generic's quantize_block in registers: max|x| exact in any order, x * inv and cvtps_epi32's
 // rounding (to nearest, ties to even, as nearbyint) element by element, so the same bits.
@@ -55,17 +55,7 @@ inline void quantize_block(const float* xb, int bits, int b, int8_t* qc, float* 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(base), _mm256_castsi256_si128(eo));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(base + 32), _mm256_extracti128_si256(eo, 1));
 }
-inline V vzero() { return _mm256_setzero_ps(); }
-inline V vload(const float* p) { return _mm256_loadu_ps(p); }
-inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
-inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vcvt(I x) { return _mm256_cvtepi32_ps(x); }
-inline float vhsum(V v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 inline V vperm_blocks(V v) { // lanes 0 2 4 6 1 3 5 7
   return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
 }
