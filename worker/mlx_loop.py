@@ -127,8 +127,7 @@ class MLXLoop:
 
     def refresh_stats(self, force: bool = False) -> None:
         if force or self.stats.due_now():
-            active = list(self.active.values())  # the host thread ends jobs meanwhile
-            self.stats.refresh(active, len(self.ready), self.publisher.round_trips, self.draining.is_set(),
+            self.stats.refresh(self.active, len(self.ready), self.publisher.round_trips, self.draining.is_set(),
                                self.engine.stats())
 
     # -- the parts ----------------------------------------------------------------

@@ -85,9 +85,13 @@ class WorkerStats:
         after a result counts its tokens."""
         return self.due or time.monotonic() - self.snap_at >= min(0.5, self.interval_s)
 
-    def refresh(self, active: list, ready: int, round_trips: int, draining: bool, engine_stats: dict) -> None:
+    def refresh(self, jobs: dict, ready: int, round_trips: int, draining: bool, engine_stats: dict) -> None:
         """MLX thread (it reads MLX's memory counters): take the snapshot, and have it published at once
-        when a job just finished."""
+        when a job just finished. ``jobs``: the worker's active jobs, which the host thread ends meanwhile.
+        The counts are read before the jobs: a job leaves ``jobs`` before it is counted, so a snapshot
+        that counts a job never also has it active."""
+        processed = dict(self.processed)
+        active = list(jobs.values())
         now = time.monotonic()
         self.snap_at = now
         self.window = [(t, n) for t, n in self.window if now - t <= 1.0]
@@ -102,7 +106,7 @@ class WorkerStats:
             "active": len(active),
             "active_by_tier": {t: sum(1 for j in active if j.tier == t) for t in TIERS},
             "ready": ready,
-            "processed": dict(self.processed),
+            "processed": processed,
             "tokens_generated": self.tokens_generated,
             "tok_s_current": current,
             "tok_s_avg": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
