@@ -109,9 +109,8 @@ class DecodeForward:
         self.quantized_embed = type(self.embed) is model_ops.FastQuantizedEmbedding
         self.attn_in = ext.attn_in if fused_exact(ext, "attn_in") else None
         self.mlp_block = ext.mlp_block if fused_exact(ext, "mlp_block") else None
-        packed = any(L.quantized for L in self.layers) and fused_exact(ext, "packed")
-        self.packed_attn_in = ext.attn_in if packed else None
-        self.packed_mlp_block = ext.mlp_block if packed else None
+        # layers of packed weights run attn_in and mlp_block on them where those pass their check
+        self.packed_fused = any(L.quantized for L in self.layers) and fused_exact(ext, "packed")
 
     @classmethod
     def build(cls, model, pool: KVPool, backend) -> tuple[Optional["DecodeForward"], str]:
@@ -125,8 +124,8 @@ class DecodeForward:
         fwd = cls(model, pool, backend, ext)
         how = "the extension's ops straight, one reshape per view"
         fused = [name for name in ("attn_in", "mlp_block") if getattr(fwd, name) is not None]
-        fused += [f"{name} on packed weights" for name in ("attn_in", "mlp_block")
-                  if getattr(fwd, "packed_" + name) is not None and any(L.quantized for L in fwd.layers)]
+        if fwd.packed_fused:
+            fused += ["attn_in on packed weights", "mlp_block on packed weights"]
         if fused:
             how += f"; fused: {', '.join(fused)}"
         return fwd, how
@@ -190,10 +189,10 @@ class DecodeForward:
         offsets, slots = view.q_offsets, view.write_slots
         for i, L in enumerate(self.layers):
             # each half: one fused primitive, or the same ops one by one (the same bits); a layer of
-            # packed weights, its modules' own calls between the same ops
-            if L.attn_packing is not None and self.packed_attn_in is not None:
-                q, k, v = self.packed_attn_in(h, L.ln_in["weight"], L.ln_in.eps, [m["weight"] for m in L.qkv], [],
-                                              L.heads, L.kv_heads, *L.rope, offsets, **L.attn_packing)
+            # packed weights, the same primitive on them, or its modules' own calls between the same ops
+            if L.attn_packing is not None and self.packed_fused:
+                q, k, v = ext.attn_in(h, L.ln_in["weight"], L.ln_in.eps, [m["weight"] for m in L.qkv], [],
+                                      L.heads, L.kv_heads, *L.rope, offsets, **L.attn_packing)
             elif L.quantized:
                 q, k, v = attn_in_modules(ext, h, L.ln_in, L.qkv, L.heads, L.kv_heads, *L.rope, offsets)
             else:
@@ -202,10 +201,10 @@ class DecodeForward:
             pool.write_rows(i, k, v, slots)
             o = pool.attention(q, pool.keys[i], pool.values[i], view.tables, view.q_offsets, view.kv_lens,
                                L.scale, None, **pool.quant_kwargs(i))
-            if L.mlp_packing is not None and self.packed_mlp_block is not None:
-                h = self.packed_mlp_block(h, o.reshape(B, 1, -1), L.o["weight"], L.ln_post["weight"], L.ln_post.eps,
-                                          L.gate_up[0]["weight"], L.gate_up[1]["weight"], L.down["weight"],
-                                          [None] * 4, **L.mlp_packing)
+            if L.mlp_packing is not None and self.packed_fused:
+                h = ext.mlp_block(h, o.reshape(B, 1, -1), L.o["weight"], L.ln_post["weight"], L.ln_post.eps,
+                                  L.gate_up[0]["weight"], L.gate_up[1]["weight"], L.down["weight"], [None] * 4,
+                                  **L.mlp_packing)
             elif L.quantized:
                 h = mlp_block_modules(ext, h, o.reshape(B, 1, -1), L.o, L.ln_post, *L.gate_up, L.down)
             else:
@@ -227,11 +226,10 @@ def _packed(ext, x, mods: tuple) -> list:
     """Packed projections of one x: one quantized_linear_group call where they share a kind and have no
     bias (each output bit for bit its module's own call, the extension's quantized_linear), else the
     modules' own calls."""
-    m0 = mods[0]
-    kind = (m0.bits, m0.group_size, model_ops.int8_dot(m0))
-    if all("bias" not in m and (m.bits, m.group_size, model_ops.int8_dot(m)) == kind for m in mods):
-        return ext.quantized_linear_group(x, [m["weight"] for m in mods], [m["scales"] for m in mods],
-                                          [m["biases"] for m in mods], m0.group_size, m0.bits, kind[2])
+    kw = _packing(mods)
+    if kw is not None:
+        return ext.quantized_linear_group(x, [m["weight"] for m in mods], kw["qscales"], kw["qbiases"],
+                                          kw["group_size"], kw["bits"], kw["int8_dot"])
     return [m(x) for m in mods]
 
 
