@@ -51,8 +51,8 @@ struct Projections {
   }
 };
 
-// Packed weights' inputs (a weight's scales at `at + n`, its biases at `at + 2n`, n weights) checked
-// against the float32 weights' checks' place: each its K.
+// How a fused op's weights come: float32 where no scales and biases are given (Packing's bits 0), else
+// packed, each weight with its scales and biases checked as quantized_linear checks them, for its own K.
 Packing packing_of(const char* op, const std::vector<mx::array>& ws, const std::vector<mx::array>& qscales,
                    const std::vector<mx::array>& qbiases, const std::vector<int>& ks, int group_size, int bits,
                    bool int8_dot) {
