@@ -12,7 +12,7 @@ from mlxq.shared.schemas import SamplingParams
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine.sampler import make_sampler
-from mlxq.worker.engine.speculative import NgramIndex, StepCosts
+from mlxq.worker.engine.speculative import ACCEPT_PRIOR, Drafting, NgramIndex, StepCosts
 
 from enginekit import SMALL_CHUNKS, _assert_no_leak, _prompts, random_llama, run
 
@@ -172,6 +172,20 @@ def test_ngram_index_proposes_the_latest_longest_match():
     assert idx.propose(toks, 3) == [4, 5, 7]  # "2 3" last followed by 4 (the 3-gram "7 2 3" is new)
     assert idx.propose(toks + [8], 2) == []
     assert idx.propose(toks + [8, 1], 2) == [2, 3]
+    fresh = NgramIndex()  # a row's tokens only grow
+    assert [fresh.match(toks + t) for t in ([], [8], [8, 1], [8, 1, 2])] == [2, 0, 1, 2]
+
+
+def test_a_rows_rate_is_kept_per_cue():
+    # a copied span (cue 3) accepts where one-token matches (cue 1) do not: each verdict moves the rate
+    # of the cue its step was picked on, and a step reads the rate of its own cue
+    d = Drafting()
+    for cue, accepted in [(1, 0), (3, 4), (1, 0), (3, 4)]:
+        d.cue = cue
+        d.verdict(4, accepted, 8)
+    assert d.rates[1] < ACCEPT_PRIOR < d.rates[3] and d.rates[0] == d.rates[2] == ACCEPT_PRIOR
+    d.cue = 1
+    assert d.rate == d.rates[1]
 
 
 def test_step_costs_turn_speculation_off_when_extra_positions_cost_more():

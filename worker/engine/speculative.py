@@ -10,9 +10,14 @@ equals the proposal (``docs/design/speculative.md``: why that output is the non-
 What adapts:
 
 * each sequence's k: one more after a proposal accepted whole, one less after a rejection, between 1
-  and ``k_max``; its acceptance rate (a moving average over proposed tokens) says what a proposal
-  of k is worth; while the row is not picked its rate drifts back up toward the prior, so a
-  row refused on a few early rejections is tried again where the step costs allow it;
+  and ``k_max``; its acceptance rate (a moving average over verdicts) says what a proposal of k is
+  worth.  A row keeps one rate per cue, the length of the n-gram match of its tokens read when the
+  step decides (its last token is still in flight then, so the match its proposal will come from is
+  not known yet, but the one before it predicts it): inside a copied span the cue is the longest
+  and proposals are accepted far more often than after a one-token match, which an average over
+  both hides (docs/design/speculative.md).  While the row is not picked the rate of its cue drifts
+  back up toward the prior, so a row refused on a few early rejections is tried again where the
+  step costs allow it;
 * whether a step speculates, and which rows: :class:`StepCosts` keeps an online fit of a step's time
   against the positions it computes (plain, pipelined decode steps and verify steps alike, with
   what a verify step loses apart; a verify pass computes every row to the longest proposal, so the
@@ -52,18 +57,24 @@ class NgramIndex:
     def propose(self, tokens: Seq[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
         ``tokens`` (at most MAX_NGRAM long) seen before; [] when none was."""
+        n, end = self._match(tokens)
+        return list(tokens[end:end + k]) if n and k > 0 else []
+
+    def match(self, tokens: Seq[int]) -> int:
+        """The length of the longest suffix of ``tokens`` seen before (0: none)."""
+        return self._match(tokens)[0]
+
+    def _match(self, tokens: Seq[int]) -> tuple[int, int]:
         last = len(tokens) - 1  # the suffix ends at len(tokens): index every n-gram ending before it
         for end in range(max(self._upto, 1), last + 1):
             for n in range(1, min(MAX_NGRAM, end) + 1):
                 self._ends[tuple(tokens[end - n:end])] = end
         self._upto = max(self._upto, last + 1)
-        if k <= 0:
-            return []
         for n in range(min(MAX_NGRAM, len(tokens)), 0, -1):
             end = self._ends.get(tuple(tokens[len(tokens) - n:]))
             if end is not None:
-                return list(tokens[end:end + k])
-        return []
+                return n, end
+        return 0, 0
 
 
 def probe_cap(rows: int, top: int) -> int:
@@ -83,11 +94,17 @@ class Drafting:
 
     index: NgramIndex = field(default_factory=NgramIndex)
     k: int = START_K
-    rate: float = ACCEPT_PRIOR  # accepted / proposed, a moving average over verdicts
+    # accepted / proposed, a moving average over verdicts, one per cue (see ``cue``)
+    rates: list = field(default_factory=lambda: [ACCEPT_PRIOR] * (MAX_NGRAM + 1))
+    cue: int = 0  # the match length of its tokens read when the step was picked: the rate that applies
     proposed: int = 0  # tokens proposed and verified (this run)
     accepted: int = 0  # of which accepted
     tried: bool = False  # it was picked once (a sequence's first pick is not the step costs' to refuse)
     draft_computed: int = 0  # a draft model's KV of its tokens is good below this position (draft.py)
+
+    @property
+    def rate(self) -> float:
+        return self.rates[self.cue]
 
     def verdict(self, proposed: int, accepted: int, k_max: int) -> None:
         """A proposal of ``proposed`` tokens kept ``accepted``: the rate and k move."""
@@ -95,7 +112,7 @@ class Drafting:
             return
         self.proposed += proposed
         self.accepted += accepted
-        self.rate += RATE_WEIGHT * (accepted / proposed - self.rate)
+        self.rates[self.cue] += RATE_WEIGHT * (accepted / proposed - self.rates[self.cue])
         self.k = min(k_max, self.k + 1) if accepted == proposed else max(1, self.k - 1)
 
 
@@ -177,6 +194,7 @@ class Speculator:
             if room <= 0 or not self.can_verify(seq):
                 continue
             d = seq.draft_state()
+            d.cue = d.index.match(seq.tokens)
             seqs.append(seq)
             offers.append((min(d.k, room), d.rate))
         if not seqs:
@@ -196,7 +214,7 @@ class Speculator:
             if i in picked:
                 d.tried = True
             elif d.rate < ACCEPT_PRIOR:  # a rate no verdict updates any more recovers: the row gets tried again,
-                d.rate += RECOVER * (ACCEPT_PRIOR - d.rate)  # as soon as the step costs allow at that rate
+                d.rates[d.cue] += RECOVER * (ACCEPT_PRIOR - d.rate)  # as soon as the step costs allow at that rate
         return {id(seqs[i]): min(offers[i][0], cap) for i in picked}
 
     @staticmethod
