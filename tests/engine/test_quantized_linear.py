@@ -21,7 +21,7 @@ from mlxq.shared.settings import Settings
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine.kernels import model_ops
-from mlxq.worker.model import load_model, to_fp32, to_fp32_packed
+from mlxq.worker.model import INT8_DOT_ATTR, load_model, narrow_scales, to_fp32, to_fp32_packed
 
 from enginekit import SMALL_CHUNKS, extension_with, run
 
@@ -118,6 +118,32 @@ def test_int8_dot_reads_16_bit_scales_as_the_float32s_they_hold(ext, bits):
     mlp = (h, h, w, ln, 1e-5, w, w, w, [None] * 4)
     assert mx.array_equal(ext.mlp_block(*mlp, qscales=[sn] * 4, qbiases=[bn] * 4, **kw),
                           ext.mlp_block(*mlp, qscales=[s] * 4, qbiases=[b] * 4, **kw)).item()
+
+
+def test_int8_dot_keeps_scales_in_the_narrowest_exact_type():
+    """narrow_scales (cpu_weights=int8-dot, at load): float16 where scales and biases are fp16 values,
+    else bfloat16 where they are bf16 values (bf16 ones times 2^-30 are not fp16s), else float32 as they
+    are; MLX's own ops (where the extension's does not run, and the embedding's lookup) get them widened:
+    the same outputs as on the float32s."""
+    def layer(cls, scales, biases):
+        m = cls(8, 64, group_size=32, bits=4) if cls is model_ops.FastQuantizedEmbedding else cls(64, 8, False, 32, 4)
+        m.update({"weight": wq, "scales": scales, "biases": biases})
+        object.__setattr__(m, INT8_DOT_ATTR, True)
+        return m
+
+    wq, s, b, _ = _quantized(8, 64, 4, 32, 3)
+    (s16, b16), _ = _as(mx.float16, s, b)
+    (sb, bb), _ = _as(mx.bfloat16, s, b)
+    cases = {"float16": (s16, b16), "bfloat16": (sb * 2.0 ** -30, bb), "float32": (s16, b)}
+    x, ids = mx.random.normal((2, 64), key=mx.random.key(4)), mx.array([[3, 0, 7]])
+    for want, (scales, biases) in cases.items():
+        linear = layer(model_ops.FastQuantizedLinear, scales, biases)
+        embedding = layer(model_ops.FastQuantizedEmbedding, scales, biases)
+        before = linear(x), embedding(ids), embedding.as_linear(x)
+        assert narrow_scales(linear) == want and linear["scales"].dtype == linear["biases"].dtype == getattr(mx, want)
+        assert narrow_scales(embedding) == want
+        assert all(mx.array_equal(a, z).item() and a.dtype == mx.float32
+                   for a, z in zip((linear(x), embedding(ids), embedding.as_linear(x)), before))
 
 
 def test_a_group_is_bit_for_bit_each_call(ext):
