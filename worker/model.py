@@ -28,6 +28,9 @@ from .toolprompt import serving_format
 # A packed layer's attribute (cpu_weights=int8-dot, set at load): the extension's quantized_linear runs its
 # integer dot products on it (worker/engine/kernels/model_ops.py reads it).
 INT8_DOT_ATTR = "_mlxq_int8_dot"
+# The packed layers the extension's quantized_linear takes: MLX's affine blocks of these bits and group sizes
+# (model_ops.quantized_layer_fits; narrow_scales narrows those alone).
+QUANT_BITS, QUANT_GROUPS = (4, 8), (32, 64, 128)
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +107,40 @@ def _cast_to_fp32(model: nn.Module) -> list[str]:
 def to_fp32_packed(model: nn.Module, int8_dot: bool = False) -> str:
     """Cast the floating parameters to float32 (the scales and biases of quantized layers too) and keep
     the quantized layers' blocks packed, for the extension's quantized_linear (cpu_weights=quantized);
-    ``int8_dot`` marks them for its integer dot products (cpu_weights=int8-dot). The note counts the
-    layers kept, by bits."""
+    ``int8_dot`` marks them for its integer dot products (cpu_weights=int8-dot), which read each layer's
+    scales and biases in 16 bits where they fit exactly (:func:`narrow_scales`; a model for the engine,
+    whose quantized embedding widens them for its lookup: MLX's own lookup would give 16-bit rows). The
+    note counts the layers kept, by bits, and by the scales' type where int8_dot narrowed some."""
     cast = _cast_to_fp32(model)
     packed = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     for m in packed:
         object.__setattr__(m, INT8_DOT_ATTR, int8_dot)
     kept = Counter(m.bits for m in packed)
+    scales = Counter(narrow_scales(m) for m in packed) if int8_dot else Counter()
     mx.eval(model.parameters())
+    by_type = ", ".join(f"{d} scales x {n}" for d, n in sorted(scales.items()) if d in ("float16", "bfloat16"))
     note = (f"quantized layers kept packed ({', '.join(f'{b}-bit x {n}' for b, n in sorted(kept.items()))}"
-            f"{', int8 dot products' if int8_dot else ''})"
+            f"{', int8 dot products' if int8_dot else ''}{', ' + by_type if by_type else ''})"
             if kept else "no quantized layers")
     return ", ".join([note] + cast)
+
+
+def narrow_scales(m: nn.Module) -> str:
+    """Store packed layer ``m``'s float32 scales and biases as float16, else bfloat16, where that type
+    holds every one of them exactly (a GGUF's blocks carry float16 ones, mlx-lm checkpoints mostly
+    bfloat16), else leave them float32; returns the type's name ("unchanged": a layer the extension does
+    not take). int8_dot's kernels widen them back to the same float32s as they read them, so its results
+    do not change; what does is the bytes a decode step reads (a 4-bit block of 32: 20 against 24)."""
+    if not (m.bits in QUANT_BITS and m.group_size in QUANT_GROUPS and getattr(m, "mode", "affine") == "affine"
+            and "biases" in m and m["scales"].dtype == m["biases"].dtype == mx.float32):
+        return "unchanged"
+    s, b = m["scales"], m["biases"]
+    for dtype in (mx.float16, mx.bfloat16):
+        ns, nb = s.astype(dtype), b.astype(dtype)
+        if mx.array_equal(ns.astype(mx.float32), s).item() and mx.array_equal(nb.astype(mx.float32), b).item():
+            m.update({"scales": ns, "biases": nb})
+            return str(dtype).removeprefix("mlx.core.")
+    return "float32"
 
 
 def _context_length(config: dict) -> int:

@@ -21,7 +21,7 @@ from mlxq.shared.settings import Settings
 from mlxq.worker.engine import PagedEngine
 from mlxq.worker.engine.api import SeqSpec
 from mlxq.worker.engine.kernels import model_ops
-from mlxq.worker.model import load_model, to_fp32, to_fp32_packed
+from mlxq.worker.model import INT8_DOT_ATTR, load_model, narrow_scales, to_fp32, to_fp32_packed
 
 from enginekit import SMALL_CHUNKS, extension_with, run
 
@@ -79,6 +79,73 @@ def test_int8_dot_is_within_xs_rounding_and_a_row_gets_its_bits_in_any_batch(ext
     assert mx.array_equal(outs[0], alone[:5]).item() and mx.array_equal(outs[1], alone[:5, :40]).item()
 
 
+def _as(dtype, scales, biases):
+    """scales and biases rounded to ``dtype``'s values (a few of the scales fp16 subnormals), as float32
+    and as ``dtype``: the same numbers in two types."""
+    scales = scales.at[:, 0].multiply(2.0 ** -12)
+    narrow = scales.astype(dtype), biases.astype(dtype)
+    return tuple(a.astype(mx.float32) for a in narrow), narrow
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_dot_reads_16_bit_scales_as_the_float32s_they_hold(ext, bits):
+    """int8_dot takes fp16 and bf16 scales and biases (cpu_weights=int8-dot keeps them so where exact):
+    the very bits it gives on the same values in float32, one row and several, a chunk of fewer than 8
+    blocks (K = 12 blocks) and groups of 4 blocks, alone, in a group and in the fused layer ops."""
+    wq, s32, b32, _ = _quantized(40, 384, bits, 32, bits + 7)
+    wg, sg32, bg32, _ = _quantized(48, 384, bits, 128, bits + 8)
+    x = mx.random.normal((5, 384), key=mx.random.key(bits)) * 3
+    for dtype in (mx.float16, mx.bfloat16):
+        (s, b), (sn, bn) = _as(dtype, s32, b32)
+        (sg, bg), (sgn, bgn) = _as(dtype, sg32, bg32)
+        for M in (1, 5):
+            want = ext.quantized_linear(x[:M], wq, s, b, 32, bits, int8_dot=True)
+            assert mx.array_equal(ext.quantized_linear(x[:M], wq, sn, bn, 32, bits, int8_dot=True), want).item()
+            want = ext.quantized_linear(x[:M], wg, sg, bg, 128, bits, int8_dot=True)
+            assert mx.array_equal(ext.quantized_linear(x[:M], wg, sgn, bgn, 128, bits, int8_dot=True), want).item()
+        outs = ext.quantized_linear_group(x, [wq, wq[:8]], [sn, sn[:8]], [bn, bn[:8]], 32, bits, True)
+        assert all(mx.array_equal(o, ext.quantized_linear(x, wq[:n], s[:n], b[:n], 32, bits, int8_dot=True)).item()
+                   for o, n in zip(outs, (40, 8)))
+    # the fused layer ops (D = 64: q, k and v of 2 heads of 32, an MLP 64 wide), one weight throughout
+    h, ln, at = mx.random.normal((2, 1, 64), key=mx.random.key(3)), mx.ones((64,)), mx.array([0, 7])
+    w, s, b, _ = _quantized(64, 64, bits, 32, bits + 9)
+    (s, b), (sn, bn) = _as(mx.float16, s, b)
+    kw = dict(group_size=32, bits=bits, int8_dot=True)
+    attn = (h, ln, 1e-5, [w] * 3, [], 2, 2, 32, False, 1e4, 1.0, at)
+    for got, want in zip(ext.attn_in(*attn, qscales=[sn] * 3, qbiases=[bn] * 3, **kw),
+                         ext.attn_in(*attn, qscales=[s] * 3, qbiases=[b] * 3, **kw)):
+        assert mx.array_equal(got, want).item()
+    mlp = (h, h, w, ln, 1e-5, w, w, w, [None] * 4)
+    assert mx.array_equal(ext.mlp_block(*mlp, qscales=[sn] * 4, qbiases=[bn] * 4, **kw),
+                          ext.mlp_block(*mlp, qscales=[s] * 4, qbiases=[b] * 4, **kw)).item()
+
+
+def test_int8_dot_keeps_scales_in_the_narrowest_exact_type():
+    """narrow_scales (cpu_weights=int8-dot, at load): float16 where scales and biases are fp16 values,
+    else bfloat16 where they are bf16 values (bf16 ones times 2^-30 are not fp16s), else float32 as they
+    are; MLX's own ops (where the extension's does not run, and the embedding's lookup) get them widened:
+    the same outputs as on the float32s."""
+    def layer(cls, scales, biases):
+        m = cls(8, 64, group_size=32, bits=4) if cls is model_ops.FastQuantizedEmbedding else cls(64, 8, False, 32, 4)
+        m.update({"weight": wq, "scales": scales, "biases": biases})
+        object.__setattr__(m, INT8_DOT_ATTR, True)
+        return m
+
+    wq, s, b, _ = _quantized(8, 64, 4, 32, 3)
+    (s16, b16), _ = _as(mx.float16, s, b)
+    (sb, bb), _ = _as(mx.bfloat16, s, b)
+    cases = {"float16": (s16, b16), "bfloat16": (sb * 2.0 ** -30, bb), "float32": (s16, b)}
+    x, ids = mx.random.normal((2, 64), key=mx.random.key(4)), mx.array([[3, 0, 7]])
+    for want, (scales, biases) in cases.items():
+        linear = layer(model_ops.FastQuantizedLinear, scales, biases)
+        embedding = layer(model_ops.FastQuantizedEmbedding, scales, biases)
+        before = linear(x), embedding(ids), embedding.as_linear(x)
+        assert narrow_scales(linear) == want and linear["scales"].dtype == linear["biases"].dtype == getattr(mx, want)
+        assert narrow_scales(embedding) == want
+        assert all(mx.array_equal(a, z).item() and a.dtype == mx.float32
+                   for a, z in zip((linear(x), embedding(ids), embedding.as_linear(x)), before))
+
+
 def test_a_group_is_bit_for_bit_each_call(ext):
     """q/k/v (or gate/up) as one call: each output its own quantized_linear's, at one row and several."""
     parts = [_quantized(n, 128, 4, 32, n) for n in (96, 32, 40)]
@@ -102,8 +169,10 @@ def test_bad_input_is_a_clear_error(ext):
         ext.quantized_linear(x.astype(mx.float16), wq, scales, biases, 32, 4)
     with pytest.raises(ValueError, match=r"packed weight must be uint32 \(N, K \* bits / 32\)"):
         ext.quantized_linear(mx.zeros((2, 128)), wq, scales, biases, 32, 4)
-    with pytest.raises(ValueError, match="scales and biases must be float32"):
-        ext.quantized_linear(x, wq, scales.astype(mx.float16), biases, 32, 4)
+    with pytest.raises(ValueError, match=r"scales and biases must be float32 \(float16 and bfloat16 are for int8_dot"):
+        ext.quantized_linear(x, wq, scales.astype(mx.float16), biases.astype(mx.float16), 32, 4)
+    with pytest.raises(ValueError, match="scales and biases must be both float32, both float16 or both bfloat16"):
+        ext.quantized_linear(x, wq, scales.astype(mx.float16), biases, 32, 4, int8_dot=True)
     # the fused layer ops take packed weights only whole, and without biases
     h, ln = mx.zeros((1, 1, 64)), mx.ones((64,))
     with pytest.raises(ValueError, match="attn_in: packed weights need a scales and a biases array each"):
@@ -193,32 +262,37 @@ def test_cpu_weights_is_a_checked_setting(tiny_model_dir):
 
 def test_the_generic_loops_give_the_avx2_bits(ext, tmp_path):
     """The fallback for a CPU without AVX2+FMA emulates the 8 lanes with the same operations: a fresh
-    process forced onto it (MLXQ_ATTN_ISA=generic) computes the very same outputs, int8_dot's too
-    (here from AVX-VNNI's or AVX2's integer dot products)."""
+    process forced onto it (MLXQ_ATTN_ISA=generic) computes the very same outputs, int8_dot's too, on
+    float32, fp16 and bf16 scales (here from AVX-VNNI's or AVX2's integer dot products)."""
     if ext.qlinear_isa() != "avx2":
         pytest.skip("this CPU has no AVX2+FMA: only the generic loops run here")
-    cases = {}
+    cases, runs = {}, []  # runs: (weight, scales, biases, int8_dot) as names in cases
     for bits in (4, 8):
-        wq, scales, biases, _ = _quantized(40, 128, bits, 32, bits)
+        wq, scales, biases, _ = _quantized(40, 384, bits, 32, bits)
         cases.update({f"w{bits}": wq, f"s{bits}": scales, f"b{bits}": biases})
-    cases["x"] = mx.random.normal((3, 128), key=mx.random.key(5))
+        runs += [(f"w{bits}", f"s{bits}", f"b{bits}", i8) for i8 in (False, True)]
+        for dtype in ("float16", "bfloat16"):
+            _, (cases[f"s{bits}{dtype}"], cases[f"b{bits}{dtype}"]) = _as(getattr(mx, dtype), scales, biases)
+            runs.append((f"w{bits}", f"s{bits}{dtype}", f"b{bits}{dtype}", True))
+    cases["x"] = mx.random.normal((3, 384), key=mx.random.key(5))
     mx.savez(str(tmp_path / "q.npz"), **cases)
-    want = mx.concatenate([ext.quantized_linear(cases["x"], cases[f"w{b}"], cases[f"s{b}"], cases[f"b{b}"], 32, b, i8)
-                           for b in (4, 8) for i8 in (False, True)])
+    want = mx.concatenate([ext.quantized_linear(cases["x"], cases[w], cases[s], cases[b], 32, int(w[1]), i8)
+                           for w, s, b, i8 in runs])
     mx.save(str(tmp_path / "want.npy"), want)
     script = (
+        "import os\n"
         "from mlxq.worker import blas; blas.setup()\n"
         "import mlx.core as mx\n"
         "from mlxq.worker.engine import attention\n"
         "ext = attention.cpu_extension()\n"
-        "assert ext.qlinear_isa() == 'generic', ext.qlinear_isa()\n"
+        "assert (ext.qlinear_isa(), ext.qdot_isa()) == ('generic', 'generic')\n"
         f"c, want = mx.load({str(tmp_path / 'q.npz')!r}), mx.load({str(tmp_path / 'want.npy')!r})\n"
-        "got = mx.concatenate([ext.quantized_linear(c['x'], c[f'w{b}'], c[f's{b}'], c[f'b{b}'], 32, b, i8)\n"
-        "                      for b in (4, 8) for i8 in (False, True)])\n"
+        f"got = mx.concatenate([ext.quantized_linear(c['x'], c[w], c[s], c[b], 32, int(w[1]), i8)\n"
+        f"                      for w, s, b, i8 in {runs!r}])\n"
         "assert mx.array_equal(got, want).item()\n"
         # checked: skip the interpreter's teardown, where MLX's and the pool's threads once ended the
         # process with "terminate called without an active exception" after the check had passed
-        "import os; os._exit(0)\n"
+        "os._exit(0)\n"
     )
     env = {**os.environ, "MLXQ_ATTN_ISA": "generic"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,

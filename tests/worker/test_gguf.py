@@ -355,7 +355,8 @@ def test_smollm2_knows_the_fact_with_int8_dot_products_in_the_engine():
     from mlxq.worker.engine.api import SeqSpec
 
     loaded = load_model(_smollm2_path(), cpu_weights="int8-dot")
-    assert "int8 dot products" in loaded.dtype_note
+    # the Q4_1 (and Q8_0) blocks' fp16 steps and minima kept in float16 (worker/model.py's narrow_scales)
+    assert "int8 dot products, float16 scales x 211" in loaded.dtype_note, loaded.dtype_note
     tok = loaded.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of Germany?"}],
                                      add_generation_prompt=True)
@@ -364,6 +365,14 @@ def test_smollm2_knows_the_fact_with_int8_dot_products_in_the_engine():
     out, _, _ = run(eng, [SeqSpec("fact", list(prompt), 20, stop_token_ids=loaded.eos_token_ids)])
     answer = tok.decode(out["fact"])
     assert "Berlin" in answer, answer
+    # ... read as the float32s they hold: the model file's path (the lookup, the layers, the tied head) gives
+    # the very logits it gives with them widened back to float32
+    ids = mx.array([list(prompt)])
+    narrow = loaded.model(ids)
+    for _, m in loaded.model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            m.update({"scales": m["scales"].astype(mx.float32), "biases": m["biases"].astype(mx.float32)})
+    assert mx.array_equal(loaded.model(ids), narrow).item()
 
 
 def test_a_worker_serves_a_gguf_as_it_serves_the_model_directory(tiny_gguf, tiny_model, redis_url):

@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
-from ...model import INT8_DOT_ATTR
+from ...model import INT8_DOT_ATTR, QUANT_BITS, QUANT_GROUPS
 
 log = logging.getLogger(__name__)
 
@@ -490,14 +490,14 @@ def install_linear(model, op: Optional[Callable]) -> int:
 
 
 # ============================================================== quantized linear
-QUANT_BITS, QUANT_GROUPS = (4, 8), (32, 64, 128)
-
-
 def quantized_layer_fits(m) -> bool:
     """Whether the extension's quantized_linear takes layer ``m``'s weights: MLX's affine 4- or 8-bit
-    blocks in groups of 32, 64 or 128, with float32 scales and biases."""
-    return (m.bits in QUANT_BITS and m.group_size in QUANT_GROUPS and getattr(m, "mode", "affine") == "affine"
-            and "biases" in m and m["scales"].dtype == mx.float32 and m["biases"].dtype == mx.float32)
+    blocks in groups of 32, 64 or 128, with float32 scales and biases (with int8_dot also float16 or
+    bfloat16 ones, both of one type: worker/model.py's narrow_scales)."""
+    if not (m.bits in QUANT_BITS and m.group_size in QUANT_GROUPS and getattr(m, "mode", "affine") == "affine"
+            and "biases" in m and m["scales"].dtype == m["biases"].dtype):
+        return False
+    return m["scales"].dtype == mx.float32 or (int8_dot(m) and m["scales"].dtype in (mx.float16, mx.bfloat16))
 
 
 def _qtakes(x, m) -> bool:
@@ -519,6 +519,13 @@ def _qlinear(m, x):
     return op(x, m["weight"], m["scales"], m["biases"], m.group_size, m.bits, int8_dot=int8_dot(m))
 
 
+def _narrowed(m) -> bool:
+    """Whether int8_dot keeps packed layer ``m``'s scales and biases in 16 bits (worker/model.py's
+    narrow_scales). MLX's quantized_matmul computes on them what it does on their float32s; its
+    dequantize would give rows of their type, so the embedding's lookup widens them first (exact)."""
+    return int8_dot(m) and m["scales"].dtype in (mx.float16, mx.bfloat16)
+
+
 class FastQuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear with the extension's quantized_linear (``_mlxq_qlinear``, set by
     :func:`install_quantized_linear`; None: MLX's quantized_matmul) where :func:`_qtakes`."""
@@ -531,7 +538,15 @@ class FastQuantizedLinear(nn.QuantizedLinear):
 
 
 class FastQuantizedEmbedding(nn.QuantizedEmbedding):
-    """nn.QuantizedEmbedding whose ``as_linear`` (a tied vocabulary head) takes the same path."""
+    """nn.QuantizedEmbedding whose ``as_linear`` (a tied vocabulary head) takes the same path; with
+    16-bit scales (:func:`_narrowed`) its lookup dequantizes the rows it takes from them widened."""
+
+    def __call__(self, x):
+        if not _narrowed(self):
+            return super().__call__(x)
+        return mx.dequantize(self["weight"][x], scales=self["scales"][x].astype(mx.float32),
+                             biases=self["biases"][x].astype(mx.float32), group_size=self.group_size,
+                             bits=self.bits, mode=self.mode)
 
     def as_linear(self, x):
         y = _qlinear(self, x)

@@ -61,7 +61,7 @@ Packing packing_of(const char* op, const std::vector<mx::array>& ws, const std::
   if (qscales.size() != ws.size() || qbiases.size() != ws.size())
     throw std::invalid_argument(std::string(op) + ": packed weights need a scales and a biases array each");
   for (size_t i = 0; i < ws.size(); ++i)
-    check_packed(op, ws[i], qscales[i], qbiases[i], ks[i], group_size, bits);
+    check_packed(op, ws[i], qscales[i], qbiases[i], ks[i], group_size, bits, int8_dot);
   return {group_size, bits, int8_dot};
 }
 

@@ -13,6 +13,8 @@
 // for each chunk
 //   acc = fma(float(dot), s * d, acc);  acc = fma(b, d * sum(q_x), acc)
 // then the lanes added in hsum's tree. The generic loops emulate the lanes with the same operations.
+// s and b may come as fp16 or bf16 (QWeight's kind): widened to the float32s they stand for as they
+// are read (exact), so the same bits as from those float32s, for 20 bytes a 4-bit block of 32 against 24.
 //
 // The layouts serve the AVX loops. A 4-bit block's 16 bytes hold its even elements in their low nibbles
 // and its odd ones in the high: two blocks' 32 bytes masked are their evens, shifted and masked their
@@ -22,12 +24,44 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "qmatmul.h"
 
 namespace mlxq::qdot {
 
 constexpr int kBlock = 32;
+
+using qmatmul::ScaleKind;
+
+// How a scale or bias of kind KIND is stored.
+template <ScaleKind KIND>
+using ScaleT = std::conditional_t<KIND == ScaleKind::f32, float, uint16_t>;
+
+// The float32 a scale or bias of kind KIND stands for: exact (fp16 and bf16 values are all float32
+// values), as F16C's vcvtph2ps and a 16-bit shift give it.
+template <ScaleKind KIND>
+inline float widen(ScaleT<KIND> v) {
+  if constexpr (KIND == ScaleKind::f32) {
+    return v;
+  } else {
+    uint32_t bits;
+    if constexpr (KIND == ScaleKind::bf16) {
+      bits = (uint32_t)v << 16;
+    } else {
+      const uint32_t sign = (uint32_t)(v & 0x8000) << 16, exp = (v >> 10) & 0x1f, man = v & 0x3ff;
+      if (exp == 0) // zero or subnormal: man * 2^-24, exact in float32
+        return sign ? -((float)man * 0x1p-24f) : (float)man * 0x1p-24f;
+      // inf and NaN keep their payload (a signalling NaN quieted, as vcvtph2ps does); else rebias 15 -> 127
+      bits = exp == 0x1f ? sign | 0x7f800000u | (man << 13) | (man ? 0x400000u : 0u)
+                         : sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+}
 
 // Blocks a row of x holds: K / 32 rounded up to a whole chunk of 8 (the rest zeros).
 inline int padded_blocks(int K) {

@@ -35,6 +35,18 @@ inline V vcvt(const I& x) {
     v.l[i] = (float)x.l[i];
   return v;
 }
+inline V vload_f16(const uint16_t* p) {
+  V v;
+  for (int i = 0; i < 8; ++i)
+    v.l[i] = widen<ScaleKind::f16>(p[i]);
+  return v;
+}
+inline V vload_bf16(const uint16_t* p) {
+  V v;
+  for (int i = 0; i < 8; ++i)
+    v.l[i] = widen<ScaleKind::bf16>(p[i]);
+  return v;
+}
 inline V vperm_blocks(const V& v) { // lanes 0 2 4 6 1 3 5 7
   V r;
   for (int l = 0; l < 8; ++l)

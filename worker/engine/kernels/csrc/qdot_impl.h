@@ -1,7 +1,8 @@
 // qdot.h's loops for one vector type (QDOT_NS), included once by each after it defines V (8 float
 // lanes), I (8 int32 lanes), WChunk (a chunk's weights) and: quantize_block (one block of x rounded into
 // its chunk at x_at's places, its step and the sum of its values), vzero, vload, vmul, vfma, vcvt, vhsum,
-// vperm_blocks (lanes 0 2 4 6 1 3 5 7), load_chunk<BITS>(bytes, nb, &chunk), and
+// vperm_blocks (lanes 0 2 4 6 1 3 5 7), vload_f16 and vload_bf16 (8 16-bit floats widened as
+// widen() widens them), load_chunk<BITS>(bytes, nb, &chunk), and
 // dots8<BITS>(chunk, x's chunk) giving lane l the exact integer dot of block lane_block(BITS, l).
 #include <algorithm>
 #include <cstdint>
@@ -13,28 +14,41 @@ namespace mlxq::qdot::QDOT_NS {
 
 namespace {
 
+// 8 scales or biases of kind KIND at p, as float32.
+template <ScaleKind KIND>
+inline V vload_scales(const ScaleT<KIND>* p) {
+  if constexpr (KIND == ScaleKind::f16)
+    return vload_f16(p);
+  else if constexpr (KIND == ScaleKind::bf16)
+    return vload_bf16(p);
+  else
+    return vload(p);
+}
+
 // Lane l: row[(8c + lane_block(BITS, l)) / per] (a scale or bias per group of `per` blocks) where that
 // block exists, else 0.
-template <int BITS>
-inline V chunk_of(const float* row, int c, int per, int nb) {
+template <int BITS, ScaleKind KIND>
+inline V chunk_of(const ScaleT<KIND>* row, int c, int per, int nb) {
   if (per == 1 && nb == 8)
-    return BITS == 4 ? vperm_blocks(vload(row + 8 * c)) : vload(row + 8 * c);
+    return BITS == 4 ? vperm_blocks(vload_scales<KIND>(row + 8 * c)) : vload_scales<KIND>(row + 8 * c);
   alignas(32) float t[8] = {};
   for (int l = 0; l < 8; ++l) {
     const int b = lane_block(BITS, l);
     if (b < nb)
-      t[l] = row[(8 * c + b) / per];
+      t[l] = widen<KIND>(row[(8 * c + b) / per]);
   }
   return vload(t);
 }
 
 // Weight rows [n, n + TN) against every row of x: TN independent chains in flight, each chunk's
 // weights decoded once for all of x's rows.
-template <int BITS, int TN>
+template <int BITS, ScaleKind KIND, int TN>
 inline void tile(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int64_t ldy, int n, V* acc) {
   const int K = q.K, B = K / kBlock, Bp = padded_blocks(K), G = K / q.gs, per = q.gs / kBlock;
   const int64_t ldw = (int64_t)K * BITS / 32, Kp = (int64_t)Bp * kBlock;
   constexpr int kBlockBytes = kBlock * BITS / 8;
+  const auto* qs = static_cast<const ScaleT<KIND>*>(q.s);
+  const auto* qb = static_cast<const ScaleT<KIND>*>(q.b);
   for (int m = 0; m < M * TN; ++m)
     acc[m] = vzero();
   for (int c = 0; c < Bp / 8; ++c) {
@@ -44,8 +58,8 @@ inline void tile(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int6
     for (int j = 0; j < TN; ++j) {
       const uint8_t* wrow = reinterpret_cast<const uint8_t*>(q.w + (int64_t)(n + j) * ldw);
       load_chunk<BITS>(wrow + (int64_t)8 * c * kBlockBytes, nb, &w[j]);
-      s8[j] = chunk_of<BITS>(q.s + (int64_t)(n + j) * G, c, per, nb);
-      b8[j] = chunk_of<BITS>(q.b + (int64_t)(n + j) * G, c, per, nb);
+      s8[j] = chunk_of<BITS, KIND>(qs + (int64_t)(n + j) * G, c, per, nb);
+      b8[j] = chunk_of<BITS, KIND>(qb + (int64_t)(n + j) * G, c, per, nb);
     }
     for (int m = 0; m < M; ++m) {
       const int8_t* xq = a.q + m * Kp + (int64_t)8 * c * kBlock;
@@ -63,7 +77,7 @@ inline void tile(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int6
 
 // x's rows 64 at a time (their chunk of x, 16 KB, and their accumulators, 8 KB, stay in L1 while the
 // weight rows go by), each block of rows against every weight row [n0, n1).
-template <int BITS>
+template <int BITS, ScaleKind KIND>
 void rows(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int64_t ldy, int n0, int n1) {
   constexpr int TN = 4, kRows = 64;
   const int64_t Bp = padded_blocks(q.K), Kp = Bp * kBlock;
@@ -75,9 +89,9 @@ void rows(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int64_t ldy
     float* ym = y + m0 * ldy;
     int n = n0;
     for (; n + TN <= n1; n += TN)
-      tile<BITS, TN>(am, mb, q, ym, ldy, n, acc.data());
+      tile<BITS, KIND, TN>(am, mb, q, ym, ldy, n, acc.data());
     for (; n < n1; ++n)
-      tile<BITS, 1>(am, mb, q, ym, ldy, n, acc.data());
+      tile<BITS, KIND, 1>(am, mb, q, ym, ldy, n, acc.data());
   }
 }
 
@@ -106,11 +120,23 @@ void quantize_rows(const float* x, int M, int K, int bits, int8_t* q, float* d, 
   }
 }
 
+template <int BITS>
+void rows_of_kind(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int64_t ldy, int n0, int n1) {
+  switch (q.kind) {
+  case ScaleKind::f16:
+    return rows<BITS, ScaleKind::f16>(a, M, q, y, ldy, n0, n1);
+  case ScaleKind::bf16:
+    return rows<BITS, ScaleKind::bf16>(a, M, q, y, ldy, n0, n1);
+  case ScaleKind::f32:
+    return rows<BITS, ScaleKind::f32>(a, M, q, y, ldy, n0, n1);
+  }
+}
+
 void dot(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int64_t ldy, int n0, int n1) {
   if (q.bits == 4)
-    rows<4>(a, M, q, y, ldy, n0, n1);
+    rows_of_kind<4>(a, M, q, y, ldy, n0, n1);
   else
-    rows<8>(a, M, q, y, ldy, n0, n1);
+    rows_of_kind<8>(a, M, q, y, ldy, n0, n1);
 }
 
 } // namespace mlxq::qdot::QDOT_NS

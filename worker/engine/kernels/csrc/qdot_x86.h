@@ -1,4 +1,4 @@
-// qdot_impl.h in AVX2 registers, for qdot_avx2.cpp and qdot_vnni.cpp (built -mavx2 -mfma
+// qdot_impl.h in AVX2 registers, for qdot_avx2.cpp and qdot_vnni.cpp (built -mavx2 -mfma -mf16c
 // -ffp-contract=off; with QDOT_VNNI also -mavxvnni). A lane's integer is the same either way: AVX2 multiplies bytes into 16-bit pairs
 // (maddubs) and adds pairs into 32 bits (madd), AVX-VNNI's dpbusd does both in one instruction.
 // 8-bit weights go through maddubs as two nibbles (a whole byte times 127 twice would saturate
@@ -56,6 +56,13 @@ inline void quantize_block(const float* xb, int bits, int b, int8_t* qc, float* 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(base + 32), _mm256_extracti128_si256(eo, 1));
 }
 inline V vcvt(I x) { return _mm256_cvtepi32_ps(x); }
+inline V vload_f16(const uint16_t* p) { // F16C
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline V vload_bf16(const uint16_t* p) { // a bf16 is a float32's high 16 bits
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
 inline V vperm_blocks(V v) { // lanes 0 2 4 6 1 3 5 7
   return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
 }

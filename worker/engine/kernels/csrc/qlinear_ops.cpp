@@ -34,7 +34,8 @@ Loops pick() {
 
 const Loops g_loops = pick();
 
-// int8_dot's loops: AVX-VNNI where the CPU has it, else AVX2, else the generic ones (the same bits).
+// int8_dot's loops: AVX-VNNI where the CPU has it, else AVX2 (each with F16C), else the generic ones (the
+// same bits).
 struct DotLoops {
   qdot::QuantizeFn quantize;
   qdot::DotFn fn;
@@ -43,8 +44,7 @@ struct DotLoops {
 
 DotLoops pick_dot() {
 #ifdef MLXQ_PA_HAVE_AVX2
-  if (use_avx2_fma()) {
-    __builtin_cpu_init();
+  if (use_avx2_f16c()) {
     if (isa_request() != "avx2" && __builtin_cpu_supports("avxvnni"))
       return {&qdot::vnni::quantize_rows, &qdot::vnni::dot, "avx-vnni"};
     return {&qdot::avx2::quantize_rows, &qdot::avx2::dot, "avx2"};
@@ -103,7 +103,7 @@ const char* qlinear_isa() {
 }
 
 void check_packed(const char* op, const mx::array& w, const mx::array& scales, const mx::array& biases, int K,
-                  int group_size, int bits) {
+                  int group_size, int bits, bool int8_dot) {
   const std::string name(op);
   if (bits != 4 && bits != 8)
     throw std::invalid_argument(name + ": bits must be 4 or 8");
@@ -114,8 +114,15 @@ void check_packed(const char* op, const mx::array& w, const mx::array& scales, c
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || (int64_t)w.shape(1) * 32 != (int64_t)K * bits || w.shape(0) == 0)
     throw std::invalid_argument(name + ": a packed weight must be uint32 (N, K * bits / 32) for x (..., K)");
   for (const auto* a : {&scales, &biases})
-    if (a->dtype() != mx::float32 || a->ndim() != 2 || a->shape(0) != w.shape(0) || a->shape(1) != K / group_size)
-      throw std::invalid_argument(name + ": scales and biases must be float32 (N, K / group_size)");
+    if (a->ndim() != 2 || a->shape(0) != w.shape(0) || a->shape(1) != K / group_size)
+      throw std::invalid_argument(name + ": scales and biases must be (N, K / group_size)");
+  // the dequantizing loops (qmatmul.h) read float32 alone; int8_dot's read 16-bit floats too (qdot.h)
+  const bool half = scales.dtype() == mx::float16 || scales.dtype() == mx::bfloat16;
+  if (scales.dtype() != biases.dtype() || !(scales.dtype() == mx::float32 || (half && int8_dot)))
+    throw std::invalid_argument(name + (int8_dot ? ": scales and biases must be both float32, both float16 or both "
+                                                   "bfloat16"
+                                                 : ": scales and biases must be float32 (float16 and bfloat16 are for "
+                                                   "int8_dot)"));
 }
 
 QTarget qlinear_target(const mx::array& w, const mx::array& scales, const mx::array& biases, int K, int group_size,
@@ -124,7 +131,10 @@ QTarget qlinear_target(const mx::array& w, const mx::array& scales, const mx::ar
                   br = row_contiguous(biases, encoder);
   for (const auto* a : {&wr, &sr, &br})
     encoder.set_input_array(*a);
-  return {{wr.data<uint32_t>(), sr.data<float>(), br.data<float>(), K, bits, group_size}, nullptr, w.shape(0)};
+  const qmatmul::ScaleKind kind = scales.dtype() == mx::float16    ? qmatmul::ScaleKind::f16
+                                  : scales.dtype() == mx::bfloat16 ? qmatmul::ScaleKind::bf16
+                                                                   : qmatmul::ScaleKind::f32;
+  return {{wr.data<uint32_t>(), sr.data<void>(), br.data<void>(), K, bits, group_size, kind}, nullptr, w.shape(0)};
 }
 
 void quantized_linear_run(const std::vector<QTarget>& targets, const float* x, int M, int K, bool int8_dot) {
@@ -179,7 +189,7 @@ std::vector<mx::array> quantized_linear_group(const mx::array& x, const std::vec
   std::vector<mx::Shape> shapes;
   for (size_t g = 0; g < ws.size(); ++g) {
     const auto& w = ws[g];
-    check_packed("quantized_linear", w, scales[g], biases[g], K, group_size, bits);
+    check_packed("quantized_linear", w, scales[g], biases[g], K, group_size, bits, int8_dot);
     inputs.insert(inputs.end(), {w, scales[g], biases[g]});
     auto shape = x.shape();
     shape.back() = w.shape(0);

@@ -44,12 +44,13 @@ struct QTarget {
   int N;
 };
 
-// What quantized_linear takes of a packed weight for x (..., K), or an invalid_argument naming `op`.
+// What quantized_linear takes of a packed weight for x (..., K), or an invalid_argument naming `op`: float32
+// scales and biases, or with int8_dot float16 or bfloat16 ones too (qmatmul.h's ScaleKind).
 void check_packed(const char* op, const mx::array& w, const mx::array& scales, const mx::array& biases, int K,
-                  int group_size, int bits);
+                  int group_size, int bits, bool int8_dot);
 
-// A packed weight (N, K * bits / 32) with its scales and biases as a target, registered with the encoder;
-// y is left for the caller to set.
+// A packed weight (N, K * bits / 32) with its scales and biases (checked by check_packed) as a target,
+// registered with the encoder; y is left for the caller to set.
 QTarget qlinear_target(const mx::array& w, const mx::array& scales, const mx::array& biases, int K, int group_size,
                        int bits, mx::cpu::CommandEncoder& encoder);
 

@@ -16,12 +16,18 @@
 
 namespace mlxq::qmatmul {
 
-// A weight as stored: N rows of K * bits / 32 words; s, b: N rows of K / gs.
+// How a weight's scales and biases are stored: float32, or a 16-bit float that holds their values
+// exactly (int8_dot's loops only, qdot.h: they read half the bytes and widen them to the same float32s).
+enum class ScaleKind { f32, f16, bf16 };
+
+// A weight as stored: N rows of K * bits / 32 words; s, b: N rows of K / gs, of `kind` (these loops
+// take f32 alone: check_packed refuses them any other).
 struct QWeight {
   const uint32_t* w;
-  const float* s;
-  const float* b;
+  const void* s;
+  const void* b;
   int K, bits, gs;
+  ScaleKind kind = ScaleKind::f32;
 };
 
 // In registers: y[m * ldy + n] for m in [0, M), n in [n0, n1); x: M rows of K, contiguous.

@@ -10,6 +10,10 @@ namespace mlxq::qmatmul::QMATMUL_NS {
 
 namespace {
 
+// q's float32 scales and biases (the only kind these loops are given).
+inline const float* scales(const QWeight& q) { return static_cast<const float*>(q.s); }
+inline const float* biases(const QWeight& q) { return static_cast<const float*>(q.b); }
+
 // Weight values k .. k + 7 (k a multiple of 8) of the row at words w, dequantized: (s * q) + b.
 template <int BITS>
 inline V chunk(const uint32_t* w, int k, V s, V b) {
@@ -27,8 +31,8 @@ inline void tile(const float* x, const QWeight& q, int64_t ldw, int G, int n, fl
   for (int g = 0; g < G; ++g) {
     V s[TN], b[TN];
     for (int j = 0; j < TN; ++j) {
-      s[j] = vset1(q.s[(int64_t)(n + j) * G + g]);
-      b[j] = vset1(q.b[(int64_t)(n + j) * G + g]);
+      s[j] = vset1(scales(q)[(int64_t)(n + j) * G + g]);
+      b[j] = vset1(biases(q)[(int64_t)(n + j) * G + g]);
     }
     for (int k = g * gs; k < (g + 1) * gs; k += 8) {
       V xv[TM];
@@ -74,7 +78,7 @@ void dequant(const QWeight& q, int n0, int n1, float* out) {
     const uint32_t* w = q.w + n * ldw;
     float* o = out + (int64_t)(n - n0) * q.K;
     for (int g = 0; g < G; ++g) {
-      const V s = vset1(q.s[(int64_t)n * G + g]), b = vset1(q.b[(int64_t)n * G + g]);
+      const V s = vset1(scales(q)[(int64_t)n * G + g]), b = vset1(biases(q)[(int64_t)n * G + g]);
       for (int k = g * q.gs; k < (g + 1) * q.gs; k += 8)
         vstore(o + k, chunk<BITS>(w, k, s, b));
     }
