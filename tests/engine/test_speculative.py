@@ -35,14 +35,18 @@ def _always(eng):
     return eng
 
 
-def _pair(model, specs, **kw):
+def _pair(model, specs, model_file=False, **kw):
     """The outputs of ``specs`` (made afresh for each engine by the callable) without and with
-    speculation, and the speculating engine."""
+    speculation, and the speculating engine; ``model_file``: that engine runs the model file (its
+    verify passes a padded batch) instead of the decode forward (a decode row per position)."""
     outs, eng = [], None
     for mode in ("off", "ngram"):
         eng = PagedEngine(model, num_blocks=64, speculate=mode, **kw)
         if mode == "ngram":
             _always(eng)
+            if model_file:
+                eng.runner.decode_forward = None
+            assert eng.runner.verify_pads() == model_file
         out, done, _ = run(eng, specs())
         outs.append((out, done))
         _assert_no_leak(eng)
@@ -72,9 +76,10 @@ def _seeded(start=0, resume=None, n=None):
     return specs
 
 
-def test_greedy_identical_solo_and_in_a_mixed_batch(model):
+@pytest.mark.parametrize("model_file", [False, True], ids=["decode-forward", "model-file"])
+def test_greedy_identical_solo_and_in_a_mixed_batch(model, model_file):
     for specs in (lambda: _greedy()[:1], _greedy):
-        (off, off_done), (on, on_done), eng = _pair(model, specs)
+        (off, off_done), (on, on_done), eng = _pair(model, specs, model_file)
         assert on == off and on_done == off_done
         st = eng.stats()
         assert st["verify_passes"] > 0 and st["draft_accepted"] > 0
@@ -197,6 +202,10 @@ def test_step_costs_turn_speculation_off_when_extra_positions_cost_more():
     # at a 25% acceptance (a loss), or 22.2 more at 95% (a win, at the longer cap)
     assert batch.choose(16, [(2, 0.25)] * 12) == ([], 0)
     assert batch.choose(16, [(2, 0.95)] * 12) == (list(range(12)), 2)
+    # 4 rows of 16 with a good proposal: a padded pass computes 48 positions for 7.4 more tokens (a
+    # loss), one with each row's own positions 24 (a win)
+    assert batch.choose(16, [(2, 0.95)] * 4) == ([], 0)
+    assert batch.choose(16, [(2, 0.95)] * 4, padded=False) == (list(range(4)), 2)
     solo = StepCosts()  # solo: a step reads the weights, a position is almost free
     for i in range(8):
         solo.record(False, 1, 0.010)

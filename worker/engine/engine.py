@@ -141,7 +141,7 @@ class PagedEngine:
                                    session_files=self.sessions, start_grammar=self._start_grammar)
         self.speculate = self._speculation(config.speculate)
         if self.speculate != "off":
-            self.speculator = Speculator(config.speculate_k, self.runner.can_verify)
+            self.speculator = Speculator(config.speculate_k, self.runner.can_verify, self.runner.verify_pads)
         if draft is not None:
             from .draft import Drafter
 
@@ -222,7 +222,8 @@ class PagedEngine:
                 sched.bm.shrink_table(s.block_table, s.num_computed + 1)  # the plain launch writes its one position
             return rows, None
         sched.postprocess_verify(rows, drafts, self.runner.verify(rows, drafts))
-        return rows, len(rows) * (1 + max(len(d) for d in drafts))  # ragged rows are padded to the longest
+        padded = len(rows) * (1 + max(len(d) for d in drafts))  # ragged rows padded to the longest
+        return rows, padded if self.runner.verify_pads() else sum(1 + len(d) for d in drafts)
 
     def _start_grammar(self, grammar: str, resume_tokens: list[int]) -> RowGrammar:
         """The scheduler's hook for a constrained sequence: its matcher, at its resume point (the

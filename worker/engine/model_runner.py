@@ -259,6 +259,12 @@ class ModelRunner:
         return (spec.embed is None and not spec.logits_processors
                 and (spec.sampler is None or isinstance(spec.sampler, RowSampler)))
 
+    def verify_pads(self) -> bool:
+        """Whether a verify pass computes every row to the longest proposal (the model file's ragged
+        rows, a padded batch), rather than each row's own positions (the decode forward's)."""
+        fast = self.decode_forward
+        return fast is None or not fast.current()
+
     def verify(self, rows: list[Sequence], drafts: list[list[int]]) -> list[list[Sampled]]:
         """One forward over each row's last token and its proposal ``drafts[i]`` (may be empty),
         evaluated and read.  Each of a row's 1 + k positions is shaped and drawn as a decode step at
@@ -267,13 +273,24 @@ class ModelRunner:
         proposal, then the first that differs (or the one after a proposal accepted whole), and its
         sampler's step is left after the last of them.  Nothing may be in flight."""
         assert self._inflight is None, "a verify pass with a decode in flight"
-        width = 1 + max(len(d) for d in drafts)
-        batch = [BatchRow(s.block_table, s.num_computed, 1 + len(d)) for s, d in zip(rows, drafts)]
-        inputs = mx.array([[s.tokens[-1]] + d + [0] * (width - 1 - len(d)) for s, d in zip(rows, drafts)])
-        out = self.run(batch, inputs)
         where = [(i, j) for i, d in enumerate(drafts) for j in range(1 + len(d))]
-        at = out[mx.array([i for i, _ in where]), mx.array([j for _, j in where])]
-        logits = self.head(at) if self.split_head else at
+        if not self.verify_pads():
+            fast = self.decode_forward
+            # each position a decode row of its own: its sequence's table, one token at its place (a
+            # layer writes every position's K/V before any attends, and each attends to its own
+            # length), so exactly the decode step at that position, with no padding and the decode
+            # step's host work
+            batch = [BatchRow(s.block_table, s.num_computed + j, 1) for s, d in zip(rows, drafts)
+                     for j in range(1 + len(d))]
+            inputs = mx.array([t for s, d in zip(rows, drafts) for t in [s.tokens[-1]] + d], dtype=mx.int32)
+            logits = self.head(fast(batch, inputs[:, None]))
+        else:
+            width = 1 + max(len(d) for d in drafts)
+            batch = [BatchRow(s.block_table, s.num_computed, 1 + len(d)) for s, d in zip(rows, drafts)]
+            inputs = mx.array([[s.tokens[-1]] + d + [0] * (width - 1 - len(d)) for s, d in zip(rows, drafts)])
+            out = self.run(batch, inputs)
+            at = out[mx.array([i for i, _ in where]), mx.array([j for _, j in where])]
+            logits = self.head(at) if self.split_head else at
         sample_rows, shapes = [], []
         for s, d in zip(rows, drafts):
             for j in range(1 + len(d)):

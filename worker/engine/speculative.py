@@ -20,8 +20,8 @@ What adapts:
   step costs allow it;
 * whether a step speculates, and which rows: :class:`StepCosts` keeps an online fit of a step's time
   against the positions it computes (plain, pipelined decode steps and verify steps alike, with
-  what a verify step loses apart; a verify pass computes every row to the longest proposal, so the
-  choice is a cap on k); a step speculates when the tokens it expects per second beat the plain
+  what a verify step loses apart; the choice is a cap on k, each row's proposal cut to it, and a
+  pass computes each row's own positions or, through the model file, every row to the longest); a step speculates when the tokens it expects per second beat the plain
   step's, and once every EXPLORE_EVERY plain steps anyway with proposals cut to cost at most
   PROBE_POSITIONS more positions (the estimates stay fresh).  Output is
   the same either way, so this choice only moves speed.
@@ -149,12 +149,13 @@ class StepCosts:
             c = 0.0
         return a, max(0.0, b), max(0.0, c)
 
-    def choose(self, rows: int, offers: list[tuple[int, float]]) -> tuple[list[int], int]:
+    def choose(self, rows: int, offers: list[tuple[int, float]], padded: bool = True) -> tuple[list[int], int]:
         """Which rows speculate this step and the most tokens any proposes: indexes into ``offers``
         ((k, acceptance rate) of each row that could) and a cap on k, or ([], 0) when a plain step of
-        ``rows`` rows is expected to make tokens faster.  A verify pass pads every row to the longest
-        proposal (ragged rows: rows x (1 + cap) positions), so for each cap every offered row takes
-        part, and the cap with the most expected tokens per second wins."""
+        ``rows`` rows is expected to make tokens faster.  For each cap every offered row takes part
+        and the cap with the most expected tokens per second wins.  ``padded``: the verify pass
+        computes every row to the longest proposal (rows x (1 + cap) positions), else each row its
+        own (rows + the proposals' tokens)."""
         offered = [i for i, (k, _) in enumerate(offers) if k > 0]
         if not offered:
             return [], 0
@@ -172,7 +173,8 @@ class StepCosts:
         best_rate, best = rows / max(1e-9, a + b * rows), ([], 0)
         for cap in range(1, top + 1):
             tokens = rows + sum(expected(offers[i][1], min(offers[i][0], cap)) for i in offered)
-            rate = tokens / max(1e-9, a + b * rows * (1 + cap) + c)
+            positions = rows * (1 + cap) if padded else rows + sum(min(offers[i][0], cap) for i in offered)
+            rate = tokens / max(1e-9, a + b * positions + c)
             if rate > best_rate:
                 best_rate, best = rate, (offered, cap)
         return best
@@ -181,9 +183,10 @@ class StepCosts:
 class Speculator:
     """The engine's speculation (mode "ngram"): which rows propose this step, and their proposals."""
 
-    def __init__(self, k_max: int, can_verify: Callable[[object], bool]):
+    def __init__(self, k_max: int, can_verify: Callable[[object], bool], verify_pads: Callable[[], bool]):
         self.k_max = k_max
         self.can_verify = can_verify  # the runner's: a row whose sampling a verify pass can repeat
+        self.verify_pads = verify_pads  # the runner's: whether a verify pass pads rows to the longest
         self.costs = StepCosts()
 
     def pick(self, rows: list) -> dict[int, int]:
@@ -199,7 +202,7 @@ class Speculator:
             offers.append((min(d.k, room), d.rate))
         if not seqs:
             return {}
-        chosen, cap = self.costs.choose(len(rows), offers)
+        chosen, cap = self.costs.choose(len(rows), offers, self.verify_pads())
         picked = set(chosen)
         if picked or (self.costs.steps[True] >= MIN_FIT_STEPS and len(rows) <= PROBE_POSITIONS):
             # a new sequence's first pick: its own acceptance is what no estimate knows yet (where the
