@@ -80,6 +80,12 @@ inline I dots8(const WChunk& w, const int8_t* x) {
   }
   return r;
 }
+template <int BITS>
+inline I dots8_at(const uint8_t* p, int nb, const int8_t* x) {
+  WChunk w;
+  load_chunk<BITS>(p, nb, &w);
+  return dots8<BITS>(w, x);
+}
 } // namespace
 } // namespace generic
 } // namespace mlxq::qdot

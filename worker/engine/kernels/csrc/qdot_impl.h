@@ -3,7 +3,8 @@
 // its chunk at x_at's places, its step and the sum of its values), vzero, vload, vmul, vfma, vcvt, vhsum,
 // vperm_blocks (lanes 0 2 4 6 1 3 5 7), vload_f16 and vload_bf16 (8 16-bit floats widened as
 // widen() widens them), load_chunk<BITS>(bytes, nb, &chunk), and
-// dots8<BITS>(chunk, x's chunk) giving lane l the exact integer dot of block lane_block(BITS, l).
+// dots8<BITS>(chunk, x's chunk) giving lane l the exact integer dot of block lane_block(BITS, l), and
+// dots8_at<BITS>(bytes, nb, x's chunk) the same straight from the weights' bytes.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -29,8 +30,16 @@ inline V vload_scales(const ScaleT<KIND>* p) {
 // block exists, else 0.
 template <int BITS, ScaleKind KIND>
 inline V chunk_of(const ScaleT<KIND>* row, int c, int per, int nb) {
-  if (per == 1 && nb == 8)
-    return BITS == 4 ? vperm_blocks(vload_scales<KIND>(row + 8 * c)) : vload_scales<KIND>(row + 8 * c);
+  if (per == 1) {
+    // a last chunk of fewer than 8 blocks (K = 576: 18 blocks, 8 + 8 + 2) reads its own values only
+    const ScaleT<KIND>* p = row + 8 * c;
+    ScaleT<KIND> part[8] = {};
+    if (nb < 8) {
+      std::copy(p, p + nb, part);
+      p = part;
+    }
+    return BITS == 4 ? vperm_blocks(vload_scales<KIND>(p)) : vload_scales<KIND>(p);
+  }
   alignas(32) float t[8] = {};
   for (int l = 0; l < 8; ++l) {
     const int b = lane_block(BITS, l);
@@ -53,6 +62,18 @@ inline void tile(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int6
     acc[m] = vzero();
   for (int c = 0; c < Bp / 8; ++c) {
     const int nb = std::min(8, B - 8 * c);
+    if (M == 1) { // no other row of x to share a chunk's decoded weights: each read into its dot at once
+      const int8_t* xq = a.q + (int64_t)8 * c * kBlock;
+      const V d8 = vload(a.d + 8 * c), sum8 = vload(a.sum + 8 * c);
+      for (int j = 0; j < TN; ++j) {
+        const uint8_t* wrow = reinterpret_cast<const uint8_t*>(q.w + (int64_t)(n + j) * ldw);
+        const V s8 = chunk_of<BITS, KIND>(qs + (int64_t)(n + j) * G, c, per, nb);
+        const V b8 = chunk_of<BITS, KIND>(qb + (int64_t)(n + j) * G, c, per, nb);
+        const V t = vfma(vcvt(dots8_at<BITS>(wrow + (int64_t)8 * c * kBlockBytes, nb, xq)), vmul(s8, d8), acc[j]);
+        acc[j] = vfma(b8, sum8, t);
+      }
+      continue;
+    }
     WChunk w[TN];
     V s8[TN], b8[TN];
     for (int j = 0; j < TN; ++j) {

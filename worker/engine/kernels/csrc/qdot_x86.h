@@ -70,9 +70,11 @@ inline V vperm_blocks(V v) { // lanes 0 2 4 6 1 3 5 7
 // their high (odds); 8 bits, each block's bytes. Zeros where no block is.
 struct WChunk {
   __m256i v[8];
+  int nb; // the chunk's blocks (fewer than 8 only in a row's last chunk): dots8 skips the rest
 };
 template <int BITS>
 inline void load_chunk(const uint8_t* p, int nb, WChunk* w) {
+  w->nb = nb;
   if constexpr (BITS == 4) {
     const __m256i m = _mm256_set1_epi8(15);
     for (int k = 0; k < 4; ++k) {
@@ -103,12 +105,16 @@ inline I dots8(const WChunk& w, const int8_t* x) {
   const __m256i z = _mm256_setzero_si256();
   if constexpr (BITS == 4) {
     __m256i r[4]; // pair k: lanes 0-3 its first block's, 4-7 its second's
-    for (int k = 0; k < 4; ++k)
-      r[k] = dot4(dot4(z, w.v[2 * k], x + 64 * k), w.v[2 * k + 1], x + 64 * k + 32);
+    for (int k = 0; k < 4; ++k) // a pair past the last block: its zero weights' dot, 0, without the work
+      r[k] = 2 * k < w.nb ? dot4(dot4(z, w.v[2 * k], x + 64 * k), w.v[2 * k + 1], x + 64 * k + 32) : z;
     return _mm256_hadd_epi32(_mm256_hadd_epi32(r[0], r[1]), _mm256_hadd_epi32(r[2], r[3]));
   } else {
     __m256i v[8];
     for (int b = 0; b < 8; ++b) {
+      if (b >= w.nb) {
+        v[b] = z;
+        continue;
+      }
 #ifdef QDOT_VNNI
       v[b] = dot4(z, w.v[b], x + 32 * b);
 #else
@@ -122,6 +128,32 @@ inline I dots8(const WChunk& w, const int8_t* x) {
     const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
     const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+  }
+}
+// dots8 of the chunk at p, each pair of blocks (4 bits) or block (8) loaded, masked and multiplied in
+// turn: a few registers live, where a WChunk of 8 (held for several rows of x) spills at one row.
+template <int BITS>
+inline I dots8_at(const uint8_t* p, int nb, const int8_t* x) {
+  const __m256i z = _mm256_setzero_si256();
+  if constexpr (BITS == 4) {
+    const __m256i m = _mm256_set1_epi8(15);
+    __m256i r[4];
+    for (int k = 0; k < 4; ++k) {
+      const int left = nb - 2 * k;
+      if (left <= 0) {
+        r[k] = z;
+        continue;
+      }
+      const __m256i b = left >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k))
+                                  : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * k)));
+      r[k] = dot4(dot4(z, _mm256_and_si256(b, m), x + 64 * k), _mm256_and_si256(_mm256_srli_epi16(b, 4), m),
+                  x + 64 * k + 32);
+    }
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(r[0], r[1]), _mm256_hadd_epi32(r[2], r[3]));
+  } else {
+    WChunk w;
+    load_chunk<8>(p, nb, &w);
+    return dots8<8>(w, x);
   }
 }
 } // namespace
