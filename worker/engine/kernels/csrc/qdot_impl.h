@@ -49,6 +49,39 @@ inline V chunk_of(const ScaleT<KIND>* row, int c, int per, int nb) {
   return vload(t);
 }
 
+// One row of x against weight rows [n, n + TN): with no other row of x to share a chunk's decoded
+// weights, each chunk is read straight into its dot products, and the TN accumulators stay in
+// registers (tile's, kept in memory for up to 64 rows of x, made each chunk a store and a load). The
+// same operations in the same order as tile's, so the same bits.
+template <int BITS, ScaleKind KIND, int TN>
+inline void tile1(const QAct& a, const qmatmul::QWeight& q, float* y, int n) {
+  const int K = q.K, B = K / kBlock, Bp = padded_blocks(K), G = K / q.gs, per = q.gs / kBlock;
+  const int64_t ldw = (int64_t)K * BITS / 32;
+  constexpr int kBlockBytes = kBlock * BITS / 8;
+  const auto* qs = static_cast<const ScaleT<KIND>*>(q.s);
+  const auto* qb = static_cast<const ScaleT<KIND>*>(q.b);
+  V acc[TN];
+#pragma GCC unroll 4
+  for (int j = 0; j < TN; ++j)
+    acc[j] = vzero();
+  for (int c = 0; c < Bp / 8; ++c) {
+    const int nb = std::min(8, B - 8 * c);
+    const int8_t* xq = a.q + (int64_t)8 * c * kBlock;
+    const V d8 = vload(a.d + 8 * c), sum8 = vload(a.sum + 8 * c);
+#pragma GCC unroll 4
+    for (int j = 0; j < TN; ++j) {
+      const uint8_t* wrow = reinterpret_cast<const uint8_t*>(q.w + (int64_t)(n + j) * ldw);
+      const V s8 = chunk_of<BITS, KIND>(qs + (int64_t)(n + j) * G, c, per, nb);
+      const V b8 = chunk_of<BITS, KIND>(qb + (int64_t)(n + j) * G, c, per, nb);
+      const V t = vfma(vcvt(dots8_at<BITS>(wrow + (int64_t)8 * c * kBlockBytes, nb, xq)), vmul(s8, d8), acc[j]);
+      acc[j] = vfma(b8, sum8, t);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < TN; ++j)
+    y[n + j] = vhsum(acc[j]);
+}
+
 // Weight rows [n, n + TN) against every row of x: TN independent chains in flight, each chunk's
 // weights decoded once for all of x's rows.
 template <int BITS, ScaleKind KIND, int TN>
@@ -62,18 +95,6 @@ inline void tile(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int6
     acc[m] = vzero();
   for (int c = 0; c < Bp / 8; ++c) {
     const int nb = std::min(8, B - 8 * c);
-    if (M == 1) { // no other row of x to share a chunk's decoded weights: each read into its dot at once
-      const int8_t* xq = a.q + (int64_t)8 * c * kBlock;
-      const V d8 = vload(a.d + 8 * c), sum8 = vload(a.sum + 8 * c);
-      for (int j = 0; j < TN; ++j) {
-        const uint8_t* wrow = reinterpret_cast<const uint8_t*>(q.w + (int64_t)(n + j) * ldw);
-        const V s8 = chunk_of<BITS, KIND>(qs + (int64_t)(n + j) * G, c, per, nb);
-        const V b8 = chunk_of<BITS, KIND>(qb + (int64_t)(n + j) * G, c, per, nb);
-        const V t = vfma(vcvt(dots8_at<BITS>(wrow + (int64_t)8 * c * kBlockBytes, nb, xq)), vmul(s8, d8), acc[j]);
-        acc[j] = vfma(b8, sum8, t);
-      }
-      continue;
-    }
     WChunk w[TN];
     V s8[TN], b8[TN];
     for (int j = 0; j < TN; ++j) {
@@ -102,6 +123,14 @@ template <int BITS, ScaleKind KIND>
 void rows(const QAct& a, int M, const qmatmul::QWeight& q, float* y, int64_t ldy, int n0, int n1) {
   constexpr int TN = 4, kRows = 64;
   const int64_t Bp = padded_blocks(q.K), Kp = Bp * kBlock;
+  if (M == 1) {
+    int n = n0;
+    for (; n + TN <= n1; n += TN)
+      tile1<BITS, KIND, TN>(a, q, y, n);
+    for (; n < n1; ++n)
+      tile1<BITS, KIND, 1>(a, q, y, n);
+    return;
+  }
   thread_local std::vector<V> acc;
   acc.resize((size_t)std::min(M, kRows) * TN);
   for (int m0 = 0; m0 < M; m0 += kRows) {
