@@ -21,10 +21,10 @@ What adapts:
 * whether a step speculates, and which rows: :class:`StepCosts` keeps an online fit of a step's time
   against the positions it computes (plain, pipelined decode steps and verify steps alike, with
   what a verify step loses apart; the choice is a cap on k, each row's proposal cut to it, and a
-  pass computes each row's own positions or, through the model file, every row to the longest); a step speculates when the tokens it expects per second beat the plain
-  step's, and once every EXPLORE_EVERY plain steps anyway with proposals cut to cost at most
-  PROBE_POSITIONS more positions (the estimates stay fresh).  Output is
-  the same either way, so this choice only moves speed.
+  pass computes each row's own positions or, through the model file, every row to the longest); a
+  step speculates when the tokens it expects per second beat the plain step's, and once every
+  EXPLORE_EVERY plain steps anyway with proposals cut to cost at most PROBE_POSITIONS more positions
+  (the estimates stay fresh).  Output is the same either way, so this choice only moves speed.
 """
 
 from __future__ import annotations
