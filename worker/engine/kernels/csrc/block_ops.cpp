@@ -33,21 +33,23 @@ struct Projections {
   // y = x @ w_i^T for the weights `which` names ({index, its y}), one call: each output bit for bit
   // what its own linear() or quantized_linear() call gives
   void run(std::initializer_list<std::pair<int, float*>> which, const float* x, int M, int K) const {
-    if (!q.empty()) {
-      std::vector<QTarget> t;
-      for (auto [i, y] : which) {
-        t.push_back(q[i]);
-        t.back().y = y;
-      }
-      quantized_linear_run(t, x, M, K, int8_dot);
-    } else {
-      std::vector<LinearTarget> t;
-      for (auto [i, y] : which) {
-        t.push_back(f[i]);
-        t.back().y = y;
-      }
-      linear_run(t, x, M, K);
+    if (!q.empty())
+      quantized_linear_run(targets(q, which), x, M, K, int8_dot);
+    else
+      linear_run(targets(f, which), x, M, K);
+  }
+
+ private:
+  // the weights `which` names, each with its y
+  template <class Target>
+  static std::vector<Target> targets(const std::vector<Target>& all,
+                                     std::initializer_list<std::pair<int, float*>> which) {
+    std::vector<Target> t;
+    for (auto [i, y] : which) {
+      t.push_back(all[i]);
+      t.back().y = y;
     }
+    return t;
   }
 };
 
