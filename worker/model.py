@@ -29,8 +29,16 @@ from .toolprompt import serving_format
 # integer dot products on it (worker/engine/kernels/model_ops.py reads it).
 INT8_DOT_ATTR = "_mlxq_int8_dot"
 # The packed layers the extension's quantized_linear takes: MLX's affine blocks of these bits and group sizes
-# (model_ops.quantized_layer_fits; narrow_scales narrows those alone).
+# (packed_for_extension).
 QUANT_BITS, QUANT_GROUPS = (4, 8), (32, 64, 128)
+
+
+def packed_for_extension(m: nn.Module) -> bool:
+    """Whether packed layer ``m`` is MLX's affine 4- or 8-bit blocks in groups the extension's
+    quantized_linear takes, with biases, its scales and biases of one type (which types it takes:
+    model_ops.quantized_layer_fits; narrow_scales narrows float32 ones)."""
+    return (m.bits in QUANT_BITS and m.group_size in QUANT_GROUPS and getattr(m, "mode", "affine") == "affine"
+            and "biases" in m and m["scales"].dtype == m["biases"].dtype)
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +139,7 @@ def narrow_scales(m: nn.Module) -> str:
     bfloat16), else leave them float32; returns the type's name ("unchanged": a layer the extension does
     not take). int8_dot's kernels widen them back to the same float32s as they read them, so its results
     do not change; what does is the bytes a decode step reads (a 4-bit block of 32: 20 against 24)."""
-    if not (m.bits in QUANT_BITS and m.group_size in QUANT_GROUPS and getattr(m, "mode", "affine") == "affine"
-            and "biases" in m and m["scales"].dtype == m["biases"].dtype == mx.float32):
+    if not (packed_for_extension(m) and m["scales"].dtype == mx.float32):
         return "unchanged"
     s, b = m["scales"], m["biases"]
     for dtype in (mx.float16, mx.bfloat16):

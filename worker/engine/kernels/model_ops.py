@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
-from ...model import INT8_DOT_ATTR, QUANT_BITS, QUANT_GROUPS
+from ...model import INT8_DOT_ATTR, packed_for_extension
 
 log = logging.getLogger(__name__)
 
@@ -494,8 +494,7 @@ def quantized_layer_fits(m) -> bool:
     """Whether the extension's quantized_linear takes layer ``m``'s weights: MLX's affine 4- or 8-bit
     blocks in groups of 32, 64 or 128, with float32 scales and biases (with int8_dot also float16 or
     bfloat16 ones, both of one type: worker/model.py's narrow_scales)."""
-    if not (m.bits in QUANT_BITS and m.group_size in QUANT_GROUPS and getattr(m, "mode", "affine") == "affine"
-            and "biases" in m and m["scales"].dtype == m["biases"].dtype):
+    if not packed_for_extension(m):
         return False
     return m["scales"].dtype == mx.float32 or (int8_dot(m) and m["scales"].dtype in (mx.float16, mx.bfloat16))
 
