@@ -263,21 +263,24 @@ def test_cpu_weights_is_a_checked_setting(tiny_model_dir):
 def test_the_generic_loops_give_the_avx2_bits(ext, tmp_path):
     """The fallback for a CPU without AVX2+FMA emulates the 8 lanes with the same operations: a fresh
     process forced onto it (MLXQ_ATTN_ISA=generic) computes the very same outputs, int8_dot's too, on
-    float32, fp16 and bf16 scales (here from AVX-VNNI's or AVX2's integer dot products)."""
+    float32, fp16 and bf16 scales (here from AVX-VNNI's or AVX2's integer dot products), with a row's
+    last chunk of 8 blocks whole, short by an even or an odd count, and groups of 1, 2 and 4 blocks."""
     if ext.qlinear_isa() != "avx2":
         pytest.skip("this CPU has no AVX2+FMA: only the generic loops run here")
-    cases, runs = {}, []  # runs: (weight, scales, biases, int8_dot) as names in cases
+    cases, runs = {}, []  # runs: (x, weight, scales, biases, group, bits, int8_dot) as names in cases
     for bits in (4, 8):
-        wq, scales, biases, _ = _quantized(40, 384, bits, 32, bits)
-        cases.update({f"w{bits}": wq, f"s{bits}": scales, f"b{bits}": biases})
-        runs += [(f"w{bits}", f"s{bits}", f"b{bits}", i8) for i8 in (False, True)]
-        for dtype in ("float16", "bfloat16"):
-            _, (cases[f"s{bits}{dtype}"], cases[f"b{bits}{dtype}"]) = _as(getattr(mx, dtype), scales, biases)
-            runs.append((f"w{bits}", f"s{bits}{dtype}", f"b{bits}{dtype}", True))
-    cases["x"] = mx.random.normal((3, 384), key=mx.random.key(5))
+        for K, group in ((384, 32), (352, 32), (320, 64), (384, 128)):
+            at = f"{bits}_{K}_{group}"
+            wq, scales, biases, _ = _quantized(40, K, bits, group, bits + K + group)
+            cases.update({f"w{at}": wq, f"s{at}": scales, f"b{at}": biases})
+            cases[f"x{K}"] = mx.random.normal((3, K), key=mx.random.key(K))
+            runs += [(f"x{K}", f"w{at}", f"s{at}", f"b{at}", group, bits, i8) for i8 in (False, True)]
+            for dtype in ("float16", "bfloat16"):
+                _, (cases[f"s{at}{dtype}"], cases[f"b{at}{dtype}"]) = _as(getattr(mx, dtype), scales, biases)
+                runs.append((f"x{K}", f"w{at}", f"s{at}{dtype}", f"b{at}{dtype}", group, bits, True))
     mx.savez(str(tmp_path / "q.npz"), **cases)
-    want = mx.concatenate([ext.quantized_linear(cases["x"], cases[w], cases[s], cases[b], 32, int(w[1]), i8)
-                           for w, s, b, i8 in runs])
+    want = mx.concatenate([ext.quantized_linear(cases[x], cases[w], cases[s], cases[b], g, bits, i8).reshape(-1)
+                           for x, w, s, b, g, bits, i8 in runs])
     mx.save(str(tmp_path / "want.npy"), want)
     script = (
         "import os\n"
@@ -287,8 +290,8 @@ def test_the_generic_loops_give_the_avx2_bits(ext, tmp_path):
         "ext = attention.cpu_extension()\n"
         "assert (ext.qlinear_isa(), ext.qdot_isa()) == ('generic', 'generic')\n"
         f"c, want = mx.load({str(tmp_path / 'q.npz')!r}), mx.load({str(tmp_path / 'want.npy')!r})\n"
-        f"got = mx.concatenate([ext.quantized_linear(c['x'], c[w], c[s], c[b], 32, int(w[1]), i8)\n"
-        f"                      for w, s, b, i8 in {runs!r}])\n"
+        f"got = mx.concatenate([ext.quantized_linear(c[x], c[w], c[s], c[b], g, bits, i8).reshape(-1)\n"
+        f"                      for x, w, s, b, g, bits, i8 in {runs!r}])\n"
         "assert mx.array_equal(got, want).item()\n"
         # checked: skip the interpreter's teardown, where MLX's and the pool's threads once ended the
         # process with "terminate called without an active exception" after the check had passed

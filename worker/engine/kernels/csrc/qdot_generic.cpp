@@ -35,23 +35,14 @@ inline V vcvt(const I& x) {
     v.l[i] = (float)x.l[i];
   return v;
 }
-inline V vload_f16(const uint16_t* p) {
+template <int BITS, ScaleKind KIND>
+inline V chunk_of(const ScaleT<KIND>* row, int c, int per, int nb) {
   V v;
-  for (int i = 0; i < 8; ++i)
-    v.l[i] = widen<ScaleKind::f16>(p[i]);
+  for (int l = 0; l < 8; ++l) {
+    const int b = lane_block(BITS, l);
+    v.l[l] = b < nb ? widen<KIND>(row[(8 * c + b) / per]) : 0.0f;
+  }
   return v;
-}
-inline V vload_bf16(const uint16_t* p) {
-  V v;
-  for (int i = 0; i < 8; ++i)
-    v.l[i] = widen<ScaleKind::bf16>(p[i]);
-  return v;
-}
-inline V vperm_blocks(const V& v) { // lanes 0 2 4 6 1 3 5 7
-  V r;
-  for (int l = 0; l < 8; ++l)
-    r.l[l] = v.l[lane_block(4, l)];
-  return r;
 }
 // A chunk's weights: block b's 32 values in element order, nb blocks (the rest unused).
 struct WChunk {

@@ -1,8 +1,9 @@
 // qdot.h's loops for one vector type (QDOT_NS), included once by each after it defines V (8 float
 // lanes), I (8 int32 lanes), WChunk (a chunk's weights) and: quantize_block (one block of x rounded into
 // its chunk at x_at's places, its step and the sum of its values), vzero, vload, vmul, vfma, vcvt, vhsum,
-// vperm_blocks (lanes 0 2 4 6 1 3 5 7), vload_f16 and vload_bf16 (8 16-bit floats widened as
-// widen() widens them), load_chunk<BITS>(bytes, nb, &chunk), and
+// chunk_of<BITS, KIND>(row, c, per, nb) (lane l: row[(8c + lane_block(BITS, l)) / per], widened as
+// widen() widens it, where that block is one of the chunk's nb, else 0: a chunk's scales or biases,
+// a row holding one per group of `per` blocks), load_chunk<BITS>(bytes, nb, &chunk), and
 // dots8<BITS>(chunk, x's chunk) giving lane l the exact integer dot of block lane_block(BITS, l), and
 // dots8_at<BITS>(bytes, nb, x's chunk) the same straight from the weights' bytes.
 #include <algorithm>
@@ -14,40 +15,6 @@
 namespace mlxq::qdot::QDOT_NS {
 
 namespace {
-
-// 8 scales or biases of kind KIND at p, as float32.
-template <ScaleKind KIND>
-inline V vload_scales(const ScaleT<KIND>* p) {
-  if constexpr (KIND == ScaleKind::f16)
-    return vload_f16(p);
-  else if constexpr (KIND == ScaleKind::bf16)
-    return vload_bf16(p);
-  else
-    return vload(p);
-}
-
-// Lane l: row[(8c + lane_block(BITS, l)) / per] (a scale or bias per group of `per` blocks) where that
-// block exists, else 0.
-template <int BITS, ScaleKind KIND>
-inline V chunk_of(const ScaleT<KIND>* row, int c, int per, int nb) {
-  if (per == 1) {
-    // a last chunk of fewer than 8 blocks (K = 576: 18 blocks, 8 + 8 + 2) reads its own values only
-    const ScaleT<KIND>* p = row + 8 * c;
-    ScaleT<KIND> part[8] = {};
-    if (nb < 8) {
-      std::copy(p, p + nb, part);
-      p = part;
-    }
-    return BITS == 4 ? vperm_blocks(vload_scales<KIND>(p)) : vload_scales<KIND>(p);
-  }
-  alignas(32) float t[8] = {};
-  for (int l = 0; l < 8; ++l) {
-    const int b = lane_block(BITS, l);
-    if (b < nb)
-      t[l] = widen<KIND>(row[(8 * c + b) / per]);
-  }
-  return vload(t);
-}
 
 // One row of x against weight rows [n, n + TN): with no other row of x to share a chunk's decoded
 // weights, each chunk is read straight into its dot products, and the TN accumulators stay in

@@ -56,15 +56,43 @@ inline void quantize_block(const float* xb, int bits, int b, int8_t* qc, float* 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(base + 32), _mm256_extracti128_si256(eo, 1));
 }
 inline V vcvt(I x) { return _mm256_cvtepi32_ps(x); }
-inline V vload_f16(const uint16_t* p) { // F16C
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// The first n (1 to 8) 16-bit values at p, the rest zero, reading no byte past them (a row's last
+// chunk may end the array): whole pairs by a masked load, an odd last one blended in.
+inline __m128i load_u16s(const uint16_t* p, int n) {
+  if (n == 8)
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i r = _mm_maskload_epi32(reinterpret_cast<const int*>(p),
+                                 _mm_cmpgt_epi32(_mm_set1_epi32(n / 2), _mm_setr_epi32(0, 1, 2, 3)));
+  if (n % 2)
+    r = _mm_blendv_epi8(r, _mm_set1_epi16((short)p[n - 1]),
+                        _mm_cmpeq_epi16(_mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7), _mm_set1_epi16((short)(n - 1))));
+  return r;
 }
-inline V vload_bf16(const uint16_t* p) { // a bf16 is a float32's high 16 bits
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+// The first n (1 to 8) scales or biases of kind KIND at p as float32 (widened exactly: F16C's
+// vcvtph2ps, a bf16 shifted into a float32's high half), the rest zero.
+template <ScaleKind KIND>
+inline V load_scales(const ScaleT<KIND>* p, int n) {
+  if constexpr (KIND == ScaleKind::f32) {
+    return n == 8 ? _mm256_loadu_ps(p)
+                  : _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  } else if constexpr (KIND == ScaleKind::f16) {
+    return _mm256_cvtph_ps(load_u16s(p, n));
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_u16s(p, n)), 16));
+  }
 }
-inline V vperm_blocks(V v) { // lanes 0 2 4 6 1 3 5 7
-  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+// The chunk's entries loaded once, then one permute puts each lane's block's entry in place (the
+// entries a scalar gather through the stack would read: but a vector load of 8 smaller stores waits for
+// them to retire, which made a row's short last chunk cost more than a whole one).
+template <int BITS, ScaleKind KIND>
+inline V chunk_of(const ScaleT<KIND>* row, int c, int per, int nb) {
+  const __m256i blocks = BITS == 4 ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7) : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // nb is a multiple of per (K is of the group size), so a lane past the chunk's blocks reads an
+  // entry past the nb / per loaded: a zero
+  const V v = load_scales<KIND>(row + 8 * c / per, nb / per);
+  if (BITS == 8 && per == 1)
+    return v;
+  return _mm256_permutevar8x32_ps(v, _mm256_srl_epi32(blocks, _mm_cvtsi32_si128(__builtin_ctz(per))));
 }
 // A chunk's weights as 8 registers: 4 bits, for each pair of blocks their low nibbles (evens) then
 // their high (odds); 8 bits, each block's bytes. Zeros where no block is.
