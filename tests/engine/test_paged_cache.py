@@ -162,3 +162,35 @@ def test_huge_pages_pack_makes_each_parameter_a_view_of_a_shared_buffer(monkeypa
         assert len(home) == 1 and lo % 64 == 0, k
     assert mx.array_equal(m(x), want).item()
     assert hugepages.pack(m) is bufs
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="hugepages.pack runs on Linux only")
+def test_huge_pages_pack_gathers_a_quantized_models_parameters_by_dtype(monkeypatch):
+    """A packed model's parameters alternate in dtype (uint32 weights, float16 scales and biases,
+    float32 norms): pack gathers each dtype's into buffers of their own, so the weights, a few hundred
+    KB each, share buffers large enough for huge pages; the same logits."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from mlxq.worker.engine import hugepages
+
+    monkeypatch.setattr(hugepages, "_thp_on", lambda: True)
+    monkeypatch.setattr(hugepages, "PACK_BUFFER", 6 << 20)
+    mx.random.seed(4)
+    m = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=512, num_hidden_layers=4, intermediate_size=1024,
+                                    num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
+                                    vocab_size=1024, tie_word_embeddings=False))
+    nn.quantize(m, group_size=32, bits=8)
+    m.update(tree_unflatten([(k, v.astype(mx.float16)) for k, v in tree_flatten(m.parameters())
+                             if k.endswith(("scales", "biases"))]))
+    mx.eval(m.parameters())
+    x = mx.array([[1, 2, 3, 4, 5]])
+    want = m(x)
+    mx.eval(want)
+    spans = [(hugepages._span(b), b.dtype) for b in hugepages.pack(m)]
+    weights = [(k, v) for k, v in tree_flatten(m.parameters()) if v.dtype == mx.uint32]
+    assert sum(v.nbytes for _, v in weights) > 6 << 20 and all(v.nbytes < 2 << 20 for _, v in weights)
+    for k, v in weights:
+        lo, hi = hugepages._span(v)
+        assert [d for (s, d) in spans if s[0] <= lo and hi <= s[1]] == [mx.uint32], k
+    assert mx.array_equal(m(x), want).item()

@@ -138,16 +138,20 @@ def pack(model) -> list[mx.array]:
     large = [a for _, a in flat if a.nbytes >= PACK_BELOW]
     if not _on_linux_cpu() or not _thp_on():
         return large
+    # one run of buffers per dtype, each parameter in model order: a packed layer's uint32 weights,
+    # float16 scales and float32 norms alternate, and runs split at each change of dtype held a few
+    # parameters each, too few bytes for a huge page
     groups: list[list[tuple[str, mx.array]]] = []
-    size = 0
+    open_group: dict = {}  # dtype -> (its group being filled, bytes in it)
     for name, a in flat:
         if a.nbytes >= PACK_BELOW or a.size == 0:
             continue
-        if not groups or size + a.nbytes > PACK_BUFFER or groups[-1][0][1].dtype != a.dtype:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, a))
-        size += a.nbytes
+        group, size = open_group.get(a.dtype, (None, 0))
+        if group is None or size + a.nbytes > PACK_BUFFER:
+            group, size = [], 0
+            groups.append(group)
+        group.append((name, a))
+        open_group[a.dtype] = (group, size + a.nbytes)
     buffers, packed = [], 0
     for group in groups:
         if sum(a.nbytes for _, a in group) < 2 * HUGE:
