@@ -250,6 +250,24 @@ def test_the_engine_with_int8_dot_products_is_batch_invariant_and_close_to_fp32(
     assert mx.max(mx.abs(got - want)).item() < 0.05 * spread.item()
 
 
+
+def test_the_decode_forward_keeps_the_packed_buffers_views(ext, tiny_model_dir, monkeypatch):
+    """The engine gathers the model's parameters into huge-page buffers (hugepages.pack) before it builds
+    its decode forward, which keeps each packed layer's scales and biases: it holds the buffers' views,
+    the model's own arrays, not the arrays they replaced (a second copy, on small pages)."""
+    from mlxq.worker.engine import hugepages
+
+    monkeypatch.setattr(hugepages, "_thp_on", lambda: True)
+    monkeypatch.setattr(hugepages, "HUGE", 4096)  # the tiny model's parameters fill "huge" buffers
+    monkeypatch.setattr(hugepages, "advise", lambda arrays: 0)  # only the packing is checked here
+    model, _ = _tiny_4_bit(tiny_model_dir, "int8-dot")
+    before = model.model.layers[0].self_attn.q_proj["scales"]
+    fwd = PagedEngine(model, num_blocks=16, matmul="pool").runner.decode_forward
+    assert model.model.layers[0].self_attn.q_proj["scales"] is not before  # packed: a view now
+    for L, layer in zip(fwd.layers, model.model.layers):
+        assert L.attn_packing["qscales"][0] is layer.self_attn.q_proj["scales"]
+        assert L.mlp_packing["qbiases"][3] is layer.mlp.down_proj["biases"]
+
 def test_cpu_weights_is_a_checked_setting(tiny_model_dir):
     assert Settings().cpu_weights == "fp32"
     assert Settings.from_env(cpu_weights="quantized").cpu_weights == "quantized"

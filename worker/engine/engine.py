@@ -131,11 +131,13 @@ class PagedEngine:
         self.runner = ModelRunner(model, self.pool)
         # auto / fused / gather; logs its choice
         self.attention = use_attention(model, self.pool, config.attention, matmul=config.matmul)
+        if config.huge_pages:  # the weights a step streams through and the pool (see hugepages.py)
+            # before the decode forward, which keeps each packed layer's scales and biases: it must keep
+            # the packed buffers' views, not the arrays they replace
+            hugepages.advise(hugepages.pack(model) + self.pool.arrays())
         self.runner.decode_forward, why = DecodeForward.build(model, self.pool, self.attention)
         self.decode_path = f"{'decode_forward' if self.runner.decode_forward else 'the model file'} ({why})"
         log.info("decode steps: %s", self.decode_path)
-        if config.huge_pages:  # the weights a step streams through and the pool (see hugepages.py)
-            hugepages.advise(hugepages.pack(model) + self.pool.arrays())
         self.sessions = SessionFiles(config.session_dir, model_id, self.pool) if config.session_dir else None
         self.scheduler = Scheduler(self.bm, config, eos_token_ids=eos_token_ids, settle=self._settle,
                                    session_files=self.sessions, start_grammar=self._start_grammar)
