@@ -250,7 +250,6 @@ def test_the_engine_with_int8_dot_products_is_batch_invariant_and_close_to_fp32(
     assert mx.max(mx.abs(got - want)).item() < 0.05 * spread.item()
 
 
-
 def test_the_decode_forward_keeps_the_packed_buffers_views(ext, tiny_model_dir, monkeypatch):
     """The engine gathers the model's parameters into huge-page buffers (hugepages.pack) before it builds
     its decode forward, which keeps each packed layer's scales and biases: it holds the buffers' views,
@@ -267,6 +266,7 @@ def test_the_decode_forward_keeps_the_packed_buffers_views(ext, tiny_model_dir, 
     for L, layer in zip(fwd.layers, model.model.layers):
         assert L.attn_packing["qscales"][0] is layer.self_attn.q_proj["scales"]
         assert L.mlp_packing["qbiases"][3] is layer.mlp.down_proj["biases"]
+
 
 def test_cpu_weights_is_a_checked_setting(tiny_model_dir):
     assert Settings().cpu_weights == "fp32"

@@ -81,9 +81,9 @@ inline V load_scales(const ScaleT<KIND>* p, int n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_u16s(p, n)), 16));
   }
 }
-// The chunk's entries loaded once, then one permute puts each lane's block's entry in place (the
-// entries a scalar gather through the stack would read: but a vector load of 8 smaller stores waits for
-// them to retire, which made a row's short last chunk cost more than a whole one).
+// The chunk's entries in one load, then one permute puts each lane's block's entry in place. Not a
+// gather through a buffer on the stack: the vector load of that buffer waits for its small stores,
+// which made a row's short last chunk cost more than a whole one.
 template <int BITS, ScaleKind KIND>
 inline V chunk_of(const ScaleT<KIND>* row, int c, int per, int nb) {
   const __m256i blocks = BITS == 4 ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7) : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
